@@ -1,0 +1,197 @@
+//! Per-format block dequantization to f32, written once over the `Simd` trait.
+
+use super::simd::Simd;
+use crate::quant::{f16_to_f32, QuantType};
+use crate::reference::scale_min_k4;
+
+/// A block format known at compile time, so the matmul drivers monomorphize per format.
+pub trait Format {
+    const TY: QuantType;
+    const BS: usize;
+    const BB: usize;
+    /// Dequantize one block at `src` into `BS` floats at `dst`.
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32);
+}
+
+#[inline(always)]
+unsafe fn rd16(p: *const u8) -> f32 {
+    f16_to_f32(u16::from_le_bytes([*p, *p.add(1)]))
+}
+
+pub struct F32;
+pub struct F16;
+pub struct BF16;
+pub struct Q4_0;
+pub struct Q4_1;
+pub struct Q8_0;
+pub struct Q4K;
+pub struct Q6K;
+
+// Element formats are dequantized in runs of LANES elements: BS is the lane count's multiple 16
+// so one "block" is 16 values; rows of these formats must have a multiple of 16 values.
+impl Format for F32 {
+    const TY: QuantType = QuantType::F32;
+    const BS: usize = 16;
+    const BB: usize = 64;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        std::ptr::copy_nonoverlapping(src as *const f32, dst, 16);
+    }
+}
+
+impl Format for F16 {
+    const TY: QuantType = QuantType::F16;
+    const BS: usize = 16;
+    const BB: usize = 32;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let mut i = 0;
+        while i < 16 {
+            S::store(dst.add(i), S::load_f16(src.add(2 * i)));
+            i += S::LANES;
+        }
+    }
+}
+
+impl Format for BF16 {
+    const TY: QuantType = QuantType::BF16;
+    const BS: usize = 16;
+    const BB: usize = 32;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let mut i = 0;
+        while i < 16 {
+            S::store(dst.add(i), S::cast(S::sll::<16>(S::load_u16(src.add(2 * i)))));
+            i += S::LANES;
+        }
+    }
+}
+
+impl Format for Q4_0 {
+    const TY: QuantType = QuantType::Q4_0;
+    const BS: usize = 32;
+    const BB: usize = 18;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let d = rd16(src);
+        let (vd, off) = (S::splat(d), S::splat(-8.0 * d));
+        let qs = src.add(2);
+        let mut c = 0;
+        while c < 16 {
+            let b = S::load_u8(qs.add(c));
+            S::store(dst.add(c), S::fma(S::cvt(S::and_i(b, 0xF)), vd, off));
+            S::store(dst.add(16 + c), S::fma(S::cvt(S::srl::<4>(b)), vd, off));
+            c += S::LANES;
+        }
+    }
+}
+
+impl Format for Q4_1 {
+    const TY: QuantType = QuantType::Q4_1;
+    const BS: usize = 32;
+    const BB: usize = 20;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let (vd, vm) = (S::splat(rd16(src)), S::splat(rd16(src.add(2))));
+        let qs = src.add(4);
+        let mut c = 0;
+        while c < 16 {
+            let b = S::load_u8(qs.add(c));
+            S::store(dst.add(c), S::fma(S::cvt(S::and_i(b, 0xF)), vd, vm));
+            S::store(dst.add(16 + c), S::fma(S::cvt(S::srl::<4>(b)), vd, vm));
+            c += S::LANES;
+        }
+    }
+}
+
+impl Format for Q8_0 {
+    const TY: QuantType = QuantType::Q8_0;
+    const BS: usize = 32;
+    const BB: usize = 34;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let vd = S::splat(rd16(src));
+        let qs = src.add(2);
+        let mut c = 0;
+        while c < 32 {
+            S::store(dst.add(c), S::mul(S::cvt(S::load_i8(qs.add(c))), vd));
+            c += S::LANES;
+        }
+    }
+}
+
+impl Format for Q4K {
+    const TY: QuantType = QuantType::Q4K;
+    const BS: usize = 256;
+    const BB: usize = 144;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let (d, dmin) = (rd16(src), rd16(src.add(2)));
+        let scales = std::slice::from_raw_parts(src.add(4), 12);
+        let qs = src.add(16);
+        for c in 0..4 {
+            let (sc1, m1) = scale_min_k4(2 * c, scales);
+            let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
+            let (d1, m1) = (S::splat(d * sc1 as f32), S::splat(-dmin * m1 as f32));
+            let (d2, m2) = (S::splat(d * sc2 as f32), S::splat(-dmin * m2 as f32));
+            let q = qs.add(32 * c);
+            let y = dst.add(64 * c);
+            let mut l = 0;
+            while l < 32 {
+                let b = S::load_u8(q.add(l));
+                S::store(y.add(l), S::fma(S::cvt(S::and_i(b, 0xF)), d1, m1));
+                S::store(y.add(32 + l), S::fma(S::cvt(S::srl::<4>(b)), d2, m2));
+                l += S::LANES;
+            }
+        }
+    }
+}
+
+impl Format for Q6K {
+    const TY: QuantType = QuantType::Q6K;
+    const BS: usize = 256;
+    const BB: usize = 210;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let d = rd16(src.add(208));
+        let k32 = S::splat(32.0);
+        for half in 0..2 {
+            let ql = src.add(64 * half);
+            let qh = src.add(128 + 32 * half);
+            let sc = src.add(192 + 8 * half) as *const i8;
+            let y = dst.add(128 * half);
+            let mut l = 0;
+            while l < 32 {
+                let is = l / 16;
+                let a = S::load_u8(ql.add(l));
+                let b = S::load_u8(ql.add(l + 32));
+                let h = S::load_u8(qh.add(l));
+                let q1 = S::or_i(S::and_i(a, 0xF), S::sll::<4>(S::and_i(h, 3)));
+                let q2 = S::or_i(S::and_i(b, 0xF), S::sll::<4>(S::and_i(S::srl::<2>(h), 3)));
+                let q3 = S::or_i(S::srl::<4>(a), S::sll::<4>(S::and_i(S::srl::<4>(h), 3)));
+                let q4 = S::or_i(S::srl::<4>(b), S::sll::<4>(S::srl::<6>(h)));
+                let s = |k: usize| S::splat(d * *sc.add(is + k) as f32);
+                S::store(y.add(l), S::mul(S::sub(S::cvt(q1), k32), s(0)));
+                S::store(y.add(l + 32), S::mul(S::sub(S::cvt(q2), k32), s(2)));
+                S::store(y.add(l + 64), S::mul(S::sub(S::cvt(q3), k32), s(4)));
+                S::store(y.add(l + 96), S::mul(S::sub(S::cvt(q4), k32), s(6)));
+                l += S::LANES;
+            }
+        }
+    }
+}
+
+/// Dequantize a whole row of `n` values (n a multiple of `F::BS`).
+#[inline(always)]
+pub unsafe fn dequant_row<S: Simd, F: Format>(src: *const u8, dst: *mut f32, n: usize) {
+    let nb = n / F::BS;
+    for b in 0..nb {
+        F::dequant::<S>(src.add(b * F::BB), dst.add(b * F::BS));
+    }
+    // Element formats (F32, F16, BF16) may end with a partial run of fewer than 16 values.
+    let esize = F::TY.block_bytes();
+    for i in nb * F::BS..n {
+        let bytes = std::slice::from_raw_parts(src.add(i * esize), esize);
+        crate::reference::dequantize_block(F::TY, bytes, std::slice::from_raw_parts_mut(dst.add(i), 1));
+    }
+}

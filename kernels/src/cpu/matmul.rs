@@ -1,0 +1,304 @@
+//! Quantized-weight x f32-activation products, y = x · Wᵀ, for one row or a batch of rows.
+//!
+//! Activations stay f32 (llama.cpp quantizes them to 8 bits; we do not, so our products are closer
+//! to exact math). Two drivers, both generic over ISA and block format:
+//! - `dot_rows` (few activation rows, decode): each weight row is dequantized once into L1 and
+//!   dotted with every activation row. Memory-bound on the weights, as decode must be.
+//! - `gemm_panel` (many rows, prefill): a panel of NR weight rows is dequantized once into a
+//!   transposed f32 panel, then a 6 x NR register-blocked micro-kernel sweeps all activation rows.
+//!   Compute-bound; the dequantization is amortized over the batch.
+
+use super::dequant::{self, dequant_row, Format};
+use super::simd::{Avx2, Avx512, Simd};
+use super::{Isa, ThreadPool};
+use crate::quant::QuantType;
+use crate::reference;
+use std::cell::RefCell;
+
+/// One product `y (n, rows) = x (n, cols) · Wᵀ` with W `rows` rows of `cols` values in format `ty`.
+pub struct Matmul<'a> {
+    pub ty: QuantType,
+    pub w: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+    pub x: &'a [f32],
+    pub y: &'a mut [f32],
+}
+
+impl Matmul<'_> {
+    fn check(&self) {
+        let rb = self.ty.row_bytes(self.cols).expect("cols must be a whole number of blocks");
+        assert!(self.w.len() >= rb * self.rows, "weight bytes too short");
+        assert_eq!(self.x.len() % self.cols, 0, "x is not a whole number of rows");
+        let n = self.x.len() / self.cols;
+        assert_eq!(self.y.len(), n * self.rows, "y has the wrong size");
+    }
+}
+
+/// Batches of at least this many activation rows take the GEMM path.
+pub const GEMM_MIN_ROWS: usize = 24;
+const MR: usize = 6;
+const MAX_JOBS: usize = 8;
+
+struct JobRef {
+    ty: QuantType,
+    w: *const u8,
+    row_bytes: usize,
+    rows: usize,
+    cols: usize,
+    x: *const f32,
+    n: usize,
+    y: *mut f32,
+    gemm: bool,
+    rows_per_task: usize,
+}
+unsafe impl Sync for JobRef {}
+
+thread_local! {
+    static ROWBUF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Run several independent products as one parallel region (e.g. q, k and v of a layer).
+pub fn matmul_many(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
+    for j in jobs.iter() {
+        j.check();
+    }
+    if isa == Isa::Reference {
+        for j in jobs.iter_mut() {
+            reference::matmul(j.ty, j.w, j.rows, j.cols, j.x, j.y);
+        }
+        return;
+    }
+    for chunk in jobs.chunks_mut(MAX_JOBS) {
+        run_chunk(isa, pool, chunk);
+    }
+}
+
+fn run_chunk(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
+    let nr = 2 * isa.lanes();
+    let mut refs: [Option<JobRef>; MAX_JOBS] = Default::default();
+    let mut first_task = [0usize; MAX_JOBS + 1];
+    for (k, j) in jobs.iter_mut().enumerate() {
+        let n = j.x.len() / j.cols;
+        let row_bytes = j.ty.row_bytes(j.cols).unwrap_or(0);
+        let gemm = n >= GEMM_MIN_ROWS;
+        let rows_per_task = if gemm { nr } else { (32768 / (row_bytes * n.min(8)).max(1)).clamp(4, 256) };
+        refs[k] = Some(JobRef {
+            ty: j.ty,
+            w: j.w.as_ptr(),
+            row_bytes,
+            rows: j.rows,
+            cols: j.cols,
+            x: j.x.as_ptr(),
+            n,
+            y: j.y.as_mut_ptr(),
+            gemm,
+            rows_per_task,
+        });
+        first_task[k + 1] = first_task[k] + j.rows.div_ceil(rows_per_task);
+    }
+    let num_jobs = jobs.len();
+    let total = first_task[num_jobs];
+    let task = |t: usize| {
+        let k = (0..num_jobs).find(|&k| t < first_task[k + 1]).unwrap_or(0);
+        let Some(j) = refs[k].as_ref() else { return };
+        let r0 = (t - first_task[k]) * j.rows_per_task;
+        let r1 = (r0 + j.rows_per_task).min(j.rows);
+        // SAFETY: the ISA was detected at start-up; tasks write disjoint row ranges of y.
+        unsafe {
+            match isa {
+                Isa::Avx512 => task_avx512(j, r0, r1),
+                Isa::Avx2 => task_avx2(j, r0, r1),
+                Isa::Reference => unreachable!(),
+            }
+        }
+    };
+    pool.run(total, &task);
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn task_avx512(j: &JobRef, r0: usize, r1: usize) {
+    task_generic::<Avx512>(j, r0, r1)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn task_avx2(j: &JobRef, r0: usize, r1: usize) {
+    task_generic::<Avx2>(j, r0, r1)
+}
+
+#[inline(always)]
+unsafe fn task_generic<S: Simd>(j: &JobRef, r0: usize, r1: usize) {
+    match j.ty {
+        QuantType::F32 => task_fmt::<S, dequant::F32>(j, r0, r1),
+        QuantType::F16 => task_fmt::<S, dequant::F16>(j, r0, r1),
+        QuantType::BF16 => task_fmt::<S, dequant::BF16>(j, r0, r1),
+        QuantType::Q4_0 => task_fmt::<S, dequant::Q4_0>(j, r0, r1),
+        QuantType::Q4_1 => task_fmt::<S, dequant::Q4_1>(j, r0, r1),
+        QuantType::Q8_0 => task_fmt::<S, dequant::Q8_0>(j, r0, r1),
+        QuantType::Q4K => task_fmt::<S, dequant::Q4K>(j, r0, r1),
+        QuantType::Q6K => task_fmt::<S, dequant::Q6K>(j, r0, r1),
+    }
+}
+
+#[inline(always)]
+unsafe fn task_fmt<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize) {
+    ROWBUF.with(|rb| {
+        let mut rb = rb.borrow_mut();
+        if rb.len() < j.cols + 16 {
+            rb.resize(j.cols + 16, 0.0);
+        }
+        if j.gemm {
+            PANEL.with(|p| {
+                let mut p = p.borrow_mut();
+                let need = j.cols * 2 * S::LANES;
+                if p.len() < need {
+                    p.resize(need, 0.0);
+                }
+                gemm_panel::<S, F>(j, r0, r1, p.as_mut_ptr(), rb.as_mut_ptr());
+            })
+        } else {
+            dot_rows::<S, F>(j, r0, r1, rb.as_mut_ptr());
+        }
+    })
+}
+
+/// The row `r` of W as f32: in place for F32 weights, else dequantized into `buf`.
+#[inline(always)]
+unsafe fn weight_row<S: Simd, F: Format>(j: &JobRef, r: usize, buf: *mut f32) -> *const f32 {
+    let src = j.w.add(r * j.row_bytes);
+    if F::TY == QuantType::F32 {
+        src as *const f32
+    } else {
+        dequant_row::<S, F>(src, buf, j.cols);
+        buf
+    }
+}
+
+#[inline(always)]
+unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *mut f32) {
+    for r in r0..r1 {
+        let w = weight_row::<S, F>(j, r, buf);
+        for i in 0..j.n {
+            *j.y.add(i * j.rows + r) = dot::<S>(w, j.x.add(i * j.cols), j.cols);
+        }
+    }
+}
+
+/// Dot product of two f32 vectors of length `n`.
+#[inline(always)]
+pub unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let l = S::LANES;
+    let (mut a0, mut a1, mut a2, mut a3) = (S::zero(), S::zero(), S::zero(), S::zero());
+    let mut i = 0;
+    while i + 4 * l <= n {
+        a0 = S::fma(S::load(a.add(i)), S::load(b.add(i)), a0);
+        a1 = S::fma(S::load(a.add(i + l)), S::load(b.add(i + l)), a1);
+        a2 = S::fma(S::load(a.add(i + 2 * l)), S::load(b.add(i + 2 * l)), a2);
+        a3 = S::fma(S::load(a.add(i + 3 * l)), S::load(b.add(i + 3 * l)), a3);
+        i += 4 * l;
+    }
+    while i + l <= n {
+        a0 = S::fma(S::load(a.add(i)), S::load(b.add(i)), a0);
+        i += l;
+    }
+    let mut s = S::reduce_add(S::add(S::add(a0, a1), S::add(a2, a3)));
+    while i < n {
+        s += *a.add(i) * *b.add(i);
+        i += 1;
+    }
+    s
+}
+
+#[inline(always)]
+unsafe fn gemm_panel<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, panel: *mut f32, buf: *mut f32) {
+    let nr = 2 * S::LANES;
+    let valid = r1 - r0;
+    let k_len = j.cols;
+    // Transposed panel: panel[k * nr + jr] = W[r0 + jr][k]; missing rows are zero.
+    for jr in 0..nr {
+        if jr < valid {
+            let w = weight_row::<S, F>(j, r0 + jr, buf);
+            for k in 0..k_len {
+                *panel.add(k * nr + jr) = *w.add(k);
+            }
+        } else {
+            for k in 0..k_len {
+                *panel.add(k * nr + jr) = 0.0;
+            }
+        }
+    }
+    let mut i0 = 0;
+    while i0 < j.n {
+        micro::<S>(j, panel, i0, r0, valid);
+        i0 += MR;
+    }
+}
+
+#[inline(always)]
+unsafe fn micro<S: Simd>(j: &JobRef, panel: *const f32, i0: usize, r0: usize, valid: usize) {
+    let l = S::LANES;
+    let nr = 2 * l;
+    let a: [*const f32; MR] = std::array::from_fn(|m| j.x.add((i0 + m).min(j.n - 1) * j.cols));
+    let mut acc = [[S::zero(); 2]; MR];
+    for k in 0..j.cols {
+        let b0 = S::load(panel.add(k * nr));
+        let b1 = S::load(panel.add(k * nr + l));
+        for m in 0..MR {
+            let av = S::splat(*a[m].add(k));
+            acc[m][0] = S::fma(av, b0, acc[m][0]);
+            acc[m][1] = S::fma(av, b1, acc[m][1]);
+        }
+    }
+    let rows_here = (j.n - i0).min(MR);
+    for (m, accm) in acc.iter().enumerate().take(rows_here) {
+        let out = j.y.add((i0 + m) * j.rows + r0);
+        if valid == nr {
+            S::store(out, accm[0]);
+            S::store(out.add(l), accm[1]);
+        } else {
+            let mut tmp = [0.0f32; 64];
+            S::store(tmp.as_mut_ptr(), accm[0]);
+            S::store(tmp.as_mut_ptr().add(l), accm[1]);
+            std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, valid);
+        }
+    }
+}
+
+/// Dequantize `dst.len()` values of a row with the fast path of `isa`.
+pub fn dequantize_row(isa: Isa, ty: QuantType, src: &[u8], dst: &mut [f32]) {
+    let rb = ty.row_bytes(dst.len()).expect("whole blocks");
+    assert!(src.len() >= rb);
+    // SAFETY: sizes checked above; the ISA was detected.
+    unsafe {
+        match isa {
+            Isa::Reference => reference::dequantize_row(ty, src, dst),
+            Isa::Avx512 => dequant_avx512(ty, src.as_ptr(), dst.as_mut_ptr(), dst.len()),
+            Isa::Avx2 => dequant_avx2(ty, src.as_ptr(), dst.as_mut_ptr(), dst.len()),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn dequant_avx512(ty: QuantType, src: *const u8, dst: *mut f32, n: usize) {
+    dequant_any::<Avx512>(ty, src, dst, n)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_avx2(ty: QuantType, src: *const u8, dst: *mut f32, n: usize) {
+    dequant_any::<Avx2>(ty, src, dst, n)
+}
+
+#[inline(always)]
+unsafe fn dequant_any<S: Simd>(ty: QuantType, src: *const u8, dst: *mut f32, n: usize) {
+    match ty {
+        QuantType::F32 => dequant_row::<S, dequant::F32>(src, dst, n),
+        QuantType::F16 => dequant_row::<S, dequant::F16>(src, dst, n),
+        QuantType::BF16 => dequant_row::<S, dequant::BF16>(src, dst, n),
+        QuantType::Q4_0 => dequant_row::<S, dequant::Q4_0>(src, dst, n),
+        QuantType::Q4_1 => dequant_row::<S, dequant::Q4_1>(src, dst, n),
+        QuantType::Q8_0 => dequant_row::<S, dequant::Q8_0>(src, dst, n),
+        QuantType::Q4K => dequant_row::<S, dequant::Q4K>(src, dst, n),
+        QuantType::Q6K => dequant_row::<S, dequant::Q6K>(src, dst, n),
+    }
+}

@@ -1,0 +1,126 @@
+//! CPU compute: ISA detection (once, at start-up), the thread pool, and the `Cpu` seam that the
+//! model calls for every op. A later CUDA backend sits beside `Cpu` behind the same method set.
+
+pub mod dequant;
+pub mod matmul;
+pub mod ops;
+pub mod pool;
+pub mod simd;
+
+pub use matmul::Matmul;
+pub use pool::ThreadPool;
+
+use crate::quant::QuantType;
+use crate::reference::{AttnSeq, PagedKv};
+
+/// Which implementation of the kernels runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// The scalar reference: slow, single-threaded, the truth.
+    Reference,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    /// The best ISA this CPU supports.
+    pub fn detect() -> Isa {
+        Isa::available().into_iter().last().unwrap_or(Isa::Reference)
+    }
+
+    /// Every ISA this CPU can run, reference first.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Reference];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                v.push(Isa::Avx2);
+                if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512dq")
+                {
+                    v.push(Isa::Avx512);
+                }
+            }
+        }
+        v
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Reference => "reference",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    pub fn lanes(self) -> usize {
+        match self {
+            Isa::Reference => 1,
+            Isa::Avx2 => 8,
+            Isa::Avx512 => 16,
+        }
+    }
+}
+
+/// The compute seam: an ISA plus the thread pool. Everything the model computes goes through here.
+pub struct Cpu {
+    pub isa: Isa,
+    pub pool: ThreadPool,
+}
+
+impl Cpu {
+    pub fn new(isa: Isa, pool: ThreadPool) -> Cpu {
+        Cpu { isa, pool }
+    }
+
+    /// The best ISA, one thread per core.
+    pub fn detect() -> Cpu {
+        Cpu::new(Isa::detect(), ThreadPool::with_available_cores())
+    }
+
+    /// Several independent products in one parallel region.
+    pub fn matmul_many(&self, jobs: &mut [Matmul]) {
+        matmul::matmul_many(self.isa, &self.pool, jobs)
+    }
+
+    pub fn matmul(&self, ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+        self.matmul_many(&mut [Matmul { ty, w, rows, cols, x, y }])
+    }
+
+    pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {
+        matmul::dequantize_row(self.isa, ty, src, dst)
+    }
+
+    pub fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+        ops::rmsnorm(self.isa, x, weight, eps, out)
+    }
+
+    pub fn rope(&self, x: &mut [f32], table: &[f32], n_heads: usize, head_dim: usize, rope_dim: usize) {
+        ops::rope(x, table, n_heads, head_dim, rope_dim)
+    }
+
+    pub fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        ops::swiglu(self.isa, gate, up, out)
+    }
+
+    pub fn log_softmax(&self, x: &mut [f32]) {
+        ops::log_softmax(self.isa, x)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: &[f32],
+        out: &mut [f32],
+        seqs: &[AttnSeq],
+        kv: PagedKv,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) {
+        ops::attention(self.isa, &self.pool, q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale)
+    }
+}

@@ -1,0 +1,324 @@
+//! Elementwise and row ops (RMSNorm, RoPE, SwiGLU, log-softmax) and causal GQA attention over
+//! paged KV, each generic over the ISA, each with its twin in `reference`.
+
+use super::matmul::dot;
+use super::simd::{exp, Avx2, Avx512, Simd};
+use super::{Isa, ThreadPool};
+use crate::reference::{self, AttnSeq, PagedKv};
+use std::cell::RefCell;
+
+
+/// out = x / rms(x) * weight for each row of `weight.len()` values.
+pub fn rmsnorm(isa: Isa, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), out.len());
+    assert_eq!(x.len() % weight.len(), 0);
+    match isa {
+        Isa::Reference => reference::rmsnorm(x, weight, eps, out),
+        // SAFETY: the ISA was detected at start-up; sizes checked above.
+        Isa::Avx512 => unsafe { rmsnorm_avx512(x, weight, eps, out) },
+        Isa::Avx2 => unsafe { rmsnorm_avx2(x, weight, eps, out) },
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn rmsnorm_avx512(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    rmsnorm_g::<Avx512>(x, w, eps, out)
+}
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rmsnorm_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    rmsnorm_g::<Avx2>(x, w, eps, out)
+}
+
+#[inline(always)]
+unsafe fn rmsnorm_g<S: Simd>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    let l = S::LANES;
+    for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
+        let ss = dot::<S>(xr.as_ptr(), xr.as_ptr(), d) / d as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        let vs = S::splat(scale);
+        let mut c = 0;
+        while c + l <= d {
+            let v = S::mul(S::mul(S::load(xr.as_ptr().add(c)), vs), S::load(w.as_ptr().add(c)));
+            S::store(or.as_mut_ptr().add(c), v);
+            c += l;
+        }
+        while c < d {
+            or[c] = xr[c] * scale * w[c];
+            c += 1;
+        }
+    }
+}
+
+/// The RoPE table for `positions`: per token, `rope_dim / 2` pairs (cos, sin) of pos * base^(-2i/rope_dim),
+/// computed in f64. Shared by every layer and head of a forward pass.
+pub fn rope_table(positions: &[u32], rope_dim: usize, base: f32) -> Vec<f32> {
+    let half = rope_dim / 2;
+    let freqs: Vec<f64> = (0..half).map(|i| (base as f64).powf(-2.0 * i as f64 / rope_dim as f64)).collect();
+    let mut t = Vec::with_capacity(positions.len() * rope_dim);
+    for &p in positions {
+        for f in &freqs {
+            let th = p as f64 * f;
+            t.push(th.cos() as f32);
+            t.push(th.sin() as f32);
+        }
+    }
+    t
+}
+
+/// Rotate adjacent pairs (x[2i], x[2i+1]) of the first `rope_dim` dims of every head of every
+/// row by the table from `rope_table` (scalar: it is a small part of the work).
+pub fn rope(x: &mut [f32], table: &[f32], n_heads: usize, head_dim: usize, rope_dim: usize) {
+    let row = n_heads * head_dim;
+    for (t, xr) in x.chunks_mut(row).enumerate() {
+        let tab = &table[t * rope_dim..(t + 1) * rope_dim];
+        for xh in xr.chunks_mut(head_dim) {
+            for i in 0..rope_dim / 2 {
+                let (c, s) = (tab[2 * i], tab[2 * i + 1]);
+                let (a, b) = (xh[2 * i], xh[2 * i + 1]);
+                xh[2 * i] = a * c - b * s;
+                xh[2 * i + 1] = a * s + b * c;
+            }
+        }
+    }
+}
+
+/// out = silu(gate) * up.
+pub fn swiglu(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == out.len() && up.len() == out.len());
+    match isa {
+        Isa::Reference => reference::swiglu(gate, up, out),
+        // SAFETY: the ISA was detected at start-up; sizes checked above.
+        Isa::Avx512 => unsafe { swiglu_avx512(gate, up, out) },
+        Isa::Avx2 => unsafe { swiglu_avx2(gate, up, out) },
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn swiglu_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
+    swiglu_g::<Avx512>(g, u, out)
+}
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn swiglu_avx2(g: &[f32], u: &[f32], out: &mut [f32]) {
+    swiglu_g::<Avx2>(g, u, out)
+}
+
+#[inline(always)]
+unsafe fn swiglu_g<S: Simd>(g: &[f32], u: &[f32], out: &mut [f32]) {
+    let l = S::LANES;
+    let n = out.len();
+    let one = S::splat(1.0);
+    let mut i = 0;
+    while i + l <= n {
+        let gv = S::load(g.as_ptr().add(i));
+        let e = exp::<S>(S::sub(S::zero(), gv));
+        let v = S::mul(S::div(gv, S::add(one, e)), S::load(u.as_ptr().add(i)));
+        S::store(out.as_mut_ptr().add(i), v);
+        i += l;
+    }
+    reference::swiglu(&g[i..], &u[i..], &mut out[i..]);
+}
+
+/// In-place log-softmax of one row (logits to log-probs).
+pub fn log_softmax(isa: Isa, x: &mut [f32]) {
+    match isa {
+        Isa::Reference => reference::log_softmax(x),
+        // SAFETY: the ISA was detected at start-up.
+        Isa::Avx512 => unsafe { log_softmax_avx512(x) },
+        Isa::Avx2 => unsafe { log_softmax_avx2(x) },
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn log_softmax_avx512(x: &mut [f32]) {
+    log_softmax_g::<Avx512>(x)
+}
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn log_softmax_avx2(x: &mut [f32]) {
+    log_softmax_g::<Avx2>(x)
+}
+
+#[inline(always)]
+unsafe fn log_softmax_g<S: Simd>(x: &mut [f32]) {
+    let l = S::LANES;
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let mut vmax = S::splat(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + l <= n {
+        vmax = S::max(vmax, S::load(p.add(i)));
+        i += l;
+    }
+    let mut max = S::reduce_max(vmax);
+    for v in &x[i..] {
+        max = max.max(*v);
+    }
+    let vm = S::splat(max);
+    let mut vsum = S::zero();
+    i = 0;
+    while i + l <= n {
+        vsum = S::add(vsum, exp::<S>(S::sub(S::load(p.add(i)), vm)));
+        i += l;
+    }
+    let mut sum = S::reduce_add(vsum) as f64;
+    for v in &x[i..] {
+        sum += ((*v - max) as f64).exp();
+    }
+    let lse = max + sum.ln() as f32;
+    for v in x.iter_mut() {
+        *v -= lse;
+    }
+}
+
+thread_local! {
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+const QUERIES_PER_TASK: usize = 16;
+
+struct AttnArgs<'a> {
+    q: *const f32,
+    out: *mut f32,
+    kv: PagedKv<'a>,
+    n_heads: usize,
+    group: usize,
+    head_dim: usize,
+    scale: f32,
+}
+unsafe impl Sync for AttnArgs<'_> {}
+
+/// Causal grouped-query attention over paged KV; q and out are (num_tokens, n_heads * head_dim).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    isa: Isa,
+    pool: &ThreadPool,
+    q: &[f32],
+    out: &mut [f32],
+    seqs: &[AttnSeq],
+    kv: PagedKv,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) {
+    assert_eq!(q.len(), out.len());
+    assert_eq!(n_heads % n_kv_heads, 0);
+    let qdim = n_heads * head_dim;
+    for s in seqs {
+        assert!((s.q_start + s.q_len) * qdim <= q.len(), "sequence rows out of range");
+        let n_ctx = s.first_pos + s.q_len;
+        assert!(n_ctx.div_ceil(kv.block_size) <= s.block_table.len(), "block table too short");
+    }
+    if isa == Isa::Reference {
+        reference::attention(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale);
+        return;
+    }
+    let args = AttnArgs {
+        q: q.as_ptr(),
+        out: out.as_mut_ptr(),
+        kv,
+        n_heads,
+        group: n_heads / n_kv_heads,
+        head_dim,
+        scale,
+    };
+    // Tasks: (sequence, head, chunk of queries).
+    let mut first = Vec::with_capacity(seqs.len() + 1);
+    first.push(0usize);
+    for s in seqs {
+        let per_head = s.q_len.div_ceil(QUERIES_PER_TASK);
+        first.push(first.last().copied().unwrap_or(0) + per_head * n_heads);
+    }
+    let total = *first.last().unwrap_or(&0);
+    let task = |t: usize| {
+        let si = first.partition_point(|&f| f <= t) - 1;
+        let s = &seqs[si];
+        let local = t - first[si];
+        let per_head = s.q_len.div_ceil(QUERIES_PER_TASK);
+        let (h, c) = (local / per_head, local % per_head);
+        let i0 = c * QUERIES_PER_TASK;
+        let i1 = (i0 + QUERIES_PER_TASK).min(s.q_len);
+        // SAFETY: ISA detected; each task writes its own (rows, head) slots of out.
+        unsafe {
+            match isa {
+                Isa::Avx512 => attn_avx512(&args, s, h, i0, i1),
+                Isa::Avx2 => attn_avx2(&args, s, h, i0, i1),
+                Isa::Reference => unreachable!(),
+            }
+        }
+    };
+    pool.run(total, &task);
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn attn_avx512(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+    attn_g::<Avx512>(a, s, h, i0, i1)
+}
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attn_avx2(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+    attn_g::<Avx2>(a, s, h, i0, i1)
+}
+
+#[inline(always)]
+unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+    let hd = a.head_dim;
+    let l = S::LANES;
+    let qdim = a.n_heads * hd;
+    let kv_off = (h / a.group) * hd;
+    let (kp, vp) = (a.kv.k.as_ptr(), a.kv.v.as_ptr());
+    SCORES.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        let max_ctx = s.first_pos + i1;
+        if buf.len() < max_ctx + l {
+            buf.resize(max_ctx + l, 0.0);
+        }
+        let sc = buf.as_mut_ptr();
+        for i in i0..i1 {
+            let t = s.q_start + i;
+            let n_ctx = s.first_pos + i + 1;
+            let qh = a.q.add(t * qdim + h * hd);
+            let mut max = f32::NEG_INFINITY;
+            for p in 0..n_ctx {
+                let off = a.kv.offset(s.block_table, p) + kv_off;
+                let v = dot::<S>(qh, kp.add(off), hd) * a.scale;
+                *sc.add(p) = v;
+                max = max.max(v);
+            }
+            let vm = S::splat(max);
+            let mut vsum = S::zero();
+            let mut p = 0;
+            while p + l <= n_ctx {
+                let e = exp::<S>(S::sub(S::load(sc.add(p)), vm));
+                S::store(sc.add(p), e);
+                vsum = S::add(vsum, e);
+                p += l;
+            }
+            let mut sum = S::reduce_add(vsum);
+            while p < n_ctx {
+                let e = (*sc.add(p) - max).exp();
+                *sc.add(p) = e;
+                sum += e;
+                p += 1;
+            }
+            let oh = a.out.add(t * qdim + h * hd);
+            std::ptr::write_bytes(oh, 0, hd);
+            for p in 0..n_ctx {
+                let off = a.kv.offset(s.block_table, p) + kv_off;
+                let w = S::splat(*sc.add(p));
+                let mut d = 0;
+                while d + l <= hd {
+                    S::store(oh.add(d), S::fma(w, S::load(vp.add(off + d)), S::load(oh.add(d))));
+                    d += l;
+                }
+                while d < hd {
+                    *oh.add(d) += *sc.add(p) * *vp.add(off + d);
+                    d += 1;
+                }
+            }
+            let inv = 1.0 / sum;
+            for d in 0..hd {
+                *oh.add(d) *= inv;
+            }
+        }
+    })
+}

@@ -1,0 +1,225 @@
+//! A small thread pool for data-parallel kernels, robust when it shares cores with other busy
+//! threads (a trainer will): tasks are claimed one at a time from an epoch-tagged counter, so a
+//! descheduled worker delays at most the one task it holds; idle workers spin briefly, then sleep
+//! on a condvar instead of burning a core; the caller works too and never waits on a worker that
+//! has not claimed a task.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+type Job = dyn Fn(usize) + Sync;
+
+struct Shared {
+    /// (epoch << 32) | next task index. Claiming a task is a CAS that fails once the epoch moves on.
+    state: AtomicU64,
+    num_tasks: AtomicUsize,
+    completed: AtomicUsize,
+    /// The current job, valid while its epoch is current and not all tasks completed.
+    job: Mutex<Option<JobPtr>>,
+    sleepers: AtomicUsize,
+    wake_lock: Mutex<()>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+    spin: Duration,
+}
+
+#[derive(Clone, Copy)]
+struct JobPtr(*const Job);
+// SAFETY: the pointee is `Sync` and outlives every use (see `ThreadPool::run`).
+unsafe impl Send for JobPtr {}
+
+/// A pool of `num_threads - 1` workers plus the calling thread.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    num_threads: usize,
+    run_lock: Mutex<()>,
+}
+
+impl ThreadPool {
+    /// `num_threads` includes the caller; 1 means no worker threads. `spin` is how long an idle
+    /// worker polls for new work before it sleeps.
+    pub fn new(num_threads: usize, spin: Duration) -> ThreadPool {
+        let num_threads = num_threads.max(1);
+        let shared = Arc::new(Shared {
+            state: AtomicU64::new(0),
+            num_tasks: AtomicUsize::new(0),
+            completed: AtomicUsize::new(0),
+            job: Mutex::new(None),
+            sleepers: AtomicUsize::new(0),
+            wake_lock: Mutex::new(()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+            spin,
+        });
+        let workers = (1..num_threads)
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("flywheel-kernel-{i}"))
+                    .spawn(move || worker(&s))
+                    .expect("spawn kernel worker")
+            })
+            .collect();
+        ThreadPool { shared, workers, num_threads, run_lock: Mutex::new(()) }
+    }
+
+    /// One thread per available core, spinning up to 100 µs before sleeping.
+    pub fn with_available_cores() -> ThreadPool {
+        let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        ThreadPool::new(n, Duration::from_micros(100))
+    }
+
+    pub fn num_threads(&self) -> usize {
+        self.num_threads
+    }
+
+    /// Run `f(i)` for every `i in 0..num_tasks`, spread over the pool; returns when all are done.
+    pub fn run(&self, num_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        if num_tasks == 0 {
+            return;
+        }
+        if self.num_threads == 1 || num_tasks == 1 {
+            (0..num_tasks).for_each(f);
+            return;
+        }
+        let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        // SAFETY: we erase the lifetime; the pointer is only dereferenced by a thread that claimed a
+        // task of this epoch, and we do not return before every claimed task has completed.
+        let ptr: *const Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(f) };
+        let epoch = (s.state.load(Ordering::Relaxed) >> 32) + 1;
+        *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(ptr));
+        s.num_tasks.store(num_tasks, Ordering::Relaxed);
+        s.completed.store(0, Ordering::Relaxed);
+        s.state.store(epoch << 32, Ordering::Release);
+        if s.sleepers.load(Ordering::SeqCst) > 0 {
+            let _l = s.wake_lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        // Work alongside the workers.
+        let mut done_here = 0;
+        while let Some(i) = claim(s, epoch, num_tasks) {
+            f(i);
+            done_here += 1;
+        }
+        s.completed.fetch_add(done_here, Ordering::AcqRel);
+        // Wait for tasks claimed by workers: spin briefly, then yield so a descheduled worker can run.
+        let start = Instant::now();
+        while s.completed.load(Ordering::Acquire) < num_tasks {
+            if start.elapsed() < s.spin {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// Claim the next task of `epoch`, or `None` when the job is exhausted or superseded.
+fn claim(s: &Shared, epoch: u64, num_tasks: usize) -> Option<usize> {
+    let mut cur = s.state.load(Ordering::Acquire);
+    loop {
+        if cur >> 32 != epoch {
+            return None;
+        }
+        let i = (cur & 0xffff_ffff) as usize;
+        if i >= num_tasks {
+            return None;
+        }
+        match s.state.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Some(i),
+            Err(now) => cur = now,
+        }
+    }
+}
+
+fn worker(s: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        // Wait for a new epoch: spin for a while, then sleep.
+        let start = Instant::now();
+        let epoch = loop {
+            if s.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            let e = s.state.load(Ordering::Acquire) >> 32;
+            if e != seen {
+                break e;
+            }
+            if start.elapsed() < s.spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            let guard = s.wake_lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.sleepers.fetch_add(1, Ordering::SeqCst);
+            let e = s.state.load(Ordering::SeqCst) >> 32;
+            if e == seen && !s.shutdown.load(Ordering::SeqCst) {
+                let _g = s.wake.wait_timeout(guard, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner());
+            }
+            s.sleepers.fetch_sub(1, Ordering::SeqCst);
+        };
+        seen = epoch;
+        let num_tasks = s.num_tasks.load(Ordering::Relaxed);
+        let mut job: Option<JobPtr> = None;
+        let mut done_here = 0;
+        while let Some(i) = claim(s, epoch, num_tasks) {
+            if job.is_none() {
+                // A successful claim proves the job of `epoch` is still live.
+                job = *s.job.lock().unwrap_or_else(|e| e.into_inner());
+            }
+            if let Some(JobPtr(p)) = job {
+                // SAFETY: see `ThreadPool::run`.
+                unsafe { (*p)(i) };
+            }
+            done_here += 1;
+        }
+        if done_here > 0 {
+            s.completed.fetch_add(done_here, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            let _l = self.shared.wake_lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_every_task_once() {
+        let pool = ThreadPool::new(3, Duration::from_micros(50));
+        for n in [1usize, 2, 7, 100, 1000] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
+        }
+    }
+
+    #[test]
+    fn many_small_jobs_in_a_row() {
+        let pool = ThreadPool::new(2, Duration::from_micros(20));
+        let total = AtomicUsize::new(0);
+        for _ in 0..2000 {
+            pool.run(4, &|i| {
+                total.fetch_add(i + 1, Ordering::Relaxed);
+            });
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 2000 * 10);
+    }
+}

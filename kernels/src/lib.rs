@@ -1,0 +1,9 @@
+//! Flywheel's compute kernels: quantized block formats, matmul, attention, norms and friends on CPU.
+//! Pure compute: no I/O, no async, no engine types. Every fast path has a scalar twin in `reference`.
+
+pub mod cpu;
+pub mod quant;
+pub mod reference;
+
+pub use cpu::{Cpu, Isa, Matmul, ThreadPool};
+pub use quant::QuantType;

@@ -1,0 +1,245 @@
+//! Scalar reference of every op: plain loops, no SIMD, no threads. The truth every fast path is
+//! tested against, and what `--reference-kernels` runs.
+
+use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, QK};
+
+fn rd16(b: &[u8], at: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// Dequantize one block of `ty` from `src` (exactly `ty.block_bytes()` bytes) into `dst`
+/// (exactly `ty.block_size()` values).
+pub fn dequantize_block(ty: QuantType, src: &[u8], dst: &mut [f32]) {
+    match ty {
+        QuantType::F32 => dst[0] = f32::from_le_bytes([src[0], src[1], src[2], src[3]]),
+        QuantType::F16 => dst[0] = rd16(src, 0),
+        QuantType::BF16 => dst[0] = bf16_to_f32(u16::from_le_bytes([src[0], src[1]])),
+        QuantType::Q4_0 => {
+            let d = rd16(src, 0);
+            let qs = &src[2..18];
+            for j in 0..QK / 2 {
+                dst[j] = ((qs[j] & 0xF) as i32 - 8) as f32 * d;
+                dst[j + QK / 2] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+        QuantType::Q4_1 => {
+            let (d, m) = (rd16(src, 0), rd16(src, 2));
+            let qs = &src[4..20];
+            for j in 0..QK / 2 {
+                dst[j] = (qs[j] & 0xF) as f32 * d + m;
+                dst[j + QK / 2] = (qs[j] >> 4) as f32 * d + m;
+            }
+        }
+        QuantType::Q8_0 => {
+            let d = rd16(src, 0);
+            for j in 0..QK {
+                dst[j] = (src[2 + j] as i8) as f32 * d;
+            }
+        }
+        QuantType::Q4K => {
+            let (d, dmin) = (rd16(src, 0), rd16(src, 2));
+            let scales = &src[4..16];
+            let qs = &src[16..144];
+            for c in 0..4 {
+                let (sc1, m1) = scale_min_k4(2 * c, scales);
+                let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
+                let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
+                let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
+                let q = &qs[32 * c..32 * c + 32];
+                for l in 0..32 {
+                    dst[64 * c + l] = d1 * (q[l] & 0xF) as f32 - m1;
+                    dst[64 * c + 32 + l] = d2 * (q[l] >> 4) as f32 - m2;
+                }
+            }
+        }
+        QuantType::Q6K => {
+            let ql_all = &src[0..128];
+            let qh_all = &src[128..192];
+            let sc_all = &src[192..208];
+            let d = rd16(src, 208);
+            for half in 0..2 {
+                let ql = &ql_all[64 * half..];
+                let qh = &qh_all[32 * half..];
+                let sc = &sc_all[8 * half..];
+                let y = &mut dst[128 * half..];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                    y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                    y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                    y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                    y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                }
+            }
+        }
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` of a Q4_K block (llama.cpp's `get_scale_min_k4`).
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// Dequantize a row of `dst.len()` values.
+pub fn dequantize_row(ty: QuantType, src: &[u8], dst: &mut [f32]) {
+    let (bs, bb) = (ty.block_size(), ty.block_bytes());
+    for (i, out) in dst.chunks_mut(bs).enumerate() {
+        dequantize_block(ty, &src[i * bb..(i + 1) * bb], out);
+    }
+}
+
+/// `y[i][r] = sum_c W[r][c] * x[i][c]`: W is `rows` rows of `cols` values in format `ty`,
+/// x is (n, cols), y is (n, rows).
+pub fn matmul(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    let n = x.len() / cols;
+    let rb = ty.row_bytes(cols).expect("cols must be a whole number of blocks");
+    let mut wrow = vec![0.0f32; cols];
+    for r in 0..rows {
+        dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut wrow);
+        for i in 0..n {
+            let xi = &x[i * cols..(i + 1) * cols];
+            let mut acc = 0.0f32;
+            for c in 0..cols {
+                acc += wrow[c] * xi[c];
+            }
+            y[i * rows + r] = acc;
+        }
+    }
+}
+
+/// RMSNorm of each row of `x` (rows of `weight.len()` values): out = x / sqrt(mean(x^2) + eps) * weight.
+pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
+        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        for c in 0..d {
+            or[c] = xr[c] * scale * weight[c];
+        }
+    }
+}
+
+/// RoPE on adjacent pairs (llama.cpp's LLaMA layout): for each row t (n_heads heads of head_dim),
+/// pair (x[2i], x[2i+1]) of the first `rope_dim` dims turns by positions[t] * base^(-2i/rope_dim).
+pub fn rope(x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope_dim: usize, base: f32) {
+    let row = n_heads * head_dim;
+    for (t, xr) in x.chunks_mut(row).enumerate() {
+        let pos = positions[t] as f64;
+        for h in 0..n_heads {
+            let xh = &mut xr[h * head_dim..(h + 1) * head_dim];
+            for i in 0..rope_dim / 2 {
+                let theta = pos * (base as f64).powf(-2.0 * i as f64 / rope_dim as f64);
+                let (s, c) = (theta.sin() as f32, theta.cos() as f32);
+                let (a, b) = (xh[2 * i], xh[2 * i + 1]);
+                xh[2 * i] = a * c - b * s;
+                xh[2 * i + 1] = a * s + b * c;
+            }
+        }
+    }
+}
+
+/// out = silu(gate) * up, elementwise.
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for i in 0..out.len() {
+        let g = gate[i];
+        out[i] = g / (1.0 + (-g).exp()) * up[i];
+    }
+}
+
+/// In-place softmax of one row.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// In-place log-softmax of one row (sums in f64, so it can serve as the truth).
+pub fn log_softmax(x: &mut [f32]) {
+    let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = x.iter().map(|v| ((*v - max) as f64).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    for v in x.iter_mut() {
+        *v -= lse;
+    }
+}
+
+/// One layer's paged KV storage: block `b`, slot `s` holds `kv_dim` values at `(b * block_size + s) * kv_dim`.
+#[derive(Clone, Copy)]
+pub struct PagedKv<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub block_size: usize,
+    pub kv_dim: usize,
+}
+
+impl PagedKv<'_> {
+    /// Offset of position `pos` of a sequence with `block_table`.
+    #[inline]
+    pub fn offset(&self, block_table: &[u32], pos: usize) -> usize {
+        (block_table[pos / self.block_size] as usize * self.block_size + pos % self.block_size) * self.kv_dim
+    }
+}
+
+/// The query tokens of one sequence in a packed batch: rows `q_start..q_start+q_len`, the first at
+/// position `first_pos`; each attends causally to positions `0..=its own` through `block_table`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSeq<'a> {
+    pub q_start: usize,
+    pub q_len: usize,
+    pub first_pos: usize,
+    pub block_table: &'a [u32],
+}
+
+/// Causal grouped-query attention over paged KV. q and out are (num_tokens, n_heads * head_dim).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    out: &mut [f32],
+    seqs: &[AttnSeq],
+    kv: PagedKv,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) {
+    let qdim = n_heads * head_dim;
+    let group = n_heads / n_kv_heads;
+    for s in seqs {
+        for i in 0..s.q_len {
+            let t = s.q_start + i;
+            let n_ctx = s.first_pos + i + 1;
+            for h in 0..n_heads {
+                let kvh = h / group;
+                let qh = &q[t * qdim + h * head_dim..][..head_dim];
+                let mut scores = vec![0.0f32; n_ctx];
+                for (p, sc) in scores.iter_mut().enumerate() {
+                    let off = kv.offset(s.block_table, p) + kvh * head_dim;
+                    let kh = &kv.k[off..off + head_dim];
+                    *sc = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
+                }
+                softmax(&mut scores);
+                let oh = &mut out[t * qdim + h * head_dim..][..head_dim];
+                oh.fill(0.0);
+                for (p, w) in scores.iter().enumerate() {
+                    let off = kv.offset(s.block_table, p) + kvh * head_dim;
+                    for d in 0..head_dim {
+                        oh[d] += w * kv.v[off + d];
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! Every fast path against the scalar reference, every format, odd shapes, with an error budget
+//! stated per op.
+
+use flywheel_kernels::cpu::ops;
+use flywheel_kernels::quant::quantize::quantize;
+use flywheel_kernels::reference::{self, AttnSeq, PagedKv};
+use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
+use std::time::Duration;
+
+/// A small deterministic generator (SplitMix64) so failures reproduce.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+fn fast_isas() -> Vec<Isa> {
+    let v: Vec<Isa> = Isa::available().into_iter().filter(|i| *i != Isa::Reference).collect();
+    eprintln!("fast ISAs on this machine: {:?}", v);
+    v
+}
+
+fn cpu(isa: Isa, threads: usize) -> Cpu {
+    Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(50)))
+}
+
+fn col_sizes(ty: QuantType) -> Vec<usize> {
+    match ty.block_size() {
+        1 => vec![1, 15, 16, 37, 64, 100],
+        32 => vec![32, 96, 576],
+        _ => vec![256, 512],
+    }
+}
+
+#[test]
+fn dequantize_matches_reference_exactly_enough() {
+    let mut rng = Rng(1);
+    for isa in fast_isas() {
+        let c = cpu(isa, 1);
+        for ty in QuantType::ALL {
+            for cols in col_sizes(ty) {
+                let x = rng.vec(cols, 2.0);
+                let q = quantize(ty, &x);
+                let mut want = vec![0.0; cols];
+                let mut got = vec![0.0; cols];
+                reference::dequantize_row(ty, &q, &mut want);
+                c.dequantize_row(ty, &q, &mut got);
+                for i in 0..cols {
+                    // Budget: one rounding of a fused multiply-add vs separate multiply and add.
+                    let tol = 1e-6 * want[i].abs().max(1.0);
+                    assert!((got[i] - want[i]).abs() <= tol, "{isa:?} {ty:?} cols={cols} i={i}: {} vs {}", got[i], want[i]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantizers_round_trip_within_their_step() {
+    let mut rng = Rng(2);
+    for ty in QuantType::ALL {
+        let n = 512;
+        let x = rng.vec(n, 1.0);
+        let mut y = vec![0.0; n];
+        reference::dequantize_row(ty, &quantize(ty, &x), &mut y);
+        let budget = match ty {
+            QuantType::F32 => 0.0,
+            QuantType::F16 => 1e-3,
+            QuantType::BF16 => 8e-3,
+            QuantType::Q8_0 => 1e-2,
+            QuantType::Q6K => 5e-2,
+            _ => 0.15,
+        };
+        let worst = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= budget, "{ty:?}: worst error {worst} > {budget}");
+    }
+}
+
+#[test]
+fn matmul_matches_reference_for_every_format_and_shape() {
+    let mut rng = Rng(3);
+    for isa in fast_isas() {
+        for threads in [1, 2] {
+            let c = cpu(isa, threads);
+            for ty in QuantType::ALL {
+                for cols in col_sizes(ty) {
+                    for rows in [1usize, 5, 33, 70] {
+                        for n in [1usize, 2, 7, 23, 24, 31, 50] {
+                            let w = quantize(ty, &rng.vec(rows * cols, 1.0));
+                            let x = rng.vec(n * cols, 1.0);
+                            let mut want = vec![0.0; n * rows];
+                            let mut got = vec![f32::NAN; n * rows];
+                            reference::matmul(ty, &w, rows, cols, &x, &mut want);
+                            c.matmul(ty, &w, rows, cols, &x, &mut got);
+                            // Budget: f32 accumulation in a different order, relative to sum |w||x|.
+                            let mut wrow = vec![0.0; cols];
+                            for r in 0..rows {
+                                reference::dequantize_row(ty, &w[r * ty.row_bytes(cols).unwrap()..], &mut wrow);
+                                for i in 0..n {
+                                    let mag: f32 = (0..cols).map(|k| (wrow[k] * x[i * cols + k]).abs()).sum();
+                                    let (g, e) = (got[i * rows + r], want[i * rows + r]);
+                                    assert!(
+                                        (g - e).abs() <= 2e-6 * mag + 1e-6,
+                                        "{isa:?} t={threads} {ty:?} rows={rows} cols={cols} n={n} ({i},{r}): {g} vs {e}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rmsnorm_swiglu_log_softmax_match_reference() {
+    let mut rng = Rng(4);
+    for isa in fast_isas() {
+        for d in [1usize, 7, 64, 576, 577] {
+            let x = rng.vec(3 * d, 3.0);
+            let w = rng.vec(d, 1.0);
+            let mut want = vec![0.0; 3 * d];
+            let mut got = vec![0.0; 3 * d];
+            reference::rmsnorm(&x, &w, 1e-5, &mut want);
+            ops::rmsnorm(isa, &x, &w, 1e-5, &mut got);
+            for i in 0..3 * d {
+                assert!((got[i] - want[i]).abs() <= 1e-5 * want[i].abs().max(1.0), "rmsnorm {isa:?} d={d}");
+            }
+            let g = rng.vec(d, 30.0);
+            let u = rng.vec(d, 2.0);
+            reference::swiglu(&g, &u, &mut want[..d]);
+            ops::swiglu(isa, &g, &u, &mut got[..d]);
+            for i in 0..d {
+                assert!((got[i] - want[i]).abs() <= 2e-6 * want[i].abs().max(1.0), "swiglu {isa:?} {} vs {}", got[i], want[i]);
+            }
+        }
+        for n in [1usize, 5, 49152] {
+            let mut a = rng.vec(n, 20.0);
+            let mut b = a.clone();
+            reference::log_softmax(&mut a);
+            ops::log_softmax(isa, &mut b);
+            for i in 0..n {
+                assert!((a[i] - b[i]).abs() <= 1e-5 * a[i].abs().max(1.0), "log_softmax {isa:?} n={n}");
+            }
+        }
+    }
+}
+
+#[test]
+fn exp_is_accurate_over_the_range_that_matters() {
+    for isa in fast_isas() {
+        let xs: Vec<f32> = (-2000..=2000).map(|i| i as f32 * 0.05).collect();
+        let u = vec![1.0; xs.len()];
+        let mut got = vec![0.0; xs.len()];
+        // swiglu(g, 1) = g * sigmoid(g) exercises exp(-g) over [-100, 100].
+        ops::swiglu(isa, &xs, &u, &mut got);
+        for (i, &x) in xs.iter().enumerate() {
+            let want = (x as f64) / (1.0 + (-(x as f64)).exp());
+            assert!((got[i] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0), "{isa:?} x={x}");
+        }
+    }
+}
+
+#[test]
+fn rope_table_rotates_adjacent_pairs_like_the_formula() {
+    let mut rng = Rng(5);
+    let (heads, hd, base) = (3usize, 8usize, 10000.0f32);
+    let positions = [0u32, 1, 17, 4095];
+    let x = rng.vec(positions.len() * heads * hd, 1.0);
+    let mut want = x.clone();
+    reference::rope(&mut want, &positions, heads, hd, hd, base);
+    let mut got = x.clone();
+    ops::rope(&mut got, &ops::rope_table(&positions, hd, base), heads, hd, hd);
+    for i in 0..x.len() {
+        assert!((got[i] - want[i]).abs() < 1e-6, "{i}");
+    }
+    // Position 0 is the identity.
+    assert_eq!(&got[..heads * hd], &x[..heads * hd]);
+}
+
+#[test]
+fn paged_attention_matches_reference() {
+    let mut rng = Rng(6);
+    let (n_heads, n_kv, hd, bs) = (6usize, 2usize, 64usize, 4usize);
+    let kv_dim = n_kv * hd;
+    let num_blocks = 40;
+    let k = rng.vec(num_blocks * bs * kv_dim, 1.0);
+    let v = rng.vec(num_blocks * bs * kv_dim, 1.0);
+    let kv = PagedKv { k: &k, v: &v, block_size: bs, kv_dim };
+    // Two sequences with scattered blocks: one prefilling 21 tokens from position 0, one decoding
+    // 1 token at position 37, one continuing a chunk of 5 at position 9.
+    let t1: Vec<u32> = (0..6).map(|i| 39 - i * 2).collect();
+    let t2: Vec<u32> = (0..10).map(|i| i * 3 + 1).collect();
+    let t3: Vec<u32> = vec![0, 2, 4, 6];
+    let seqs = [
+        AttnSeq { q_start: 0, q_len: 21, first_pos: 0, block_table: &t1 },
+        AttnSeq { q_start: 21, q_len: 1, first_pos: 37, block_table: &t2 },
+        AttnSeq { q_start: 22, q_len: 5, first_pos: 9, block_table: &t3 },
+    ];
+    let num_tokens = 27;
+    let q = rng.vec(num_tokens * n_heads * hd, 1.0);
+    let mut want = vec![0.0; q.len()];
+    reference::attention(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125);
+    for isa in fast_isas() {
+        for threads in [1, 2] {
+            let c = cpu(isa, threads);
+            let mut got = vec![f32::NAN; q.len()];
+            c.attention(&q, &mut got, &seqs, kv, n_heads, n_kv, hd, 0.125);
+            for i in 0..q.len() {
+                assert!((got[i] - want[i]).abs() < 2e-6, "{isa:?} t={threads} i={i}: {} vs {}", got[i], want[i]);
+            }
+        }
+    }
+}
+
+#[test]
+fn f16_conversions_are_exact_on_representable_values() {
+    use flywheel_kernels::quant::{f16_to_f32, f32_to_f16};
+    for h in 0u16..=0xffff {
+        let f = f16_to_f32(h);
+        if f.is_nan() {
+            continue;
+        }
+        assert_eq!(f32_to_f16(f), h, "{h:#x}");
+    }
+}
