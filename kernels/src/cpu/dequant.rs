@@ -170,11 +170,14 @@ impl Format for Q6K {
                 let q2 = S::or_i(S::and_i(b, 0xF), S::sll::<4>(S::and_i(S::srl::<2>(h), 3)));
                 let q3 = S::or_i(S::srl::<4>(a), S::sll::<4>(S::and_i(S::srl::<4>(h), 3)));
                 let q4 = S::or_i(S::srl::<4>(b), S::sll::<4>(S::srl::<6>(h)));
-                let s = |k: usize| S::splat(d * *sc.add(is + k) as f32);
-                S::store(y.add(l), S::mul(S::sub(S::cvt(q1), k32), s(0)));
-                S::store(y.add(l + 32), S::mul(S::sub(S::cvt(q2), k32), s(2)));
-                S::store(y.add(l + 64), S::mul(S::sub(S::cvt(q3), k32), s(4)));
-                S::store(y.add(l + 96), S::mul(S::sub(S::cvt(q4), k32), s(6)));
+                let s0 = S::splat(d * *sc.add(is) as f32);
+                let s2 = S::splat(d * *sc.add(is + 2) as f32);
+                let s4 = S::splat(d * *sc.add(is + 4) as f32);
+                let s6 = S::splat(d * *sc.add(is + 6) as f32);
+                S::store(y.add(l), S::mul(S::sub(S::cvt(q1), k32), s0));
+                S::store(y.add(l + 32), S::mul(S::sub(S::cvt(q2), k32), s2));
+                S::store(y.add(l + 64), S::mul(S::sub(S::cvt(q3), k32), s4));
+                S::store(y.add(l + 96), S::mul(S::sub(S::cvt(q4), k32), s6));
                 l += S::LANES;
             }
         }

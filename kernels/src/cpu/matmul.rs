@@ -59,6 +59,7 @@ thread_local! {
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+
 /// Run several independent products as one parallel region (e.g. q, k and v of a layer).
 pub fn matmul_many(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
     for j in jobs.iter() {
@@ -141,26 +142,29 @@ unsafe fn task_generic<S: Simd>(j: &JobRef, r0: usize, r1: usize) {
     }
 }
 
+/// A thread-local scratch buffer of at least `len` floats. The pointer stays valid until the next
+/// call on this thread for the same buffer (kernels never nest).
+pub(crate) fn scratch(key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>, len: usize) -> *mut f32 {
+    key.with(|b| {
+        let mut b = b.borrow_mut();
+        if b.len() < len {
+            b.resize(len, 0.0);
+        }
+        b.as_mut_ptr()
+    })
+}
+
+// No closures below this line on hot paths: a closure does not inherit the caller's target
+// features, so the intrinsics inside it would not inline.
 #[inline(always)]
 unsafe fn task_fmt<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize) {
-    ROWBUF.with(|rb| {
-        let mut rb = rb.borrow_mut();
-        if rb.len() < j.cols + 16 {
-            rb.resize(j.cols + 16, 0.0);
-        }
-        if j.gemm {
-            PANEL.with(|p| {
-                let mut p = p.borrow_mut();
-                let need = j.cols * 2 * S::LANES;
-                if p.len() < need {
-                    p.resize(need, 0.0);
-                }
-                gemm_panel::<S, F>(j, r0, r1, p.as_mut_ptr(), rb.as_mut_ptr());
-            })
-        } else {
-            dot_rows::<S, F>(j, r0, r1, rb.as_mut_ptr());
-        }
-    })
+    let rb = scratch(&ROWBUF, j.cols + 16);
+    if j.gemm {
+        let panel = scratch(&PANEL, j.cols * 2 * S::LANES);
+        gemm_panel::<S, F>(j, r0, r1, panel, rb);
+    } else {
+        dot_rows::<S, F>(j, r0, r1, rb);
+    }
 }
 
 /// The row `r` of W as f32: in place for F32 weights, else dequantized into `buf`.

@@ -1,7 +1,7 @@
 //! Elementwise and row ops (RMSNorm, RoPE, SwiGLU, log-softmax) and causal GQA attention over
 //! paged KV, each generic over the ISA, each with its twin in `reference`.
 
-use super::matmul::dot;
+use super::matmul::{dot, scratch as thread_scratch};
 use super::simd::{exp, Avx2, Avx512, Simd};
 use super::{Isa, ThreadPool};
 use crate::reference::{self, AttnSeq, PagedKv};
@@ -266,13 +266,8 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
     let qdim = a.n_heads * hd;
     let kv_off = (h / a.group) * hd;
     let (kp, vp) = (a.kv.k.as_ptr(), a.kv.v.as_ptr());
-    SCORES.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        let max_ctx = s.first_pos + i1;
-        if buf.len() < max_ctx + l {
-            buf.resize(max_ctx + l, 0.0);
-        }
-        let sc = buf.as_mut_ptr();
+    let sc = thread_scratch(&SCORES, s.first_pos + i1 + l);
+    {
         for i in i0..i1 {
             let t = s.q_start + i;
             let n_ctx = s.first_pos + i + 1;
@@ -320,5 +315,5 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
                 *oh.add(d) *= inv;
             }
         }
-    })
+    }
 }

@@ -1,0 +1,263 @@
+//! The `flywheel` command line: `generate`, `tokenize`, `bench`, `fetch-model`. Wiring only.
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use flywheel::fetch::{ensure_model, fetch_default, DEFAULT_MODEL};
+use flywheel::generate::{decode_batch, generate, GenerateOptions};
+use flywheel::model::kv_cache::KvCache;
+use flywheel::model::llama::{BatchSeq, Llama, Logits};
+use flywheel::model::tokenizer::{ChatMessage, Detokenizer, Tokenizer};
+use flywheel::sampler::SamplingParams;
+use flywheel_kernels::{Cpu, Isa, ThreadPool};
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+#[command(name = "flywheel", version, about = "An LLM server that learns from the rewards its users post back")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Args, Clone)]
+struct ModelArgs {
+    /// GGUF model file (the default model is fetched on first use).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    model: PathBuf,
+    /// Compute threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Run the scalar reference kernels (slow; for checking).
+    #[arg(long)]
+    reference_kernels: bool,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt.
+    Generate {
+        #[command(flatten)]
+        m: ModelArgs,
+        /// Raw prompt text (control tokens written in it are recognised).
+        #[arg(long, group = "input")]
+        prompt: Option<String>,
+        /// One user message, wrapped in the model's chat template.
+        #[arg(long, group = "input")]
+        chat: Option<String>,
+        /// A JSON array of {"role", "content"} messages, wrapped in the chat template.
+        #[arg(long, group = "input")]
+        messages: Option<String>,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// 0 disables.
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Report this many alternatives per token (0-20).
+        #[arg(long, default_value_t = 0)]
+        top_logprobs: usize,
+        /// Print one JSON object instead of streaming text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the token ids of the text on stdin.
+    Tokenize {
+        #[arg(long, default_value = DEFAULT_MODEL)]
+        model: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Prompt-processing and decode throughput (median of several runs).
+    Bench {
+        #[command(flatten)]
+        m: ModelArgs,
+        #[arg(long, default_value_t = 512)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 128)]
+        decode_tokens: usize,
+        /// Decode batch sizes to measure.
+        #[arg(long, value_delimiter = ',', default_value = "1,16")]
+        batch: Vec<usize>,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Keep the other cores busy with a spinning thread (how the pool copes with a trainer).
+        #[arg(long)]
+        busy_peer: bool,
+    },
+    /// Fetch the default model into models/ (skips the work when it is already there).
+    FetchModel {
+        #[arg(long, default_value = DEFAULT_MODEL)]
+        dest: PathBuf,
+    },
+}
+
+fn make_cpu(m: &ModelArgs) -> Cpu {
+    let threads = m.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let isa = if m.reference_kernels { Isa::Reference } else { Isa::detect() };
+    Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(100)))
+}
+
+fn load(m: &ModelArgs) -> anyhow::Result<(Llama, Tokenizer)> {
+    let path = ensure_model(&m.model)?;
+    let model = Llama::open(&path).with_context(|| format!("loading {}", path.display()))?;
+    let tok = Tokenizer::from_gguf(&model.gguf).context("building the tokenizer")?;
+    Ok((model, tok))
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.cmd {
+        Cmd::FetchModel { dest } => fetch_default(&dest),
+        Cmd::Tokenize { model, json } => {
+            let path = ensure_model(&model)?;
+            let g = flywheel::model::gguf::Gguf::open(&path)?;
+            let tok = Tokenizer::from_gguf(&g)?;
+            let mut text = String::new();
+            std::io::stdin().read_to_string(&mut text)?;
+            let ids = tok.encode(&text)?;
+            if json {
+                println!("{}", serde_json::json!({ "token_ids": ids }));
+            } else {
+                println!("{}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
+            }
+            Ok(())
+        }
+        Cmd::Generate { m, prompt, chat, messages, max_tokens, temperature, top_p, top_k, seed, top_logprobs, json } => {
+            anyhow::ensure!(temperature >= 0.0, "--temperature must be >= 0");
+            anyhow::ensure!(top_p > 0.0 && top_p <= 1.0, "--top-p must be in (0, 1]");
+            anyhow::ensure!(top_logprobs <= 20, "--top-logprobs must be at most 20");
+            let (model, tok) = load(&m)?;
+            let text = match (prompt, chat, messages) {
+                (Some(p), None, None) => p,
+                (None, Some(c), None) => {
+                    tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: c }], true)?
+                }
+                (None, None, Some(js)) => {
+                    let msgs: Vec<ChatMessage> = serde_json::from_str(&js).context("--messages must be a JSON array of {role, content}")?;
+                    tok.apply_chat_template(&msgs, true)?
+                }
+                _ => anyhow::bail!("give one of --prompt, --chat or --messages"),
+            };
+            let prompt_ids = tok.encode(&text)?;
+            let cpu = make_cpu(&m);
+            let opts = GenerateOptions {
+                max_tokens,
+                sampling: SamplingParams { temperature, top_p, top_k, top_logprobs },
+                seed,
+                stop_ids: tok.eos_id.into_iter().collect(),
+            };
+            let mut detok = Detokenizer::default();
+            let mut stdout = std::io::stdout();
+            let out = generate(&model, &cpu, &prompt_ids, &opts, |id| {
+                if !json {
+                    let _ = write!(stdout, "{}", detok.push(&tok, id));
+                    let _ = stdout.flush();
+                }
+            })?;
+            if json {
+                let v = serde_json::json!({
+                    "prompt_token_ids": prompt_ids,
+                    "token_ids": out.token_ids,
+                    "text": tok.decode(&out.token_ids),
+                    "finish_reason": out.finish_reason,
+                    "logprobs": out.logprobs,
+                    "timings": out.timings,
+                });
+                println!("{v}");
+            } else {
+                println!("{}", detok.finish());
+                let t = &out.timings;
+                eprintln!(
+                    "[{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s, finish: {}, kernels: {}]",
+                    t.prompt_tokens, t.prompt_tokens_per_second, t.decode_tokens, t.decode_tokens_per_second, out.finish_reason, cpu.isa.name()
+                );
+            }
+            Ok(())
+        }
+        Cmd::Bench { m, prompt_tokens, decode_tokens, batch, runs, busy_peer } => {
+            bench(&m, prompt_tokens, decode_tokens, &batch, runs.max(1), busy_peer)
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn bench(m: &ModelArgs, pp: usize, tg: usize, batches: &[usize], runs: usize, busy_peer: bool) -> anyhow::Result<()> {
+    let (model, tok) = load(m)?;
+    let cpu = make_cpu(m);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let peer = busy_peer.then(|| {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut x = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        })
+    });
+    // A prompt of `pp` real tokens: a text repeated and cut.
+    let base = tok.encode("The quick brown fox jumps over the lazy dog. Flywheel serves and learns; 12345 tokens of text. ")?;
+    let prompt: Vec<u32> = base.iter().cycle().take(pp).copied().collect();
+    let bs = flywheel::generate::BLOCK_SIZE;
+    let table: Vec<u32> = (0..pp.div_ceil(bs) as u32).collect();
+    let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), bs, table.len());
+    // Warm-up: touches the weights and the buffers once.
+    model.forward(&cpu, &mut cache, &[BatchSeq { tokens: &prompt[..pp.min(64)], first_pos: 0, block_table: &table, logits: Logits::Last }])?;
+    let mut pp_runs = Vec::new();
+    for _ in 0..runs {
+        let t = Instant::now();
+        model.forward(&cpu, &mut cache, &[BatchSeq { tokens: &prompt, first_pos: 0, block_table: &table, logits: Logits::Last }])?;
+        pp_runs.push(pp as f64 / t.elapsed().as_secs_f64());
+    }
+    let mut rows = vec![(format!("pp{pp}"), 1usize, median(pp_runs))];
+    for &b in batches {
+        let prompts: Vec<Vec<u32>> = (0..b).map(|i| prompt[i % 7..i % 7 + 8.min(pp)].to_vec()).collect();
+        let mut tg_runs = Vec::new();
+        for _ in 0..runs {
+            let secs = decode_batch(&model, &cpu, &prompts, tg)?;
+            tg_runs.push((b * tg) as f64 / secs);
+        }
+        rows.push((format!("tg{tg}"), b, median(tg_runs)));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Some(p) = peer {
+        let _ = p.join();
+    }
+    println!("model: {}  kernels: {}  threads: {}  busy peer: {busy_peer}", m.model.display(), cpu.isa.name(), cpu.pool.num_threads());
+    println!("{:<8} {:>6} {:>12}", "test", "batch", "tokens/s");
+    for (name, b, tps) in &rows {
+        println!("{name:<8} {b:>6} {tps:>12.1}");
+    }
+    let json = serde_json::json!({
+        "model": m.model.display().to_string(),
+        "kernels": cpu.isa.name(),
+        "threads": cpu.pool.num_threads(),
+        "busy_peer": busy_peer,
+        "runs": runs,
+        "weight_bytes_per_token": model.weight_bytes_per_token(),
+        "results": rows.iter().map(|(n, b, t)| serde_json::json!({"test": n, "batch": b, "tokens_per_second": t})).collect::<Vec<_>>(),
+    });
+    println!("{json}");
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! Paged KV storage: per layer, `num_blocks` blocks of `block_size` token slots of K and V (f32).
+//! Which block belongs to which sequence is the caller's business (a block table per sequence);
+//! `BlockAllocator` is the simple free list used until the engine's block manager owns this.
+
+use flywheel_kernels::reference::PagedKv;
+
+pub struct KvCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    pub num_layers: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub kv_dim: usize,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize, kv_dim: usize, block_size: usize, num_blocks: usize) -> KvCache {
+        let n = num_layers * num_blocks * block_size * kv_dim;
+        KvCache { k: vec![0.0; n], v: vec![0.0; n], num_layers, num_blocks, block_size, kv_dim }
+    }
+
+    fn layer_len(&self) -> usize {
+        self.num_blocks * self.block_size * self.kv_dim
+    }
+
+    /// Bytes held by K and V.
+    pub fn size_bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 4
+    }
+
+    pub fn layer(&self, l: usize) -> PagedKv<'_> {
+        let n = self.layer_len();
+        PagedKv { k: &self.k[l * n..(l + 1) * n], v: &self.v[l * n..(l + 1) * n], block_size: self.block_size, kv_dim: self.kv_dim }
+    }
+
+    /// Store the K and V rows of position `pos` of the sequence with `block_table` in layer `l`.
+    pub fn write(&mut self, l: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+        let n = self.layer_len();
+        let block = block_table[pos / self.block_size] as usize;
+        assert!(block < self.num_blocks, "block id {block} out of range");
+        let off = l * n + (block * self.block_size + pos % self.block_size) * self.kv_dim;
+        self.k[off..off + self.kv_dim].copy_from_slice(k);
+        self.v[off..off + self.kv_dim].copy_from_slice(v);
+    }
+
+    /// Number of blocks needed for `num_tokens` tokens.
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+}
+
+/// A free list of block ids.
+pub struct BlockAllocator {
+    free: Vec<u32>,
+}
+
+impl BlockAllocator {
+    pub fn new(num_blocks: usize) -> BlockAllocator {
+        BlockAllocator { free: (0..num_blocks as u32).rev().collect() }
+    }
+    pub fn alloc(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+    pub fn free(&mut self, blocks: &[u32]) {
+        self.free.extend_from_slice(blocks);
+    }
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+    /// Grow `table` so that it covers `num_tokens` tokens; false when out of blocks.
+    pub fn ensure(&mut self, table: &mut Vec<u32>, num_tokens: usize, block_size: usize) -> bool {
+        while table.len() * block_size < num_tokens {
+            match self.alloc() {
+                Some(b) => table.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+}

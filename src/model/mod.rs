@@ -1,0 +1,7 @@
+//! The model: GGUF reading and writing, the tokenizer and chat template, the Llama-family forward.
+
+pub mod gguf;
+pub mod gguf_writer;
+pub mod kv_cache;
+pub mod llama;
+pub mod tokenizer;

@@ -1,0 +1,248 @@
+//! The tokenizer and chat template, both built from GGUF metadata: a `tokenizers::Tokenizer` for
+//! byte-level BPE (vocab, merges, pre-tokenizer by `tokenizer.ggml.pre`, control tokens as special),
+//! a byte table for exact incremental detokenization, and `tokenizer.chat_template` via minijinja.
+
+use super::gguf::{Gguf, GgufError, Value};
+use std::collections::HashMap;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::AddedToken;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("unsupported tokenizer: {0}")]
+    Unsupported(String),
+    #[error("tokenizer: {0}")]
+    Build(String),
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The bytes each token stands for (control tokens: their text).
+    token_bytes: Vec<Vec<u8>>,
+    is_control: Vec<bool>,
+    pub bos_id: Option<u32>,
+    pub eos_id: Option<u32>,
+    pub add_bos: bool,
+    chat_template: Option<String>,
+    bos_text: String,
+    eos_text: String,
+}
+
+/// One chat message.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// GPT-2's byte <-> printable-char mapping used by byte-level BPE vocabularies.
+fn bytes_to_unicode() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..256u32 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        table[b as usize] = if printable {
+            char::from_u32(b).unwrap_or('\0')
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap_or('\0')
+        };
+    }
+    table
+}
+
+impl Tokenizer {
+    pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(TokenizerError::Unsupported(format!(
+                "tokenizer.ggml.model = '{model}' (only byte-level BPE, 'gpt2', is supported)"
+            )));
+        }
+        let pre = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+        let pre_tok: PreTokenizerWrapper = match pre {
+            "default" | "gpt2" => ByteLevel::new(false, true, true).into(),
+            "smollm" => {
+                Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into()
+            }
+            other => return Err(TokenizerError::Unsupported(format!("tokenizer.ggml.pre = '{other}'"))),
+        };
+        let tokens = string_array(g, "tokenizer.ggml.tokens")?;
+        let merges = string_array(g, "tokenizer.ggml.merges")?;
+        let types: Vec<i64> = match g.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+            Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
+            None => vec![1; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            return Err(TokenizerError::Build(format!(
+                "{} token types for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
+        }
+        let vocab: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let merges: Vec<(String, String)> = merges
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| TokenizerError::Build(format!("merge {i} '{m}' has no space")))
+            })
+            .collect::<Result<_, _>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab.into_iter().collect::<tokenizers::models::bpe::Vocab>(), merges)
+            .build()
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(pre_tok));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let mut special = Vec::new();
+        let mut added = Vec::new();
+        for (i, t) in tokens.iter().enumerate() {
+            match types[i] {
+                TOKEN_TYPE_CONTROL => special.push(AddedToken::from(t.clone(), true)),
+                TOKEN_TYPE_USER_DEFINED => added.push(AddedToken::from(t.clone(), false)),
+                _ => {}
+            }
+        }
+        inner.add_special_tokens(&special);
+        inner.add_tokens(&added);
+
+        let rev: HashMap<char, u8> = bytes_to_unicode().iter().enumerate().map(|(b, c)| (*c, b as u8)).collect();
+        let token_bytes = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if types[i] == TOKEN_TYPE_CONTROL || types[i] == TOKEN_TYPE_USER_DEFINED {
+                    t.as_bytes().to_vec()
+                } else {
+                    t.chars().map(|c| rev.get(&c).copied().unwrap_or(b'?')).collect()
+                }
+            })
+            .collect();
+        let id = |k: &str| g.get(k).and_then(Value::as_i64).map(|v| v as u32).filter(|&v| (v as usize) < tokens.len());
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let eos_id = id("tokenizer.ggml.eos_token_id");
+        let text = |i: Option<u32>| i.map(|i| tokens[i as usize].clone()).unwrap_or_default();
+        Ok(Tokenizer {
+            inner,
+            token_bytes,
+            is_control: types.iter().map(|t| *t == TOKEN_TYPE_CONTROL).collect(),
+            bos_id,
+            eos_id,
+            add_bos: g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_i64).unwrap_or(0) != 0,
+            chat_template: g.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string),
+            bos_text: text(bos_id),
+            eos_text: text(eos_id),
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
+    }
+
+    /// Token ids of `text`; control tokens written in the text are recognised (as llama.cpp's
+    /// server does for prompts). Adds BOS when the model asks for it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self.inner.encode_fast(text, false).map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos {
+            ids.extend(self.bos_id);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// The bytes a token stands for.
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.token_bytes.get(id as usize).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    pub fn is_control(&self, id: u32) -> bool {
+        self.is_control.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// Text of a token sequence (invalid UTF-8 replaced by U+FFFD).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let bytes: Vec<u8> = ids.iter().flat_map(|&i| self.token_bytes(i).iter().copied()).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Render the chat template with `messages`, ending with the assistant's generation prompt
+    /// when `add_generation_prompt`.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
+        let tmpl = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| TokenizerError::Template("the model has no tokenizer.chat_template".into()))?;
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", tmpl).map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let t = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
+        t.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_text,
+            eos_token => self.eos_text,
+        })
+        .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+}
+
+fn string_array(g: &Gguf, key: &str) -> Result<Vec<String>, TokenizerError> {
+    let a = g
+        .get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: "missing or not an array".into() })?;
+    a.iter()
+        .map(|v| {
+            v.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: "contains a non-string".into() }.into())
+        })
+        .collect()
+}
+
+/// Incremental detokenizer: feed token ids, get back the text that is complete UTF-8 so far.
+#[derive(Default)]
+pub struct Detokenizer {
+    pending: Vec<u8>,
+}
+
+impl Detokenizer {
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> String {
+        self.pending.extend_from_slice(tok.token_bytes(id));
+        let valid = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) if e.error_len().is_some() => self.pending.len(), // invalid, not incomplete: flush lossily
+            Err(e) => e.valid_up_to(),
+        };
+        let out: Vec<u8> = self.pending.drain(..valid).collect();
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// Whatever is left (an incomplete character at the end), lossily.
+    pub fn finish(&mut self) -> String {
+        let out = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        out
+    }
+}

@@ -1,0 +1,219 @@
+//! Turning logits into a token: temperature, top-k, top-p, seeded randomness, and the log-probs
+//! the caller reports (log-softmax of logits / temperature, before any truncation; plain logits at
+//! temperature 0), so that a trainer can recompute them exactly.
+
+use flywheel_kernels::Cpu;
+
+/// xoshiro256** seeded through SplitMix64: small, fast, reproducible across platforms.
+#[derive(Clone, Debug)]
+pub struct Rng {
+    s: [u64; 4],
+}
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9E3779B97F4A7C15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
+            x ^ (x >> 31)
+        };
+        Rng { s: [next(), next(), next(), next()] }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        r
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// In (0, 1]; 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// How many top alternatives to report per token (0..=20).
+    pub top_logprobs: usize,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, top_logprobs: 0 }
+    }
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TopLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+}
+
+#[derive(Clone, Debug)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<TopLogprob>,
+}
+
+/// Sample from one row of logits (overwritten with log-probs).
+pub fn sample(cpu: &Cpu, logits: &mut [f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
+    if p.temperature > 0.0 && p.temperature != 1.0 {
+        let inv = 1.0 / p.temperature;
+        logits.iter_mut().for_each(|v| *v *= inv);
+    }
+    cpu.log_softmax(logits);
+    let lp: &[f32] = logits;
+    let token = if p.temperature <= 0.0 {
+        argmax(lp)
+    } else {
+        sample_truncated(lp, p.top_k, p.top_p, rng)
+    };
+    Sampled { token, logprob: lp[token as usize], top: top_k(lp, p.top_logprobs) }
+}
+
+/// The index of the largest value (the lowest index on ties).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The `k` best (token, logprob), best first.
+pub fn top_k(lp: &[f32], k: usize) -> Vec<TopLogprob> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+    let k = k.min(idx.len());
+    let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+    idx.select_nth_unstable_by(k - 1, cmp);
+    idx.truncate(k);
+    idx.sort_by(cmp);
+    idx.into_iter().map(|i| TopLogprob { token_id: i, logprob: lp[i as usize] }).collect()
+}
+
+fn sample_truncated(lp: &[f32], top_k: usize, top_p: f32, rng: &mut Rng) -> u32 {
+    let u = rng.next_f64();
+    if top_k == 0 && top_p >= 1.0 {
+        // Inverse CDF over the full distribution.
+        let mut acc = 0.0f64;
+        let target = u * lp.iter().map(|v| (*v as f64).exp()).sum::<f64>();
+        for (i, v) in lp.iter().enumerate() {
+            acc += (*v as f64).exp();
+            if acc > target {
+                return i as u32;
+            }
+        }
+        return argmax(lp);
+    }
+    let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+    let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+    if top_k > 0 && top_k < idx.len() {
+        idx.select_nth_unstable_by(top_k - 1, cmp);
+        idx.truncate(top_k);
+    }
+    idx.sort_by(cmp);
+    let probs: Vec<f64> = idx.iter().map(|&i| (lp[i as usize] as f64).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    let mut keep = probs.len();
+    if top_p < 1.0 {
+        let mut acc = 0.0;
+        for (j, p) in probs.iter().enumerate() {
+            acc += p / total;
+            if acc >= top_p as f64 {
+                keep = j + 1;
+                break;
+            }
+        }
+    }
+    let kept: f64 = probs[..keep].iter().sum();
+    let target = u * kept;
+    let mut acc = 0.0;
+    for j in 0..keep {
+        acc += probs[j];
+        if acc > target {
+            return idx[j];
+        }
+    }
+    idx[keep - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flywheel_kernels::{Isa, ThreadPool};
+
+    fn cpu() -> Cpu {
+        Cpu::new(Isa::Reference, ThreadPool::new(1, std::time::Duration::ZERO))
+    }
+
+    #[test]
+    fn greedy_picks_argmax_and_reports_plain_log_softmax() {
+        let mut l = vec![1.0, 3.0, 2.0];
+        let s = sample(&cpu(), &mut l, &SamplingParams { temperature: 0.0, top_logprobs: 2, ..Default::default() }, &mut Rng::new(0));
+        assert_eq!(s.token, 1);
+        let lse = (1f64.exp() + 3f64.exp() + 2f64.exp()).ln();
+        assert!((s.logprob as f64 - (3.0 - lse)).abs() < 1e-6);
+        assert_eq!(s.top.iter().map(|t| t.token_id).collect::<Vec<_>>(), vec![1, 2]);
+    }
+
+    #[test]
+    fn temperature_scales_logprobs() {
+        let mut l = vec![0.0, 2.0];
+        let s = sample(&cpu(), &mut l, &SamplingParams { temperature: 2.0, top_k: 1, ..Default::default() }, &mut Rng::new(0));
+        // With top_k = 1 only token 1 can be drawn; its log-prob is of logits / 2, untruncated.
+        assert_eq!(s.token, 1);
+        let want = 1.0 - (1.0f64 + 1f64.exp()).ln();
+        assert!((s.logprob as f64 - want).abs() < 1e-6);
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution_and_top_p_truncates() {
+        let base = [0.5f64.ln(), 0.3f64.ln(), 0.2f64.ln()];
+        let mut rng = Rng::new(42);
+        let mut counts = [0usize; 3];
+        let n = 20000;
+        for _ in 0..n {
+            let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
+            counts[sample(&cpu(), &mut l, &SamplingParams::default(), &mut rng).token as usize] += 1;
+        }
+        for (c, p) in counts.iter().zip([0.5, 0.3, 0.2]) {
+            assert!((*c as f64 / n as f64 - p).abs() < 0.02, "{counts:?}");
+        }
+        let mut seen = [false; 3];
+        for _ in 0..2000 {
+            let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
+            let p = SamplingParams { top_p: 0.7, ..Default::default() };
+            seen[sample(&cpu(), &mut l, &p, &mut rng).token as usize] = true;
+        }
+        assert_eq!(seen, [true, true, false], "top_p 0.7 keeps the first two tokens only");
+    }
+
+    #[test]
+    fn same_seed_same_draws() {
+        let (mut a, mut b) = (Rng::new(7), Rng::new(7));
+        assert!((0..100).all(|_| a.next_u64() == b.next_u64()));
+        assert_ne!(Rng::new(7).next_u64(), Rng::new(8).next_u64());
+    }
+}
