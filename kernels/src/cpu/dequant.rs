@@ -1,7 +1,7 @@
 //! Per-format block dequantization to f32, written once over the `Simd` trait.
 
 use super::simd::Simd;
-use crate::quant::{f16_to_f32, QuantType};
+use crate::quant::QuantType;
 use crate::reference::scale_min_k4;
 
 /// A block format known at compile time, so the matmul drivers monomorphize per format.
@@ -11,12 +11,26 @@ pub trait Format {
     const BB: usize;
     /// Dequantize one block at `src` into `BS` floats at `dst`.
     unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32);
+
+    /// Fused dequantize-and-dot of one block against `N` activation rows (each pointer at this
+    /// block's first value): `acc[i]` gathers the products for row i in two vectors. The default
+    /// goes through a stack buffer; the formats decode needs most override it to stay in registers.
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(src: *const u8, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+        let mut buf = [0.0f32; 256];
+        Self::dequant::<S>(src, buf.as_mut_ptr());
+        let mut c = 0;
+        while c < Self::BS {
+            let w = S::load(buf.as_ptr().add(c));
+            let h = (c / S::LANES) & 1;
+            for i in 0..N {
+                acc[i][h] = S::fma(w, S::load(x[i].add(c)), acc[i][h]);
+            }
+            c += S::LANES;
+        }
+    }
 }
 
-#[inline(always)]
-unsafe fn rd16(p: *const u8) -> f32 {
-    f16_to_f32(u16::from_le_bytes([*p, *p.add(1)]))
-}
 
 pub struct F32;
 pub struct F16;
@@ -73,7 +87,7 @@ impl Format for Q4_0 {
     const BB: usize = 18;
     #[inline(always)]
     unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
-        let d = rd16(src);
+        let d = S::f16(src);
         let (vd, off) = (S::splat(d), S::splat(-8.0 * d));
         let qs = src.add(2);
         let mut c = 0;
@@ -84,6 +98,11 @@ impl Format for Q4_0 {
             c += S::LANES;
         }
     }
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(src: *const u8, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+        let d = S::f16(src);
+        nibble_dot::<S, N>(src.add(2), S::splat(d), S::splat(-8.0 * d), x, acc)
+    }
 }
 
 impl Format for Q4_1 {
@@ -92,7 +111,7 @@ impl Format for Q4_1 {
     const BB: usize = 20;
     #[inline(always)]
     unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
-        let (vd, vm) = (S::splat(rd16(src)), S::splat(rd16(src.add(2))));
+        let (vd, vm) = (S::splat(S::f16(src)), S::splat(S::f16(src.add(2))));
         let qs = src.add(4);
         let mut c = 0;
         while c < 16 {
@@ -102,6 +121,10 @@ impl Format for Q4_1 {
             c += S::LANES;
         }
     }
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(src: *const u8, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+        nibble_dot::<S, N>(src.add(4), S::splat(S::f16(src)), S::splat(S::f16(src.add(2))), x, acc)
+    }
 }
 
 impl Format for Q8_0 {
@@ -110,11 +133,25 @@ impl Format for Q8_0 {
     const BB: usize = 34;
     #[inline(always)]
     unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
-        let vd = S::splat(rd16(src));
+        let vd = S::splat(S::f16(src));
         let qs = src.add(2);
         let mut c = 0;
         while c < 32 {
             S::store(dst.add(c), S::mul(S::cvt(S::load_i8(qs.add(c))), vd));
+            c += S::LANES;
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(src: *const u8, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+        let vd = S::splat(S::f16(src));
+        let qs = src.add(2);
+        let mut c = 0;
+        while c < 32 {
+            let w = S::mul(S::cvt(S::load_i8(qs.add(c))), vd);
+            let h = (c / S::LANES) & 1;
+            for i in 0..N {
+                acc[i][h] = S::fma(w, S::load(x[i].add(c)), acc[i][h]);
+            }
             c += S::LANES;
         }
     }
@@ -126,7 +163,7 @@ impl Format for Q4K {
     const BB: usize = 144;
     #[inline(always)]
     unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
-        let (d, dmin) = (rd16(src), rd16(src.add(2)));
+        let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
         let scales = std::slice::from_raw_parts(src.add(4), 12);
         let qs = src.add(16);
         for c in 0..4 {
@@ -153,7 +190,7 @@ impl Format for Q6K {
     const BB: usize = 210;
     #[inline(always)]
     unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
-        let d = rd16(src.add(208));
+        let d = S::f16(src.add(208));
         let k32 = S::splat(32.0);
         for half in 0..2 {
             let ql = src.add(64 * half);
@@ -196,5 +233,21 @@ pub unsafe fn dequant_row<S: Simd, F: Format>(src: *const u8, dst: *mut f32, n: 
     for i in nb * F::BS..n {
         let bytes = std::slice::from_raw_parts(src.add(i * esize), esize);
         crate::reference::dequantize_block(F::TY, bytes, std::slice::from_raw_parts_mut(dst.add(i), 1));
+    }
+}
+
+/// 32 nibbles (low nibbles are values 0..16, high nibbles 16..32) as `q * d + m`, dotted with N rows.
+#[inline(always)]
+unsafe fn nibble_dot<S: Simd, const N: usize>(qs: *const u8, d: S::V, m: S::V, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+    let mut c = 0;
+    while c < 16 {
+        let b = S::load_u8(qs.add(c));
+        let lo = S::fma(S::cvt(S::and_i(b, 0xF)), d, m);
+        let hi = S::fma(S::cvt(S::srl::<4>(b)), d, m);
+        for i in 0..N {
+            acc[i][0] = S::fma(lo, S::load(x[i].add(c)), acc[i][0]);
+            acc[i][1] = S::fma(hi, S::load(x[i].add(16 + c)), acc[i][1]);
+        }
+        c += S::LANES;
     }
 }

@@ -181,10 +181,45 @@ unsafe fn weight_row<S: Simd, F: Format>(j: &JobRef, r: usize, buf: *mut f32) ->
 
 #[inline(always)]
 unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *mut f32) {
+    if F::TY == QuantType::F32 || j.cols % F::BS != 0 {
+        for r in r0..r1 {
+            let w = weight_row::<S, F>(j, r, buf);
+            for i in 0..j.n {
+                *j.y.add(i * j.rows + r) = dot::<S>(w, j.x.add(i * j.cols), j.cols);
+            }
+        }
+        return;
+    }
+    // Fused: each weight block is decoded in registers and used for up to 4 activation rows.
+    let mut i0 = 0;
+    while i0 < j.n {
+        match j.n - i0 {
+            1 => fused_rows::<S, F, 1>(j, r0, r1, i0),
+            2 => fused_rows::<S, F, 2>(j, r0, r1, i0),
+            3 => fused_rows::<S, F, 3>(j, r0, r1, i0),
+            _ => fused_rows::<S, F, 4>(j, r0, r1, i0),
+        }
+        i0 += 4;
+    }
+}
+
+#[inline(always)]
+unsafe fn fused_rows<S: Simd, F: Format, const N: usize>(j: &JobRef, r0: usize, r1: usize, i0: usize) {
+    let nb = j.cols / F::BS;
     for r in r0..r1 {
-        let w = weight_row::<S, F>(j, r, buf);
-        for i in 0..j.n {
-            *j.y.add(i * j.rows + r) = dot::<S>(w, j.x.add(i * j.cols), j.cols);
+        let w = j.w.add(r * j.row_bytes);
+        let mut acc = [[S::zero(); 2]; N];
+        for b in 0..nb {
+            let src = w.add(b * F::BB);
+            S::prefetch(src.add(512));
+            let mut xs = [std::ptr::null::<f32>(); N];
+            for (i, p) in xs.iter_mut().enumerate() {
+                *p = j.x.add((i0 + i) * j.cols + b * F::BS);
+            }
+            F::dot_block::<S, N>(src, &xs, &mut acc);
+        }
+        for (i, a) in acc.iter().enumerate() {
+            *j.y.add((i0 + i) * j.rows + r) = S::reduce_add(S::add(a[0], a[1]));
         }
     }
 }

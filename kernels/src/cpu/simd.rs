@@ -48,6 +48,17 @@ pub trait Simd: Copy {
     unsafe fn cast(a: Self::I) -> Self::V;
     /// Round to nearest integer (as f32).
     unsafe fn round(a: Self::V) -> Self::V;
+    /// One IEEE half to f32 (F16C).
+    #[inline(always)]
+    unsafe fn f16(p: *const u8) -> f32 {
+        let h = u16::from_le_bytes([*p, *p.add(1)]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+    /// Hint that the cache line at `p` will be read soon.
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+    }
 }
 
 #[derive(Clone, Copy)]
