@@ -1,5 +1,5 @@
-//! Scalar reference of every op: plain loops, no SIMD, no threads. The truth every fast path is
-//! tested against, and what `--reference-kernels` runs.
+//! Scalar reference of every op: plain loops, no SIMD, no threads, sums in f64. The truth every
+//! fast path is tested against, and what `--reference-kernels` runs.
 
 use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, QK};
 
@@ -105,11 +105,11 @@ pub fn matmul(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &
         dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut wrow);
         for i in 0..n {
             let xi = &x[i * cols..(i + 1) * cols];
-            let mut acc = 0.0f32;
+            let mut acc = 0.0f64;
             for c in 0..cols {
-                acc += wrow[c] * xi[c];
+                acc += wrow[c] as f64 * xi[c] as f64;
             }
-            y[i * rows + r] = acc;
+            y[i * rows + r] = acc as f32;
         }
     }
 }
@@ -118,8 +118,8 @@ pub fn matmul(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let scale = 1.0 / (ss + eps).sqrt();
+        let ss = xr.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / d as f64;
+        let scale = (1.0 / (ss + eps as f64).sqrt()) as f32;
         for c in 0..d {
             or[c] = xr[c] * scale * weight[c];
         }
@@ -153,16 +153,16 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-/// In-place softmax of one row.
+/// In-place softmax of one row (sum in f64).
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
+    let mut sum = 0.0f64;
     for v in x.iter_mut() {
         *v = (*v - max).exp();
-        sum += *v;
+        sum += *v as f64;
     }
     for v in x.iter_mut() {
-        *v /= sum;
+        *v = (*v as f64 / sum) as f32;
     }
 }
 
@@ -228,16 +228,19 @@ pub fn attention(
                 for (p, sc) in scores.iter_mut().enumerate() {
                     let off = kv.offset(s.block_table, p) + kvh * head_dim;
                     let kh = &kv.k[off..off + head_dim];
-                    *sc = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    *sc = (qh.iter().zip(kh).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64) as f32;
                 }
                 softmax(&mut scores);
-                let oh = &mut out[t * qdim + h * head_dim..][..head_dim];
-                oh.fill(0.0);
+                let mut acc = vec![0.0f64; head_dim];
                 for (p, w) in scores.iter().enumerate() {
                     let off = kv.offset(s.block_table, p) + kvh * head_dim;
                     for d in 0..head_dim {
-                        oh[d] += w * kv.v[off + d];
+                        acc[d] += *w as f64 * kv.v[off + d] as f64;
                     }
+                }
+                let oh = &mut out[t * qdim + h * head_dim..][..head_dim];
+                for d in 0..head_dim {
+                    oh[d] = acc[d] as f32;
                 }
             }
         }

@@ -1,0 +1,177 @@
+//! Tiny random-weight Llama GGUF files for tests, with a small byte-level BPE vocabulary.
+#![allow(dead_code)]
+
+use flywheel::kernels::quant::quantize::quantize;
+use flywheel::kernels::QuantType;
+use flywheel::model::gguf::Value;
+use flywheel::model::gguf_writer::GgufWriter;
+
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+    pub fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+#[derive(Clone)]
+pub struct TinySpec {
+    pub hidden: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub layers: usize,
+    pub ctx: usize,
+    pub tied: bool,
+    /// Formats for q, k, v, o, gate, up, down, embedding.
+    pub formats: [QuantType; 8],
+    pub seed: u64,
+}
+
+impl TinySpec {
+    pub fn small() -> TinySpec {
+        use QuantType::*;
+        TinySpec {
+            hidden: 64,
+            ffn: 96,
+            heads: 4,
+            kv_heads: 2,
+            layers: 2,
+            ctx: 256,
+            tied: true,
+            formats: [Q4_1, Q4_0, Q8_0, F16, Q4_1, BF16, Q8_0, Q8_0],
+            seed: 11,
+        }
+    }
+    pub fn k_quants() -> TinySpec {
+        use QuantType::*;
+        TinySpec {
+            hidden: 256,
+            ffn: 512,
+            heads: 4,
+            kv_heads: 1,
+            layers: 2,
+            ctx: 128,
+            tied: false,
+            formats: [Q4K, Q6K, Q4K, Q6K, Q4K, Q6K, Q4K, F32],
+            seed: 12,
+        }
+    }
+}
+
+/// GPT-2's byte-to-char table.
+pub fn byte_chars() -> Vec<char> {
+    let mut out = Vec::new();
+    let mut n = 0u32;
+    for b in 0..256u32 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        out.push(if printable {
+            char::from_u32(b).unwrap()
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap()
+        });
+    }
+    out
+}
+
+/// Vocabulary: 3 control tokens, 256 byte tokens, and merged tokens for "he", "ll", "Ġt", "hell".
+pub fn vocab() -> (Vec<String>, Vec<i32>, Vec<String>) {
+    let mut tokens: Vec<String> = vec!["<|endoftext|>".into(), "<|im_start|>".into(), "<|im_end|>".into()];
+    let mut types = vec![3, 3, 3];
+    for c in byte_chars() {
+        tokens.push(c.to_string());
+        types.push(1);
+    }
+    let merges = vec!["h e".to_string(), "l l".to_string(), "Ġ t".to_string(), "he ll".to_string()];
+    for m in &merges {
+        tokens.push(m.replace(' ', ""));
+        types.push(1);
+    }
+    (tokens, types, merges)
+}
+
+pub struct TinyModel {
+    pub spec: TinySpec,
+    pub vocab_size: usize,
+    pub bytes: Vec<u8>,
+}
+
+pub fn tiny_model(spec: &TinySpec) -> TinyModel {
+    let (tokens, types, merges) = vocab();
+    let v = tokens.len();
+    let s = spec;
+    let hd = s.hidden / s.heads;
+    let mut rng = Rng(s.seed);
+    let mut w = GgufWriter::new();
+    let str_arr = |xs: &[String]| Value::Array(xs.iter().map(|x| Value::String(x.clone())).collect());
+    w.meta("general.architecture", Value::String("llama".into()))
+        .meta("general.name", Value::String("tiny".into()))
+        .meta("llama.block_count", Value::U32(s.layers as u32))
+        .meta("llama.context_length", Value::U32(s.ctx as u32))
+        .meta("llama.embedding_length", Value::U32(s.hidden as u32))
+        .meta("llama.feed_forward_length", Value::U32(s.ffn as u32))
+        .meta("llama.attention.head_count", Value::U32(s.heads as u32))
+        .meta("llama.attention.head_count_kv", Value::U32(s.kv_heads as u32))
+        .meta("llama.rope.freq_base", Value::F32(10000.0))
+        .meta("llama.rope.dimension_count", Value::U32(hd as u32))
+        .meta("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+        .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .meta("tokenizer.ggml.pre", Value::String("smollm".into()))
+        .meta("tokenizer.ggml.tokens", str_arr(&tokens))
+        .meta("tokenizer.ggml.token_type", Value::Array(types.iter().map(|t| Value::I32(*t)).collect()))
+        .meta("tokenizer.ggml.merges", str_arr(&merges))
+        .meta("tokenizer.ggml.bos_token_id", Value::U32(1))
+        .meta("tokenizer.ggml.eos_token_id", Value::U32(2))
+        .meta("tokenizer.ggml.add_bos_token", Value::Bool(false))
+        .meta(
+            "tokenizer.chat_template",
+            Value::String(
+                "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}".into(),
+            ),
+        );
+    let mat = |w: &mut GgufWriter, rng: &mut Rng, name: &str, rows: usize, cols: usize, ty: QuantType, scale: f32| {
+        let data = rng.vec(rows * cols, scale);
+        w.tensor(name, &[cols as u64, rows as u64], ty, quantize(ty, &data));
+    };
+    let f = s.formats;
+    mat(&mut w, &mut rng, "token_embd.weight", v, s.hidden, f[7], 0.3);
+    let (qd, kvd) = (s.heads * hd, s.kv_heads * hd);
+    for l in 0..s.layers {
+        let n = |x: &str| format!("blk.{l}.{x}.weight");
+        mat(&mut w, &mut rng, &n("attn_q"), qd, s.hidden, f[0], 0.3);
+        mat(&mut w, &mut rng, &n("attn_k"), kvd, s.hidden, f[1], 0.3);
+        mat(&mut w, &mut rng, &n("attn_v"), kvd, s.hidden, f[2], 0.3);
+        mat(&mut w, &mut rng, &n("attn_output"), s.hidden, qd, f[3], 0.3);
+        mat(&mut w, &mut rng, &n("ffn_gate"), s.ffn, s.hidden, f[4], 0.3);
+        mat(&mut w, &mut rng, &n("ffn_up"), s.ffn, s.hidden, f[5], 0.3);
+        mat(&mut w, &mut rng, &n("ffn_down"), s.hidden, s.ffn, f[6], 0.3);
+        let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();
+        w.tensor(&n("attn_norm"), &[s.hidden as u64], QuantType::F32, quantize(QuantType::F32, &norm));
+        let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();
+        w.tensor(&n("ffn_norm"), &[s.hidden as u64], QuantType::F32, quantize(QuantType::F32, &norm));
+    }
+    let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();
+    w.tensor("output_norm.weight", &[s.hidden as u64], QuantType::F32, quantize(QuantType::F32, &norm));
+    if !s.tied {
+        mat(&mut w, &mut rng, "output.weight", v, s.hidden, f[7], 0.3);
+    }
+    TinyModel { spec: spec.clone(), vocab_size: v, bytes: w.to_bytes() }
+}
+
+/// Write a tiny model into a temp dir; returns the dir (keep it alive) and the path.
+pub fn write_tiny(spec: &TinySpec) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, tiny_model(spec).bytes).unwrap();
+    (dir, path)
+}

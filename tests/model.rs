@@ -1,0 +1,241 @@
+//! The forward pass against an independent, straightforward implementation written here (f64,
+//! dequantized weights, full attention over the history), and the packed-batch invariants.
+
+mod common;
+
+use common::{write_tiny, TinySpec};
+use flywheel::kernels::{reference, Cpu, Isa, ThreadPool};
+use flywheel::model::gguf::Gguf;
+use flywheel::model::kv_cache::{BlockAllocator, KvCache};
+use flywheel::model::llama::{BatchSeq, Llama, Logits};
+use std::time::Duration;
+
+fn cpu(isa: Isa) -> Cpu {
+    Cpu::new(isa, ThreadPool::new(2, Duration::from_micros(50)))
+}
+
+/// Dequantized tensor as f64 rows (rows, cols).
+fn mat(g: &Gguf, name: &str) -> Vec<Vec<f64>> {
+    let t = g.tensor(name).unwrap_or_else(|| panic!("{name}"));
+    let cols = t.dims[0] as usize;
+    let rows = if t.dims.len() > 1 { t.dims[1] as usize } else { 1 };
+    let mut all = vec![0.0f32; rows * cols];
+    reference::dequantize_row(t.ty, g.tensor_data(t), &mut all);
+    all.chunks(cols).map(|r| r.iter().map(|v| *v as f64).collect()).collect()
+}
+
+fn matvec(w: &[Vec<f64>], x: &[f64]) -> Vec<f64> {
+    w.iter().map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+}
+
+fn rmsnorm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let s = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(w).map(|(a, b)| a * s * b).collect()
+}
+
+fn rope(x: &mut [f64], pos: usize, hd: usize, base: f64) {
+    for h in x.chunks_mut(hd) {
+        for i in 0..hd / 2 {
+            let th = pos as f64 * base.powf(-2.0 * i as f64 / hd as f64);
+            let (a, b) = (h[2 * i], h[2 * i + 1]);
+            h[2 * i] = a * th.cos() - b * th.sin();
+            h[2 * i + 1] = a * th.sin() + b * th.cos();
+        }
+    }
+}
+
+/// Log-probs of the next token after each prefix of `tokens`, computed the obvious way.
+fn naive_logprobs(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f64>> {
+    let g = Gguf::open(path).unwrap();
+    let get = |k: &str| g.get(k).unwrap().as_f64().unwrap();
+    let (layers, hidden) = (get("llama.block_count") as usize, get("llama.embedding_length") as usize);
+    let (heads, kvh) = (get("llama.attention.head_count") as usize, get("llama.attention.head_count_kv") as usize);
+    let (base, eps) = (get("llama.rope.freq_base"), get("llama.attention.layer_norm_rms_epsilon"));
+    let hd = hidden / heads;
+    let emb = mat(&g, "token_embd.weight");
+    let out = if g.tensor("output.weight").is_some() { mat(&g, "output.weight") } else { emb.clone() };
+    let on = &mat(&g, "output_norm.weight")[0];
+    let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| emb[t as usize].clone()).collect();
+    for l in 0..layers {
+        let m = |n: &str| mat(&g, &format!("blk.{l}.{n}.weight"));
+        let (wq, wk, wv, wo) = (m("attn_q"), m("attn_k"), m("attn_v"), m("attn_output"));
+        let (wg, wu, wd) = (m("ffn_gate"), m("ffn_up"), m("ffn_down"));
+        let (an, fnorm) = (m("attn_norm")[0].clone(), m("ffn_norm")[0].clone());
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        let mut qs = Vec::new();
+        for (p, x) in xs.iter().enumerate() {
+            let n = rmsnorm(x, &an, eps);
+            let (mut q, mut k) = (matvec(&wq, &n), matvec(&wk, &n));
+            rope(&mut q, p, hd, base);
+            rope(&mut k, p, hd, base);
+            qs.push(q);
+            ks.push(k);
+            vs.push(matvec(&wv, &n));
+        }
+        for p in 0..xs.len() {
+            let mut att = vec![0.0; heads * hd];
+            for h in 0..heads {
+                let kv = h / (heads / kvh);
+                let sc: Vec<f64> = (0..=p)
+                    .map(|j| (0..hd).map(|d| qs[p][h * hd + d] * ks[j][kv * hd + d]).sum::<f64>() / (hd as f64).sqrt())
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for j in 0..=p {
+                    for d in 0..hd {
+                        att[h * hd + d] += e[j] / z * vs[j][kv * hd + d];
+                    }
+                }
+            }
+            let o = matvec(&wo, &att);
+            for (a, b) in xs[p].iter_mut().zip(o) {
+                *a += b;
+            }
+            let n = rmsnorm(&xs[p], &fnorm, eps);
+            let (gt, up) = (matvec(&wg, &n), matvec(&wu, &n));
+            let act: Vec<f64> = gt.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let d = matvec(&wd, &act);
+            for (a, b) in xs[p].iter_mut().zip(d) {
+                *a += b;
+            }
+        }
+    }
+    xs.iter()
+        .map(|x| {
+            let logits = matvec(&out, &rmsnorm(x, on, eps));
+            let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = mx + logits.iter().map(|v| (v - mx).exp()).sum::<f64>().ln();
+            logits.iter().map(|v| v - lse).collect()
+        })
+        .collect()
+}
+
+fn run_all(model: &Llama, cpu: &Cpu, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let bs = 4;
+    let table: Vec<u32> = (0..tokens.len().div_ceil(bs) as u32).rev().collect();
+    let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), bs, table.len());
+    let logits = model
+        .forward(cpu, &mut cache, &[BatchSeq { tokens, first_pos: 0, block_table: &table, logits: Logits::All }])
+        .unwrap();
+    let v = model.config.vocab_size;
+    logits
+        .chunks(v)
+        .map(|r| {
+            let mut r = r.to_vec();
+            reference::log_softmax(&mut r);
+            r
+        })
+        .collect()
+}
+
+fn min_lp(b: &[Vec<f64>]) -> f64 {
+    b.iter().flatten().cloned().fold(0.0, f64::min)
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f64>]) -> f64 {
+    a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (*p as f64 - q).abs())).fold(0.0, f64::max)
+}
+
+#[test]
+fn reference_kernels_match_the_naive_implementation() {
+    for spec in [TinySpec::small(), TinySpec::k_quants()] {
+        let (_dir, path) = write_tiny(&spec);
+        let tokens: Vec<u32> = (0..19).map(|i| (i * 37 + 5) % 250 + 3).collect();
+        let want = naive_logprobs(&path, &tokens);
+        let model = Llama::open(&path).unwrap();
+        let got = run_all(&model, &cpu(Isa::Reference), &tokens);
+        let d = max_diff(&got, &want);
+        eprintln!("hidden {}: reference vs naive max |Δ log-prob| {d:.2e}, range {:.1}", spec.hidden, min_lp(&want));
+        assert!(d < 2e-5, "reference forward vs naive: max |Δ log-prob| = {d}");
+    }
+}
+
+#[test]
+fn fast_kernels_match_the_naive_implementation() {
+    for spec in [TinySpec::small(), TinySpec::k_quants()] {
+        let (_dir, path) = write_tiny(&spec);
+        let tokens: Vec<u32> = (0..40).map(|i| (i * 53 + 1) % 250 + 3).collect();
+        let want = naive_logprobs(&path, &tokens);
+        let model = Llama::open(&path).unwrap();
+        for isa in Isa::available() {
+            let d = max_diff(&run_all(&model, &cpu(isa), &tokens), &want);
+            eprintln!("hidden {}: {isa:?} vs naive max |Δ log-prob| {d:.2e}, range {:.1}", spec.hidden, min_lp(&want));
+            assert!(d < 5e-5, "{isa:?} forward vs naive: max |Δ log-prob| = {d}");
+        }
+    }
+}
+
+/// Two sequences in one packed batch, one of them prefilled in two chunks, give the same logits
+/// as each sequence run alone in one go.
+#[test]
+fn packed_batches_and_chunked_prefill_agree_with_single_runs() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let model = Llama::open(&path).unwrap();
+    let c = cpu(Isa::detect());
+    let a: Vec<u32> = (0..23).map(|i| (i * 7 + 3) % 250 + 3).collect();
+    let b: Vec<u32> = (0..9).map(|i| (i * 11 + 1) % 250 + 3).collect();
+    let alone_a = run_all(&model, &c, &a);
+    let alone_b = run_all(&model, &c, &b);
+
+    let bs = 4;
+    let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), bs, 32);
+    let mut alloc = BlockAllocator::new(32);
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    alloc.ensure(&mut tb, b.len(), bs);
+    alloc.ensure(&mut ta, a.len(), bs);
+    let v = model.config.vocab_size;
+    // Step 1: a's first 10 tokens and all of b.
+    let l1 = model
+        .forward(
+            &c,
+            &mut cache,
+            &[
+                BatchSeq { tokens: &a[..10], first_pos: 0, block_table: &ta, logits: Logits::All },
+                BatchSeq { tokens: &b, first_pos: 0, block_table: &tb, logits: Logits::Last },
+            ],
+        )
+        .unwrap();
+    // Step 2: the rest of a.
+    let l2 = model
+        .forward(&c, &mut cache, &[BatchSeq { tokens: &a[10..], first_pos: 10, block_table: &ta, logits: Logits::All }])
+        .unwrap();
+    let rows: Vec<Vec<f32>> = l1.chunks(v).chain(l2.chunks(v)).map(|r| r.to_vec()).collect();
+    let lsm = |mut r: Vec<f32>| {
+        reference::log_softmax(&mut r);
+        r
+    };
+    for i in 0..10 {
+        assert_close(&lsm(rows[i].clone()), &alone_a[i], "a, first chunk");
+    }
+    assert_close(&lsm(rows[10].clone()), &alone_b[b.len() - 1], "b");
+    for i in 10..a.len() {
+        assert_close(&lsm(rows[i + 1].clone()), &alone_a[i], "a, second chunk");
+    }
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    assert!(d < 2e-5, "{what}: max diff {d}");
+}
+
+#[test]
+fn bad_batches_are_errors_not_panics() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let model = Llama::open(&path).unwrap();
+    let c = cpu(Isa::detect());
+    let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), 4, 4);
+    let table = [0u32, 1];
+    let too_long: Vec<u32> = vec![5; 9];
+    let cases: Vec<(Vec<u32>, usize, &str)> =
+        vec![(vec![], 0, "no tokens"), (too_long, 0, "block table"), (vec![100_000], 0, "vocabulary"), (vec![5], 300, "context")];
+    for (toks, first_pos, msg) in cases {
+        let e = model
+            .forward(&c, &mut cache, &[BatchSeq { tokens: &toks, first_pos, block_table: &table, logits: Logits::Last }])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(msg), "{e} should mention {msg}");
+    }
+}
