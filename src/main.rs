@@ -60,7 +60,7 @@ enum Cmd {
         top_k: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Report this many alternatives per token (0-20).
+        /// Report this many alternatives per token (the HTTP API caps this at 20; the CLI allows 1000 for checks).
         #[arg(long, default_value_t = 0)]
         top_logprobs: usize,
         /// Print one JSON object instead of streaming text.
@@ -138,7 +138,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Generate { m, prompt, chat, messages, max_tokens, temperature, top_p, top_k, seed, top_logprobs, json } => {
             anyhow::ensure!(temperature >= 0.0, "--temperature must be >= 0");
             anyhow::ensure!(top_p > 0.0 && top_p <= 1.0, "--top-p must be in (0, 1]");
-            anyhow::ensure!(top_logprobs <= 20, "--top-logprobs must be at most 20");
+            anyhow::ensure!(top_logprobs <= 1000, "--top-logprobs must be at most 1000");
             let (model, tok) = load(&m)?;
             let text = match (prompt, chat, messages) {
                 (Some(p), None, None) => p,
