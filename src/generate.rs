@@ -54,18 +54,36 @@ pub fn generate(
 ) -> anyhow::Result<GenerateOutput> {
     anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
     let ctx = model.config.context_length;
-    anyhow::ensure!(prompt.len() < ctx, "the prompt has {} tokens; the context holds {ctx}", prompt.len());
+    anyhow::ensure!(
+        prompt.len() < ctx,
+        "the prompt has {} tokens; the context holds {ctx}",
+        prompt.len()
+    );
     let max_tokens = opts.max_tokens.min(ctx - prompt.len());
     let total = prompt.len() + max_tokens;
     let num_blocks = total.div_ceil(BLOCK_SIZE);
-    let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), BLOCK_SIZE, num_blocks);
+    let mut cache = KvCache::new(
+        model.config.num_layers,
+        model.config.kv_dim(),
+        BLOCK_SIZE,
+        num_blocks,
+    );
     let mut alloc = BlockAllocator::new(num_blocks);
     let mut table = Vec::new();
     let mut rng = Rng::new(opts.seed);
 
     let t0 = Instant::now();
     alloc.ensure(&mut table, prompt.len(), BLOCK_SIZE);
-    let mut logits = model.forward(cpu, &mut cache, &[BatchSeq { tokens: prompt, first_pos: 0, block_table: &table, logits: Logits::Last }])?;
+    let mut logits = model.forward(
+        cpu,
+        &mut cache,
+        &[BatchSeq {
+            tokens: prompt,
+            first_pos: 0,
+            block_table: &table,
+            logits: Logits::Last,
+        }],
+    )?;
     let prompt_seconds = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
@@ -79,14 +97,27 @@ pub fn generate(
             break;
         }
         out.push(s.token);
-        lps.push(TokenLogprob { token_id: s.token, logprob: s.logprob, top_logprobs: s.top });
+        lps.push(TokenLogprob {
+            token_id: s.token,
+            logprob: s.logprob,
+            top_logprobs: s.top,
+        });
         on_token(s.token);
         if out.len() == max_tokens {
             break;
         }
         let pos = prompt.len() + out.len() - 1;
         alloc.ensure(&mut table, pos + 1, BLOCK_SIZE);
-        logits = model.forward(cpu, &mut cache, &[BatchSeq { tokens: &[s.token], first_pos: pos, block_table: &table, logits: Logits::Last }])?;
+        logits = model.forward(
+            cpu,
+            &mut cache,
+            &[BatchSeq {
+                tokens: &[s.token],
+                first_pos: pos,
+                block_table: &table,
+                logits: Logits::Last,
+            }],
+        )?;
     }
     let decode_seconds = t1.elapsed().as_secs_f64();
     let timings = Timings {
@@ -97,12 +128,22 @@ pub fn generate(
         decode_seconds,
         decode_tokens_per_second: out.len() as f64 / decode_seconds.max(1e-9),
     };
-    Ok(GenerateOutput { token_ids: out, logprobs: lps, finish_reason, timings })
+    Ok(GenerateOutput {
+        token_ids: out,
+        logprobs: lps,
+        finish_reason,
+        timings,
+    })
 }
 
 /// Decode `steps` tokens for each of `batch` sequences (each after its own short prompt) as one
 /// packed batch per step; returns seconds spent decoding. Greedy, for benchmarking.
-pub fn decode_batch(model: &Llama, cpu: &Cpu, prompts: &[Vec<u32>], steps: usize) -> anyhow::Result<f64> {
+pub fn decode_batch(
+    model: &Llama,
+    cpu: &Cpu,
+    prompts: &[Vec<u32>],
+    steps: usize,
+) -> anyhow::Result<f64> {
     let bs = BLOCK_SIZE;
     let need: usize = prompts.iter().map(|p| (p.len() + steps).div_ceil(bs)).sum();
     let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), bs, need);
@@ -116,7 +157,12 @@ pub fn decode_batch(model: &Llama, cpu: &Cpu, prompts: &[Vec<u32>], steps: usize
     let batch: Vec<BatchSeq> = prompts
         .iter()
         .zip(&tables)
-        .map(|(p, t)| BatchSeq { tokens: p, first_pos: 0, block_table: t, logits: Logits::Last })
+        .map(|(p, t)| BatchSeq {
+            tokens: p,
+            first_pos: 0,
+            block_table: t,
+            logits: Logits::Last,
+        })
         .collect();
     let logits = model.forward(cpu, &mut cache, &batch)?;
     let v = model.config.vocab_size;
@@ -130,7 +176,12 @@ pub fn decode_batch(model: &Llama, cpu: &Cpu, prompts: &[Vec<u32>], steps: usize
             alloc.ensure(t, p + 1, bs);
         }
         let batch: Vec<BatchSeq> = (0..prompts.len())
-            .map(|i| BatchSeq { tokens: &last[i], first_pos: pos[i], block_table: &tables[i], logits: Logits::Last })
+            .map(|i| BatchSeq {
+                tokens: &last[i],
+                first_pos: pos[i],
+                block_table: &tables[i],
+                logits: Logits::Last,
+            })
             .collect();
         let logits = model.forward(cpu, &mut cache, &batch)?;
         for i in 0..prompts.len() {

@@ -14,7 +14,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 #[derive(Parser)]
-#[command(name = "flywheel", version, about = "An LLM server that learns from the rewards its users post back")]
+#[command(
+    name = "flywheel",
+    version,
+    about = "An LLM server that learns from the rewards its users post back"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -99,8 +103,16 @@ enum Cmd {
 }
 
 fn make_cpu(m: &ModelArgs) -> Cpu {
-    let threads = m.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let isa = if m.reference_kernels { Isa::Reference } else { Isa::detect() };
+    let threads = m.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let isa = if m.reference_kernels {
+        Isa::Reference
+    } else {
+        Isa::detect()
+    };
     Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(100)))
 }
 
@@ -131,22 +143,45 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if json {
                 println!("{}", serde_json::json!({ "token_ids": ids }));
             } else {
-                println!("{}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
+                println!(
+                    "{}",
+                    ids.iter()
+                        .map(|i| i.to_string())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                );
             }
             Ok(())
         }
-        Cmd::Generate { m, prompt, chat, messages, max_tokens, temperature, top_p, top_k, seed, top_logprobs, json } => {
+        Cmd::Generate {
+            m,
+            prompt,
+            chat,
+            messages,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            top_logprobs,
+            json,
+        } => {
             anyhow::ensure!(temperature >= 0.0, "--temperature must be >= 0");
             anyhow::ensure!(top_p > 0.0 && top_p <= 1.0, "--top-p must be in (0, 1]");
             anyhow::ensure!(top_logprobs <= 1000, "--top-logprobs must be at most 1000");
             let (model, tok) = load(&m)?;
             let text = match (prompt, chat, messages) {
                 (Some(p), None, None) => p,
-                (None, Some(c), None) => {
-                    tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: c }], true)?
-                }
+                (None, Some(c), None) => tok.apply_chat_template(
+                    &[ChatMessage {
+                        role: "user".into(),
+                        content: c,
+                    }],
+                    true,
+                )?,
                 (None, None, Some(js)) => {
-                    let msgs: Vec<ChatMessage> = serde_json::from_str(&js).context("--messages must be a JSON array of {role, content}")?;
+                    let msgs: Vec<ChatMessage> = serde_json::from_str(&js)
+                        .context("--messages must be a JSON array of {role, content}")?;
                     tok.apply_chat_template(&msgs, true)?
                 }
                 _ => anyhow::bail!("give one of --prompt, --chat or --messages"),
@@ -155,7 +190,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let cpu = make_cpu(&m);
             let opts = GenerateOptions {
                 max_tokens,
-                sampling: SamplingParams { temperature, top_p, top_k, top_logprobs },
+                sampling: SamplingParams {
+                    temperature,
+                    top_p,
+                    top_k,
+                    top_logprobs,
+                },
                 seed,
                 stop_ids: tok.eos_id.into_iter().collect(),
             };
@@ -187,9 +227,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench { m, prompt_tokens, decode_tokens, batch, runs, busy_peer } => {
-            bench(&m, prompt_tokens, decode_tokens, &batch, runs.max(1), busy_peer)
-        }
+        Cmd::Bench {
+            m,
+            prompt_tokens,
+            decode_tokens,
+            batch,
+            runs,
+            busy_peer,
+        } => bench(
+            &m,
+            prompt_tokens,
+            decode_tokens,
+            &batch,
+            runs.max(1),
+            busy_peer,
+        ),
     }
 }
 
@@ -203,7 +255,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-fn bench(m: &ModelArgs, pp: usize, tg: usize, batches: &[usize], runs: usize, busy_peer: bool) -> anyhow::Result<()> {
+fn bench(
+    m: &ModelArgs,
+    pp: usize,
+    tg: usize,
+    batches: &[usize],
+    runs: usize,
+    busy_peer: bool,
+) -> anyhow::Result<()> {
     let (model, tok) = load(m)?;
     let cpu = make_cpu(m);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -221,18 +280,43 @@ fn bench(m: &ModelArgs, pp: usize, tg: usize, batches: &[usize], runs: usize, bu
     let prompt: Vec<u32> = base.iter().cycle().take(pp).copied().collect();
     let bs = flywheel::generate::BLOCK_SIZE;
     let table: Vec<u32> = (0..pp.div_ceil(bs) as u32).collect();
-    let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), bs, table.len());
+    let mut cache = KvCache::new(
+        model.config.num_layers,
+        model.config.kv_dim(),
+        bs,
+        table.len(),
+    );
     // Warm-up: touches the weights and the buffers once.
-    model.forward(&cpu, &mut cache, &[BatchSeq { tokens: &prompt[..pp.min(64)], first_pos: 0, block_table: &table, logits: Logits::Last }])?;
+    model.forward(
+        &cpu,
+        &mut cache,
+        &[BatchSeq {
+            tokens: &prompt[..pp.min(64)],
+            first_pos: 0,
+            block_table: &table,
+            logits: Logits::Last,
+        }],
+    )?;
     let mut pp_runs = Vec::new();
     for _ in 0..runs {
         let t = Instant::now();
-        model.forward(&cpu, &mut cache, &[BatchSeq { tokens: &prompt, first_pos: 0, block_table: &table, logits: Logits::Last }])?;
+        model.forward(
+            &cpu,
+            &mut cache,
+            &[BatchSeq {
+                tokens: &prompt,
+                first_pos: 0,
+                block_table: &table,
+                logits: Logits::Last,
+            }],
+        )?;
         pp_runs.push(pp as f64 / t.elapsed().as_secs_f64());
     }
     let mut rows = vec![(format!("pp{pp}"), 1usize, median(pp_runs))];
     for &b in batches {
-        let prompts: Vec<Vec<u32>> = (0..b).map(|i| prompt[i % 7..i % 7 + 8.min(pp)].to_vec()).collect();
+        let prompts: Vec<Vec<u32>> = (0..b)
+            .map(|i| prompt[i % 7..i % 7 + 8.min(pp)].to_vec())
+            .collect();
         let mut tg_runs = Vec::new();
         for _ in 0..runs {
             let secs = decode_batch(&model, &cpu, &prompts, tg)?;
@@ -244,7 +328,12 @@ fn bench(m: &ModelArgs, pp: usize, tg: usize, batches: &[usize], runs: usize, bu
     if let Some(p) = peer {
         let _ = p.join();
     }
-    println!("model: {}  kernels: {}  threads: {}  busy peer: {busy_peer}", m.model.display(), cpu.isa.name(), cpu.pool.num_threads());
+    println!(
+        "model: {}  kernels: {}  threads: {}  busy peer: {busy_peer}",
+        m.model.display(),
+        cpu.isa.name(),
+        cpu.pool.num_threads()
+    );
     println!("{:<8} {:>6} {:>12}", "test", "batch", "tokens/s");
     for (name, b, tps) in &rows {
         println!("{name:<8} {b:>6} {tps:>12.1}");

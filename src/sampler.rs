@@ -20,7 +20,9 @@ impl Rng {
             x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
             x ^ (x >> 31)
         };
-        Rng { s: [next(), next(), next(), next()] }
+        Rng {
+            s: [next(), next(), next(), next()],
+        }
     }
 
     pub fn next_u64(&mut self) -> u64 {
@@ -55,7 +57,12 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, top_logprobs: 0 }
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            top_logprobs: 0,
+        }
     }
 }
 
@@ -85,7 +92,11 @@ pub fn sample(cpu: &Cpu, logits: &mut [f32], p: &SamplingParams, rng: &mut Rng) 
     } else {
         sample_truncated(lp, p.top_k, p.top_p, rng)
     };
-    Sampled { token, logprob: lp[token as usize], top: top_k(lp, p.top_logprobs) }
+    Sampled {
+        token,
+        logprob: lp[token as usize],
+        top: top_k(lp, p.top_logprobs),
+    }
 }
 
 /// The index of the largest value (the lowest index on ties).
@@ -110,7 +121,12 @@ pub fn top_k(lp: &[f32], k: usize) -> Vec<TopLogprob> {
     idx.select_nth_unstable_by(k - 1, cmp);
     idx.truncate(k);
     idx.sort_by(cmp);
-    idx.into_iter().map(|i| TopLogprob { token_id: i, logprob: lp[i as usize] }).collect()
+    idx.into_iter()
+        .map(|i| TopLogprob {
+            token_id: i,
+            logprob: lp[i as usize],
+        })
+        .collect()
 }
 
 fn sample_truncated(lp: &[f32], top_k: usize, top_p: f32, rng: &mut Rng) -> u32 {
@@ -165,23 +181,47 @@ mod tests {
     use flywheel_kernels::{Isa, ThreadPool};
 
     fn cpu() -> Cpu {
-        Cpu::new(Isa::Reference, ThreadPool::new(1, std::time::Duration::ZERO))
+        Cpu::new(
+            Isa::Reference,
+            ThreadPool::new(1, std::time::Duration::ZERO),
+        )
     }
 
     #[test]
     fn greedy_picks_argmax_and_reports_plain_log_softmax() {
         let mut l = vec![1.0, 3.0, 2.0];
-        let s = sample(&cpu(), &mut l, &SamplingParams { temperature: 0.0, top_logprobs: 2, ..Default::default() }, &mut Rng::new(0));
+        let s = sample(
+            &cpu(),
+            &mut l,
+            &SamplingParams {
+                temperature: 0.0,
+                top_logprobs: 2,
+                ..Default::default()
+            },
+            &mut Rng::new(0),
+        );
         assert_eq!(s.token, 1);
         let lse = (1f64.exp() + 3f64.exp() + 2f64.exp()).ln();
         assert!((s.logprob as f64 - (3.0 - lse)).abs() < 1e-6);
-        assert_eq!(s.top.iter().map(|t| t.token_id).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(
+            s.top.iter().map(|t| t.token_id).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
     }
 
     #[test]
     fn temperature_scales_logprobs() {
         let mut l = vec![0.0, 2.0];
-        let s = sample(&cpu(), &mut l, &SamplingParams { temperature: 2.0, top_k: 1, ..Default::default() }, &mut Rng::new(0));
+        let s = sample(
+            &cpu(),
+            &mut l,
+            &SamplingParams {
+                temperature: 2.0,
+                top_k: 1,
+                ..Default::default()
+            },
+            &mut Rng::new(0),
+        );
         // With top_k = 1 only token 1 can be drawn; its log-prob is of logits / 2, untruncated.
         assert_eq!(s.token, 1);
         let want = 1.0 - (1.0f64 + 1f64.exp()).ln();
@@ -196,7 +236,8 @@ mod tests {
         let n = 20000;
         for _ in 0..n {
             let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
-            counts[sample(&cpu(), &mut l, &SamplingParams::default(), &mut rng).token as usize] += 1;
+            counts[sample(&cpu(), &mut l, &SamplingParams::default(), &mut rng).token as usize] +=
+                1;
         }
         for (c, p) in counts.iter().zip([0.5, 0.3, 0.2]) {
             assert!((*c as f64 / n as f64 - p).abs() < 0.02, "{counts:?}");
@@ -204,10 +245,17 @@ mod tests {
         let mut seen = [false; 3];
         for _ in 0..2000 {
             let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
-            let p = SamplingParams { top_p: 0.7, ..Default::default() };
+            let p = SamplingParams {
+                top_p: 0.7,
+                ..Default::default()
+            };
             seen[sample(&cpu(), &mut l, &p, &mut rng).token as usize] = true;
         }
-        assert_eq!(seen, [true, true, false], "top_p 0.7 keeps the first two tokens only");
+        assert_eq!(
+            seen,
+            [true, true, false],
+            "top_p 0.7 keeps the first two tokens only"
+        );
     }
 
     #[test]

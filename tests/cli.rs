@@ -20,22 +20,52 @@ fn flywheel(args: &[&str], stdin: Option<&str>) -> (bool, String, String) {
     }
     drop(child.stdin.take());
     let out = child.wait_with_output().unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
 fn generate_json_has_the_promised_shape_and_is_seeded() {
     let (_dir, path) = write_tiny(&TinySpec::small());
     let p = path.to_str().unwrap();
-    let args = ["generate", "--model", p, "--chat", "hello", "--max-tokens", "12", "--temperature", "0.9", "--top-k", "40", "--seed", "7", "--top-logprobs", "3", "--json"];
+    let args = [
+        "generate",
+        "--model",
+        p,
+        "--chat",
+        "hello",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "40",
+        "--seed",
+        "7",
+        "--top-logprobs",
+        "3",
+        "--json",
+    ];
     let (ok, out, err) = flywheel(&args, None);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let prompt: Vec<u64> = v["prompt_token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    let prompt: Vec<u64> = v["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
     assert_eq!(&prompt[..1], &[1], "chat prompt starts with <|im_start|>");
     let toks = v["token_ids"].as_array().unwrap();
     let reason = v["finish_reason"].as_str().unwrap();
-    assert!(reason == "length" && toks.len() == 12 || reason == "stop" && toks.len() < 12, "{reason} {}", toks.len());
+    assert!(
+        reason == "length" && toks.len() == 12 || reason == "stop" && toks.len() < 12,
+        "{reason} {}",
+        toks.len()
+    );
     let lps = v["logprobs"].as_array().unwrap();
     assert_eq!(lps.len(), toks.len());
     for (lp, t) in lps.iter().zip(toks) {
@@ -45,7 +75,10 @@ fn generate_json_has_the_promised_shape_and_is_seeded() {
         let top = lp["top_logprobs"].as_array().unwrap();
         assert_eq!(top.len(), 3);
         let tops: Vec<f64> = top.iter().map(|e| e["logprob"].as_f64().unwrap()).collect();
-        assert!(tops.windows(2).all(|w| w[0] >= w[1]), "top log-probs sorted");
+        assert!(
+            tops.windows(2).all(|w| w[0] >= w[1]),
+            "top log-probs sorted"
+        );
         assert!(x <= tops[0] + 1e-6);
     }
     assert!(v["timings"]["decode_tokens_per_second"].as_f64().unwrap() > 0.0);
@@ -65,16 +98,33 @@ fn generate_json_has_the_promised_shape_and_is_seeded() {
 fn greedy_generation_agrees_with_reference_kernels() {
     let (_dir, path) = write_tiny(&TinySpec::small());
     let p = path.to_str().unwrap();
-    let base = ["generate", "--model", p, "--prompt", "the hello world", "--max-tokens", "16", "--json"];
+    let base = [
+        "generate",
+        "--model",
+        p,
+        "--prompt",
+        "the hello world",
+        "--max-tokens",
+        "16",
+        "--json",
+    ];
     let (ok, fast, err) = flywheel(&base, None);
     assert!(ok, "{err}");
     let mut r = base.to_vec();
     r.push("--reference-kernels");
     let (ok, refr, err) = flywheel(&r, None);
     assert!(ok, "{err}");
-    let (a, b): (serde_json::Value, serde_json::Value) = (serde_json::from_str(&fast).unwrap(), serde_json::from_str(&refr).unwrap());
+    let (a, b): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_str(&fast).unwrap(),
+        serde_json::from_str(&refr).unwrap(),
+    );
     assert_eq!(a["token_ids"], b["token_ids"]);
-    for (x, y) in a["logprobs"].as_array().unwrap().iter().zip(b["logprobs"].as_array().unwrap()) {
+    for (x, y) in a["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(b["logprobs"].as_array().unwrap())
+    {
         assert!((x["logprob"].as_f64().unwrap() - y["logprob"].as_f64().unwrap()).abs() < 1e-4);
     }
 }
@@ -83,26 +133,52 @@ fn greedy_generation_agrees_with_reference_kernels() {
 fn tokenize_applies_merges_digits_and_control_tokens() {
     let (_dir, path) = write_tiny(&TinySpec::small());
     let p = path.to_str().unwrap();
-    let (ok, out, err) = flywheel(&["tokenize", "--model", p, "--json"], Some("<|im_start|>hello 42<|im_end|>"));
+    let (ok, out, err) = flywheel(
+        &["tokenize", "--model", p, "--json"],
+        Some("<|im_start|>hello 42<|im_end|>"),
+    );
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let ids: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    let ids: Vec<u64> = v["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
     // Ids: 3 control tokens, then byte b at 3 + (its index in the byte table), then merges
     // he=259, ll=260, Ġt=261, hell=262. "hello" -> "hell" "o"; " 42" -> "Ġ" "4" "2" (digits alone).
     let byte = |c: char| 3 + common::byte_chars().iter().position(|x| *x == c).unwrap() as u64;
-    assert_eq!(ids, vec![1, 262, byte('o'), byte('Ġ'), byte('4'), byte('2'), 2]);
+    assert_eq!(
+        ids,
+        vec![1, 262, byte('o'), byte('Ġ'), byte('4'), byte('2'), 2]
+    );
 }
 
 #[test]
 fn bad_arguments_and_missing_files_are_clear_errors() {
-    let (ok, _, err) = flywheel(&["generate", "--model", "/nonexistent/m.gguf", "--prompt", "x"], None);
+    let (ok, _, err) = flywheel(
+        &[
+            "generate",
+            "--model",
+            "/nonexistent/m.gguf",
+            "--prompt",
+            "x",
+        ],
+        None,
+    );
     assert!(!ok && err.contains("/nonexistent/m.gguf"), "{err}");
     let (_dir, path) = write_tiny(&TinySpec::small());
     let p = path.to_str().unwrap();
-    let (ok, _, err) = flywheel(&["generate", "--model", p, "--prompt", "x", "--top-p", "0"], None);
+    let (ok, _, err) = flywheel(
+        &["generate", "--model", p, "--prompt", "x", "--top-p", "0"],
+        None,
+    );
     assert!(!ok && err.contains("top-p"), "{err}");
     let (ok, _, err) = flywheel(&["generate", "--model", p, "--messages", "{not json"], None);
     assert!(!ok && err.contains("--messages"), "{err}");
-    let (ok, _, err) = flywheel(&["generate", "--model", p, "--prompt", "x", "--chat", "y"], None);
+    let (ok, _, err) = flywheel(
+        &["generate", "--model", p, "--prompt", "x", "--chat", "y"],
+        None,
+    );
     assert!(!ok && err.contains("cannot be used with"), "{err}");
 }

@@ -26,8 +26,14 @@ fn all_types() -> Vec<(String, Value)> {
         ("f32".into(), Value::F32(1.5)),
         ("bool".into(), Value::Bool(true)),
         ("string".into(), Value::String("héllo ✓".into())),
-        ("array".into(), Value::Array(vec![Value::String("a".into()), Value::String("".into())])),
-        ("array_i32".into(), Value::Array(vec![Value::I32(1), Value::I32(-2)])),
+        (
+            "array".into(),
+            Value::Array(vec![Value::String("a".into()), Value::String("".into())]),
+        ),
+        (
+            "array_i32".into(),
+            Value::Array(vec![Value::I32(1), Value::I32(-2)]),
+        ),
         ("u64".into(), Value::U64(u64::MAX)),
         ("i64".into(), Value::I64(i64::MIN)),
         ("f64".into(), Value::F64(-2.25)),
@@ -54,7 +60,10 @@ fn every_metadata_type_and_tensor_round_trips() {
     let t = g.tensor("a").unwrap();
     assert_eq!(g.tensor_data(t), &a[..]);
     let b = g.tensor("b").unwrap();
-    assert_eq!((b.dims.clone(), b.ty, b.size), (vec![32, 2], QuantType::Q8_0, 68));
+    assert_eq!(
+        (b.dims.clone(), b.ty, b.size),
+        (vec![32, 2], QuantType::Q8_0, 68)
+    );
     assert_eq!(b.offset % 64, 0);
     assert!(g.tensor_data(b).iter().all(|x| *x == 7));
 }
@@ -75,8 +84,13 @@ fn every_truncation_is_an_error() {
     w.tensor("t", &[32, 3], QuantType::Q4_1, vec![1; 60]);
     let bytes = w.to_bytes();
     for len in 0..bytes.len() {
-        let e = open_bytes(&bytes[..len]).err().unwrap_or_else(|| panic!("prefix of {len} bytes opened"));
-        assert!(e.contains("truncated") || e.contains("magic") || e.contains("cannot fit"), "len {len}: {e}");
+        let e = open_bytes(&bytes[..len])
+            .err()
+            .unwrap_or_else(|| panic!("prefix of {len} bytes opened"));
+        assert!(
+            e.contains("truncated") || e.contains("magic") || e.contains("cannot fit"),
+            "len {len}: {e}"
+        );
     }
     assert!(open_bytes(&bytes).is_ok());
 }
@@ -103,7 +117,7 @@ fn tensor_file(name: &str, dims: &[u64], ty: u32, offset: u64, data: usize) -> V
     }
     b.extend_from_slice(&ty.to_le_bytes());
     b.extend_from_slice(&offset.to_le_bytes());
-    while b.len() % 32 != 0 {
+    while !b.len().is_multiple_of(32) {
         b.push(0);
     }
     b.extend(std::iter::repeat_n(0u8, data));
@@ -147,13 +161,25 @@ fn corrupt_and_unsupported_files_name_the_problem() {
         (huge_array, &["truncated", "arr"]),
         (bad_bool, &["flag", "bool"]),
         (bad_align, &["general.alignment", "power of two"]),
-        (tensor_file("w", &[32, 2], 6, 0, 64), &["'w'", "type 6", "Q5_0"]),
+        (
+            tensor_file("w", &[32, 2], 6, 0, 64),
+            &["'w'", "type 6", "Q5_0"],
+        ),
         (tensor_file("w", &[32, 2], 77, 0, 64), &["'w'", "type 77"]),
-        (tensor_file("w", &[32, 2], 3, 0, 10), &["truncated", "'w'", "Q4_1"]),
+        (
+            tensor_file("w", &[32, 2], 3, 0, 10),
+            &["truncated", "'w'", "Q4_1"],
+        ),
         (tensor_file("w", &[32, 2], 3, 8, 100), &["'w'", "aligned"]),
         (tensor_file("w", &[31, 2], 3, 0, 64), &["'w'", "multiple"]),
-        (tensor_file("w", &[1, 1, 1, 1, 1], 0, 0, 64), &["'w'", "dimensions"]),
-        (tensor_file("w", &[u64::MAX, 4], 0, 0, 64), &["'w'", "overflow"]),
+        (
+            tensor_file("w", &[1, 1, 1, 1, 1], 0, 0, 64),
+            &["'w'", "dimensions"],
+        ),
+        (
+            tensor_file("w", &[u64::MAX, 4], 0, 0, 64),
+            &["'w'", "overflow"],
+        ),
     ];
     for (bytes, needles) in cases {
         let e = match open_bytes(&bytes) {
@@ -173,10 +199,19 @@ fn model_loading_names_missing_and_misshapen_tensors() {
     assert!(Llama::from_gguf(g).is_ok());
     let mut w = GgufWriter::new();
     w.meta("general.architecture", Value::String("llama".into()));
-    let e = Llama::from_gguf(open_bytes(&w.to_bytes()).unwrap()).err().unwrap().to_string();
-    assert!(e.contains("llama.embedding_length") && e.contains("missing"), "{e}");
+    let e = Llama::from_gguf(open_bytes(&w.to_bytes()).unwrap())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("llama.embedding_length") && e.contains("missing"),
+        "{e}"
+    );
     let mut w = GgufWriter::new();
     w.meta("general.architecture", Value::String("mamba".into()));
-    let e = Llama::from_gguf(open_bytes(&w.to_bytes()).unwrap()).err().unwrap().to_string();
+    let e = Llama::from_gguf(open_bytes(&w.to_bytes()).unwrap())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("mamba"), "{e}");
 }

@@ -18,14 +18,22 @@ fn cpu(isa: Isa) -> Cpu {
 fn mat(g: &Gguf, name: &str) -> Vec<Vec<f64>> {
     let t = g.tensor(name).unwrap_or_else(|| panic!("{name}"));
     let cols = t.dims[0] as usize;
-    let rows = if t.dims.len() > 1 { t.dims[1] as usize } else { 1 };
+    let rows = if t.dims.len() > 1 {
+        t.dims[1] as usize
+    } else {
+        1
+    };
     let mut all = vec![0.0f32; rows * cols];
     reference::dequantize_row(t.ty, g.tensor_data(t), &mut all);
-    all.chunks(cols).map(|r| r.iter().map(|v| *v as f64).collect()).collect()
+    all.chunks(cols)
+        .map(|r| r.iter().map(|v| *v as f64).collect())
+        .collect()
 }
 
 fn matvec(w: &[Vec<f64>], x: &[f64]) -> Vec<f64> {
-    w.iter().map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+    w.iter()
+        .map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum())
+        .collect()
 }
 
 fn rmsnorm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
@@ -49,12 +57,25 @@ fn rope(x: &mut [f64], pos: usize, hd: usize, base: f64) {
 fn naive_logprobs(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f64>> {
     let g = Gguf::open(path).unwrap();
     let get = |k: &str| g.get(k).unwrap().as_f64().unwrap();
-    let (layers, hidden) = (get("llama.block_count") as usize, get("llama.embedding_length") as usize);
-    let (heads, kvh) = (get("llama.attention.head_count") as usize, get("llama.attention.head_count_kv") as usize);
-    let (base, eps) = (get("llama.rope.freq_base"), get("llama.attention.layer_norm_rms_epsilon"));
+    let (layers, hidden) = (
+        get("llama.block_count") as usize,
+        get("llama.embedding_length") as usize,
+    );
+    let (heads, kvh) = (
+        get("llama.attention.head_count") as usize,
+        get("llama.attention.head_count_kv") as usize,
+    );
+    let (base, eps) = (
+        get("llama.rope.freq_base"),
+        get("llama.attention.layer_norm_rms_epsilon"),
+    );
     let hd = hidden / heads;
     let emb = mat(&g, "token_embd.weight");
-    let out = if g.tensor("output.weight").is_some() { mat(&g, "output.weight") } else { emb.clone() };
+    let out = if g.tensor("output.weight").is_some() {
+        mat(&g, "output.weight")
+    } else {
+        emb.clone()
+    };
     let on = &mat(&g, "output_norm.weight")[0];
     let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| emb[t as usize].clone()).collect();
     for l in 0..layers {
@@ -79,7 +100,12 @@ fn naive_logprobs(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f64>> {
             for h in 0..heads {
                 let kv = h / (heads / kvh);
                 let sc: Vec<f64> = (0..=p)
-                    .map(|j| (0..hd).map(|d| qs[p][h * hd + d] * ks[j][kv * hd + d]).sum::<f64>() / (hd as f64).sqrt())
+                    .map(|j| {
+                        (0..hd)
+                            .map(|d| qs[p][h * hd + d] * ks[j][kv * hd + d])
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
                     .collect();
                 let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
@@ -96,7 +122,11 @@ fn naive_logprobs(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f64>> {
             }
             let n = rmsnorm(&xs[p], &fnorm, eps);
             let (gt, up) = (matvec(&wg, &n), matvec(&wu, &n));
-            let act: Vec<f64> = gt.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let act: Vec<f64> = gt
+                .iter()
+                .zip(&up)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
             let d = matvec(&wd, &act);
             for (a, b) in xs[p].iter_mut().zip(d) {
                 *a += b;
@@ -116,9 +146,23 @@ fn naive_logprobs(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f64>> {
 fn run_all(model: &Llama, cpu: &Cpu, tokens: &[u32]) -> Vec<Vec<f32>> {
     let bs = 4;
     let table: Vec<u32> = (0..tokens.len().div_ceil(bs) as u32).rev().collect();
-    let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), bs, table.len());
+    let mut cache = KvCache::new(
+        model.config.num_layers,
+        model.config.kv_dim(),
+        bs,
+        table.len(),
+    );
     let logits = model
-        .forward(cpu, &mut cache, &[BatchSeq { tokens, first_pos: 0, block_table: &table, logits: Logits::All }])
+        .forward(
+            cpu,
+            &mut cache,
+            &[BatchSeq {
+                tokens,
+                first_pos: 0,
+                block_table: &table,
+                logits: Logits::All,
+            }],
+        )
         .unwrap();
     let v = model.config.vocab_size;
     logits
@@ -136,7 +180,10 @@ fn min_lp(b: &[Vec<f64>]) -> f64 {
 }
 
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f64>]) -> f64 {
-    a.iter().zip(b).flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (*p as f64 - q).abs())).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (*p as f64 - q).abs()))
+        .fold(0.0, f64::max)
 }
 
 #[test]
@@ -148,8 +195,15 @@ fn reference_kernels_match_the_naive_implementation() {
         let model = Llama::open(&path).unwrap();
         let got = run_all(&model, &cpu(Isa::Reference), &tokens);
         let d = max_diff(&got, &want);
-        eprintln!("hidden {}: reference vs naive max |Δ log-prob| {d:.2e}, range {:.1}", spec.hidden, min_lp(&want));
-        assert!(d < 2e-5, "reference forward vs naive: max |Δ log-prob| = {d}");
+        eprintln!(
+            "hidden {}: reference vs naive max |Δ log-prob| {d:.2e}, range {:.1}",
+            spec.hidden,
+            min_lp(&want)
+        );
+        assert!(
+            d < 2e-5,
+            "reference forward vs naive: max |Δ log-prob| = {d}"
+        );
     }
 }
 
@@ -162,7 +216,11 @@ fn fast_kernels_match_the_naive_implementation() {
         let model = Llama::open(&path).unwrap();
         for isa in Isa::available() {
             let d = max_diff(&run_all(&model, &cpu(isa), &tokens), &want);
-            eprintln!("hidden {}: {isa:?} vs naive max |Δ log-prob| {d:.2e}, range {:.1}", spec.hidden, min_lp(&want));
+            eprintln!(
+                "hidden {}: {isa:?} vs naive max |Δ log-prob| {d:.2e}, range {:.1}",
+                spec.hidden,
+                min_lp(&want)
+            );
             assert!(d < 5e-5, "{isa:?} forward vs naive: max |Δ log-prob| = {d}");
         }
     }
@@ -193,16 +251,39 @@ fn packed_batches_and_chunked_prefill_agree_with_single_runs() {
             &c,
             &mut cache,
             &[
-                BatchSeq { tokens: &a[..10], first_pos: 0, block_table: &ta, logits: Logits::All },
-                BatchSeq { tokens: &b, first_pos: 0, block_table: &tb, logits: Logits::Last },
+                BatchSeq {
+                    tokens: &a[..10],
+                    first_pos: 0,
+                    block_table: &ta,
+                    logits: Logits::All,
+                },
+                BatchSeq {
+                    tokens: &b,
+                    first_pos: 0,
+                    block_table: &tb,
+                    logits: Logits::Last,
+                },
             ],
         )
         .unwrap();
     // Step 2: the rest of a.
     let l2 = model
-        .forward(&c, &mut cache, &[BatchSeq { tokens: &a[10..], first_pos: 10, block_table: &ta, logits: Logits::All }])
+        .forward(
+            &c,
+            &mut cache,
+            &[BatchSeq {
+                tokens: &a[10..],
+                first_pos: 10,
+                block_table: &ta,
+                logits: Logits::All,
+            }],
+        )
         .unwrap();
-    let rows: Vec<Vec<f32>> = l1.chunks(v).chain(l2.chunks(v)).map(|r| r.to_vec()).collect();
+    let rows: Vec<Vec<f32>> = l1
+        .chunks(v)
+        .chain(l2.chunks(v))
+        .map(|r| r.to_vec())
+        .collect();
     let lsm = |mut r: Vec<f32>| {
         reference::log_softmax(&mut r);
         r
@@ -217,7 +298,11 @@ fn packed_batches_and_chunked_prefill_agree_with_single_runs() {
 }
 
 fn assert_close(a: &[f32], b: &[f32], what: &str) {
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     assert!(d < 2e-5, "{what}: max diff {d}");
 }
 
@@ -229,11 +314,24 @@ fn bad_batches_are_errors_not_panics() {
     let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), 4, 4);
     let table = [0u32, 1];
     let too_long: Vec<u32> = vec![5; 9];
-    let cases: Vec<(Vec<u32>, usize, &str)> =
-        vec![(vec![], 0, "no tokens"), (too_long, 0, "block table"), (vec![100_000], 0, "vocabulary"), (vec![5], 300, "context")];
+    let cases: Vec<(Vec<u32>, usize, &str)> = vec![
+        (vec![], 0, "no tokens"),
+        (too_long, 0, "block table"),
+        (vec![100_000], 0, "vocabulary"),
+        (vec![5], 300, "context"),
+    ];
     for (toks, first_pos, msg) in cases {
         let e = model
-            .forward(&c, &mut cache, &[BatchSeq { tokens: &toks, first_pos, block_table: &table, logits: Logits::Last }])
+            .forward(
+                &c,
+                &mut cache,
+                &[BatchSeq {
+                    tokens: &toks,
+                    first_pos,
+                    block_table: &table,
+                    logits: Logits::Last,
+                }],
+            )
             .unwrap_err()
             .to_string();
         assert!(e.contains(msg), "{e} should mention {msg}");

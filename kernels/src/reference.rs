@@ -1,6 +1,9 @@
 //! Scalar reference of every op: plain loops, no SIMD, no threads, sums in f64. The truth every
 //! fast path is tested against, and what `--reference-kernels` runs.
 
+// Plain index loops are the point of the reference: they read like the math.
+#![allow(clippy::needless_range_loop)]
+
 use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, QK};
 
 fn rd16(b: &[u8], at: usize) -> f32 {
@@ -83,7 +86,10 @@ pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -99,7 +105,9 @@ pub fn dequantize_row(ty: QuantType, src: &[u8], dst: &mut [f32]) {
 /// x is (n, cols), y is (n, rows).
 pub fn matmul(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
     let n = x.len() / cols;
-    let rb = ty.row_bytes(cols).expect("cols must be a whole number of blocks");
+    let rb = ty
+        .row_bytes(cols)
+        .expect("cols must be a whole number of blocks");
     let mut wrow = vec![0.0f32; cols];
     for r in 0..rows {
         dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut wrow);
@@ -128,7 +136,14 @@ pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 /// RoPE on adjacent pairs (llama.cpp's LLaMA layout): for each row t (n_heads heads of head_dim),
 /// pair (x[2i], x[2i+1]) of the first `rope_dim` dims turns by positions[t] * base^(-2i/rope_dim).
-pub fn rope(x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope_dim: usize, base: f32) {
+pub fn rope(
+    x: &mut [f32],
+    positions: &[u32],
+    n_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+    base: f32,
+) {
     let row = n_heads * head_dim;
     for (t, xr) in x.chunks_mut(row).enumerate() {
         let pos = positions[t] as f64;
@@ -189,7 +204,8 @@ impl PagedKv<'_> {
     /// Offset of position `pos` of a sequence with `block_table`.
     #[inline]
     pub fn offset(&self, block_table: &[u32], pos: usize) -> usize {
-        (block_table[pos / self.block_size] as usize * self.block_size + pos % self.block_size) * self.kv_dim
+        (block_table[pos / self.block_size] as usize * self.block_size + pos % self.block_size)
+            * self.kv_dim
     }
 }
 
@@ -228,7 +244,12 @@ pub fn attention(
                 for (p, sc) in scores.iter_mut().enumerate() {
                     let off = kv.offset(s.block_table, p) + kvh * head_dim;
                     let kh = &kv.k[off..off + head_dim];
-                    *sc = (qh.iter().zip(kh).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64) as f32;
+                    *sc = (qh
+                        .iter()
+                        .zip(kh)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale as f64) as f32;
                 }
                 softmax(&mut scores);
                 let mut acc = vec![0.0f64; head_dim];

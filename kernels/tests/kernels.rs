@@ -26,7 +26,10 @@ impl Rng {
 }
 
 fn fast_isas() -> Vec<Isa> {
-    let v: Vec<Isa> = Isa::available().into_iter().filter(|i| *i != Isa::Reference).collect();
+    let v: Vec<Isa> = Isa::available()
+        .into_iter()
+        .filter(|i| *i != Isa::Reference)
+        .collect();
     eprintln!("fast ISAs on this machine: {:?}", v);
     v
 }
@@ -59,7 +62,12 @@ fn dequantize_matches_reference_exactly_enough() {
                 for i in 0..cols {
                     // Budget: one rounding of a fused multiply-add vs separate multiply and add.
                     let tol = 1e-6 * want[i].abs().max(1.0);
-                    assert!((got[i] - want[i]).abs() <= tol, "{isa:?} {ty:?} cols={cols} i={i}: {} vs {}", got[i], want[i]);
+                    assert!(
+                        (got[i] - want[i]).abs() <= tol,
+                        "{isa:?} {ty:?} cols={cols} i={i}: {} vs {}",
+                        got[i],
+                        want[i]
+                    );
                 }
             }
         }
@@ -82,7 +90,11 @@ fn quantizers_round_trip_within_their_step() {
             QuantType::Q6K => 5e-2,
             _ => 0.15,
         };
-        let worst = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let worst = x
+            .iter()
+            .zip(&y)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
         assert!(worst <= budget, "{ty:?}: worst error {worst} > {budget}");
     }
 }
@@ -106,9 +118,14 @@ fn matmul_matches_reference_for_every_format_and_shape() {
                             // Budget: f32 accumulation in a different order, relative to sum |w||x|.
                             let mut wrow = vec![0.0; cols];
                             for r in 0..rows {
-                                reference::dequantize_row(ty, &w[r * ty.row_bytes(cols).unwrap()..], &mut wrow);
+                                reference::dequantize_row(
+                                    ty,
+                                    &w[r * ty.row_bytes(cols).unwrap()..],
+                                    &mut wrow,
+                                );
                                 for i in 0..n {
-                                    let mag: f32 = (0..cols).map(|k| (wrow[k] * x[i * cols + k]).abs()).sum();
+                                    let mag: f32 =
+                                        (0..cols).map(|k| (wrow[k] * x[i * cols + k]).abs()).sum();
                                     let (g, e) = (got[i * rows + r], want[i * rows + r]);
                                     assert!(
                                         (g - e).abs() <= 2e-6 * mag + 1e-6,
@@ -136,14 +153,22 @@ fn rmsnorm_swiglu_log_softmax_match_reference() {
             reference::rmsnorm(&x, &w, 1e-5, &mut want);
             ops::rmsnorm(isa, &x, &w, 1e-5, &mut got);
             for i in 0..3 * d {
-                assert!((got[i] - want[i]).abs() <= 1e-5 * want[i].abs().max(1.0), "rmsnorm {isa:?} d={d}");
+                assert!(
+                    (got[i] - want[i]).abs() <= 1e-5 * want[i].abs().max(1.0),
+                    "rmsnorm {isa:?} d={d}"
+                );
             }
             let g = rng.vec(d, 30.0);
             let u = rng.vec(d, 2.0);
             reference::swiglu(&g, &u, &mut want[..d]);
             ops::swiglu(isa, &g, &u, &mut got[..d]);
             for i in 0..d {
-                assert!((got[i] - want[i]).abs() <= 2e-6 * want[i].abs().max(1.0), "swiglu {isa:?} {} vs {}", got[i], want[i]);
+                assert!(
+                    (got[i] - want[i]).abs() <= 2e-6 * want[i].abs().max(1.0),
+                    "swiglu {isa:?} {} vs {}",
+                    got[i],
+                    want[i]
+                );
             }
         }
         for n in [1usize, 5, 49152] {
@@ -152,7 +177,10 @@ fn rmsnorm_swiglu_log_softmax_match_reference() {
             reference::log_softmax(&mut a);
             ops::log_softmax(isa, &mut b);
             for i in 0..n {
-                assert!((a[i] - b[i]).abs() <= 1e-5 * a[i].abs().max(1.0), "log_softmax {isa:?} n={n}");
+                assert!(
+                    (a[i] - b[i]).abs() <= 1e-5 * a[i].abs().max(1.0),
+                    "log_softmax {isa:?} n={n}"
+                );
             }
         }
     }
@@ -168,7 +196,10 @@ fn exp_is_accurate_over_the_range_that_matters() {
         ops::swiglu(isa, &xs, &u, &mut got);
         for (i, &x) in xs.iter().enumerate() {
             let want = (x as f64) / (1.0 + (-(x as f64)).exp());
-            assert!((got[i] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0), "{isa:?} x={x}");
+            assert!(
+                (got[i] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{isa:?} x={x}"
+            );
         }
     }
 }
@@ -182,7 +213,13 @@ fn rope_table_rotates_adjacent_pairs_like_the_formula() {
     let mut want = x.clone();
     reference::rope(&mut want, &positions, heads, hd, hd, base);
     let mut got = x.clone();
-    ops::rope(&mut got, &ops::rope_table(&positions, hd, base), heads, hd, hd);
+    ops::rope(
+        &mut got,
+        &ops::rope_table(&positions, hd, base),
+        heads,
+        hd,
+        hd,
+    );
     for i in 0..x.len() {
         assert!((got[i] - want[i]).abs() < 1e-6, "{i}");
     }
@@ -198,16 +235,36 @@ fn paged_attention_matches_reference() {
     let num_blocks = 40;
     let k = rng.vec(num_blocks * bs * kv_dim, 1.0);
     let v = rng.vec(num_blocks * bs * kv_dim, 1.0);
-    let kv = PagedKv { k: &k, v: &v, block_size: bs, kv_dim };
+    let kv = PagedKv {
+        k: &k,
+        v: &v,
+        block_size: bs,
+        kv_dim,
+    };
     // Two sequences with scattered blocks: one prefilling 21 tokens from position 0, one decoding
     // 1 token at position 37, one continuing a chunk of 5 at position 9.
     let t1: Vec<u32> = (0..6).map(|i| 39 - i * 2).collect();
     let t2: Vec<u32> = (0..10).map(|i| i * 3 + 1).collect();
     let t3: Vec<u32> = vec![0, 2, 4, 6];
     let seqs = [
-        AttnSeq { q_start: 0, q_len: 21, first_pos: 0, block_table: &t1 },
-        AttnSeq { q_start: 21, q_len: 1, first_pos: 37, block_table: &t2 },
-        AttnSeq { q_start: 22, q_len: 5, first_pos: 9, block_table: &t3 },
+        AttnSeq {
+            q_start: 0,
+            q_len: 21,
+            first_pos: 0,
+            block_table: &t1,
+        },
+        AttnSeq {
+            q_start: 21,
+            q_len: 1,
+            first_pos: 37,
+            block_table: &t2,
+        },
+        AttnSeq {
+            q_start: 22,
+            q_len: 5,
+            first_pos: 9,
+            block_table: &t3,
+        },
     ];
     let num_tokens = 27;
     let q = rng.vec(num_tokens * n_heads * hd, 1.0);
@@ -219,7 +276,12 @@ fn paged_attention_matches_reference() {
             let mut got = vec![f32::NAN; q.len()];
             c.attention(&q, &mut got, &seqs, kv, n_heads, n_kv, hd, 0.125);
             for i in 0..q.len() {
-                assert!((got[i] - want[i]).abs() < 2e-6, "{isa:?} t={threads} i={i}: {} vs {}", got[i], want[i]);
+                assert!(
+                    (got[i] - want[i]).abs() < 2e-6,
+                    "{isa:?} t={threads} i={i}: {} vs {}",
+                    got[i],
+                    want[i]
+                );
             }
         }
     }

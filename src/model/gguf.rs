@@ -11,7 +11,10 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot read {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("not a GGUF file: magic is {0:02x?}, expected 47 47 55 46 (\"GGUF\")")]
     BadMagic([u8; 4]),
     #[error("unsupported GGUF version {0} (supported: 2, 3)")]
@@ -20,8 +23,15 @@ pub enum GgufError {
     Truncated { what: String, offset: u64 },
     #[error("corrupt GGUF at offset {offset}: {msg}")]
     Corrupt { offset: u64, msg: String },
-    #[error("tensor '{name}' has unsupported ggml type {type_id} ({type_name}) at info offset {offset}")]
-    UnsupportedType { name: String, type_id: u32, type_name: &'static str, offset: u64 },
+    #[error(
+        "tensor '{name}' has unsupported ggml type {type_id} ({type_name}) at info offset {offset}"
+    )]
+    UnsupportedType {
+        name: String,
+        type_id: u32,
+        type_name: &'static str,
+        offset: u64,
+    },
     #[error("tensor '{name}': {msg}")]
     BadTensor { name: String, msg: String },
     #[error("metadata key '{key}': {msg}")]
@@ -160,27 +170,39 @@ struct Cursor<'a> {
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize, what: &dyn Fn() -> String) -> Result<&'a [u8], GgufError> {
         if self.buf.len() - self.pos < n {
-            return Err(GgufError::Truncated { what: what(), offset: self.pos as u64 });
+            return Err(GgufError::Truncated {
+                what: what(),
+                offset: self.pos as u64,
+            });
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
         Ok(s)
     }
     fn u32(&mut self, what: &dyn Fn() -> String) -> Result<u32, GgufError> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().unwrap_or([0; 4])))
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().unwrap_or([0; 4]),
+        ))
     }
     fn u64(&mut self, what: &dyn Fn() -> String) -> Result<u64, GgufError> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().unwrap_or([0; 8])))
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().unwrap_or([0; 8]),
+        ))
     }
     fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, GgufError> {
         let at = self.pos as u64;
         let len = self.u64(what)?;
         if len > (self.buf.len() - self.pos) as u64 {
-            return Err(GgufError::Truncated { what: format!("{} (string of {len} bytes)", what()), offset: at });
+            return Err(GgufError::Truncated {
+                what: format!("{} (string of {len} bytes)", what()),
+                offset: at,
+            });
         }
         let bytes = self.take(len as usize, what)?;
-        String::from_utf8(bytes.to_vec())
-            .map_err(|_| GgufError::Corrupt { offset: at, msg: format!("{} is not valid UTF-8", what()) })
+        String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::Corrupt {
+            offset: at,
+            msg: format!("{} is not valid UTF-8", what()),
+        })
     }
 
     fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<Value, GgufError> {
@@ -189,20 +211,32 @@ impl<'a> Cursor<'a> {
         Ok(match ty {
             0 => Value::U8(self.take(1, &w)?[0]),
             1 => Value::I8(self.take(1, &w)?[0] as i8),
-            2 => Value::U16(u16::from_le_bytes(self.take(2, &w)?.try_into().unwrap_or([0; 2]))),
-            3 => Value::I16(i16::from_le_bytes(self.take(2, &w)?.try_into().unwrap_or([0; 2]))),
+            2 => Value::U16(u16::from_le_bytes(
+                self.take(2, &w)?.try_into().unwrap_or([0; 2]),
+            )),
+            3 => Value::I16(i16::from_le_bytes(
+                self.take(2, &w)?.try_into().unwrap_or([0; 2]),
+            )),
             4 => Value::U32(self.u32(&w)?),
             5 => Value::I32(self.u32(&w)? as i32),
             6 => Value::F32(f32::from_bits(self.u32(&w)?)),
             7 => match self.take(1, &w)?[0] {
                 0 => Value::Bool(false),
                 1 => Value::Bool(true),
-                b => return Err(GgufError::Corrupt { offset: at, msg: format!("'{key}': bool byte {b} is not 0 or 1") }),
+                b => {
+                    return Err(GgufError::Corrupt {
+                        offset: at,
+                        msg: format!("'{key}': bool byte {b} is not 0 or 1"),
+                    })
+                }
             },
             8 => Value::String(self.string(&w)?),
             9 => {
                 if depth > 0 {
-                    return Err(GgufError::Corrupt { offset: at, msg: format!("'{key}': nested arrays are not supported") });
+                    return Err(GgufError::Corrupt {
+                        offset: at,
+                        msg: format!("'{key}': nested arrays are not supported"),
+                    });
                 }
                 let et = self.u32(&w)?;
                 let len = self.u64(&w)?;
@@ -221,7 +255,10 @@ impl<'a> Cursor<'a> {
                 };
                 let remaining = (self.buf.len() - self.pos) as u64;
                 if len.saturating_mul(min_size) > remaining {
-                    return Err(GgufError::Truncated { what: format!("array '{key}' of {len} elements"), offset: at });
+                    return Err(GgufError::Truncated {
+                        what: format!("array '{key}' of {len} elements"),
+                        offset: at,
+                    });
                 }
                 let mut v = Vec::with_capacity(len as usize);
                 for _ in 0..len {
@@ -232,7 +269,12 @@ impl<'a> Cursor<'a> {
             10 => Value::U64(self.u64(&w)?),
             11 => Value::I64(self.u64(&w)? as i64),
             12 => Value::F64(f64::from_bits(self.u64(&w)?)),
-            t => return Err(GgufError::Corrupt { offset: at, msg: format!("'{key}': unknown metadata value type {t}") }),
+            t => {
+                return Err(GgufError::Corrupt {
+                    offset: at,
+                    msg: format!("'{key}': unknown metadata value type {t}"),
+                })
+            }
         })
     }
 }
@@ -240,7 +282,10 @@ impl<'a> Cursor<'a> {
 impl Gguf {
     pub fn open(path: impl AsRef<Path>) -> Result<Gguf, GgufError> {
         let path = path.as_ref();
-        let io = |e| GgufError::Io { path: path.display().to_string(), source: e };
+        let io = |e| GgufError::Io {
+            path: path.display().to_string(),
+            source: e,
+        };
         let file = File::open(path).map_err(io)?;
         // SAFETY: the file is opened read-only; we never write through the map. A file changed
         // under us by another process is outside what we can guard against.
@@ -266,7 +311,9 @@ impl Gguf {
         if n_kv.saturating_mul(12) > rest || n_tensors.saturating_mul(24) > rest {
             return Err(GgufError::Corrupt {
                 offset: 8,
-                msg: format!("{n_tensors} tensors and {n_kv} metadata entries cannot fit in {rest} bytes"),
+                msg: format!(
+                    "{n_tensors} tensors and {n_kv} metadata entries cannot fit in {rest} bytes"
+                ),
             });
         }
         let mut metadata = HashMap::new();
@@ -298,7 +345,10 @@ impl Gguf {
             let w = || format!("info of tensor '{name}'");
             let n_dims = c.u32(&w)?;
             if n_dims == 0 || n_dims > GGML_MAX_DIMS {
-                return Err(GgufError::BadTensor { name, msg: format!("{n_dims} dimensions (1 to 4 allowed)") });
+                return Err(GgufError::BadTensor {
+                    name,
+                    msg: format!("{n_dims} dimensions (1 to 4 allowed)"),
+                });
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
@@ -306,30 +356,51 @@ impl Gguf {
             }
             let type_id = c.u32(&w)?;
             let offset = c.u64(&w)?;
-            let ty = QuantType::from_ggml_id(type_id).ok_or_else(|| GgufError::UnsupportedType {
-                name: name.clone(),
-                type_id,
-                type_name: ggml_type_name(type_id),
-                offset: info_at,
-            })?;
+            let ty =
+                QuantType::from_ggml_id(type_id).ok_or_else(|| GgufError::UnsupportedType {
+                    name: name.clone(),
+                    type_id,
+                    type_name: ggml_type_name(type_id),
+                    offset: info_at,
+                })?;
             let n = dims.iter().try_fold(1u64, |a, d| a.checked_mul(*d));
             let Some(n) = n.filter(|n| *n <= (1u64 << 40)) else {
-                return Err(GgufError::BadTensor { name, msg: format!("dimensions {dims:?} overflow") });
+                return Err(GgufError::BadTensor {
+                    name,
+                    msg: format!("dimensions {dims:?} overflow"),
+                });
             };
             if dims[0] % ty.block_size() as u64 != 0 {
                 return Err(GgufError::BadTensor {
                     name,
-                    msg: format!("row length {} is not a multiple of the {} block size {}", dims[0], ty.name(), ty.block_size()),
+                    msg: format!(
+                        "row length {} is not a multiple of the {} block size {}",
+                        dims[0],
+                        ty.name(),
+                        ty.block_size()
+                    ),
                 });
             }
             if offset % alignment != 0 {
-                return Err(GgufError::BadTensor { name, msg: format!("data offset {offset} is not aligned to {alignment}") });
+                return Err(GgufError::BadTensor {
+                    name,
+                    msg: format!("data offset {offset} is not aligned to {alignment}"),
+                });
             }
             let size = (n / ty.block_size() as u64 * ty.block_bytes() as u64) as usize;
             if by_name.insert(name.clone(), tensors.len()).is_some() {
-                return Err(GgufError::BadTensor { name, msg: "appears twice".into() });
+                return Err(GgufError::BadTensor {
+                    name,
+                    msg: "appears twice".into(),
+                });
             }
-            tensors.push(TensorInfo { name, dims, ty, offset, size });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+                size,
+            });
         }
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
         let data_len = (buf.len() as u64).saturating_sub(data_offset);
@@ -348,7 +419,16 @@ impl Gguf {
                 });
             }
         }
-        Ok(Gguf { mmap, version, metadata, metadata_keys, tensors, by_name, alignment, data_offset })
+        Ok(Gguf {
+            mmap,
+            version,
+            metadata,
+            metadata_keys,
+            tensors,
+            by_name,
+            alignment,
+            data_offset,
+        })
     }
 
     /// The whole mapped file.
@@ -372,22 +452,39 @@ impl Gguf {
 
     /// A required integer key.
     pub fn get_usize(&self, key: &str) -> Result<usize, GgufError> {
-        let v = self.get(key).ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: "missing".into() })?;
+        let v = self.get(key).ok_or_else(|| GgufError::BadMetadata {
+            key: key.into(),
+            msg: "missing".into(),
+        })?;
         v.as_i64()
             .and_then(|x| usize::try_from(x).ok())
-            .ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: format!("expected an unsigned integer, got {}", v.type_name()) })
+            .ok_or_else(|| GgufError::BadMetadata {
+                key: key.into(),
+                msg: format!("expected an unsigned integer, got {}", v.type_name()),
+            })
     }
 
     pub fn get_f32(&self, key: &str) -> Result<f32, GgufError> {
-        let v = self.get(key).ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: "missing".into() })?;
+        let v = self.get(key).ok_or_else(|| GgufError::BadMetadata {
+            key: key.into(),
+            msg: "missing".into(),
+        })?;
         v.as_f64()
             .map(|x| x as f32)
-            .ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: format!("expected a number, got {}", v.type_name()) })
+            .ok_or_else(|| GgufError::BadMetadata {
+                key: key.into(),
+                msg: format!("expected a number, got {}", v.type_name()),
+            })
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
-        let v = self.get(key).ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: "missing".into() })?;
-        v.as_str()
-            .ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: format!("expected a string, got {}", v.type_name()) })
+        let v = self.get(key).ok_or_else(|| GgufError::BadMetadata {
+            key: key.into(),
+            msg: "missing".into(),
+        })?;
+        v.as_str().ok_or_else(|| GgufError::BadMetadata {
+            key: key.into(),
+            msg: format!("expected a string, got {}", v.type_name()),
+        })
     }
 }

@@ -14,7 +14,10 @@ pub struct GgufWriter {
 
 impl GgufWriter {
     pub fn new() -> GgufWriter {
-        GgufWriter { alignment: 32, ..Default::default() }
+        GgufWriter {
+            alignment: 32,
+            ..Default::default()
+        }
     }
 
     pub fn meta(&mut self, key: &str, v: Value) -> &mut Self {
@@ -24,7 +27,8 @@ impl GgufWriter {
 
     /// Add a tensor with `dims` (innermost first) and its bytes in format `ty`.
     pub fn tensor(&mut self, name: &str, dims: &[u64], ty: QuantType, data: Vec<u8>) -> &mut Self {
-        self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
+        self.tensors
+            .push((name.to_string(), dims.to_vec(), ty, data));
         self
     }
 
@@ -53,7 +57,7 @@ impl GgufWriter {
             offset = (offset + data.len() as u64).div_ceil(self.alignment) * self.alignment;
         }
         let pad = |b: &mut Vec<u8>, a: u64| {
-            while b.len() as u64 % a != 0 {
+            while !(b.len() as u64).is_multiple_of(a) {
                 b.push(0);
             }
         };

@@ -16,7 +16,14 @@ pub struct KvCache {
 impl KvCache {
     pub fn new(num_layers: usize, kv_dim: usize, block_size: usize, num_blocks: usize) -> KvCache {
         let n = num_layers * num_blocks * block_size * kv_dim;
-        KvCache { k: vec![0.0; n], v: vec![0.0; n], num_layers, num_blocks, block_size, kv_dim }
+        KvCache {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            num_layers,
+            num_blocks,
+            block_size,
+            kv_dim,
+        }
     }
 
     fn layer_len(&self) -> usize {
@@ -30,7 +37,12 @@ impl KvCache {
 
     pub fn layer(&self, l: usize) -> PagedKv<'_> {
         let n = self.layer_len();
-        PagedKv { k: &self.k[l * n..(l + 1) * n], v: &self.v[l * n..(l + 1) * n], block_size: self.block_size, kv_dim: self.kv_dim }
+        PagedKv {
+            k: &self.k[l * n..(l + 1) * n],
+            v: &self.v[l * n..(l + 1) * n],
+            block_size: self.block_size,
+            kv_dim: self.kv_dim,
+        }
     }
 
     /// Store the K and V rows of position `pos` of the sequence with `block_table` in layer `l`.
@@ -56,7 +68,9 @@ pub struct BlockAllocator {
 
 impl BlockAllocator {
     pub fn new(num_blocks: usize) -> BlockAllocator {
-        BlockAllocator { free: (0..num_blocks as u32).rev().collect() }
+        BlockAllocator {
+            free: (0..num_blocks as u32).rev().collect(),
+        }
     }
     pub fn alloc(&mut self) -> Option<u32> {
         self.free.pop()

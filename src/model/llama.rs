@@ -112,7 +112,9 @@ impl Llama {
     pub fn from_gguf(g: Gguf) -> Result<Llama, ModelError> {
         let arch = g.get_str("general.architecture")?.to_string();
         if arch != "llama" {
-            return Err(ModelError::Unsupported(format!("general.architecture = '{arch}' (only 'llama')")));
+            return Err(ModelError::Unsupported(format!(
+                "general.architecture = '{arch}' (only 'llama')"
+            )));
         }
         let k = |s: &str| format!("{arch}.{s}");
         let hidden = g.get_usize(&k("embedding_length"))?;
@@ -121,7 +123,11 @@ impl Llama {
             Some(_) => g.get_usize(&k("attention.head_count_kv"))?,
             None => num_heads,
         };
-        if num_heads == 0 || num_kv_heads == 0 || hidden % num_heads != 0 || num_heads % num_kv_heads != 0 {
+        if num_heads == 0
+            || num_kv_heads == 0
+            || hidden % num_heads != 0
+            || num_heads % num_kv_heads != 0
+        {
             return Err(ModelError::Unsupported(format!(
                 "{num_heads} heads, {num_kv_heads} KV heads, hidden {hidden}: heads must divide hidden and KV heads must divide heads"
             )));
@@ -132,9 +138,14 @@ impl Llama {
             None => head_dim,
         };
         if rope_dim > head_dim || rope_dim % 2 != 0 {
-            return Err(ModelError::Unsupported(format!("rope dimension {rope_dim} with head dim {head_dim}")));
+            return Err(ModelError::Unsupported(format!(
+                "rope dimension {rope_dim} with head dim {head_dim}"
+            )));
         }
-        let embd = g.tensor("token_embd.weight").ok_or_else(|| missing("token_embd.weight"))?.clone();
+        let embd = g
+            .tensor("token_embd.weight")
+            .ok_or_else(|| missing("token_embd.weight"))?
+            .clone();
         let vocab_size = *embd.dims.get(1).unwrap_or(&0) as usize;
         let config = LlamaConfig {
             num_layers: g.get_usize(&k("block_count"))?,
@@ -174,7 +185,14 @@ impl Llama {
             Some(_) => weight(&g, "output.weight", c.vocab_size, c.hidden)?,
             None => token_embd.clone(),
         };
-        Ok(Llama { config, gguf: g, token_embd, layers, output_norm, output })
+        Ok(Llama {
+            config,
+            gguf: g,
+            token_embd,
+            layers,
+            output_norm,
+            output,
+        })
     }
 
     /// The bytes of a weight.
@@ -184,17 +202,38 @@ impl Llama {
 
     /// Total bytes of weights read per decoded token (every matrix once, the LM head included).
     pub fn weight_bytes_per_token(&self) -> usize {
-        let per_layer: usize = self.layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|w| w.len).sum::<usize>()).sum();
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|w| w.len)
+                    .sum::<usize>()
+            })
+            .sum();
         per_layer + self.output.len
     }
 
     fn mm<'a>(&'a self, w: &Weight, x: &'a [f32], y: &'a mut [f32]) -> Matmul<'a> {
-        Matmul { ty: w.ty, w: self.bytes(w), rows: w.rows, cols: w.cols, x, y }
+        Matmul {
+            ty: w.ty,
+            w: self.bytes(w),
+            rows: w.rows,
+            cols: w.cols,
+            x,
+            y,
+        }
     }
 
     /// Run the batch; write K/V of its tokens into `cache`; return the wanted logits, sequence by
     /// sequence, as rows of `vocab_size` (Last: one row; All: one row per token).
-    pub fn forward(&self, cpu: &Cpu, cache: &mut KvCache, batch: &[BatchSeq]) -> Result<Vec<f32>, ModelError> {
+    pub fn forward(
+        &self,
+        cpu: &Cpu,
+        cache: &mut KvCache,
+        batch: &[BatchSeq],
+    ) -> Result<Vec<f32>, ModelError> {
         let c = &self.config;
         let (hidden, qd, kvd) = (c.hidden, c.q_dim(), c.kv_dim());
         let mut tokens = Vec::new();
@@ -207,13 +246,22 @@ impl Llama {
             }
             let end = s.first_pos + s.tokens.len();
             if end > c.context_length {
-                return Err(ModelError::Batch(format!("{end} positions exceed the context length {}", c.context_length)));
+                return Err(ModelError::Batch(format!(
+                    "{end} positions exceed the context length {}",
+                    c.context_length
+                )));
             }
             if s.block_table.len() * cache.block_size < end {
-                return Err(ModelError::Batch(format!("block table covers {} positions, need {end}", s.block_table.len() * cache.block_size)));
+                return Err(ModelError::Batch(format!(
+                    "block table covers {} positions, need {end}",
+                    s.block_table.len() * cache.block_size
+                )));
             }
             if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-                return Err(ModelError::Batch(format!("token id {bad} is outside the vocabulary ({})", c.vocab_size)));
+                return Err(ModelError::Batch(format!(
+                    "token id {bad} is outside the vocabulary ({})",
+                    c.vocab_size
+                )));
             }
             let start = tokens.len();
             match s.logits {
@@ -221,7 +269,12 @@ impl Llama {
                 Logits::Last => logit_rows.push(start + s.tokens.len() - 1),
                 Logits::All => logit_rows.extend(start..start + s.tokens.len()),
             }
-            attn.push(AttnSeq { q_start: start, q_len: s.tokens.len(), first_pos: s.first_pos, block_table: s.block_table });
+            attn.push(AttnSeq {
+                q_start: start,
+                q_len: s.tokens.len(),
+                first_pos: s.first_pos,
+                block_table: s.block_table,
+            });
             tokens.extend_from_slice(s.tokens);
             positions.extend((s.first_pos..end).map(|p| p as u32));
         }
@@ -233,7 +286,11 @@ impl Llama {
         let embd = self.bytes(&self.token_embd);
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = tok as usize;
-            cpu.dequantize_row(self.token_embd.ty, &embd[tok * erb..(tok + 1) * erb], &mut x[i * hidden..(i + 1) * hidden]);
+            cpu.dequantize_row(
+                self.token_embd.ty,
+                &embd[tok * erb..(tok + 1) * erb],
+                &mut x[i * hidden..(i + 1) * hidden],
+            );
         }
         let mut n = vec![0.0f32; t * hidden];
         let mut q = vec![0.0f32; t * qd];
@@ -248,22 +305,58 @@ impl Llama {
 
         for (l, layer) in self.layers.iter().enumerate() {
             cpu.rmsnorm(&x, &layer.attn_norm, c.eps, &mut n);
-            cpu.matmul_many(&mut [self.mm(&layer.wq, &n, &mut q), self.mm(&layer.wk, &n, &mut k), self.mm(&layer.wv, &n, &mut v)]);
+            cpu.matmul_many(&mut [
+                self.mm(&layer.wq, &n, &mut q),
+                self.mm(&layer.wk, &n, &mut k),
+                self.mm(&layer.wv, &n, &mut v),
+            ]);
             cpu.rope(&mut q, &rope, c.num_heads, c.head_dim, c.rope_dim);
             cpu.rope(&mut k, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
             for (s, a) in batch.iter().zip(&attn) {
                 for i in 0..a.q_len {
                     let r = a.q_start + i;
-                    cache.write(l, s.block_table, s.first_pos + i, &k[r * kvd..(r + 1) * kvd], &v[r * kvd..(r + 1) * kvd]);
+                    cache.write(
+                        l,
+                        s.block_table,
+                        s.first_pos + i,
+                        &k[r * kvd..(r + 1) * kvd],
+                        &v[r * kvd..(r + 1) * kvd],
+                    );
                 }
             }
-            cpu.attention(&q, &mut att, &attn, cache.layer(l), c.num_heads, c.num_kv_heads, c.head_dim, scale);
-            cpu.matmul(layer.wo.ty, self.bytes(&layer.wo), hidden, qd, &att, &mut proj);
+            cpu.attention(
+                &q,
+                &mut att,
+                &attn,
+                cache.layer(l),
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                scale,
+            );
+            cpu.matmul(
+                layer.wo.ty,
+                self.bytes(&layer.wo),
+                hidden,
+                qd,
+                &att,
+                &mut proj,
+            );
             add_in_place(&mut x, &proj);
             cpu.rmsnorm(&x, &layer.ffn_norm, c.eps, &mut n);
-            cpu.matmul_many(&mut [self.mm(&layer.w_gate, &n, &mut gate), self.mm(&layer.w_up, &n, &mut up)]);
+            cpu.matmul_many(&mut [
+                self.mm(&layer.w_gate, &n, &mut gate),
+                self.mm(&layer.w_up, &n, &mut up),
+            ]);
             cpu.swiglu(&gate, &up, &mut act);
-            cpu.matmul(layer.w_down.ty, self.bytes(&layer.w_down), hidden, c.ffn, &act, &mut proj);
+            cpu.matmul(
+                layer.w_down.ty,
+                self.bytes(&layer.w_down),
+                hidden,
+                c.ffn,
+                &act,
+                &mut proj,
+            );
             add_in_place(&mut x, &proj);
         }
 
@@ -276,7 +369,14 @@ impl Llama {
         cpu.rmsnorm(&xs, &self.output_norm, c.eps, &mut normed);
         let mut logits = vec![0.0f32; m * c.vocab_size];
         if m > 0 {
-            cpu.matmul(self.output.ty, self.bytes(&self.output), c.vocab_size, hidden, &normed, &mut logits);
+            cpu.matmul(
+                self.output.ty,
+                self.bytes(&self.output),
+                c.vocab_size,
+                hidden,
+                &normed,
+                &mut logits,
+            );
         }
         Ok(logits)
     }
@@ -289,22 +389,37 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
 }
 
 fn missing(name: &str) -> ModelError {
-    ModelError::Shape { name: name.into(), msg: "missing".into() }
+    ModelError::Shape {
+        name: name.into(),
+        msg: "missing".into(),
+    }
 }
 
 fn weight(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
     let t: &TensorInfo = g.tensor(name).ok_or_else(|| missing(name))?;
     if t.dims.len() != 2 || t.dims[0] as usize != cols || t.dims[1] as usize != rows {
-        return Err(ModelError::Shape { name: name.into(), msg: format!("dims {:?}, expected [{cols}, {rows}]", t.dims) });
+        return Err(ModelError::Shape {
+            name: name.into(),
+            msg: format!("dims {:?}, expected [{cols}, {rows}]", t.dims),
+        });
     }
     let start = (g.data_offset + t.offset) as usize;
-    Ok(Weight { ty: t.ty, rows, cols, start, len: t.size })
+    Ok(Weight {
+        ty: t.ty,
+        rows,
+        cols,
+        start,
+        len: t.size,
+    })
 }
 
 fn vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
     let t = g.tensor(name).ok_or_else(|| missing(name))?;
     if t.num_elements() as usize != len {
-        return Err(ModelError::Shape { name: name.into(), msg: format!("dims {:?}, expected [{len}]", t.dims) });
+        return Err(ModelError::Shape {
+            name: name.into(),
+            msg: format!("dims {:?}, expected [{len}]", t.dims),
+        });
     }
     let mut out = vec![0.0f32; len];
     flywheel_kernels::reference::dequantize_row(t.ty, g.tensor_data(t), &mut out);

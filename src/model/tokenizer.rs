@@ -53,7 +53,8 @@ fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).unwrap_or('\0')
         } else {
@@ -72,13 +73,22 @@ impl Tokenizer {
                 "tokenizer.ggml.model = '{model}' (only byte-level BPE, 'gpt2', is supported)"
             )));
         }
-        let pre = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+        let pre = g
+            .get("tokenizer.ggml.pre")
+            .and_then(Value::as_str)
+            .unwrap_or("default");
         let pre_tok: PreTokenizerWrapper = match pre {
             "default" | "gpt2" => ByteLevel::new(false, true, true).into(),
-            "smollm" => {
-                Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into()
+            "smollm" => Sequence::new(vec![
+                Digits::new(true).into(),
+                ByteLevel::new(false, true, true).into(),
+            ])
+            .into(),
+            other => {
+                return Err(TokenizerError::Unsupported(format!(
+                    "tokenizer.ggml.pre = '{other}'"
+                )))
             }
-            other => return Err(TokenizerError::Unsupported(format!("tokenizer.ggml.pre = '{other}'"))),
         };
         let tokens = string_array(g, "tokenizer.ggml.tokens")?;
         let merges = string_array(g, "tokenizer.ggml.merges")?;
@@ -93,7 +103,11 @@ impl Tokenizer {
                 tokens.len()
             )));
         }
-        let vocab: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let vocab: HashMap<String, u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
         let merges: Vec<(String, String)> = merges
             .iter()
             .enumerate()
@@ -104,7 +118,12 @@ impl Tokenizer {
             })
             .collect::<Result<_, _>>()?;
         let bpe = BPE::builder()
-            .vocab_and_merges(vocab.into_iter().collect::<tokenizers::models::bpe::Vocab>(), merges)
+            .vocab_and_merges(
+                vocab
+                    .into_iter()
+                    .collect::<tokenizers::models::bpe::Vocab>(),
+                merges,
+            )
             .build()
             .map_err(|e| TokenizerError::Build(e.to_string()))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
@@ -122,7 +141,11 @@ impl Tokenizer {
         inner.add_special_tokens(&special);
         inner.add_tokens(&added);
 
-        let rev: HashMap<char, u8> = bytes_to_unicode().iter().enumerate().map(|(b, c)| (*c, b as u8)).collect();
+        let rev: HashMap<char, u8> = bytes_to_unicode()
+            .iter()
+            .enumerate()
+            .map(|(b, c)| (*c, b as u8))
+            .collect();
         let token_bytes = tokens
             .iter()
             .enumerate()
@@ -130,11 +153,18 @@ impl Tokenizer {
                 if types[i] == TOKEN_TYPE_CONTROL || types[i] == TOKEN_TYPE_USER_DEFINED {
                     t.as_bytes().to_vec()
                 } else {
-                    t.chars().map(|c| rev.get(&c).copied().unwrap_or(b'?')).collect()
+                    t.chars()
+                        .map(|c| rev.get(&c).copied().unwrap_or(b'?'))
+                        .collect()
                 }
             })
             .collect();
-        let id = |k: &str| g.get(k).and_then(Value::as_i64).map(|v| v as u32).filter(|&v| (v as usize) < tokens.len());
+        let id = |k: &str| {
+            g.get(k)
+                .and_then(Value::as_i64)
+                .map(|v| v as u32)
+                .filter(|&v| (v as usize) < tokens.len())
+        };
         let bos_id = id("tokenizer.ggml.bos_token_id");
         let eos_id = id("tokenizer.ggml.eos_token_id");
         let text = |i: Option<u32>| i.map(|i| tokens[i as usize].clone()).unwrap_or_default();
@@ -144,8 +174,15 @@ impl Tokenizer {
             is_control: types.iter().map(|t| *t == TOKEN_TYPE_CONTROL).collect(),
             bos_id,
             eos_id,
-            add_bos: g.get("tokenizer.ggml.add_bos_token").and_then(Value::as_i64).unwrap_or(0) != 0,
-            chat_template: g.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string),
+            add_bos: g
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(Value::as_i64)
+                .unwrap_or(0)
+                != 0,
+            chat_template: g
+                .get("tokenizer.chat_template")
+                .and_then(Value::as_str)
+                .map(str::to_string),
             bos_text: text(bos_id),
             eos_text: text(eos_id),
         })
@@ -158,7 +195,10 @@ impl Tokenizer {
     /// Token ids of `text`; control tokens written in the text are recognised (as llama.cpp's
     /// server does for prompts). Adds BOS when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self.inner.encode_fast(text, false).map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if self.add_bos {
             ids.extend(self.bos_id);
@@ -169,7 +209,10 @@ impl Tokenizer {
 
     /// The bytes a token stands for.
     pub fn token_bytes(&self, id: u32) -> &[u8] {
-        self.token_bytes.get(id as usize).map(Vec::as_slice).unwrap_or(&[])
+        self.token_bytes
+            .get(id as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
     }
 
     pub fn is_control(&self, id: u32) -> bool {
@@ -178,25 +221,40 @@ impl Tokenizer {
 
     /// Text of a token sequence (invalid UTF-8 replaced by U+FFFD).
     pub fn decode(&self, ids: &[u32]) -> String {
-        let bytes: Vec<u8> = ids.iter().flat_map(|&i| self.token_bytes(i).iter().copied()).collect();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| self.token_bytes(i).iter().copied())
+            .collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
     /// Render the chat template with `messages`, ending with the assistant's generation prompt
     /// when `add_generation_prompt`.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
-        let tmpl = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| TokenizerError::Template("the model has no tokenizer.chat_template".into()))?;
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let tmpl = self.chat_template.as_deref().ok_or_else(|| {
+            TokenizerError::Template("the model has no tokenizer.chat_template".into())
+        })?;
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", tmpl).map_err(|e| TokenizerError::Template(e.to_string()))?;
-        let t = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", tmpl)
+            .map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let t = env
+            .get_template("chat")
+            .map_err(|e| TokenizerError::Template(e.to_string()))?;
         t.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -211,12 +269,19 @@ fn string_array(g: &Gguf, key: &str) -> Result<Vec<String>, TokenizerError> {
     let a = g
         .get(key)
         .and_then(Value::as_array)
-        .ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: "missing or not an array".into() })?;
+        .ok_or_else(|| GgufError::BadMetadata {
+            key: key.into(),
+            msg: "missing or not an array".into(),
+        })?;
     a.iter()
         .map(|v| {
-            v.as_str()
-                .map(str::to_string)
-                .ok_or_else(|| GgufError::BadMetadata { key: key.into(), msg: "contains a non-string".into() }.into())
+            v.as_str().map(str::to_string).ok_or_else(|| {
+                GgufError::BadMetadata {
+                    key: key.into(),
+                    msg: "contains a non-string".into(),
+                }
+                .into()
+            })
         })
         .collect()
 }

@@ -73,7 +73,8 @@ pub fn byte_chars() -> Vec<char> {
     let mut out = Vec::new();
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         out.push(if printable {
             char::from_u32(b).unwrap()
         } else {
@@ -86,13 +87,22 @@ pub fn byte_chars() -> Vec<char> {
 
 /// Vocabulary: 3 control tokens, 256 byte tokens, and merged tokens for "he", "ll", "Ġt", "hell".
 pub fn vocab() -> (Vec<String>, Vec<i32>, Vec<String>) {
-    let mut tokens: Vec<String> = vec!["<|endoftext|>".into(), "<|im_start|>".into(), "<|im_end|>".into()];
+    let mut tokens: Vec<String> = vec![
+        "<|endoftext|>".into(),
+        "<|im_start|>".into(),
+        "<|im_end|>".into(),
+    ];
     let mut types = vec![3, 3, 3];
     for c in byte_chars() {
         tokens.push(c.to_string());
         types.push(1);
     }
-    let merges = vec!["h e".to_string(), "l l".to_string(), "Ġ t".to_string(), "he ll".to_string()];
+    let merges = vec![
+        "h e".to_string(),
+        "l l".to_string(),
+        "Ġ t".to_string(),
+        "he ll".to_string(),
+    ];
     for m in &merges {
         tokens.push(m.replace(' ', ""));
         types.push(1);
@@ -113,7 +123,8 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
     let hd = s.hidden / s.heads;
     let mut rng = Rng(s.seed);
     let mut w = GgufWriter::new();
-    let str_arr = |xs: &[String]| Value::Array(xs.iter().map(|x| Value::String(x.clone())).collect());
+    let str_arr =
+        |xs: &[String]| Value::Array(xs.iter().map(|x| Value::String(x.clone())).collect());
     w.meta("general.architecture", Value::String("llama".into()))
         .meta("general.name", Value::String("tiny".into()))
         .meta("llama.block_count", Value::U32(s.layers as u32))
@@ -139,12 +150,26 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
                 "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}".into(),
             ),
         );
-    let mat = |w: &mut GgufWriter, rng: &mut Rng, name: &str, rows: usize, cols: usize, ty: QuantType, scale: f32| {
+    let mat = |w: &mut GgufWriter,
+               rng: &mut Rng,
+               name: &str,
+               rows: usize,
+               cols: usize,
+               ty: QuantType,
+               scale: f32| {
         let data = rng.vec(rows * cols, scale);
         w.tensor(name, &[cols as u64, rows as u64], ty, quantize(ty, &data));
     };
     let f = s.formats;
-    mat(&mut w, &mut rng, "token_embd.weight", v, s.hidden, f[7], 0.3);
+    mat(
+        &mut w,
+        &mut rng,
+        "token_embd.weight",
+        v,
+        s.hidden,
+        f[7],
+        0.3,
+    );
     let (qd, kvd) = (s.heads * hd, s.kv_heads * hd);
     for l in 0..s.layers {
         let n = |x: &str| format!("blk.{l}.{x}.weight");
@@ -156,16 +181,35 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         mat(&mut w, &mut rng, &n("ffn_up"), s.ffn, s.hidden, f[5], 0.3);
         mat(&mut w, &mut rng, &n("ffn_down"), s.hidden, s.ffn, f[6], 0.3);
         let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();
-        w.tensor(&n("attn_norm"), &[s.hidden as u64], QuantType::F32, quantize(QuantType::F32, &norm));
+        w.tensor(
+            &n("attn_norm"),
+            &[s.hidden as u64],
+            QuantType::F32,
+            quantize(QuantType::F32, &norm),
+        );
         let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();
-        w.tensor(&n("ffn_norm"), &[s.hidden as u64], QuantType::F32, quantize(QuantType::F32, &norm));
+        w.tensor(
+            &n("ffn_norm"),
+            &[s.hidden as u64],
+            QuantType::F32,
+            quantize(QuantType::F32, &norm),
+        );
     }
     let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();
-    w.tensor("output_norm.weight", &[s.hidden as u64], QuantType::F32, quantize(QuantType::F32, &norm));
+    w.tensor(
+        "output_norm.weight",
+        &[s.hidden as u64],
+        QuantType::F32,
+        quantize(QuantType::F32, &norm),
+    );
     if !s.tied {
         mat(&mut w, &mut rng, "output.weight", v, s.hidden, f[7], 0.3);
     }
-    TinyModel { spec: spec.clone(), vocab_size: v, bytes: w.to_bytes() }
+    TinyModel {
+        spec: spec.clone(),
+        vocab_size: v,
+        bytes: w.to_bytes(),
+    }
 }
 
 /// Write a tiny model into a temp dir; returns the dir (keep it alive) and the path.

@@ -1,5 +1,9 @@
 //! Per-format block dequantization to f32, written once over the `Simd` trait.
 
+// Safety of every `unsafe fn` here: the CPU has the features of `S`, and pointers are valid for
+// one block (`BB` bytes in, `BS` floats out) or the stated row length.
+#![allow(clippy::missing_safety_doc)]
+
 use super::simd::Simd;
 use crate::quant::QuantType;
 use crate::reference::scale_min_k4;
@@ -16,7 +20,11 @@ pub trait Format {
     /// block's first value): `acc[i]` gathers the products for row i in two vectors. The default
     /// goes through a stack buffer; the formats decode needs most override it to stay in registers.
     #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(src: *const u8, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
         let mut buf = [0.0f32; 256];
         Self::dequant::<S>(src, buf.as_mut_ptr());
         let mut c = 0;
@@ -30,7 +38,6 @@ pub trait Format {
         }
     }
 }
-
 
 pub struct F32;
 pub struct F16;
@@ -75,7 +82,10 @@ impl Format for BF16 {
     unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
         let mut i = 0;
         while i < 16 {
-            S::store(dst.add(i), S::cast(S::sll::<16>(S::load_u16(src.add(2 * i)))));
+            S::store(
+                dst.add(i),
+                S::cast(S::sll::<16>(S::load_u16(src.add(2 * i)))),
+            );
             i += S::LANES;
         }
     }
@@ -99,7 +109,11 @@ impl Format for Q4_0 {
         }
     }
     #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(src: *const u8, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
         let d = S::f16(src);
         nibble_dot::<S, N>(src.add(2), S::splat(d), S::splat(-8.0 * d), x, acc)
     }
@@ -122,8 +136,18 @@ impl Format for Q4_1 {
         }
     }
     #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(src: *const u8, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
-        nibble_dot::<S, N>(src.add(4), S::splat(S::f16(src)), S::splat(S::f16(src.add(2))), x, acc)
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
+        nibble_dot::<S, N>(
+            src.add(4),
+            S::splat(S::f16(src)),
+            S::splat(S::f16(src.add(2))),
+            x,
+            acc,
+        )
     }
 }
 
@@ -142,7 +166,11 @@ impl Format for Q8_0 {
         }
     }
     #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(src: *const u8, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
         let vd = S::splat(S::f16(src));
         let qs = src.add(2);
         let mut c = 0;
@@ -232,13 +260,23 @@ pub unsafe fn dequant_row<S: Simd, F: Format>(src: *const u8, dst: *mut f32, n: 
     let esize = F::TY.block_bytes();
     for i in nb * F::BS..n {
         let bytes = std::slice::from_raw_parts(src.add(i * esize), esize);
-        crate::reference::dequantize_block(F::TY, bytes, std::slice::from_raw_parts_mut(dst.add(i), 1));
+        crate::reference::dequantize_block(
+            F::TY,
+            bytes,
+            std::slice::from_raw_parts_mut(dst.add(i), 1),
+        );
     }
 }
 
 /// 32 nibbles (low nibbles are values 0..16, high nibbles 16..32) as `q * d + m`, dotted with N rows.
 #[inline(always)]
-unsafe fn nibble_dot<S: Simd, const N: usize>(qs: *const u8, d: S::V, m: S::V, x: &[*const f32; N], acc: &mut [[S::V; 2]; N]) {
+unsafe fn nibble_dot<S: Simd, const N: usize>(
+    qs: *const u8,
+    d: S::V,
+    m: S::V,
+    x: &[*const f32; N],
+    acc: &mut [[S::V; 2]; N],
+) {
     let mut c = 0;
     while c < 16 {
         let b = S::load_u8(qs.add(c));

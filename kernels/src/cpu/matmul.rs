@@ -8,6 +8,10 @@
 //!   transposed f32 panel, then a 6 x NR register-blocked micro-kernel sweeps all activation rows.
 //!   Compute-bound; the dequantization is amortized over the batch.
 
+// Safety of every `unsafe fn` here: the CPU has the features of `S`, and pointers are valid for
+// the lengths and rows the `JobRef` states.
+#![allow(clippy::missing_safety_doc)]
+
 use super::dequant::{self, dequant_row, Format};
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, ThreadPool};
@@ -27,9 +31,16 @@ pub struct Matmul<'a> {
 
 impl Matmul<'_> {
     fn check(&self) {
-        let rb = self.ty.row_bytes(self.cols).expect("cols must be a whole number of blocks");
+        let rb = self
+            .ty
+            .row_bytes(self.cols)
+            .expect("cols must be a whole number of blocks");
         assert!(self.w.len() >= rb * self.rows, "weight bytes too short");
-        assert_eq!(self.x.len() % self.cols, 0, "x is not a whole number of rows");
+        assert_eq!(
+            self.x.len() % self.cols,
+            0,
+            "x is not a whole number of rows"
+        );
         let n = self.x.len() / self.cols;
         assert_eq!(self.y.len(), n * self.rows, "y has the wrong size");
     }
@@ -59,7 +70,6 @@ thread_local! {
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-
 /// Run several independent products as one parallel region (e.g. q, k and v of a layer).
 pub fn matmul_many(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
     for j in jobs.iter() {
@@ -84,7 +94,11 @@ fn run_chunk(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
         let n = j.x.len() / j.cols;
         let row_bytes = j.ty.row_bytes(j.cols).unwrap_or(0);
         let gemm = n >= GEMM_MIN_ROWS;
-        let rows_per_task = if gemm { nr } else { (32768 / (row_bytes * n.min(8)).max(1)).clamp(4, 256) };
+        let rows_per_task = if gemm {
+            nr
+        } else {
+            (32768 / (row_bytes * n.min(8)).max(1)).clamp(4, 256)
+        };
         refs[k] = Some(JobRef {
             ty: j.ty,
             w: j.w.as_ptr(),
@@ -144,7 +158,10 @@ unsafe fn task_generic<S: Simd>(j: &JobRef, r0: usize, r1: usize) {
 
 /// A thread-local scratch buffer of at least `len` floats. The pointer stays valid until the next
 /// call on this thread for the same buffer (kernels never nest).
-pub(crate) fn scratch(key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>, len: usize) -> *mut f32 {
+pub(crate) fn scratch(
+    key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>,
+    len: usize,
+) -> *mut f32 {
     key.with(|b| {
         let mut b = b.borrow_mut();
         if b.len() < len {
@@ -181,7 +198,7 @@ unsafe fn weight_row<S: Simd, F: Format>(j: &JobRef, r: usize, buf: *mut f32) ->
 
 #[inline(always)]
 unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *mut f32) {
-    if F::TY == QuantType::F32 || j.cols % F::BS != 0 {
+    if F::TY == QuantType::F32 || !j.cols.is_multiple_of(F::BS) {
         for r in r0..r1 {
             let w = weight_row::<S, F>(j, r, buf);
             for i in 0..j.n {
@@ -204,7 +221,12 @@ unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *m
 }
 
 #[inline(always)]
-unsafe fn fused_rows<S: Simd, F: Format, const N: usize>(j: &JobRef, r0: usize, r1: usize, i0: usize) {
+unsafe fn fused_rows<S: Simd, F: Format, const N: usize>(
+    j: &JobRef,
+    r0: usize,
+    r1: usize,
+    i0: usize,
+) {
     let nb = j.cols / F::BS;
     for r in r0..r1 {
         let w = j.w.add(r * j.row_bytes);
@@ -250,7 +272,13 @@ pub unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> f32 {
 }
 
 #[inline(always)]
-unsafe fn gemm_panel<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, panel: *mut f32, buf: *mut f32) {
+unsafe fn gemm_panel<S: Simd, F: Format>(
+    j: &JobRef,
+    r0: usize,
+    r1: usize,
+    panel: *mut f32,
+    buf: *mut f32,
+) {
     let nr = 2 * S::LANES;
     let valid = r1 - r0;
     let k_len = j.cols;

@@ -25,7 +25,10 @@ pub enum Isa {
 impl Isa {
     /// The best ISA this CPU supports.
     pub fn detect() -> Isa {
-        Isa::available().into_iter().last().unwrap_or(Isa::Reference)
+        Isa::available()
+            .into_iter()
+            .last()
+            .unwrap_or(Isa::Reference)
     }
 
     /// Every ISA this CPU can run, reference first.
@@ -33,7 +36,10 @@ impl Isa {
         let mut v = vec![Isa::Reference];
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 v.push(Isa::Avx2);
                 if is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
@@ -85,8 +91,23 @@ impl Cpu {
         matmul::matmul_many(self.isa, &self.pool, jobs)
     }
 
-    pub fn matmul(&self, ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
-        self.matmul_many(&mut [Matmul { ty, w, rows, cols, x, y }])
+    pub fn matmul(
+        &self,
+        ty: QuantType,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        y: &mut [f32],
+    ) {
+        self.matmul_many(&mut [Matmul {
+            ty,
+            w,
+            rows,
+            cols,
+            x,
+            y,
+        }])
     }
 
     pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {
@@ -97,7 +118,14 @@ impl Cpu {
         ops::rmsnorm(self.isa, x, weight, eps, out)
     }
 
-    pub fn rope(&self, x: &mut [f32], table: &[f32], n_heads: usize, head_dim: usize, rope_dim: usize) {
+    pub fn rope(
+        &self,
+        x: &mut [f32],
+        table: &[f32],
+        n_heads: usize,
+        head_dim: usize,
+        rope_dim: usize,
+    ) {
         ops::rope(x, table, n_heads, head_dim, rope_dim)
     }
 
@@ -121,6 +149,8 @@ impl Cpu {
         head_dim: usize,
         scale: f32,
     ) {
-        ops::attention(self.isa, &self.pool, q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale)
+        ops::attention(
+            self.isa, &self.pool, q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale,
+        )
     }
 }

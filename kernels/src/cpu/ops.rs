@@ -7,7 +7,6 @@ use super::{Isa, ThreadPool};
 use crate::reference::{self, AttnSeq, PagedKv};
 use std::cell::RefCell;
 
-
 /// out = x / rms(x) * weight for each row of `weight.len()` values.
 pub fn rmsnorm(isa: Isa, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     assert_eq!(x.len(), out.len());
@@ -39,7 +38,10 @@ unsafe fn rmsnorm_g<S: Simd>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
         let vs = S::splat(scale);
         let mut c = 0;
         while c + l <= d {
-            let v = S::mul(S::mul(S::load(xr.as_ptr().add(c)), vs), S::load(w.as_ptr().add(c)));
+            let v = S::mul(
+                S::mul(S::load(xr.as_ptr().add(c)), vs),
+                S::load(w.as_ptr().add(c)),
+            );
             S::store(or.as_mut_ptr().add(c), v);
             c += l;
         }
@@ -54,7 +56,9 @@ unsafe fn rmsnorm_g<S: Simd>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// computed in f64. Shared by every layer and head of a forward pass.
 pub fn rope_table(positions: &[u32], rope_dim: usize, base: f32) -> Vec<f32> {
     let half = rope_dim / 2;
-    let freqs: Vec<f64> = (0..half).map(|i| (base as f64).powf(-2.0 * i as f64 / rope_dim as f64)).collect();
+    let freqs: Vec<f64> = (0..half)
+        .map(|i| (base as f64).powf(-2.0 * i as f64 / rope_dim as f64))
+        .collect();
     let mut t = Vec::with_capacity(positions.len() * rope_dim);
     for &p in positions {
         for f in &freqs {
@@ -205,9 +209,15 @@ pub fn attention(
     assert_eq!(n_heads % n_kv_heads, 0);
     let qdim = n_heads * head_dim;
     for s in seqs {
-        assert!((s.q_start + s.q_len) * qdim <= q.len(), "sequence rows out of range");
+        assert!(
+            (s.q_start + s.q_len) * qdim <= q.len(),
+            "sequence rows out of range"
+        );
         let n_ctx = s.first_pos + s.q_len;
-        assert!(n_ctx.div_ceil(kv.block_size) <= s.block_table.len(), "block table too short");
+        assert!(
+            n_ctx.div_ceil(kv.block_size) <= s.block_table.len(),
+            "block table too short"
+        );
     }
     if isa == Isa::Reference {
         reference::attention(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale);
@@ -302,7 +312,10 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
                 let w = S::splat(*sc.add(p));
                 let mut d = 0;
                 while d + l <= hd {
-                    S::store(oh.add(d), S::fma(w, S::load(vp.add(off + d)), S::load(oh.add(d))));
+                    S::store(
+                        oh.add(d),
+                        S::fma(w, S::load(vp.add(off + d)), S::load(oh.add(d))),
+                    );
                     d += l;
                 }
                 while d < hd {

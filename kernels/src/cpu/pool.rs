@@ -63,12 +63,19 @@ impl ThreadPool {
                     .expect("spawn kernel worker")
             })
             .collect();
-        ThreadPool { shared, workers, num_threads, run_lock: Mutex::new(()) }
+        ThreadPool {
+            shared,
+            workers,
+            num_threads,
+            run_lock: Mutex::new(()),
+        }
     }
 
     /// One thread per available core, spinning up to 100 µs before sleeping.
     pub fn with_available_cores() -> ThreadPool {
-        let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let n = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
         ThreadPool::new(n, Duration::from_micros(100))
     }
 
@@ -89,7 +96,8 @@ impl ThreadPool {
         let s = &*self.shared;
         // SAFETY: we erase the lifetime; the pointer is only dereferenced by a thread that claimed a
         // task of this epoch, and we do not return before every claimed task has completed.
-        let ptr: *const Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(f) };
+        let ptr: *const Job =
+            unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(f) };
         let epoch = (s.state.load(Ordering::Relaxed) >> 32) + 1;
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(ptr));
         s.num_tasks.store(num_tasks, Ordering::Relaxed);
@@ -129,7 +137,10 @@ fn claim(s: &Shared, epoch: u64, num_tasks: usize) -> Option<usize> {
         if i >= num_tasks {
             return None;
         }
-        match s.state.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
+        match s
+            .state
+            .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
             Ok(_) => return Some(i),
             Err(now) => cur = now,
         }
@@ -157,7 +168,10 @@ fn worker(s: &Shared) {
             s.sleepers.fetch_add(1, Ordering::SeqCst);
             let e = s.state.load(Ordering::SeqCst) >> 32;
             if e == seen && !s.shutdown.load(Ordering::SeqCst) {
-                let _g = s.wake.wait_timeout(guard, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner());
+                let _g = s
+                    .wake
+                    .wait_timeout(guard, Duration::from_millis(50))
+                    .unwrap_or_else(|e| e.into_inner());
             }
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
         };
@@ -186,7 +200,11 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
         {
-            let _l = self.shared.wake_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _l = self
+                .shared
+                .wake_lock
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
         }
         for w in self.workers.drain(..) {

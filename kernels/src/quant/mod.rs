@@ -126,7 +126,7 @@ impl QuantType {
 
     /// Bytes of one row of `n` values, or `None` when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_size() != 0 {
+        if !n.is_multiple_of(self.block_size()) {
             return None;
         }
         Some(n / self.block_size() * self.block_bytes())

@@ -5,12 +5,22 @@ use super::{f32_to_bf16, f32_to_f16, QuantType, QK, QK_K};
 
 /// Quantize `x` (a whole number of blocks) into `ty`'s blocks.
 pub fn quantize(ty: QuantType, x: &[f32]) -> Vec<u8> {
-    assert_eq!(x.len() % ty.block_size(), 0, "length must be a multiple of the block size");
+    assert_eq!(
+        x.len() % ty.block_size(),
+        0,
+        "length must be a multiple of the block size"
+    );
     let mut out = Vec::with_capacity(x.len() / ty.block_size() * ty.block_bytes());
     match ty {
-        QuantType::F32 => x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-        QuantType::F16 => x.iter().for_each(|v| out.extend_from_slice(&f32_to_f16(*v).to_le_bytes())),
-        QuantType::BF16 => x.iter().for_each(|v| out.extend_from_slice(&f32_to_bf16(*v).to_le_bytes())),
+        QuantType::F32 => x
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        QuantType::F16 => x
+            .iter()
+            .for_each(|v| out.extend_from_slice(&f32_to_f16(*v).to_le_bytes())),
+        QuantType::BF16 => x
+            .iter()
+            .for_each(|v| out.extend_from_slice(&f32_to_bf16(*v).to_le_bytes())),
         QuantType::Q4_0 => x.chunks(QK).for_each(|b| q4_0(b, &mut out)),
         QuantType::Q4_1 => x.chunks(QK).for_each(|b| q4_1(b, &mut out)),
         QuantType::Q8_0 => x.chunks(QK).for_each(|b| q8_0(b, &mut out)),
@@ -81,8 +91,16 @@ fn q4_k(x: &[f32], out: &mut Vec<u8>) {
     let mut sc = [0u8; 8];
     let mut m = [0u8; 8];
     for s in 0..8 {
-        sc[s] = if d > 0.0 { (scales[s] / d).round().clamp(0.0, 63.0) as u8 } else { 0 };
-        m[s] = if dmin > 0.0 { (mins[s] / dmin).round().clamp(0.0, 63.0) as u8 } else { 0 };
+        sc[s] = if d > 0.0 {
+            (scales[s] / d).round().clamp(0.0, 63.0) as u8
+        } else {
+            0
+        };
+        m[s] = if dmin > 0.0 {
+            (mins[s] / dmin).round().clamp(0.0, 63.0) as u8
+        } else {
+            0
+        };
     }
     out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
     out.extend_from_slice(&f32_to_f16(dmin).to_le_bytes());
@@ -99,7 +117,11 @@ fn q4_k(x: &[f32], out: &mut Vec<u8>) {
         let off = dmin * m[s] as f32;
         for l in 0..32 {
             let v = x[s * 32 + l];
-            q[s * 32 + l] = if step > 0.0 { ((v + off) / step).round().clamp(0.0, 15.0) as u8 } else { 0 };
+            q[s * 32 + l] = if step > 0.0 {
+                ((v + off) / step).round().clamp(0.0, 15.0) as u8
+            } else {
+                0
+            };
         }
     }
     // Each 64-value chunk: 32 bytes, low nibbles = first 32 values, high nibbles = next 32.
@@ -120,12 +142,20 @@ fn q6_k(x: &[f32], out: &mut Vec<u8>) {
     let d = f16_round(max_scale / 127.0);
     let mut sc = [0i8; 16];
     for s in 0..16 {
-        sc[s] = if d > 0.0 { (scales[s] / d).round().clamp(-128.0, 127.0) as i8 } else { 0 };
+        sc[s] = if d > 0.0 {
+            (scales[s] / d).round().clamp(-128.0, 127.0) as i8
+        } else {
+            0
+        };
     }
     let mut q = [0u8; 256];
     for i in 0..256 {
         let step = d * sc[i / 16] as f32;
-        let v = if step != 0.0 { (x[i] / step).round().clamp(-32.0, 31.0) as i32 } else { 0 };
+        let v = if step != 0.0 {
+            (x[i] / step).round().clamp(-32.0, 31.0) as i32
+        } else {
+            0
+        };
         q[i] = (v + 32) as u8;
     }
     let mut ql = [0u8; 128];
@@ -135,7 +165,10 @@ fn q6_k(x: &[f32], out: &mut Vec<u8>) {
         for l in 0..32 {
             ql[l0 + l] = (qv[l] & 0xF) | ((qv[l + 64] & 0xF) << 4);
             ql[l0 + l + 32] = (qv[l + 32] & 0xF) | ((qv[l + 96] & 0xF) << 4);
-            qh[h0 + l] = (qv[l] >> 4) | ((qv[l + 32] >> 4) << 2) | ((qv[l + 64] >> 4) << 4) | ((qv[l + 96] >> 4) << 6);
+            qh[h0 + l] = (qv[l] >> 4)
+                | ((qv[l + 32] >> 4) << 2)
+                | ((qv[l + 64] >> 4) << 4)
+                | ((qv[l + 96] >> 4) << 6);
         }
     }
     out.extend_from_slice(&ql);
