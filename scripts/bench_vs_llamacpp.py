@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Flywheel vs llama.cpp (through llama-cpp-python) on the same machine, in the same invocation.
+
+Alternates the two, ROUNDS times: llama.cpp pp512 (one 512-token eval) and tg128 (128 single-token
+evals after a short prompt, like llama-bench's tg128), then `flywheel bench`. Prints the medians and
+the ratios. Usage: python3 scripts/bench_vs_llamacpp.py [ROUNDS]
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+BIN = os.path.join(ROOT, "target", "release", "flywheel")
+
+
+def llama_cpp_round(llm, pp=512, tg=128):
+    toks = llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 60, add_bos=False)[:pp]
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(toks)
+    pp_tps = pp / (time.perf_counter() - t)
+    llm.reset()
+    llm.eval(toks[:8])
+    tok = toks[8]
+    t = time.perf_counter()
+    for _ in range(tg):
+        llm.eval([tok])
+    tg_tps = tg / (time.perf_counter() - t)
+    return pp_tps, tg_tps
+
+
+def flywheel_round():
+    out = subprocess.run([BIN, "bench", "--model", MODEL, "--runs", "3", "--batch", "1,16"],
+                         capture_output=True, text=True, check=True).stdout
+    res = json.loads(out.strip().splitlines()[-1])["results"]
+    return {(r["test"], r["batch"]): r["tokens_per_second"] for r in res}
+
+
+def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    from llama_cpp import Llama
+    llm = Llama(model_path=MODEL, n_ctx=1024, n_batch=512, n_threads=2, logits_all=False, verbose=False)
+    lp, lt, fp, f1, f16 = [], [], [], [], []
+    for _ in range(rounds):
+        a, b = llama_cpp_round(llm)
+        lp.append(a)
+        lt.append(b)
+        r = flywheel_round()
+        fp.append(r[("pp512", 1)])
+        f1.append(r[("tg128", 1)])
+        f16.append(r[("tg128", 16)])
+    m = statistics.median
+    print(f"{'test':<14}{'llama.cpp':>12}{'flywheel':>12}{'ratio':>8}")
+    print(f"{'pp512':<14}{m(lp):>12.1f}{m(fp):>12.1f}{m(fp) / m(lp):>8.2f}")
+    print(f"{'tg128 b=1':<14}{m(lt):>12.1f}{m(f1):>12.1f}{m(f1) / m(lt):>8.2f}")
+    print(f"{'tg128 b=16':<14}{'':>12}{m(f16):>12.1f}{m(f16) / m(lt):>8.2f}  (vs llama.cpp b=1)")
+    print(json.dumps({"rounds": rounds, "llama_cpp": {"pp512": m(lp), "tg128": m(lt)},
+                      "flywheel": {"pp512": m(fp), "tg128_b1": m(f1), "tg128_b16": m(f16)},
+                      "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())}}))
+
+
+if __name__ == "__main__":
+    main()
