@@ -221,7 +221,8 @@ fn fast_kernels_match_the_naive_implementation() {
                 spec.hidden,
                 min_lp(&want)
             );
-            assert!(d < 5e-5, "{isa:?} forward vs naive: max |Δ log-prob| = {d}");
+            // Budget: f32 accumulation (the reference sums in f64) over log-probs down to about -20.
+            assert!(d < 1e-4, "{isa:?} forward vs naive: max |Δ log-prob| = {d}");
         }
     }
 }

@@ -191,7 +191,10 @@ pub fn log_softmax(x: &mut [f32]) {
     }
 }
 
-/// One layer's paged KV storage: block `b`, slot `s` holds `kv_dim` values at `(b * block_size + s) * kv_dim`.
+/// One layer's paged KV storage. V: block `b`, slot `s` holds its `kv_dim` values at
+/// `(b * block_size + s) * kv_dim`. K is stored transposed within each block, `[kv_dim][block_size]`:
+/// value `c` of slot `s` is at `b * block_size * kv_dim + c * block_size + s`, so that attention
+/// scores a whole block of keys with vector FMAs and no horizontal sums.
 #[derive(Clone, Copy)]
 pub struct PagedKv<'a> {
     pub k: &'a [f32],
@@ -201,11 +204,19 @@ pub struct PagedKv<'a> {
 }
 
 impl PagedKv<'_> {
-    /// Offset of position `pos` of a sequence with `block_table`.
+    /// Offset of the V row of position `pos` of a sequence with `block_table`.
     #[inline]
-    pub fn offset(&self, block_table: &[u32], pos: usize) -> usize {
+    pub fn v_offset(&self, block_table: &[u32], pos: usize) -> usize {
         (block_table[pos / self.block_size] as usize * self.block_size + pos % self.block_size)
             * self.kv_dim
+    }
+
+    /// Offset of K value `c` of position `pos`.
+    #[inline]
+    pub fn k_index(&self, block_table: &[u32], pos: usize, c: usize) -> usize {
+        block_table[pos / self.block_size] as usize * self.block_size * self.kv_dim
+            + c * self.block_size
+            + pos % self.block_size
     }
 }
 
@@ -242,19 +253,18 @@ pub fn attention(
                 let qh = &q[t * qdim + h * head_dim..][..head_dim];
                 let mut scores = vec![0.0f32; n_ctx];
                 for (p, sc) in scores.iter_mut().enumerate() {
-                    let off = kv.offset(s.block_table, p) + kvh * head_dim;
-                    let kh = &kv.k[off..off + head_dim];
-                    *sc = (qh
-                        .iter()
-                        .zip(kh)
-                        .map(|(a, b)| *a as f64 * *b as f64)
-                        .sum::<f64>()
-                        * scale as f64) as f32;
+                    let dot: f64 = (0..head_dim)
+                        .map(|d| {
+                            qh[d] as f64
+                                * kv.k[kv.k_index(s.block_table, p, kvh * head_dim + d)] as f64
+                        })
+                        .sum();
+                    *sc = (dot * scale as f64) as f32;
                 }
                 softmax(&mut scores);
                 let mut acc = vec![0.0f64; head_dim];
                 for (p, w) in scores.iter().enumerate() {
-                    let off = kv.offset(s.block_table, p) + kvh * head_dim;
+                    let off = kv.v_offset(s.block_table, p) + kvh * head_dim;
                     for d in 0..head_dim {
                         acc[d] += *w as f64 * kv.v[off + d] as f64;
                     }

@@ -229,10 +229,17 @@ fn rope_table_rotates_adjacent_pairs_like_the_formula() {
 
 #[test]
 fn paged_attention_matches_reference() {
-    let mut rng = Rng(6);
-    let (n_heads, n_kv, hd, bs) = (6usize, 2usize, 64usize, 4usize);
+    // Block size 16 takes the vector path (whole blocks of keys per FMA); 4 and 24 the others.
+    for bs in [4usize, 16, 24] {
+        paged_attention_case(bs);
+    }
+}
+
+fn paged_attention_case(bs: usize) {
+    let mut rng = Rng(6 + bs as u64);
+    let (n_heads, n_kv, hd) = (6usize, 2usize, 64usize);
     let kv_dim = n_kv * hd;
-    let num_blocks = 40;
+    let num_blocks = 160 / bs + 8;
     let k = rng.vec(num_blocks * bs * kv_dim, 1.0);
     let v = rng.vec(num_blocks * bs * kv_dim, 1.0);
     let kv = PagedKv {
@@ -241,11 +248,16 @@ fn paged_attention_matches_reference() {
         block_size: bs,
         kv_dim,
     };
-    // Two sequences with scattered blocks: one prefilling 21 tokens from position 0, one decoding
-    // 1 token at position 37, one continuing a chunk of 5 at position 9.
-    let t1: Vec<u32> = (0..6).map(|i| 39 - i * 2).collect();
-    let t2: Vec<u32> = (0..10).map(|i| i * 3 + 1).collect();
-    let t3: Vec<u32> = vec![0, 2, 4, 6];
+    // Scattered blocks: one sequence prefilling 21 tokens from position 0, one decoding 1 token
+    // at position 37, one continuing a chunk of 5 at position 9.
+    let need = |n: usize| n.div_ceil(bs);
+    let t1: Vec<u32> = (0..need(21))
+        .map(|i| (num_blocks - 1 - 2 * i) as u32)
+        .collect();
+    let t2: Vec<u32> = (0..need(38)).map(|i| (2 * i) as u32).collect();
+    let t3: Vec<u32> = (0..need(14))
+        .map(|i| (num_blocks - 2 - 2 * i) as u32)
+        .collect();
     let seqs = [
         AttnSeq {
             q_start: 0,
@@ -278,7 +290,7 @@ fn paged_attention_matches_reference() {
             for i in 0..q.len() {
                 assert!(
                     (got[i] - want[i]).abs() < 2e-6,
-                    "{isa:?} t={threads} i={i}: {} vs {}",
+                    "bs={bs} {isa:?} t={threads} i={i}: {} vs {}",
                     got[i],
                     want[i]
                 );

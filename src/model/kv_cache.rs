@@ -50,9 +50,14 @@ impl KvCache {
         let n = self.layer_len();
         let block = block_table[pos / self.block_size] as usize;
         assert!(block < self.num_blocks, "block id {block} out of range");
-        let off = l * n + (block * self.block_size + pos % self.block_size) * self.kv_dim;
-        self.k[off..off + self.kv_dim].copy_from_slice(k);
+        let (bs, slot) = (self.block_size, pos % self.block_size);
+        let off = l * n + (block * bs + slot) * self.kv_dim;
         self.v[off..off + self.kv_dim].copy_from_slice(v);
+        // K is transposed within its block (see `PagedKv`).
+        let kb = &mut self.k[l * n + block * bs * self.kv_dim..][..bs * self.kv_dim];
+        for (c, x) in k.iter().enumerate() {
+            kb[c * bs + slot] = *x;
+        }
     }
 
     /// Number of blocks needed for `num_tokens` tokens.

@@ -269,6 +269,30 @@ unsafe fn attn_avx2(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
     attn_g::<Avx2>(a, s, h, i0, i1)
 }
 
+/// out[0..NV*LANES] = sum_p w[p] * V[p] for the head at `kv_off`.
+#[inline(always)]
+unsafe fn sum_v<S: Simd, const NV: usize>(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    w: *const f32,
+    n_ctx: usize,
+    kv_off: usize,
+    out: *mut f32,
+) {
+    let vp = a.kv.v.as_ptr();
+    let mut acc = [S::zero(); NV];
+    for p in 0..n_ctx {
+        let row = vp.add(a.kv.v_offset(s.block_table, p) + kv_off);
+        let wp = S::splat(*w.add(p));
+        for (j, x) in acc.iter_mut().enumerate() {
+            *x = S::fma(wp, S::load(row.add(j * S::LANES)), *x);
+        }
+    }
+    for (j, x) in acc.iter().enumerate() {
+        S::store(out.add(j * S::LANES), *x);
+    }
+}
+
 #[inline(always)]
 unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
     let hd = a.head_dim;
@@ -276,18 +300,72 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
     let qdim = a.n_heads * hd;
     let kv_off = (h / a.group) * hd;
     let (kp, vp) = (a.kv.k.as_ptr(), a.kv.v.as_ptr());
-    let sc = thread_scratch(&SCORES, s.first_pos + i1 + l);
+    let sc = thread_scratch(
+        &SCORES,
+        (s.first_pos + i1).div_ceil(a.kv.block_size) * a.kv.block_size + l,
+    );
     {
         for i in i0..i1 {
             let t = s.q_start + i;
             let n_ctx = s.first_pos + i + 1;
             let qh = a.q.add(t * qdim + h * hd);
             let mut max = f32::NEG_INFINITY;
-            for p in 0..n_ctx {
-                let off = a.kv.offset(s.block_table, p) + kv_off;
-                let v = dot::<S>(qh, kp.add(off), hd) * a.scale;
-                *sc.add(p) = v;
-                max = max.max(v);
+            let bs = a.kv.block_size;
+            if bs % l == 0 {
+                // K is [kv_dim][block_size] per block: score `l` keys at once with broadcast FMAs.
+                let kvd = a.kv.kv_dim;
+                let mut vmax = S::splat(f32::NEG_INFINITY);
+                let vscale = S::splat(a.scale);
+                for (bi, &blk) in s.block_table[..n_ctx.div_ceil(bs)].iter().enumerate() {
+                    let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
+                    let mut c = 0;
+                    while c < bs && bi * bs + c < n_ctx {
+                        let mut acc = [S::zero(); 4];
+                        let mut d = 0;
+                        while d + 4 <= hd {
+                            for (u, a) in acc.iter_mut().enumerate() {
+                                *a = S::fma(
+                                    S::splat(*qh.add(d + u)),
+                                    S::load(kb.add((d + u) * bs + c)),
+                                    *a,
+                                );
+                            }
+                            d += 4;
+                        }
+                        while d < hd {
+                            acc[0] =
+                                S::fma(S::splat(*qh.add(d)), S::load(kb.add(d * bs + c)), acc[0]);
+                            d += 1;
+                        }
+                        let v = S::mul(
+                            S::add(S::add(acc[0], acc[1]), S::add(acc[2], acc[3])),
+                            vscale,
+                        );
+                        S::store(sc.add(bi * bs + c), v);
+                        c += l;
+                    }
+                }
+                // Lanes past the context hold garbage: they are excluded from max and sums.
+                let mut p = 0;
+                while p + l <= n_ctx {
+                    vmax = S::max(vmax, S::load(sc.add(p)));
+                    p += l;
+                }
+                max = S::reduce_max(vmax);
+                while p < n_ctx {
+                    max = max.max(*sc.add(p));
+                    p += 1;
+                }
+            } else {
+                for p in 0..n_ctx {
+                    let mut acc = 0.0f32;
+                    for d in 0..hd {
+                        acc += *qh.add(d) * *kp.add(a.kv.k_index(s.block_table, p, kv_off + d));
+                    }
+                    let v = acc * a.scale;
+                    *sc.add(p) = v;
+                    max = max.max(v);
+                }
             }
             let vm = S::splat(max);
             let mut vsum = S::zero();
@@ -306,21 +384,20 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
                 p += 1;
             }
             let oh = a.out.add(t * qdim + h * hd);
-            std::ptr::write_bytes(oh, 0, hd);
-            for p in 0..n_ctx {
-                let off = a.kv.offset(s.block_table, p) + kv_off;
-                let w = S::splat(*sc.add(p));
-                let mut d = 0;
-                while d + l <= hd {
-                    S::store(
-                        oh.add(d),
-                        S::fma(w, S::load(vp.add(off + d)), S::load(oh.add(d))),
-                    );
-                    d += l;
-                }
-                while d < hd {
-                    *oh.add(d) += *sc.add(p) * *vp.add(off + d);
-                    d += 1;
+            // Weighted sum of V rows, accumulated in registers when the head fits in a few vectors.
+            match (hd % l == 0).then_some(hd / l) {
+                Some(1) => sum_v::<S, 1>(a, s, sc, n_ctx, kv_off, oh),
+                Some(2) => sum_v::<S, 2>(a, s, sc, n_ctx, kv_off, oh),
+                Some(4) => sum_v::<S, 4>(a, s, sc, n_ctx, kv_off, oh),
+                Some(8) => sum_v::<S, 8>(a, s, sc, n_ctx, kv_off, oh),
+                _ => {
+                    std::ptr::write_bytes(oh, 0, hd);
+                    for p in 0..n_ctx {
+                        let off = a.kv.v_offset(s.block_table, p) + kv_off;
+                        for d in 0..hd {
+                            *oh.add(d) += *sc.add(p) * *vp.add(off + d);
+                        }
+                    }
                 }
             }
             let inv = 1.0 / sum;
