@@ -311,7 +311,7 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
             let qh = a.q.add(t * qdim + h * hd);
             let mut max = f32::NEG_INFINITY;
             let bs = a.kv.block_size;
-            if bs % l == 0 {
+            if bs.is_multiple_of(l) {
                 // K is [kv_dim][block_size] per block: score `l` keys at once with broadcast FMAs.
                 let kvd = a.kv.kv_dim;
                 let mut vmax = S::splat(f32::NEG_INFINITY);
@@ -385,7 +385,7 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
             }
             let oh = a.out.add(t * qdim + h * hd);
             // Weighted sum of V rows, accumulated in registers when the head fits in a few vectors.
-            match (hd % l == 0).then_some(hd / l) {
+            match hd.is_multiple_of(l).then_some(hd / l) {
                 Some(1) => sum_v::<S, 1>(a, s, sc, n_ctx, kv_off, oh),
                 Some(2) => sum_v::<S, 2>(a, s, sc, n_ctx, kv_off, oh),
                 Some(4) => sum_v::<S, 4>(a, s, sc, n_ctx, kv_off, oh),
