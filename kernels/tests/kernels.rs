@@ -108,7 +108,7 @@ fn matmul_matches_reference_for_every_format_and_shape() {
             for ty in QuantType::ALL {
                 for cols in col_sizes(ty) {
                     for rows in [1usize, 5, 33, 70] {
-                        for n in [1usize, 2, 7, 23, 24, 31, 50] {
+                        for n in [1usize, 2, 7, 13, 14, 23, 24, 31, 50] {
                             let w = quantize(ty, &rng.vec(rows * cols, 1.0));
                             let x = rng.vec(n * cols, 1.0);
                             let mut want = vec![0.0; n * rows];

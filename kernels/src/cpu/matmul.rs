@@ -207,16 +207,22 @@ unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *m
         }
         return;
     }
-    // Fused: each weight block is decoded in registers and used for up to 4 activation rows.
+    // Fused: each weight block is decoded in registers and used for up to 8 activation rows
+    // (4 with AVX2: its 16 registers hold 2 accumulators for 4 rows plus the decoded block).
+    let group = if S::LANES >= 16 { 8 } else { 4 };
     let mut i0 = 0;
     while i0 < j.n {
-        match j.n - i0 {
+        match (j.n - i0).min(group) {
             1 => fused_rows::<S, F, 1>(j, r0, r1, i0),
             2 => fused_rows::<S, F, 2>(j, r0, r1, i0),
             3 => fused_rows::<S, F, 3>(j, r0, r1, i0),
-            _ => fused_rows::<S, F, 4>(j, r0, r1, i0),
+            4 => fused_rows::<S, F, 4>(j, r0, r1, i0),
+            5 => fused_rows::<S, F, 5>(j, r0, r1, i0),
+            6 => fused_rows::<S, F, 6>(j, r0, r1, i0),
+            7 => fused_rows::<S, F, 7>(j, r0, r1, i0),
+            _ => fused_rows::<S, F, 8>(j, r0, r1, i0),
         }
-        i0 += 4;
+        i0 += group;
     }
 }
 
