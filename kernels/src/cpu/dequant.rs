@@ -16,6 +16,15 @@ pub trait Format {
     /// Dequantize one block at `src` into `BS` floats at `dst`.
     unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32);
 
+    /// Whether `decode32` is implemented (32-value blocks decoded straight into registers).
+    const HAS_DECODE32: bool = false;
+
+    /// Decode a 32-value block into `32 / LANES` vectors, in value order.
+    #[inline(always)]
+    unsafe fn decode32<S: Simd>(_src: *const u8, _out: &mut [S::V; 4]) {
+        unreachable!("decode32 is only called when HAS_DECODE32")
+    }
+
     /// Fused dequantize-and-dot of one block against `N` activation rows (each pointer at this
     /// block's first value): `acc[i]` gathers the products for row i in two vectors. The default
     /// goes through a stack buffer; the formats decode needs most override it to stay in registers.
@@ -117,6 +126,12 @@ impl Format for Q4_0 {
         let d = S::f16(src);
         nibble_dot::<S, N>(src.add(2), S::splat(d), S::splat(-8.0 * d), x, acc)
     }
+    const HAS_DECODE32: bool = true;
+    #[inline(always)]
+    unsafe fn decode32<S: Simd>(src: *const u8, out: &mut [S::V; 4]) {
+        let d = S::f16(src);
+        nibble_decode::<S>(src.add(2), S::splat(d), S::splat(-8.0 * d), out)
+    }
 }
 
 impl Format for Q4_1 {
@@ -180,6 +195,16 @@ impl Format for Q8_0 {
             for i in 0..N {
                 acc[i][h] = S::fma(w, S::load(x[i].add(c)), acc[i][h]);
             }
+            c += S::LANES;
+        }
+    }
+    const HAS_DECODE32: bool = true;
+    #[inline(always)]
+    unsafe fn decode32<S: Simd>(src: *const u8, out: &mut [S::V; 4]) {
+        let vd = S::splat(S::f16(src));
+        let mut c = 0;
+        while c < 32 {
+            out[c / S::LANES] = S::mul(S::cvt(S::load_i8(src.add(2 + c))), vd);
             c += S::LANES;
         }
     }
@@ -286,6 +311,18 @@ unsafe fn nibble_dot<S: Simd, const N: usize>(
             acc[i][0] = S::fma(lo, S::load(x[i].add(c)), acc[i][0]);
             acc[i][1] = S::fma(hi, S::load(x[i].add(16 + c)), acc[i][1]);
         }
+        c += S::LANES;
+    }
+}
+
+/// 32 nibbles as `q * d + m` into `32 / LANES` vectors in value order.
+#[inline(always)]
+unsafe fn nibble_decode<S: Simd>(qs: *const u8, d: S::V, m: S::V, out: &mut [S::V; 4]) {
+    let mut c = 0;
+    while c < 16 {
+        let b = S::load_u8(qs.add(c));
+        out[c / S::LANES] = S::fma(S::cvt(S::and_i(b, 0xF)), d, m);
+        out[(16 + c) / S::LANES] = S::fma(S::cvt(S::srl::<4>(b)), d, m);
         c += S::LANES;
     }
 }

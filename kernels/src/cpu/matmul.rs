@@ -207,6 +207,21 @@ unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *m
         }
         return;
     }
+    if F::HAS_DECODE32 && j.n > 1 {
+        // Two weight rows at a time against up to 4 activation rows: each activation load feeds
+        // two FMAs (batched decode is bound by loads otherwise).
+        let mut i0 = 0;
+        while i0 < j.n {
+            match (j.n - i0).min(4) {
+                1 => paired_rows::<S, F, 1>(j, r0, r1, i0),
+                2 => paired_rows::<S, F, 2>(j, r0, r1, i0),
+                3 => paired_rows::<S, F, 3>(j, r0, r1, i0),
+                _ => paired_rows::<S, F, 4>(j, r0, r1, i0),
+            }
+            i0 += 4;
+        }
+        return;
+    }
     // Fused: each weight block is decoded in registers and used for up to 8 activation rows
     // (4 with AVX2: its 16 registers hold 2 accumulators for 4 rows plus the decoded block).
     let group = if S::LANES >= 16 { 8 } else { 4 };
@@ -223,6 +238,48 @@ unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *m
             _ => fused_rows::<S, F, 8>(j, r0, r1, i0),
         }
         i0 += group;
+    }
+}
+
+#[inline(always)]
+unsafe fn paired_rows<S: Simd, F: Format, const N: usize>(
+    j: &JobRef,
+    r0: usize,
+    r1: usize,
+    i0: usize,
+) {
+    let nb = j.cols / 32;
+    let vecs = 32 / S::LANES;
+    let mut r = r0;
+    while r + 2 <= r1 {
+        let (wa, wb) = (j.w.add(r * j.row_bytes), j.w.add((r + 1) * j.row_bytes));
+        let mut acc = [[[S::zero(); 2]; N]; 2];
+        let mut da = [S::zero(); 4];
+        let mut db = [S::zero(); 4];
+        for b in 0..nb {
+            let (sa, sb) = (wa.add(b * F::BB), wb.add(b * F::BB));
+            S::prefetch(sa.add(512));
+            S::prefetch(sb.add(512));
+            F::decode32::<S>(sa, &mut da);
+            F::decode32::<S>(sb, &mut db);
+            for k in 0..vecs {
+                let h = k & 1;
+                for i in 0..N {
+                    let xv = S::load(j.x.add((i0 + i) * j.cols + b * 32 + k * S::LANES));
+                    acc[0][i][h] = S::fma(da[k], xv, acc[0][i][h]);
+                    acc[1][i][h] = S::fma(db[k], xv, acc[1][i][h]);
+                }
+            }
+        }
+        for (w, accw) in acc.iter().enumerate() {
+            for (i, a) in accw.iter().enumerate() {
+                *j.y.add((i0 + i) * j.rows + r + w) = S::reduce_add(S::add(a[0], a[1]));
+            }
+        }
+        r += 2;
+    }
+    if r < r1 {
+        fused_rows::<S, F, N>(j, r, r1, i0);
     }
 }
 
