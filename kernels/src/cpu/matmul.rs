@@ -262,12 +262,13 @@ unsafe fn paired_rows<S: Simd, F: Format, const N: usize>(
             S::prefetch(sb.add(512));
             F::decode32::<S>(sa, &mut da);
             F::decode32::<S>(sb, &mut db);
+            let [acc_a, acc_b] = &mut acc;
             for k in 0..vecs {
                 let h = k & 1;
-                for i in 0..N {
+                for (i, (aa, ab)) in acc_a.iter_mut().zip(acc_b.iter_mut()).enumerate() {
                     let xv = S::load(j.x.add((i0 + i) * j.cols + b * 32 + k * S::LANES));
-                    acc[0][i][h] = S::fma(da[k], xv, acc[0][i][h]);
-                    acc[1][i][h] = S::fma(db[k], xv, acc[1][i][h]);
+                    aa[h] = S::fma(da[k], xv, aa[h]);
+                    ab[h] = S::fma(db[k], xv, ab[h]);
                 }
             }
         }
