@@ -22,6 +22,8 @@ struct Shared {
     wake_lock: Mutex<()>,
     wake: Condvar,
     shutdown: AtomicBool,
+    /// Set when a task of the current job panicked on a worker; the caller re-raises it.
+    panicked: AtomicBool,
     spin: Duration,
 }
 
@@ -52,6 +54,7 @@ impl ThreadPool {
             wake_lock: Mutex::new(()),
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
             spin,
         });
         let workers = (1..num_threads)
@@ -102,15 +105,20 @@ impl ThreadPool {
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(ptr));
         s.num_tasks.store(num_tasks, Ordering::Relaxed);
         s.completed.store(0, Ordering::Relaxed);
+        s.panicked.store(false, Ordering::Relaxed);
         s.state.store(epoch << 32, Ordering::Release);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _l = s.wake_lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        // Work alongside the workers.
+        // Work alongside the workers. A panicking task must not unwind past this frame while
+        // workers may still run tasks that borrow `f`: catch it, finish the job, then re-raise.
         let mut done_here = 0;
+        let mut caught = None;
         while let Some(i) = claim(s, epoch, num_tasks) {
-            f(i);
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i))) {
+                caught.get_or_insert(p);
+            }
             done_here += 1;
         }
         s.completed.fetch_add(done_here, Ordering::AcqRel);
@@ -122,6 +130,12 @@ impl ThreadPool {
             } else {
                 std::thread::yield_now();
             }
+        }
+        if let Some(p) = caught {
+            std::panic::resume_unwind(p);
+        }
+        if s.panicked.load(Ordering::Acquire) {
+            panic!("a kernel task panicked on a worker thread");
         }
     }
 }
@@ -185,8 +199,13 @@ fn worker(s: &Shared) {
                 job = *s.job.lock().unwrap_or_else(|e| e.into_inner());
             }
             if let Some(JobPtr(p)) = job {
-                // SAFETY: see `ThreadPool::run`.
-                unsafe { (*p)(i) };
+                // SAFETY: see `ThreadPool::run`. A panic is recorded and re-raised by the caller;
+                // the worker lives on.
+                let r =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*p)(i) }));
+                if r.is_err() {
+                    s.panicked.store(true, Ordering::Release);
+                }
             }
             done_here += 1;
         }
@@ -227,6 +246,26 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
         }
+    }
+
+    #[test]
+    fn a_panicking_task_is_re_raised_and_the_pool_survives() {
+        let pool = ThreadPool::new(2, Duration::from_micros(20));
+        for _ in 0..20 {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.run(64, &|i| {
+                    if i == 37 {
+                        panic!("task 37");
+                    }
+                })
+            }));
+            assert!(r.is_err());
+        }
+        let total = AtomicUsize::new(0);
+        pool.run(100, &|_| {
+            total.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 100);
     }
 
     #[test]
