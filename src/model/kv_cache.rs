@@ -30,11 +30,6 @@ impl KvCache {
         self.num_blocks * self.block_size * self.kv_dim
     }
 
-    /// Bytes held by K and V.
-    pub fn size_bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 4
-    }
-
     pub fn layer(&self, l: usize) -> PagedKv<'_> {
         let n = self.layer_len();
         PagedKv {
@@ -59,11 +54,6 @@ impl KvCache {
             kb[c * bs + slot] = *x;
         }
     }
-
-    /// Number of blocks needed for `num_tokens` tokens.
-    pub fn blocks_for(&self, num_tokens: usize) -> usize {
-        num_tokens.div_ceil(self.block_size)
-    }
 }
 
 /// A free list of block ids.
@@ -79,12 +69,6 @@ impl BlockAllocator {
     }
     pub fn alloc(&mut self) -> Option<u32> {
         self.free.pop()
-    }
-    pub fn free(&mut self, blocks: &[u32]) {
-        self.free.extend_from_slice(blocks);
-    }
-    pub fn num_free(&self) -> usize {
-        self.free.len()
     }
     /// Grow `table` so that it covers `num_tokens` tokens; false when out of blocks.
     pub fn ensure(&mut self, table: &mut Vec<u32>, num_tokens: usize, block_size: usize) -> bool {

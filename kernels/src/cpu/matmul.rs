@@ -1,12 +1,15 @@
 //! Quantized-weight x f32-activation products, y = x · Wᵀ, for one row or a batch of rows.
 //!
 //! Activations stay f32 (llama.cpp quantizes them to 8 bits; we do not, so our products are closer
-//! to exact math). Two drivers, both generic over ISA and block format:
-//! - `dot_rows` (few activation rows, decode): each weight row is dequantized once into L1 and
-//!   dotted with every activation row. Memory-bound on the weights, as decode must be.
-//! - `gemm_panel` (many rows, prefill): a panel of NR weight rows is dequantized once into a
-//!   transposed f32 panel, then a 6 x NR register-blocked micro-kernel sweeps all activation rows.
-//!   Compute-bound; the dequantization is amortized over the batch.
+//! to exact math). Three paths, all generic over ISA and block format:
+//! - `fused_rows` (decode, batch 1): each weight block is decoded in registers and dotted with up
+//!   to 8 activation rows (4 with AVX2); memory-bound on the weights, as decode must be.
+//! - `paired_rows` (decode, small batches, formats with `decode32`): two weight rows at a time, so
+//!   each activation load feeds two FMAs.
+//! - `gemm_panel` (>= GEMM_MIN_ROWS rows, prefill): a panel of NR weight rows is dequantized once
+//!   into a transposed f32 panel, then a 6 x NR register-blocked micro-kernel sweeps all rows.
+//!
+//! Formats without an in-register decoder (K-quants, element formats) dequantize a row into L1.
 
 // Safety of every `unsafe fn` here: the CPU has the features of `S`, and pointers are valid for
 // the lengths and rows the `JobRef` states.
@@ -46,7 +49,9 @@ impl Matmul<'_> {
     }
 }
 
-/// Batches of at least this many activation rows take the GEMM path.
+/// Batches of at least this many activation rows take the GEMM path. Below it the panel
+/// transposition costs more than it saves (batch 16 decode: 178 tok/s via GEMM vs 254 fused,
+/// `flywheel bench --batch 16`, 2026-11-22).
 pub const GEMM_MIN_ROWS: usize = 24;
 const MR: usize = 6;
 const MAX_JOBS: usize = 8;
