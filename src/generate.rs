@@ -3,7 +3,7 @@
 
 use crate::model::kv_cache::{BlockAllocator, KvCache};
 use crate::model::llama::{BatchSeq, Llama, Logits};
-use crate::sampler::{sample, Rng, SamplingParams, TopLogprob};
+use crate::engine::sampler::{sample, Rng, SamplingParams, TopLogprob};
 use flywheel_kernels::Cpu;
 use std::time::Instant;
 
@@ -91,7 +91,7 @@ pub fn generate(
     let mut lps = Vec::new();
     let mut finish_reason = "length";
     while out.len() < max_tokens {
-        let s = sample(cpu, &mut logits, &opts.sampling, &mut rng);
+        let s = sample(cpu, &mut logits, &opts.sampling, &Default::default(), &mut rng);
         if opts.stop_ids.contains(&s.token) {
             finish_reason = "stop";
             break;
@@ -167,7 +167,7 @@ pub fn decode_batch(
     let logits = model.forward(cpu, &mut cache, &batch)?;
     let v = model.config.vocab_size;
     for i in 0..prompts.len() {
-        last.push([crate::sampler::argmax(&logits[i * v..(i + 1) * v])]);
+        last.push([crate::engine::sampler::argmax(&logits[i * v..(i + 1) * v])]);
     }
     let mut pos: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
     let t0 = Instant::now();
@@ -185,7 +185,7 @@ pub fn decode_batch(
             .collect();
         let logits = model.forward(cpu, &mut cache, &batch)?;
         for i in 0..prompts.len() {
-            last[i] = [crate::sampler::argmax(&logits[i * v..(i + 1) * v])];
+            last[i] = [crate::engine::sampler::argmax(&logits[i * v..(i + 1) * v])];
             pos[i] += 1;
         }
     }

@@ -1,10 +1,13 @@
 //! Flywheel: an LLM server that serves an OpenAI-compatible API and learns from rewards.
-//! This crate holds the model (GGUF reader, tokenizer, Llama forward) and the CLI's building blocks;
-//! compute lives in `flywheel-kernels`.
+//! `model` holds the GGUF reader, tokenizer and Llama forward; `engine` the continuous-batching
+//! engine; `api` the HTTP server; compute lives in `flywheel-kernels`.
 
+pub mod api;
+pub mod config;
+pub mod engine;
 pub mod fetch;
 pub mod generate;
+pub mod metrics;
 pub mod model;
-pub mod sampler;
 
 pub use flywheel_kernels as kernels;

@@ -7,7 +7,7 @@ use flywheel::generate::{decode_batch, generate, GenerateOptions};
 use flywheel::model::kv_cache::KvCache;
 use flywheel::model::llama::{BatchSeq, Llama, Logits};
 use flywheel::model::tokenizer::{ChatMessage, Detokenizer, Tokenizer};
-use flywheel::sampler::SamplingParams;
+use flywheel::engine::sampler::SamplingParams;
 use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -195,6 +195,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     top_p,
                     top_k,
                     top_logprobs,
+                    ..Default::default()
                 },
                 seed,
                 stop_ids: tok.eos_id.into_iter().collect(),

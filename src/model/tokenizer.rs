@@ -32,6 +32,7 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The bytes each token stands for (control tokens: their text).
     token_bytes: Vec<Vec<u8>>,
+    is_control: Vec<bool>,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
     pub add_bos: bool,
@@ -170,6 +171,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             token_bytes,
+            is_control: types.iter().map(|&t| t == TOKEN_TYPE_CONTROL).collect(),
             bos_id,
             eos_id,
             add_bos: g
@@ -211,6 +213,11 @@ impl Tokenizer {
             .get(id as usize)
             .map(Vec::as_slice)
             .unwrap_or(&[])
+    }
+
+    /// Control tokens (`<|im_end|>`, BOS, EOS) are left out of generated text.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.is_control.get(id as usize).copied().unwrap_or(false)
     }
 
     /// Text of a token sequence (invalid UTF-8 replaced by U+FFFD).

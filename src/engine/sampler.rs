@@ -1,8 +1,10 @@
-//! Turning logits into a token: temperature, top-k, top-p, seeded randomness, and the log-probs
-//! the caller reports (log-softmax of logits / temperature, before any truncation; plain logits at
-//! temperature 0), so that a trainer can recompute them exactly.
+//! Turning logits into a token: penalties, temperature, top-k, top-p, min-p, seeded randomness,
+//! and the log-probs the caller reports: log-softmax of the model's logits / temperature (plain
+//! logits at temperature 0), before penalties and truncation, so that a trainer can recompute them
+//! exactly. Penalties and truncation change only which token is drawn.
 
 use flywheel_kernels::Cpu;
+use std::collections::HashMap;
 
 /// xoshiro256** seeded through SplitMix64: small, fast, reproducible across platforms.
 #[derive(Clone, Debug)]
@@ -51,8 +53,20 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// 0 disables.
     pub top_k: usize,
+    /// In [0, 1]: drop tokens whose probability is below `min_p` times the best one's; 0 disables.
+    pub min_p: f32,
+    /// OpenAI's penalties, over the tokens generated so far: subtracted from a token's logit once
+    /// if it occurred (presence) and once per occurrence (frequency).
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
     /// How many top alternatives to report per token (0..=20).
     pub top_logprobs: usize,
+}
+
+impl SamplingParams {
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
 }
 
 impl Default for SamplingParams {
@@ -61,6 +75,9 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             top_logprobs: 0,
         }
     }
@@ -79,24 +96,47 @@ pub struct Sampled {
     pub top: Vec<TopLogprob>,
 }
 
-/// Sample from one row of logits (overwritten with log-probs).
-pub fn sample(cpu: &Cpu, logits: &mut [f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
-    if p.temperature > 0.0 && p.temperature != 1.0 {
-        let inv = 1.0 / p.temperature;
-        logits.iter_mut().for_each(|v| *v *= inv);
-    }
-    cpu.log_softmax(logits);
+/// Sample from one row of logits (overwritten with log-probs). `counts` holds how often each
+/// token was generated so far (for the penalties).
+pub fn sample(
+    cpu: &Cpu,
+    logits: &mut [f32],
+    p: &SamplingParams,
+    counts: &HashMap<u32, u32>,
+    rng: &mut Rng,
+) -> Sampled {
+    // The distribution drawn from differs from the reported one only when penalties apply.
+    let penalized = (p.has_penalties() && !counts.is_empty()).then(|| {
+        let mut l = logits.to_vec();
+        for (&t, &c) in counts {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v -= p.presence_penalty + p.frequency_penalty * c as f32;
+            }
+        }
+        scale_and_normalize(cpu, &mut l, p.temperature);
+        l
+    });
+    scale_and_normalize(cpu, logits, p.temperature);
     let lp: &[f32] = logits;
+    let draw_from = penalized.as_deref().unwrap_or(lp);
     let token = if p.temperature <= 0.0 {
-        argmax(lp)
+        argmax(draw_from)
     } else {
-        sample_truncated(lp, p.top_k, p.top_p, rng)
+        sample_truncated(draw_from, p, rng)
     };
     Sampled {
         token,
         logprob: lp[token as usize],
         top: top_k(lp, p.top_logprobs),
     }
+}
+
+fn scale_and_normalize(cpu: &Cpu, logits: &mut [f32], temperature: f32) {
+    if temperature > 0.0 && temperature != 1.0 {
+        let inv = 1.0 / temperature;
+        logits.iter_mut().for_each(|v| *v *= inv);
+    }
+    cpu.log_softmax(logits);
 }
 
 /// The index of the largest value (the lowest index on ties).
@@ -129,9 +169,10 @@ pub fn top_k(lp: &[f32], k: usize) -> Vec<TopLogprob> {
         .collect()
 }
 
-fn sample_truncated(lp: &[f32], top_k: usize, top_p: f32, rng: &mut Rng) -> u32 {
+fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
+    let (top_k, top_p) = (p.top_k, p.top_p);
     let u = rng.next_f64();
-    if top_k == 0 && top_p >= 1.0 {
+    if top_k == 0 && top_p >= 1.0 && p.min_p <= 0.0 {
         // Inverse CDF over the full distribution.
         let mut acc = 0.0f64;
         let target = u * lp.iter().map(|v| (*v as f64).exp()).sum::<f64>();
@@ -162,6 +203,11 @@ fn sample_truncated(lp: &[f32], top_k: usize, top_p: f32, rng: &mut Rng) -> u32 
                 break;
             }
         }
+    }
+    if p.min_p > 0.0 {
+        // probs is sorted: keep the prefix at or above min_p times the best.
+        let floor = probs[0] * p.min_p as f64;
+        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
     }
     let kept: f64 = probs[..keep].iter().sum();
     let target = u * kept;
@@ -198,6 +244,7 @@ mod tests {
                 top_logprobs: 2,
                 ..Default::default()
             },
+            &HashMap::new(),
             &mut Rng::new(0),
         );
         assert_eq!(s.token, 1);
@@ -220,6 +267,7 @@ mod tests {
                 top_k: 1,
                 ..Default::default()
             },
+            &HashMap::new(),
             &mut Rng::new(0),
         );
         // With top_k = 1 only token 1 can be drawn; its log-prob is of logits / 2, untruncated.
@@ -236,7 +284,8 @@ mod tests {
         let n = 20000;
         for _ in 0..n {
             let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
-            counts[sample(&cpu(), &mut l, &SamplingParams::default(), &mut rng).token as usize] +=
+            let none = HashMap::new();
+            counts[sample(&cpu(), &mut l, &SamplingParams::default(), &none, &mut rng).token as usize] +=
                 1;
         }
         for (c, p) in counts.iter().zip([0.5, 0.3, 0.2]) {
@@ -249,13 +298,54 @@ mod tests {
                 top_p: 0.7,
                 ..Default::default()
             };
-            seen[sample(&cpu(), &mut l, &p, &mut rng).token as usize] = true;
+            seen[sample(&cpu(), &mut l, &p, &HashMap::new(), &mut rng).token as usize] = true;
         }
         assert_eq!(
             seen,
             [true, true, false],
             "top_p 0.7 keeps the first two tokens only"
         );
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens_and_penalties_steer_without_changing_logprobs() {
+        let base = [0.6f64.ln(), 0.3f64.ln(), 0.1f64.ln()];
+        let mut rng = Rng::new(3);
+        let none = HashMap::new();
+        let mut seen = [false; 3];
+        for _ in 0..2000 {
+            let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
+            let p = SamplingParams {
+                min_p: 0.2,
+                ..Default::default()
+            };
+            seen[sample(&cpu(), &mut l, &p, &none, &mut rng).token as usize] = true;
+        }
+        assert_eq!(seen, [true, true, false], "0.1 < 0.2 * 0.6");
+        // A large presence penalty on token 0 makes greedy pick token 1; the reported log-prob is
+        // still the unpenalized one.
+        let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
+        let p = SamplingParams {
+            temperature: 0.0,
+            presence_penalty: 2.0,
+            ..Default::default()
+        };
+        let counts = HashMap::from([(0u32, 1u32)]);
+        let s = sample(&cpu(), &mut l, &p, &counts, &mut rng);
+        assert_eq!(s.token, 1);
+        assert!((s.logprob as f64 - 0.3f64.ln()).abs() < 1e-5);
+        // Frequency penalty scales with the count: 0.6 -> e^-0.4 * 0.6 beats 0.3 with one
+        // occurrence, not with three.
+        for (c, want) in [(1u32, 0u32), (3, 1)] {
+            let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
+            let p = SamplingParams {
+                temperature: 0.0,
+                frequency_penalty: 0.4,
+                ..Default::default()
+            };
+            let s = sample(&cpu(), &mut l, &p, &HashMap::from([(0u32, c)]), &mut rng);
+            assert_eq!(s.token, want, "count {c}");
+        }
     }
 
     #[test]

@@ -1,0 +1,469 @@
+//! The engine: one thread owns the model, the KV cache, the scheduler and every sequence's output
+//! state; `EngineHandle` is the cloneable way in (a channel). Each step: take new requests, drop
+//! the ones whose client left, schedule, run one packed forward, sample, send events.
+
+pub mod block_manager;
+pub mod output;
+pub mod sampler;
+pub mod scheduler;
+pub mod sequence;
+
+use crate::metrics::Metrics;
+use crate::model::kv_cache::KvCache;
+use crate::model::llama::{BatchSeq, Llama, Logits};
+use crate::model::tokenizer::Tokenizer;
+use block_manager::BlockManager;
+use flywheel_kernels::Cpu;
+use output::{RequestState, SeqOutput};
+use sampler::{SamplingParams, TopLogprob};
+use scheduler::{Scheduler, SchedulerConfig};
+use sequence::{SeqId, Sequence};
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc as tmpsc;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub num_kv_blocks: usize,
+    pub block_size: usize,
+    pub enable_prefix_caching: bool,
+    /// Requests admitted (queued or running) at once; more get `SubmitError::QueueFull`.
+    pub max_pending_requests: usize,
+}
+
+/// A validated generation request: the API layer's output, the engine's input.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    /// Choices, sharing one prefill.
+    pub n: usize,
+    /// Generated tokens per choice, at most (already capped by the context length).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Choice `i` draws from `Rng::new(seed ^ i * golden)`: the same seed and request give the
+    /// same tokens whatever else runs. None: a random seed.
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum EngineEvent {
+    /// One generated token of choice `choice`; `text` is the new text it completes (empty when it
+    /// is a control token, an incomplete UTF-8 character, or held back as a possible stop string).
+    Token {
+        choice: usize,
+        token_id: u32,
+        logprob: f32,
+        top_logprobs: Vec<TopLogprob>,
+        text: String,
+    },
+    Finished {
+        choice: usize,
+        reason: FinishReason,
+        /// The stop string or stop token that ended the choice, if any.
+        stop_reason: Option<StopReason>,
+        /// Prompt tokens found in the prefix cache.
+        num_cached_tokens: usize,
+    },
+    /// The request failed inside the engine; no more events follow.
+    Error(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Text(String),
+    Token(u32),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the server is at capacity ({0} requests in progress); retry later")]
+    QueueFull(usize),
+    #[error("the engine is not running")]
+    NotRunning,
+}
+
+enum Command {
+    Submit(Box<Submission>),
+}
+
+struct Submission {
+    req: GenerateRequest,
+    tx: tmpsc::UnboundedSender<EngineEvent>,
+    arrival: Instant,
+}
+
+/// Held by a request's event stream; frees its admission slot when dropped.
+pub struct Permit(Arc<AtomicUsize>);
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A request's events. Dropping it cancels the request: the engine frees its blocks next step.
+pub struct RequestStream {
+    pub rx: tmpsc::UnboundedReceiver<EngineEvent>,
+    _permit: Permit,
+}
+
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    num_pending: Arc<AtomicUsize>,
+    max_pending: usize,
+    alive: Arc<AtomicBool>,
+}
+
+impl EngineHandle {
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, SubmitError> {
+        if !self.is_alive() {
+            return Err(SubmitError::NotRunning);
+        }
+        let prev = self.num_pending.fetch_add(1, Ordering::AcqRel);
+        let permit = Permit(self.num_pending.clone());
+        if prev >= self.max_pending {
+            return Err(SubmitError::QueueFull(prev));
+        }
+        let (tx, rx) = tmpsc::unbounded_channel();
+        let sub = Submission {
+            req,
+            tx,
+            arrival: Instant::now(),
+        };
+        self.tx
+            .send(Command::Submit(Box::new(sub)))
+            .map_err(|_| SubmitError::NotRunning)?;
+        Ok(RequestStream {
+            rx,
+            _permit: permit,
+        })
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    pub fn num_pending(&self) -> usize {
+        self.num_pending.load(Ordering::Acquire)
+    }
+}
+
+/// Clears the alive flag when the engine thread ends, however it ends.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+pub struct Engine {
+    model: Arc<Llama>,
+    tokenizer: Arc<Tokenizer>,
+    cpu: Cpu,
+    cache: KvCache,
+    sched: Scheduler,
+    outputs: HashMap<SeqId, SeqOutput>,
+    next_seq: u64,
+    metrics: Arc<Metrics>,
+    inbox: mpsc::Receiver<Command>,
+    last_prefix: (u64, u64),
+}
+
+impl Engine {
+    /// Start the engine thread. It stops when every handle is dropped and no work is left.
+    pub fn start(
+        model: Arc<Llama>,
+        tokenizer: Arc<Tokenizer>,
+        cpu: Cpu,
+        cfg: EngineConfig,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+        let (tx, inbox) = mpsc::channel();
+        let alive = Arc::new(AtomicBool::new(true));
+        let handle = EngineHandle {
+            tx,
+            num_pending: Arc::new(AtomicUsize::new(0)),
+            max_pending: cfg.max_pending_requests,
+            alive: alive.clone(),
+        };
+        let join = std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || {
+                let _guard = AliveGuard(alive);
+                let c = &model.config;
+                let cache = KvCache::new(c.num_layers, c.kv_dim(), cfg.block_size, cfg.num_kv_blocks);
+                let blocks =
+                    BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
+                metrics.kv_blocks_total.set(cfg.num_kv_blocks as i64);
+                let sched = Scheduler::new(
+                    SchedulerConfig {
+                        max_num_seqs: cfg.max_num_seqs,
+                        max_num_batched_tokens: cfg.max_num_batched_tokens,
+                    },
+                    blocks,
+                );
+                let mut engine = Engine {
+                    model,
+                    tokenizer,
+                    cpu,
+                    cache,
+                    sched,
+                    outputs: HashMap::new(),
+                    next_seq: 0,
+                    metrics,
+                    inbox,
+                    last_prefix: (0, 0),
+                };
+                engine.run();
+            })?;
+        Ok((handle, join))
+    }
+
+    fn run(&mut self) {
+        loop {
+            if self.sched.is_idle() {
+                self.update_gauges();
+                match self.inbox.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => return, // every handle dropped
+                }
+            }
+            while let Ok(cmd) = self.inbox.try_recv() {
+                self.handle(cmd);
+            }
+            self.reap_cancelled();
+            let worked = self.step();
+            self.update_gauges();
+            if !worked && !self.sched.is_idle() {
+                // Nothing could be scheduled (all waiting for blocks held by nobody should not
+                // happen; be gentle rather than spin).
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(sub) => self.add_request(*sub),
+        }
+    }
+
+    fn add_request(&mut self, sub: Submission) {
+        let Submission { req, tx, arrival } = sub;
+        self.metrics.prompt_tokens.inc_by(req.prompt.len() as u64);
+        let seed = req.seed.unwrap_or_else(random_u64);
+        let id = self.new_seq_id();
+        let prompt = req.prompt.clone();
+        let n = req.n;
+        let state = Rc::new(RequestState::new(req, tx, arrival, seed));
+        let mut out = SeqOutput::new(state, 0);
+        out.pending_forks = n - 1;
+        self.outputs.insert(id, out);
+        let table = self.sched.blocks().new_table();
+        self.sched.add(Sequence::new(id, prompt, table, 0));
+    }
+
+    fn new_seq_id(&mut self) -> SeqId {
+        self.next_seq += 1;
+        SeqId(self.next_seq)
+    }
+
+    /// Drop every sequence whose client went away; their blocks are freed here.
+    fn reap_cancelled(&mut self) {
+        let gone: Vec<SeqId> = self
+            .outputs
+            .iter()
+            .filter(|(_, o)| o.req.tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.outputs.remove(&id);
+            self.sched.remove(id);
+            self.metrics
+                .request_success
+                .with_label_values(&["abort"])
+                .inc();
+        }
+    }
+
+    /// Abort the sequences of `ids` with an error event to their clients.
+    fn fail(&mut self, ids: &[SeqId], message: &str) {
+        for id in ids {
+            if let Some(o) = self.outputs.remove(id) {
+                let _ = o.req.tx.send(EngineEvent::Error(message.to_string()));
+            }
+            self.sched.remove(*id);
+        }
+    }
+
+    /// One scheduling step and forward pass; false when nothing ran.
+    fn step(&mut self) -> bool {
+        let plan = self.sched.schedule();
+        let now = Instant::now();
+        for c in plan.chunks.iter().filter(|c| plan.admitted.contains(&c.seq)) {
+            if let Some(o) = self.outputs.get_mut(&c.seq) {
+                if o.scheduled_at.is_none() {
+                    o.scheduled_at = Some(now);
+                    o.num_cached_tokens = c.start;
+                    self.metrics
+                        .request_queue_time
+                        .observe((now - o.req.arrival).as_secs_f64());
+                }
+            }
+        }
+        self.metrics
+            .num_preemptions
+            .inc_by(plan.preempted.len() as u64);
+        if plan.chunks.is_empty() {
+            return false;
+        }
+        let batch: Vec<BatchSeq> = plan
+            .chunks
+            .iter()
+            .map(|c| {
+                let s = self.sched.get(c.seq).expect("scheduled sequence exists");
+                BatchSeq {
+                    tokens: &s.tokens[c.start..c.start + c.len],
+                    first_pos: c.start,
+                    block_table: s.table.ids(),
+                    logits: if c.wants_logits {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    },
+                }
+            })
+            .collect();
+        let (model, cpu, cache) = (&self.model, &self.cpu, &mut self.cache);
+        let result =
+            std::panic::catch_unwind(AssertUnwindSafe(|| model.forward(cpu, cache, &batch)));
+        drop(batch);
+        let mut logits = match result {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                let ids: Vec<SeqId> = plan.chunks.iter().map(|c| c.seq).collect();
+                self.fail(&ids, &format!("forward pass failed: {e}"));
+                return true;
+            }
+            Err(panic) => {
+                let ids: Vec<SeqId> = plan.chunks.iter().map(|c| c.seq).collect();
+                self.fail(&ids, &format!("forward pass panicked: {}", panic_text(&panic)));
+                return true;
+            }
+        };
+        self.sched.commit(&plan);
+        let vocab = self.model.config.vocab_size;
+        let mut row = 0;
+        for c in plan.chunks.iter().filter(|c| c.wants_logits) {
+            let l = &mut logits[row * vocab..(row + 1) * vocab];
+            row += 1;
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| self.on_logits(c.seq, l)));
+            if let Err(panic) = r {
+                let msg = format!("sampling panicked: {}", panic_text(&panic));
+                self.fail(&[c.seq], &msg);
+            }
+        }
+        true
+    }
+
+    /// Sample the next token of `id` (and, on its first token, of its sibling choices).
+    fn on_logits(&mut self, id: SeqId, logits: &mut [f32]) {
+        let Some(out) = self.outputs.get_mut(&id) else {
+            return;
+        };
+        let forks = std::mem::take(&mut out.pending_forks);
+        let (req, num_cached) = (out.req.clone(), out.num_cached_tokens);
+        let ctx = self.model.config.context_length;
+        let bs = self.sched.blocks().block_size();
+        for choice in 1..=forks {
+            let mut row = logits.to_vec();
+            let mut child = SeqOutput::new(req.clone(), choice);
+            child.scheduled_at = Some(Instant::now());
+            child.num_cached_tokens = num_cached;
+            let s = child.sample(&self.cpu, &mut row);
+            let child_id = self.new_seq_id();
+            let parent = self.sched.get(id).expect("running");
+            let mut tokens = parent.tokens[..parent.prompt_len].to_vec();
+            tokens.push(s.token);
+            // Share the parent's full prompt blocks; the rest of the prompt is recomputed.
+            let full = parent.prompt_len / bs;
+            let table = parent.table.share_prefix(full);
+            let mut seq = Sequence::new(child_id, tokens, table, parent.adapter_version);
+            seq.prompt_len = parent.prompt_len;
+            seq.num_computed = full * bs;
+            let at_end = seq.tokens.len() >= ctx;
+            if !child.emit(&self.tokenizer, &s, 1, at_end, &self.metrics) {
+                self.sched.add_first(seq);
+                self.outputs.insert(child_id, child);
+            }
+        }
+        let out = self.outputs.get_mut(&id).expect("present");
+        let s = out.sample(&self.cpu, logits);
+        let seq = self.sched.get_mut(id).expect("running");
+        seq.tokens.push(s.token);
+        let (num_generated, at_end) = (seq.num_generated(), seq.tokens.len() >= ctx);
+        if out.emit(&self.tokenizer, &s, num_generated, at_end, &self.metrics) {
+            self.outputs.remove(&id);
+            self.sched.remove(id);
+        }
+    }
+
+    fn update_gauges(&mut self) {
+        let m = &self.metrics;
+        m.num_requests_running
+            .set(self.sched.num_running() as i64);
+        m.num_requests_waiting
+            .set(self.sched.num_waiting() as i64);
+        let st = self.sched.blocks().stats();
+        m.kv_blocks_used.set(st.num_used as i64);
+        m.kv_cache_usage_perc
+            .set(st.num_used as f64 / st.num_blocks.max(1) as f64);
+        let (q, h) = self.last_prefix;
+        m.prefix_cache_queries
+            .inc_by(st.num_prefix_queried_tokens - q);
+        m.prefix_cache_hits.inc_by(st.num_prefix_hit_tokens - h);
+        self.last_prefix = (st.num_prefix_queried_tokens, st.num_prefix_hit_tokens);
+    }
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// 64 random bits from the OS.
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::fill(&mut b).expect("OS randomness");
+    u64::from_le_bytes(b)
+}

@@ -1,0 +1,202 @@
+//! A sequence's output side, kept by the engine: its random stream, token counts for penalties,
+//! incremental detokenization, stop-string matching (text that could begin a stop string is held
+//! back until it cannot), timings, and the channel its events go to.
+
+use super::sampler::{self, Rng, Sampled};
+use super::{EngineEvent, FinishReason, GenerateRequest, StopReason};
+use crate::metrics::Metrics;
+use crate::model::tokenizer::{Detokenizer, Tokenizer};
+use flywheel_kernels::Cpu;
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What the choices of one request share.
+pub struct RequestState {
+    pub req: GenerateRequest,
+    pub tx: UnboundedSender<EngineEvent>,
+    pub arrival: Instant,
+    pub seed: u64,
+    choices_left: Cell<usize>,
+}
+
+impl RequestState {
+    pub fn new(
+        req: GenerateRequest,
+        tx: UnboundedSender<EngineEvent>,
+        arrival: Instant,
+        seed: u64,
+    ) -> RequestState {
+        let n = req.n;
+        RequestState {
+            req,
+            tx,
+            arrival,
+            seed,
+            choices_left: Cell::new(n),
+        }
+    }
+}
+
+pub struct SeqOutput {
+    pub req: Rc<RequestState>,
+    pub choice: usize,
+    rng: Rng,
+    counts: HashMap<u32, u32>,
+    detok: Detokenizer,
+    held: String,
+    /// Sibling choices to fork off when this (first) choice samples its first token.
+    pub pending_forks: usize,
+    pub scheduled_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    pub num_cached_tokens: usize,
+}
+
+/// The seed of choice `choice`: choice 0 uses the request's seed itself.
+pub fn choice_seed(seed: u64, choice: usize) -> u64 {
+    seed ^ (choice as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl SeqOutput {
+    pub fn new(req: Rc<RequestState>, choice: usize) -> SeqOutput {
+        SeqOutput {
+            rng: Rng::new(choice_seed(req.seed, choice)),
+            req,
+            choice,
+            counts: HashMap::new(),
+            detok: Detokenizer::default(),
+            held: String::new(),
+            pending_forks: 0,
+            scheduled_at: None,
+            last_token_at: None,
+            num_cached_tokens: 0,
+        }
+    }
+
+    pub fn sample(&mut self, cpu: &Cpu, logits: &mut [f32]) -> Sampled {
+        let p = &self.req.req.sampling;
+        sampler::sample(cpu, logits, p, &self.counts, &mut self.rng)
+    }
+
+    /// Record token `s` (the `num_generated`-th of this choice) and send its event; true when the
+    /// choice is finished (its `Finished` event sent too).
+    pub fn emit(
+        &mut self,
+        tok: &Tokenizer,
+        s: &Sampled,
+        num_generated: usize,
+        at_context_end: bool,
+        m: &Metrics,
+    ) -> bool {
+        let now = Instant::now();
+        match self.last_token_at {
+            None => m
+                .time_to_first_token
+                .observe((now - self.req.arrival).as_secs_f64()),
+            Some(t) => m.inter_token_latency.observe((now - t).as_secs_f64()),
+        }
+        self.last_token_at = Some(now);
+        m.generation_tokens.inc();
+        *self.counts.entry(s.token).or_default() += 1;
+
+        let r = &self.req.req;
+        let mut finish = None;
+        let mut stop_reason = None;
+        let mut text = String::new();
+        if r.stop_token_ids.contains(&s.token) {
+            finish = Some(FinishReason::Stop);
+            stop_reason = Some(StopReason::Token(s.token));
+        } else if !r.ignore_eos && Some(s.token) == tok.eos_id {
+            finish = Some(FinishReason::Stop);
+        } else {
+            if !tok.is_control(s.token) {
+                let piece = self.detok.push(tok, s.token);
+                self.held.push_str(&piece);
+            }
+            if let Some((pos, stop)) = find_stop(&self.held, &r.stop) {
+                text = self.held[..pos].to_string();
+                self.held.clear();
+                finish = Some(FinishReason::Stop);
+                stop_reason = Some(StopReason::Text(stop.to_string()));
+            } else {
+                let keep = holdback(&self.held, &r.stop);
+                text = self.held.drain(..self.held.len() - keep).collect();
+            }
+        }
+        if finish.is_none() && (num_generated >= r.max_tokens || at_context_end) {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_some() && stop_reason.as_ref().is_none_or(|s| !matches!(s, StopReason::Text(_)))
+        {
+            // Nothing can complete a stop string any more: flush what was held back.
+            text.push_str(&std::mem::take(&mut self.held));
+            text.push_str(&self.detok.finish());
+        }
+        let _ = self.req.tx.send(EngineEvent::Token {
+            choice: self.choice,
+            token_id: s.token,
+            logprob: s.logprob,
+            top_logprobs: s.top.clone(),
+            text,
+        });
+        let Some(reason) = finish else {
+            return false;
+        };
+        let _ = self.req.tx.send(EngineEvent::Finished {
+            choice: self.choice,
+            reason,
+            stop_reason,
+            num_cached_tokens: self.num_cached_tokens,
+        });
+        m.request_success
+            .with_label_values(&[reason.as_str()])
+            .inc();
+        let left = self.req.choices_left.get().saturating_sub(1);
+        self.req.choices_left.set(left);
+        if left == 0 {
+            m.e2e_request_latency
+                .observe((now - self.req.arrival).as_secs_f64());
+        }
+        true
+    }
+}
+
+/// The earliest stop string in `text`: (its byte offset, the string).
+fn find_stop<'a>(text: &str, stops: &'a [String]) -> Option<(usize, &'a str)> {
+    stops
+        .iter()
+        .filter_map(|s| text.find(s.as_str()).map(|p| (p, s.as_str())))
+        .min_by_key(|(p, _)| *p)
+}
+
+/// How many trailing bytes of `text` could be the start of a stop string.
+fn holdback(text: &str, stops: &[String]) -> usize {
+    let max = stops.iter().map(|s| s.len()).max().unwrap_or(0);
+    (1..max.min(text.len() + 1))
+        .rev()
+        .find(|&k| {
+            let start = text.len() - k;
+            text.is_char_boundary(start) && stops.iter().any(|s| s.starts_with(&text[start..]))
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_are_found_and_their_prefixes_held_back() {
+        let stops = vec!["\n\n".to_string(), "END".to_string()];
+        assert_eq!(find_stop("ab\n\ncEND", &stops), Some((2, "\n\n")));
+        assert_eq!(find_stop("abEN", &stops), None);
+        assert_eq!(holdback("abEN", &stops), 2);
+        assert_eq!(holdback("ab\n", &stops), 1);
+        assert_eq!(holdback("abc", &stops), 0);
+        assert_eq!(holdback("é", &["éa".to_string()]), 2);
+        assert_eq!(holdback("xé", &["éa".to_string()]), 2);
+        assert_eq!(holdback("anything", &[]), 0);
+    }
+}

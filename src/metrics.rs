@@ -1,0 +1,139 @@
+//! Every Prometheus metric in one place (prefix `flywheel_`, base units). Names follow vLLM's so
+//! existing dashboards carry over.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+pub struct Metrics {
+    registry: Registry,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub e2e_request_latency: Histogram,
+    pub request_queue_time: Histogram,
+    pub num_requests_running: IntGauge,
+    pub num_requests_waiting: IntGauge,
+    pub kv_blocks_used: IntGauge,
+    pub kv_blocks_total: IntGauge,
+    pub kv_cache_usage_perc: prometheus::Gauge,
+    pub prefix_cache_queries: IntCounter,
+    pub prefix_cache_hits: IntCounter,
+    pub prompt_tokens: IntCounter,
+    pub generation_tokens: IntCounter,
+    pub request_success: IntCounterVec,
+    pub num_preemptions: IntCounter,
+    pub http_requests: IntCounterVec,
+}
+
+fn buckets_seconds() -> Vec<f64> {
+    vec![
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+        7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+    ]
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new_custom(Some("flywheel".into()), None).expect("registry");
+        fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
+            r.register(Box::new(m.clone())).expect("unique metric");
+            m
+        }
+        let hist = |name: &str, help: &str| {
+            reg(
+                &registry,
+                Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets_seconds()))
+                    .expect("histogram"),
+            )
+        };
+        let gauge = |name: &str, help: &str| {
+            reg(
+                &registry,
+                IntGauge::new(name, help).expect("gauge"),
+            )
+        };
+        let counter = |name: &str, help: &str| {
+            reg(
+                &registry,
+                IntCounter::new(name, help).expect("counter"),
+            )
+        };
+        Metrics {
+            time_to_first_token: hist(
+                "time_to_first_token_seconds",
+                "From arrival to the first generated token.",
+            ),
+            inter_token_latency: hist(
+                "inter_token_latency_seconds",
+                "Between consecutive tokens of one sequence.",
+            ),
+            e2e_request_latency: hist(
+                "e2e_request_latency_seconds",
+                "From arrival to the last token of the request.",
+            ),
+            request_queue_time: hist(
+                "request_queue_time_seconds",
+                "From arrival to the first scheduled forward pass.",
+            ),
+            num_requests_running: gauge(
+                "num_requests_running",
+                "Sequences in the running batch.",
+            ),
+            num_requests_waiting: gauge("num_requests_waiting", "Sequences waiting to run."),
+            kv_blocks_used: gauge("kv_cache_blocks_used", "KV cache blocks in use."),
+            kv_blocks_total: gauge("kv_cache_blocks_total", "KV cache blocks in all."),
+            kv_cache_usage_perc: reg(
+                &registry,
+                prometheus::Gauge::new("kv_cache_usage_perc", "KV cache use, 0 to 1.")
+                    .expect("gauge"),
+            ),
+            prefix_cache_queries: counter(
+                "prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+            ),
+            prefix_cache_hits: counter(
+                "prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache.",
+            ),
+            prompt_tokens: counter("prompt_tokens_total", "Prompt tokens received."),
+            generation_tokens: counter("generation_tokens_total", "Tokens generated."),
+            request_success: reg(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("request_success_total", "Finished sequences by reason."),
+                    &["finished_reason"],
+                )
+                .expect("counter vec"),
+            ),
+            num_preemptions: counter(
+                "num_preemptions_total",
+                "Sequences whose KV cache was dropped to be recomputed.",
+            ),
+            http_requests: reg(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("http_requests_total", "HTTP requests by route and status."),
+                    &["route", "status"],
+                )
+                .expect("counter vec"),
+            ),
+            registry,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding");
+        String::from_utf8(buf).expect("utf-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
