@@ -1,0 +1,247 @@
+//! Configuration: a TOML file (`configs/serve.toml` documents every key and its default) with CLI
+//! flags on top, validated once at start-up into `Config`. Nothing downstream re-checks it.
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The file as written: every key optional, unknown keys rejected (a typo is an error, not a
+/// silently ignored setting).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub server: RawServer,
+    #[serde(default)]
+    pub model: RawModel,
+    #[serde(default)]
+    pub engine: RawEngine,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub api_key: Option<String>,
+    pub served_model_name: Option<String>,
+    pub max_pending_requests: Option<usize>,
+    pub retry_after_secs: Option<u64>,
+    pub shutdown_timeout_secs: Option<f64>,
+    pub http_threads: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    pub path: Option<PathBuf>,
+    pub max_model_len: Option<usize>,
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEngine {
+    pub max_num_seqs: Option<usize>,
+    pub max_num_batched_tokens: Option<usize>,
+    pub kv_cache_mb: Option<usize>,
+    pub block_size: Option<usize>,
+    pub enable_prefix_caching: Option<bool>,
+}
+
+/// Flags given on the command line: they win over the file.
+#[derive(Debug, Default, Clone)]
+pub struct CliOverrides {
+    pub model: Option<PathBuf>,
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub api_key: Option<String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub host: String,
+    pub port: u16,
+    /// Bearer token every /v1 request must carry; None: open.
+    pub api_key: Option<String>,
+    /// The model id clients send; None: the GGUF file's stem.
+    pub served_model_name: Option<String>,
+    /// Requests queued or running at once; more are answered 429.
+    pub max_pending_requests: usize,
+    pub retry_after_secs: u64,
+    /// After SIGTERM/SIGINT: how long running requests may take to finish.
+    pub shutdown_timeout_secs: f64,
+    pub http_threads: usize,
+    pub model_path: PathBuf,
+    /// None: the model's own context length.
+    pub max_model_len: Option<usize>,
+    pub threads: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub kv_cache_bytes: usize,
+    pub block_size: usize,
+    pub enable_prefix_caching: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid setting {key}: {message}")]
+    Invalid { key: &'static str, message: String },
+}
+
+fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        message: message.into(),
+    }
+}
+
+impl RawConfig {
+    pub fn from_file(path: &Path) -> Result<RawConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        RawConfig::from_toml(&text).map_err(|message| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message,
+        })
+    }
+
+    pub fn from_toml(text: &str) -> Result<RawConfig, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Apply the CLI flags and defaults, and check every value.
+    pub fn validate(self, cli: &CliOverrides) -> Result<Config, ConfigError> {
+        let (s, m, e) = (self.server, self.model, self.engine);
+        let cfg = Config {
+            host: cli.host.clone().or(s.host).unwrap_or("127.0.0.1".into()),
+            port: cli.port.or(s.port).unwrap_or(8080),
+            api_key: cli.api_key.clone().or(s.api_key).filter(|k| !k.is_empty()),
+            served_model_name: s.served_model_name.filter(|n| !n.is_empty()),
+            max_pending_requests: s.max_pending_requests.unwrap_or(256),
+            retry_after_secs: s.retry_after_secs.unwrap_or(1),
+            shutdown_timeout_secs: s.shutdown_timeout_secs.unwrap_or(30.0),
+            http_threads: s.http_threads.unwrap_or(1),
+            model_path: cli
+                .model
+                .clone()
+                .or(m.path)
+                .unwrap_or(PathBuf::from(crate::fetch::DEFAULT_MODEL)),
+            max_model_len: m.max_model_len,
+            threads: m.threads.unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+            }),
+            max_num_seqs: e.max_num_seqs.unwrap_or(64),
+            max_num_batched_tokens: e.max_num_batched_tokens.unwrap_or(256),
+            kv_cache_bytes: e.kv_cache_mb.unwrap_or(1024) << 20,
+            block_size: e.block_size.unwrap_or(16),
+            enable_prefix_caching: e.enable_prefix_caching.unwrap_or(true),
+        };
+        if cfg.host.is_empty() {
+            return Err(invalid("server.host", "empty"));
+        }
+        if cfg.max_pending_requests == 0 {
+            return Err(invalid("server.max_pending_requests", "must be at least 1"));
+        }
+        if !(cfg.shutdown_timeout_secs >= 0.0 && cfg.shutdown_timeout_secs.is_finite()) {
+            return Err(invalid("server.shutdown_timeout_secs", "must be >= 0"));
+        }
+        if !(1..=64).contains(&cfg.http_threads) {
+            return Err(invalid("server.http_threads", "must be in 1..=64"));
+        }
+        if !(1..=256).contains(&cfg.threads) {
+            return Err(invalid("model.threads", "must be in 1..=256"));
+        }
+        if cfg.max_model_len == Some(0) {
+            return Err(invalid("model.max_model_len", "must be at least 1"));
+        }
+        if cfg.max_num_seqs == 0 {
+            return Err(invalid("engine.max_num_seqs", "must be at least 1"));
+        }
+        if cfg.max_num_batched_tokens == 0 {
+            return Err(invalid("engine.max_num_batched_tokens", "must be at least 1"));
+        }
+        if !matches!(cfg.block_size, 8 | 16 | 32 | 64) {
+            return Err(invalid("engine.block_size", "must be 8, 16, 32 or 64"));
+        }
+        if cfg.kv_cache_bytes == 0 {
+            return Err(invalid("engine.kv_cache_mb", "must be at least 1"));
+        }
+        Ok(cfg)
+    }
+}
+
+impl Config {
+    /// The context length served: the configured one, capped by the model's.
+    pub fn max_model_len(&self, model_context: usize) -> usize {
+        self.max_model_len
+            .map_or(model_context, |m| m.min(model_context))
+    }
+
+    /// KV blocks that fit in `kv_cache_bytes` (f32 K and V for every layer); checked against
+    /// the context so that one sequence of full length always fits.
+    pub fn num_kv_blocks(
+        &self,
+        num_layers: usize,
+        kv_dim: usize,
+        max_model_len: usize,
+    ) -> Result<usize, ConfigError> {
+        let per_block = num_layers * self.block_size * kv_dim * 2 * std::mem::size_of::<f32>();
+        let n = self.kv_cache_bytes / per_block.max(1);
+        let need = max_model_len.div_ceil(self.block_size);
+        if n < need {
+            return Err(invalid(
+                "engine.kv_cache_mb",
+                format!(
+                    "{} MiB holds {n} blocks of {} tokens; one sequence of max_model_len {max_model_len} needs {need} ({} MiB)",
+                    self.kv_cache_bytes >> 20,
+                    self.block_size,
+                    (need * per_block).div_ceil(1 << 20)
+                ),
+            ));
+        }
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_file_parses_and_cli_flags_win() {
+        let text = include_str!("../configs/serve.toml");
+        let raw = RawConfig::from_toml(text).expect("configs/serve.toml parses");
+        let cli = CliOverrides {
+            port: Some(9999),
+            ..Default::default()
+        };
+        let c = raw.validate(&cli).unwrap();
+        assert_eq!(c.port, 9999);
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.api_key, None);
+    }
+
+    #[test]
+    fn typos_and_bad_values_are_rejected_by_name() {
+        let e = RawConfig::from_toml("[engine]\nmax_num_seq = 3\n").unwrap_err();
+        assert!(e.contains("max_num_seq"), "{e}");
+        let raw = RawConfig::from_toml("[engine]\nblock_size = 12\n").unwrap();
+        let e = raw.validate(&CliOverrides::default()).unwrap_err();
+        assert!(e.to_string().contains("engine.block_size"), "{e}");
+        let raw = RawConfig::from_toml("[engine]\nkv_cache_mb = 1\n").unwrap();
+        let c = raw.validate(&CliOverrides::default()).unwrap();
+        let e = c.num_kv_blocks(30, 192, 8192).unwrap_err();
+        assert!(e.to_string().contains("kv_cache_mb"), "{e}");
+    }
+}

@@ -1,7 +1,8 @@
-//! The `flywheel` command line: `generate`, `tokenize`, `bench`, `fetch-model`. Wiring only.
+//! The `flywheel` command line: `serve`, `generate`, `tokenize`, `bench`, `fetch-model`. Wiring only.
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use flywheel::config::{CliOverrides, RawConfig};
 use flywheel::fetch::{ensure_model, fetch_default, DEFAULT_MODEL};
 use flywheel::generate::{decode_batch, generate, GenerateOptions};
 use flywheel::model::kv_cache::KvCache;
@@ -39,6 +40,23 @@ struct ModelArgs {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Serve the OpenAI-compatible API (prints `listening on ADDR` once bound).
+    Serve {
+        /// GGUF model file (overrides model.path; the default model is fetched on first use).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// TOML configuration (see configs/serve.toml for every key and its default).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        host: Option<String>,
+        /// 0 picks a free port.
+        #[arg(long)]
+        port: Option<u16>,
+        /// Require `Authorization: Bearer KEY` on the API routes.
+        #[arg(long, env = "FLYWHEEL_API_KEY")]
+        api_key: Option<String>,
+    },
     /// Generate text from a prompt.
     Generate {
         #[command(flatten)]
@@ -132,6 +150,32 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
+        Cmd::Serve {
+            model,
+            config,
+            host,
+            port,
+            api_key,
+        } => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info".into()),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let raw = match &config {
+                Some(p) => RawConfig::from_file(p)?,
+                None => RawConfig::default(),
+            };
+            let cli = CliOverrides {
+                model,
+                host,
+                port,
+                api_key,
+            };
+            flywheel::api::run(raw.validate(&cli)?)
+        }
         Cmd::FetchModel { dest } => fetch_default(&dest),
         Cmd::Tokenize { model, json } => {
             let path = ensure_model(&model)?;

@@ -1,0 +1,39 @@
+//! `POST /v1/chat/completions`: messages through the model's chat template, then generation.
+
+use super::error::ApiError;
+use super::openai::{parse_chat_logprobs, parse_common, parse_messages, Fields};
+use super::respond::{respond, Flavor, Job};
+use super::{blocking, AppState};
+use axum::extract::State;
+use axum::response::Response;
+use serde_json::Value;
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    body: Result<axum::Json<Value>, axum::extract::rejection::JsonRejection>,
+) -> Result<Response, ApiError> {
+    let axum::Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
+    let ready = state.ready()?;
+    let f = Fields::parse(&body)?;
+    let mut params = parse_common(&f, ready.vocab_size)?;
+    parse_chat_logprobs(&f, &mut params)?;
+    let messages = parse_messages(&f)?;
+    state.check_model(&params.model)?;
+    let tok = ready.tokenizer.clone();
+    let prompt_ids = blocking(move || {
+        let text = tok
+            .apply_chat_template(&messages, true)
+            .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
+        tok.encode(&text)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))
+    })
+    .await?;
+    let job = Job {
+        flavor: Flavor::Chat,
+        params,
+        prompt_ids,
+        echo: None,
+        prompt_param: "messages",
+    };
+    respond(&state, job).await
+}

@@ -1,0 +1,48 @@
+//! `POST /v1/completions`: a raw prompt (text or token ids), optionally echoed.
+
+use super::error::ApiError;
+use super::openai::{parse_common, parse_completion_logprobs, parse_prompt, Fields, Prompt};
+use super::respond::{respond, Flavor, Job};
+use super::{blocking, AppState};
+use axum::extract::State;
+use axum::response::Response;
+use serde_json::Value;
+
+pub async fn completions(
+    State(state): State<AppState>,
+    body: Result<axum::Json<Value>, axum::extract::rejection::JsonRejection>,
+) -> Result<Response, ApiError> {
+    let axum::Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
+    let ready = state.ready()?;
+    let f = Fields::parse(&body)?;
+    let mut params = parse_common(&f, ready.vocab_size)?;
+    parse_completion_logprobs(&f, &mut params)?;
+    let prompt = parse_prompt(&f, ready.vocab_size)?;
+    let echo = f.bool("echo")?.unwrap_or(false);
+    state.check_model(&params.model)?;
+    let tok = ready.tokenizer.clone();
+    let (prompt_ids, text) = blocking(move || match prompt {
+        Prompt::Text(t) => {
+            let ids = tok
+                .encode(&t)
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
+            if ids.is_empty() {
+                return Err(ApiError::invalid("prompt", "the prompt is empty"));
+            }
+            Ok((ids, t))
+        }
+        Prompt::Ids(ids) => {
+            let t = tok.decode(&ids);
+            Ok((ids, t))
+        }
+    })
+    .await?;
+    let job = Job {
+        flavor: Flavor::Completion,
+        params,
+        prompt_ids,
+        echo: echo.then_some(text),
+        prompt_param: "prompt",
+    };
+    respond(&state, job).await
+}

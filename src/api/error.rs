@@ -1,0 +1,105 @@
+//! The one mapping from failures to HTTP status + OpenAI error body
+//! `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 400 naming the offending field.
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            param: Some(param.to_string()),
+            ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
+    }
+
+    pub fn bad_body(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    pub fn unauthorized() -> ApiError {
+        ApiError {
+            code: Some("invalid_api_key"),
+            ..ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            )
+        }
+    }
+
+    pub fn model_not_found(model: &str) -> ApiError {
+        ApiError {
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("the model '{model}' does not exist"),
+            )
+        }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+    }
+
+    pub fn overloaded(message: impl Into<String>, retry_after: u64) -> ApiError {
+        ApiError {
+            retry_after: Some(retry_after),
+            code: Some("rate_limit_exceeded"),
+            ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+        }
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+
+    /// The body, also sent as a `data:` line when a stream fails midway.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}

@@ -1,0 +1,102 @@
+//! The small endpoints: `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (vLLM shapes),
+//! `GET /health`, `GET /metrics`.
+
+use super::error::ApiError;
+use super::openai::{parse_messages, Fields};
+use super::{blocking, AppState};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+type JsonBody = Result<Json<Value>, axum::extract::rejection::JsonRejection>;
+
+pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let r = state.ready()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": r.model_name,
+            "object": "model",
+            "created": r.created,
+            "owned_by": "flywheel",
+            "root": r.model_name,
+            "parent": null,
+            "max_model_len": r.max_model_len,
+        }],
+    })))
+}
+
+/// `{"model"?, "prompt": str}` or `{"model"?, "messages": [...], "add_generation_prompt"?}` ->
+/// `{"count", "max_model_len", "tokens"}`.
+pub async fn tokenize(State(state): State<AppState>, body: JsonBody) -> Result<Json<Value>, ApiError> {
+    let Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
+    let r = state.ready()?;
+    let f = Fields::parse(&body)?;
+    if let Some(m) = f.str("model")? {
+        state.check_model(m)?;
+    }
+    let tok = r.tokenizer.clone();
+    let tokens = if f.get("messages").is_some() {
+        let msgs = parse_messages(&f)?;
+        let add = f.bool("add_generation_prompt")?.unwrap_or(true);
+        blocking(move || {
+            let text = tok
+                .apply_chat_template(&msgs, add)
+                .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
+            tok.encode(&text)
+                .map_err(|e| ApiError::invalid("messages", e.to_string()))
+        })
+        .await?
+    } else {
+        let prompt = f
+            .str("prompt")?
+            .ok_or_else(|| ApiError::invalid("prompt", "give 'prompt' or 'messages'"))?
+            .to_string();
+        blocking(move || {
+            tok.encode(&prompt)
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))
+        })
+        .await?
+    };
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": r.max_model_len,
+        "tokens": tokens,
+    })))
+}
+
+/// `{"model"?, "tokens": [ids]}` -> `{"prompt": text}`.
+pub async fn detokenize(
+    State(state): State<AppState>,
+    body: JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
+    let r = state.ready()?;
+    let f = Fields::parse(&body)?;
+    if let Some(m) = f.str("model")? {
+        state.check_model(m)?;
+    }
+    let ids = f
+        .token_ids("tokens", r.vocab_size)?
+        .ok_or_else(|| ApiError::invalid("tokens", "'tokens' is required"))?;
+    Ok(Json(json!({"prompt": r.tokenizer.decode(&ids)})))
+}
+
+/// 200 when the model is loaded and the engine thread alive; 503 otherwise.
+pub async fn health(State(state): State<AppState>) -> Response {
+    match state.ready() {
+        Ok(r) if r.engine.is_alive() => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        Ok(_) => ApiError::unavailable("the engine stopped").into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}

@@ -1,0 +1,303 @@
+//! OpenAI wire requests, read field by field from JSON so that every bad field is a 400 naming it
+//! (`param`), unknown fields are ignored, and the result is a typed, validated value.
+
+use super::error::ApiError;
+use crate::engine::sampler::SamplingParams;
+use crate::model::tokenizer::ChatMessage;
+use serde_json::{Map, Value};
+
+/// A JSON object's fields, with typed getters that name the field in their errors.
+pub struct Fields<'a>(pub &'a Map<String, Value>);
+
+fn type_error(name: &str, want: &str) -> ApiError {
+    ApiError::invalid(name, format!("'{name}' must be {want}"))
+}
+
+impl<'a> Fields<'a> {
+    pub fn parse(body: &'a Value) -> Result<Fields<'a>, ApiError> {
+        body.as_object()
+            .map(Fields)
+            .ok_or_else(|| ApiError::bad_body("the request body must be a JSON object"))
+    }
+
+    /// The value, treating JSON null as absent.
+    pub fn get(&self, name: &str) -> Option<&'a Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    pub fn f64(&self, name: &str) -> Result<Option<f64>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_f64().ok_or_else(|| type_error(name, "a number")))
+            .transpose()
+    }
+
+    /// A number in `lo..=hi` (open ends when `open`).
+    pub fn f32_in(
+        &self,
+        name: &str,
+        lo: f64,
+        hi: f64,
+        lo_open: bool,
+    ) -> Result<Option<f32>, ApiError> {
+        let Some(x) = self.f64(name)? else {
+            return Ok(None);
+        };
+        let ok = x.is_finite() && if lo_open { x > lo } else { x >= lo } && x <= hi;
+        if !ok {
+            let lb = if lo_open { "(" } else { "[" };
+            let hi = if hi.is_finite() {
+                format!("{hi}]")
+            } else {
+                "inf)".into()
+            };
+            return Err(ApiError::invalid(
+                name,
+                format!("'{name}' is {x}; it must be in {lb}{lo}, {hi}"),
+            ));
+        }
+        Ok(Some(x as f32))
+    }
+
+    pub fn i64(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        self.get(name)
+            .map(|v| {
+                v.as_i64()
+                    .or_else(|| v.as_u64().map(|u| u as i64))
+                    .ok_or_else(|| type_error(name, "an integer"))
+            })
+            .transpose()
+    }
+
+    pub fn int_in(&self, name: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+        match self.i64(name)? {
+            Some(x) if x < lo || x > hi => Err(ApiError::invalid(
+                name,
+                format!("'{name}' is {x}; it must be in [{lo}, {hi}]"),
+            )),
+            x => Ok(x),
+        }
+    }
+
+    pub fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_bool().ok_or_else(|| type_error(name, "a boolean")))
+            .transpose()
+    }
+
+    pub fn str(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_str().ok_or_else(|| type_error(name, "a string")))
+            .transpose()
+    }
+
+    /// A list of token ids below `vocab`.
+    pub fn token_ids(&self, name: &str, vocab: usize) -> Result<Option<Vec<u32>>, ApiError> {
+        let Some(v) = self.get(name) else {
+            return Ok(None);
+        };
+        token_id_list(v, vocab)
+            .map(Some)
+            .ok_or_else(|| type_error(name, &format!("a list of token ids below {vocab}")))
+    }
+}
+
+fn token_id_list(v: &Value, vocab: usize) -> Option<Vec<u32>> {
+    v.as_array()?
+        .iter()
+        .map(|t| t.as_u64().filter(|&t| (t as usize) < vocab).map(|t| t as u32))
+        .collect()
+}
+
+/// What chat and completions requests share, validated.
+#[derive(Clone, Debug)]
+pub struct CommonParams {
+    pub model: String,
+    pub max_tokens: Option<usize>,
+    pub n: usize,
+    pub sampling: SamplingParams,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+    pub return_tokens_as_token_ids: bool,
+    /// Per-token log-probs in the response.
+    pub logprobs: bool,
+}
+
+pub const MAX_N: i64 = 128;
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+pub const MAX_STOP_STRINGS: usize = 16;
+
+pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> {
+    let model = f
+        .str("model")?
+        .ok_or_else(|| ApiError::invalid("model", "'model' is required"))?
+        .to_string();
+    let max_tokens = match f.int_in("max_completion_tokens", 1, i64::MAX)? {
+        Some(m) => Some(m),
+        None => f.int_in("max_tokens", 1, i64::MAX)?,
+    };
+    let temperature = f.f32_in("temperature", 0.0, f64::INFINITY, false)?;
+    let top_k = f.int_in("top_k", -1, vocab as i64)?.unwrap_or(0);
+    let sampling = SamplingParams {
+        temperature: temperature.unwrap_or(1.0),
+        top_p: f.f32_in("top_p", 0.0, 1.0, true)?.unwrap_or(1.0),
+        top_k: top_k.max(0) as usize,
+        min_p: f.f32_in("min_p", 0.0, 1.0, false)?.unwrap_or(0.0),
+        presence_penalty: f.f32_in("presence_penalty", -2.0, 2.0, false)?.unwrap_or(0.0),
+        frequency_penalty: f
+            .f32_in("frequency_penalty", -2.0, 2.0, false)?
+            .unwrap_or(0.0),
+        top_logprobs: 0,
+    };
+    let stop = match f.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| type_error("stop", "a string or a list of strings"))?,
+        Some(_) => return Err(type_error("stop", "a string or a list of strings")),
+    };
+    if stop.len() > MAX_STOP_STRINGS || stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("'stop' takes at most {MAX_STOP_STRINGS} non-empty strings"),
+        ));
+    }
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.get("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => Fields(o)
+            .bool("include_usage")
+            .map_err(|_| type_error("stream_options.include_usage", "a boolean"))?
+            .unwrap_or(false),
+        Some(_) => return Err(type_error("stream_options", "an object")),
+    };
+    Ok(CommonParams {
+        model,
+        max_tokens: max_tokens.map(|m| m as usize),
+        n: f.int_in("n", 1, MAX_N)?.unwrap_or(1) as usize,
+        sampling,
+        seed: f.i64("seed")?.map(|s| s as u64),
+        stop,
+        stop_token_ids: f.token_ids("stop_token_ids", vocab)?.unwrap_or_default(),
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
+        stream,
+        include_usage,
+        return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
+        return_tokens_as_token_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
+        logprobs: false,
+    })
+}
+
+/// Chat logprobs: `logprobs` (bool) and `top_logprobs` (0..=20, needs `logprobs`).
+pub fn parse_chat_logprobs(f: &Fields, p: &mut CommonParams) -> Result<(), ApiError> {
+    p.logprobs = f.bool("logprobs")?.unwrap_or(false);
+    let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
+    if top.is_some_and(|t| t > 0) && !p.logprobs {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            "'top_logprobs' needs 'logprobs': true",
+        ));
+    }
+    p.sampling.top_logprobs = top.unwrap_or(0) as usize;
+    Ok(())
+}
+
+/// Legacy completions logprobs: an integer 0..=20, the number of alternatives per token.
+pub fn parse_completion_logprobs(f: &Fields, p: &mut CommonParams) -> Result<(), ApiError> {
+    if let Some(k) = f.int_in("logprobs", 0, MAX_TOP_LOGPROBS)? {
+        p.logprobs = true;
+        p.sampling.top_logprobs = k as usize;
+    }
+    Ok(())
+}
+
+/// `messages`: roles system, developer, user, assistant, tool; content a string or a list of text
+/// parts.
+pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
+    let bad = |i: usize, what: &str| ApiError::invalid(&format!("messages[{i}]"), what.to_string());
+    let list = f
+        .get("messages")
+        .ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?
+        .as_array()
+        .ok_or_else(|| type_error("messages", "a list of messages"))?;
+    if list.is_empty() {
+        return Err(ApiError::invalid("messages", "'messages' is empty"));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let o = m.as_object().ok_or_else(|| bad(i, "a message must be an object"))?;
+        let role = o
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(i, "'role' must be a string"))?;
+        if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
+            return Err(bad(i, &format!("unknown role '{role}'")));
+        }
+        let content = match o.get("content") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (
+                        p.get("type").and_then(Value::as_str),
+                        p.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        _ => return Err(bad(i, "only text content parts are supported")),
+                    }
+                }
+                text
+            }
+            Some(_) => return Err(bad(i, "'content' must be a string or a list of parts")),
+        };
+        let role = if role == "developer" { "system" } else { role };
+        out.push(ChatMessage {
+            role: role.to_string(),
+            content,
+        });
+    }
+    Ok(out)
+}
+
+/// The completions prompt: a string, a list of token ids, or a one-element list of either.
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+pub fn parse_prompt(f: &Fields, vocab: usize) -> Result<Prompt, ApiError> {
+    let v = f
+        .get("prompt")
+        .ok_or_else(|| ApiError::invalid("prompt", "'prompt' is required"))?;
+    let one = match v {
+        Value::Array(a) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => &a[0],
+        Value::Array(a) if a.iter().any(|x| x.is_string() || x.is_array()) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "one prompt per request: send several requests (or use n)",
+            ))
+        }
+        v => v,
+    };
+    let p = match one {
+        Value::String(s) => Prompt::Text(s.clone()),
+        v => Prompt::Ids(token_id_list(v, vocab).ok_or_else(|| {
+            type_error(
+                "prompt",
+                &format!("a string or a list of token ids below {vocab}"),
+            )
+        })?),
+    };
+    match &p {
+        Prompt::Ids(ids) if ids.is_empty() => Err(ApiError::invalid("prompt", "the prompt is empty")),
+        _ => Ok(p),
+    }
+}

@@ -1,0 +1,456 @@
+//! From a validated job to an HTTP response: submit to the engine, then either collect every
+//! choice into one JSON body or stream OpenAI chunks as server-sent events. Chat and legacy
+//! completions differ only in how a choice and a chunk are shaped (`Flavor`).
+
+use super::error::ApiError;
+use super::openai::CommonParams;
+use super::AppState;
+use crate::engine::sampler::TopLogprob;
+use crate::engine::{EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError};
+use crate::model::tokenizer::Tokenizer;
+use axum::body::{Body, Bytes};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    Chat,
+    Completion,
+}
+
+pub struct Job {
+    pub flavor: Flavor,
+    pub params: CommonParams,
+    pub prompt_ids: Vec<u32>,
+    /// Completions with `echo`: the prompt text, put before each choice's text.
+    pub echo: Option<String>,
+    /// The field the prompt came from, for length errors.
+    pub prompt_param: &'static str,
+}
+
+/// 128 random bits, hex.
+pub fn random_id(prefix: &str) -> String {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).expect("OS randomness");
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("{prefix}{hex}")
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Check lengths against the context and build the engine request.
+fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, ApiError> {
+    let n_prompt = job.prompt_ids.len();
+    if n_prompt >= max_model_len {
+        return Err(ApiError::invalid(
+            job.prompt_param,
+            format!(
+                "the prompt has {n_prompt} tokens; this model's context length is {max_model_len}, \
+                 which must also leave room for at least one generated token"
+            ),
+        ));
+    }
+    let p = &job.params;
+    let max_tokens = match p.max_tokens {
+        Some(m) if n_prompt + m > max_model_len => {
+            return Err(ApiError::invalid(
+                "max_tokens",
+                format!(
+                    "the prompt ({n_prompt} tokens) plus max_tokens ({m}) is over this model's \
+                     context length ({max_model_len})"
+                ),
+            ))
+        }
+        Some(m) => m,
+        None => max_model_len - n_prompt,
+    };
+    Ok(GenerateRequest {
+        prompt: job.prompt_ids.clone(),
+        n: p.n,
+        max_tokens,
+        sampling: p.sampling.clone(),
+        seed: p.seed,
+        stop: p.stop.clone(),
+        stop_token_ids: p.stop_token_ids.clone(),
+        ignore_eos: p.ignore_eos,
+    })
+}
+
+pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let req = engine_request(&job, ready.max_model_len)?;
+    let stream = ready.engine.submit(req).map_err(|e| match e {
+        SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string(), state.retry_after_secs),
+        SubmitError::NotRunning => ApiError::unavailable(e.to_string()),
+    })?;
+    let r = Responder {
+        id: random_id(match job.flavor {
+            Flavor::Chat => "chatcmpl-",
+            Flavor::Completion => "cmpl-",
+        }),
+        created: unix_now(),
+        model: ready.model_name.clone(),
+        tok: ready.tokenizer.clone(),
+        choices: (0..job.params.n).map(|_| Choice::default()).collect(),
+        job,
+    };
+    if r.job.params.stream {
+        Ok(stream_response(r, stream))
+    } else {
+        collect_response(r, stream).await
+    }
+}
+
+#[derive(Default)]
+struct Choice {
+    text: String,
+    token_ids: Vec<u32>,
+    logprobs: Vec<Value>,
+    /// Completions logprobs, column-wise.
+    tokens: Vec<String>,
+    token_logprobs: Vec<f32>,
+    top: Vec<Value>,
+    text_offset: Vec<usize>,
+    finish: Option<(FinishReason, Option<StopReason>)>,
+    num_cached_tokens: usize,
+    started: bool,
+}
+
+struct Responder {
+    id: String,
+    created: u64,
+    model: String,
+    tok: Arc<Tokenizer>,
+    job: Job,
+    choices: Vec<Choice>,
+}
+
+fn stop_reason_json(s: &Option<StopReason>) -> Value {
+    match s {
+        None => Value::Null,
+        Some(StopReason::Text(t)) => json!(t),
+        Some(StopReason::Token(t)) => json!(t),
+    }
+}
+
+impl Responder {
+    fn token_text(&self, id: u32) -> String {
+        if self.job.params.return_tokens_as_token_ids {
+            format!("token_id:{id}")
+        } else {
+            String::from_utf8_lossy(self.tok.token_bytes(id)).into_owned()
+        }
+    }
+
+    fn chat_logprob(&self, id: u32, logprob: f32, top: &[TopLogprob]) -> Value {
+        let entry = |id: u32, lp: f32| {
+            json!({"token": self.token_text(id), "logprob": lp, "bytes": self.tok.token_bytes(id)})
+        };
+        let mut e = entry(id, logprob);
+        e["top_logprobs"] = top.iter().map(|t| entry(t.token_id, t.logprob)).collect();
+        e
+    }
+
+    fn completion_top(&self, top: &[TopLogprob]) -> Value {
+        let mut m = serde_json::Map::new();
+        for t in top {
+            m.entry(self.token_text(t.token_id))
+                .or_insert(json!(t.logprob));
+        }
+        Value::Object(m)
+    }
+
+    /// Fold one event into the choice state; return the new text of the token and its
+    /// logprobs entry (chat) for streaming.
+    fn apply(&mut self, ev: &EngineEvent) -> Option<usize> {
+        match ev {
+            EngineEvent::Token {
+                choice,
+                token_id,
+                logprob,
+                top_logprobs,
+                text,
+            } => {
+                let lp_chat = (self.job.params.logprobs && self.job.flavor == Flavor::Chat)
+                    .then(|| self.chat_logprob(*token_id, *logprob, top_logprobs));
+                let lp_cmpl = (self.job.params.logprobs && self.job.flavor == Flavor::Completion)
+                    .then(|| (self.token_text(*token_id), self.completion_top(top_logprobs)));
+                let echo_len = self.job.echo.as_ref().map_or(0, String::len);
+                let c = &mut self.choices[*choice];
+                c.token_ids.push(*token_id);
+                if let Some(v) = lp_chat {
+                    c.logprobs.push(v);
+                }
+                if let Some((t, top)) = lp_cmpl {
+                    c.text_offset.push(echo_len + c.text.len());
+                    c.tokens.push(t);
+                    c.token_logprobs.push(*logprob);
+                    c.top.push(top);
+                }
+                c.text.push_str(text);
+                Some(*choice)
+            }
+            EngineEvent::Finished {
+                choice,
+                reason,
+                stop_reason,
+                num_cached_tokens,
+            } => {
+                let c = &mut self.choices[*choice];
+                c.finish = Some((*reason, stop_reason.clone()));
+                c.num_cached_tokens = *num_cached_tokens;
+                Some(*choice)
+            }
+            EngineEvent::Error(_) => None,
+        }
+    }
+
+    fn usage(&self) -> Value {
+        let completion: usize = self.choices.iter().map(|c| c.token_ids.len()).sum();
+        let prompt = self.job.prompt_ids.len();
+        let cached = self.choices.first().map_or(0, |c| c.num_cached_tokens);
+        json!({
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.job.flavor, chunk) {
+            (Flavor::Chat, false) => "chat.completion",
+            (Flavor::Chat, true) => "chat.completion.chunk",
+            (Flavor::Completion, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": choices,
+        })
+    }
+
+    fn final_body(&self) -> Value {
+        let p = &self.job.params;
+        let choices = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (reason, stop) = c.finish.clone().unwrap_or((FinishReason::Length, None));
+                let mut v = match self.job.flavor {
+                    Flavor::Chat => json!({
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text, "refusal": null},
+                        "logprobs": if p.logprobs {
+                            json!({"content": c.logprobs, "refusal": null})
+                        } else {
+                            Value::Null
+                        },
+                        "finish_reason": reason.as_str(),
+                    }),
+                    Flavor::Completion => json!({
+                        "index": i,
+                        "text": format!("{}{}", self.job.echo.as_deref().unwrap_or(""), c.text),
+                        "logprobs": self.completion_logprobs(c),
+                        "finish_reason": reason.as_str(),
+                    }),
+                };
+                v["stop_reason"] = stop_reason_json(&stop);
+                if p.return_token_ids {
+                    v["token_ids"] = json!(c.token_ids);
+                }
+                v
+            })
+            .collect();
+        let mut body = self.envelope(false, choices);
+        body["usage"] = self.usage();
+        if p.return_token_ids {
+            body["prompt_token_ids"] = json!(self.job.prompt_ids);
+        }
+        body
+    }
+
+    fn completion_logprobs(&self, c: &Choice) -> Value {
+        if !self.job.params.logprobs {
+            return Value::Null;
+        }
+        json!({
+            "tokens": c.tokens,
+            "token_logprobs": c.token_logprobs,
+            "top_logprobs": c.top,
+            "text_offset": c.text_offset,
+        })
+    }
+
+    /// The chunks one event turns into (possibly none).
+    fn chunks_for(&mut self, ev: &EngineEvent) -> Vec<Value> {
+        let Some(i) = self.apply(ev) else {
+            return Vec::new();
+        };
+        let p = self.job.params.clone();
+        let mut out = Vec::new();
+        if !self.choices[i].started {
+            // The first event of the request opens every choice, in index order.
+            for j in 0..self.choices.len() {
+                self.choices[j].started = true;
+                let first = match self.job.flavor {
+                    Flavor::Chat => Some(json!({
+                        "index": j,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": null,
+                        "finish_reason": null,
+                    })),
+                    Flavor::Completion => self.job.echo.as_ref().map(|e| {
+                        json!({"index": j, "text": e, "logprobs": null, "finish_reason": null})
+                    }),
+                };
+                if let Some(c) = first {
+                    let mut chunk = self.envelope(true, vec![c]);
+                    if p.return_token_ids && j == 0 {
+                        chunk["prompt_token_ids"] = json!(self.job.prompt_ids);
+                    }
+                    out.push(chunk);
+                }
+            }
+        }
+        match ev {
+            EngineEvent::Token { token_id, text, .. } => {
+                if text.is_empty() && !p.logprobs && !p.return_token_ids {
+                    return out;
+                }
+                let c = &self.choices[i];
+                let mut choice = match self.job.flavor {
+                    Flavor::Chat => json!({
+                        "index": i,
+                        "delta": {"content": text},
+                        "logprobs": if p.logprobs {
+                            json!({"content": [c.logprobs.last()], "refusal": null})
+                        } else {
+                            Value::Null
+                        },
+                        "finish_reason": null,
+                    }),
+                    Flavor::Completion => json!({
+                        "index": i,
+                        "text": text,
+                        "logprobs": if p.logprobs {
+                            json!({
+                                "tokens": [c.tokens.last()],
+                                "token_logprobs": [c.token_logprobs.last()],
+                                "top_logprobs": [c.top.last()],
+                                "text_offset": [c.text_offset.last()],
+                            })
+                        } else {
+                            Value::Null
+                        },
+                        "finish_reason": null,
+                    }),
+                };
+                if p.return_token_ids {
+                    choice["token_ids"] = json!([token_id]);
+                }
+                out.push(self.envelope(true, vec![choice]));
+            }
+            EngineEvent::Finished {
+                reason,
+                stop_reason,
+                ..
+            } => {
+                let mut choice = match self.job.flavor {
+                    Flavor::Chat => json!({"index": i, "delta": {}, "logprobs": null}),
+                    Flavor::Completion => json!({"index": i, "text": "", "logprobs": null}),
+                };
+                choice["finish_reason"] = json!(reason.as_str());
+                choice["stop_reason"] = stop_reason_json(stop_reason);
+                out.push(self.envelope(true, vec![choice]));
+            }
+            EngineEvent::Error(_) => {}
+        }
+        out
+    }
+
+    fn is_done(&self) -> bool {
+        self.choices.iter().all(|c| c.finish.is_some())
+    }
+}
+
+async fn collect_response(
+    mut r: Responder,
+    mut stream: RequestStream,
+) -> Result<Response, ApiError> {
+    while !r.is_done() {
+        match stream.rx.recv().await {
+            Some(EngineEvent::Error(e)) => return Err(ApiError::internal(e)),
+            Some(ev) => {
+                r.apply(&ev);
+            }
+            None => return Err(ApiError::internal("the engine stopped")),
+        }
+    }
+    Ok((StatusCode::OK, axum::Json(r.final_body())).into_response())
+}
+
+fn sse(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+fn stream_response(r: Responder, stream: RequestStream) -> Response {
+    let body = futures_util::stream::unfold(Some((r, stream)), |state| async move {
+        let (mut r, mut stream) = state?;
+        if r.is_done() {
+            let mut out = String::new();
+            if r.job.params.include_usage {
+                let mut u = r.envelope(true, Vec::new());
+                u["usage"] = r.usage();
+                out.push_str(&sse(&u));
+            }
+            out.push_str("data: [DONE]\n\n");
+            return Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), None));
+        }
+        let mut out = String::new();
+        // Take whatever is ready, so that a burst of events becomes one write.
+        let first = stream.rx.recv().await;
+        let mut evs = vec![first];
+        while let Ok(ev) = stream.rx.try_recv() {
+            evs.push(Some(ev));
+        }
+        for ev in evs {
+            match ev {
+                Some(EngineEvent::Error(e)) => {
+                    out.push_str(&sse(&ApiError::internal(e).body()));
+                    return Some((Ok(Bytes::from(out)), None));
+                }
+                Some(ev) => {
+                    for c in r.chunks_for(&ev) {
+                        out.push_str(&sse(&c));
+                    }
+                }
+                None => {
+                    out.push_str(&sse(&ApiError::internal("the engine stopped").body()));
+                    return Some((Ok(Bytes::from(out)), None));
+                }
+            }
+        }
+        Some((Ok(Bytes::from(out)), Some((r, stream))))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("valid response")
+}
