@@ -169,7 +169,10 @@ impl RawConfig {
             return Err(invalid("engine.max_num_seqs", "must be at least 1"));
         }
         if cfg.max_num_batched_tokens == 0 {
-            return Err(invalid("engine.max_num_batched_tokens", "must be at least 1"));
+            return Err(invalid(
+                "engine.max_num_batched_tokens",
+                "must be at least 1",
+            ));
         }
         if !matches!(cfg.block_size, 8 | 16 | 32 | 64) {
             return Err(invalid("engine.block_size", "must be 8, 16, 32 or 64"));

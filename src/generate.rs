@@ -1,9 +1,9 @@
 //! Generation without a server: prefill a prompt, then decode one or several sequences as one
 //! packed batch per step. Used by `flywheel generate` and `flywheel bench`.
 
+use crate::engine::sampler::{sample, Rng, SamplingParams, TopLogprob};
 use crate::model::kv_cache::{BlockAllocator, KvCache};
 use crate::model::llama::{BatchSeq, Llama, Logits};
-use crate::engine::sampler::{sample, Rng, SamplingParams, TopLogprob};
 use flywheel_kernels::Cpu;
 use std::time::Instant;
 
@@ -91,7 +91,13 @@ pub fn generate(
     let mut lps = Vec::new();
     let mut finish_reason = "length";
     while out.len() < max_tokens {
-        let s = sample(cpu, &mut logits, &opts.sampling, &Default::default(), &mut rng);
+        let s = sample(
+            cpu,
+            &mut logits,
+            &opts.sampling,
+            &Default::default(),
+            &mut rng,
+        );
         if opts.stop_ids.contains(&s.token) {
             finish_reason = "stop";
             break;

@@ -3,12 +3,12 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use flywheel::config::{CliOverrides, RawConfig};
+use flywheel::engine::sampler::SamplingParams;
 use flywheel::fetch::{ensure_model, fetch_default, DEFAULT_MODEL};
 use flywheel::generate::{decode_batch, generate, GenerateOptions};
 use flywheel::model::kv_cache::KvCache;
 use flywheel::model::llama::{BatchSeq, Llama, Logits};
 use flywheel::model::tokenizer::{ChatMessage, Detokenizer, Tokenizer};
-use flywheel::engine::sampler::SamplingParams;
 use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use std::io::{Read, Write};
 use std::path::PathBuf;

@@ -47,18 +47,10 @@ impl Metrics {
                     .expect("histogram"),
             )
         };
-        let gauge = |name: &str, help: &str| {
-            reg(
-                &registry,
-                IntGauge::new(name, help).expect("gauge"),
-            )
-        };
-        let counter = |name: &str, help: &str| {
-            reg(
-                &registry,
-                IntCounter::new(name, help).expect("counter"),
-            )
-        };
+        let gauge =
+            |name: &str, help: &str| reg(&registry, IntGauge::new(name, help).expect("gauge"));
+        let counter =
+            |name: &str, help: &str| reg(&registry, IntCounter::new(name, help).expect("counter"));
         Metrics {
             time_to_first_token: hist(
                 "time_to_first_token_seconds",
@@ -76,10 +68,7 @@ impl Metrics {
                 "request_queue_time_seconds",
                 "From arrival to the first scheduled forward pass.",
             ),
-            num_requests_running: gauge(
-                "num_requests_running",
-                "Sequences in the running batch.",
-            ),
+            num_requests_running: gauge("num_requests_running", "Sequences in the running batch."),
             num_requests_waiting: gauge("num_requests_waiting", "Sequences waiting to run."),
             kv_blocks_used: gauge("kv_cache_blocks_used", "KV cache blocks in use."),
             kv_blocks_total: gauge("kv_cache_blocks_total", "KV cache blocks in all."),

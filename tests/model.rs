@@ -338,3 +338,19 @@ fn bad_batches_are_errors_not_panics() {
         assert!(e.contains(msg), "{e} should mention {msg}");
     }
 }
+
+#[test]
+fn incremental_detokenization_equals_whole_decoding_even_on_invalid_utf8() {
+    use flywheel::model::tokenizer::{Detokenizer, Tokenizer};
+    let (_d, path) = write_tiny(&TinySpec::small());
+    let tok = Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
+    let mut rng = common::Rng(5);
+    for _ in 0..200 {
+        // Byte tokens are ids 3..259: random runs make valid, invalid and split characters.
+        let ids: Vec<u32> = (0..12).map(|_| 3 + (rng.next() % 259) as u32).collect();
+        let mut d = Detokenizer::default();
+        let mut text: String = ids.iter().map(|&i| d.push(&tok, i)).collect();
+        text.push_str(&d.finish());
+        assert_eq!(text, tok.decode(&ids), "{ids:?}");
+    }
+}

@@ -75,7 +75,11 @@ impl ApiError {
     }
 
     pub fn unavailable(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", message)
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            message,
+        )
     }
 
     pub fn internal(message: impl Into<String>) -> ApiError {

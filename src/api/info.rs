@@ -30,7 +30,10 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
 
 /// `{"model"?, "prompt": str}` or `{"model"?, "messages": [...], "add_generation_prompt"?}` ->
 /// `{"count", "max_model_len", "tokens"}`.
-pub async fn tokenize(State(state): State<AppState>, body: JsonBody) -> Result<Json<Value>, ApiError> {
+pub async fn tokenize(
+    State(state): State<AppState>,
+    body: JsonBody,
+) -> Result<Json<Value>, ApiError> {
     let Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
     let r = state.ready()?;
     let f = Fields::parse(&body)?;
@@ -87,7 +90,9 @@ pub async fn detokenize(
 /// 200 when the model is loaded and the engine thread alive; 503 otherwise.
 pub async fn health(State(state): State<AppState>) -> Response {
     match state.ready() {
-        Ok(r) if r.engine.is_alive() => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        Ok(r) if r.engine.is_alive() => {
+            (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+        }
         Ok(_) => ApiError::unavailable("the engine stopped").into_response(),
         Err(e) => e.into_response(),
     }

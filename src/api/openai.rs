@@ -104,7 +104,11 @@ impl<'a> Fields<'a> {
 fn token_id_list(v: &Value, vocab: usize) -> Option<Vec<u32>> {
     v.as_array()?
         .iter()
-        .map(|t| t.as_u64().filter(|&t| (t as usize) < vocab).map(|t| t as u32))
+        .map(|t| {
+            t.as_u64()
+                .filter(|&t| (t as usize) < vocab)
+                .map(|t| t as u32)
+        })
         .collect()
 }
 
@@ -147,7 +151,9 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         top_p: f.f32_in("top_p", 0.0, 1.0, true)?.unwrap_or(1.0),
         top_k: top_k.max(0) as usize,
         min_p: f.f32_in("min_p", 0.0, 1.0, false)?.unwrap_or(0.0),
-        presence_penalty: f.f32_in("presence_penalty", -2.0, 2.0, false)?.unwrap_or(0.0),
+        presence_penalty: f
+            .f32_in("presence_penalty", -2.0, 2.0, false)?
+            .unwrap_or(0.0),
         frequency_penalty: f
             .f32_in("frequency_penalty", -2.0, 2.0, false)?
             .unwrap_or(0.0),
@@ -232,7 +238,9 @@ pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
     }
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
-        let o = m.as_object().ok_or_else(|| bad(i, "a message must be an object"))?;
+        let o = m
+            .as_object()
+            .ok_or_else(|| bad(i, "a message must be an object"))?;
         let role = o
             .get("role")
             .and_then(Value::as_str)
@@ -297,7 +305,9 @@ pub fn parse_prompt(f: &Fields, vocab: usize) -> Result<Prompt, ApiError> {
         })?),
     };
     match &p {
-        Prompt::Ids(ids) if ids.is_empty() => Err(ApiError::invalid("prompt", "the prompt is empty")),
+        Prompt::Ids(ids) if ids.is_empty() => {
+            Err(ApiError::invalid("prompt", "the prompt is empty"))
+        }
         _ => Ok(p),
     }
 }

@@ -6,7 +6,9 @@ use super::error::ApiError;
 use super::openai::CommonParams;
 use super::AppState;
 use crate::engine::sampler::TopLogprob;
-use crate::engine::{EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError};
+use crate::engine::{
+    EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
+};
 use crate::model::tokenizer::Tokenizer;
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
@@ -150,9 +152,7 @@ impl Responder {
     }
 
     fn chat_logprob(&self, id: u32, logprob: f32, top: &[TopLogprob]) -> Value {
-        let entry = |id: u32, lp: f32| {
-            json!({"token": self.token_text(id), "logprob": lp, "bytes": self.tok.token_bytes(id)})
-        };
+        let entry = |id: u32, lp: f32| json!({"token": self.token_text(id), "logprob": lp, "bytes": self.tok.token_bytes(id)});
         let mut e = entry(id, logprob);
         e["top_logprobs"] = top.iter().map(|t| entry(t.token_id, t.logprob)).collect();
         e
@@ -181,7 +181,12 @@ impl Responder {
                 let lp_chat = (self.job.params.logprobs && self.job.flavor == Flavor::Chat)
                     .then(|| self.chat_logprob(*token_id, *logprob, top_logprobs));
                 let lp_cmpl = (self.job.params.logprobs && self.job.flavor == Flavor::Completion)
-                    .then(|| (self.token_text(*token_id), self.completion_top(top_logprobs)));
+                    .then(|| {
+                        (
+                            self.token_text(*token_id),
+                            self.completion_top(top_logprobs),
+                        )
+                    });
                 let echo_len = self.job.echo.as_ref().map_or(0, String::len);
                 let c = &mut self.choices[*choice];
                 c.token_ids.push(*token_id);
@@ -314,9 +319,9 @@ impl Responder {
                         "logprobs": null,
                         "finish_reason": null,
                     })),
-                    Flavor::Completion => self.job.echo.as_ref().map(|e| {
-                        json!({"index": j, "text": e, "logprobs": null, "finish_reason": null})
-                    }),
+                    Flavor::Completion => self.job.echo.as_ref().map(
+                        |e| json!({"index": j, "text": e, "logprobs": null, "finish_reason": null}),
+                    ),
                 };
                 if let Some(c) = first {
                     let mut chunk = self.envelope(true, vec![c]);

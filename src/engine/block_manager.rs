@@ -182,7 +182,9 @@ impl BlockTable {
     /// Grow the table to cover `num_tokens` positions: all or nothing; false when out of blocks.
     pub fn ensure(&mut self, num_tokens: usize) -> bool {
         let mut inner = self.mgr.0.borrow_mut();
-        let need = num_tokens.div_ceil(inner.block_size).saturating_sub(self.ids.len());
+        let need = num_tokens
+            .div_ceil(inner.block_size)
+            .saturating_sub(self.ids.len());
         if need > inner.free.len() {
             return false;
         }

@@ -219,7 +219,8 @@ impl Engine {
             .spawn(move || {
                 let _guard = AliveGuard(alive);
                 let c = &model.config;
-                let cache = KvCache::new(c.num_layers, c.kv_dim(), cfg.block_size, cfg.num_kv_blocks);
+                let cache =
+                    KvCache::new(c.num_layers, c.kv_dim(), cfg.block_size, cfg.num_kv_blocks);
                 let blocks =
                     BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
                 metrics.kv_blocks_total.set(cfg.num_kv_blocks as i64);
@@ -328,7 +329,11 @@ impl Engine {
     fn step(&mut self) -> bool {
         let plan = self.sched.schedule();
         let now = Instant::now();
-        for c in plan.chunks.iter().filter(|c| plan.admitted.contains(&c.seq)) {
+        for c in plan
+            .chunks
+            .iter()
+            .filter(|c| plan.admitted.contains(&c.seq))
+        {
             if let Some(o) = self.outputs.get_mut(&c.seq) {
                 if o.scheduled_at.is_none() {
                     o.scheduled_at = Some(now);
@@ -375,16 +380,17 @@ impl Engine {
             }
             Err(panic) => {
                 let ids: Vec<SeqId> = plan.chunks.iter().map(|c| c.seq).collect();
-                self.fail(&ids, &format!("forward pass panicked: {}", panic_text(&panic)));
+                self.fail(
+                    &ids,
+                    &format!("forward pass panicked: {}", panic_text(&panic)),
+                );
                 return true;
             }
         };
         self.sched.commit(&plan);
         let vocab = self.model.config.vocab_size;
-        let mut row = 0;
-        for c in plan.chunks.iter().filter(|c| c.wants_logits) {
+        for (row, c) in plan.chunks.iter().filter(|c| c.wants_logits).enumerate() {
             let l = &mut logits[row * vocab..(row + 1) * vocab];
-            row += 1;
             let r = std::panic::catch_unwind(AssertUnwindSafe(|| self.on_logits(c.seq, l)));
             if let Err(panic) = r {
                 let msg = format!("sampling panicked: {}", panic_text(&panic));
@@ -438,10 +444,8 @@ impl Engine {
 
     fn update_gauges(&mut self) {
         let m = &self.metrics;
-        m.num_requests_running
-            .set(self.sched.num_running() as i64);
-        m.num_requests_waiting
-            .set(self.sched.num_waiting() as i64);
+        m.num_requests_running.set(self.sched.num_running() as i64);
+        m.num_requests_waiting.set(self.sched.num_waiting() as i64);
         let st = self.sched.blocks().stats();
         m.kv_blocks_used.set(st.num_used as i64);
         m.kv_cache_usage_perc

@@ -128,7 +128,10 @@ impl SeqOutput {
         if finish.is_none() && (num_generated >= r.max_tokens || at_context_end) {
             finish = Some(FinishReason::Length);
         }
-        if finish.is_some() && stop_reason.as_ref().is_none_or(|s| !matches!(s, StopReason::Text(_)))
+        if finish.is_some()
+            && stop_reason
+                .as_ref()
+                .is_none_or(|s| !matches!(s, StopReason::Text(_)))
         {
             // Nothing can complete a stop string any more: flush what was held back.
             text.push_str(&std::mem::take(&mut self.held));

@@ -285,8 +285,8 @@ mod tests {
         for _ in 0..n {
             let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
             let none = HashMap::new();
-            counts[sample(&cpu(), &mut l, &SamplingParams::default(), &none, &mut rng).token as usize] +=
-                1;
+            counts[sample(&cpu(), &mut l, &SamplingParams::default(), &none, &mut rng).token
+                as usize] += 1;
         }
         for (c, p) in counts.iter().zip([0.5, 0.3, 0.2]) {
             assert!((*c as f64 / n as f64 - p).abs() < 0.02, "{counts:?}");

@@ -170,7 +170,9 @@ impl Scheduler {
                 continue;
             }
             let cap = (s.table.num_blocks() + self.blocks.num_free()) * self.blocks.block_size();
-            let len = remaining.min(budget).min(cap.saturating_sub(s.num_computed));
+            let len = remaining
+                .min(budget)
+                .min(cap.saturating_sub(s.num_computed));
             if len == 0 || !s.table.ensure(s.num_computed + len) {
                 continue;
             }
@@ -319,14 +321,21 @@ mod tests {
         assert_eq!(p.chunks, vec![chunk(1, 8, 1, true)]);
         assert_eq!(s.get(SeqId(2)).unwrap().num_computed, 0);
         assert_eq!(s.get(SeqId(2)).unwrap().num_preemptions, 1);
-        assert_eq!(s.get(SeqId(2)).unwrap().tokens.len(), 9, "generated tokens kept");
+        assert_eq!(
+            s.get(SeqId(2)).unwrap().tokens.len(),
+            9,
+            "generated tokens kept"
+        );
         // When seq 1 ends, seq 2 comes back and recomputes its 9 tokens, sampling the 10th.
         drop(s.remove(SeqId(1)));
         assert_eq!(s.blocks().num_free(), 4);
         let p = step(&mut s);
         assert_eq!(p.chunks.len(), 1);
         let c = p.chunks[0];
-        assert_eq!((c.seq, c.start + c.len, c.wants_logits), (SeqId(2), 9, true));
+        assert_eq!(
+            (c.seq, c.start + c.len, c.wants_logits),
+            (SeqId(2), 9, true)
+        );
         // Its first block survived in the prefix cache (tail blocks are evicted first).
         assert_eq!(c.start, 4);
     }

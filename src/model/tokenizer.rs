@@ -296,13 +296,32 @@ pub struct Detokenizer {
 impl Detokenizer {
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> String {
         self.pending.extend_from_slice(tok.token_bytes(id));
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) if e.error_len().is_some() => self.pending.len(), // invalid, not incomplete: flush lossily
-            Err(e) => e.valid_up_to(),
-        };
-        let out: Vec<u8> = self.pending.drain(..valid).collect();
-        String::from_utf8_lossy(&out).into_owned()
+        // As `String::from_utf8_lossy` on the whole text would: one U+FFFD per maximal invalid
+        // sequence; an incomplete character at the end waits for the next token.
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let v = e.valid_up_to();
+                    out.push_str(std::str::from_utf8(&self.pending[..v]).expect("valid prefix"));
+                    match e.error_len() {
+                        Some(n) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..v + n);
+                        }
+                        None => {
+                            self.pending.drain(..v);
+                            return out;
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Whatever is left (an incomplete character at the end), lossily.

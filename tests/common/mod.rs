@@ -1,6 +1,8 @@
 //! Tiny random-weight Llama GGUF files for tests, with a small byte-level BPE vocabulary.
 #![allow(dead_code)]
 
+pub mod server;
+
 use flywheel::kernels::quant::quantize::quantize;
 use flywheel::kernels::QuantType;
 use flywheel::model::gguf::Value;
