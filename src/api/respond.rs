@@ -243,7 +243,6 @@ impl Responder {
             "object": self.object(chunk),
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": null,
             "choices": choices,
         })
     }
