@@ -477,8 +477,10 @@ async fn main() -> anyhow::Result<()> {
         bail!("no prompts");
     }
     let prompts = Arc::new(prompts);
+    // A fresh connection per request: some servers close idle keep-alive connections, and a
+    // request sent on one that is closing fails for reasons unrelated to the server's speed.
     let client: HttpClient = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(args.concurrency.max(1))
+        .pool_max_idle_per_host(0)
         .build_http();
     let url = args.url.trim_end_matches('/').to_string();
     let mut targets = vec![Arc::new(Target {
@@ -516,8 +518,15 @@ async fn main() -> anyhow::Result<()> {
             )
             .await;
             eprintln!(
-                "round {round} {}: {:.1} tok/s, TTFT p50 {:.3}s, errors {}",
-                r.url, r.output_tokens_per_second, r.ttft_p50, r.errors
+                "round {round} {}: {:.1} tok/s, TTFT p50 {:.3}s, errors {}{}",
+                r.url,
+                r.output_tokens_per_second,
+                r.ttft_p50,
+                r.errors,
+                r.first_error
+                    .as_deref()
+                    .map(|e| format!(" (first: {e})"))
+                    .unwrap_or_default()
             );
             runs[i].push(r);
         }

@@ -53,7 +53,12 @@ impl Matmul<'_> {
 /// transposition costs more than it saves (batch 16 decode: 178 tok/s via GEMM vs 254 fused,
 /// `flywheel bench --batch 16`, 2026-11-22).
 pub const GEMM_MIN_ROWS: usize = 24;
+/// Batches of at least this many rows (and below GEMM_MIN_ROWS) dequantize a few weight rows
+/// once into L1 and run `WR x XR` dot-form tiles over them (AVX-512 only).
+pub const DOT_MIN_ROWS: usize = 8;
 const MR: usize = 6;
+const WR: usize = 3;
+const XR: usize = 8;
 const MAX_JOBS: usize = 8;
 
 struct JobRef {
@@ -66,6 +71,8 @@ struct JobRef {
     n: usize,
     y: *mut f32,
     gemm: bool,
+    /// Small batches (DOT_MIN_ROWS.. GEMM_MIN_ROWS rows): dequantized panel, dot-form tiles.
+    dot_panel: bool,
     rows_per_task: usize,
 }
 unsafe impl Sync for JobRef {}
@@ -99,8 +106,11 @@ fn run_chunk(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
         let n = j.x.len() / j.cols;
         let row_bytes = j.ty.row_bytes(j.cols).unwrap_or(0);
         let gemm = n >= GEMM_MIN_ROWS;
+        let dot_panel = !gemm && n >= DOT_MIN_ROWS && isa == Isa::Avx512;
         let rows_per_task = if gemm {
             nr
+        } else if dot_panel {
+            (4 * WR).min(j.rows)
         } else {
             (32768 / (row_bytes * n.min(8)).max(1)).clamp(4, 256)
         };
@@ -114,6 +124,7 @@ fn run_chunk(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
             n,
             y: j.y.as_mut_ptr(),
             gemm,
+            dot_panel,
             rows_per_task,
         });
         first_task[k + 1] = first_task[k] + j.rows.div_ceil(rows_per_task);
@@ -184,6 +195,9 @@ unsafe fn task_fmt<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize) {
     if j.gemm {
         let panel = scratch(&PANEL, j.cols * 2 * S::LANES);
         gemm_panel::<S, F>(j, r0, r1, panel, rb);
+    } else if j.dot_panel {
+        let panel = scratch(&PANEL, j.cols * (r1 - r0) + 16);
+        dot_panel::<S, F>(j, r0, r1, panel);
     } else {
         dot_rows::<S, F>(j, r0, r1, rb);
     }
@@ -311,6 +325,70 @@ unsafe fn fused_rows<S: Simd, F: Format, const N: usize>(
         }
         for (i, a) in acc.iter().enumerate() {
             *j.y.add((i0 + i) * j.rows + r) = S::reduce_add(S::add(a[0], a[1]));
+        }
+    }
+}
+
+/// Dequantize rows `r0..r1` of W once into `panel` (row-major f32), then sweep tiles of `WR`
+/// weight rows x `XR` activation rows, one vector accumulator per pair: per 16 columns, WR + XR
+/// loads feed WR * XR FMAs, and no weight is decoded more than once per product.
+#[inline(always)]
+unsafe fn dot_panel<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, panel: *mut f32) {
+    let k = j.cols;
+    for r in r0..r1 {
+        let dst = panel.add((r - r0) * k);
+        if F::TY == QuantType::F32 {
+            std::ptr::copy_nonoverlapping(j.w.add(r * j.row_bytes) as *const f32, dst, k);
+        } else {
+            dequant_row::<S, F>(j.w.add(r * j.row_bytes), dst, k);
+        }
+    }
+    let mut w0 = 0;
+    while w0 < r1 - r0 {
+        let wr = (r1 - r0 - w0).min(WR);
+        let mut i0 = 0;
+        while i0 < j.n {
+            dot_tile::<S>(j, panel, r0, w0, wr, i0);
+            i0 += XR;
+        }
+        w0 += WR;
+    }
+}
+
+#[inline(always)]
+unsafe fn dot_tile<S: Simd>(
+    j: &JobRef,
+    panel: *const f32,
+    r0: usize,
+    w0: usize,
+    wr: usize,
+    i0: usize,
+) {
+    let k = j.cols;
+    let l = S::LANES;
+    // Missing rows repeat the last valid one; their results are not stored.
+    let w: [*const f32; WR] = std::array::from_fn(|a| panel.add((w0 + a.min(wr - 1)) * k));
+    let x: [*const f32; XR] = std::array::from_fn(|i| j.x.add((i0 + i).min(j.n - 1) * k));
+    let mut acc = [[S::zero(); XR]; WR];
+    let mut c = 0;
+    while c + l <= k {
+        let wv: [S::V; WR] = std::array::from_fn(|a| S::load(w[a].add(c)));
+        for i in 0..XR {
+            let xv = S::load(x[i].add(c));
+            for a in 0..WR {
+                acc[a][i] = S::fma(wv[a], xv, acc[a][i]);
+            }
+        }
+        c += l;
+    }
+    let xr = (j.n - i0).min(XR);
+    for (a, acca) in acc.iter().enumerate().take(wr) {
+        for (i, v) in acca.iter().enumerate().take(xr) {
+            let mut s = S::reduce_add(*v);
+            for cc in c..k {
+                s += *w[a].add(cc) * *x[i].add(cc);
+            }
+            *j.y.add((i0 + i) * j.rows + r0 + w0 + a) = s;
         }
     }
 }

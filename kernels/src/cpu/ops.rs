@@ -280,13 +280,21 @@ unsafe fn sum_v<S: Simd, const NV: usize>(
     out: *mut f32,
 ) {
     let vp = a.kv.v.as_ptr();
+    let (bs, kvd) = (a.kv.block_size, a.kv.kv_dim);
     let mut acc = [S::zero(); NV];
-    for p in 0..n_ctx {
-        let row = vp.add(a.kv.v_offset(s.block_table, p) + kv_off);
-        let wp = S::splat(*w.add(p));
-        for (j, x) in acc.iter_mut().enumerate() {
-            *x = S::fma(wp, S::load(row.add(j * S::LANES)), *x);
+    // Block by block: V rows of a block are contiguous (no per-position division).
+    let mut p = 0;
+    for &blk in &s.block_table[..n_ctx.div_ceil(bs)] {
+        let base = vp.add(blk as usize * bs * kvd + kv_off);
+        let len = (n_ctx - p).min(bs);
+        for c in 0..len {
+            let row = base.add(c * kvd);
+            let wp = S::splat(*w.add(p + c));
+            for (j, x) in acc.iter_mut().enumerate() {
+                *x = S::fma(wp, S::load(row.add(j * S::LANES)), *x);
+            }
         }
+        p += len;
     }
     for (j, x) in acc.iter().enumerate() {
         S::store(out.add(j * S::LANES), *x);
