@@ -3,7 +3,7 @@
 
 use crate::engine::sampler::{sample, Rng, SamplingParams, TopLogprob};
 use crate::model::kv_cache::{BlockAllocator, KvCache};
-use crate::model::llama::{BatchSeq, Llama, Logits};
+use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
 use flywheel_kernels::Cpu;
 use std::time::Instant;
 
@@ -176,6 +176,7 @@ pub fn decode_batch(
         last.push([crate::engine::sampler::argmax(&logits[i * v..(i + 1) * v])]);
     }
     let mut pos: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+    let mut bufs = ForwardBuffers::default();
     let t0 = Instant::now();
     for _ in 0..steps {
         for (t, p) in tables.iter_mut().zip(&pos) {
@@ -189,9 +190,11 @@ pub fn decode_batch(
                 logits: Logits::Last,
             })
             .collect();
-        let logits = model.forward(cpu, &mut cache, &batch)?;
+        model.forward_into(cpu, &mut cache, &batch, &mut bufs)?;
         for i in 0..prompts.len() {
-            last[i] = [crate::engine::sampler::argmax(&logits[i * v..(i + 1) * v])];
+            last[i] = [crate::engine::sampler::argmax(
+                &bufs.logits[i * v..(i + 1) * v],
+            )];
             pos[i] += 1;
         }
     }

@@ -231,13 +231,16 @@ fn rope_table_rotates_adjacent_pairs_like_the_formula() {
 fn paged_attention_matches_reference() {
     // Block size 16 takes the vector path (whole blocks of keys per FMA); 4 and 24 the others.
     for bs in [4usize, 16, 24] {
-        paged_attention_case(bs);
+        // (heads, KV heads, head dim): groups of 3, 8 (two chunks of 4), 1; head dims of 1, 2, 4
+        // vectors and one (48) that is not a whole number of AVX-512 vectors.
+        for (n_heads, n_kv, hd) in [(6, 2, 64), (8, 1, 32), (10, 10, 16), (4, 2, 48)] {
+            paged_attention_case(bs, n_heads, n_kv, hd);
+        }
     }
 }
 
-fn paged_attention_case(bs: usize) {
+fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize) {
     let mut rng = Rng(6 + bs as u64);
-    let (n_heads, n_kv, hd) = (6usize, 2usize, 64usize);
     let kv_dim = n_kv * hd;
     let num_blocks = 160 / bs + 8;
     let k = rng.vec(num_blocks * bs * kv_dim, 1.0);
@@ -290,7 +293,7 @@ fn paged_attention_case(bs: usize) {
             for i in 0..q.len() {
                 assert!(
                     (got[i] - want[i]).abs() < 2e-6,
-                    "bs={bs} {isa:?} t={threads} i={i}: {} vs {}",
+                    "bs={bs} heads={n_heads}/{n_kv} hd={hd} {isa:?} t={threads} i={i}: {} vs {}",
                     got[i],
                     want[i]
                 );

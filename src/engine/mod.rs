@@ -10,7 +10,7 @@ pub mod sequence;
 
 use crate::metrics::Metrics;
 use crate::model::kv_cache::KvCache;
-use crate::model::llama::{BatchSeq, Llama, Logits};
+use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
 use crate::model::tokenizer::Tokenizer;
 use block_manager::BlockManager;
 use flywheel_kernels::Cpu;
@@ -189,6 +189,7 @@ pub struct Engine {
     tokenizer: Arc<Tokenizer>,
     cpu: Cpu,
     cache: KvCache,
+    bufs: ForwardBuffers,
     sched: Scheduler,
     outputs: HashMap<SeqId, SeqOutput>,
     next_seq: u64,
@@ -236,6 +237,7 @@ impl Engine {
                     tokenizer,
                     cpu,
                     cache,
+                    bufs: ForwardBuffers::default(),
                     sched,
                     outputs: HashMap::new(),
                     next_seq: 0,
@@ -367,12 +369,13 @@ impl Engine {
                 }
             })
             .collect();
-        let (model, cpu, cache) = (&self.model, &self.cpu, &mut self.cache);
-        let result =
-            std::panic::catch_unwind(AssertUnwindSafe(|| model.forward(cpu, cache, &batch)));
+        let (model, cpu, cache, bufs) = (&self.model, &self.cpu, &mut self.cache, &mut self.bufs);
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            model.forward_into(cpu, cache, &batch, bufs)
+        }));
         drop(batch);
-        let mut logits = match result {
-            Ok(Ok(l)) => l,
+        match result {
+            Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 let ids: Vec<SeqId> = plan.chunks.iter().map(|c| c.seq).collect();
                 self.fail(&ids, &format!("forward pass failed: {e}"));
@@ -387,6 +390,7 @@ impl Engine {
                 return true;
             }
         };
+        let mut logits = std::mem::take(&mut self.bufs.logits);
         self.sched.commit(&plan);
         let vocab = self.model.config.vocab_size;
         for (row, c) in plan.chunks.iter().filter(|c| c.wants_logits).enumerate() {
@@ -397,6 +401,7 @@ impl Engine {
                 self.fail(&[c.seq], &msg);
             }
         }
+        self.bufs.logits = logits;
         true
     }
 

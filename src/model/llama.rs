@@ -234,6 +234,20 @@ impl Llama {
         cache: &mut KvCache,
         batch: &[BatchSeq],
     ) -> Result<Vec<f32>, ModelError> {
+        let mut bufs = ForwardBuffers::default();
+        self.forward_into(cpu, cache, batch, &mut bufs)?;
+        Ok(bufs.logits)
+    }
+
+    /// `forward` with the caller's buffers (reused from step to step: no allocation or page
+    /// faults per step once they have grown); the logits are left in `bufs.logits`.
+    pub fn forward_into(
+        &self,
+        cpu: &Cpu,
+        cache: &mut KvCache,
+        batch: &[BatchSeq],
+        bufs: &mut ForwardBuffers,
+    ) -> Result<(), ModelError> {
         let c = &self.config;
         let (hidden, qd, kvd) = (c.hidden, c.q_dim(), c.kv_dim());
         let mut tokens = Vec::new();
@@ -280,8 +294,24 @@ impl Llama {
         }
         let t = tokens.len();
         let rope = rope_table(&positions, c.rope_dim, c.rope_base);
+        let m = logit_rows.len();
+        bufs.size(t, m, c);
+        let ForwardBuffers {
+            x,
+            n,
+            q,
+            k,
+            v,
+            att,
+            proj,
+            gate,
+            up,
+            act,
+            xs,
+            normed,
+            logits,
+        } = bufs;
 
-        let mut x = vec![0.0f32; t * hidden];
         let erb = self.token_embd.ty.row_bytes(hidden).unwrap_or(0);
         let embd = self.bytes(&self.token_embd);
         for (i, &tok) in tokens.iter().enumerate() {
@@ -292,26 +322,17 @@ impl Llama {
                 &mut x[i * hidden..(i + 1) * hidden],
             );
         }
-        let mut n = vec![0.0f32; t * hidden];
-        let mut q = vec![0.0f32; t * qd];
-        let mut k = vec![0.0f32; t * kvd];
-        let mut v = vec![0.0f32; t * kvd];
-        let mut att = vec![0.0f32; t * qd];
-        let mut proj = vec![0.0f32; t * hidden];
-        let mut gate = vec![0.0f32; t * c.ffn];
-        let mut up = vec![0.0f32; t * c.ffn];
-        let mut act = vec![0.0f32; t * c.ffn];
         let scale = 1.0 / (c.head_dim as f32).sqrt();
 
         for (l, layer) in self.layers.iter().enumerate() {
-            cpu.rmsnorm(&x, &layer.attn_norm, c.eps, &mut n);
+            cpu.rmsnorm(x, &layer.attn_norm, c.eps, n);
             cpu.matmul_many(&mut [
-                self.mm(&layer.wq, &n, &mut q),
-                self.mm(&layer.wk, &n, &mut k),
-                self.mm(&layer.wv, &n, &mut v),
+                self.mm(&layer.wq, n, q),
+                self.mm(&layer.wk, n, k),
+                self.mm(&layer.wv, n, v),
             ]);
-            cpu.rope(&mut q, &rope, c.num_heads, c.head_dim, c.rope_dim);
-            cpu.rope(&mut k, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
+            cpu.rope(q, &rope, c.num_heads, c.head_dim, c.rope_dim);
+            cpu.rope(k, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
             for (s, a) in batch.iter().zip(&attn) {
                 for i in 0..a.q_len {
                     let r = a.q_start + i;
@@ -325,8 +346,8 @@ impl Llama {
                 }
             }
             cpu.attention(
-                &q,
-                &mut att,
+                q,
+                att,
                 &attn,
                 cache.layer(l),
                 c.num_heads,
@@ -334,51 +355,81 @@ impl Llama {
                 c.head_dim,
                 scale,
             );
-            cpu.matmul(
-                layer.wo.ty,
-                self.bytes(&layer.wo),
-                hidden,
-                qd,
-                &att,
-                &mut proj,
-            );
-            add_in_place(&mut x, &proj);
-            cpu.rmsnorm(&x, &layer.ffn_norm, c.eps, &mut n);
-            cpu.matmul_many(&mut [
-                self.mm(&layer.w_gate, &n, &mut gate),
-                self.mm(&layer.w_up, &n, &mut up),
-            ]);
-            cpu.swiglu(&gate, &up, &mut act);
+            cpu.matmul(layer.wo.ty, self.bytes(&layer.wo), hidden, qd, att, proj);
+            add_in_place(x, proj);
+            cpu.rmsnorm(x, &layer.ffn_norm, c.eps, n);
+            cpu.matmul_many(&mut [self.mm(&layer.w_gate, n, gate), self.mm(&layer.w_up, n, up)]);
+            cpu.swiglu(gate, up, act);
             cpu.matmul(
                 layer.w_down.ty,
                 self.bytes(&layer.w_down),
                 hidden,
                 c.ffn,
-                &act,
-                &mut proj,
+                act,
+                proj,
             );
-            add_in_place(&mut x, &proj);
+            add_in_place(x, proj);
         }
 
-        let m = logit_rows.len();
-        let mut xs = vec![0.0f32; m * hidden];
         for (j, &r) in logit_rows.iter().enumerate() {
             xs[j * hidden..(j + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }
-        let mut normed = vec![0.0f32; m * hidden];
-        cpu.rmsnorm(&xs, &self.output_norm, c.eps, &mut normed);
-        let mut logits = vec![0.0f32; m * c.vocab_size];
+        cpu.rmsnorm(xs, &self.output_norm, c.eps, normed);
         if m > 0 {
             cpu.matmul(
                 self.output.ty,
                 self.bytes(&self.output),
                 c.vocab_size,
                 hidden,
-                &normed,
-                &mut logits,
+                normed,
+                logits,
             );
         }
-        Ok(logits)
+        Ok(())
+    }
+}
+
+/// The activations of one forward pass, kept by the caller and reused.
+#[derive(Default)]
+pub struct ForwardBuffers {
+    x: Vec<f32>,
+    n: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+    xs: Vec<f32>,
+    normed: Vec<f32>,
+    /// (rows of logits asked for, vocab_size) after a pass.
+    pub logits: Vec<f32>,
+}
+
+impl ForwardBuffers {
+    /// Set every buffer's length for `t` tokens and `m` logit rows (growing only touches the
+    /// new part).
+    fn size(&mut self, t: usize, m: usize, c: &LlamaConfig) {
+        let (h, qd, kvd, f) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        for (b, len) in [
+            (&mut self.x, t * h),
+            (&mut self.n, t * h),
+            (&mut self.q, t * qd),
+            (&mut self.k, t * kvd),
+            (&mut self.v, t * kvd),
+            (&mut self.att, t * qd),
+            (&mut self.proj, t * h),
+            (&mut self.gate, t * f),
+            (&mut self.up, t * f),
+            (&mut self.act, t * f),
+            (&mut self.xs, m * h),
+            (&mut self.normed, m * h),
+            (&mut self.logits, m * c.vocab_size),
+        ] {
+            b.resize(len, 0.0);
+        }
     }
 }
 

@@ -232,32 +232,196 @@ pub fn attention(
         head_dim,
         scale,
     };
-    // Tasks: (sequence, head, chunk of queries).
+    let l = isa.lanes();
+    let grouped = kv.block_size.is_multiple_of(l)
+        && head_dim.is_multiple_of(l)
+        && matches!(head_dim / l, 1 | 2 | 4);
+    // Heads per task: the query heads sharing one KV head are scored together (up to 4), so each
+    // K and V load serves all of them.
+    let heads_per_task = if grouped { args.group.min(4) } else { 1 };
+    let chunks_per_kv = args.group.div_ceil(heads_per_task);
+    let num_head_chunks = n_kv_heads * chunks_per_kv;
+    // Tasks: (sequence, head chunk, chunk of queries).
     let mut first = Vec::with_capacity(seqs.len() + 1);
     first.push(0usize);
     for s in seqs {
-        let per_head = s.q_len.div_ceil(QUERIES_PER_TASK);
-        first.push(first.last().copied().unwrap_or(0) + per_head * n_heads);
+        let per_chunk = s.q_len.div_ceil(QUERIES_PER_TASK);
+        first.push(first.last().copied().unwrap_or(0) + per_chunk * num_head_chunks);
     }
     let total = *first.last().unwrap_or(&0);
     let task = |t: usize| {
         let si = first.partition_point(|&f| f <= t) - 1;
         let s = &seqs[si];
         let local = t - first[si];
-        let per_head = s.q_len.div_ceil(QUERIES_PER_TASK);
-        let (h, c) = (local / per_head, local % per_head);
+        let per_chunk = s.q_len.div_ceil(QUERIES_PER_TASK);
+        let (hc, c) = (local / per_chunk, local % per_chunk);
         let i0 = c * QUERIES_PER_TASK;
         let i1 = (i0 + QUERIES_PER_TASK).min(s.q_len);
-        // SAFETY: ISA detected; each task writes its own (rows, head) slots of out.
+        let (kvh, sub) = (hc / chunks_per_kv, hc % chunks_per_kv);
+        let h0 = kvh * args.group + sub * heads_per_task;
+        let g = heads_per_task.min((kvh + 1) * args.group - h0);
+        // SAFETY: ISA detected; each task writes its own (rows, heads) slots of out.
         unsafe {
-            match isa {
-                Isa::Avx512 => attn_avx512(&args, s, h, i0, i1),
-                Isa::Avx2 => attn_avx2(&args, s, h, i0, i1),
-                Isa::Reference => unreachable!(),
+            match (isa, grouped) {
+                (Isa::Avx512, true) => attn_grouped_avx512(&args, s, h0, g, i0, i1),
+                (Isa::Avx2, true) => attn_grouped_avx2(&args, s, h0, g, i0, i1),
+                (Isa::Avx512, false) => attn_avx512(&args, s, h0, i0, i1),
+                (Isa::Avx2, false) => attn_avx2(&args, s, h0, i0, i1),
+                (Isa::Reference, _) => unreachable!(),
             }
         }
     };
     pool.run(total, &task);
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn attn_grouped_avx512(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    h0: usize,
+    g: usize,
+    i0: usize,
+    i1: usize,
+) {
+    attn_grouped_dispatch::<Avx512>(a, s, h0, g, i0, i1)
+}
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attn_grouped_avx2(a: &AttnArgs, s: &AttnSeq, h0: usize, g: usize, i0: usize, i1: usize) {
+    attn_grouped_dispatch::<Avx2>(a, s, h0, g, i0, i1)
+}
+
+#[inline(always)]
+unsafe fn attn_grouped_dispatch<S: Simd>(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    h0: usize,
+    g: usize,
+    i0: usize,
+    i1: usize,
+) {
+    macro_rules! nv {
+        ($g:literal) => {
+            match a.head_dim / S::LANES {
+                1 => attn_grouped::<S, $g, 1>(a, s, h0, i0, i1),
+                2 => attn_grouped::<S, $g, 2>(a, s, h0, i0, i1),
+                _ => attn_grouped::<S, $g, 4>(a, s, h0, i0, i1),
+            }
+        };
+    }
+    match g {
+        1 => nv!(1),
+        2 => nv!(2),
+        3 => nv!(3),
+        _ => nv!(4),
+    }
+}
+
+/// Attention for the `G` query heads `h0..h0 + G`, which share one KV head, and queries
+/// `i0..i1` of `s`: each K vector (16 keys of one dimension, K being transposed per block) and
+/// each V row is loaded once for all G heads. Needs block_size and head_dim multiples of LANES,
+/// head_dim = NV * LANES.
+#[inline(always)]
+unsafe fn attn_grouped<S: Simd, const G: usize, const NV: usize>(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    h0: usize,
+    i0: usize,
+    i1: usize,
+) {
+    let (hd, l) = (a.head_dim, S::LANES);
+    let qdim = a.n_heads * hd;
+    let kv_off = (h0 / a.group) * hd;
+    let (bs, kvd) = (a.kv.block_size, a.kv.kv_dim);
+    let (kp, vp) = (a.kv.k.as_ptr(), a.kv.v.as_ptr());
+    let stride = (s.first_pos + i1).div_ceil(bs) * bs + l;
+    let sc = thread_scratch(&SCORES, G * stride);
+    let vscale = S::splat(a.scale);
+    for i in i0..i1 {
+        let t = s.q_start + i;
+        let n_ctx = s.first_pos + i + 1;
+        let blocks = &s.block_table[..n_ctx.div_ceil(bs)];
+        let qh: [*const f32; G] = std::array::from_fn(|g| a.q.add(t * qdim + (h0 + g) * hd));
+        for (bi, &blk) in blocks.iter().enumerate() {
+            let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
+            let mut c = 0;
+            while c < bs && bi * bs + c < n_ctx {
+                let mut acc = [[S::zero(); 2]; G];
+                let mut d = 0;
+                while d + 2 <= hd {
+                    let k0 = S::load(kb.add(d * bs + c));
+                    let k1 = S::load(kb.add((d + 1) * bs + c));
+                    for g in 0..G {
+                        acc[g][0] = S::fma(S::splat(*qh[g].add(d)), k0, acc[g][0]);
+                        acc[g][1] = S::fma(S::splat(*qh[g].add(d + 1)), k1, acc[g][1]);
+                    }
+                    d += 2;
+                }
+                for (g, ag) in acc.iter().enumerate() {
+                    let v = S::mul(S::add(ag[0], ag[1]), vscale);
+                    S::store(sc.add(g * stride + bi * bs + c), v);
+                }
+                c += l;
+            }
+        }
+        // Softmax of each head's scores (lanes past n_ctx hold garbage and are skipped).
+        let mut inv_sum = [0.0f32; G];
+        for (g, inv) in inv_sum.iter_mut().enumerate() {
+            let sg = sc.add(g * stride);
+            let mut vmax = S::splat(f32::NEG_INFINITY);
+            let mut p = 0;
+            while p + l <= n_ctx {
+                vmax = S::max(vmax, S::load(sg.add(p)));
+                p += l;
+            }
+            let mut max = S::reduce_max(vmax);
+            while p < n_ctx {
+                max = max.max(*sg.add(p));
+                p += 1;
+            }
+            let vm = S::splat(max);
+            let mut vsum = S::zero();
+            p = 0;
+            while p + l <= n_ctx {
+                let e = exp::<S>(S::sub(S::load(sg.add(p)), vm));
+                S::store(sg.add(p), e);
+                vsum = S::add(vsum, e);
+                p += l;
+            }
+            let mut sum = S::reduce_add(vsum);
+            while p < n_ctx {
+                let e = (*sg.add(p) - max).exp();
+                *sg.add(p) = e;
+                sum += e;
+                p += 1;
+            }
+            *inv = 1.0 / sum;
+        }
+        // Weighted sums of V rows, block by block.
+        let mut acc = [[S::zero(); NV]; G];
+        let mut p = 0;
+        for &blk in blocks {
+            let base = vp.add(blk as usize * bs * kvd + kv_off);
+            let len = (n_ctx - p).min(bs);
+            for c in 0..len {
+                let row = base.add(c * kvd);
+                let vv: [S::V; NV] = std::array::from_fn(|j| S::load(row.add(j * l)));
+                for (g, ag) in acc.iter_mut().enumerate() {
+                    let w = S::splat(*sc.add(g * stride + p + c));
+                    for (x, v) in ag.iter_mut().zip(vv.iter()) {
+                        *x = S::fma(w, *v, *x);
+                    }
+                }
+            }
+            p += len;
+        }
+        for (g, ag) in acc.iter().enumerate() {
+            let oh = a.out.add(t * qdim + (h0 + g) * hd);
+            let inv = S::splat(inv_sum[g]);
+            for (j, x) in ag.iter().enumerate() {
+                S::store(oh.add(j * l), S::mul(*x, inv));
+            }
+        }
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
