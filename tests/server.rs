@@ -425,7 +425,7 @@ fn a_client_that_disconnects_mid_stream_frees_its_blocks() {
 fn prefix_cache_hits_and_metrics_are_reported() {
     let (_d, s) = start(CONFIG, &[]);
     let body = json!({"model": "tiny", "prompt": "a shared prefix of many bytes, long enough for blocks",
-                      "max_tokens": 4});
+                      "max_tokens": 4, "ignore_eos": true});
     let first = s.post("/v1/completions", &body).json();
     let second = s.post("/v1/completions", &body).json();
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);

@@ -16,9 +16,14 @@ pub struct KvCache {
 impl KvCache {
     pub fn new(num_layers: usize, kv_dim: usize, block_size: usize, num_blocks: usize) -> KvCache {
         let n = num_layers * num_blocks * block_size * kv_dim;
+        let (mut k, mut v) = (vec![0.0; n], vec![0.0; n]);
+        // Touch every page now: zeroed allocations are mapped lazily, and first-touch page faults
+        // in the middle of serving would land on request latency.
+        k.fill(0.0);
+        v.fill(0.0);
         KvCache {
-            k: vec![0.0; n],
-            v: vec![0.0; n],
+            k,
+            v,
             num_layers,
             num_blocks,
             block_size,

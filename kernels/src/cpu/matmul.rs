@@ -6,6 +6,11 @@
 //!   to 8 activation rows (4 with AVX2); memory-bound on the weights, as decode must be.
 //! - `paired_rows` (decode, small batches, formats with `decode32`): two weight rows at a time, so
 //!   each activation load feeds two FMAs.
+//! - `dot_panel` (DOT_MIN_ROWS..GEMM_MIN_ROWS rows, batched decode, AVX-512): a few weight rows
+//!   are dequantized once into a row-major f32 panel, then WR x XR tiles (6 weight rows x 4
+//!   activation rows, 24 accumulators) compute dot products: no weight is decoded twice per
+//!   product. Tile shape measured with `examples/matmul_bench.rs` (6x4 beat 3x8, 4x6, 8x3, 5x4,
+//!   2x12 at batch 16 on Zen 4, 2026-11-22).
 //! - `gemm_panel` (>= GEMM_MIN_ROWS rows, prefill): a panel of NR weight rows is dequantized once
 //!   into a transposed f32 panel, then a 6 x NR register-blocked micro-kernel sweeps all rows.
 //!
@@ -57,8 +62,8 @@ pub const GEMM_MIN_ROWS: usize = 24;
 /// once into L1 and run `WR x XR` dot-form tiles over them (AVX-512 only).
 pub const DOT_MIN_ROWS: usize = 8;
 const MR: usize = 6;
-const WR: usize = 3;
-const XR: usize = 8;
+const WR: usize = 6;
+const XR: usize = 4;
 const MAX_JOBS: usize = 8;
 
 struct JobRef {
