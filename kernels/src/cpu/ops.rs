@@ -367,34 +367,8 @@ unsafe fn attn_grouped<S: Simd, const G: usize, const NV: usize>(
         let mut inv_sum = [0.0f32; G];
         for (g, inv) in inv_sum.iter_mut().enumerate() {
             let sg = sc.add(g * stride);
-            let mut vmax = S::splat(f32::NEG_INFINITY);
-            let mut p = 0;
-            while p + l <= n_ctx {
-                vmax = S::max(vmax, S::load(sg.add(p)));
-                p += l;
-            }
-            let mut max = S::reduce_max(vmax);
-            while p < n_ctx {
-                max = max.max(*sg.add(p));
-                p += 1;
-            }
-            let vm = S::splat(max);
-            let mut vsum = S::zero();
-            p = 0;
-            while p + l <= n_ctx {
-                let e = exp::<S>(S::sub(S::load(sg.add(p)), vm));
-                S::store(sg.add(p), e);
-                vsum = S::add(vsum, e);
-                p += l;
-            }
-            let mut sum = S::reduce_add(vsum);
-            while p < n_ctx {
-                let e = (*sg.add(p) - max).exp();
-                *sg.add(p) = e;
-                sum += e;
-                p += 1;
-            }
-            *inv = 1.0 / sum;
+            let max = max_of::<S>(sg, n_ctx);
+            *inv = 1.0 / exp_shifted::<S>(sg, n_ctx, max);
         }
         // Weighted sums of V rows, block by block.
         let mut acc = [[S::zero(); NV]; G];
@@ -431,6 +405,47 @@ unsafe fn attn_avx512(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize)
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attn_avx2(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
     attn_g::<Avx2>(a, s, h, i0, i1)
+}
+
+/// The largest of the `n` values at `p`.
+#[inline(always)]
+unsafe fn max_of<S: Simd>(p: *const f32, n: usize) -> f32 {
+    let l = S::LANES;
+    let mut vmax = S::splat(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + l <= n {
+        vmax = S::max(vmax, S::load(p.add(i)));
+        i += l;
+    }
+    let mut max = S::reduce_max(vmax);
+    while i < n {
+        max = max.max(*p.add(i));
+        i += 1;
+    }
+    max
+}
+
+/// Replace the `n` scores at `p` by exp(score - max); return their sum.
+#[inline(always)]
+unsafe fn exp_shifted<S: Simd>(p: *mut f32, n: usize, max: f32) -> f32 {
+    let l = S::LANES;
+    let vm = S::splat(max);
+    let mut vsum = S::zero();
+    let mut i = 0;
+    while i + l <= n {
+        let e = exp::<S>(S::sub(S::load(p.add(i)), vm));
+        S::store(p.add(i), e);
+        vsum = S::add(vsum, e);
+        i += l;
+    }
+    let mut sum = S::reduce_add(vsum);
+    while i < n {
+        let e = (*p.add(i) - max).exp();
+        *p.add(i) = e;
+        sum += e;
+        i += 1;
+    }
+    sum
 }
 
 /// out[0..NV*LANES] = sum_p w[p] * V[p] for the head at `kv_off`.
@@ -486,7 +501,6 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
             if bs.is_multiple_of(l) {
                 // K is [kv_dim][block_size] per block: score `l` keys at once with broadcast FMAs.
                 let kvd = a.kv.kv_dim;
-                let mut vmax = S::splat(f32::NEG_INFINITY);
                 let vscale = S::splat(a.scale);
                 for (bi, &blk) in s.block_table[..n_ctx.div_ceil(bs)].iter().enumerate() {
                     let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
@@ -518,16 +532,7 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
                     }
                 }
                 // Lanes past the context hold garbage: they are excluded from max and sums.
-                let mut p = 0;
-                while p + l <= n_ctx {
-                    vmax = S::max(vmax, S::load(sc.add(p)));
-                    p += l;
-                }
-                max = S::reduce_max(vmax);
-                while p < n_ctx {
-                    max = max.max(*sc.add(p));
-                    p += 1;
-                }
+                max = max_of::<S>(sc, n_ctx);
             } else {
                 for p in 0..n_ctx {
                     let mut acc = 0.0f32;
@@ -539,22 +544,7 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
                     max = max.max(v);
                 }
             }
-            let vm = S::splat(max);
-            let mut vsum = S::zero();
-            let mut p = 0;
-            while p + l <= n_ctx {
-                let e = exp::<S>(S::sub(S::load(sc.add(p)), vm));
-                S::store(sc.add(p), e);
-                vsum = S::add(vsum, e);
-                p += l;
-            }
-            let mut sum = S::reduce_add(vsum);
-            while p < n_ctx {
-                let e = (*sc.add(p) - max).exp();
-                *sc.add(p) = e;
-                sum += e;
-                p += 1;
-            }
+            let sum = exp_shifted::<S>(sc, n_ctx, max);
             let oh = a.out.add(t * qdim + h * hd);
             // Weighted sum of V rows, accumulated in registers when the head fits in a few vectors.
             match hd.is_multiple_of(l).then_some(hd / l) {
