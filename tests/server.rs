@@ -458,34 +458,44 @@ fn prefix_cache_hits_and_metrics_are_reported() {
 
 #[test]
 fn preemption_under_memory_pressure_still_completes_every_request() {
-    // 1 MiB of KV for this tiny model: 2 layers * 16 tokens * 32 kv dims * 8 bytes = 8 KiB per
-    // block, 128 blocks = 2048 tokens: eight sequences of ~405 tokens cannot all fit.
+    // 8 layers: 8 * 16 tokens * 32 kv dims * 8 bytes = 32 KiB per block, so 1 MiB holds 32
+    // blocks = 512 tokens, one full context. The 4 choices of one request run together and need
+    // 4 * ~405 tokens: they must take turns through preemption.
+    let (_d, path) = write_tiny(&TinySpec {
+        ctx: 512,
+        layers: 8,
+        ..TinySpec::small()
+    });
     let config = "[server]\nserved_model_name = \"tiny\"\n[engine]\nkv_cache_mb = 1\n";
-    let (_d, s) = start(config, &[]);
-    let addr = s.addr.clone();
-    let handles: Vec<_> = (0..8)
-        .map(|i| {
-            let c = common::server::Server::client_for(&addr);
-            std::thread::spawn(move || {
-                c.post(
-                    "/v1/completions",
-                    &json!({"model": "tiny", "prompt": format!("request {i}"), "max_tokens": 400,
-                            "ignore_eos": true, "seed": i, "return_token_ids": true}),
-                )
-                .json()
-            })
-        })
-        .collect();
-    for h in handles {
-        let v = h.join().unwrap();
-        assert_eq!(
-            v["choices"][0]["token_ids"].as_array().unwrap().len(),
-            400,
-            "{v}"
-        );
+    let s = Server::start(&path, config, &[]);
+    let v = s
+        .post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": "pressure", "max_tokens": 400, "n": 4,
+                    "ignore_eos": true, "seed": 9, "return_token_ids": true}),
+        )
+        .json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    for c in choices {
+        assert_eq!(c["token_ids"].as_array().unwrap().len(), 400, "{c}");
     }
     assert!(s.metric("flywheel_num_preemptions_total") > 0.0);
     assert_eq!(s.metric("flywheel_kv_cache_blocks_used"), 0.0);
+    // Recomputation after preemption changes nothing: the same request on a server with room to
+    // spare gives the same tokens.
+    let roomy = Server::start(&path, CONFIG, &[]);
+    let w = roomy
+        .post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": "pressure", "max_tokens": 400, "n": 4,
+                    "ignore_eos": true, "seed": 9, "return_token_ids": true}),
+        )
+        .json();
+    assert_eq!(roomy.metric("flywheel_num_preemptions_total"), 0.0);
+    for (a, b) in choices.iter().zip(w["choices"].as_array().unwrap()) {
+        assert_eq!(a["token_ids"], b["token_ids"]);
+    }
 }
 
 #[test]

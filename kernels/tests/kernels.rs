@@ -99,6 +99,57 @@ fn quantizers_round_trip_within_their_step() {
     }
 }
 
+/// A row's product is the same to the bit whatever batch it is computed in (and so whichever
+/// path runs: fused, paired, panel): the server's seed contract and train/serve agreement rest
+/// on this.
+#[test]
+fn matmul_rows_do_not_depend_on_the_batch() {
+    let mut rng = Rng(17);
+    for isa in fast_isas() {
+        for threads in [1, 2] {
+            let c = cpu(isa, threads);
+            for ty in QuantType::ALL {
+                let cols = ty.block_size().max(32) * 3;
+                let rows = 37;
+                let w = quantize(ty, &rng.vec(rows * cols, 1.0));
+                let n_max = 70;
+                let x = rng.vec(n_max * cols, 1.0);
+                let mut alone = vec![0.0; n_max * rows];
+                for i in 0..n_max {
+                    c.matmul(
+                        ty,
+                        &w,
+                        rows,
+                        cols,
+                        &x[i * cols..(i + 1) * cols],
+                        &mut alone[i * rows..(i + 1) * rows],
+                    );
+                }
+                for n in [2usize, 3, 5, 8, 9, 16, 24, 33, 70] {
+                    for start in [0usize, n_max - n] {
+                        let mut got = vec![f32::NAN; n * rows];
+                        c.matmul(
+                            ty,
+                            &w,
+                            rows,
+                            cols,
+                            &x[start * cols..(start + n) * cols],
+                            &mut got,
+                        );
+                        for (k, g) in got.iter().enumerate() {
+                            let want = alone[start * rows + k];
+                            assert!(
+                                g.to_bits() == want.to_bits(),
+                                "{isa:?} t={threads} {ty:?} n={n} start={start} element {k}: {g} vs {want} alone"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_matches_reference_for_every_format_and_shape() {
     let mut rng = Rng(3);

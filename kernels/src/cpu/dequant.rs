@@ -26,8 +26,10 @@ pub trait Format {
     }
 
     /// Fused dequantize-and-dot of one block against `N` activation rows (each pointer at this
-    /// block's first value): `acc[i]` gathers the products for row i in two vectors. The default
-    /// goes through a stack buffer; the formats decode needs most override it to stay in registers.
+    /// block's first value). Canonical order, shared by every matmul path so that a row's result
+    /// does not depend on the batch around it: products are accumulated LANES values at a time,
+    /// in value order, into `acc[i][0]` (`acc[i][1]` stays zero). The default goes through a
+    /// stack buffer; the formats decode needs most override it to stay in registers.
     #[inline(always)]
     unsafe fn dot_block<S: Simd, const N: usize>(
         src: *const u8,
@@ -39,9 +41,8 @@ pub trait Format {
         let mut c = 0;
         while c < Self::BS {
             let w = S::load(buf.as_ptr().add(c));
-            let h = (c / S::LANES) & 1;
             for i in 0..N {
-                acc[i][h] = S::fma(w, S::load(x[i].add(c)), acc[i][h]);
+                acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
             }
             c += S::LANES;
         }
@@ -191,9 +192,8 @@ impl Format for Q8_0 {
         let mut c = 0;
         while c < 32 {
             let w = S::mul(S::cvt(S::load_i8(qs.add(c))), vd);
-            let h = (c / S::LANES) & 1;
             for i in 0..N {
-                acc[i][h] = S::fma(w, S::load(x[i].add(c)), acc[i][h]);
+                acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
             }
             c += S::LANES;
         }
@@ -302,14 +302,14 @@ unsafe fn nibble_dot<S: Simd, const N: usize>(
     x: &[*const f32; N],
     acc: &mut [[S::V; 2]; N],
 ) {
+    // Value order into one accumulator (the canonical order, see `Format::dot_block`).
+    let mut w = [S::zero(); 4];
+    nibble_decode::<S>(qs, d, m, &mut w);
     let mut c = 0;
-    while c < 16 {
-        let b = S::load_u8(qs.add(c));
-        let lo = S::fma(S::cvt(S::and_i(b, 0xF)), d, m);
-        let hi = S::fma(S::cvt(S::srl::<4>(b)), d, m);
+    while c < 32 {
+        let wv = w[c / S::LANES];
         for i in 0..N {
-            acc[i][0] = S::fma(lo, S::load(x[i].add(c)), acc[i][0]);
-            acc[i][1] = S::fma(hi, S::load(x[i].add(16 + c)), acc[i][1]);
+            acc[i][0] = S::fma(wv, S::load(x[i].add(c)), acc[i][0]);
         }
         c += S::LANES;
     }

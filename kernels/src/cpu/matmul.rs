@@ -1,20 +1,28 @@
 //! Quantized-weight x f32-activation products, y = x · Wᵀ, for one row or a batch of rows.
 //!
 //! Activations stay f32 (llama.cpp quantizes them to 8 bits; we do not, so our products are closer
-//! to exact math). Three paths, all generic over ISA and block format:
+//! to exact math).
+//!
+//! Batch invariance: every path computes an output y[i][r] in one canonical order — products of
+//! weight and activation accumulated LANES values at a time, in column order, into one vector,
+//! then `reduce_add` — from identically dequantized weights. A row's result is therefore the same
+//! to the bit whatever else is in the batch and whichever path ran (the seed contract of the
+//! server, and exact agreement between serving and a trainer's recomputation). Only rows whose
+//! length is not a whole number of blocks fall back to a different order.
+//!
+//! Paths, all generic over ISA and block format:
 //! - `fused_rows` (decode, batch 1): each weight block is decoded in registers and dotted with up
 //!   to 8 activation rows (4 with AVX2); memory-bound on the weights, as decode must be.
-//! - `paired_rows` (decode, small batches, formats with `decode32`): two weight rows at a time, so
-//!   each activation load feeds two FMAs.
-//! - `dot_panel` (DOT_MIN_ROWS..GEMM_MIN_ROWS rows, batched decode, AVX-512): a few weight rows
-//!   are dequantized once into a row-major f32 panel, then WR x XR tiles (6 weight rows x 4
-//!   activation rows, 24 accumulators) compute dot products: no weight is decoded twice per
-//!   product. Tile shape measured with `examples/matmul_bench.rs` (6x4 beat 3x8, 4x6, 8x3, 5x4,
-//!   2x12 at batch 16 on Zen 4, 2026-11-22).
-//! - `gemm_panel` (>= GEMM_MIN_ROWS rows, prefill): a panel of NR weight rows is dequantized once
-//!   into a transposed f32 panel, then a 6 x NR register-blocked micro-kernel sweeps all rows.
+//! - `paired_rows` (small batches, formats with `decode32`): two weight rows at a time, so each
+//!   activation load feeds two FMAs.
+//! - `dot_panel` (>= DOT_MIN_ROWS rows: batched decode and prefill): a few weight rows are
+//!   dequantized once into a row-major f32 panel, then WR x XR tiles (6 weight rows x 4 activation
+//!   rows with AVX-512, 24 accumulators; 3 x 3 with AVX2) compute dot products over blocks of
+//!   activation rows that stay in L2. Tile shape measured with `examples/matmul_bench.rs` (6x4
+//!   beat 3x8, 4x6, 8x3, 5x4, 2x12 at batch 16 on Zen 4, 2026-11-22).
 //!
-//! Formats without an in-register decoder (K-quants, element formats) dequantize a row into L1.
+//! Formats without an in-register decoder (K-quants, element formats) dequantize a block on the
+//! stack.
 
 // Safety of every `unsafe fn` here: the CPU has the features of `S`, and pointers are valid for
 // the lengths and rows the `JobRef` states.
@@ -54,16 +62,10 @@ impl Matmul<'_> {
     }
 }
 
-/// Batches of at least this many activation rows take the GEMM path. Below it the panel
-/// transposition costs more than it saves (batch 16 decode: 178 tok/s via GEMM vs 254 fused,
-/// `flywheel bench --batch 16`, 2026-11-22).
-pub const GEMM_MIN_ROWS: usize = 24;
-/// Batches of at least this many rows (and below GEMM_MIN_ROWS) dequantize a few weight rows
-/// once into L1 and run `WR x XR` dot-form tiles over them (AVX-512 only).
+/// Batches of at least this many rows take the `dot_panel` path.
 pub const DOT_MIN_ROWS: usize = 8;
-const MR: usize = 6;
-const WR: usize = 6;
-const XR: usize = 4;
+/// Activation rows swept per weight panel before moving on (they stay in L2).
+const X_BLOCK: usize = 64;
 const MAX_JOBS: usize = 8;
 
 struct JobRef {
@@ -75,15 +77,13 @@ struct JobRef {
     x: *const f32,
     n: usize,
     y: *mut f32,
-    gemm: bool,
-    /// Small batches (DOT_MIN_ROWS.. GEMM_MIN_ROWS rows): dequantized panel, dot-form tiles.
+    /// Batches of DOT_MIN_ROWS rows or more: dequantized panel, dot-form tiles.
     dot_panel: bool,
     rows_per_task: usize,
 }
 unsafe impl Sync for JobRef {}
 
 thread_local! {
-    static ROWBUF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -104,18 +104,15 @@ pub fn matmul_many(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
 }
 
 fn run_chunk(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
-    let nr = 2 * isa.lanes();
+    let wr = if isa.lanes() >= 16 { 6 } else { 3 };
     let mut refs: [Option<JobRef>; MAX_JOBS] = Default::default();
     let mut first_task = [0usize; MAX_JOBS + 1];
     for (k, j) in jobs.iter_mut().enumerate() {
         let n = j.x.len() / j.cols;
         let row_bytes = j.ty.row_bytes(j.cols).unwrap_or(0);
-        let gemm = n >= GEMM_MIN_ROWS;
-        let dot_panel = !gemm && n >= DOT_MIN_ROWS && isa == Isa::Avx512;
-        let rows_per_task = if gemm {
-            nr
-        } else if dot_panel {
-            (4 * WR).min(j.rows)
+        let dot_panel = n >= DOT_MIN_ROWS && j.cols.is_multiple_of(32);
+        let rows_per_task = if dot_panel {
+            4 * wr
         } else {
             (32768 / (row_bytes * n.min(8)).max(1)).clamp(4, 256)
         };
@@ -128,7 +125,6 @@ fn run_chunk(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
             x: j.x.as_ptr(),
             n,
             y: j.y.as_mut_ptr(),
-            gemm,
             dot_panel,
             rows_per_task,
         });
@@ -196,35 +192,31 @@ pub(crate) fn scratch(
 // features, so the intrinsics inside it would not inline.
 #[inline(always)]
 unsafe fn task_fmt<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize) {
-    let rb = scratch(&ROWBUF, j.cols + 16);
-    if j.gemm {
-        let panel = scratch(&PANEL, j.cols * 2 * S::LANES);
-        gemm_panel::<S, F>(j, r0, r1, panel, rb);
-    } else if j.dot_panel {
+    if j.dot_panel {
         let panel = scratch(&PANEL, j.cols * (r1 - r0) + 16);
-        dot_panel::<S, F>(j, r0, r1, panel);
+        if S::LANES >= 16 {
+            dot_panel::<S, F, 6, 4>(j, r0, r1, panel);
+        } else {
+            dot_panel::<S, F, 3, 3>(j, r0, r1, panel);
+        }
     } else {
-        dot_rows::<S, F>(j, r0, r1, rb);
-    }
-}
-
-/// The row `r` of W as f32: in place for F32 weights, else dequantized into `buf`.
-#[inline(always)]
-unsafe fn weight_row<S: Simd, F: Format>(j: &JobRef, r: usize, buf: *mut f32) -> *const f32 {
-    let src = j.w.add(r * j.row_bytes);
-    if F::TY == QuantType::F32 {
-        src as *const f32
-    } else {
-        dequant_row::<S, F>(src, buf, j.cols);
-        buf
+        dot_rows::<S, F>(j, r0, r1);
     }
 }
 
 #[inline(always)]
-unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *mut f32) {
-    if F::TY == QuantType::F32 || !j.cols.is_multiple_of(F::BS) {
+unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize) {
+    if !j.cols.is_multiple_of(F::BS) {
+        // Odd row lengths (element formats only): plain dots, outside the canonical order.
+        let buf = scratch(&PANEL, j.cols + 16);
         for r in r0..r1 {
-            let w = weight_row::<S, F>(j, r, buf);
+            let src = j.w.add(r * j.row_bytes);
+            let w = if F::TY == QuantType::F32 {
+                src as *const f32
+            } else {
+                dequant_row::<S, F>(src, buf, j.cols);
+                buf as *const f32
+            };
             for i in 0..j.n {
                 *j.y.add(i * j.rows + r) = dot::<S>(w, j.x.add(i * j.cols), j.cols);
             }
@@ -247,7 +239,7 @@ unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, buf: *m
         return;
     }
     // Fused: each weight block is decoded in registers and used for up to 8 activation rows
-    // (4 with AVX2: its 16 registers hold 2 accumulators for 4 rows plus the decoded block).
+    // (4 with AVX2).
     let group = if S::LANES >= 16 { 8 } else { 4 };
     let mut i0 = 0;
     while i0 < j.n {
@@ -287,12 +279,12 @@ unsafe fn paired_rows<S: Simd, F: Format, const N: usize>(
             F::decode32::<S>(sa, &mut da);
             F::decode32::<S>(sb, &mut db);
             let [acc_a, acc_b] = &mut acc;
+            // The canonical order: value order into one accumulator (see the module doc).
             for k in 0..vecs {
-                let h = k & 1;
                 for (i, (aa, ab)) in acc_a.iter_mut().zip(acc_b.iter_mut()).enumerate() {
                     let xv = S::load(j.x.add((i0 + i) * j.cols + b * 32 + k * S::LANES));
-                    aa[h] = S::fma(da[k], xv, aa[h]);
-                    ab[h] = S::fma(db[k], xv, ab[h]);
+                    aa[0] = S::fma(da[k], xv, aa[0]);
+                    ab[0] = S::fma(db[k], xv, ab[0]);
                 }
             }
         }
@@ -335,45 +327,52 @@ unsafe fn fused_rows<S: Simd, F: Format, const N: usize>(
 }
 
 /// Dequantize rows `r0..r1` of W once into `panel` (row-major f32), then sweep tiles of `WR`
-/// weight rows x `XR` activation rows, one vector accumulator per pair: per 16 columns, WR + XR
-/// loads feed WR * XR FMAs, and no weight is decoded more than once per product.
+/// weight rows x `XR` activation rows, one vector accumulator per pair: per LANES columns, WR + XR
+/// loads feed WR * XR FMAs, and no weight is decoded more than once per product. Activation rows
+/// are taken X_BLOCK at a time so that they stay in L2 while the panel is swept.
 #[inline(always)]
-unsafe fn dot_panel<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize, panel: *mut f32) {
+unsafe fn dot_panel<S: Simd, F: Format, const WR: usize, const XR: usize>(
+    j: &JobRef,
+    r0: usize,
+    r1: usize,
+    panel: *mut f32,
+) {
     let k = j.cols;
     for r in r0..r1 {
-        let dst = panel.add((r - r0) * k);
-        if F::TY == QuantType::F32 {
-            std::ptr::copy_nonoverlapping(j.w.add(r * j.row_bytes) as *const f32, dst, k);
-        } else {
-            dequant_row::<S, F>(j.w.add(r * j.row_bytes), dst, k);
-        }
+        dequant_row::<S, F>(j.w.add(r * j.row_bytes), panel.add((r - r0) * k), k);
     }
-    let mut w0 = 0;
-    while w0 < r1 - r0 {
-        let wr = (r1 - r0 - w0).min(WR);
-        let mut i0 = 0;
-        while i0 < j.n {
-            dot_tile::<S>(j, panel, r0, w0, wr, i0);
-            i0 += XR;
+    let mut ib = 0;
+    while ib < j.n {
+        let ie = (ib + X_BLOCK).min(j.n);
+        let mut w0 = 0;
+        while w0 < r1 - r0 {
+            let wr = (r1 - r0 - w0).min(WR);
+            let mut i0 = ib;
+            while i0 < ie {
+                dot_tile::<S, WR, XR>(j, panel, r0, w0, wr, i0, ie);
+                i0 += XR;
+            }
+            w0 += WR;
         }
-        w0 += WR;
+        ib = ie;
     }
 }
 
 #[inline(always)]
-unsafe fn dot_tile<S: Simd>(
+unsafe fn dot_tile<S: Simd, const WR: usize, const XR: usize>(
     j: &JobRef,
     panel: *const f32,
     r0: usize,
     w0: usize,
     wr: usize,
     i0: usize,
+    ie: usize,
 ) {
     let k = j.cols;
     let l = S::LANES;
     // Missing rows repeat the last valid one; their results are not stored.
     let w: [*const f32; WR] = std::array::from_fn(|a| panel.add((w0 + a.min(wr - 1)) * k));
-    let x: [*const f32; XR] = std::array::from_fn(|i| j.x.add((i0 + i).min(j.n - 1) * k));
+    let x: [*const f32; XR] = std::array::from_fn(|i| j.x.add((i0 + i).min(ie - 1) * k));
     let mut acc = [[S::zero(); XR]; WR];
     let mut c = 0;
     while c + l <= k {
@@ -386,14 +385,10 @@ unsafe fn dot_tile<S: Simd>(
         }
         c += l;
     }
-    let xr = (j.n - i0).min(XR);
+    let xr = (ie - i0).min(XR);
     for (a, acca) in acc.iter().enumerate().take(wr) {
         for (i, v) in acca.iter().enumerate().take(xr) {
-            let mut s = S::reduce_add(*v);
-            for cc in c..k {
-                s += *w[a].add(cc) * *x[i].add(cc);
-            }
-            *j.y.add((i0 + i) * j.rows + r0 + w0 + a) = s;
+            *j.y.add((i0 + i) * j.rows + r0 + w0 + a) = S::reduce_add(*v);
         }
     }
 }
@@ -421,67 +416,6 @@ pub unsafe fn dot<S: Simd>(a: *const f32, b: *const f32, n: usize) -> f32 {
         i += 1;
     }
     s
-}
-
-#[inline(always)]
-unsafe fn gemm_panel<S: Simd, F: Format>(
-    j: &JobRef,
-    r0: usize,
-    r1: usize,
-    panel: *mut f32,
-    buf: *mut f32,
-) {
-    let nr = 2 * S::LANES;
-    let valid = r1 - r0;
-    let k_len = j.cols;
-    // Transposed panel: panel[k * nr + jr] = W[r0 + jr][k]; missing rows are zero.
-    for jr in 0..nr {
-        if jr < valid {
-            let w = weight_row::<S, F>(j, r0 + jr, buf);
-            for k in 0..k_len {
-                *panel.add(k * nr + jr) = *w.add(k);
-            }
-        } else {
-            for k in 0..k_len {
-                *panel.add(k * nr + jr) = 0.0;
-            }
-        }
-    }
-    let mut i0 = 0;
-    while i0 < j.n {
-        micro::<S>(j, panel, i0, r0, valid);
-        i0 += MR;
-    }
-}
-
-#[inline(always)]
-unsafe fn micro<S: Simd>(j: &JobRef, panel: *const f32, i0: usize, r0: usize, valid: usize) {
-    let l = S::LANES;
-    let nr = 2 * l;
-    let a: [*const f32; MR] = std::array::from_fn(|m| j.x.add((i0 + m).min(j.n - 1) * j.cols));
-    let mut acc = [[S::zero(); 2]; MR];
-    for k in 0..j.cols {
-        let b0 = S::load(panel.add(k * nr));
-        let b1 = S::load(panel.add(k * nr + l));
-        for m in 0..MR {
-            let av = S::splat(*a[m].add(k));
-            acc[m][0] = S::fma(av, b0, acc[m][0]);
-            acc[m][1] = S::fma(av, b1, acc[m][1]);
-        }
-    }
-    let rows_here = (j.n - i0).min(MR);
-    for (m, accm) in acc.iter().enumerate().take(rows_here) {
-        let out = j.y.add((i0 + m) * j.rows + r0);
-        if valid == nr {
-            S::store(out, accm[0]);
-            S::store(out.add(l), accm[1]);
-        } else {
-            let mut tmp = [0.0f32; 64];
-            S::store(tmp.as_mut_ptr(), accm[0]);
-            S::store(tmp.as_mut_ptr().add(l), accm[1]);
-            std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, valid);
-        }
-    }
 }
 
 /// Dequantize `dst.len()` values of a row with the fast path of `isa`.
