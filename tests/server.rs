@@ -528,3 +528,48 @@ fn sigterm_lets_running_requests_finish_then_exits() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn sigterm_exits_after_the_shutdown_timeout_even_with_work_left() {
+    let config = CONFIG.replace("[server]\n", "[server]\nshutdown_timeout_secs = 0.3\n");
+    let (_d, mut s) = start_long(&config);
+    let c = common::server::Server::client_for(&s.addr);
+    let h = std::thread::spawn(move || {
+        c.try_request(
+            "POST",
+            "/v1/completions",
+            Some(
+                &json!({"model": "tiny", "prompt": "never done", "max_tokens": 8000, "n": 8,
+                        "ignore_eos": true, "stream": true})
+                .to_string(),
+            ),
+            &[],
+        )
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.metric("flywheel_num_requests_running") < 1.0 {
+        assert!(Instant::now() < deadline, "request never started");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let t = Instant::now();
+    s.terminate();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if s.child.try_wait().unwrap().is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server did not exit after its timeout"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "exited before the timeout"
+    );
+    // The stream was cut: no [DONE].
+    if let Ok(r) = h.join().unwrap() {
+        assert!(!r.body_text().contains("[DONE]"));
+    }
+}
