@@ -1,6 +1,7 @@
 //! CPU compute: ISA detection (once, at start-up), the thread pool, and the `Cpu` seam that the
 //! model calls for every op. A later CUDA backend sits beside `Cpu` behind the same method set.
 
+pub mod attention;
 pub mod dequant;
 pub mod matmul;
 pub mod ops;
@@ -149,7 +150,7 @@ impl Cpu {
         head_dim: usize,
         scale: f32,
     ) {
-        ops::attention(
+        attention::attention(
             self.isa, &self.pool, q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale,
         )
     }

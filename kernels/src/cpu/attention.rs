@@ -1,0 +1,405 @@
+//! Causal grouped-query attention over the paged KV cache (K transposed per block, V row-major;
+//! see `reference::PagedKv`), generic over the ISA, with its twin in `reference`. Each query's
+//! result is computed the same way whatever else is in the batch.
+
+use super::matmul::scratch as thread_scratch;
+use super::simd::{exp, Avx2, Avx512, Simd};
+use super::{Isa, ThreadPool};
+use crate::reference::{self, AttnSeq, PagedKv};
+use std::cell::RefCell;
+
+thread_local! {
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+const QUERIES_PER_TASK: usize = 16;
+
+struct AttnArgs<'a> {
+    q: *const f32,
+    out: *mut f32,
+    kv: PagedKv<'a>,
+    n_heads: usize,
+    group: usize,
+    head_dim: usize,
+    scale: f32,
+}
+unsafe impl Sync for AttnArgs<'_> {}
+
+/// Causal grouped-query attention over paged KV; q and out are (num_tokens, n_heads * head_dim).
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    isa: Isa,
+    pool: &ThreadPool,
+    q: &[f32],
+    out: &mut [f32],
+    seqs: &[AttnSeq],
+    kv: PagedKv,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) {
+    assert_eq!(q.len(), out.len());
+    assert_eq!(n_heads % n_kv_heads, 0);
+    let qdim = n_heads * head_dim;
+    for s in seqs {
+        assert!(
+            (s.q_start + s.q_len) * qdim <= q.len(),
+            "sequence rows out of range"
+        );
+        let n_ctx = s.first_pos + s.q_len;
+        assert!(
+            n_ctx.div_ceil(kv.block_size) <= s.block_table.len(),
+            "block table too short"
+        );
+    }
+    if isa == Isa::Reference {
+        reference::attention(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale);
+        return;
+    }
+    let args = AttnArgs {
+        q: q.as_ptr(),
+        out: out.as_mut_ptr(),
+        kv,
+        n_heads,
+        group: n_heads / n_kv_heads,
+        head_dim,
+        scale,
+    };
+    let l = isa.lanes();
+    let grouped = kv.block_size.is_multiple_of(l)
+        && head_dim.is_multiple_of(l)
+        && matches!(head_dim / l, 1 | 2 | 4);
+    // Heads per task: the query heads sharing one KV head are scored together (up to 4), so each
+    // K and V load serves all of them.
+    let heads_per_task = if grouped { args.group.min(4) } else { 1 };
+    let chunks_per_kv = args.group.div_ceil(heads_per_task);
+    let num_head_chunks = n_kv_heads * chunks_per_kv;
+    // Tasks: (sequence, head chunk, chunk of queries).
+    let mut first = Vec::with_capacity(seqs.len() + 1);
+    first.push(0usize);
+    for s in seqs {
+        let per_chunk = s.q_len.div_ceil(QUERIES_PER_TASK);
+        first.push(first.last().copied().unwrap_or(0) + per_chunk * num_head_chunks);
+    }
+    let total = *first.last().unwrap_or(&0);
+    let task = |t: usize| {
+        let si = first.partition_point(|&f| f <= t) - 1;
+        let s = &seqs[si];
+        let local = t - first[si];
+        let per_chunk = s.q_len.div_ceil(QUERIES_PER_TASK);
+        let (hc, c) = (local / per_chunk, local % per_chunk);
+        let i0 = c * QUERIES_PER_TASK;
+        let i1 = (i0 + QUERIES_PER_TASK).min(s.q_len);
+        let (kvh, sub) = (hc / chunks_per_kv, hc % chunks_per_kv);
+        let h0 = kvh * args.group + sub * heads_per_task;
+        let g = heads_per_task.min((kvh + 1) * args.group - h0);
+        // SAFETY: ISA detected; each task writes its own (rows, heads) slots of out.
+        unsafe {
+            match (isa, grouped) {
+                (Isa::Avx512, true) => attn_grouped_avx512(&args, s, h0, g, i0, i1),
+                (Isa::Avx2, true) => attn_grouped_avx2(&args, s, h0, g, i0, i1),
+                (Isa::Avx512, false) => attn_avx512(&args, s, h0, i0, i1),
+                (Isa::Avx2, false) => attn_avx2(&args, s, h0, i0, i1),
+                (Isa::Reference, _) => unreachable!(),
+            }
+        }
+    };
+    pool.run(total, &task);
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn attn_grouped_avx512(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    h0: usize,
+    g: usize,
+    i0: usize,
+    i1: usize,
+) {
+    attn_grouped_dispatch::<Avx512>(a, s, h0, g, i0, i1)
+}
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attn_grouped_avx2(a: &AttnArgs, s: &AttnSeq, h0: usize, g: usize, i0: usize, i1: usize) {
+    attn_grouped_dispatch::<Avx2>(a, s, h0, g, i0, i1)
+}
+
+#[inline(always)]
+unsafe fn attn_grouped_dispatch<S: Simd>(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    h0: usize,
+    g: usize,
+    i0: usize,
+    i1: usize,
+) {
+    macro_rules! nv {
+        ($g:literal) => {
+            match a.head_dim / S::LANES {
+                1 => attn_grouped::<S, $g, 1>(a, s, h0, i0, i1),
+                2 => attn_grouped::<S, $g, 2>(a, s, h0, i0, i1),
+                _ => attn_grouped::<S, $g, 4>(a, s, h0, i0, i1),
+            }
+        };
+    }
+    match g {
+        1 => nv!(1),
+        2 => nv!(2),
+        3 => nv!(3),
+        _ => nv!(4),
+    }
+}
+
+/// Attention for the `G` query heads `h0..h0 + G`, which share one KV head, and queries
+/// `i0..i1` of `s`: each K vector (16 keys of one dimension, K being transposed per block) and
+/// each V row is loaded once for all G heads. Needs block_size and head_dim multiples of LANES,
+/// head_dim = NV * LANES.
+#[inline(always)]
+unsafe fn attn_grouped<S: Simd, const G: usize, const NV: usize>(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    h0: usize,
+    i0: usize,
+    i1: usize,
+) {
+    let (hd, l) = (a.head_dim, S::LANES);
+    let qdim = a.n_heads * hd;
+    let kv_off = (h0 / a.group) * hd;
+    let (bs, kvd) = (a.kv.block_size, a.kv.kv_dim);
+    let (kp, vp) = (a.kv.k.as_ptr(), a.kv.v.as_ptr());
+    let stride = (s.first_pos + i1).div_ceil(bs) * bs + l;
+    let sc = thread_scratch(&SCORES, G * stride);
+    let vscale = S::splat(a.scale);
+    for i in i0..i1 {
+        let t = s.q_start + i;
+        let n_ctx = s.first_pos + i + 1;
+        let blocks = &s.block_table[..n_ctx.div_ceil(bs)];
+        let qh: [*const f32; G] = std::array::from_fn(|g| a.q.add(t * qdim + (h0 + g) * hd));
+        for (bi, &blk) in blocks.iter().enumerate() {
+            let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
+            let mut c = 0;
+            while c < bs && bi * bs + c < n_ctx {
+                let mut acc = [[S::zero(); 2]; G];
+                let mut d = 0;
+                while d + 2 <= hd {
+                    let k0 = S::load(kb.add(d * bs + c));
+                    let k1 = S::load(kb.add((d + 1) * bs + c));
+                    for g in 0..G {
+                        acc[g][0] = S::fma(S::splat(*qh[g].add(d)), k0, acc[g][0]);
+                        acc[g][1] = S::fma(S::splat(*qh[g].add(d + 1)), k1, acc[g][1]);
+                    }
+                    d += 2;
+                }
+                for (g, ag) in acc.iter().enumerate() {
+                    let v = S::mul(S::add(ag[0], ag[1]), vscale);
+                    S::store(sc.add(g * stride + bi * bs + c), v);
+                }
+                c += l;
+            }
+        }
+        // Softmax of each head's scores (lanes past n_ctx hold garbage and are skipped).
+        let mut inv_sum = [0.0f32; G];
+        for (g, inv) in inv_sum.iter_mut().enumerate() {
+            let sg = sc.add(g * stride);
+            let max = max_of::<S>(sg, n_ctx);
+            *inv = 1.0 / exp_shifted::<S>(sg, n_ctx, max);
+        }
+        // Weighted sums of V rows, block by block.
+        let mut acc = [[S::zero(); NV]; G];
+        let mut p = 0;
+        for &blk in blocks {
+            let base = vp.add(blk as usize * bs * kvd + kv_off);
+            let len = (n_ctx - p).min(bs);
+            for c in 0..len {
+                let row = base.add(c * kvd);
+                let vv: [S::V; NV] = std::array::from_fn(|j| S::load(row.add(j * l)));
+                for (g, ag) in acc.iter_mut().enumerate() {
+                    let w = S::splat(*sc.add(g * stride + p + c));
+                    for (x, v) in ag.iter_mut().zip(vv.iter()) {
+                        *x = S::fma(w, *v, *x);
+                    }
+                }
+            }
+            p += len;
+        }
+        for (g, ag) in acc.iter().enumerate() {
+            let oh = a.out.add(t * qdim + (h0 + g) * hd);
+            let inv = S::splat(inv_sum[g]);
+            for (j, x) in ag.iter().enumerate() {
+                S::store(oh.add(j * l), S::mul(*x, inv));
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn attn_avx512(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+    attn_g::<Avx512>(a, s, h, i0, i1)
+}
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attn_avx2(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+    attn_g::<Avx2>(a, s, h, i0, i1)
+}
+
+/// The largest of the `n` values at `p`.
+#[inline(always)]
+unsafe fn max_of<S: Simd>(p: *const f32, n: usize) -> f32 {
+    let l = S::LANES;
+    let mut vmax = S::splat(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + l <= n {
+        vmax = S::max(vmax, S::load(p.add(i)));
+        i += l;
+    }
+    let mut max = S::reduce_max(vmax);
+    while i < n {
+        max = max.max(*p.add(i));
+        i += 1;
+    }
+    max
+}
+
+/// Replace the `n` scores at `p` by exp(score - max); return their sum.
+#[inline(always)]
+unsafe fn exp_shifted<S: Simd>(p: *mut f32, n: usize, max: f32) -> f32 {
+    let l = S::LANES;
+    let vm = S::splat(max);
+    let mut vsum = S::zero();
+    let mut i = 0;
+    while i + l <= n {
+        let e = exp::<S>(S::sub(S::load(p.add(i)), vm));
+        S::store(p.add(i), e);
+        vsum = S::add(vsum, e);
+        i += l;
+    }
+    let mut sum = S::reduce_add(vsum);
+    while i < n {
+        let e = (*p.add(i) - max).exp();
+        *p.add(i) = e;
+        sum += e;
+        i += 1;
+    }
+    sum
+}
+
+/// out[0..NV*LANES] = sum_p w[p] * V[p] for the head at `kv_off`.
+#[inline(always)]
+unsafe fn sum_v<S: Simd, const NV: usize>(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    w: *const f32,
+    n_ctx: usize,
+    kv_off: usize,
+    out: *mut f32,
+) {
+    let vp = a.kv.v.as_ptr();
+    let (bs, kvd) = (a.kv.block_size, a.kv.kv_dim);
+    let mut acc = [S::zero(); NV];
+    // Block by block: V rows of a block are contiguous (no per-position division).
+    let mut p = 0;
+    for &blk in &s.block_table[..n_ctx.div_ceil(bs)] {
+        let base = vp.add(blk as usize * bs * kvd + kv_off);
+        let len = (n_ctx - p).min(bs);
+        for c in 0..len {
+            let row = base.add(c * kvd);
+            let wp = S::splat(*w.add(p + c));
+            for (j, x) in acc.iter_mut().enumerate() {
+                *x = S::fma(wp, S::load(row.add(j * S::LANES)), *x);
+            }
+        }
+        p += len;
+    }
+    for (j, x) in acc.iter().enumerate() {
+        S::store(out.add(j * S::LANES), *x);
+    }
+}
+
+#[inline(always)]
+unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+    let hd = a.head_dim;
+    let l = S::LANES;
+    let qdim = a.n_heads * hd;
+    let kv_off = (h / a.group) * hd;
+    let (kp, vp) = (a.kv.k.as_ptr(), a.kv.v.as_ptr());
+    let sc = thread_scratch(
+        &SCORES,
+        (s.first_pos + i1).div_ceil(a.kv.block_size) * a.kv.block_size + l,
+    );
+    {
+        for i in i0..i1 {
+            let t = s.q_start + i;
+            let n_ctx = s.first_pos + i + 1;
+            let qh = a.q.add(t * qdim + h * hd);
+            let mut max = f32::NEG_INFINITY;
+            let bs = a.kv.block_size;
+            if bs.is_multiple_of(l) {
+                // K is [kv_dim][block_size] per block: score `l` keys at once with broadcast FMAs.
+                let kvd = a.kv.kv_dim;
+                let vscale = S::splat(a.scale);
+                for (bi, &blk) in s.block_table[..n_ctx.div_ceil(bs)].iter().enumerate() {
+                    let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
+                    let mut c = 0;
+                    while c < bs && bi * bs + c < n_ctx {
+                        let mut acc = [S::zero(); 4];
+                        let mut d = 0;
+                        while d + 4 <= hd {
+                            for (u, a) in acc.iter_mut().enumerate() {
+                                *a = S::fma(
+                                    S::splat(*qh.add(d + u)),
+                                    S::load(kb.add((d + u) * bs + c)),
+                                    *a,
+                                );
+                            }
+                            d += 4;
+                        }
+                        while d < hd {
+                            acc[0] =
+                                S::fma(S::splat(*qh.add(d)), S::load(kb.add(d * bs + c)), acc[0]);
+                            d += 1;
+                        }
+                        let v = S::mul(
+                            S::add(S::add(acc[0], acc[1]), S::add(acc[2], acc[3])),
+                            vscale,
+                        );
+                        S::store(sc.add(bi * bs + c), v);
+                        c += l;
+                    }
+                }
+                // Lanes past the context hold garbage: they are excluded from max and sums.
+                max = max_of::<S>(sc, n_ctx);
+            } else {
+                for p in 0..n_ctx {
+                    let mut acc = 0.0f32;
+                    for d in 0..hd {
+                        acc += *qh.add(d) * *kp.add(a.kv.k_index(s.block_table, p, kv_off + d));
+                    }
+                    let v = acc * a.scale;
+                    *sc.add(p) = v;
+                    max = max.max(v);
+                }
+            }
+            let sum = exp_shifted::<S>(sc, n_ctx, max);
+            let oh = a.out.add(t * qdim + h * hd);
+            // Weighted sum of V rows, accumulated in registers when the head fits in a few vectors.
+            match hd.is_multiple_of(l).then_some(hd / l) {
+                Some(1) => sum_v::<S, 1>(a, s, sc, n_ctx, kv_off, oh),
+                Some(2) => sum_v::<S, 2>(a, s, sc, n_ctx, kv_off, oh),
+                Some(4) => sum_v::<S, 4>(a, s, sc, n_ctx, kv_off, oh),
+                Some(8) => sum_v::<S, 8>(a, s, sc, n_ctx, kv_off, oh),
+                _ => {
+                    std::ptr::write_bytes(oh, 0, hd);
+                    for p in 0..n_ctx {
+                        let off = a.kv.v_offset(s.block_table, p) + kv_off;
+                        for d in 0..hd {
+                            *oh.add(d) += *sc.add(p) * *vp.add(off + d);
+                        }
+                    }
+                }
+            }
+            let inv = 1.0 / sum;
+            for d in 0..hd {
+                *oh.add(d) *= inv;
+            }
+        }
+    }
+}
