@@ -125,6 +125,32 @@ fn chat_and_completions_answer_in_openai_shape() {
     assert_eq!(c["finish_reason"], "length");
     assert_eq!(v["usage"]["prompt_tokens"], 3);
 
+    // Log-prob tokens as ids, for clients that must not re-tokenize text.
+    let r = s
+        .post(
+            "/v1/chat/completions",
+            &chat(
+                "ids please",
+                json!({"logprobs": true, "top_logprobs": 2, "return_tokens_as_token_ids": true,
+                       "return_token_ids": true, "max_tokens": 6, "ignore_eos": true}),
+            ),
+        )
+        .json();
+    let c = &r["choices"][0];
+    let want: Vec<String> = c["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| format!("token_id:{t}"))
+        .collect();
+    let got: Vec<String> = c["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["token"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(got, want);
+
     // Models, tokenize.
     let m = s.get("/v1/models").json();
     assert_eq!(m["data"][0]["id"], "tiny");
