@@ -349,6 +349,33 @@ fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize) {
                     want[i]
                 );
             }
+            // Batch invariance: each query of the 21-token chunk, computed alone (as a decode
+            // step would), gives the same bits as inside the chunk.
+            let qdim = n_heads * hd;
+            for i in 0..21 {
+                let one = [AttnSeq {
+                    q_start: 0,
+                    q_len: 1,
+                    first_pos: i,
+                    block_table: &t1,
+                }];
+                let mut alone = vec![f32::NAN; qdim];
+                c.attention(
+                    &q[i * qdim..(i + 1) * qdim],
+                    &mut alone,
+                    &one,
+                    kv,
+                    n_heads,
+                    n_kv,
+                    hd,
+                    0.125,
+                );
+                let chunk = &got[i * qdim..(i + 1) * qdim];
+                assert!(
+                    alone.iter().zip(chunk).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "bs={bs} heads={n_heads}/{n_kv} hd={hd} {isa:?} query {i}: alone differs from in the chunk"
+                );
+            }
         }
     }
 }

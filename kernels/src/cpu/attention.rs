@@ -162,72 +162,129 @@ unsafe fn attn_grouped<S: Simd, const G: usize, const NV: usize>(
     i0: usize,
     i1: usize,
 ) {
+    let bs = a.kv.block_size;
+    let stride = (s.first_pos + i1).div_ceil(bs) * bs + S::LANES;
+    let sc = thread_scratch(&SCORES, 4 * G * stride);
+    // Queries of a prefill chunk are scored 4 (or 2) at a time so that each K vector loaded
+    // serves all of them; every query's scores come out exactly as when scored alone.
+    let wide = if S::LANES >= 16 { 12 / G } else { 1 };
+    let mut i = i0;
+    while i < i1 {
+        let qn = match i1 - i {
+            n if n >= 4 && wide >= 4 => 4,
+            n if n >= 2 && wide >= 2 => 2,
+            _ => 1,
+        };
+        match qn {
+            4 => score_queries::<S, G, 4>(a, s, h0, i, sc, stride),
+            2 => score_queries::<S, G, 2>(a, s, h0, i, sc, stride),
+            _ => score_queries::<S, G, 1>(a, s, h0, i, sc, stride),
+        }
+        for q in 0..qn {
+            finish_query::<S, G, NV>(a, s, h0, i + q, sc.add(q * G * stride), stride);
+        }
+        i += qn;
+    }
+}
+
+/// Scaled scores of queries `i..i + QT` of `s` for the `G` heads from `h0`, into
+/// `sc[(q * G + g) * stride + key]`; keys past a query's own context hold garbage.
+#[inline(always)]
+unsafe fn score_queries<S: Simd, const G: usize, const QT: usize>(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    h0: usize,
+    i: usize,
+    sc: *mut f32,
+    stride: usize,
+) {
     let (hd, l) = (a.head_dim, S::LANES);
     let qdim = a.n_heads * hd;
     let kv_off = (h0 / a.group) * hd;
     let (bs, kvd) = (a.kv.block_size, a.kv.kv_dim);
-    let (kp, vp) = (a.kv.k.as_ptr(), a.kv.v.as_ptr());
-    let stride = (s.first_pos + i1).div_ceil(bs) * bs + l;
-    let sc = thread_scratch(&SCORES, G * stride);
+    let kp = a.kv.k.as_ptr();
     let vscale = S::splat(a.scale);
-    for i in i0..i1 {
-        let t = s.q_start + i;
-        let n_ctx = s.first_pos + i + 1;
-        let blocks = &s.block_table[..n_ctx.div_ceil(bs)];
-        let qh: [*const f32; G] = std::array::from_fn(|g| a.q.add(t * qdim + (h0 + g) * hd));
-        for (bi, &blk) in blocks.iter().enumerate() {
-            let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
-            let mut c = 0;
-            while c < bs && bi * bs + c < n_ctx {
-                let mut acc = [[S::zero(); 2]; G];
-                let mut d = 0;
-                while d + 2 <= hd {
-                    let k0 = S::load(kb.add(d * bs + c));
-                    let k1 = S::load(kb.add((d + 1) * bs + c));
+    let n_max = s.first_pos + i + QT;
+    let qh: [[*const f32; G]; QT] = std::array::from_fn(|q| {
+        std::array::from_fn(|g| a.q.add((s.q_start + i + q) * qdim + (h0 + g) * hd))
+    });
+    for (bi, &blk) in s.block_table[..n_max.div_ceil(bs)].iter().enumerate() {
+        let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
+        let mut c = 0;
+        while c < bs && bi * bs + c < n_max {
+            let mut acc = [[[S::zero(); 2]; G]; QT];
+            let mut d = 0;
+            while d + 2 <= hd {
+                let k0 = S::load(kb.add(d * bs + c));
+                let k1 = S::load(kb.add((d + 1) * bs + c));
+                for q in 0..QT {
                     for g in 0..G {
-                        acc[g][0] = S::fma(S::splat(*qh[g].add(d)), k0, acc[g][0]);
-                        acc[g][1] = S::fma(S::splat(*qh[g].add(d + 1)), k1, acc[g][1]);
+                        let aq = &mut acc[q][g];
+                        aq[0] = S::fma(S::splat(*qh[q][g].add(d)), k0, aq[0]);
+                        aq[1] = S::fma(S::splat(*qh[q][g].add(d + 1)), k1, aq[1]);
                     }
-                    d += 2;
                 }
-                for (g, ag) in acc.iter().enumerate() {
+                d += 2;
+            }
+            for (q, accq) in acc.iter().enumerate() {
+                for (g, ag) in accq.iter().enumerate() {
                     let v = S::mul(S::add(ag[0], ag[1]), vscale);
-                    S::store(sc.add(g * stride + bi * bs + c), v);
-                }
-                c += l;
-            }
-        }
-        // Softmax of each head's scores (lanes past n_ctx hold garbage and are skipped).
-        let mut inv_sum = [0.0f32; G];
-        for (g, inv) in inv_sum.iter_mut().enumerate() {
-            let sg = sc.add(g * stride);
-            let max = max_of::<S>(sg, n_ctx);
-            *inv = 1.0 / exp_shifted::<S>(sg, n_ctx, max);
-        }
-        // Weighted sums of V rows, block by block.
-        let mut acc = [[S::zero(); NV]; G];
-        let mut p = 0;
-        for &blk in blocks {
-            let base = vp.add(blk as usize * bs * kvd + kv_off);
-            let len = (n_ctx - p).min(bs);
-            for c in 0..len {
-                let row = base.add(c * kvd);
-                let vv: [S::V; NV] = std::array::from_fn(|j| S::load(row.add(j * l)));
-                for (g, ag) in acc.iter_mut().enumerate() {
-                    let w = S::splat(*sc.add(g * stride + p + c));
-                    for (x, v) in ag.iter_mut().zip(vv.iter()) {
-                        *x = S::fma(w, *v, *x);
-                    }
+                    S::store(sc.add((q * G + g) * stride + bi * bs + c), v);
                 }
             }
-            p += len;
+            c += l;
         }
-        for (g, ag) in acc.iter().enumerate() {
-            let oh = a.out.add(t * qdim + (h0 + g) * hd);
-            let inv = S::splat(inv_sum[g]);
-            for (j, x) in ag.iter().enumerate() {
-                S::store(oh.add(j * l), S::mul(*x, inv));
+    }
+}
+
+/// Softmax of query `i`'s scores (at `sc`, one row of `stride` per head) and the weighted sum
+/// of V rows, written to the output.
+#[inline(always)]
+unsafe fn finish_query<S: Simd, const G: usize, const NV: usize>(
+    a: &AttnArgs,
+    s: &AttnSeq,
+    h0: usize,
+    i: usize,
+    sc: *mut f32,
+    stride: usize,
+) {
+    let (hd, l) = (a.head_dim, S::LANES);
+    let qdim = a.n_heads * hd;
+    let kv_off = (h0 / a.group) * hd;
+    let (bs, kvd) = (a.kv.block_size, a.kv.kv_dim);
+    let vp = a.kv.v.as_ptr();
+    let t = s.q_start + i;
+    let n_ctx = s.first_pos + i + 1;
+    // Lanes past n_ctx hold garbage and are skipped.
+    let mut inv_sum = [0.0f32; G];
+    for (g, inv) in inv_sum.iter_mut().enumerate() {
+        let sg = sc.add(g * stride);
+        let max = max_of::<S>(sg, n_ctx);
+        *inv = 1.0 / exp_shifted::<S>(sg, n_ctx, max);
+    }
+    // Weighted sums of V rows, block by block.
+    let mut acc = [[S::zero(); NV]; G];
+    let mut p = 0;
+    for &blk in &s.block_table[..n_ctx.div_ceil(bs)] {
+        let base = vp.add(blk as usize * bs * kvd + kv_off);
+        let len = (n_ctx - p).min(bs);
+        for c in 0..len {
+            let row = base.add(c * kvd);
+            let vv: [S::V; NV] = std::array::from_fn(|j| S::load(row.add(j * l)));
+            for (g, ag) in acc.iter_mut().enumerate() {
+                let w = S::splat(*sc.add(g * stride + p + c));
+                for (x, v) in ag.iter_mut().zip(vv.iter()) {
+                    *x = S::fma(w, *v, *x);
+                }
             }
+        }
+        p += len;
+    }
+    for (g, ag) in acc.iter().enumerate() {
+        let oh = a.out.add(t * qdim + (h0 + g) * hd);
+        let inv = S::splat(inv_sum[g]);
+        for (j, x) in ag.iter().enumerate() {
+            S::store(oh.add(j * l), S::mul(*x, inv));
         }
     }
 }
