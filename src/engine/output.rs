@@ -137,6 +137,18 @@ impl SeqOutput {
             text.push_str(&std::mem::take(&mut self.held));
             text.push_str(&self.detok.finish());
         }
+        // Metrics first: a client that has its answer sees them updated.
+        if let Some(reason) = finish {
+            m.request_success
+                .with_label_values(&[reason.as_str()])
+                .inc();
+            let left = self.req.choices_left.get().saturating_sub(1);
+            self.req.choices_left.set(left);
+            if left == 0 {
+                m.e2e_request_latency
+                    .observe((now - self.req.arrival).as_secs_f64());
+            }
+        }
         let _ = self.req.tx.send(EngineEvent::Token {
             choice: self.choice,
             token_id: s.token,
@@ -153,15 +165,6 @@ impl SeqOutput {
             stop_reason,
             num_cached_tokens: self.num_cached_tokens,
         });
-        m.request_success
-            .with_label_values(&[reason.as_str()])
-            .inc();
-        let left = self.req.choices_left.get().saturating_sub(1);
-        self.req.choices_left.set(left);
-        if left == 0 {
-            m.e2e_request_latency
-                .observe((now - self.req.arrival).as_secs_f64());
-        }
         true
     }
 }
