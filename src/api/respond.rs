@@ -305,7 +305,8 @@ impl Responder {
         let Some(i) = self.apply(ev) else {
             return Vec::new();
         };
-        let p = self.job.params.clone();
+        // Two flags, copied out: `self` is borrowed mutably below.
+        let (logprobs, token_ids) = (self.job.params.logprobs, self.job.params.return_token_ids);
         let mut out = Vec::new();
         if !self.choices[i].started {
             // The first event of the request opens every choice, in index order.
@@ -324,7 +325,7 @@ impl Responder {
                 };
                 if let Some(c) = first {
                     let mut chunk = self.envelope(true, vec![c]);
-                    if p.return_token_ids && j == 0 {
+                    if token_ids && j == 0 {
                         chunk["prompt_token_ids"] = json!(self.job.prompt_ids);
                     }
                     out.push(chunk);
@@ -333,7 +334,7 @@ impl Responder {
         }
         match ev {
             EngineEvent::Token { token_id, text, .. } => {
-                if text.is_empty() && !p.logprobs && !p.return_token_ids {
+                if text.is_empty() && !logprobs && !token_ids {
                     return out;
                 }
                 let c = &self.choices[i];
@@ -341,7 +342,7 @@ impl Responder {
                     Flavor::Chat => json!({
                         "index": i,
                         "delta": {"content": text},
-                        "logprobs": if p.logprobs {
+                        "logprobs": if logprobs {
                             json!({"content": [c.logprobs.last()], "refusal": null})
                         } else {
                             Value::Null
@@ -351,7 +352,7 @@ impl Responder {
                     Flavor::Completion => json!({
                         "index": i,
                         "text": text,
-                        "logprobs": if p.logprobs {
+                        "logprobs": if logprobs {
                             json!({
                                 "tokens": [c.tokens.last()],
                                 "token_logprobs": [c.token_logprobs.last()],
@@ -364,7 +365,7 @@ impl Responder {
                         "finish_reason": null,
                     }),
                 };
-                if p.return_token_ids {
+                if token_ids {
                     choice["token_ids"] = json!([token_id]);
                 }
                 out.push(self.envelope(true, vec![choice]));

@@ -195,13 +195,6 @@ impl BlockTable {
         true
     }
 
-    /// How many more blocks covering `num_tokens` positions would take.
-    pub fn blocks_needed(&self, num_tokens: usize) -> usize {
-        num_tokens
-            .div_ceil(self.mgr.block_size())
-            .saturating_sub(self.ids.len())
-    }
-
     /// Register the full blocks among the first `num_computed` tokens in the prefix cache.
     pub fn register_full_blocks(&mut self, tokens: &[u32], num_computed: usize, version: u64) {
         let mut inner = self.mgr.0.borrow_mut();

@@ -169,10 +169,6 @@ impl EngineHandle {
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::Acquire)
     }
-
-    pub fn num_pending(&self) -> usize {
-        self.num_pending.load(Ordering::Acquire)
-    }
 }
 
 /// Clears the alive flag when the engine thread ends, however it ends.

@@ -102,14 +102,6 @@ impl Scheduler {
             .find(|s| s.id == id)
     }
 
-    pub fn seq_ids(&self) -> Vec<SeqId> {
-        self.running
-            .iter()
-            .chain(self.waiting.iter())
-            .map(|s| s.id)
-            .collect()
-    }
-
     /// Take a sequence out (finished or aborted); dropping it frees its blocks.
     pub fn remove(&mut self, id: SeqId) -> Option<Sequence> {
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
@@ -127,11 +119,6 @@ impl Scheduler {
         plan.preempted.push(s.id);
         plan.chunks.retain(|c| c.seq != s.id);
         self.waiting.push_front(s);
-    }
-
-    /// Positions the sequence could cover with its blocks plus every free one.
-    fn capacity(&self, s: &Sequence) -> usize {
-        (s.table.num_blocks() + self.blocks.num_free()) * self.blocks.block_size()
     }
 
     pub fn schedule(&mut self) -> Plan {
@@ -169,10 +156,9 @@ impl Scheduler {
             if remaining <= 1 || budget == 0 {
                 continue;
             }
-            let cap = (s.table.num_blocks() + self.blocks.num_free()) * self.blocks.block_size();
             let len = remaining
                 .min(budget)
-                .min(cap.saturating_sub(s.num_computed));
+                .min(capacity(&self.blocks, s).saturating_sub(s.num_computed));
             if len == 0 || !s.table.ensure(s.num_computed + len) {
                 continue;
             }
@@ -196,7 +182,7 @@ impl Scheduler {
             let remaining = s.num_remaining();
             let len = remaining
                 .min(budget)
-                .min(self.capacity(&s).saturating_sub(s.num_computed));
+                .min(capacity(&self.blocks, &s).saturating_sub(s.num_computed));
             if len == 0 || !s.table.ensure(s.num_computed + len) {
                 // Not now: give back what a prefix match took, keep its place in line.
                 s.table.clear();
@@ -228,6 +214,11 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// Positions `s` could cover with its blocks plus every free one.
+fn capacity(blocks: &BlockManager, s: &Sequence) -> usize {
+    (s.table.num_blocks() + blocks.num_free()) * blocks.block_size()
 }
 
 #[cfg(test)]
