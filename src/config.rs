@@ -174,8 +174,9 @@ impl RawConfig {
                 "must be at least 1",
             ));
         }
-        if !matches!(cfg.block_size, 8 | 16 | 32 | 64) {
-            return Err(invalid("engine.block_size", "must be 8, 16, 32 or 64"));
+        // Whole AVX-512 vectors of keys per block: the attention kernel's fast path.
+        if !matches!(cfg.block_size, 16 | 32 | 64) {
+            return Err(invalid("engine.block_size", "must be 16, 32 or 64"));
         }
         if cfg.kv_cache_bytes == 0 {
             return Err(invalid("engine.kv_cache_mb", "must be at least 1"));

@@ -282,9 +282,16 @@ fn rope_table_rotates_adjacent_pairs_like_the_formula() {
 fn paged_attention_matches_reference() {
     // Block size 16 takes the vector path (whole blocks of keys per FMA); 4 and 24 the others.
     for bs in [4usize, 16, 24] {
-        // (heads, KV heads, head dim): groups of 3, 8 (two chunks of 4), 1; head dims of 1, 2, 4
-        // vectors and one (48) that is not a whole number of AVX-512 vectors.
-        for (n_heads, n_kv, hd) in [(6, 2, 64), (8, 1, 32), (10, 10, 16), (4, 2, 48)] {
+        // (heads, KV heads, head dim): groups of 3, 8 (two chunks of 4), 1, 4 (chunks of 3 and 1
+        // at 8 vectors per head); head dims of 1, 2, 3, 4 and 8 AVX-512 vectors. Block sizes 4
+        // and 24 (not whole vectors) take the scalar fallback.
+        for (n_heads, n_kv, hd) in [
+            (6, 2, 64),
+            (8, 1, 32),
+            (10, 10, 16),
+            (4, 2, 48),
+            (4, 1, 128),
+        ] {
             paged_attention_case(bs, n_heads, n_kv, hd);
         }
     }

@@ -3,7 +3,8 @@
 //! result is computed the same way whatever else is in the batch.
 
 use super::matmul::scratch as thread_scratch;
-use super::simd::{exp, Avx2, Avx512, Simd};
+use super::ops::{exp_shifted, max_of};
+use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, ThreadPool};
 use crate::reference::{self, AttnSeq, PagedKv};
 use std::cell::RefCell;
@@ -69,10 +70,15 @@ pub fn attention(
     let l = isa.lanes();
     let grouped = kv.block_size.is_multiple_of(l)
         && head_dim.is_multiple_of(l)
-        && matches!(head_dim / l, 1 | 2 | 4);
-    // Heads per task: the query heads sharing one KV head are scored together (up to 4), so each
-    // K and V load serves all of them.
-    let heads_per_task = if grouped { args.group.min(4) } else { 1 };
+        && matches!(head_dim / l, 1 | 2 | 3 | 4 | 6 | 8);
+    // Heads per task: the query heads sharing one KV head are scored together (up to 4, and at
+    // most 24 V accumulators), so each K and V load serves all of them. Other shapes (block
+    // sizes or head dims that are not whole vectors) take the scalar fallback.
+    let heads_per_task = if grouped {
+        args.group.min(4).min((24 / (head_dim / l)).max(1))
+    } else {
+        1
+    };
     let chunks_per_kv = args.group.div_ceil(heads_per_task);
     let num_head_chunks = n_kv_heads * chunks_per_kv;
     // Tasks: (sequence, head chunk, chunk of queries).
@@ -138,7 +144,10 @@ unsafe fn attn_grouped_dispatch<S: Simd>(
             match a.head_dim / S::LANES {
                 1 => attn_grouped::<S, $g, 1>(a, s, h0, i0, i1),
                 2 => attn_grouped::<S, $g, 2>(a, s, h0, i0, i1),
-                _ => attn_grouped::<S, $g, 4>(a, s, h0, i0, i1),
+                3 => attn_grouped::<S, $g, 3>(a, s, h0, i0, i1),
+                4 => attn_grouped::<S, $g, 4>(a, s, h0, i0, i1),
+                6 => attn_grouped::<S, $g, 6>(a, s, h0, i0, i1),
+                _ => attn_grouped::<S, $g, 8>(a, s, h0, i0, i1),
             }
         };
     }
@@ -298,165 +307,40 @@ unsafe fn attn_avx2(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
     attn_g::<Avx2>(a, s, h, i0, i1)
 }
 
-/// The largest of the `n` values at `p`.
-#[inline(always)]
-unsafe fn max_of<S: Simd>(p: *const f32, n: usize) -> f32 {
-    let l = S::LANES;
-    let mut vmax = S::splat(f32::NEG_INFINITY);
-    let mut i = 0;
-    while i + l <= n {
-        vmax = S::max(vmax, S::load(p.add(i)));
-        i += l;
-    }
-    let mut max = S::reduce_max(vmax);
-    while i < n {
-        max = max.max(*p.add(i));
-        i += 1;
-    }
-    max
-}
-
-/// Replace the `n` scores at `p` by exp(score - max); return their sum.
-#[inline(always)]
-unsafe fn exp_shifted<S: Simd>(p: *mut f32, n: usize, max: f32) -> f32 {
-    let l = S::LANES;
-    let vm = S::splat(max);
-    let mut vsum = S::zero();
-    let mut i = 0;
-    while i + l <= n {
-        let e = exp::<S>(S::sub(S::load(p.add(i)), vm));
-        S::store(p.add(i), e);
-        vsum = S::add(vsum, e);
-        i += l;
-    }
-    let mut sum = S::reduce_add(vsum);
-    while i < n {
-        let e = (*p.add(i) - max).exp();
-        *p.add(i) = e;
-        sum += e;
-        i += 1;
-    }
-    sum
-}
-
-/// out[0..NV*LANES] = sum_p w[p] * V[p] for the head at `kv_off`.
-#[inline(always)]
-unsafe fn sum_v<S: Simd, const NV: usize>(
-    a: &AttnArgs,
-    s: &AttnSeq,
-    w: *const f32,
-    n_ctx: usize,
-    kv_off: usize,
-    out: *mut f32,
-) {
-    let vp = a.kv.v.as_ptr();
-    let (bs, kvd) = (a.kv.block_size, a.kv.kv_dim);
-    let mut acc = [S::zero(); NV];
-    // Block by block: V rows of a block are contiguous (no per-position division).
-    let mut p = 0;
-    for &blk in &s.block_table[..n_ctx.div_ceil(bs)] {
-        let base = vp.add(blk as usize * bs * kvd + kv_off);
-        let len = (n_ctx - p).min(bs);
-        for c in 0..len {
-            let row = base.add(c * kvd);
-            let wp = S::splat(*w.add(p + c));
-            for (j, x) in acc.iter_mut().enumerate() {
-                *x = S::fma(wp, S::load(row.add(j * S::LANES)), *x);
-            }
-        }
-        p += len;
-    }
-    for (j, x) in acc.iter().enumerate() {
-        S::store(out.add(j * S::LANES), *x);
-    }
-}
-
+/// The fallback for shapes the grouped kernel does not take: one head, scalar scores and sums
+/// (exp and the softmax sum vectorized).
 #[inline(always)]
 unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
     let hd = a.head_dim;
-    let l = S::LANES;
     let qdim = a.n_heads * hd;
     let kv_off = (h / a.group) * hd;
     let (kp, vp) = (a.kv.k.as_ptr(), a.kv.v.as_ptr());
-    let sc = thread_scratch(
-        &SCORES,
-        (s.first_pos + i1).div_ceil(a.kv.block_size) * a.kv.block_size + l,
-    );
-    {
-        for i in i0..i1 {
-            let t = s.q_start + i;
-            let n_ctx = s.first_pos + i + 1;
-            let qh = a.q.add(t * qdim + h * hd);
-            let mut max = f32::NEG_INFINITY;
-            let bs = a.kv.block_size;
-            if bs.is_multiple_of(l) {
-                // K is [kv_dim][block_size] per block: score `l` keys at once with broadcast FMAs.
-                let kvd = a.kv.kv_dim;
-                let vscale = S::splat(a.scale);
-                for (bi, &blk) in s.block_table[..n_ctx.div_ceil(bs)].iter().enumerate() {
-                    let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
-                    let mut c = 0;
-                    while c < bs && bi * bs + c < n_ctx {
-                        let mut acc = [S::zero(); 4];
-                        let mut d = 0;
-                        while d + 4 <= hd {
-                            for (u, a) in acc.iter_mut().enumerate() {
-                                *a = S::fma(
-                                    S::splat(*qh.add(d + u)),
-                                    S::load(kb.add((d + u) * bs + c)),
-                                    *a,
-                                );
-                            }
-                            d += 4;
-                        }
-                        while d < hd {
-                            acc[0] =
-                                S::fma(S::splat(*qh.add(d)), S::load(kb.add(d * bs + c)), acc[0]);
-                            d += 1;
-                        }
-                        let v = S::mul(
-                            S::add(S::add(acc[0], acc[1]), S::add(acc[2], acc[3])),
-                            vscale,
-                        );
-                        S::store(sc.add(bi * bs + c), v);
-                        c += l;
-                    }
-                }
-                // Lanes past the context hold garbage: they are excluded from max and sums.
-                max = max_of::<S>(sc, n_ctx);
-            } else {
-                for p in 0..n_ctx {
-                    let mut acc = 0.0f32;
-                    for d in 0..hd {
-                        acc += *qh.add(d) * *kp.add(a.kv.k_index(s.block_table, p, kv_off + d));
-                    }
-                    let v = acc * a.scale;
-                    *sc.add(p) = v;
-                    max = max.max(v);
-                }
-            }
-            let sum = exp_shifted::<S>(sc, n_ctx, max);
-            let oh = a.out.add(t * qdim + h * hd);
-            // Weighted sum of V rows, accumulated in registers when the head fits in a few vectors.
-            match hd.is_multiple_of(l).then_some(hd / l) {
-                Some(1) => sum_v::<S, 1>(a, s, sc, n_ctx, kv_off, oh),
-                Some(2) => sum_v::<S, 2>(a, s, sc, n_ctx, kv_off, oh),
-                Some(4) => sum_v::<S, 4>(a, s, sc, n_ctx, kv_off, oh),
-                Some(8) => sum_v::<S, 8>(a, s, sc, n_ctx, kv_off, oh),
-                _ => {
-                    std::ptr::write_bytes(oh, 0, hd);
-                    for p in 0..n_ctx {
-                        let off = a.kv.v_offset(s.block_table, p) + kv_off;
-                        for d in 0..hd {
-                            *oh.add(d) += *sc.add(p) * *vp.add(off + d);
-                        }
-                    }
-                }
-            }
-            let inv = 1.0 / sum;
+    let sc = thread_scratch(&SCORES, s.first_pos + i1 + S::LANES);
+    for i in i0..i1 {
+        let t = s.q_start + i;
+        let n_ctx = s.first_pos + i + 1;
+        let qh = a.q.add(t * qdim + h * hd);
+        let mut max = f32::NEG_INFINITY;
+        for p in 0..n_ctx {
+            let mut acc = 0.0f32;
             for d in 0..hd {
-                *oh.add(d) *= inv;
+                acc += *qh.add(d) * *kp.add(a.kv.k_index(s.block_table, p, kv_off + d));
             }
+            let v = acc * a.scale;
+            *sc.add(p) = v;
+            max = max.max(v);
+        }
+        let inv = 1.0 / exp_shifted::<S>(sc, n_ctx, max);
+        let oh = a.out.add(t * qdim + h * hd);
+        std::ptr::write_bytes(oh, 0, hd);
+        for p in 0..n_ctx {
+            let off = a.kv.v_offset(s.block_table, p) + kv_off;
+            for d in 0..hd {
+                *oh.add(d) += *sc.add(p) * *vp.add(off + d);
+            }
+        }
+        for d in 0..hd {
+            *oh.add(d) *= inv;
         }
     }
 }

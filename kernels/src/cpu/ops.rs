@@ -146,19 +146,10 @@ unsafe fn log_softmax_g<S: Simd>(x: &mut [f32]) {
     let l = S::LANES;
     let n = x.len();
     let p = x.as_mut_ptr();
-    let mut vmax = S::splat(f32::NEG_INFINITY);
-    let mut i = 0;
-    while i + l <= n {
-        vmax = S::max(vmax, S::load(p.add(i)));
-        i += l;
-    }
-    let mut max = S::reduce_max(vmax);
-    for v in &x[i..] {
-        max = max.max(*v);
-    }
+    let max = max_of::<S>(p, n);
     let vm = S::splat(max);
     let mut vsum = S::zero();
-    i = 0;
+    let mut i = 0;
     while i + l <= n {
         vsum = S::add(vsum, exp::<S>(S::sub(S::load(p.add(i)), vm)));
         i += l;
@@ -171,4 +162,45 @@ unsafe fn log_softmax_g<S: Simd>(x: &mut [f32]) {
     for v in x.iter_mut() {
         *v -= lse;
     }
+}
+
+/// The largest of the `n` values at `p`.
+#[inline(always)]
+pub(crate) unsafe fn max_of<S: Simd>(p: *const f32, n: usize) -> f32 {
+    let l = S::LANES;
+    let mut vmax = S::splat(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + l <= n {
+        vmax = S::max(vmax, S::load(p.add(i)));
+        i += l;
+    }
+    let mut max = S::reduce_max(vmax);
+    while i < n {
+        max = max.max(*p.add(i));
+        i += 1;
+    }
+    max
+}
+
+/// Replace the `n` scores at `p` by exp(score - max); return their sum.
+#[inline(always)]
+pub(crate) unsafe fn exp_shifted<S: Simd>(p: *mut f32, n: usize, max: f32) -> f32 {
+    let l = S::LANES;
+    let vm = S::splat(max);
+    let mut vsum = S::zero();
+    let mut i = 0;
+    while i + l <= n {
+        let e = exp::<S>(S::sub(S::load(p.add(i)), vm));
+        S::store(p.add(i), e);
+        vsum = S::add(vsum, e);
+        i += l;
+    }
+    let mut sum = S::reduce_add(vsum);
+    while i < n {
+        let e = (*p.add(i) - max).exp();
+        *p.add(i) = e;
+        sum += e;
+        i += 1;
+    }
+    sum
 }
