@@ -1,6 +1,8 @@
 //! Start `flywheel serve` on 127.0.0.1 port 0 as a child process, and a minimal blocking HTTP/1.1
 //! client for talking to it. Every wait is bounded; the server is killed on drop.
 
+use super::{write_tiny, TinySpec};
+use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
@@ -250,4 +252,72 @@ pub fn dechunk(mut b: &[u8]) -> Vec<u8> {
         b = &b[(start + size + 2).min(b.len())..];
     }
     out
+}
+
+// ---- Shared by the server test files: a tiny model served as "tiny", and checks. ----
+
+pub const CONFIG: &str = r#"
+[server]
+served_model_name = "tiny"
+[engine]
+kv_cache_mb = 16
+max_num_batched_tokens = 64
+"#;
+
+pub fn spec() -> TinySpec {
+    TinySpec {
+        ctx: 512,
+        ..TinySpec::small()
+    }
+}
+
+/// A long context, so that a generation can outlast what the test does meanwhile.
+pub fn start_long(config: &str) -> (tempfile::TempDir, Server) {
+    let (dir, path) = write_tiny(&TinySpec {
+        ctx: 8192,
+        ..TinySpec::small()
+    });
+    let s = Server::start(&path, config, &[]);
+    (dir, s)
+}
+
+pub fn start(config: &str, args: &[&str]) -> (tempfile::TempDir, Server) {
+    let (dir, path) = write_tiny(&spec());
+    let s = Server::start(&path, config, args);
+    (dir, s)
+}
+
+/// The KV gauge is updated after the engine step that sent the last tokens: poll it (bounded).
+pub fn wait_for_no_blocks(s: &Server) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.metric("flywheel_kv_cache_blocks_used") > 0.0 {
+        assert!(Instant::now() < deadline, "KV blocks still held");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+pub fn chat(content: &str, extra: Value) -> Value {
+    let mut b = json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 24,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+pub fn assert_error(r: &Response, status: u16, param: Option<&str>) -> Value {
+    assert_eq!(r.status, status, "{}", r.body_text());
+    let e = r.json();
+    let err = &e["error"];
+    for k in ["message", "type", "param", "code"] {
+        assert!(err.get(k).is_some(), "error body lacks {k}: {e}");
+    }
+    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()));
+    if let Some(p) = param {
+        assert_eq!(err["param"], json!(p), "{e}");
+    }
+    e
 }
