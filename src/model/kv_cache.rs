@@ -17,8 +17,8 @@ impl KvCache {
     pub fn new(num_layers: usize, kv_dim: usize, block_size: usize, num_blocks: usize) -> KvCache {
         let n = num_layers * num_blocks * block_size * kv_dim;
         let (mut k, mut v) = (vec![0.0; n], vec![0.0; n]);
-        // Touch every page now: zeroed allocations are mapped lazily, and first-touch page faults
-        // in the middle of serving would land on request latency.
+        // Touch every page now: zeroed allocations are mapped lazily, so the first-touch page
+        // faults happen at start-up instead of in the middle of serving.
         k.fill(0.0);
         v.fill(0.0);
         KvCache {
