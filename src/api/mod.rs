@@ -199,10 +199,7 @@ fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         model_name: model_name(cfg),
         max_model_len,
         vocab_size,
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        created: respond::unix_now(),
     })
 }
 

@@ -40,7 +40,8 @@ pub fn random_id(prefix: &str) -> String {
     format!("{prefix}{hex}")
 }
 
-fn unix_now() -> u64 {
+/// Seconds since the Unix epoch (the `created` field).
+pub fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
