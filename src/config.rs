@@ -15,6 +15,9 @@ pub struct RawConfig {
     pub model: RawModel,
     #[serde(default)]
     pub engine: RawEngine,
+    /// Adapters to load at start-up: NAME = "PEFT folder".
+    #[serde(default)]
+    pub adapters: std::collections::BTreeMap<String, PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -23,6 +26,7 @@ pub struct RawServer {
     pub host: Option<String>,
     pub port: Option<u16>,
     pub api_key: Option<String>,
+    pub admin_key: Option<String>,
     pub served_model_name: Option<String>,
     pub max_pending_requests: Option<usize>,
     pub retry_after_secs: Option<u64>,
@@ -55,6 +59,9 @@ pub struct CliOverrides {
     pub host: Option<String>,
     pub port: Option<u16>,
     pub api_key: Option<String>,
+    pub admin_key: Option<String>,
+    /// `--adapter NAME=PATH`, in order (added to and overriding the file's `[adapters]`).
+    pub adapters: Vec<(String, PathBuf)>,
 }
 
 #[derive(Clone, Debug)]
@@ -63,6 +70,11 @@ pub struct Config {
     pub port: u16,
     /// Bearer token every /v1 request must carry; None: open.
     pub api_key: Option<String>,
+    /// Bearer token of the admin routes (loading, creating, exporting, deleting adapters). None:
+    /// admin routes are open on a loopback-only server and refused otherwise.
+    pub admin_key: Option<String>,
+    /// Adapters loaded at start-up (name, PEFT folder).
+    pub adapters: Vec<(String, PathBuf)>,
     /// The model id clients send; None: the GGUF file's stem.
     pub served_model_name: Option<String>,
     /// Requests queued or running at once; more are answered 429.
@@ -125,6 +137,19 @@ impl RawConfig {
             host: cli.host.clone().or(s.host).unwrap_or("127.0.0.1".into()),
             port: cli.port.or(s.port).unwrap_or(8080),
             api_key: cli.api_key.clone().or(s.api_key).filter(|k| !k.is_empty()),
+            admin_key: cli
+                .admin_key
+                .clone()
+                .or(s.admin_key)
+                .filter(|k| !k.is_empty()),
+            adapters: {
+                let mut a: Vec<(String, PathBuf)> = self.adapters.into_iter().collect();
+                for (n, p) in &cli.adapters {
+                    a.retain(|(m, _)| m != n);
+                    a.push((n.clone(), p.clone()));
+                }
+                a
+            },
             served_model_name: s.served_model_name.filter(|n| !n.is_empty()),
             max_pending_requests: s.max_pending_requests.unwrap_or(256),
             retry_after_secs: s.retry_after_secs.unwrap_or(1),

@@ -1,10 +1,16 @@
-//! Generation without a server: prefill a prompt, then decode one or several sequences as one
-//! packed batch per step. Used by `flywheel generate` and `flywheel bench`.
+//! Generation without a server: one request through the engine (the same scheduler, forward,
+//! sampler and adapter wiring as `serve`), collected synchronously. Used by `flywheel generate`.
+//! `decode_batch` times the forward pass alone for `flywheel bench`.
 
-use crate::engine::sampler::{sample, Rng, SamplingParams, TopLogprob};
+use crate::adapter::registry::AdapterVersion;
+use crate::engine::sampler::{SamplingParams, TopLogprob};
+use crate::engine::{Engine, EngineConfig, EngineEvent, FinishReason, GenerateRequest, StopReason};
+use crate::metrics::Metrics;
 use crate::model::kv_cache::{BlockAllocator, KvCache};
 use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
+use crate::model::tokenizer::Tokenizer;
 use flywheel_kernels::Cpu;
+use std::sync::Arc;
 use std::time::Instant;
 
 pub const BLOCK_SIZE: usize = 16;
@@ -14,8 +20,8 @@ pub struct GenerateOptions {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub seed: u64,
-    /// Token ids that end generation (not included in the output).
-    pub stop_ids: Vec<u32>,
+    /// The adapter version to run through (None: the base model).
+    pub adapter: Option<Arc<AdapterVersion>>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -37,6 +43,7 @@ pub struct Timings {
 
 #[derive(Clone, Debug)]
 pub struct GenerateOutput {
+    /// Generated tokens; the end-of-sequence token that stopped generation is not included.
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
     /// "stop" or "length".
@@ -44,10 +51,11 @@ pub struct GenerateOutput {
     pub timings: Timings,
 }
 
-/// Generate from `prompt`, calling `on_token` with each new token as it is sampled.
+/// Generate from `prompt` through a private engine, calling `on_token` with each new token.
 pub fn generate(
-    model: &Llama,
-    cpu: &Cpu,
+    model: Arc<Llama>,
+    tokenizer: Arc<Tokenizer>,
+    cpu: Cpu,
     prompt: &[u32],
     opts: &GenerateOptions,
     mut on_token: impl FnMut(u32),
@@ -60,79 +68,84 @@ pub fn generate(
         prompt.len()
     );
     let max_tokens = opts.max_tokens.min(ctx - prompt.len());
-    let total = prompt.len() + max_tokens;
-    let num_blocks = total.div_ceil(BLOCK_SIZE);
-    let mut cache = KvCache::new(
-        model.config.num_layers,
-        model.config.kv_dim(),
-        BLOCK_SIZE,
-        num_blocks,
-    );
-    let mut alloc = BlockAllocator::new(num_blocks);
-    let mut table = Vec::new();
-    let mut rng = Rng::new(opts.seed);
-
+    let cfg = EngineConfig {
+        max_num_seqs: 1,
+        max_num_batched_tokens: 512,
+        num_kv_blocks: (prompt.len() + max_tokens + 1).div_ceil(BLOCK_SIZE),
+        block_size: BLOCK_SIZE,
+        enable_prefix_caching: false,
+        max_pending_requests: 1,
+    };
+    let eos = tokenizer.eos_id;
+    let (engine, join) = Engine::start(model, tokenizer, cpu, cfg, Arc::new(Metrics::new()))?;
     let t0 = Instant::now();
-    alloc.ensure(&mut table, prompt.len(), BLOCK_SIZE);
-    let mut logits = model.forward(
-        cpu,
-        &mut cache,
-        &[BatchSeq {
-            tokens: prompt,
-            first_pos: 0,
-            block_table: &table,
-            logits: Logits::Last,
-        }],
-    )?;
-    let prompt_seconds = t0.elapsed().as_secs_f64();
-
-    let t1 = Instant::now();
+    let mut stream = engine.submit(GenerateRequest {
+        prompt: prompt.to_vec(),
+        n: 1,
+        max_tokens,
+        sampling: opts.sampling.clone(),
+        seed: Some(opts.seed),
+        stop: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: false,
+        adapter: opts.adapter.clone(),
+    })?;
+    drop(engine);
     let mut out = Vec::new();
     let mut lps = Vec::new();
-    let mut finish_reason = "length";
-    while out.len() < max_tokens {
-        let s = sample(
-            cpu,
-            &mut logits,
-            &opts.sampling,
-            &Default::default(),
-            &mut rng,
-        );
-        if opts.stop_ids.contains(&s.token) {
-            finish_reason = "stop";
-            break;
+    let mut first_at = None;
+    let finish = loop {
+        match stream.rx.blocking_recv() {
+            Some(EngineEvent::Token {
+                token_id,
+                logprob,
+                top_logprobs,
+                ..
+            }) => {
+                first_at.get_or_insert_with(Instant::now);
+                if Some(token_id) != eos {
+                    on_token(token_id);
+                }
+                out.push(token_id);
+                lps.push(TokenLogprob {
+                    token_id,
+                    logprob,
+                    top_logprobs,
+                });
+            }
+            Some(EngineEvent::Finished {
+                reason,
+                stop_reason,
+                ..
+            }) => break (reason, stop_reason),
+            Some(EngineEvent::Error(e)) => anyhow::bail!("generation failed: {e}"),
+            None => anyhow::bail!("the engine stopped"),
         }
-        out.push(s.token);
-        lps.push(TokenLogprob {
-            token_id: s.token,
-            logprob: s.logprob,
-            top_logprobs: s.top,
-        });
-        on_token(s.token);
-        if out.len() == max_tokens {
-            break;
+    };
+    let end = Instant::now();
+    drop(stream);
+    let _ = join.join();
+    let finish_reason = match finish {
+        (FinishReason::Stop, None) | (FinishReason::Stop, Some(StopReason::Token(_))) => {
+            // The end-of-sequence token is reported, not kept.
+            out.pop();
+            lps.pop();
+            "stop"
         }
-        let pos = prompt.len() + out.len() - 1;
-        alloc.ensure(&mut table, pos + 1, BLOCK_SIZE);
-        logits = model.forward(
-            cpu,
-            &mut cache,
-            &[BatchSeq {
-                tokens: &[s.token],
-                first_pos: pos,
-                block_table: &table,
-                logits: Logits::Last,
-            }],
-        )?;
-    }
-    let decode_seconds = t1.elapsed().as_secs_f64();
+        (FinishReason::Stop, Some(StopReason::Text(_))) => "stop",
+        (FinishReason::Length, _) => "length",
+    };
+    let first = first_at.unwrap_or(end);
+    let prompt_seconds = (first - t0).as_secs_f64();
+    let decode_seconds = (end - first).as_secs_f64();
+    let decoded = out.len().saturating_sub(1);
     let timings = Timings {
         prompt_tokens: prompt.len(),
         prompt_seconds,
         prompt_tokens_per_second: prompt.len() as f64 / prompt_seconds.max(1e-9),
         decode_tokens: out.len(),
         decode_seconds,
-        decode_tokens_per_second: out.len() as f64 / decode_seconds.max(1e-9),
+        decode_tokens_per_second: decoded as f64 / decode_seconds.max(1e-9),
     };
     Ok(GenerateOutput {
         token_ids: out,
@@ -143,7 +156,7 @@ pub fn generate(
 }
 
 /// Decode `steps` tokens for each of `batch` sequences (each after its own short prompt) as one
-/// packed batch per step; returns seconds spent decoding. Greedy, for benchmarking.
+/// packed batch per step; returns seconds spent decoding. Greedy, for benchmarking the forward.
 pub fn decode_batch(
     model: &Llama,
     cpu: &Cpu,
@@ -168,6 +181,7 @@ pub fn decode_batch(
             first_pos: 0,
             block_table: t,
             logits: Logits::Last,
+            adapter: None,
         })
         .collect();
     let logits = model.forward(cpu, &mut cache, &batch)?;
@@ -188,6 +202,7 @@ pub fn decode_batch(
                 first_pos: pos[i],
                 block_table: &tables[i],
                 logits: Logits::Last,
+                adapter: None,
             })
             .collect();
         model.forward_into(cpu, &mut cache, &batch, &mut bufs)?;

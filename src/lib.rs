@@ -2,6 +2,7 @@
 //! `model` holds the GGUF reader, tokenizer and Llama forward; `engine` the continuous-batching
 //! engine; `api` the HTTP server; compute lives in `flywheel-kernels`.
 
+pub mod adapter;
 pub mod api;
 pub mod config;
 pub mod engine;

@@ -56,6 +56,12 @@ enum Cmd {
         /// Require `Authorization: Bearer KEY` on the API routes.
         #[arg(long, env = "FLYWHEEL_API_KEY")]
         api_key: Option<String>,
+        /// Key of the admin routes (adapters). Without one they are open only on loopback.
+        #[arg(long, env = "FLYWHEEL_ADMIN_KEY")]
+        admin_key: Option<String>,
+        /// Preload a PEFT adapter folder as NAME (repeatable).
+        #[arg(long = "adapter", value_name = "NAME=PATH", value_parser = parse_named_path)]
+        adapters: Vec<(String, PathBuf)>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -88,6 +94,9 @@ enum Cmd {
         /// Print one JSON object instead of streaming text.
         #[arg(long)]
         json: bool,
+        /// Run through this PEFT adapter folder (LoRA or OFT).
+        #[arg(long)]
+        adapter: Option<PathBuf>,
     },
     /// Print the token ids of the text on stdin.
     Tokenize {
@@ -118,6 +127,16 @@ enum Cmd {
         #[arg(long, default_value = DEFAULT_MODEL)]
         dest: PathBuf,
     },
+}
+
+fn parse_named_path(s: &str) -> Result<(String, PathBuf), String> {
+    let (n, p) = s
+        .split_once('=')
+        .ok_or_else(|| format!("'{s}': expected NAME=PATH"))?;
+    if n.is_empty() || p.is_empty() {
+        return Err(format!("'{s}': expected NAME=PATH"));
+    }
+    Ok((n.to_string(), PathBuf::from(p)))
 }
 
 fn make_cpu(m: &ModelArgs) -> Cpu {
@@ -156,6 +175,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             host,
             port,
             api_key,
+            admin_key,
+            adapters,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -173,6 +194,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 host,
                 port,
                 api_key,
+                admin_key,
+                adapters,
             };
             flywheel::api::run(raw.validate(&cli)?)
         }
@@ -209,6 +232,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             seed,
             top_logprobs,
             json,
+            adapter,
         } => {
             anyhow::ensure!(temperature >= 0.0, "--temperature must be >= 0");
             anyhow::ensure!(top_p > 0.0 && top_p <= 1.0, "--top-p must be in (0, 1]");
@@ -232,6 +256,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let prompt_ids = tok.encode(&text)?;
             let cpu = make_cpu(&m);
+            let adapter = match adapter {
+                None => None,
+                Some(dir) => {
+                    let w = flywheel::adapter::peft::load(&dir, &model.config)
+                        .with_context(|| format!("adapter {}", dir.display()))?;
+                    let reg = flywheel::adapter::registry::Registry::new(
+                        model.config.clone(),
+                        Vec::new(),
+                        std::sync::Arc::new(flywheel::metrics::Metrics::new()),
+                    );
+                    Some(reg.publish("adapter", w)?.0)
+                }
+            };
             let opts = GenerateOptions {
                 max_tokens,
                 sampling: SamplingParams {
@@ -242,11 +279,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     ..Default::default()
                 },
                 seed,
-                stop_ids: tok.eos_id.into_iter().collect(),
+                adapter,
             };
             let mut detok = Detokenizer::default();
             let mut stdout = std::io::stdout();
-            let out = generate(&model, &cpu, &prompt_ids, &opts, |id| {
+            let (model, tok) = (std::sync::Arc::new(model), std::sync::Arc::new(tok));
+            let isa = cpu.isa;
+            let out = generate(model, tok.clone(), cpu, &prompt_ids, &opts, |id| {
                 if !json {
                     let _ = write!(stdout, "{}", detok.push(&tok, id));
                     let _ = stdout.flush();
@@ -267,7 +306,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 let t = &out.timings;
                 eprintln!(
                     "[{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s, finish: {}, kernels: {}]",
-                    t.prompt_tokens, t.prompt_tokens_per_second, t.decode_tokens, t.decode_tokens_per_second, out.finish_reason, cpu.isa.name()
+                    t.prompt_tokens, t.prompt_tokens_per_second, t.decode_tokens, t.decode_tokens_per_second, out.finish_reason, isa.name()
                 );
             }
             Ok(())
@@ -340,6 +379,7 @@ fn bench(
             first_pos: 0,
             block_table: &table,
             logits: Logits::Last,
+            adapter: None,
         }],
     )?;
     let mut pp_runs = Vec::new();
@@ -353,6 +393,7 @@ fn bench(
                 first_pos: 0,
                 block_table: &table,
                 logits: Logits::Last,
+                adapter: None,
             }],
         )?;
         pp_runs.push(pp as f64 / t.elapsed().as_secs_f64());

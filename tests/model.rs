@@ -161,6 +161,7 @@ fn run_all(model: &Llama, cpu: &Cpu, tokens: &[u32]) -> Vec<Vec<f32>> {
                 first_pos: 0,
                 block_table: &table,
                 logits: Logits::All,
+                adapter: None,
             }],
         )
         .unwrap();
@@ -257,12 +258,14 @@ fn packed_batches_and_chunked_prefill_agree_exactly_with_single_runs() {
                     first_pos: 0,
                     block_table: &ta,
                     logits: Logits::All,
+                    adapter: None,
                 },
                 BatchSeq {
                     tokens: &b,
                     first_pos: 0,
                     block_table: &tb,
                     logits: Logits::Last,
+                    adapter: None,
                 },
             ],
         )
@@ -277,6 +280,7 @@ fn packed_batches_and_chunked_prefill_agree_exactly_with_single_runs() {
                 first_pos: 10,
                 block_table: &ta,
                 logits: Logits::All,
+                adapter: None,
             }],
         )
         .unwrap();
@@ -336,6 +340,7 @@ fn bad_batches_are_errors_not_panics() {
                     first_pos,
                     block_table: &table,
                     logits: Logits::Last,
+                    adapter: None,
                 }],
             )
             .unwrap_err()

@@ -122,6 +122,23 @@ pub fn matmul(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &
     }
 }
 
+/// OFT's block-diagonal rotation: `out[t][k*b + j] = Σ_i x[t][k*b + i] · R_k[i][j]` with `r` holding
+/// the cols/b blocks of b×b row-major (R_k[i][j] at `r[(k*b + i)*b + j]`); sums in f64.
+pub fn oft_rotate(x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {
+    let cols = r.len() / b;
+    for (xr, or) in x.chunks(cols).zip(out.chunks_mut(cols)) {
+        for k in 0..cols / b {
+            for j in 0..b {
+                let mut acc = 0.0f64;
+                for i in 0..b {
+                    acc += xr[k * b + i] as f64 * r[(k * b + i) * b + j] as f64;
+                }
+                or[k * b + j] = acc as f32;
+            }
+        }
+    }
+}
+
 /// RMSNorm of each row of `x` (rows of `weight.len()` values): out = x / sqrt(mean(x^2) + eps) * weight.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();

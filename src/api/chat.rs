@@ -18,7 +18,7 @@ pub async fn chat_completions(
     let mut params = parse_common(&f, ready.vocab_size)?;
     parse_chat_logprobs(&f, &mut params)?;
     let messages = parse_messages(&f)?;
-    state.check_model(&params.model)?;
+    let (_, adapter) = state.resolve_model(&params.model)?;
     let tok = ready.tokenizer.clone();
     let prompt_ids = blocking(move || {
         let text = tok
@@ -33,6 +33,7 @@ pub async fn chat_completions(
         params,
         prompt_ids,
         echo: None,
+        adapter,
         prompt_param: "messages",
     };
     respond(&state, job).await

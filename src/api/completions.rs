@@ -19,7 +19,7 @@ pub async fn completions(
     parse_completion_logprobs(&f, &mut params)?;
     let prompt = parse_prompt(&f, ready.vocab_size)?;
     let echo = f.bool("echo")?.unwrap_or(false);
-    state.check_model(&params.model)?;
+    let (_, adapter) = state.resolve_model(&params.model)?;
     let tok = ready.tokenizer.clone();
     let (prompt_ids, text) = blocking(move || match prompt {
         Prompt::Text(t) => {
@@ -42,6 +42,7 @@ pub async fn completions(
         params,
         prompt_ids,
         echo: echo.then_some(text),
+        adapter,
         prompt_param: "prompt",
     };
     respond(&state, job).await

@@ -50,6 +50,20 @@ impl ApiError {
         }
     }
 
+    pub fn forbidden(message: impl Into<String>) -> ApiError {
+        ApiError {
+            code: Some("admin_disabled"),
+            ..ApiError::new(StatusCode::FORBIDDEN, "permission_error", message)
+        }
+    }
+
+    pub fn conflict(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            param: Some(param.to_string()),
+            ..ApiError::new(StatusCode::CONFLICT, "invalid_request_error", message)
+        }
+    }
+
     pub fn model_not_found(model: &str) -> ApiError {
         ApiError {
             param: Some("model".into()),

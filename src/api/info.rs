@@ -14,18 +14,31 @@ type JsonBody = Result<Json<Value>, axum::extract::rejection::JsonRejection>;
 
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let r = state.ready()?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": r.model_name,
+    let mut data = vec![json!({
+        "id": r.model_name,
+        "object": "model",
+        "created": r.created,
+        "owned_by": "flywheel",
+        "root": r.model_name,
+        "parent": null,
+        "max_model_len": r.max_model_len,
+        "adapter_version": 0,
+    })];
+    for slot in r.registry.list() {
+        let cur = slot.current();
+        data.push(json!({
+            "id": slot.name.as_ref(),
             "object": "model",
-            "created": r.created,
+            "created": slot.created,
             "owned_by": "flywheel",
             "root": r.model_name,
-            "parent": null,
+            "parent": r.model_name,
             "max_model_len": r.max_model_len,
-        }],
-    })))
+            "adapter_version": cur.version,
+            "adapter_kind": cur.weights.layout.config.method.kind(),
+        }));
+    }
+    Ok(Json(json!({"object": "list", "data": data})))
 }
 
 /// `{"model"?, "prompt": str}` or `{"model"?, "messages": [...], "add_generation_prompt"?}` ->

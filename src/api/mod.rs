@@ -1,6 +1,7 @@
 //! The HTTP server (axum): routes, shared state, auth and panic middleware, start-up and graceful
 //! shutdown. Handlers validate at the edge and talk to the engine only through `EngineHandle`.
 
+pub mod adapters;
 pub mod chat;
 pub mod completions;
 pub mod error;
@@ -8,6 +9,7 @@ pub mod info;
 pub mod openai;
 pub mod respond;
 
+use crate::adapter::registry::{Pinned, Registry};
 use crate::config::Config;
 use crate::engine::{Engine, EngineConfig, EngineHandle};
 use crate::metrics::Metrics;
@@ -36,11 +38,18 @@ pub struct Ready {
     pub max_model_len: usize,
     pub vocab_size: usize,
     pub created: u64,
+    pub registry: Arc<Registry>,
+    /// The compute seam shared with the engine's model (for building adapters off the engine).
+    pub model: Arc<Llama>,
 }
 
 pub struct Shared {
     ready: OnceLock<Ready>,
     pub api_key: Option<String>,
+    /// Key of the admin routes (adapters); None: see `admin_open`.
+    pub admin_key: Option<String>,
+    /// With no admin key: admin routes are open only when the server binds loopback addresses.
+    pub admin_open: bool,
     pub metrics: Arc<Metrics>,
     pub retry_after_secs: u64,
 }
@@ -56,10 +65,18 @@ impl Deref for AppState {
 }
 
 impl AppState {
-    pub fn new(api_key: Option<String>, metrics: Arc<Metrics>, retry_after_secs: u64) -> AppState {
+    pub fn new(
+        api_key: Option<String>,
+        admin_key: Option<String>,
+        admin_open: bool,
+        metrics: Arc<Metrics>,
+        retry_after_secs: u64,
+    ) -> AppState {
         AppState(Arc::new(Shared {
             ready: OnceLock::new(),
             api_key,
+            admin_key,
+            admin_open,
             metrics,
             retry_after_secs,
         }))
@@ -76,13 +93,21 @@ impl AppState {
         let _ = self.ready.set(r);
     }
 
-    /// 404 unless `model` is the served one.
+    /// 404 unless `model` is the served base model or an adapter.
     pub fn check_model(&self, model: &str) -> Result<&Ready, ApiError> {
+        self.resolve_model(model).map(|(r, _)| r)
+    }
+
+    /// The base (None) or the pinned current version of the adapter named `model`; 404 otherwise.
+    pub fn resolve_model(&self, model: &str) -> Result<(&Ready, Option<Pinned>), ApiError> {
         let r = self.ready()?;
-        if model != r.model_name {
-            return Err(ApiError::model_not_found(model));
+        if model == r.model_name {
+            return Ok((r, None));
         }
-        Ok(r)
+        match r.registry.pin(model) {
+            Some(p) => Ok((r, Some(p))),
+            None => Err(ApiError::model_not_found(model)),
+        }
     }
 }
 
@@ -93,9 +118,22 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(info::models))
         .route("/tokenize", post(info::tokenize))
         .route("/detokenize", post(info::detokenize))
+        .route("/v1/adapters", get(adapters::list))
+        .route("/v1/adapters/{name}", get(adapters::show))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    let admin = Router::new()
+        .route("/v1/adapters", post(adapters::create))
+        .route(
+            "/v1/adapters/{name}",
+            axum::routing::delete(adapters::delete),
+        )
+        .route("/v1/adapters/{name}/export", post(adapters::export))
+        .route("/v1/load_lora_adapter", post(adapters::load_lora))
+        .route("/v1/unload_lora_adapter", post(adapters::unload_lora))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admin_auth));
     Router::new()
         .merge(protected)
+        .merge(admin)
         .route("/health", get(info::health))
         .route("/metrics", get(info::metrics))
         .fallback(|| async { ApiError::not_found("no such route") })
@@ -103,23 +141,62 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Bearer-token check when an API key is configured (constant-time comparison).
+/// The bearer token of a request ("" when absent).
+fn bearer(req: &Request) -> &str {
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+}
+
+/// Constant-time comparison of a given key with the configured one.
+fn key_matches(given: &str, key: &str) -> bool {
+    given.len() == key.len()
+        && given
+            .bytes()
+            .zip(key.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+/// Bearer-token check when an API key is configured; the admin key is accepted too.
 async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        let same = given.len() == key.len()
-            && given
-                .bytes()
-                .zip(key.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0;
-        if !same {
+        let given = bearer(&req);
+        let admin = state
+            .admin_key
+            .as_deref()
+            .is_some_and(|a| key_matches(given, a));
+        if !key_matches(given, key) && !admin {
             return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Admin routes: the admin key when one is set; without one, open (under the API key, if any)
+/// only on a server bound to loopback, refused otherwise.
+async fn admin_auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    match &state.admin_key {
+        Some(key) => {
+            if !key_matches(bearer(&req), key) {
+                return ApiError::unauthorized().into_response();
+            }
+        }
+        None if !state.admin_open => {
+            return ApiError::forbidden(
+                "admin routes are disabled: this server binds a non-loopback address and has no \
+                 admin key (set --admin-key or server.admin_key)",
+            )
+            .into_response()
+        }
+        None => {
+            if let Some(key) = &state.api_key {
+                if !key_matches(bearer(&req), key) {
+                    return ApiError::unauthorized().into_response();
+                }
+            }
         }
     }
     next.run(req).await
@@ -192,14 +269,31 @@ fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         threads = cfg.threads,
         "model loaded"
     );
-    let (engine, _join) = Engine::start(Arc::new(model), tokenizer.clone(), cpu, ecfg, metrics)?;
+    let name = model_name(cfg);
+    let registry = Arc::new(Registry::new(
+        c.clone(),
+        vec![name.clone()],
+        metrics.clone(),
+    ));
+    for (adapter, dir) in &cfg.adapters {
+        let w = crate::adapter::peft::load(dir, c)
+            .map_err(|e| anyhow::anyhow!("adapter {adapter} ({}): {e}", dir.display()))?;
+        registry
+            .publish(adapter, w)
+            .map_err(|e| anyhow::anyhow!("adapter {adapter}: {e}"))?;
+        tracing::info!(adapter, path = %dir.display(), "adapter loaded");
+    }
+    let model = Arc::new(model);
+    let (engine, _join) = Engine::start(model.clone(), tokenizer.clone(), cpu, ecfg, metrics)?;
     Ok(Ready {
         engine,
         tokenizer,
-        model_name: model_name(cfg),
+        model_name: name,
         max_model_len,
         vocab_size,
         created: respond::unix_now(),
+        registry,
+        model,
     })
 }
 
@@ -220,7 +314,17 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
         println!("listening on {local}");
         tracing::info!(%local, "listening");
         let metrics = Arc::new(Metrics::new());
-        let state = AppState::new(cfg.api_key.clone(), metrics.clone(), cfg.retry_after_secs);
+        let admin_open = cfg.admin_key.is_none() && local.ip().is_loopback();
+        if cfg.admin_key.is_none() && !admin_open {
+            tracing::warn!("no admin key and a non-loopback address: admin routes are disabled");
+        }
+        let state = AppState::new(
+            cfg.api_key.clone(),
+            cfg.admin_key.clone(),
+            admin_open,
+            metrics.clone(),
+            cfg.retry_after_secs,
+        );
         let loader = {
             let (state, cfg) = (state.clone(), cfg.clone());
             tokio::task::spawn_blocking(move || -> anyhow::Result<()> {

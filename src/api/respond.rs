@@ -5,6 +5,7 @@
 use super::error::ApiError;
 use super::openai::CommonParams;
 use super::AppState;
+use crate::adapter::registry::Pinned;
 use crate::engine::sampler::TopLogprob;
 use crate::engine::{
     EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
@@ -30,6 +31,9 @@ pub struct Job {
     pub echo: Option<String>,
     /// The field the prompt came from, for length errors.
     pub prompt_param: &'static str,
+    /// The adapter version pinned for this request (None: the base model); held until the
+    /// response ends.
+    pub adapter: Option<Pinned>,
 }
 
 /// 128 random bits, hex.
@@ -83,12 +87,19 @@ fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, Ap
         stop: p.stop.clone(),
         stop_token_ids: p.stop_token_ids.clone(),
         ignore_eos: p.ignore_eos,
+        adapter: job.adapter.as_ref().map(|a| a.version().clone()),
     })
 }
 
 pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let req = engine_request(&job, ready.max_model_len)?;
+    let label = job.adapter.as_ref().map_or("", |a| &a.name);
+    state
+        .metrics
+        .adapter_requests
+        .with_label_values(&[label])
+        .inc();
     let stream = ready.engine.submit(req).map_err(|e| match e {
         SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string(), state.retry_after_secs),
         SubmitError::NotRunning => ApiError::unavailable(e.to_string()),
@@ -99,7 +110,14 @@ pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
             Flavor::Completion => "cmpl-",
         }),
         created: unix_now(),
-        model: ready.model_name.clone(),
+        model: job
+            .adapter
+            .as_ref()
+            .map_or_else(|| ready.model_name.clone(), |a| a.name.to_string()),
+        fingerprint: job
+            .adapter
+            .as_ref()
+            .map_or_else(|| format!("{}@0", ready.model_name), |a| a.fingerprint()),
         tok: ready.tokenizer.clone(),
         choices: (0..job.params.n).map(|_| Choice::default()).collect(),
         job,
@@ -130,6 +148,7 @@ struct Responder {
     id: String,
     created: u64,
     model: String,
+    fingerprint: String,
     tok: Arc<Tokenizer>,
     job: Job,
     choices: Vec<Choice>,
@@ -238,12 +257,18 @@ impl Responder {
         }
     }
 
+    /// The fields every response and chunk carries: which policy answered (`adapter`,
+    /// `adapter_version`, 0 for the base; `system_fingerprint` is "NAME@VERSION").
     fn envelope(&self, chunk: bool, choices: Vec<Value>) -> Value {
+        let a = self.job.adapter.as_ref();
         json!({
             "id": self.id,
             "object": self.object(chunk),
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "adapter": a.map(|a| a.name.to_string()),
+            "adapter_version": a.map_or(0, |a| a.version),
             "choices": choices,
         })
     }

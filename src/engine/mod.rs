@@ -8,6 +8,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
 
+use crate::adapter::registry::AdapterVersion;
 use crate::metrics::Metrics;
 use crate::model::kv_cache::KvCache;
 use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
@@ -52,6 +53,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// The adapter version pinned for this request (None: the base model).
+    pub adapter: Option<Arc<AdapterVersion>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -281,13 +284,14 @@ impl Engine {
         let seed = req.seed.unwrap_or_else(random_u64);
         let id = self.new_seq_id();
         let prompt = req.prompt.clone();
+        let adapter = req.adapter.clone();
         let n = req.n;
         let state = Rc::new(RequestState::new(req, tx, arrival, seed));
         let mut out = SeqOutput::new(state, 0);
         out.pending_forks = n - 1;
         self.outputs.insert(id, out);
         let table = self.sched.blocks().new_table();
-        self.sched.add(Sequence::new(id, prompt, table, 0));
+        self.sched.add(Sequence::new(id, prompt, table, adapter));
     }
 
     fn new_seq_id(&mut self) -> SeqId {
@@ -362,6 +366,7 @@ impl Engine {
                     } else {
                         Logits::None
                     },
+                    adapter: s.adapter.as_deref().map(|a| &a.weights),
                 }
             })
             .collect();
@@ -423,7 +428,7 @@ impl Engine {
             // Share the parent's full prompt blocks; the rest of the prompt is recomputed.
             let full = parent.prompt_len / bs;
             let table = parent.table.share_prefix(full);
-            let mut seq = Sequence::new(child_id, tokens, table, parent.adapter_version);
+            let mut seq = Sequence::new(child_id, tokens, table, parent.adapter.clone());
             seq.prompt_len = parent.prompt_len;
             seq.num_computed = full * bs;
             let at_end = seq.tokens.len() >= ctx;

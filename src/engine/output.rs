@@ -99,6 +99,10 @@ impl SeqOutput {
         }
         self.last_token_at = Some(now);
         m.generation_tokens.inc();
+        let adapter = self.req.req.adapter.as_ref().map_or("", |a| &a.name);
+        m.adapter_generation_tokens
+            .with_label_values(&[adapter])
+            .inc();
         *self.counts.entry(s.token).or_default() += 1;
 
         let r = &self.req.req;

@@ -177,7 +177,7 @@ impl Scheduler {
                 break;
             };
             if s.num_computed == 0 && s.table.num_blocks() == 0 {
-                s.num_computed = s.table.match_prefix(&s.tokens, s.adapter_version);
+                s.num_computed = s.table.match_prefix(&s.tokens, s.cache_key());
             }
             let remaining = s.num_remaining();
             let len = remaining
@@ -209,7 +209,7 @@ impl Scheduler {
             if let Some(s) = self.running.iter_mut().find(|s| s.id == c.seq) {
                 debug_assert_eq!(s.num_computed, c.start);
                 s.num_computed = c.start + c.len;
-                let (tokens, n, v) = (&s.tokens, s.num_computed, s.adapter_version);
+                let (tokens, n, v) = (&s.tokens, s.num_computed, s.cache_key());
                 s.table.register_full_blocks(tokens, n, v);
             }
         }
@@ -237,7 +237,7 @@ mod tests {
 
     fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>) {
         let t = s.blocks().new_table();
-        s.add(Sequence::new(SeqId(id), prompt, t, 0));
+        s.add(Sequence::new(SeqId(id), prompt, t, None));
     }
 
     /// Run a plan as the engine would: commit, then append a sampled token where logits came back.

@@ -2,6 +2,8 @@
 //! have K/V in the cache, and the blocks holding them. Output state lives with the engine.
 
 use super::block_manager::BlockTable;
+use crate::adapter::registry::AdapterVersion;
+use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u64);
@@ -14,21 +16,26 @@ pub struct Sequence {
     /// Tokens whose K/V are in the cache: always a prefix of `tokens`.
     pub num_computed: usize,
     pub table: BlockTable,
-    /// The adapter version the sequence is pinned to (0: the base model).
-    pub adapter_version: u64,
+    /// The adapter version the sequence is pinned to, from admission to its end (None: the base).
+    pub adapter: Option<Arc<AdapterVersion>>,
     /// How often it was preempted (its K/V dropped, to be recomputed).
     pub num_preemptions: u32,
 }
 
 impl Sequence {
-    pub fn new(id: SeqId, tokens: Vec<u32>, table: BlockTable, adapter_version: u64) -> Sequence {
+    pub fn new(
+        id: SeqId,
+        tokens: Vec<u32>,
+        table: BlockTable,
+        adapter: Option<Arc<AdapterVersion>>,
+    ) -> Sequence {
         Sequence {
             id,
             prompt_len: tokens.len(),
             tokens,
             num_computed: 0,
             table,
-            adapter_version,
+            adapter,
             num_preemptions: 0,
         }
     }
@@ -36,6 +43,11 @@ impl Sequence {
     /// Tokens still to run through the model (1 for a sequence that is decoding).
     pub fn num_remaining(&self) -> usize {
         self.tokens.len() - self.num_computed
+    }
+
+    /// The prefix cache's key for its blocks: the pinned version's process-unique id (0: base).
+    pub fn cache_key(&self) -> u64 {
+        self.adapter.as_ref().map_or(0, |a| a.uid)
     }
 
     pub fn num_generated(&self) -> usize {

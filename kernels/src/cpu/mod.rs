@@ -1,6 +1,7 @@
 //! CPU compute: ISA detection (once, at start-up), the thread pool, and the `Cpu` seam that the
 //! model calls for every op. A later CUDA backend sits beside `Cpu` behind the same method set.
 
+pub mod adapter;
 pub mod attention;
 pub mod dequant;
 pub mod matmul;
@@ -109,6 +110,11 @@ impl Cpu {
             x,
             y,
         }])
+    }
+
+    /// OFT: each row of x (n, cols) times the block-diagonal rotation `r` (cols/b blocks of b×b).
+    pub fn oft_rotate(&self, x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {
+        adapter::oft_rotate(self.isa, &self.pool, x, r, b, out)
     }
 
     pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {

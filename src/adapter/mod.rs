@@ -1,0 +1,417 @@
+//! Adapters on the frozen quantized base: what they are (targets, OFT or LoRA, and their settings),
+//! where their f32 parameters live (one flat vector, laid out tensor by tensor in PEFT's shapes, so
+//! a gradient or an optimizer moment is a vector of the same layout), and the per-version form the
+//! forward pass reads (`AdapterWeights`: OFT's rotations built once, never per token).
+
+pub mod lora;
+pub mod oft;
+pub mod peft;
+pub mod registry;
+
+use crate::model::llama::LlamaConfig;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// A linear projection of a transformer block that an adapter can target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+pub const NUM_TARGETS: usize = 7;
+
+impl Target {
+    pub const ALL: [Target; NUM_TARGETS] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// PEFT's module name (`target_modules`).
+    pub fn peft_name(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+
+    /// The module's path under `model.layers.L.`.
+    pub fn peft_path(self) -> &'static str {
+        match self {
+            Target::Q => "self_attn.q_proj",
+            Target::K => "self_attn.k_proj",
+            Target::V => "self_attn.v_proj",
+            Target::O => "self_attn.o_proj",
+            Target::Gate => "mlp.gate_proj",
+            Target::Up => "mlp.up_proj",
+            Target::Down => "mlp.down_proj",
+        }
+    }
+
+    /// Accepts PEFT's names and the short ones (`q`, `gate`, ...).
+    pub fn parse(s: &str) -> Option<Target> {
+        let s = s.strip_suffix("_proj").unwrap_or(s);
+        Some(match s {
+            "q" => Target::Q,
+            "k" => Target::K,
+            "v" => Target::V,
+            "o" => Target::O,
+            "gate" => Target::Gate,
+            "up" => Target::Up,
+            "down" => Target::Down,
+            _ => return None,
+        })
+    }
+
+    /// (in, out) widths of the projection in a model.
+    pub fn dims(self, c: &LlamaConfig) -> (usize, usize) {
+        match self {
+            Target::Q => (c.hidden, c.q_dim()),
+            Target::K | Target::V => (c.hidden, c.kv_dim()),
+            Target::O => (c.q_dim(), c.hidden),
+            Target::Gate | Target::Up => (c.hidden, c.ffn),
+            Target::Down => (c.ffn, c.hidden),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct OftConfig {
+    /// b: the input is rotated in blocks of b values (must divide every targeted input width).
+    pub block_size: usize,
+    /// true: R from the Cayley–Neumann series (PEFT's default); false: exact Cayley.
+    pub use_cayley_neumann: bool,
+    pub num_cayley_neumann_terms: usize,
+}
+
+impl Default for OftConfig {
+    fn default() -> Self {
+        OftConfig {
+            block_size: 32,
+            use_cayley_neumann: true,
+            num_cayley_neumann_terms: 5,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    pub r: usize,
+    pub alpha: f32,
+    pub use_rslora: bool,
+}
+
+impl LoraConfig {
+    /// s in y = W x + s·B(A x): α/r, or α/√r with rsLoRA (computed in f64 like PEFT, then f32).
+    pub fn scale(&self) -> f32 {
+        let r = self.r as f64;
+        let a = self.alpha as f64;
+        (if self.use_rslora { a / r.sqrt() } else { a / r }) as f32
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Method {
+    Oft(OftConfig),
+    Lora(LoraConfig),
+}
+
+impl Method {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Method::Oft(_) => "oft",
+            Method::Lora(_) => "lora",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdapterConfig {
+    pub method: Method,
+    /// Sorted, without repeats.
+    pub targets: Vec<Target>,
+    /// `base_model_name_or_path` as written in (or to) adapter_config.json.
+    pub base_model: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    /// A problem with one tensor of the adapter (its name leads the message).
+    #[error("tensor '{name}': {msg}")]
+    Tensor { name: String, msg: String },
+    /// A problem with the configuration (the key leads the message).
+    #[error("{key}: {msg}")]
+    Config { key: String, msg: String },
+    #[error("{path}: {msg}")]
+    Io { path: String, msg: String },
+}
+
+pub fn config_error(key: &str, msg: impl Into<String>) -> AdapterError {
+    AdapterError::Config {
+        key: key.into(),
+        msg: msg.into(),
+    }
+}
+
+/// One tensor of the flat parameter vector.
+#[derive(Clone, Debug)]
+pub struct TensorSlot {
+    /// PEFT's name, e.g. `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`.
+    pub name: String,
+    /// The part after the module path: `oft_R.weight`, `lora_A.weight` or `lora_B.weight`.
+    pub suffix: &'static str,
+    /// PEFT's shape (rows, cols).
+    pub shape: [usize; 2],
+    pub range: Range<usize>,
+}
+
+/// One adapted projection of one layer.
+#[derive(Clone, Debug)]
+pub struct ModuleLayout {
+    pub layer: usize,
+    pub target: Target,
+    pub in_dim: usize,
+    pub out_dim: usize,
+    /// OFT: [oft_R]; LoRA: [lora_A (r, in), lora_B (out, r)].
+    pub tensors: Vec<TensorSlot>,
+    /// OFT: where this module's (in/b, b, b) rotations start in `AdapterWeights::rotations`.
+    pub rotation_offset: usize,
+}
+
+/// Where every tensor of an adapter lives in its flat parameter vector: shared by all versions of
+/// one adapter (and by its gradients and optimizer moments).
+#[derive(Debug)]
+pub struct AdapterLayout {
+    pub config: AdapterConfig,
+    pub num_layers: usize,
+    /// Index `layer * NUM_TARGETS + target`: None where the projection is not adapted.
+    pub modules: Vec<Option<ModuleLayout>>,
+    pub num_params: usize,
+    /// Floats of OFT rotations per version (0 for LoRA).
+    pub num_rotation_floats: usize,
+    /// The base's shape, to refuse an adapter made for other dimensions.
+    pub model: LlamaConfig,
+}
+
+impl AdapterLayout {
+    /// Check `config` against the model and lay out its tensors.
+    pub fn new(config: AdapterConfig, model: &LlamaConfig) -> Result<AdapterLayout, AdapterError> {
+        if config.targets.is_empty() {
+            return Err(config_error("target_modules", "no target modules"));
+        }
+        match &config.method {
+            Method::Oft(o) => {
+                if o.block_size == 0 {
+                    return Err(config_error("oft_block_size", "must be at least 1"));
+                }
+                if o.use_cayley_neumann && o.num_cayley_neumann_terms == 0 {
+                    return Err(config_error(
+                        "num_cayley_neumann_terms",
+                        "must be at least 1",
+                    ));
+                }
+                for t in &config.targets {
+                    let (in_dim, _) = t.dims(model);
+                    if !in_dim.is_multiple_of(o.block_size) {
+                        return Err(config_error(
+                            "oft_block_size",
+                            format!(
+                                "{} does not divide the input width {in_dim} of {}",
+                                o.block_size,
+                                t.peft_name()
+                            ),
+                        ));
+                    }
+                }
+            }
+            Method::Lora(l) => {
+                if l.r == 0 {
+                    return Err(config_error("r", "must be at least 1"));
+                }
+                if !l.alpha.is_finite() {
+                    return Err(config_error("lora_alpha", "must be finite"));
+                }
+            }
+        }
+        let mut modules = vec![None; model.num_layers * NUM_TARGETS];
+        let mut off = 0;
+        let mut rot = 0;
+        for layer in 0..model.num_layers {
+            for &target in &config.targets {
+                let (in_dim, out_dim) = target.dims(model);
+                let prefix = format!(
+                    "base_model.model.model.layers.{layer}.{}",
+                    target.peft_path()
+                );
+                let mut slot = |suffix: &'static str, shape: [usize; 2]| {
+                    let len = shape[0] * shape[1];
+                    let s = TensorSlot {
+                        name: format!("{prefix}.{suffix}"),
+                        suffix,
+                        shape,
+                        range: off..off + len,
+                    };
+                    off += len;
+                    s
+                };
+                let (tensors, rotation_offset) = match &config.method {
+                    Method::Oft(o) => {
+                        let b = o.block_size;
+                        let t = vec![slot("oft_R.weight", [in_dim / b, b * (b - 1) / 2])];
+                        let r = rot;
+                        rot += in_dim * b;
+                        (t, r)
+                    }
+                    Method::Lora(l) => (
+                        vec![
+                            slot("lora_A.weight", [l.r, in_dim]),
+                            slot("lora_B.weight", [out_dim, l.r]),
+                        ],
+                        0,
+                    ),
+                };
+                modules[layer * NUM_TARGETS + target.index()] = Some(ModuleLayout {
+                    layer,
+                    target,
+                    in_dim,
+                    out_dim,
+                    tensors,
+                    rotation_offset,
+                });
+            }
+        }
+        Ok(AdapterLayout {
+            config,
+            num_layers: model.num_layers,
+            modules,
+            num_params: off,
+            num_rotation_floats: rot,
+            model: model.clone(),
+        })
+    }
+
+    pub fn module(&self, layer: usize, target: Target) -> Option<&ModuleLayout> {
+        self.modules[layer * NUM_TARGETS + target.index()].as_ref()
+    }
+
+    pub fn iter_modules(&self) -> impl Iterator<Item = &ModuleLayout> {
+        self.modules.iter().flatten()
+    }
+
+    pub fn tensors(&self) -> impl Iterator<Item = &TensorSlot> {
+        self.iter_modules().flat_map(|m| m.tensors.iter())
+    }
+
+    /// Does any module of this layer adapt `target`? (Used to skip work for the base.)
+    pub fn has(&self, target: Target) -> bool {
+        self.config.targets.contains(&target)
+    }
+}
+
+/// One immutable set of adapter values, in the form the forward pass reads.
+#[derive(Debug)]
+pub struct AdapterWeights {
+    pub layout: Arc<AdapterLayout>,
+    /// The trainable f32 parameters (PEFT shapes, flat; see `AdapterLayout`).
+    pub params: Vec<f32>,
+    /// OFT: each module's rotations R_k (in/b blocks of b×b, row-major), built once from `params`.
+    pub rotations: Vec<f32>,
+}
+
+impl AdapterWeights {
+    /// Check the values (finite) and build what the forward reads. Runs on the publisher's thread.
+    pub fn new(
+        layout: Arc<AdapterLayout>,
+        params: Vec<f32>,
+    ) -> Result<AdapterWeights, AdapterError> {
+        if params.len() != layout.num_params {
+            return Err(config_error(
+                "parameters",
+                format!(
+                    "{} values, the layout holds {}",
+                    params.len(),
+                    layout.num_params
+                ),
+            ));
+        }
+        for t in layout.tensors() {
+            if let Some(i) = params[t.range.clone()].iter().position(|v| !v.is_finite()) {
+                return Err(AdapterError::Tensor {
+                    name: t.name.clone(),
+                    msg: format!(
+                        "holds a non-finite value ({}) at element {i}",
+                        params[t.range.start + i]
+                    ),
+                });
+            }
+        }
+        let rotations = match &layout.config.method {
+            Method::Oft(o) => {
+                let mut rot = vec![0.0f32; layout.num_rotation_floats];
+                for m in layout.iter_modules() {
+                    let len = m.in_dim * o.block_size;
+                    oft::rotations(
+                        o,
+                        &params[m.tensors[0].range.clone()],
+                        &mut rot[m.rotation_offset..m.rotation_offset + len],
+                    );
+                }
+                rot
+            }
+            Method::Lora(_) => Vec::new(),
+        };
+        Ok(AdapterWeights {
+            layout,
+            params,
+            rotations,
+        })
+    }
+
+    /// The identity adapter of `layout`: OFT with zero skew parameters (R = I); LoRA with B = 0
+    /// and A drawn like PEFT's Kaiming-uniform init (bound 1/√in), seeded.
+    pub fn identity(layout: Arc<AdapterLayout>, seed: u64) -> AdapterWeights {
+        let mut params = vec![0.0f32; layout.num_params];
+        if let Method::Lora(_) = layout.config.method {
+            let mut rng = crate::engine::sampler::Rng::new(seed);
+            for m in layout.iter_modules() {
+                let a = &m.tensors[0];
+                let bound = 1.0 / (m.in_dim as f64).sqrt();
+                for v in &mut params[a.range.clone()] {
+                    *v = ((rng.next_f64() * 2.0 - 1.0) * bound) as f32;
+                }
+            }
+        }
+        AdapterWeights::new(layout, params).expect("zeros and small uniforms are finite")
+    }
+
+    pub fn tensor(&self, t: &TensorSlot) -> &[f32] {
+        &self.params[t.range.clone()]
+    }
+
+    /// This module's OFT rotations (in/b blocks of b×b).
+    pub fn rotation(&self, m: &ModuleLayout) -> &[f32] {
+        let Method::Oft(o) = &self.layout.config.method else {
+            return &[];
+        };
+        &self.rotations[m.rotation_offset..m.rotation_offset + m.in_dim * o.block_size]
+    }
+}

@@ -1,0 +1,281 @@
+//! OFT as PEFT ≥ 0.18 defines it (the input-centric OFTv2): each targeted linear's input is split
+//! into blocks of b values and block k is multiplied by an orthogonal R_k, x̃_k = x_k · R_k, before
+//! the frozen product y = x̃ · Wᵀ. The quantized W is used as stored; only the input turns.
+//!
+//! R_k comes from b(b−1)/2 parameters θ_k: U = θ_k in the strict upper triangle (row-major, the
+//! order of `triu_indices(b, b, 1)`), Q = U − Uᵀ, and
+//! - Cayley–Neumann (default, n terms): R = I + 2Q + 2Q² + … + 2Q^{n−2} + Q^{n−1}, accumulated in
+//!   PEFT's order (`_cayley_batch`); n = 1 gives I, n = 2 gives I + 2Q, and PEFT's loop makes
+//!   n = 3 the same as n = 4 (I + 2Q + 2Q² + Q³);
+//! - exact Cayley (`use_cayley_neumann: false`, PEFT's sign): R = (I − Q)(I + Q)⁻¹.
+//!
+//! R is built once per adapter version (`AdapterWeights::new`), never per token.
+
+use super::OftConfig;
+
+/// Number of skew parameters of one b×b block.
+pub fn num_block_params(b: usize) -> usize {
+    b * (b - 1) / 2
+}
+
+/// The skew-symmetric Q (b×b, row-major) of one block's parameters.
+pub fn skew(theta: &[f32], b: usize, q: &mut [f32]) {
+    debug_assert_eq!(theta.len(), num_block_params(b));
+    q.fill(0.0);
+    let mut p = 0;
+    for i in 0..b {
+        for j in i + 1..b {
+            q[i * b + j] = theta[p];
+            q[j * b + i] = -theta[p];
+            p += 1;
+        }
+    }
+}
+
+/// c = a · b for b×b row-major matrices (f32, sums in index order).
+pub fn matmul_square(a: &[f32], bm: &[f32], n: usize, c: &mut [f32]) {
+    c.fill(0.0);
+    for i in 0..n {
+        for k in 0..n {
+            let aik = a[i * n + k];
+            let (row, brow) = (&mut c[i * n..(i + 1) * n], &bm[k * n..(k + 1) * n]);
+            for (cj, bj) in row.iter_mut().zip(brow) {
+                *cj += aik * bj;
+            }
+        }
+    }
+}
+
+/// R of every block of one module: `theta` is (in/b, b(b−1)/2), `out` (in/b, b, b).
+pub fn rotations(cfg: &OftConfig, theta: &[f32], out: &mut [f32]) {
+    let b = cfg.block_size;
+    let np = num_block_params(b);
+    let nblocks = out.len() / (b * b);
+    debug_assert_eq!(theta.len(), nblocks * np);
+    let mut q = vec![0.0f32; b * b];
+    let mut scratch = vec![0.0f32; 2 * b * b];
+    for k in 0..nblocks {
+        let th = &theta[k * np..(k + 1) * np];
+        let r = &mut out[k * b * b..(k + 1) * b * b];
+        if np > 0 && th.iter().all(|v| *v == 0.0) {
+            identity(r, b);
+            continue;
+        }
+        skew(th, b, &mut q);
+        if cfg.use_cayley_neumann {
+            cayley_neumann(&q, b, cfg.num_cayley_neumann_terms, &mut scratch, r);
+        } else {
+            cayley_exact(&q, b, r);
+        }
+    }
+}
+
+fn identity(r: &mut [f32], b: usize) {
+    r.fill(0.0);
+    for i in 0..b {
+        r[i * b + i] = 1.0;
+    }
+}
+
+/// PEFT's accumulation: R = I; R += 2Q; Q2 = Q·Q; R += 2Q2; P = Q2; repeat (n−4 times) P = P·Q,
+/// R += 2P; finally P = P·Q, R += P.
+fn cayley_neumann(q: &[f32], b: usize, terms: usize, scratch: &mut [f32], r: &mut [f32]) {
+    identity(r, b);
+    if terms <= 1 {
+        return;
+    }
+    add_scaled(r, q, 2.0);
+    if terms <= 2 {
+        return;
+    }
+    let (p, next) = scratch.split_at_mut(b * b);
+    matmul_square(q, q, b, p);
+    add_scaled(r, p, 2.0);
+    for _ in 3..terms - 1 {
+        matmul_square(p, q, b, next);
+        p.copy_from_slice(next);
+        add_scaled(r, p, 2.0);
+    }
+    matmul_square(p, q, b, next);
+    add_scaled(r, next, 1.0);
+}
+
+fn add_scaled(r: &mut [f32], m: &[f32], s: f32) {
+    for (a, b) in r.iter_mut().zip(m) {
+        *a += s * b;
+    }
+}
+
+/// R = (I − Q)(I + Q)⁻¹, solved in f64 (Gauss–Jordan with partial pivoting; I + Q is always
+/// invertible for skew Q), i.e. R solves R·(I + Q) = I − Q.
+fn cayley_exact(q: &[f32], b: usize, r: &mut [f32]) {
+    // Transpose: (I + Q)ᵀ Rᵀ = (I − Q)ᵀ, a left solve with A = (I + Q)ᵀ = I − Q, B = (I − Q)ᵀ = I + Q.
+    let mut a = vec![0.0f64; b * b];
+    let mut rhs = vec![0.0f64; b * b];
+    for i in 0..b {
+        for j in 0..b {
+            let id = if i == j { 1.0 } else { 0.0 };
+            a[i * b + j] = id - q[i * b + j] as f64;
+            rhs[i * b + j] = id + q[i * b + j] as f64;
+        }
+    }
+    for col in 0..b {
+        let piv = (col..b)
+            .max_by(|&x, &y| a[x * b + col].abs().total_cmp(&a[y * b + col].abs()))
+            .unwrap_or(col);
+        if piv != col {
+            for j in 0..b {
+                a.swap(piv * b + j, col * b + j);
+                rhs.swap(piv * b + j, col * b + j);
+            }
+        }
+        let d = a[col * b + col];
+        for j in 0..b {
+            a[col * b + j] /= d;
+            rhs[col * b + j] /= d;
+        }
+        for i in 0..b {
+            if i != col {
+                let f = a[i * b + col];
+                if f != 0.0 {
+                    for j in 0..b {
+                        a[i * b + j] -= f * a[col * b + j];
+                        rhs[i * b + j] -= f * rhs[col * b + j];
+                    }
+                }
+            }
+        }
+    }
+    // rhs now holds Rᵀ.
+    for i in 0..b {
+        for j in 0..b {
+            r[i * b + j] = rhs[j * b + i] as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(b: usize, terms: usize, neumann: bool) -> OftConfig {
+        OftConfig {
+            block_size: b,
+            use_cayley_neumann: neumann,
+            num_cayley_neumann_terms: terms,
+        }
+    }
+
+    fn rng_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut r = crate::engine::sampler::Rng::new(seed);
+        (0..n)
+            .map(|_| ((r.next_f64() * 2.0 - 1.0) as f32) * scale)
+            .collect()
+    }
+
+    /// f64 matrix power series written the obvious way: I + 2·Σ_{j=1}^{m−1} Q^j + Q^m with
+    /// m = n − 1, except that PEFT's code gives n = 3 the terms of n = 4.
+    fn series(q: &[f64], b: usize, n: usize) -> Vec<f64> {
+        let n = if n == 3 { 4 } else { n };
+        let mul = |x: &[f64], y: &[f64]| {
+            let mut z = vec![0.0; b * b];
+            for i in 0..b {
+                for j in 0..b {
+                    z[i * b + j] = (0..b).map(|k| x[i * b + k] * y[k * b + j]).sum();
+                }
+            }
+            z
+        };
+        let mut r: Vec<f64> = (0..b * b)
+            .map(|e| if e / b == e % b { 1.0 } else { 0.0 })
+            .collect();
+        let mut p = r.clone();
+        for j in 1..n {
+            p = mul(&p, q);
+            let c = if j == n - 1 { 1.0 } else { 2.0 };
+            for (a, v) in r.iter_mut().zip(&p) {
+                *a += c * v;
+            }
+        }
+        r
+    }
+
+    #[test]
+    fn skew_fills_the_upper_triangle_row_major() {
+        let mut q = vec![0.0; 9];
+        skew(&[1.0, 2.0, 3.0], 3, &mut q);
+        assert_eq!(q, vec![0.0, 1.0, 2.0, -1.0, 0.0, 3.0, -2.0, -3.0, 0.0]);
+    }
+
+    #[test]
+    fn cayley_neumann_is_the_power_series() {
+        for (b, terms) in [(4, 5), (8, 5), (6, 3), (5, 7)] {
+            let theta = rng_vec(2 * num_block_params(b), 7 + b as u64, 0.2);
+            let mut out = vec![0.0; 2 * b * b];
+            rotations(&cfg(b, terms, true), &theta, &mut out);
+            for k in 0..2 {
+                let mut q = vec![0.0; b * b];
+                skew(
+                    &theta[k * num_block_params(b)..][..num_block_params(b)],
+                    b,
+                    &mut q,
+                );
+                let q64: Vec<f64> = q.iter().map(|v| *v as f64).collect();
+                let want = series(&q64, b, terms);
+                for (g, w) in out[k * b * b..(k + 1) * b * b].iter().zip(&want) {
+                    assert!((*g as f64 - w).abs() < 1e-5, "b={b} n={terms}: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn exact_cayley_is_orthogonal_and_follows_peft_sign() {
+        let b = 6;
+        let theta = rng_vec(num_block_params(b), 3, 0.3);
+        let mut r = vec![0.0; b * b];
+        rotations(&cfg(b, 5, false), &theta, &mut r);
+        let mut q = vec![0.0; b * b];
+        skew(&theta, b, &mut q);
+        // R (I + Q) = I − Q, and Rᵀ R = I.
+        for i in 0..b {
+            for j in 0..b {
+                let lhs: f32 = (0..b)
+                    .map(|k| r[i * b + k] * (q[k * b + j] + if k == j { 1.0 } else { 0.0 }))
+                    .sum();
+                let rhs = if i == j { 1.0 } else { 0.0 } - q[i * b + j];
+                assert!((lhs - rhs).abs() < 1e-5);
+                let rtr: f32 = (0..b).map(|k| r[k * b + i] * r[k * b + j]).sum();
+                assert!((rtr - if i == j { 1.0 } else { 0.0 }).abs() < 1e-5);
+            }
+        }
+        // For small Q the exact form is near Neumann(−Q): the transpose of the default form.
+        let small: Vec<f32> = theta.iter().map(|v| v * 0.01).collect();
+        let (mut e, mut n) = (vec![0.0; b * b], vec![0.0; b * b]);
+        rotations(&cfg(b, 5, false), &small, &mut e);
+        rotations(&cfg(b, 5, true), &small, &mut n);
+        for i in 0..b {
+            for j in 0..b {
+                assert!((e[i * b + j] - n[j * b + i]).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn zero_parameters_give_the_identity_exactly() {
+        let b = 4;
+        let mut r = vec![7.0; 3 * b * b];
+        rotations(
+            &cfg(b, 5, true),
+            &vec![0.0; 3 * num_block_params(b)],
+            &mut r,
+        );
+        for k in 0..3 {
+            for i in 0..b {
+                for j in 0..b {
+                    assert_eq!(r[k * b * b + i * b + j], if i == j { 1.0 } else { 0.0 });
+                }
+            }
+        }
+    }
+}

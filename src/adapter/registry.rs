@@ -1,0 +1,290 @@
+//! Named adapters, each an `arc-swap` slot holding its current immutable `AdapterVersion`.
+//!
+//! Publishing builds the version entirely on the caller's thread (OFT rotations included), then
+//! stores it with one atomic swap: the engine never waits for it and never sees it happen. A request
+//! pins the version current at its admission (`Pinned`, an `Arc` plus an in-flight count) and its
+//! sequences keep that `Arc` to their end, through preemption and recompute; a version is freed
+//! when its last user drops it.
+
+use super::{AdapterError, AdapterWeights};
+use crate::metrics::Metrics;
+use crate::model::llama::LlamaConfig;
+use arc_swap::ArcSwap;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Instant;
+
+/// One immutable version of a named adapter.
+pub struct AdapterVersion {
+    pub name: Arc<str>,
+    /// 1, 2, 3, ... from the adapter's first load or creation.
+    pub version: u64,
+    /// The version this one replaced (None for version 1).
+    pub parent: Option<u64>,
+    /// Unix seconds.
+    pub created: u64,
+    /// Unique in the process (never 0, which is the base): the prefix cache's key.
+    pub uid: u64,
+    pub weights: AdapterWeights,
+    in_flight: AtomicUsize,
+    alive: Arc<AtomicUsize>,
+}
+
+impl AdapterVersion {
+    /// Requests pinned to this version and not yet finished.
+    pub fn num_in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// "NAME@N": the system fingerprint of its completions.
+    pub fn fingerprint(&self) -> String {
+        format!("{}@{}", self.name, self.version)
+    }
+}
+
+impl Drop for AdapterVersion {
+    fn drop(&mut self) {
+        self.alive.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl std::fmt::Debug for AdapterVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AdapterVersion({}@{})", self.name, self.version)
+    }
+}
+
+/// A request's hold on a version: counts as in flight until dropped.
+pub struct Pinned(Arc<AdapterVersion>);
+
+impl Pinned {
+    pub fn new(v: Arc<AdapterVersion>) -> Pinned {
+        v.in_flight.fetch_add(1, Ordering::AcqRel);
+        Pinned(v)
+    }
+
+    pub fn version(&self) -> &Arc<AdapterVersion> {
+        &self.0
+    }
+}
+
+impl Clone for Pinned {
+    fn clone(&self) -> Pinned {
+        Pinned::new(self.0.clone())
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl std::ops::Deref for Pinned {
+    type Target = AdapterVersion;
+    fn deref(&self) -> &AdapterVersion {
+        &self.0
+    }
+}
+
+/// One named adapter.
+pub struct Slot {
+    pub name: Arc<str>,
+    /// Unix seconds of its first version.
+    pub created: u64,
+    current: ArcSwap<AdapterVersion>,
+    /// Serializes publishers of this name (numbering); readers never take it.
+    publish_lock: Mutex<()>,
+    /// Every version published, as weak references: the ones still alive upgrade.
+    history: Mutex<Vec<Weak<AdapterVersion>>>,
+}
+
+impl Slot {
+    pub fn current(&self) -> Arc<AdapterVersion> {
+        self.current.load_full()
+    }
+
+    /// Versions still held by someone (the current one always), oldest first.
+    pub fn versions_alive(&self) -> Vec<Arc<AdapterVersion>> {
+        let mut h = self.history.lock().unwrap_or_else(|e| e.into_inner());
+        h.retain(|w| w.strong_count() > 0);
+        h.iter().filter_map(Weak::upgrade).collect()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("adapter name '{0}': {1}")]
+    BadName(String, &'static str),
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+}
+
+/// Every named adapter of the server.
+pub struct Registry {
+    slots: RwLock<BTreeMap<String, Arc<Slot>>>,
+    /// The base's shape: adapters for other dimensions are refused.
+    pub model: LlamaConfig,
+    /// Names adapters may not take (the base model's).
+    reserved: Vec<String>,
+    next_uid: AtomicU64,
+    alive: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
+}
+
+impl Registry {
+    pub fn new(model: LlamaConfig, reserved: Vec<String>, metrics: Arc<Metrics>) -> Registry {
+        Registry {
+            slots: RwLock::new(BTreeMap::new()),
+            model,
+            reserved,
+            next_uid: AtomicU64::new(1),
+            alive: Arc::new(AtomicUsize::new(0)),
+            metrics,
+        }
+    }
+
+    /// 1–64 characters of letters, digits, `-`, `_`, `.`; not the base model's name.
+    pub fn check_name(&self, name: &str) -> Result<(), RegistryError> {
+        let bad = |why| Err(RegistryError::BadName(name.to_string(), why));
+        if name.is_empty() || name.len() > 64 {
+            return bad("must have 1 to 64 characters");
+        }
+        if !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            return bad("may hold only letters, digits, '-', '_' and '.'");
+        }
+        if self.reserved.iter().any(|r| r == name) {
+            return bad("is the base model's name");
+        }
+        Ok(())
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Slot>> {
+        self.slots
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+
+    /// Pin the current version of `name` for a request.
+    pub fn pin(&self, name: &str) -> Option<Pinned> {
+        self.get(name).map(|s| Pinned::new(s.current()))
+    }
+
+    /// Every adapter, by name.
+    pub fn list(&self) -> Vec<Arc<Slot>> {
+        self.slots
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Publish `weights` as the next version of `name` (version 1 of a new adapter): one atomic
+    /// store; running sequences keep the version they pinned. Returns the new version and whether
+    /// the name is new.
+    pub fn publish(
+        &self,
+        name: &str,
+        weights: AdapterWeights,
+    ) -> Result<(Arc<AdapterVersion>, bool), RegistryError> {
+        self.check_name(name)?;
+        if !weights.layout.model.same_shape(&self.model) {
+            return Err(RegistryError::Adapter(super::config_error(
+                "base_model",
+                "the adapter was made for a model of other dimensions",
+            )));
+        }
+        let t0 = Instant::now();
+        let make = |name: Arc<str>, version: u64, parent: Option<u64>, weights| {
+            self.alive.fetch_add(1, Ordering::AcqRel);
+            Arc::new(AdapterVersion {
+                name,
+                version,
+                parent,
+                created: crate::api::respond::unix_now(),
+                uid: self.next_uid.fetch_add(1, Ordering::AcqRel),
+                weights,
+                in_flight: AtomicUsize::new(0),
+                alive: self.alive.clone(),
+            })
+        };
+        let existing = self.get(name);
+        let (v, is_new) = match existing {
+            Some(slot) => {
+                let _g = slot.publish_lock.lock().unwrap_or_else(|e| e.into_inner());
+                let cur = slot.current();
+                let v = make(
+                    slot.name.clone(),
+                    cur.version + 1,
+                    Some(cur.version),
+                    weights,
+                );
+                slot.current.store(v.clone());
+                slot.history
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(Arc::downgrade(&v));
+                (v, false)
+            }
+            None => {
+                let mut slots = self.slots.write().unwrap_or_else(|e| e.into_inner());
+                if slots.contains_key(name) {
+                    // Another publisher created it meanwhile: publish on top of theirs.
+                    drop(slots);
+                    return self.publish(name, weights);
+                }
+                let n: Arc<str> = Arc::from(name);
+                let v = make(n.clone(), 1, None, weights);
+                slots.insert(
+                    name.to_string(),
+                    Arc::new(Slot {
+                        name: n,
+                        created: v.created,
+                        current: ArcSwap::new(v.clone()),
+                        publish_lock: Mutex::new(()),
+                        history: Mutex::new(vec![Arc::downgrade(&v)]),
+                    }),
+                );
+                (v, true)
+            }
+        };
+        let m = &self.metrics;
+        m.adapter_publishes.inc();
+        m.adapter_publish_seconds
+            .observe(t0.elapsed().as_secs_f64());
+        m.adapter_version
+            .with_label_values(&[name])
+            .set(v.version as i64);
+        m.adapter_versions_alive
+            .set(self.alive.load(Ordering::Acquire) as i64);
+        Ok((v, is_new))
+    }
+
+    /// Remove `name`: new requests cannot pin it; running ones finish on their pinned version.
+    pub fn remove(&self, name: &str) -> bool {
+        let removed = self
+            .slots
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name)
+            .is_some();
+        if removed {
+            let _ = self.metrics.adapter_version.remove_label_values(&[name]);
+        }
+        removed
+    }
+
+    /// Adapter versions alive in the process (current ones and those still pinned).
+    pub fn num_versions_alive(&self) -> usize {
+        let n = self.alive.load(Ordering::Acquire);
+        self.metrics.adapter_versions_alive.set(n as i64);
+        n
+    }
+}

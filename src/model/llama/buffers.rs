@@ -1,0 +1,63 @@
+//! The activations of one forward pass, owned by the caller and reused from step to step.
+
+use super::LlamaConfig;
+
+/// The activations of one forward pass, kept by the caller and reused.
+#[derive(Default)]
+pub struct ForwardBuffers {
+    pub(super) x: Vec<f32>,
+    pub(super) n: Vec<f32>,
+    pub(super) q: Vec<f32>,
+    pub(super) k: Vec<f32>,
+    pub(super) v: Vec<f32>,
+    pub(super) att: Vec<f32>,
+    pub(super) proj: Vec<f32>,
+    pub(super) gate: Vec<f32>,
+    pub(super) up: Vec<f32>,
+    pub(super) act: Vec<f32>,
+    pub(super) xs: Vec<f32>,
+    pub(super) normed: Vec<f32>,
+    /// (rows of logits asked for, vocab_size) after a pass.
+    pub logits: Vec<f32>,
+    pub(super) adapter: AdapterScratch,
+}
+
+/// Scratch for adapter work: rotated inputs (one per projection sharing an input) and LoRA's
+/// gathered rows and intermediate products.
+#[derive(Default)]
+pub struct AdapterScratch {
+    pub rotated: [Vec<f32>; 3],
+    pub lora: LoraScratch,
+}
+
+#[derive(Default)]
+pub struct LoraScratch {
+    pub x: Vec<f32>,
+    pub h: Vec<f32>,
+    pub d: Vec<f32>,
+}
+
+impl ForwardBuffers {
+    /// Set every buffer's length for `t` tokens and `m` logit rows (growing only touches the
+    /// new part).
+    pub(super) fn size(&mut self, t: usize, m: usize, c: &LlamaConfig) {
+        let (h, qd, kvd, f) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        for (b, len) in [
+            (&mut self.x, t * h),
+            (&mut self.n, t * h),
+            (&mut self.q, t * qd),
+            (&mut self.k, t * kvd),
+            (&mut self.v, t * kvd),
+            (&mut self.att, t * qd),
+            (&mut self.proj, t * h),
+            (&mut self.gate, t * f),
+            (&mut self.up, t * f),
+            (&mut self.act, t * f),
+            (&mut self.xs, m * h),
+            (&mut self.normed, m * h),
+            (&mut self.logits, m * c.vocab_size),
+        ] {
+            b.resize(len, 0.0);
+        }
+    }
+}

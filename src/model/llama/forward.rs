@@ -1,0 +1,415 @@
+//! The forward pass over a packed batch: each sequence with its own positions, block table and
+//! adapter (None: the base). The base products stay one batched product over every row; adapter
+//! work is grouped by adapter version: OFT rotates a group's rows of a projection's input before
+//! that product, LoRA adds s·B(A x) to a group's rows after it. Every step is row-local and in a
+//! fixed order, so a row's logits are the same to the bit whatever shares its batch.
+//!
+//! Per layer (T = tokens in the batch):
+//!   n = RMSNorm(x) * attn_norm                       (T, hidden)
+//!   q, k, v = n Wqᵀ, n Wkᵀ, n Wvᵀ  (adapted)          (T, q_dim), (T, kv_dim), (T, kv_dim)
+//!   q, k = RoPE(q), RoPE(k)   (adjacent pairs)
+//!   x += Attn(q, K, V) Woᵀ    (causal, GQA, over the cache; Wo adapted)
+//!   m = RMSNorm(x) * ffn_norm
+//!   x += (silu(m Wgateᵀ) ⊙ m Wupᵀ) Wdownᵀ   (each adapted)
+//! logits = RMSNorm(x) * output_norm · Woutᵀ (Wout = token_embd when tied; never adapted)
+
+use super::buffers::{AdapterScratch, ForwardBuffers};
+use super::{Llama, ModelError, Weight};
+use crate::adapter::{lora, AdapterWeights, Method, Target};
+use crate::model::kv_cache::KvCache;
+use flywheel_kernels::cpu::ops::rope_table;
+use flywheel_kernels::reference::AttnSeq;
+use flywheel_kernels::{Cpu, Matmul};
+use std::ops::Range;
+
+/// Which logits a sequence of the batch wants back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    /// The last token's (the next-token distribution).
+    Last,
+    /// Every token's (prompt log-probs, training).
+    All,
+}
+
+/// One sequence's part of a packed batch: `tokens` at positions `first_pos..`, its KV cache
+/// already holding positions `0..first_pos`, stored through `block_table`.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchSeq<'a> {
+    pub tokens: &'a [u32],
+    pub first_pos: usize,
+    pub block_table: &'a [u32],
+    pub logits: Logits,
+    /// The adapter version the sequence runs through; None: the base model.
+    pub adapter: Option<&'a AdapterWeights>,
+}
+
+/// The rows of the batch that run through one adapter version.
+pub struct AdapterGroup<'a> {
+    pub weights: &'a AdapterWeights,
+    pub rows: Vec<Range<usize>>,
+}
+
+/// Group the batch's rows by adapter version (by identity), in order of first appearance.
+pub fn adapter_groups<'a>(batch: &[BatchSeq<'a>]) -> Vec<AdapterGroup<'a>> {
+    let mut groups: Vec<AdapterGroup<'a>> = Vec::new();
+    let mut start = 0;
+    for s in batch {
+        let rows = start..start + s.tokens.len();
+        start = rows.end;
+        let Some(w) = s.adapter else { continue };
+        match groups.iter_mut().find(|g| std::ptr::eq(g.weights, w)) {
+            Some(g) => match g.rows.last_mut() {
+                Some(last) if last.end == rows.start => last.end = rows.end,
+                _ => g.rows.push(rows),
+            },
+            None => groups.push(AdapterGroup {
+                weights: w,
+                rows: vec![rows],
+            }),
+        }
+    }
+    groups
+}
+
+/// One projection of a layer to run: its target, weight and output (T, out).
+pub struct Projection<'a> {
+    pub target: Target,
+    pub weight: &'a Weight,
+    pub y: &'a mut [f32],
+}
+
+impl Llama {
+    /// Run the batch; write K/V of its tokens into `cache`; return the wanted logits, sequence by
+    /// sequence, as rows of `vocab_size` (Last: one row; All: one row per token).
+    pub fn forward(
+        &self,
+        cpu: &Cpu,
+        cache: &mut KvCache,
+        batch: &[BatchSeq],
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut bufs = ForwardBuffers::default();
+        self.forward_into(cpu, cache, batch, &mut bufs)?;
+        Ok(bufs.logits)
+    }
+
+    /// `forward` with the caller's buffers (reused from step to step: no allocation or page
+    /// faults per step once they have grown); the logits are left in `bufs.logits`.
+    pub fn forward_into(
+        &self,
+        cpu: &Cpu,
+        cache: &mut KvCache,
+        batch: &[BatchSeq],
+        bufs: &mut ForwardBuffers,
+    ) -> Result<(), ModelError> {
+        let c = &self.config;
+        let (hidden, kvd) = (c.hidden, c.kv_dim());
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut logit_rows = Vec::new();
+        let mut attn = Vec::with_capacity(batch.len());
+        for s in batch {
+            self.check_seq(s, cache)?;
+            let start = tokens.len();
+            match s.logits {
+                Logits::None => {}
+                Logits::Last => logit_rows.push(start + s.tokens.len() - 1),
+                Logits::All => logit_rows.extend(start..start + s.tokens.len()),
+            }
+            attn.push(AttnSeq {
+                q_start: start,
+                q_len: s.tokens.len(),
+                first_pos: s.first_pos,
+                block_table: s.block_table,
+            });
+            tokens.extend_from_slice(s.tokens);
+            positions.extend((s.first_pos..s.first_pos + s.tokens.len()).map(|p| p as u32));
+        }
+        let groups = adapter_groups(batch);
+        let t = tokens.len();
+        let rope = rope_table(&positions, c.rope_dim, c.rope_base);
+        let m = logit_rows.len();
+        bufs.size(t, m, c);
+        let ForwardBuffers {
+            x,
+            n,
+            q,
+            k,
+            v,
+            att,
+            proj,
+            gate,
+            up,
+            act,
+            xs,
+            normed,
+            logits,
+            adapter,
+        } = bufs;
+
+        self.embed(cpu, &tokens, x);
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+
+        for (l, layer) in self.layers.iter().enumerate() {
+            cpu.rmsnorm(x, &layer.attn_norm, c.eps, n);
+            self.project(
+                cpu,
+                l,
+                n,
+                &mut [
+                    Projection {
+                        target: Target::Q,
+                        weight: &layer.wq,
+                        y: q,
+                    },
+                    Projection {
+                        target: Target::K,
+                        weight: &layer.wk,
+                        y: k,
+                    },
+                    Projection {
+                        target: Target::V,
+                        weight: &layer.wv,
+                        y: v,
+                    },
+                ],
+                &groups,
+                adapter,
+            );
+            cpu.rope(q, &rope, c.num_heads, c.head_dim, c.rope_dim);
+            cpu.rope(k, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
+            for (s, a) in batch.iter().zip(&attn) {
+                for i in 0..a.q_len {
+                    let r = a.q_start + i;
+                    cache.write(
+                        l,
+                        s.block_table,
+                        s.first_pos + i,
+                        &k[r * kvd..(r + 1) * kvd],
+                        &v[r * kvd..(r + 1) * kvd],
+                    );
+                }
+            }
+            cpu.attention(
+                q,
+                att,
+                &attn,
+                cache.layer(l),
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                scale,
+            );
+            self.project(
+                cpu,
+                l,
+                att,
+                &mut [Projection {
+                    target: Target::O,
+                    weight: &layer.wo,
+                    y: proj,
+                }],
+                &groups,
+                adapter,
+            );
+            add_in_place(x, proj);
+            cpu.rmsnorm(x, &layer.ffn_norm, c.eps, n);
+            self.project(
+                cpu,
+                l,
+                n,
+                &mut [
+                    Projection {
+                        target: Target::Gate,
+                        weight: &layer.w_gate,
+                        y: gate,
+                    },
+                    Projection {
+                        target: Target::Up,
+                        weight: &layer.w_up,
+                        y: up,
+                    },
+                ],
+                &groups,
+                adapter,
+            );
+            cpu.swiglu(gate, up, act);
+            self.project(
+                cpu,
+                l,
+                act,
+                &mut [Projection {
+                    target: Target::Down,
+                    weight: &layer.w_down,
+                    y: proj,
+                }],
+                &groups,
+                adapter,
+            );
+            add_in_place(x, proj);
+        }
+
+        for (j, &r) in logit_rows.iter().enumerate() {
+            xs[j * hidden..(j + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        }
+        cpu.rmsnorm(xs, &self.output_norm, c.eps, normed);
+        if m > 0 {
+            cpu.matmul(
+                self.output.ty,
+                self.bytes(&self.output),
+                c.vocab_size,
+                hidden,
+                normed,
+                logits,
+            );
+        }
+        Ok(())
+    }
+
+    fn check_seq(&self, s: &BatchSeq, cache: &KvCache) -> Result<(), ModelError> {
+        let c = &self.config;
+        if s.tokens.is_empty() {
+            return Err(ModelError::Batch("a sequence has no tokens".into()));
+        }
+        let end = s.first_pos + s.tokens.len();
+        if end > c.context_length {
+            return Err(ModelError::Batch(format!(
+                "{end} positions exceed the context length {}",
+                c.context_length
+            )));
+        }
+        if s.block_table.len() * cache.block_size < end {
+            return Err(ModelError::Batch(format!(
+                "block table covers {} positions, need {end}",
+                s.block_table.len() * cache.block_size
+            )));
+        }
+        if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(ModelError::Batch(format!(
+                "token id {bad} is outside the vocabulary ({})",
+                c.vocab_size
+            )));
+        }
+        if let Some(a) = s.adapter {
+            if !a.layout.model.same_shape(c) {
+                return Err(ModelError::Batch(
+                    "the adapter was made for a model of other dimensions".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// x (T, hidden) = the embedding rows of `tokens`.
+    pub fn embed(&self, cpu: &Cpu, tokens: &[u32], x: &mut [f32]) {
+        let hidden = self.config.hidden;
+        let erb = self.token_embd.ty.row_bytes(hidden).unwrap_or(0);
+        let embd = self.bytes(&self.token_embd);
+        for (i, &tok) in tokens.iter().enumerate() {
+            let tok = tok as usize;
+            cpu.dequantize_row(
+                self.token_embd.ty,
+                &embd[tok * erb..(tok + 1) * erb],
+                &mut x[i * hidden..(i + 1) * hidden],
+            );
+        }
+    }
+
+    /// The projections of layer `l` that share the input `x` (T, in), as one parallel region of
+    /// base products, each through the adapters of `groups`: OFT groups' rows of the input are
+    /// rotated first (into scratch, one input per projection), LoRA deltas are added after.
+    pub fn project(
+        &self,
+        cpu: &Cpu,
+        l: usize,
+        x: &[f32],
+        jobs: &mut [Projection],
+        groups: &[AdapterGroup],
+        scratch: &mut AdapterScratch,
+    ) {
+        let in_dim = jobs[0].weight.cols;
+        let t = x.len() / in_dim;
+        // OFT: a rotated copy of the input for each projection some group rotates.
+        let mut rotated = [false; 3];
+        for (j, p) in jobs.iter().enumerate() {
+            let oft: Vec<_> = groups
+                .iter()
+                .filter_map(|g| {
+                    let Method::Oft(o) = &g.weights.layout.config.method else {
+                        return None;
+                    };
+                    let m = g.weights.layout.module(l, p.target)?;
+                    Some((g, g.weights.rotation(m), o.block_size))
+                })
+                .collect();
+            if oft.is_empty() {
+                continue;
+            }
+            rotated[j] = true;
+            let buf = &mut scratch.rotated[j];
+            buf.resize(t * in_dim, 0.0);
+            buf.copy_from_slice(x);
+            for (g, r, b) in oft {
+                for rows in &g.rows {
+                    let span = rows.start * in_dim..rows.end * in_dim;
+                    cpu.oft_rotate(&x[span.clone()], r, b, &mut buf[span]);
+                }
+            }
+        }
+        {
+            let mut mms: Vec<Matmul> = Vec::with_capacity(jobs.len());
+            for (j, p) in jobs.iter_mut().enumerate() {
+                let input: &[f32] = if rotated[j] { &scratch.rotated[j] } else { x };
+                mms.push(Matmul {
+                    ty: p.weight.ty,
+                    w: self.bytes(p.weight),
+                    rows: p.weight.rows,
+                    cols: p.weight.cols,
+                    x: input,
+                    y: p.y,
+                });
+            }
+            cpu.matmul_many(&mut mms);
+        }
+        // LoRA: y[rows] += s·B(A x[rows]), one gathered product per group and projection.
+        for p in jobs.iter_mut() {
+            for g in groups {
+                let Method::Lora(cfg) = &g.weights.layout.config.method else {
+                    continue;
+                };
+                let Some(m) = g.weights.layout.module(l, p.target) else {
+                    continue;
+                };
+                let s = &mut scratch.lora;
+                s.x.clear();
+                for rows in &g.rows {
+                    s.x.extend_from_slice(&x[rows.start * in_dim..rows.end * in_dim]);
+                }
+                lora::delta(
+                    cpu,
+                    g.weights.tensor(&m.tensors[0]),
+                    g.weights.tensor(&m.tensors[1]),
+                    cfg.r,
+                    cfg.scale(),
+                    &s.x,
+                    &mut s.h,
+                    &mut s.d,
+                );
+                let out = m.out_dim;
+                let mut i = 0;
+                for rows in &g.rows {
+                    let ys = &mut p.y[rows.start * out..rows.end * out];
+                    let ds = &s.d[i * out..(i + rows.len()) * out];
+                    add_in_place(ys, ds);
+                    i += rows.len();
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}

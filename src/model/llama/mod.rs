@@ -1,0 +1,241 @@
+//! The Llama-family model: its configuration and weights, loaded from GGUF and kept in their block
+//! formats (mmapped, never dequantized as a whole, never copied). `forward` runs a packed batch
+//! (each sequence optionally through its own adapter version); `buffers` holds its activations.
+
+mod buffers;
+mod forward;
+
+pub use buffers::{AdapterScratch, ForwardBuffers};
+pub use forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Projection};
+
+use super::gguf::{Gguf, GgufError, TensorInfo};
+use flywheel_kernels::QuantType;
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    #[error("tensor '{name}': {msg}")]
+    Shape { name: String, msg: String },
+    #[error("batch: {0}")]
+    Batch(String),
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LlamaConfig {
+    pub num_layers: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rope_dim: usize,
+    pub rope_base: f32,
+    pub eps: f32,
+    pub context_length: usize,
+    pub vocab_size: usize,
+}
+
+impl LlamaConfig {
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Same layer count and widths (what an adapter depends on).
+    pub fn same_shape(&self, o: &LlamaConfig) -> bool {
+        (
+            self.num_layers,
+            self.hidden,
+            self.ffn,
+            self.num_heads,
+            self.num_kv_heads,
+        ) == (o.num_layers, o.hidden, o.ffn, o.num_heads, o.num_kv_heads)
+    }
+}
+
+/// A weight matrix: `rows` rows of `cols` values, stored in the mapped file.
+#[derive(Clone, Debug)]
+pub struct Weight {
+    pub ty: QuantType,
+    pub rows: usize,
+    pub cols: usize,
+    start: usize,
+    len: usize,
+}
+
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub wo: Weight,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: Weight,
+    pub w_up: Weight,
+    pub w_down: Weight,
+}
+
+pub struct Llama {
+    pub config: LlamaConfig,
+    pub gguf: Gguf,
+    pub token_embd: Weight,
+    pub layers: Vec<Layer>,
+    pub output_norm: Vec<f32>,
+    pub output: Weight,
+}
+
+impl Llama {
+    pub fn open(path: impl AsRef<Path>) -> Result<Llama, ModelError> {
+        Llama::from_gguf(Gguf::open(path)?)
+    }
+
+    pub fn from_gguf(g: Gguf) -> Result<Llama, ModelError> {
+        let arch = g.get_str("general.architecture")?.to_string();
+        if arch != "llama" {
+            return Err(ModelError::Unsupported(format!(
+                "general.architecture = '{arch}' (only 'llama')"
+            )));
+        }
+        let k = |s: &str| format!("{arch}.{s}");
+        let hidden = g.get_usize(&k("embedding_length"))?;
+        let num_heads = g.get_usize(&k("attention.head_count"))?;
+        let num_kv_heads = match g.get(&k("attention.head_count_kv")) {
+            Some(_) => g.get_usize(&k("attention.head_count_kv"))?,
+            None => num_heads,
+        };
+        if num_heads == 0
+            || num_kv_heads == 0
+            || hidden % num_heads != 0
+            || num_heads % num_kv_heads != 0
+        {
+            return Err(ModelError::Unsupported(format!(
+                "{num_heads} heads, {num_kv_heads} KV heads, hidden {hidden}: heads must divide hidden and KV heads must divide heads"
+            )));
+        }
+        let head_dim = hidden / num_heads;
+        let rope_dim = match g.get(&k("rope.dimension_count")) {
+            Some(_) => g.get_usize(&k("rope.dimension_count"))?,
+            None => head_dim,
+        };
+        if rope_dim > head_dim || rope_dim % 2 != 0 {
+            return Err(ModelError::Unsupported(format!(
+                "rope dimension {rope_dim} with head dim {head_dim}"
+            )));
+        }
+        let embd = g
+            .tensor("token_embd.weight")
+            .ok_or_else(|| missing("token_embd.weight"))?
+            .clone();
+        let vocab_size = *embd.dims.get(1).unwrap_or(&0) as usize;
+        let config = LlamaConfig {
+            num_layers: g.get_usize(&k("block_count"))?,
+            hidden,
+            ffn: g.get_usize(&k("feed_forward_length"))?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rope_dim,
+            rope_base: match g.get(&k("rope.freq_base")) {
+                Some(_) => g.get_f32(&k("rope.freq_base"))?,
+                None => 10000.0,
+            },
+            eps: g.get_f32(&k("attention.layer_norm_rms_epsilon"))?,
+            context_length: g.get_usize(&k("context_length"))?,
+            vocab_size,
+        };
+        let c = &config;
+        let token_embd = weight(&g, "token_embd.weight", c.vocab_size, c.hidden)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: vector(&g, &n("attn_norm"), c.hidden)?,
+                wq: weight(&g, &n("attn_q"), c.q_dim(), c.hidden)?,
+                wk: weight(&g, &n("attn_k"), c.kv_dim(), c.hidden)?,
+                wv: weight(&g, &n("attn_v"), c.kv_dim(), c.hidden)?,
+                wo: weight(&g, &n("attn_output"), c.hidden, c.q_dim())?,
+                ffn_norm: vector(&g, &n("ffn_norm"), c.hidden)?,
+                w_gate: weight(&g, &n("ffn_gate"), c.ffn, c.hidden)?,
+                w_up: weight(&g, &n("ffn_up"), c.ffn, c.hidden)?,
+                w_down: weight(&g, &n("ffn_down"), c.hidden, c.ffn)?,
+            });
+        }
+        let output_norm = vector(&g, "output_norm.weight", c.hidden)?;
+        let output = match g.tensor("output.weight") {
+            Some(_) => weight(&g, "output.weight", c.vocab_size, c.hidden)?,
+            None => token_embd.clone(),
+        };
+        Ok(Llama {
+            config,
+            gguf: g,
+            token_embd,
+            layers,
+            output_norm,
+            output,
+        })
+    }
+
+    /// The bytes of a weight.
+    pub fn bytes(&self, w: &Weight) -> &[u8] {
+        &self.gguf.bytes()[w.start..w.start + w.len]
+    }
+
+    /// Total bytes of weights read per decoded token (every matrix once, the LM head included).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|w| w.len)
+                    .sum::<usize>()
+            })
+            .sum();
+        per_layer + self.output.len
+    }
+}
+
+fn missing(name: &str) -> ModelError {
+    ModelError::Shape {
+        name: name.into(),
+        msg: "missing".into(),
+    }
+}
+
+fn weight(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<Weight, ModelError> {
+    let t: &TensorInfo = g.tensor(name).ok_or_else(|| missing(name))?;
+    if t.dims.len() != 2 || t.dims[0] as usize != cols || t.dims[1] as usize != rows {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            msg: format!("dims {:?}, expected [{cols}, {rows}]", t.dims),
+        });
+    }
+    let start = (g.data_offset + t.offset) as usize;
+    Ok(Weight {
+        ty: t.ty,
+        rows,
+        cols,
+        start,
+        len: t.size,
+    })
+}
+
+fn vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+    let t = g.tensor(name).ok_or_else(|| missing(name))?;
+    if t.num_elements() as usize != len {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            msg: format!("dims {:?}, expected [{len}]", t.dims),
+        });
+    }
+    let mut out = vec![0.0f32; len];
+    flywheel_kernels::reference::dequantize_row(t.ty, g.tensor_data(t), &mut out);
+    Ok(out)
+}
