@@ -199,7 +199,7 @@ pub fn config_json(c: &AdapterConfig) -> Value {
             "task_type": "CAUSAL_LM", "peft_type": "LORA", "auto_mapping": null,
             "peft_version": "0.21.2", "base_model_name_or_path": base, "revision": null,
             "inference_mode": true, "r": l.r, "target_modules": targets,
-            "exclude_modules": null, "lora_alpha": l.alpha, "lora_dropout": 0.0,
+            "exclude_modules": null, "lora_alpha": number(l.alpha), "lora_dropout": 0.0,
             "fan_in_fan_out": false, "bias": "none", "use_rslora": l.use_rslora,
             "modules_to_save": null, "init_lora_weights": true, "layers_to_transform": null,
             "layers_pattern": null, "rank_pattern": {}, "alpha_pattern": {},
@@ -222,6 +222,15 @@ pub fn config_json(c: &AdapterConfig) -> Value {
             "use_cayley_neumann": o.use_cayley_neumann,
             "num_cayley_neumann_terms": o.num_cayley_neumann_terms,
         }),
+    }
+}
+
+/// A whole number as a JSON integer (as PEFT writes `lora_alpha = 16`), otherwise a float.
+fn number(x: f32) -> Value {
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        json!(x as i64)
+    } else {
+        json!(x)
     }
 }
 

@@ -1,0 +1,146 @@
+//! An independent, straightforward forward pass for tests: f64, dequantized weights, full
+//! attention over the history, every projection through an optional hook (adapters).
+
+use flywheel::kernels::reference;
+use flywheel::model::gguf::Gguf;
+
+/// Dequantized tensor as f64 rows (rows, cols).
+pub fn mat(g: &Gguf, name: &str) -> Vec<Vec<f64>> {
+    let t = g.tensor(name).unwrap_or_else(|| panic!("{name}"));
+    let cols = t.dims[0] as usize;
+    let rows = if t.dims.len() > 1 {
+        t.dims[1] as usize
+    } else {
+        1
+    };
+    let mut all = vec![0.0f32; rows * cols];
+    reference::dequantize_row(t.ty, g.tensor_data(t), &mut all);
+    all.chunks(cols)
+        .map(|r| r.iter().map(|v| *v as f64).collect())
+        .collect()
+}
+
+pub fn matvec(w: &[Vec<f64>], x: &[f64]) -> Vec<f64> {
+    w.iter()
+        .map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum())
+        .collect()
+}
+
+pub fn rmsnorm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let s = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(w).map(|(a, b)| a * s * b).collect()
+}
+
+pub fn rope(x: &mut [f64], pos: usize, hd: usize, base: f64) {
+    for h in x.chunks_mut(hd) {
+        for i in 0..hd / 2 {
+            let th = pos as f64 * base.powf(-2.0 * i as f64 / hd as f64);
+            let (a, b) = (h[2 * i], h[2 * i + 1]);
+            h[2 * i] = a * th.cos() - b * th.sin();
+            h[2 * i + 1] = a * th.sin() + b * th.cos();
+        }
+    }
+}
+
+/// Log-probs of the next token after each prefix of `tokens`, computed the obvious way.
+pub fn naive_logprobs(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f64>> {
+    naive_logprobs_with(path, tokens, &|_, _, w, x| matvec(w, x))
+}
+
+/// A projection of layer `l`: (layer, target index q k v o gate up down = 0..7, W, input) -> output.
+pub type Project<'a> = dyn Fn(usize, usize, &[Vec<f64>], &[f64]) -> Vec<f64> + 'a;
+
+/// `naive_logprobs` with every linear projection of the blocks computed by `project` (adapters).
+pub fn naive_logprobs_with(
+    path: &std::path::Path,
+    tokens: &[u32],
+    project: &Project,
+) -> Vec<Vec<f64>> {
+    let g = Gguf::open(path).unwrap();
+    let get = |k: &str| g.get(k).unwrap().as_f64().unwrap();
+    let (layers, hidden) = (
+        get("llama.block_count") as usize,
+        get("llama.embedding_length") as usize,
+    );
+    let (heads, kvh) = (
+        get("llama.attention.head_count") as usize,
+        get("llama.attention.head_count_kv") as usize,
+    );
+    let (base, eps) = (
+        get("llama.rope.freq_base"),
+        get("llama.attention.layer_norm_rms_epsilon"),
+    );
+    let hd = hidden / heads;
+    let emb = mat(&g, "token_embd.weight");
+    let out = if g.tensor("output.weight").is_some() {
+        mat(&g, "output.weight")
+    } else {
+        emb.clone()
+    };
+    let on = &mat(&g, "output_norm.weight")[0];
+    let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| emb[t as usize].clone()).collect();
+    for l in 0..layers {
+        let m = |n: &str| mat(&g, &format!("blk.{l}.{n}.weight"));
+        let (wq, wk, wv, wo) = (m("attn_q"), m("attn_k"), m("attn_v"), m("attn_output"));
+        let (wg, wu, wd) = (m("ffn_gate"), m("ffn_up"), m("ffn_down"));
+        let (an, fnorm) = (m("attn_norm")[0].clone(), m("ffn_norm")[0].clone());
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        let mut qs = Vec::new();
+        for (p, x) in xs.iter().enumerate() {
+            let n = rmsnorm(x, &an, eps);
+            let (mut q, mut k) = (project(l, 0, &wq, &n), project(l, 1, &wk, &n));
+            rope(&mut q, p, hd, base);
+            rope(&mut k, p, hd, base);
+            qs.push(q);
+            ks.push(k);
+            vs.push(project(l, 2, &wv, &n));
+        }
+        for p in 0..xs.len() {
+            let mut att = vec![0.0; heads * hd];
+            for h in 0..heads {
+                let kv = h / (heads / kvh);
+                let sc: Vec<f64> = (0..=p)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|d| qs[p][h * hd + d] * ks[j][kv * hd + d])
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for j in 0..=p {
+                    for d in 0..hd {
+                        att[h * hd + d] += e[j] / z * vs[j][kv * hd + d];
+                    }
+                }
+            }
+            let o = project(l, 3, &wo, &att);
+            for (a, b) in xs[p].iter_mut().zip(o) {
+                *a += b;
+            }
+            let n = rmsnorm(&xs[p], &fnorm, eps);
+            let (gt, up) = (project(l, 4, &wg, &n), project(l, 5, &wu, &n));
+            let act: Vec<f64> = gt
+                .iter()
+                .zip(&up)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let d = project(l, 6, &wd, &act);
+            for (a, b) in xs[p].iter_mut().zip(d) {
+                *a += b;
+            }
+        }
+    }
+    xs.iter()
+        .map(|x| {
+            let logits = matvec(&out, &rmsnorm(x, on, eps));
+            let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = mx + logits.iter().map(|v| (v - mx).exp()).sum::<f64>().ln();
+            logits.iter().map(|v| v - lse).collect()
+        })
+        .collect()
+}
