@@ -112,6 +112,9 @@ pub async fn health(State(state): State<AppState>) -> Response {
 }
 
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    if let Ok(r) = state.ready() {
+        r.registry.num_versions_alive();
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
