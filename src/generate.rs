@@ -162,6 +162,7 @@ pub fn decode_batch(
     cpu: &Cpu,
     prompts: &[Vec<u32>],
     steps: usize,
+    adapter: Option<&crate::adapter::AdapterWeights>,
 ) -> anyhow::Result<f64> {
     let bs = BLOCK_SIZE;
     let need: usize = prompts.iter().map(|p| (p.len() + steps).div_ceil(bs)).sum();
@@ -181,7 +182,7 @@ pub fn decode_batch(
             first_pos: 0,
             block_table: t,
             logits: Logits::Last,
-            adapter: None,
+            adapter,
         })
         .collect();
     let logits = model.forward(cpu, &mut cache, &batch)?;
@@ -202,7 +203,7 @@ pub fn decode_batch(
                 first_pos: pos[i],
                 block_table: &tables[i],
                 logits: Logits::Last,
-                adapter: None,
+                adapter,
             })
             .collect();
         model.forward_into(cpu, &mut cache, &batch, &mut bufs)?;

@@ -5,14 +5,13 @@ use clap::{Parser, Subcommand};
 use flywheel::config::{CliOverrides, RawConfig};
 use flywheel::engine::sampler::SamplingParams;
 use flywheel::fetch::{ensure_model, fetch_default, DEFAULT_MODEL};
-use flywheel::generate::{decode_batch, generate, GenerateOptions};
-use flywheel::model::kv_cache::KvCache;
-use flywheel::model::llama::{BatchSeq, Llama, Logits};
+use flywheel::generate::{generate, GenerateOptions};
+use flywheel::model::llama::Llama;
 use flywheel::model::tokenizer::{ChatMessage, Detokenizer, Tokenizer};
 use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use std::io::{Read, Write};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -121,6 +120,10 @@ enum Cmd {
         /// Keep the other cores busy with a spinning thread (how the pool copes with a trainer).
         #[arg(long)]
         busy_peer: bool,
+        /// Also run every test through an adapter, alternating with the base, and print the
+        /// ratio: `oft` (b=32, all seven projections), `lora` (r=16, all seven), or a PEFT folder.
+        #[arg(long)]
+        adapter: Option<String>,
     },
     /// Fetch the default model into models/ (skips the work when it is already there).
     FetchModel {
@@ -318,121 +321,27 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             batch,
             runs,
             busy_peer,
-        } => bench(
-            &m,
-            prompt_tokens,
-            decode_tokens,
-            &batch,
-            runs.max(1),
-            busy_peer,
-        ),
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-fn bench(
-    m: &ModelArgs,
-    pp: usize,
-    tg: usize,
-    batches: &[usize],
-    runs: usize,
-    busy_peer: bool,
-) -> anyhow::Result<()> {
-    let (model, tok) = load(m)?;
-    let cpu = make_cpu(m);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let peer = busy_peer.then(|| {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let mut x = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-            }
-        })
-    });
-    // A prompt of `pp` real tokens: a text repeated and cut.
-    let base = tok.encode("The quick brown fox jumps over the lazy dog. Flywheel serves and learns; 12345 tokens of text. ")?;
-    let prompt: Vec<u32> = base.iter().cycle().take(pp).copied().collect();
-    let bs = flywheel::generate::BLOCK_SIZE;
-    let table: Vec<u32> = (0..pp.div_ceil(bs) as u32).collect();
-    let mut cache = KvCache::new(
-        model.config.num_layers,
-        model.config.kv_dim(),
-        bs,
-        table.len(),
-    );
-    // Warm-up: touches the weights and the buffers once.
-    model.forward(
-        &cpu,
-        &mut cache,
-        &[BatchSeq {
-            tokens: &prompt[..pp.min(64)],
-            first_pos: 0,
-            block_table: &table,
-            logits: Logits::Last,
-            adapter: None,
-        }],
-    )?;
-    let mut pp_runs = Vec::new();
-    for _ in 0..runs {
-        let t = Instant::now();
-        model.forward(
-            &cpu,
-            &mut cache,
-            &[BatchSeq {
-                tokens: &prompt,
-                first_pos: 0,
-                block_table: &table,
-                logits: Logits::Last,
-                adapter: None,
-            }],
-        )?;
-        pp_runs.push(pp as f64 / t.elapsed().as_secs_f64());
-    }
-    let mut rows = vec![(format!("pp{pp}"), 1usize, median(pp_runs))];
-    for &b in batches {
-        let prompts: Vec<Vec<u32>> = (0..b)
-            .map(|i| prompt[i % 7..i % 7 + 8.min(pp)].to_vec())
-            .collect();
-        let mut tg_runs = Vec::new();
-        for _ in 0..runs {
-            let secs = decode_batch(&model, &cpu, &prompts, tg)?;
-            tg_runs.push((b * tg) as f64 / secs);
+            adapter,
+        } => {
+            let (model, tok) = load(&m)?;
+            let cpu = make_cpu(&m);
+            let adapter = adapter
+                .map(|a| flywheel::bench::adapter_for(&model, &a))
+                .transpose()?;
+            flywheel::bench::run(
+                &model,
+                &tok,
+                &cpu,
+                &flywheel::bench::BenchOptions {
+                    model_path: m.model.display().to_string(),
+                    prompt_tokens,
+                    decode_tokens,
+                    batches: batch,
+                    runs: runs.max(1),
+                    busy_peer,
+                    adapter,
+                },
+            )
         }
-        rows.push((format!("tg{tg}"), b, median(tg_runs)));
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    if let Some(p) = peer {
-        let _ = p.join();
-    }
-    println!(
-        "model: {}  kernels: {}  threads: {}  busy peer: {busy_peer}",
-        m.model.display(),
-        cpu.isa.name(),
-        cpu.pool.num_threads()
-    );
-    println!("{:<8} {:>6} {:>12}", "test", "batch", "tokens/s");
-    for (name, b, tps) in &rows {
-        println!("{name:<8} {b:>6} {tps:>12.1}");
-    }
-    let json = serde_json::json!({
-        "model": m.model.display().to_string(),
-        "kernels": cpu.isa.name(),
-        "threads": cpu.pool.num_threads(),
-        "busy_peer": busy_peer,
-        "runs": runs,
-        "weight_bytes_per_token": model.weight_bytes_per_token(),
-        "results": rows.iter().map(|(n, b, t)| serde_json::json!({"test": n, "batch": b, "tokens_per_second": t})).collect::<Vec<_>>(),
-    });
-    println!("{json}");
-    Ok(())
 }

@@ -108,6 +108,7 @@ fn to_f64(a: &[Vec<f32>]) -> Vec<Vec<f64>> {
 
 /// OFT's R for one block, written independently: Q from the strict upper triangle (row-major),
 /// R = I + 2Q + 2Q² + 2Q³ + Q⁴ in f64.
+#[allow(clippy::needless_range_loop)]
 fn naive_rotation(theta: &[f32], b: usize) -> Vec<Vec<f64>> {
     let mut q = vec![vec![0.0f64; b]; b];
     let mut p = 0;
@@ -408,7 +409,7 @@ fn mixed_batches_keep_every_row_bitwise() {
         [None, Some(&oft1), Some(&oft2), Some(&lora1), Some(&lora_qv)];
     let prompts: Vec<Vec<u32>> = (0..7)
         .map(|s| {
-            (0..(3 + 5 * s) as u32)
+            (0..(3 + 5 * s))
                 .map(|i| (i * 31 + s * 7) % 250 + 3)
                 .collect()
         })

@@ -288,7 +288,7 @@ pub fn from_safetensors(
         }
     }
     for name in st.names() {
-        if !expected.contains_key(name.as_ref() as &str) {
+        if !expected.contains_key(name) {
             let hint = match layout.config.method {
                 Method::Oft(_) => "oft_R.weight of the configured target_modules",
                 Method::Lora(_) => "lora_A/lora_B.weight of the configured target_modules",

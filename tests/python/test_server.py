@@ -155,10 +155,12 @@ def completion_chunk_official(chunk):
     return c
 
 
-def check(method, path, body=None, key=KEY, raw=None, expect=200):
-    """Call the server, check the status, validate the body (and each stream chunk)."""
+def check(method, path, body=None, key=KEY, raw=None, expect=200, route=None):
+    """Call the server, check the status, validate the body (and each stream chunk). `route` is
+    the documented path template when `path` fills one in (/v1/adapters/{name})."""
     status, headers, data = http(method, SERVER + path, body, key=key, raw=raw)
     assert status == expect, (status, data[:500])
+    path = route or path
     exercised.add((path, str(status)))
     ctype = headers.get("content-type", headers.get("Content-Type", "")).split(";")[0]
     if ctype == "text/event-stream":
@@ -297,10 +299,61 @@ def test_overload_and_starting_states_follow_the_contract(tmp_path):
         proc.wait(timeout=30)
 
 
+def test_adapters_follow_the_contract(tmp_path):
+    m = model_id()
+    A = "/v1/adapters/{name}"
+    _, _, a = check("POST", "/v1/adapters", {"name": "contract-oft", "kind": "oft"}, expect=201)
+    assert a["version"] == 1 and a["num_parameters"] == 2321280  # OFT b=32 on all seven (REFERENCE.md)
+    # A new identity OFT answers as the base does, and says so.
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    _, _, base = check("POST", "/v1/chat/completions", {"model": m, "messages": msgs, "max_tokens": 8, "temperature": 0})
+    _, _, ident = check("POST", "/v1/chat/completions", {"model": "contract-oft", "messages": msgs, "max_tokens": 8, "temperature": 0})
+    assert ident["choices"][0]["message"]["content"] == base["choices"][0]["message"]["content"]
+    assert (base["adapter"], base["adapter_version"]) == (None, 0)
+    assert (ident["adapter"], ident["adapter_version"], ident["system_fingerprint"]) == ("contract-oft", 1, "contract-oft@1")
+    _, _, chunks = check("POST", "/v1/chat/completions", {"model": "contract-oft", "messages": msgs, "max_tokens": 4, "stream": True})
+    assert all(c["adapter_version"] == 1 for c in chunks)
+    check("POST", "/v1/completions", {"model": "contract-oft", "prompt": "Hello", "max_tokens": 3, "stream": True})
+    _, _, a = check("POST", "/v1/adapters", {"name": "contract-oft", "kind": "lora", "r": 4}, expect=200)
+    assert (a["version"], a["parent_version"], a["kind"]) == (2, 1, "lora")
+    _, _, lst = check("GET", "/v1/adapters")
+    assert "contract-oft" in [x["id"] for x in lst["data"]]
+    _, _, models = check("GET", "/v1/models")
+    assert models["data"][0]["id"] == m and any(x["id"] == "contract-oft" and x["parent"] == m for x in models["data"])
+    _, _, one = check("GET", "/v1/adapters/contract-oft", route=A)
+    assert one["versions"][-1]["current"]
+    out = tmp_path / "export"
+    check("POST", "/v1/adapters/contract-oft/export", {"path": str(out)}, route=A + "/export")
+    assert (out / "adapter_config.json").exists()
+    check("POST", "/v1/adapters/contract-oft/export", {"path": str(out)}, route=A + "/export", expect=409)
+    check("POST", "/v1/adapters/contract-oft/export", {}, route=A + "/export", expect=400)
+    check("POST", "/v1/adapters/nope/export", {"path": str(tmp_path / "x")}, route=A + "/export", expect=404)
+    check("POST", "/v1/load_lora_adapter", {"lora_name": "contract-lora", "lora_path": str(out)})
+    check("POST", "/v1/load_lora_adapter", {"lora_name": "contract-lora"}, expect=400)
+    check("POST", "/v1/unload_lora_adapter", {"lora_name": "contract-lora"})
+    check("POST", "/v1/unload_lora_adapter", {"lora_name": "contract-lora"}, expect=404)
+    check("POST", "/v1/unload_lora_adapter", {}, expect=400)
+    check("POST", "/v1/adapters", {"name": "x"}, expect=400)
+    check("POST", "/v1/adapters", {"name": "x", "path": str(tmp_path / "missing")}, expect=400)
+    for method, path, route in [("GET", "/v1/adapters", None), ("POST", "/v1/adapters", None),
+                                ("GET", "/v1/adapters/contract-oft", A),
+                                ("DELETE", "/v1/adapters/contract-oft", A),
+                                ("POST", "/v1/adapters/contract-oft/export", A + "/export"),
+                                ("POST", "/v1/load_lora_adapter", None),
+                                ("POST", "/v1/unload_lora_adapter", None)]:
+        check(method, path, {}, key="wrong", route=route, expect=401)
+    check("DELETE", "/v1/adapters/contract-oft", route=A)
+    check("DELETE", "/v1/adapters/contract-oft", route=A, expect=404)
+    check("GET", "/v1/adapters/contract-oft", route=A, expect=404)
+    check("POST", "/v1/chat/completions", {"model": "contract-oft", "messages": msgs}, expect=404)
+
+
 def test_every_documented_path_and_status_was_exercised():
     """Runs last in this module: the contract documents nothing the tests above did not see,
     except statuses that cannot be provoked from outside (500, 503 while loading)."""
-    unprovokable = {"500", "503"}
+    # 403: admin routes refused on a server bound to a non-loopback address without an admin key;
+    # tests bind loopback only (tests/server_adapters.rs checks the admin key).
+    unprovokable = {"500", "503", "403"}
     documented = {(p, s) for p, ops in OURS_DOC["paths"].items() for op in ops.values()
                   for s in op["responses"] if s not in unprovokable}
     missing = documented - exercised
@@ -347,3 +400,11 @@ def test_the_openai_sdk_works():
     assert e.value.param == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+    # An adapter is selected by `model`, as with vLLM's LoRA adapters.
+    assert http("POST", SERVER + "/v1/adapters", {"name": "sdk-lora", "kind": "lora"})[0] == 201
+    assert "sdk-lora" in [x.id for x in client.models.list().data]
+    r = client.chat.completions.create(
+        model="sdk-lora", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert r.model == "sdk-lora" and r.system_fingerprint == "sdk-lora@1"
+    assert r.model_extra["adapter_version"] == 1

@@ -1,0 +1,205 @@
+//! `flywheel bench`: prompt processing (ppN) and batched decode (tgN) throughput of the forward pass,
+//! medians of several runs; with an adapter, every test runs alternately through the base and the
+//! adapter in the same invocation and the ratio is printed (the cost of serving through it).
+
+use crate::adapter::{
+    peft, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
+};
+use crate::generate::{decode_batch, BLOCK_SIZE};
+use crate::model::kv_cache::KvCache;
+use crate::model::llama::{BatchSeq, Llama, Logits};
+use crate::model::tokenizer::Tokenizer;
+use flywheel_kernels::Cpu;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub struct BenchOptions {
+    pub model_path: String,
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub batches: Vec<usize>,
+    pub runs: usize,
+    pub busy_peer: bool,
+    pub adapter: Option<AdapterWeights>,
+}
+
+/// `oft` (b=32) or `lora` (r=16, α=32) on all seven projections with random values, or a PEFT folder.
+pub fn adapter_for(model: &Llama, spec: &str) -> anyhow::Result<AdapterWeights> {
+    let method = match spec {
+        "oft" => Method::Oft(OftConfig::default()),
+        "lora" => Method::Lora(LoraConfig {
+            r: 16,
+            alpha: 32.0,
+            use_rslora: false,
+        }),
+        path => return Ok(peft::load(std::path::Path::new(path), &model.config)?),
+    };
+    let cfg = AdapterConfig {
+        method,
+        targets: Target::ALL.to_vec(),
+        base_model: String::new(),
+    };
+    let layout = Arc::new(AdapterLayout::new(cfg, &model.config)?);
+    let mut rng = crate::engine::sampler::Rng::new(1);
+    let params = (0..layout.num_params)
+        .map(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.01) as f32)
+        .collect();
+    Ok(AdapterWeights::new(layout, params)?)
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Run the tests and print a table and one JSON line.
+pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyhow::Result<()> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let peer = o.busy_peer.then(|| {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut x = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        })
+    });
+    let pp = o.prompt_tokens;
+    // A prompt of `pp` real tokens: a text repeated and cut.
+    let text = tok.encode(
+        "The quick brown fox jumps over the lazy dog. Flywheel serves and learns; 12345 tokens of text. ",
+    )?;
+    let prompt: Vec<u32> = text.iter().cycle().take(pp).copied().collect();
+    let table: Vec<u32> = (0..pp.div_ceil(BLOCK_SIZE) as u32).collect();
+    let mut cache = KvCache::new(
+        model.config.num_layers,
+        model.config.kv_dim(),
+        BLOCK_SIZE,
+        table.len(),
+    );
+    let variants: Vec<Option<&AdapterWeights>> = match &o.adapter {
+        Some(a) => vec![None, Some(a)],
+        None => vec![None],
+    };
+    let mut prefill = |tokens: &[u32], adapter| {
+        model.forward(
+            cpu,
+            &mut cache,
+            &[BatchSeq {
+                tokens,
+                first_pos: 0,
+                block_table: &table,
+                logits: Logits::Last,
+                adapter,
+            }],
+        )
+    };
+    // Warm-up: touches the weights and the buffers once.
+    for &a in &variants {
+        prefill(&prompt[..pp.min(64)], a)?;
+    }
+    // rows: (test, batch, tokens/s per variant)
+    let mut rows: Vec<(String, usize, Vec<f64>)> = Vec::new();
+    let mut runs = vec![Vec::new(); variants.len()];
+    for r in 0..o.runs {
+        // Alternate the order of the variants from run to run (A B, B A, ...).
+        for k in 0..variants.len() {
+            let v = if r % 2 == 0 {
+                k
+            } else {
+                variants.len() - 1 - k
+            };
+            let t = Instant::now();
+            prefill(&prompt, variants[v])?;
+            runs[v].push(pp as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    rows.push((format!("pp{pp}"), 1, runs.into_iter().map(median).collect()));
+    let tg = o.decode_tokens;
+    for &b in &o.batches {
+        let prompts: Vec<Vec<u32>> = (0..b)
+            .map(|i| prompt[i % 7..i % 7 + 8.min(pp)].to_vec())
+            .collect();
+        let mut runs = vec![Vec::new(); variants.len()];
+        for r in 0..o.runs {
+            for k in 0..variants.len() {
+                let v = if r % 2 == 0 {
+                    k
+                } else {
+                    variants.len() - 1 - k
+                };
+                let secs = decode_batch(model, cpu, &prompts, tg, variants[v])?;
+                runs[v].push((b * tg) as f64 / secs);
+            }
+        }
+        rows.push((format!("tg{tg}"), b, runs.into_iter().map(median).collect()));
+    }
+    stop.store(true, Ordering::Relaxed);
+    if let Some(p) = peer {
+        let _ = p.join();
+    }
+    let adapter_desc = o.adapter.as_ref().map(|a| {
+        let c = &a.layout.config;
+        let detail = match &c.method {
+            Method::Oft(x) => format!("oft b={}", x.block_size),
+            Method::Lora(x) => format!("lora r={}", x.r),
+        };
+        format!(
+            "{detail} on {} projections, {} parameters",
+            c.targets.len(),
+            a.layout.num_params
+        )
+    });
+    println!(
+        "model: {}  kernels: {}  threads: {}  busy peer: {}  adapter: {}",
+        o.model_path,
+        cpu.isa.name(),
+        cpu.pool.num_threads(),
+        o.busy_peer,
+        adapter_desc.as_deref().unwrap_or("none")
+    );
+    if o.adapter.is_some() {
+        println!(
+            "{:<8} {:>6} {:>12} {:>12} {:>8}",
+            "test", "batch", "base tok/s", "adapter", "ratio"
+        );
+        for (name, b, t) in &rows {
+            println!(
+                "{name:<8} {b:>6} {:>12.1} {:>12.1} {:>8.3}",
+                t[0],
+                t[1],
+                t[1] / t[0]
+            );
+        }
+    } else {
+        println!("{:<8} {:>6} {:>12}", "test", "batch", "tokens/s");
+        for (name, b, t) in &rows {
+            println!("{name:<8} {b:>6} {:>12.1}", t[0]);
+        }
+    }
+    let json = serde_json::json!({
+        "model": o.model_path,
+        "kernels": cpu.isa.name(),
+        "threads": cpu.pool.num_threads(),
+        "busy_peer": o.busy_peer,
+        "runs": o.runs,
+        "adapter": adapter_desc,
+        "weight_bytes_per_token": model.weight_bytes_per_token(),
+        "results": rows.iter().map(|(n, b, t)| {
+            let mut r = serde_json::json!({"test": n, "batch": b, "tokens_per_second": t[0]});
+            if let Some(a) = t.get(1) {
+                r["adapter_tokens_per_second"] = serde_json::json!(a);
+                r["adapter_ratio"] = serde_json::json!(a / t[0]);
+            }
+            r
+        }).collect::<Vec<_>>(),
+    });
+    println!("{json}");
+    Ok(())
+}
