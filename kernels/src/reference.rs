@@ -139,6 +139,22 @@ pub fn oft_rotate(x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {
     }
 }
 
+/// Block-diagonal product: `out[t][q*m + j] = Σ_i x[t][q*k + i] · M_q[i][j]` for nb blocks M_q
+/// (k, m) row-major in `mats`; sums in f64.
+pub fn block_matmul(x: &[f32], mats: &[f32], nb: usize, k: usize, m: usize, out: &mut [f32]) {
+    for (xr, or) in x.chunks(nb * k).zip(out.chunks_mut(nb * m)) {
+        for q in 0..nb {
+            for j in 0..m {
+                let mut acc = 0.0f64;
+                for i in 0..k {
+                    acc += xr[q * k + i] as f64 * mats[(q * k + i) * m + j] as f64;
+                }
+                or[q * m + j] = acc as f32;
+            }
+        }
+    }
+}
+
 /// RMSNorm of each row of `x` (rows of `weight.len()` values): out = x / sqrt(mean(x^2) + eps) * weight.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();

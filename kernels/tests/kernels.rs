@@ -443,3 +443,61 @@ fn oft_rotate_matches_reference_and_is_batch_invariant() {
         }
     }
 }
+
+/// The general block-diagonal product (LoRA's Bᵀ: one block; odd shapes) against the reference,
+/// and batch invariance, with 1 and 2 threads (the task split differs, the bits must not).
+#[test]
+fn block_matmul_matches_reference_and_is_batch_invariant() {
+    let mut rng = Rng(22);
+    for isa in fast_isas() {
+        for threads in [1, 2] {
+            let c = cpu(isa, threads);
+            for (nb, k, m) in [
+                (1, 16, 576),
+                (1, 16, 1536),
+                (1, 4, 37),
+                (3, 5, 7),
+                (2, 32, 48),
+            ] {
+                let mats = rng.vec(nb * k * m, 1.0);
+                let n_max = 40;
+                let x = rng.vec(n_max * nb * k, 1.0);
+                let mut want = vec![0.0; n_max * nb * m];
+                reference::block_matmul(&x, &mats, nb, k, m, &mut want);
+                let mut all = vec![0.0; n_max * nb * m];
+                c.block_matmul(&x, &mats, nb, k, m, &mut all);
+                for (e, (g, w)) in all.iter().zip(&want).enumerate() {
+                    let (t, col) = (e / (nb * m), e % (nb * m));
+                    let (q, j) = (col / m, col % m);
+                    let mag: f32 = (0..k)
+                        .map(|i| (x[t * nb * k + q * k + i] * mats[(q * k + i) * m + j]).abs())
+                        .sum();
+                    assert!(
+                        (g - w).abs() <= 2e-6 * mag + 1e-7,
+                        "{isa:?} ({nb},{k},{m}) {e}"
+                    );
+                }
+                for n in [1usize, 3, 8, 17] {
+                    for start in [0, n_max - n] {
+                        let mut got = vec![f32::NAN; n * nb * m];
+                        c.block_matmul(
+                            &x[start * nb * k..(start + n) * nb * k],
+                            &mats,
+                            nb,
+                            k,
+                            m,
+                            &mut got,
+                        );
+                        let alone = &all[start * nb * m..(start + n) * nb * m];
+                        assert!(
+                            got.iter()
+                                .zip(alone)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{isa:?} t={threads} ({nb},{k},{m}) n={n} start={start}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,6 +1,8 @@
 //! LoRA as PEFT defines it: y = W x + s·B(A x), A (r, in), B (out, r), s = α/r (α/√r with rsLoRA).
-//! The quantized W is used as stored (never merged); A and B stay f32 and their two small products
-//! run through the batch-invariant f32 `matmul`, so a row's result does not depend on its batch.
+//! The quantized W is used as stored (never merged). h = A x runs through the batch-invariant f32
+//! `matmul` (dot form over `in`); B h through the row-times-matrix kernel with Bᵀ (built once per
+//! version), r FMAs per output and no horizontal sums. Both keep a row's result independent of its
+//! batch.
 
 use flywheel_kernels::{Cpu, Matmul, QuantType};
 
@@ -10,12 +12,13 @@ pub fn f32_bytes(v: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
-/// The LoRA delta of `n` rows: `d (n, out) = s · (x (n, in) · Aᵀ) · Bᵀ`, with `h` (n, r) scratch.
+/// The LoRA delta of `n` rows: `d (n, out) = s · (x (n, in) · Aᵀ) · Bᵀ`, with `bt` = Bᵀ (r, out)
+/// and `h` (n, r) scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn delta(
     cpu: &Cpu,
     a: &[f32],
-    b: &[f32],
+    bt: &[f32],
     r: usize,
     scale: f32,
     x: &[f32],
@@ -23,7 +26,7 @@ pub fn delta(
     d: &mut Vec<f32>,
 ) {
     let in_dim = a.len() / r;
-    let out_dim = b.len() / r;
+    let out_dim = bt.len() / r;
     let n = x.len() / in_dim;
     h.resize(n * r, 0.0);
     d.resize(n * out_dim, 0.0);
@@ -35,14 +38,7 @@ pub fn delta(
         x,
         y: h,
     }]);
-    cpu.matmul_many(&mut [Matmul {
-        ty: QuantType::F32,
-        w: f32_bytes(b),
-        rows: out_dim,
-        cols: r,
-        x: h,
-        y: d,
-    }]);
+    cpu.block_matmul(h, bt, 1, r, out_dim, d);
     for v in d.iter_mut() {
         *v *= scale;
     }

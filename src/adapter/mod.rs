@@ -1,7 +1,7 @@
 //! Adapters on the frozen quantized base: what they are (targets, OFT or LoRA, and their settings),
 //! where their f32 parameters live (one flat vector, laid out tensor by tensor in PEFT's shapes, so
 //! a gradient or an optimizer moment is a vector of the same layout), and the per-version form the
-//! forward pass reads (`AdapterWeights`: OFT's rotations built once, never per token).
+//! forward pass reads (`AdapterWeights`: OFT's rotations and LoRA's Bᵀ built once, never per token).
 
 pub mod lora;
 pub mod oft;
@@ -193,8 +193,9 @@ pub struct ModuleLayout {
     pub out_dim: usize,
     /// OFT: [oft_R]; LoRA: [lora_A (r, in), lora_B (out, r)].
     pub tensors: Vec<TensorSlot>,
-    /// OFT: where this module's (in/b, b, b) rotations start in `AdapterWeights::rotations`.
-    pub rotation_offset: usize,
+    /// Where this module's derived tensor starts in `AdapterWeights::derived`: OFT's rotations
+    /// (in/b, b, b); LoRA's Bᵀ (r, out).
+    pub derived_offset: usize,
 }
 
 /// Where every tensor of an adapter lives in its flat parameter vector: shared by all versions of
@@ -206,8 +207,8 @@ pub struct AdapterLayout {
     /// Index `layer * NUM_TARGETS + target`: None where the projection is not adapted.
     pub modules: Vec<Option<ModuleLayout>>,
     pub num_params: usize,
-    /// Floats of OFT rotations per version (0 for LoRA).
-    pub num_rotation_floats: usize,
+    /// Floats of derived tensors per version (OFT rotations, LoRA Bᵀ).
+    pub num_derived_floats: usize,
     /// The base's shape, to refuse an adapter made for other dimensions.
     pub model: LlamaConfig,
 }
@@ -254,7 +255,7 @@ impl AdapterLayout {
         }
         let mut modules = vec![None; model.num_layers * NUM_TARGETS];
         let mut off = 0;
-        let mut rot = 0;
+        let mut derived = 0;
         for layer in 0..model.num_layers {
             for &target in &config.targets {
                 let (in_dim, out_dim) = target.dims(model);
@@ -273,21 +274,20 @@ impl AdapterLayout {
                     off += len;
                     s
                 };
-                let (tensors, rotation_offset) = match &config.method {
+                let derived_offset = derived;
+                let tensors = match &config.method {
                     Method::Oft(o) => {
                         let b = o.block_size;
-                        let t = vec![slot("oft_R.weight", [in_dim / b, b * (b - 1) / 2])];
-                        let r = rot;
-                        rot += in_dim * b;
-                        (t, r)
+                        derived += in_dim * b;
+                        vec![slot("oft_R.weight", [in_dim / b, b * (b - 1) / 2])]
                     }
-                    Method::Lora(l) => (
+                    Method::Lora(l) => {
+                        derived += l.r * out_dim;
                         vec![
                             slot("lora_A.weight", [l.r, in_dim]),
                             slot("lora_B.weight", [out_dim, l.r]),
-                        ],
-                        0,
-                    ),
+                        ]
+                    }
                 };
                 modules[layer * NUM_TARGETS + target.index()] = Some(ModuleLayout {
                     layer,
@@ -295,7 +295,7 @@ impl AdapterLayout {
                     in_dim,
                     out_dim,
                     tensors,
-                    rotation_offset,
+                    derived_offset,
                 });
             }
         }
@@ -304,7 +304,7 @@ impl AdapterLayout {
             num_layers: model.num_layers,
             modules,
             num_params: off,
-            num_rotation_floats: rot,
+            num_derived_floats: derived,
             model: model.clone(),
         })
     }
@@ -333,8 +333,9 @@ pub struct AdapterWeights {
     pub layout: Arc<AdapterLayout>,
     /// The trainable f32 parameters (PEFT shapes, flat; see `AdapterLayout`).
     pub params: Vec<f32>,
-    /// OFT: each module's rotations R_k (in/b blocks of b×b, row-major), built once from `params`.
-    pub rotations: Vec<f32>,
+    /// Built once from `params`, per module: OFT's rotations R_k (in/b blocks of b×b, row-major);
+    /// LoRA's Bᵀ (r, out), the layout of the row-times-matrix kernel.
+    pub derived: Vec<f32>,
 }
 
 impl AdapterWeights {
@@ -364,25 +365,29 @@ impl AdapterWeights {
                 });
             }
         }
-        let rotations = match &layout.config.method {
-            Method::Oft(o) => {
-                let mut rot = vec![0.0f32; layout.num_rotation_floats];
-                for m in layout.iter_modules() {
-                    let len = m.in_dim * o.block_size;
-                    oft::rotations(
-                        o,
-                        &params[m.tensors[0].range.clone()],
-                        &mut rot[m.rotation_offset..m.rotation_offset + len],
-                    );
+        let mut derived = vec![0.0f32; layout.num_derived_floats];
+        for m in layout.iter_modules() {
+            let d = &mut derived[m.derived_offset..];
+            match &layout.config.method {
+                Method::Oft(o) => oft::rotations(
+                    o,
+                    &params[m.tensors[0].range.clone()],
+                    &mut d[..m.in_dim * o.block_size],
+                ),
+                Method::Lora(l) => {
+                    let b = &params[m.tensors[1].range.clone()];
+                    for o in 0..m.out_dim {
+                        for i in 0..l.r {
+                            d[i * m.out_dim + o] = b[o * l.r + i];
+                        }
+                    }
                 }
-                rot
             }
-            Method::Lora(_) => Vec::new(),
-        };
+        }
         Ok(AdapterWeights {
             layout,
             params,
-            rotations,
+            derived,
         })
     }
 
@@ -407,11 +412,12 @@ impl AdapterWeights {
         &self.params[t.range.clone()]
     }
 
-    /// This module's OFT rotations (in/b blocks of b×b).
-    pub fn rotation(&self, m: &ModuleLayout) -> &[f32] {
-        let Method::Oft(o) = &self.layout.config.method else {
-            return &[];
+    /// This module's derived tensor: OFT's rotations (in/b blocks of b×b) or LoRA's Bᵀ (r, out).
+    pub fn derived(&self, m: &ModuleLayout) -> &[f32] {
+        let len = match &self.layout.config.method {
+            Method::Oft(o) => m.in_dim * o.block_size,
+            Method::Lora(l) => l.r * m.out_dim,
         };
-        &self.rotations[m.rotation_offset..m.rotation_offset + m.in_dim * o.block_size]
+        &self.derived[m.derived_offset..m.derived_offset + len]
     }
 }

@@ -201,7 +201,8 @@ impl Registry {
                 "the adapter was made for a model of other dimensions",
             )));
         }
-        let t0 = Instant::now();
+        let swap_secs: f64;
+        let mut old = None;
         let make = |name: Arc<str>, version: u64, parent: Option<u64>, weights| {
             self.alive.fetch_add(1, Ordering::AcqRel);
             Arc::new(AdapterVersion {
@@ -226,7 +227,11 @@ impl Registry {
                     Some(cur.version),
                     weights,
                 );
-                slot.current.store(v.clone());
+                drop(cur);
+                let t0 = Instant::now();
+                // The old version is dropped after the timing (freeing it is not the swap).
+                old = Some(slot.current.swap(v.clone()));
+                swap_secs = t0.elapsed().as_secs_f64();
                 slot.history
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -242,6 +247,7 @@ impl Registry {
                 }
                 let n: Arc<str> = Arc::from(name);
                 let v = make(n.clone(), 1, None, weights);
+                let t0 = Instant::now();
                 slots.insert(
                     name.to_string(),
                     Arc::new(Slot {
@@ -252,13 +258,14 @@ impl Registry {
                         history: Mutex::new(vec![Arc::downgrade(&v)]),
                     }),
                 );
+                swap_secs = t0.elapsed().as_secs_f64();
                 (v, true)
             }
         };
+        drop(old);
         let m = &self.metrics;
         m.adapter_publishes.inc();
-        m.adapter_publish_seconds
-            .observe(t0.elapsed().as_secs_f64());
+        m.adapter_publish_seconds.observe(swap_secs);
         m.adapter_version
             .with_label_values(&[name])
             .set(v.version as i64);

@@ -1,5 +1,6 @@
-//! Adapter kernels: OFT's block-diagonal rotation of activation rows, x_rot = x · diag(R_0, R_1, ...).
-//! (LoRA's two small products run through `matmul` with f32 weights: no kernel of its own.)
+//! Adapter kernels: block-diagonal products of activation rows, x · diag(M_0, M_1, ...): OFT's
+//! rotation (blocks R_k of b×b) and LoRA's second product (one block, Bᵀ). LoRA's first product,
+//! A x, runs through `matmul` with f32 weights.
 //!
 //! Batch invariance: every output value is one FMA chain over its block's inputs in index order,
 //! starting from 0, whichever tile or ISA computes it (a vector lane and the scalar tail perform the
@@ -13,130 +14,158 @@ use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, ThreadPool};
 use crate::reference;
 
-/// Rows rotated together: each R vector loaded feeds this many FMAs.
+/// Rows computed together: each matrix vector loaded feeds this many FMAs.
 const ROWS: usize = 4;
+/// Output columns of one task when a single block is split (LoRA's B).
+const COL_TILE: usize = 128;
 /// Split across the pool only above this many multiply-adds (below, the pool's wake-up costs more).
-const PARALLEL_MIN_FMAS: usize = 1 << 18;
+const PARALLEL_MIN_FMAS: usize = 1 << 16;
 
 /// `out[t][k*b + j] = Σ_i x[t][k*b + i] · R_k[i][j]` for every row t of x (n, cols), with
 /// `r` = (cols / b) blocks of b×b, row-major: R_k[i][j] at `r[(k*b + i)*b + j]`.
 pub fn oft_rotate(isa: Isa, pool: &ThreadPool, x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {
-    assert!(b > 0 && !x.is_empty(), "block size and rows");
-    assert_eq!(x.len(), out.len(), "x and out sizes");
+    assert!(b > 0, "block size");
     let cols = r.len() / b;
     assert!(
         cols > 0 && r.len() == cols * b && cols.is_multiple_of(b),
         "rotation blocks"
     );
+    block_matmul(isa, pool, x, r, cols / b, b, b, out)
+}
+
+/// Block-diagonal product of rows: x (n, nb·k) times diag(M_0 … M_{nb−1}), each M_q (k, m)
+/// row-major at `mats[q*k*m..]`, into out (n, nb·m):
+/// `out[t][q*m + j] = Σ_i x[t][q*k + i] · M_q[i][j]`, one FMA chain in i order per output.
+/// OFT's rotation is nb = in/b blocks of b×b; LoRA's second product is one block, Bᵀ (r, out).
+#[allow(clippy::too_many_arguments)]
+pub fn block_matmul(
+    isa: Isa,
+    pool: &ThreadPool,
+    x: &[f32],
+    mats: &[f32],
+    nb: usize,
+    k: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    assert!(nb > 0 && k > 0 && m > 0, "shape");
+    assert_eq!(mats.len(), nb * k * m, "matrices");
     assert!(
-        x.len().is_multiple_of(cols),
+        x.len().is_multiple_of(nb * k),
         "x is not a whole number of rows"
     );
-    let n = x.len() / cols;
-    if isa == Isa::Reference {
-        reference::oft_rotate(x, r, b, out);
+    let n = x.len() / (nb * k);
+    assert_eq!(out.len(), n * nb * m, "out");
+    if n == 0 {
         return;
     }
-    let fmas = n * cols * b;
-    let tasks = if fmas >= PARALLEL_MIN_FMAS && pool.num_threads() > 1 {
-        n.div_ceil(ROWS).min(4 * pool.num_threads())
+    if isa == Isa::Reference {
+        reference::block_matmul(x, mats, nb, k, m, out);
+        return;
+    }
+    // Tasks: row chunks × (blocks, or column tiles of a single block).
+    let col_tiles = if nb == 1 { m.div_ceil(COL_TILE) } else { 1 };
+    let units = nb * col_tiles;
+    let fmas = n * nb * k * m;
+    let threads = pool.num_threads();
+    let (row_tasks, unit_tasks) = if fmas < PARALLEL_MIN_FMAS || threads == 1 {
+        (1, 1)
     } else {
-        1
+        let want = 4 * threads;
+        let u = units.min(want);
+        (want.div_ceil(u).min(n.div_ceil(ROWS)), u)
     };
-    let rows_per_task = n.div_ceil(tasks).next_multiple_of(ROWS).min(n);
-    let (xp, rp, op) = (
-        x.as_ptr() as usize,
-        r.as_ptr() as usize,
-        out.as_mut_ptr() as usize,
-    );
+    let rows_per = n.div_ceil(row_tasks).next_multiple_of(ROWS).min(n);
+    let row_tasks = n.div_ceil(rows_per);
+    let units_per = units.div_ceil(unit_tasks);
+    let unit_tasks = units.div_ceil(units_per);
+    let job = Job {
+        x: x.as_ptr(),
+        mats: mats.as_ptr(),
+        out: out.as_mut_ptr(),
+        nb,
+        k,
+        m,
+    };
     let task = |t: usize| {
-        let r0 = t * rows_per_task;
-        let r1 = (r0 + rows_per_task).min(n);
-        if r0 >= r1 {
-            return;
-        }
-        let (x, r, o) = (xp as *const f32, rp as *const f32, op as *mut f32);
-        // SAFETY: ISA detected at start-up; tasks write disjoint row ranges of `out`.
+        let (rt, ut) = (t / unit_tasks, t % unit_tasks);
+        let (r0, r1) = (rt * rows_per, ((rt + 1) * rows_per).min(n));
+        let (u0, u1) = (ut * units_per, ((ut + 1) * units_per).min(units));
+        // Units: blocks (nb > 1) or column tiles of the one block.
+        let (q0, q1, j0, j1) = if nb > 1 {
+            (u0, u1, 0, m)
+        } else {
+            (0, 1, u0 * COL_TILE, (u1 * COL_TILE).min(m))
+        };
+        // SAFETY: ISA detected at start-up; tasks write disjoint (row, column) ranges of `out`.
         unsafe {
             match isa {
-                Isa::Avx512 => rotate_avx512(x, r, o, cols, b, r0, r1),
-                Isa::Avx2 => rotate_avx2(x, r, o, cols, b, r0, r1),
+                Isa::Avx512 => bm_avx512(&job, r0, r1, q0, q1, j0, j1),
+                Isa::Avx2 => bm_avx2(&job, r0, r1, q0, q1, j0, j1),
                 Isa::Reference => unreachable!(),
             }
         }
     };
-    pool.run(n.div_ceil(rows_per_task), &task);
+    pool.run(row_tasks * unit_tasks, &task);
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn rotate_avx512(
+struct Job {
     x: *const f32,
-    r: *const f32,
-    o: *mut f32,
-    cols: usize,
-    b: usize,
-    r0: usize,
-    r1: usize,
-) {
-    rotate::<Avx512>(x, r, o, cols, b, r0, r1)
+    mats: *const f32,
+    out: *mut f32,
+    nb: usize,
+    k: usize,
+    m: usize,
+}
+// SAFETY: the pointers are only used for the disjoint ranges each task is given.
+unsafe impl Sync for Job {}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn bm_avx512(j: &Job, r0: usize, r1: usize, q0: usize, q1: usize, j0: usize, j1: usize) {
+    bm::<Avx512>(j, r0, r1, q0, q1, j0, j1)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rotate_avx2(
-    x: *const f32,
-    r: *const f32,
-    o: *mut f32,
-    cols: usize,
-    b: usize,
-    r0: usize,
-    r1: usize,
-) {
-    rotate::<Avx2>(x, r, o, cols, b, r0, r1)
+unsafe fn bm_avx2(j: &Job, r0: usize, r1: usize, q0: usize, q1: usize, j0: usize, j1: usize) {
+    bm::<Avx2>(j, r0, r1, q0, q1, j0, j1)
 }
 
 #[inline(always)]
-unsafe fn rotate<S: Simd>(
-    x: *const f32,
-    r: *const f32,
-    o: *mut f32,
-    cols: usize,
-    b: usize,
-    r0: usize,
-    r1: usize,
-) {
+unsafe fn bm<S: Simd>(j: &Job, r0: usize, r1: usize, q0: usize, q1: usize, j0: usize, j1: usize) {
     let mut t = r0;
     while t < r1 {
         match (r1 - t).min(ROWS) {
-            1 => rotate_rows::<S, 1>(x, r, o, cols, b, t),
-            2 => rotate_rows::<S, 2>(x, r, o, cols, b, t),
-            3 => rotate_rows::<S, 3>(x, r, o, cols, b, t),
-            _ => rotate_rows::<S, ROWS>(x, r, o, cols, b, t),
+            1 => bm_rows::<S, 1>(j, t, q0, q1, j0, j1),
+            2 => bm_rows::<S, 2>(j, t, q0, q1, j0, j1),
+            3 => bm_rows::<S, 3>(j, t, q0, q1, j0, j1),
+            _ => bm_rows::<S, ROWS>(j, t, q0, q1, j0, j1),
         }
         t += ROWS;
     }
 }
 
-/// Rows t0..t0+N, every block; output columns two vectors at a time (2·N independent FMA chains),
-/// then one vector, then a scalar tail with the same fused operations.
+/// Rows t0..t0+N, blocks q0..q1, columns j0..j1 of each: two vectors of columns at a time (2·N
+/// independent FMA chains), then one vector, then a scalar tail with the same fused operations.
 #[inline(always)]
-unsafe fn rotate_rows<S: Simd, const N: usize>(
-    x: *const f32,
-    r: *const f32,
-    o: *mut f32,
-    cols: usize,
-    b: usize,
+unsafe fn bm_rows<S: Simd, const N: usize>(
+    jb: &Job,
     t0: usize,
+    q0: usize,
+    q1: usize,
+    j0: usize,
+    j1: usize,
 ) {
-    let l = S::LANES;
-    for k in 0..cols / b {
-        let rk = r.add(k * b * b);
-        let xs: [*const f32; N] = std::array::from_fn(|i| x.add((t0 + i) * cols + k * b));
-        let os: [*mut f32; N] = std::array::from_fn(|i| o.add((t0 + i) * cols + k * b));
-        let mut j = 0;
-        while j + 2 * l <= b {
+    let (k, m, l) = (jb.k, jb.m, S::LANES);
+    let (xw, ow) = (jb.nb * k, jb.nb * m);
+    for q in q0..q1 {
+        let mq = jb.mats.add(q * k * m);
+        let xs: [*const f32; N] = std::array::from_fn(|i| jb.x.add((t0 + i) * xw + q * k));
+        let os: [*mut f32; N] = std::array::from_fn(|i| jb.out.add((t0 + i) * ow + q * m));
+        let mut j = j0;
+        while j + 2 * l <= j1 {
             let mut acc = [[S::zero(); 2]; N];
-            for i in 0..b {
-                let (ra, rb) = (S::load(rk.add(i * b + j)), S::load(rk.add(i * b + j + l)));
+            for i in 0..k {
+                let (ra, rb) = (S::load(mq.add(i * m + j)), S::load(mq.add(i * m + j + l)));
                 for (a, xr) in acc.iter_mut().zip(&xs) {
                     let xv = S::splat(*xr.add(i));
                     a[0] = S::fma(xv, ra, a[0]);
@@ -149,10 +178,10 @@ unsafe fn rotate_rows<S: Simd, const N: usize>(
             }
             j += 2 * l;
         }
-        while j + l <= b {
+        while j + l <= j1 {
             let mut acc = [S::zero(); N];
-            for i in 0..b {
-                let ra = S::load(rk.add(i * b + j));
+            for i in 0..k {
+                let ra = S::load(mq.add(i * m + j));
                 for (a, xr) in acc.iter_mut().zip(&xs) {
                     *a = S::fma(S::splat(*xr.add(i)), ra, *a);
                 }
@@ -162,11 +191,11 @@ unsafe fn rotate_rows<S: Simd, const N: usize>(
             }
             j += l;
         }
-        while j < b {
+        while j < j1 {
             for (xr, or) in xs.iter().zip(&os) {
                 let mut acc = 0.0f32;
-                for i in 0..b {
-                    acc = (*xr.add(i)).mul_add(*rk.add(i * b + j), acc);
+                for i in 0..k {
+                    acc = (*xr.add(i)).mul_add(*mq.add(i * m + j), acc);
                 }
                 *or.add(j) = acc;
             }

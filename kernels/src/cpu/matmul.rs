@@ -112,7 +112,13 @@ fn run_chunk(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
         let row_bytes = j.ty.row_bytes(j.cols).unwrap_or(0);
         let dot_panel = n >= DOT_MIN_ROWS && j.cols.is_multiple_of(32);
         let rows_per_task = if dot_panel {
-            4 * wr
+            // Small products (LoRA's A: r rows) in tiles of one panel height, so that both
+            // threads get work; a row's result does not depend on the split.
+            if j.rows < 16 * wr * pool.num_threads() {
+                wr
+            } else {
+                4 * wr
+            }
         } else {
             (32768 / (row_bytes * n.min(8)).max(1)).clamp(4, 256)
         };

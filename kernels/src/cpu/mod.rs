@@ -117,6 +117,20 @@ impl Cpu {
         adapter::oft_rotate(self.isa, &self.pool, x, r, b, out)
     }
 
+    /// Rows of x (n, nb·k) times the block-diagonal diag(M_0 … M_{nb−1}) of (k, m) blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn block_matmul(
+        &self,
+        x: &[f32],
+        mats: &[f32],
+        nb: usize,
+        k: usize,
+        m: usize,
+        out: &mut [f32],
+    ) {
+        adapter::block_matmul(self.isa, &self.pool, x, mats, nb, k, m, out)
+    }
+
     pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {
         matmul::dequantize_row(self.isa, ty, src, dst)
     }

@@ -339,7 +339,7 @@ impl Llama {
                         return None;
                     };
                     let m = g.weights.layout.module(l, p.target)?;
-                    Some((g, g.weights.rotation(m), o.block_size))
+                    Some((g, g.weights.derived(m), o.block_size))
                 })
                 .collect();
             if oft.is_empty() {
@@ -388,7 +388,7 @@ impl Llama {
                 lora::delta(
                     cpu,
                     g.weights.tensor(&m.tensors[0]),
-                    g.weights.tensor(&m.tensors[1]),
+                    g.weights.derived(m),
                     cfg.r,
                     cfg.scale(),
                     &s.x,
