@@ -58,6 +58,24 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// `runs` measurements of `f` for each variant, their order alternating from run to run (A B,
+/// B A, ...); the median of each.
+fn alternate<'a>(
+    runs: usize,
+    variants: &[Option<&'a AdapterWeights>],
+    mut f: impl FnMut(Option<&'a AdapterWeights>) -> anyhow::Result<f64>,
+) -> anyhow::Result<Vec<f64>> {
+    let n = variants.len();
+    let mut out = vec![Vec::new(); n];
+    for r in 0..runs {
+        for k in 0..n {
+            let v = if r % 2 == 0 { k } else { n - 1 - k };
+            out[v].push(f(variants[v])?);
+        }
+    }
+    Ok(out.into_iter().map(median).collect())
+}
+
 /// Run the tests and print a table and one JSON line.
 pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyhow::Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
@@ -106,39 +124,22 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     }
     // rows: (test, batch, tokens/s per variant)
     let mut rows: Vec<(String, usize, Vec<f64>)> = Vec::new();
-    let mut runs = vec![Vec::new(); variants.len()];
-    for r in 0..o.runs {
-        // Alternate the order of the variants from run to run (A B, B A, ...).
-        for k in 0..variants.len() {
-            let v = if r % 2 == 0 {
-                k
-            } else {
-                variants.len() - 1 - k
-            };
-            let t = Instant::now();
-            prefill(&prompt, variants[v])?;
-            runs[v].push(pp as f64 / t.elapsed().as_secs_f64());
-        }
-    }
-    rows.push((format!("pp{pp}"), 1, runs.into_iter().map(median).collect()));
+    let pp_rates = alternate(o.runs, &variants, |a| {
+        let t = Instant::now();
+        prefill(&prompt, a)?;
+        Ok(pp as f64 / t.elapsed().as_secs_f64())
+    })?;
+    rows.push((format!("pp{pp}"), 1, pp_rates));
     let tg = o.decode_tokens;
     for &b in &o.batches {
         let prompts: Vec<Vec<u32>> = (0..b)
             .map(|i| prompt[i % 7..i % 7 + 8.min(pp)].to_vec())
             .collect();
-        let mut runs = vec![Vec::new(); variants.len()];
-        for r in 0..o.runs {
-            for k in 0..variants.len() {
-                let v = if r % 2 == 0 {
-                    k
-                } else {
-                    variants.len() - 1 - k
-                };
-                let secs = decode_batch(model, cpu, &prompts, tg, variants[v])?;
-                runs[v].push((b * tg) as f64 / secs);
-            }
-        }
-        rows.push((format!("tg{tg}"), b, runs.into_iter().map(median).collect()));
+        let rates = alternate(o.runs, &variants, |a| {
+            let secs = decode_batch(model, cpu, &prompts, tg, a)?;
+            Ok((b * tg) as f64 / secs)
+        })?;
+        rows.push((format!("tg{tg}"), b, rates));
     }
     stop.store(true, Ordering::Relaxed);
     if let Some(p) = peer {

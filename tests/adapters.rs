@@ -10,7 +10,7 @@ use common::{write_tiny, Rng, TinySpec};
 use flywheel::adapter::{
     peft, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
-use flywheel::kernels::{reference, Cpu, Isa, ThreadPool};
+use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::model::kv_cache::KvCache;
 use flywheel::model::llama::{BatchSeq, Llama, Logits};
 use std::path::{Path, PathBuf};
@@ -55,42 +55,13 @@ fn random_adapter(model: &Llama, config: AdapterConfig, seed: u64, scale: f32) -
     AdapterWeights::new(layout, params).unwrap()
 }
 
-/// Log-probs at every position of `tokens` (one sequence alone).
 fn run(
     model: &Llama,
     cpu: &Cpu,
     tokens: &[u32],
     adapter: Option<&AdapterWeights>,
 ) -> Vec<Vec<f32>> {
-    let bs = 4;
-    let table: Vec<u32> = (0..tokens.len().div_ceil(bs) as u32).collect();
-    let mut cache = KvCache::new(
-        model.config.num_layers,
-        model.config.kv_dim(),
-        bs,
-        table.len(),
-    );
-    let logits = model
-        .forward(
-            cpu,
-            &mut cache,
-            &[BatchSeq {
-                tokens,
-                first_pos: 0,
-                block_table: &table,
-                logits: Logits::All,
-                adapter,
-            }],
-        )
-        .unwrap();
-    logits
-        .chunks(model.config.vocab_size)
-        .map(|r| {
-            let mut r = r.to_vec();
-            reference::log_softmax(&mut r);
-            r
-        })
-        .collect()
+    common::logprobs_all(model, cpu, tokens, adapter)
 }
 
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f64>]) -> f64 {

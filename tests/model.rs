@@ -16,36 +16,7 @@ fn cpu(isa: Isa) -> Cpu {
 }
 
 fn run_all(model: &Llama, cpu: &Cpu, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let bs = 4;
-    let table: Vec<u32> = (0..tokens.len().div_ceil(bs) as u32).rev().collect();
-    let mut cache = KvCache::new(
-        model.config.num_layers,
-        model.config.kv_dim(),
-        bs,
-        table.len(),
-    );
-    let logits = model
-        .forward(
-            cpu,
-            &mut cache,
-            &[BatchSeq {
-                tokens,
-                first_pos: 0,
-                block_table: &table,
-                logits: Logits::All,
-                adapter: None,
-            }],
-        )
-        .unwrap();
-    let v = model.config.vocab_size;
-    logits
-        .chunks(v)
-        .map(|r| {
-            let mut r = r.to_vec();
-            reference::log_softmax(&mut r);
-            r
-        })
-        .collect()
+    common::logprobs_all(model, cpu, tokens, None)
 }
 
 fn min_lp(b: &[Vec<f64>]) -> f64 {

@@ -222,3 +222,43 @@ pub fn write_tiny(spec: &TinySpec) -> (tempfile::TempDir, std::path::PathBuf) {
     std::fs::write(&path, tiny_model(spec).bytes).unwrap();
     (dir, path)
 }
+
+/// Log-probs at every position of `tokens`, one sequence alone (blocks of 4 tokens, in reverse
+/// order, so that paging is exercised), optionally through an adapter.
+pub fn logprobs_all(
+    model: &flywheel::model::llama::Llama,
+    cpu: &flywheel::kernels::Cpu,
+    tokens: &[u32],
+    adapter: Option<&flywheel::adapter::AdapterWeights>,
+) -> Vec<Vec<f32>> {
+    use flywheel::model::llama::{BatchSeq, Logits};
+    let bs = 4;
+    let table: Vec<u32> = (0..tokens.len().div_ceil(bs) as u32).rev().collect();
+    let mut cache = flywheel::model::kv_cache::KvCache::new(
+        model.config.num_layers,
+        model.config.kv_dim(),
+        bs,
+        table.len(),
+    );
+    let logits = model
+        .forward(
+            cpu,
+            &mut cache,
+            &[BatchSeq {
+                tokens,
+                first_pos: 0,
+                block_table: &table,
+                logits: Logits::All,
+                adapter,
+            }],
+        )
+        .unwrap();
+    logits
+        .chunks(model.config.vocab_size)
+        .map(|r| {
+            let mut r = r.to_vec();
+            flywheel::kernels::reference::log_softmax(&mut r);
+            r
+        })
+        .collect()
+}
