@@ -77,7 +77,13 @@ pub fn generate(
         max_pending_requests: 1,
     };
     let eos = tokenizer.eos_id;
-    let (engine, join) = Engine::start(model, tokenizer, cpu, cfg, Arc::new(Metrics::new()))?;
+    let (engine, join) = Engine::start(
+        model,
+        tokenizer,
+        Arc::new(cpu),
+        cfg,
+        Arc::new(Metrics::new()),
+    )?;
     let t0 = Instant::now();
     let mut stream = engine.submit(GenerateRequest {
         prompt: prompt.to_vec(),

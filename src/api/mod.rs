@@ -39,8 +39,10 @@ pub struct Ready {
     pub vocab_size: usize,
     pub created: u64,
     pub registry: Arc<Registry>,
-    /// The compute seam shared with the engine's model (for building adapters off the engine).
+    /// The model and the compute seam the engine runs on, shared (mmapped weights, one pool) with
+    /// whatever else runs forwards beside it.
     pub model: Arc<Llama>,
+    pub cpu: Arc<Cpu>,
 }
 
 pub struct Shared {
@@ -284,7 +286,9 @@ fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         tracing::info!(adapter, path = %dir.display(), "adapter loaded");
     }
     let model = Arc::new(model);
-    let (engine, _join) = Engine::start(model.clone(), tokenizer.clone(), cpu, ecfg, metrics)?;
+    let cpu = Arc::new(cpu);
+    let (engine, _join) =
+        Engine::start(model.clone(), tokenizer.clone(), cpu.clone(), ecfg, metrics)?;
     Ok(Ready {
         engine,
         tokenizer,
@@ -294,6 +298,7 @@ fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         created: respond::unix_now(),
         registry,
         model,
+        cpu,
     })
 }
 

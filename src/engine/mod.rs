@@ -186,7 +186,9 @@ impl Drop for AliveGuard {
 pub struct Engine {
     model: Arc<Llama>,
     tokenizer: Arc<Tokenizer>,
-    cpu: Cpu,
+    /// Shared with whoever else runs forwards on the same weights (the trainer, later): the pool
+    /// serializes parallel regions, so each product keeps the cores for its own duration only.
+    cpu: Arc<Cpu>,
     cache: KvCache,
     bufs: ForwardBuffers,
     sched: Scheduler,
@@ -202,7 +204,7 @@ impl Engine {
     pub fn start(
         model: Arc<Llama>,
         tokenizer: Arc<Tokenizer>,
-        cpu: Cpu,
+        cpu: Arc<Cpu>,
         cfg: EngineConfig,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
@@ -370,7 +372,7 @@ impl Engine {
                 }
             })
             .collect();
-        let (model, cpu, cache, bufs) = (&self.model, &self.cpu, &mut self.cache, &mut self.bufs);
+        let (model, cpu, cache, bufs) = (&self.model, &*self.cpu, &mut self.cache, &mut self.bufs);
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             model.forward_into(cpu, cache, &batch, bufs)
         }));
