@@ -665,3 +665,73 @@ fn a_storm_of_1000_versions_under_16_streams_fails_nothing() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn deleting_or_replacing_an_adapter_lets_running_requests_finish_on_their_version() {
+    let (_d, s) = start_long(CONFIG);
+    assert_eq!(
+        s.post(
+            "/v1/adapters",
+            &json!({"name": "d", "kind": "lora", "r": 2})
+        )
+        .status,
+        201
+    );
+    let body = seeded("d", 3, json!({"stream": true, "max_tokens": 8000})).to_string();
+    let sock = s
+        .connect("POST", "/v1/chat/completions", Some(&body), &[])
+        .unwrap();
+    // Wait until the stream has started, then replace and delete the adapter under it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.get("/v1/adapters/d").json()["versions"][0]["requests_in_flight"] != 1 {
+        assert!(Instant::now() < deadline, "the request never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        s.post(
+            "/v1/adapters",
+            &json!({"name": "d", "kind": "lora", "r": 4})
+        )
+        .json()["version"],
+        2
+    );
+    let info = s.get("/v1/adapters/d").json();
+    let v: Vec<(Value, Value)> = info["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| (v["version"].clone(), v["requests_in_flight"].clone()))
+        .collect();
+    assert_eq!(v, [(json!(1), json!(1)), (json!(2), json!(0))], "{info}");
+    assert_eq!(
+        s.try_request("DELETE", "/v1/adapters/d", None, &[])
+            .unwrap()
+            .status,
+        200
+    );
+    assert_error(
+        &s.post("/v1/chat/completions", &seeded("d", 1, json!({}))),
+        404,
+        Some("model"),
+    );
+    let mut raw = Vec::new();
+    use std::io::Read;
+    let mut sock = sock;
+    sock.read_to_end(&mut raw).unwrap();
+    let r = common::server::Response::parse(&raw);
+    let data = r.sse_data();
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert!(chunks
+        .iter()
+        .all(|c| c["adapter_version"] == 1 && c["adapter"] == "d"));
+    let finish = chunks.iter().rev().find_map(|c| {
+        c["choices"][0]["finish_reason"]
+            .as_str()
+            .map(str::to_string)
+    });
+    assert_eq!(finish.as_deref(), Some("length"));
+}
