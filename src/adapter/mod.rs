@@ -9,8 +9,10 @@ pub mod peft;
 pub mod registry;
 
 use crate::model::llama::LlamaConfig;
+use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// A linear projection of a transformer block that an adapter can target.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -366,10 +368,13 @@ impl AdapterWeights {
             }
         }
         let mut derived = vec![0.0f32; layout.num_derived_floats];
+        // The publisher's own one-thread seam: building never takes the engine's pool.
+        let cpu = Cpu::new(Isa::detect(), ThreadPool::new(1, Duration::ZERO));
         for m in layout.iter_modules() {
             let d = &mut derived[m.derived_offset..];
             match &layout.config.method {
-                Method::Oft(o) => oft::rotations(
+                Method::Oft(o) => oft::rotations_with(
+                    &cpu,
                     o,
                     &params[m.tensors[0].range.clone()],
                     &mut d[..m.in_dim * o.block_size],

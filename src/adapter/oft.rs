@@ -12,6 +12,8 @@
 //! R is built once per adapter version (`AdapterWeights::new`), never per token.
 
 use super::OftConfig;
+use flywheel_kernels::{Cpu, Isa, ThreadPool};
+use std::time::Duration;
 
 /// Number of skew parameters of one b×b block.
 pub fn num_block_params(b: usize) -> usize {
@@ -32,42 +34,79 @@ pub fn skew(theta: &[f32], b: usize, q: &mut [f32]) {
     }
 }
 
-/// c = a · b for b×b row-major matrices (f32, sums in index order).
-pub fn matmul_square(a: &[f32], bm: &[f32], n: usize, c: &mut [f32]) {
-    c.fill(0.0);
-    for i in 0..n {
-        for k in 0..n {
-            let aik = a[i * n + k];
-            let (row, brow) = (&mut c[i * n..(i + 1) * n], &bm[k * n..(k + 1) * n]);
-            for (cj, bj) in row.iter_mut().zip(brow) {
-                *cj += aik * bj;
+/// R of every block of one module: `theta` is (in/b, b(b−1)/2), `out` (in/b, b, b). The
+/// Cayley–Neumann powers of all blocks are taken together with the vector block kernel on the
+/// calling thread (`cpu` should be a one-thread seam: this runs on the publisher's thread).
+pub fn rotations_with(cpu: &Cpu, cfg: &OftConfig, theta: &[f32], out: &mut [f32]) {
+    let b = cfg.block_size;
+    let np = num_block_params(b);
+    let nb = out.len() / (b * b);
+    debug_assert_eq!(theta.len(), nb * np);
+    if theta.iter().all(|v| *v == 0.0) {
+        for r in out.chunks_mut(b * b) {
+            identity(r, b);
+        }
+        return;
+    }
+    let mut q = vec![0.0f32; nb * b * b];
+    for (k, qk) in q.chunks_mut(b * b).enumerate() {
+        skew(&theta[k * np..(k + 1) * np], b, qk);
+    }
+    if !cfg.use_cayley_neumann {
+        for (qk, r) in q.chunks(b * b).zip(out.chunks_mut(b * b)) {
+            cayley_exact(qk, b, r);
+        }
+        return;
+    }
+    // Interleaved (b, nb·b) layout: row t holds row t of every block, so that P·Q of all blocks
+    // is one block-diagonal product of b rows.
+    let w = nb * b;
+    let inter = |blocks: &[f32], dst: &mut [f32]| {
+        for k in 0..nb {
+            for t in 0..b {
+                dst[t * w + k * b..t * w + (k + 1) * b]
+                    .copy_from_slice(&blocks[k * b * b + t * b..k * b * b + (t + 1) * b]);
             }
+        }
+    };
+    let mut r = vec![0.0f32; b * w];
+    for k in 0..nb {
+        for t in 0..b {
+            r[t * w + k * b + t] = 1.0;
+        }
+    }
+    let terms = cfg.num_cayley_neumann_terms;
+    if terms > 1 {
+        let mut p = vec![0.0f32; b * w];
+        inter(&q, &mut p);
+        add_scaled(&mut r, &p, 2.0);
+        if terms > 2 {
+            // PEFT's schedule: Q², then (terms − 4) more powers with weight 2, then one with 1.
+            let mut next = vec![0.0f32; b * w];
+            cpu.block_matmul(&p, &q, nb, b, b, &mut next);
+            std::mem::swap(&mut p, &mut next);
+            add_scaled(&mut r, &p, 2.0);
+            for _ in 3..terms - 1 {
+                cpu.block_matmul(&p, &q, nb, b, b, &mut next);
+                std::mem::swap(&mut p, &mut next);
+                add_scaled(&mut r, &p, 2.0);
+            }
+            cpu.block_matmul(&p, &q, nb, b, b, &mut next);
+            add_scaled(&mut r, &next, 1.0);
+        }
+    }
+    for k in 0..nb {
+        for t in 0..b {
+            out[k * b * b + t * b..k * b * b + (t + 1) * b]
+                .copy_from_slice(&r[t * w + k * b..t * w + (k + 1) * b]);
         }
     }
 }
 
-/// R of every block of one module: `theta` is (in/b, b(b−1)/2), `out` (in/b, b, b).
+/// `rotations_with` on a one-thread seam of the best ISA.
 pub fn rotations(cfg: &OftConfig, theta: &[f32], out: &mut [f32]) {
-    let b = cfg.block_size;
-    let np = num_block_params(b);
-    let nblocks = out.len() / (b * b);
-    debug_assert_eq!(theta.len(), nblocks * np);
-    let mut q = vec![0.0f32; b * b];
-    let mut scratch = vec![0.0f32; 2 * b * b];
-    for k in 0..nblocks {
-        let th = &theta[k * np..(k + 1) * np];
-        let r = &mut out[k * b * b..(k + 1) * b * b];
-        if np > 0 && th.iter().all(|v| *v == 0.0) {
-            identity(r, b);
-            continue;
-        }
-        skew(th, b, &mut q);
-        if cfg.use_cayley_neumann {
-            cayley_neumann(&q, b, cfg.num_cayley_neumann_terms, &mut scratch, r);
-        } else {
-            cayley_exact(&q, b, r);
-        }
-    }
+    let cpu = Cpu::new(Isa::detect(), ThreadPool::new(1, Duration::ZERO));
+    rotations_with(&cpu, cfg, theta, out)
 }
 
 fn identity(r: &mut [f32], b: usize) {
@@ -75,29 +114,6 @@ fn identity(r: &mut [f32], b: usize) {
     for i in 0..b {
         r[i * b + i] = 1.0;
     }
-}
-
-/// PEFT's accumulation: R = I; R += 2Q; Q2 = Q·Q; R += 2Q2; P = Q2; repeat (n−4 times) P = P·Q,
-/// R += 2P; finally P = P·Q, R += P.
-fn cayley_neumann(q: &[f32], b: usize, terms: usize, scratch: &mut [f32], r: &mut [f32]) {
-    identity(r, b);
-    if terms <= 1 {
-        return;
-    }
-    add_scaled(r, q, 2.0);
-    if terms <= 2 {
-        return;
-    }
-    let (p, next) = scratch.split_at_mut(b * b);
-    matmul_square(q, q, b, p);
-    add_scaled(r, p, 2.0);
-    for _ in 3..terms - 1 {
-        matmul_square(p, q, b, next);
-        p.copy_from_slice(next);
-        add_scaled(r, p, 2.0);
-    }
-    matmul_square(p, q, b, next);
-    add_scaled(r, next, 1.0);
 }
 
 fn add_scaled(r: &mut [f32], m: &[f32], s: f32) {
