@@ -11,5 +11,6 @@ pub mod fetch;
 pub mod generate;
 pub mod metrics;
 pub mod model;
+pub mod train;
 
 pub use flywheel_kernels as kernels;

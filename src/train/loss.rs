@@ -1,0 +1,486 @@
+//! Advantages and policy-gradient losses, pure: per-token log-probs and per-sequence advantages in;
+//! the loss, its gradient with respect to every token's log-prob, and statistics out. Like the
+//! scheduler, no model and no I/O: the backward turns `grad_logp[t]` into logit gradients
+//! (dL/dz_t = grad_logp[t]·(onehot(o_t) − softmax(z_t))).
+//!
+//! Notation (REFERENCE.md §4): π the trainer's policy (log-probs `logp`, from logits divided by the
+//! sampling temperature), μ the policy that sampled (`behavior`, recorded at serving time), π_ref
+//! the base with the adapter off (`ref_logp`), r_t = exp(log π − log μ), A_i the sequence's
+//! advantage.
+
+/// How a group's rewards become advantages.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AdvantageKind {
+    /// (R − mean) / (std + eps), std with Bessel's correction (as TRL's GRPOTrainer).
+    Grpo { eps: f32 },
+    /// R − mean (Dr. GRPO: no division by the standard deviation).
+    DrGrpo,
+}
+
+/// Advantages of one group; None when all rewards are equal (no signal: DAPO drops such groups).
+pub fn group_advantages(rewards: &[f32], kind: AdvantageKind) -> Option<Vec<f32>> {
+    let n = rewards.len();
+    if n < 2 {
+        return None;
+    }
+    let mean = rewards.iter().map(|&r| r as f64).sum::<f64>() / n as f64;
+    if rewards.iter().all(|&r| r as f64 == mean) {
+        return None;
+    }
+    Some(match kind {
+        AdvantageKind::Grpo { eps } => {
+            let var = rewards
+                .iter()
+                .map(|&r| (r as f64 - mean).powi(2))
+                .sum::<f64>()
+                / (n - 1) as f64;
+            let d = var.sqrt() + eps as f64;
+            rewards
+                .iter()
+                .map(|&r| ((r as f64 - mean) / d) as f32)
+                .collect()
+        }
+        AdvantageKind::DrGrpo => rewards.iter().map(|&r| (r as f64 - mean) as f32).collect(),
+    })
+}
+
+/// How the per-token terms are summed into one loss.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Normalization {
+    /// Mean over each sequence's tokens, then over sequences (GRPO).
+    PerSequence,
+    /// Sum over every token of the batch divided by their number (DAPO).
+    PerToken,
+    /// Sum over every token divided by a constant, e.g. G × max tokens (Dr. GRPO).
+    Constant(f32),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Objective {
+    /// Token-level clipped ratio: min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) (GRPO, DAPO clip-higher).
+    Clipped { eps_low: f32, eps_high: f32 },
+    /// GSPO: the sequence ratio s = exp(mean_t log r_t), clipped like the token ratio.
+    SequenceClipped { eps_low: f32, eps_high: f32 },
+    /// Masked importance sampling: a token counts only if r ∈ [token_low, token_high] and its
+    /// sequence's exp(mean log r) ∈ [seq_low, seq_high]; its detached coefficient is
+    /// r·(A − tau·log r) and the loss −Σ coeff·log π.
+    MaskedIs {
+        token_low: f32,
+        token_high: f32,
+        seq_low: f32,
+        seq_high: f32,
+        tau: f32,
+    },
+    /// Supervised fine-tuning: −log π of every completion token (advantages ignored).
+    Sft,
+}
+
+/// A loss: its objective, normalization, KL coefficient to the reference policy (k3 estimator),
+/// and an optional truncated-IS weight min(π_old/μ, cap) per token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossConfig {
+    pub objective: Objective,
+    pub normalization: Normalization,
+    pub kl_coef: f32,
+    pub tis_cap: Option<f32>,
+}
+
+impl LossConfig {
+    /// The named variants: grpo, dapo, dr_grpo, gspo, masked_is, sft (defaults of their papers).
+    pub fn named(name: &str, max_tokens: usize, group_size: usize) -> Option<LossConfig> {
+        let clipped = |lo, hi| Objective::Clipped {
+            eps_low: lo,
+            eps_high: hi,
+        };
+        let (objective, normalization) = match name {
+            "grpo" => (clipped(0.2, 0.2), Normalization::PerSequence),
+            "dapo" => (clipped(0.2, 0.28), Normalization::PerToken),
+            "dr_grpo" => (
+                clipped(0.2, 0.2),
+                Normalization::Constant((group_size * max_tokens).max(1) as f32),
+            ),
+            "gspo" => (
+                Objective::SequenceClipped {
+                    eps_low: 3e-4,
+                    eps_high: 4e-4,
+                },
+                Normalization::PerSequence,
+            ),
+            "masked_is" => (
+                Objective::MaskedIs {
+                    token_low: 0.125,
+                    token_high: 8.0,
+                    seq_low: 0.1,
+                    seq_high: 10.0,
+                    tau: 0.0,
+                },
+                Normalization::PerToken,
+            ),
+            "sft" => (Objective::Sft, Normalization::PerToken),
+            _ => return None,
+        };
+        Some(LossConfig {
+            objective,
+            normalization,
+            kl_coef: 0.0,
+            tis_cap: None,
+        })
+    }
+
+    /// The advantage kind that goes with the loss (Dr. GRPO: mean only).
+    pub fn advantage_kind(name: &str) -> AdvantageKind {
+        if name == "dr_grpo" {
+            AdvantageKind::DrGrpo
+        } else {
+            AdvantageKind::Grpo { eps: 1e-4 }
+        }
+    }
+}
+
+/// One completion's tokens as the loss sees them (all slices of the completion's length).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    pub logp: &'a [f32],
+    pub behavior: &'a [f32],
+    /// π_ref's log-probs (needed when kl_coef > 0).
+    pub ref_logp: Option<&'a [f32]>,
+    /// π_old's log-probs for the truncated-IS weight (needed when tis_cap is set).
+    pub old_logp: Option<&'a [f32]>,
+    pub advantage: f32,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LossStats {
+    pub loss: f64,
+    pub tokens: usize,
+    /// Tokens whose clipped branch was active (no gradient through the ratio).
+    pub clip_fraction: f64,
+    /// Tokens dropped by masked importance sampling.
+    pub masked_fraction: f64,
+    /// Mean k3 KL to the reference over tokens (0 without reference log-probs).
+    pub kl: f64,
+    pub ratio_mean: f64,
+    pub ratio_min: f64,
+    pub ratio_max: f64,
+}
+
+/// The loss of a batch and dL/dlog π for every token (`grad[i][t]`, in the sequences' order).
+pub fn policy_loss(cfg: &LossConfig, seqs: &[SeqInput]) -> (LossStats, Vec<Vec<f32>>) {
+    let total_tokens: usize = seqs.iter().map(|s| s.logp.len()).sum();
+    let mut st = LossStats {
+        tokens: total_tokens,
+        ratio_min: f64::INFINITY,
+        ratio_max: f64::NEG_INFINITY,
+        ..Default::default()
+    };
+    let mut grads = Vec::with_capacity(seqs.len());
+    let (mut clipped, mut masked, mut kl_sum, mut ratio_sum) = (0usize, 0usize, 0.0f64, 0.0f64);
+    let num_seqs = seqs.iter().filter(|s| !s.logp.is_empty()).count().max(1);
+    for s in seqs {
+        let n = s.logp.len();
+        let mut g = vec![0.0f32; n];
+        if n == 0 {
+            grads.push(g);
+            continue;
+        }
+        // Weight of one token's term in the total.
+        let w = match cfg.normalization {
+            Normalization::PerSequence => 1.0 / (n as f64 * num_seqs as f64),
+            Normalization::PerToken => 1.0 / total_tokens.max(1) as f64,
+            Normalization::Constant(c) => 1.0 / c as f64,
+        };
+        let log_r: Vec<f64> = (0..n)
+            .map(|t| s.logp[t] as f64 - s.behavior[t] as f64)
+            .collect();
+        let mean_log_r = log_r.iter().sum::<f64>() / n as f64;
+        let a = s.advantage as f64;
+        for lr in &log_r {
+            let r = lr.exp();
+            ratio_sum += r;
+            st.ratio_min = st.ratio_min.min(r);
+            st.ratio_max = st.ratio_max.max(r);
+        }
+        let tis = |t: usize| -> f64 {
+            match (cfg.tis_cap, s.old_logp) {
+                (Some(cap), Some(old)) => {
+                    ((old[t] as f64 - s.behavior[t] as f64).exp()).min(cap as f64)
+                }
+                _ => 1.0,
+            }
+        };
+        match cfg.objective {
+            Objective::Clipped { eps_low, eps_high } => {
+                for t in 0..n {
+                    let r = log_r[t].exp();
+                    let rc = r.clamp(1.0 - eps_low as f64, 1.0 + eps_high as f64);
+                    let (unc, clp) = (r * a, rc * a);
+                    let wt = w * tis(t);
+                    if unc <= clp {
+                        st.loss -= wt * unc;
+                        // d(r·A)/dlog π = r·A
+                        g[t] = (-wt * unc) as f32;
+                    } else {
+                        st.loss -= wt * clp;
+                        clipped += 1;
+                    }
+                }
+            }
+            Objective::SequenceClipped { eps_low, eps_high } => {
+                let sr = mean_log_r.exp();
+                let src = sr.clamp(1.0 - eps_low as f64, 1.0 + eps_high as f64);
+                let (unc, clp) = (sr * a, src * a);
+                // The sequence term counts once per token of the sequence under the weight w,
+                // with a sequence-level truncated-IS weight.
+                let tis_seq = match (cfg.tis_cap, s.old_logp) {
+                    (Some(cap), Some(old)) => {
+                        let m = (0..n)
+                            .map(|t| old[t] as f64 - s.behavior[t] as f64)
+                            .sum::<f64>()
+                            / n as f64;
+                        m.exp().min(cap as f64)
+                    }
+                    _ => 1.0,
+                };
+                let wn = w * n as f64 * tis_seq;
+                if unc <= clp {
+                    st.loss -= wn * unc;
+                    // ds/dlog π_t = s/n
+                    for gt in g.iter_mut() {
+                        *gt = (-wn * unc / n as f64) as f32;
+                    }
+                } else {
+                    st.loss -= wn * clp;
+                    clipped += n;
+                }
+            }
+            Objective::MaskedIs {
+                token_low,
+                token_high,
+                seq_low,
+                seq_high,
+                tau,
+            } => {
+                let seq_r = mean_log_r.exp();
+                let seq_ok = seq_r >= seq_low as f64 && seq_r <= seq_high as f64;
+                for t in 0..n {
+                    let r = log_r[t].exp();
+                    if !seq_ok || r < token_low as f64 || r > token_high as f64 {
+                        masked += 1;
+                        continue;
+                    }
+                    let coeff = r * (a - tau as f64 * log_r[t]) * tis(t);
+                    st.loss -= w * coeff * s.logp[t] as f64;
+                    g[t] = (-w * coeff) as f32;
+                }
+            }
+            Objective::Sft => {
+                for (gt, lp) in g.iter_mut().zip(s.logp) {
+                    st.loss -= w * *lp as f64;
+                    *gt = -w as f32;
+                }
+            }
+        }
+        if let Some(rl) = s.ref_logp {
+            for t in 0..n {
+                let d = s.logp[t] as f64 - rl[t] as f64;
+                let k3 = (-d).exp() + d - 1.0;
+                kl_sum += k3;
+                if cfg.kl_coef != 0.0 {
+                    let b = cfg.kl_coef as f64;
+                    st.loss += w * b * k3;
+                    g[t] += (w * b * (1.0 - (-d).exp())) as f32;
+                }
+            }
+        }
+        grads.push(g);
+    }
+    let nt = total_tokens.max(1) as f64;
+    st.clip_fraction = clipped as f64 / nt;
+    st.masked_fraction = masked as f64 / nt;
+    st.kl = kl_sum / nt;
+    st.ratio_mean = ratio_sum / nt;
+    if total_tokens == 0 {
+        st.ratio_min = 0.0;
+        st.ratio_max = 0.0;
+    }
+    (st, grads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq<'a>(logp: &'a [f32], behavior: &'a [f32], a: f32) -> SeqInput<'a> {
+        SeqInput {
+            logp,
+            behavior,
+            ref_logp: None,
+            old_logp: None,
+            advantage: a,
+        }
+    }
+
+    #[test]
+    fn advantages_follow_grpo_and_dr_grpo_and_drop_flat_groups() {
+        let a = group_advantages(&[1.0, 0.0, 0.0, 1.0], AdvantageKind::Grpo { eps: 0.0 }).unwrap();
+        // mean 0.5, sample std sqrt(1/3)
+        let s = (1.0f64 / 3.0).sqrt();
+        for (x, r) in a.iter().zip([1.0, 0.0, 0.0, 1.0]) {
+            assert!((*x as f64 - (r - 0.5) / s).abs() < 1e-6);
+        }
+        let d = group_advantages(&[3.0, 1.0], AdvantageKind::DrGrpo).unwrap();
+        assert_eq!(d, vec![1.0, -1.0]);
+        assert!(group_advantages(&[0.7, 0.7, 0.7], AdvantageKind::DrGrpo).is_none());
+        assert!(group_advantages(&[1.0], AdvantageKind::DrGrpo).is_none());
+    }
+
+    /// Every loss variant whose coefficients are not detached by definition: the analytic gradient
+    /// equals central differences of the loss (masked IS detaches its coefficient r·(A − τ log r),
+    /// so its gradient is checked against that coefficient below).
+    #[test]
+    fn gradients_equal_finite_differences_for_every_variant() {
+        let logp: Vec<Vec<f32>> = vec![
+            vec![-1.0, -0.5, -2.0],
+            vec![-0.3, -1.7],
+            vec![-0.9, -0.2, -1.1, -0.4],
+        ];
+        let behav: Vec<Vec<f32>> = vec![
+            vec![-1.1, -0.4, -1.2],
+            vec![-0.3, -2.9],
+            vec![-0.95, -0.25, -1.0, -0.5],
+        ];
+        let refl: Vec<Vec<f32>> = vec![
+            vec![-1.3, -0.6, -1.9],
+            vec![-0.2, -1.5],
+            vec![-1.0, -0.3, -1.0, -0.6],
+        ];
+        let old: Vec<Vec<f32>> = vec![
+            vec![-1.05, -0.45, -1.9],
+            vec![-0.3, -2.0],
+            vec![-0.9, -0.2, -1.05, -0.45],
+        ];
+        let adv = [1.2f32, -0.7, 0.4];
+        let mut cfgs: Vec<(String, LossConfig)> = ["grpo", "dapo", "dr_grpo", "gspo", "sft"]
+            .iter()
+            .map(|n| (n.to_string(), LossConfig::named(n, 4, 3).unwrap()))
+            .collect();
+        for (name, c) in cfgs.iter_mut() {
+            c.kl_coef = 0.05;
+            if name == "grpo" || name == "gspo" {
+                c.tis_cap = Some(2.0);
+            }
+            if name == "gspo" {
+                // Wide enough that the sequences stay inside the clip range.
+                c.objective = Objective::SequenceClipped {
+                    eps_low: 0.9,
+                    eps_high: 0.9,
+                };
+            }
+        }
+        for (name, cfg) in &cfgs {
+            let run = |lp: &[Vec<f32>]| {
+                let seqs: Vec<SeqInput> = (0..3)
+                    .map(|i| SeqInput {
+                        logp: &lp[i],
+                        behavior: &behav[i],
+                        ref_logp: Some(&refl[i]),
+                        old_logp: Some(&old[i]),
+                        advantage: adv[i],
+                    })
+                    .collect();
+                policy_loss(cfg, &seqs)
+            };
+            let (_, g) = run(&logp);
+            for i in 0..3 {
+                for t in 0..logp[i].len() {
+                    let h = 1e-3f32;
+                    let mut p = logp.clone();
+                    p[i][t] += h;
+                    let up = run(&p).0.loss;
+                    p[i][t] -= 2.0 * h;
+                    let down = run(&p).0.loss;
+                    let num = (up - down) / (2.0 * h as f64);
+                    assert!(
+                        (num - g[i][t] as f64).abs() < 2e-3 * (1.0 + num.abs()),
+                        "{name} seq {i} token {t}: analytic {} numeric {num}",
+                        g[i][t]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn clipping_stops_the_gradient_where_the_ratio_left_its_range() {
+        let cfg = LossConfig::named("dapo", 8, 2).unwrap();
+        // Token 0: r = e^0.5 ≈ 1.65 > 1.28 with A > 0: clipped. Token 1: r = 1: not clipped.
+        let (st, g) = policy_loss(&cfg, &[seq(&[-0.5, -1.0], &[-1.0, -1.0], 1.0)]);
+        assert_eq!(g[0][0], 0.0);
+        assert!(g[0][1] < 0.0, "raising log π lowers the loss when A > 0");
+        assert_eq!(st.clip_fraction, 0.5);
+        // With A < 0 the same high ratio is not clipped (min picks r·A).
+        let (st, g) = policy_loss(&cfg, &[seq(&[-0.5, -1.0], &[-1.0, -1.0], -1.0)]);
+        assert!(g[0][0] > 0.0);
+        assert_eq!(st.clip_fraction, 0.0);
+        assert!((st.ratio_max - 0.5f64.exp()).abs() < 1e-6 && st.ratio_min == 1.0);
+    }
+
+    #[test]
+    fn normalizations_weigh_tokens_as_their_papers_say() {
+        let s1 = [-1.0f32, -1.0];
+        let s2 = [-1.0f32, -1.0, -1.0, -1.0];
+        let seqs = [seq(&s1, &s1, 1.0), seq(&s2, &s2, 1.0)];
+        let mut cfg = LossConfig::named("grpo", 4, 2).unwrap();
+        let (st, g) = policy_loss(&cfg, &seqs);
+        // Per sequence: each sequence weighs 1/2, its tokens 1/(2n); r = 1 so loss = −mean A = −1.
+        assert!((st.loss + 1.0).abs() < 1e-9);
+        assert!((g[0][0] + 0.25).abs() < 1e-7 && (g[1][0] + 0.125).abs() < 1e-7);
+        cfg.normalization = Normalization::PerToken;
+        let (_, g) = policy_loss(&cfg, &seqs);
+        assert!((g[0][0] - g[1][0]).abs() < 1e-9 && (g[0][0] + 1.0 / 6.0).abs() < 1e-7);
+        cfg.normalization = Normalization::Constant(16.0);
+        let (st, _) = policy_loss(&cfg, &seqs);
+        assert!((st.loss + 6.0 / 16.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn masked_is_drops_tokens_and_sequences_outside_the_bounds() {
+        let cfg = LossConfig::named("masked_is", 4, 2).unwrap();
+        // Token ratios 1, e^3 (> 8: masked), 1; sequence mean log r = 1 → e ≈ 2.7 (kept).
+        let (st, g) = policy_loss(&cfg, &[seq(&[-1.0, 1.0, -1.0], &[-1.0, -2.0, -1.0], 2.0)]);
+        assert_eq!(g[0][1], 0.0);
+        // Kept tokens: −coeff/N with coeff = r·A (τ = 0), N = 3 tokens.
+        assert!((g[0][0] + 2.0 / 3.0).abs() < 1e-6 && (g[0][2] + 2.0 / 3.0).abs() < 1e-6);
+        assert!((st.masked_fraction - 1.0 / 3.0).abs() < 1e-9);
+        // A sequence whose mean ratio is e^3 > 10 is dropped whole.
+        let (st, g) = policy_loss(&cfg, &[seq(&[2.0, 2.0], &[-1.0, -1.0], 2.0)]);
+        assert!(g[0].iter().all(|x| *x == 0.0));
+        assert_eq!(st.masked_fraction, 1.0);
+    }
+
+    #[test]
+    fn kl_is_k3_and_zero_at_the_reference() {
+        let mut cfg = LossConfig::named("sft", 4, 1).unwrap();
+        cfg.kl_coef = 0.1;
+        let lp = [-1.0f32, -2.0];
+        let s = SeqInput {
+            logp: &lp,
+            behavior: &lp,
+            ref_logp: Some(&lp),
+            old_logp: None,
+            advantage: 0.0,
+        };
+        let (st, _) = policy_loss(&cfg, &[s]);
+        assert_eq!(st.kl, 0.0);
+        let rl = [-1.5f32, -2.0];
+        let (st, _) = policy_loss(
+            &cfg,
+            &[SeqInput {
+                ref_logp: Some(&rl),
+                ..s
+            }],
+        );
+        let d = 0.5f64;
+        assert!((st.kl - ((-d).exp() + d - 1.0) / 2.0).abs() < 1e-7);
+    }
+}
