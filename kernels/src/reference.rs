@@ -155,6 +155,83 @@ pub fn block_matmul(x: &[f32], mats: &[f32], nb: usize, k: usize, m: usize, out:
     }
 }
 
+/// dx (n, cols) = dy (n, rows) · W (the input gradient of a frozen linear), sums in f64.
+pub fn linear_backward(
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    dy: &[f32],
+    dx: &mut [f32],
+) {
+    let n = dy.len() / rows;
+    let rb = ty.row_bytes(cols).expect("whole blocks");
+    let mut acc = vec![0.0f64; n * cols];
+    let mut wrow = vec![0.0f32; cols];
+    for r in 0..rows {
+        dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut wrow);
+        for i in 0..n {
+            let g = dy[i * rows + r] as f64;
+            for c in 0..cols {
+                acc[i * cols + c] += g * wrow[c] as f64;
+            }
+        }
+    }
+    for (d, a) in dx.iter_mut().zip(acc) {
+        *d = a as f32;
+    }
+}
+
+/// RMSNorm backward (g frozen), in f64: dx = u/r − x·(u·x)/(n·r³), u = g ⊙ dy.
+pub fn rmsnorm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32], dx: &mut [f32]) {
+    let d = weight.len();
+    for ((xr, gr), or) in x.chunks(d).zip(dy.chunks(d)).zip(dx.chunks_mut(d)) {
+        let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;
+        let inv = 1.0 / (ms + eps as f64).sqrt();
+        let ux: f64 = (0..d)
+            .map(|c| weight[c] as f64 * gr[c] as f64 * xr[c] as f64)
+            .sum();
+        for c in 0..d {
+            or[c] = (weight[c] as f64 * gr[c] as f64 * inv
+                - xr[c] as f64 * ux * inv.powi(3) / d as f64) as f32;
+        }
+    }
+}
+
+/// RoPE backward in place (each pair turned by −θ), in f64.
+pub fn rope_backward(
+    dy: &mut [f32],
+    table: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+) {
+    let row = n_heads * head_dim;
+    for (t, r) in dy.chunks_mut(row).enumerate() {
+        for h in r.chunks_mut(head_dim) {
+            for i in 0..rope_dim / 2 {
+                let (c, s) = (
+                    table[t * rope_dim + 2 * i] as f64,
+                    table[t * rope_dim + 2 * i + 1] as f64,
+                );
+                let (a, b) = (h[2 * i] as f64, h[2 * i + 1] as f64);
+                h[2 * i] = (a * c + b * s) as f32;
+                h[2 * i + 1] = (-a * s + b * c) as f32;
+            }
+        }
+    }
+}
+
+/// SwiGLU backward in f64: du = da·silu(g), dg = da·u·σ(g)(1 + g(1 − σ(g))).
+pub fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+    for i in 0..gate.len() {
+        let g = gate[i] as f64;
+        let s = 1.0 / (1.0 + (-g).exp());
+        dup[i] = (da[i] as f64 * g * s) as f32;
+        dgate[i] = (da[i] as f64 * up[i] as f64 * s * (1.0 + g * (1.0 - s))) as f32;
+    }
+}
+
 /// RMSNorm of each row of `x` (rows of `weight.len()` values): out = x / sqrt(mean(x^2) + eps) * weight.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();

@@ -3,6 +3,7 @@
 
 pub mod adapter;
 pub mod attention;
+pub mod backward;
 pub mod dequant;
 pub mod matmul;
 pub mod ops;
@@ -129,6 +130,64 @@ impl Cpu {
         out: &mut [f32],
     ) {
         adapter::block_matmul(self.isa, &self.pool, x, mats, nb, k, m, out)
+    }
+
+    /// dx (n, cols) = dy (n, rows) · W: the input gradient of a frozen quantized linear.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_backward(
+        &self,
+        ty: QuantType,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        dy: &[f32],
+        dx: &mut [f32],
+    ) {
+        backward::linear_backward(self.isa, &self.pool, ty, w, rows, cols, dy, dx)
+    }
+
+    pub fn rmsnorm_backward(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        eps: f32,
+        dy: &[f32],
+        dx: &mut [f32],
+    ) {
+        match self.isa {
+            Isa::Reference => crate::reference::rmsnorm_backward(x, weight, eps, dy, dx),
+            _ => backward::rmsnorm_backward(x, weight, eps, dy, dx),
+        }
+    }
+
+    pub fn rope_backward(
+        &self,
+        dy: &mut [f32],
+        table: &[f32],
+        n_heads: usize,
+        head_dim: usize,
+        rope_dim: usize,
+    ) {
+        match self.isa {
+            Isa::Reference => {
+                crate::reference::rope_backward(dy, table, n_heads, head_dim, rope_dim)
+            }
+            _ => backward::rope_backward(dy, table, n_heads, head_dim, rope_dim),
+        }
+    }
+
+    pub fn swiglu_backward(
+        &self,
+        gate: &[f32],
+        up: &[f32],
+        da: &[f32],
+        dgate: &mut [f32],
+        dup: &mut [f32],
+    ) {
+        match self.isa {
+            Isa::Reference => crate::reference::swiglu_backward(gate, up, da, dgate, dup),
+            _ => backward::swiglu_backward(gate, up, da, dgate, dup),
+        }
     }
 
     pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {

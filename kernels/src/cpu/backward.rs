@@ -1,0 +1,237 @@
+//! Backward kernels of the frozen base, each with its twin in `reference` (llm.c style: the
+//! forward's inputs and dy in, dx out; parameters are frozen, so there are no weight gradients).
+//!
+//! - `linear_backward`: dx (n, cols) = dy (n, rows) · W for a quantized W (rows, cols), from
+//!   dequantized tiles (a few rows × one column chunk at a time: bounded memory, never a whole
+//!   dequantized copy). Tasks own disjoint column chunks; each dx value is one FMA chain over the
+//!   weight rows in order, so results do not depend on the thread count.
+//! - `rmsnorm_backward`, `rope_backward`, `swiglu_backward`: row-local, in f32.
+
+// Safety of every `unsafe fn` here: the CPU has the features of `S`; sizes are checked by the
+// public entry points.
+#![allow(clippy::missing_safety_doc)]
+
+use super::dequant::{self, dequant_row, Format};
+use super::matmul::scratch;
+use super::simd::{Avx2, Avx512, Simd};
+use super::{Isa, ThreadPool};
+use crate::quant::QuantType;
+use crate::reference;
+use std::cell::RefCell;
+
+/// Weight rows dequantized per tile.
+const TILE_ROWS: usize = 16;
+
+thread_local! {
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// dx (n, cols) = dy (n, rows) · W, W `rows` rows of `cols` values in format `ty`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward(
+    isa: Isa,
+    pool: &ThreadPool,
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    dy: &[f32],
+    dx: &mut [f32],
+) {
+    let rb = ty
+        .row_bytes(cols)
+        .expect("cols must be a whole number of blocks");
+    assert!(w.len() >= rb * rows, "weight bytes too short");
+    assert!(
+        dy.len().is_multiple_of(rows),
+        "dy is not a whole number of rows"
+    );
+    let n = dy.len() / rows;
+    assert_eq!(dx.len(), n * cols, "dx has the wrong size");
+    if isa == Isa::Reference {
+        reference::linear_backward(ty, w, rows, cols, dy, dx);
+        return;
+    }
+    // Column chunks: whole blocks, at least 128 values.
+    let bs = ty.block_size().max(16);
+    let chunk = bs * 128usize.div_ceil(bs);
+    let num_chunks = cols.div_ceil(chunk);
+    let job = Job {
+        ty,
+        w: w.as_ptr(),
+        row_bytes: rb,
+        rows,
+        cols,
+        dy: dy.as_ptr(),
+        n,
+        dx: dx.as_mut_ptr(),
+        chunk,
+    };
+    let task = |t: usize| {
+        let c0 = t * chunk;
+        let c1 = (c0 + chunk).min(cols);
+        // SAFETY: ISA detected at start-up; tasks write disjoint column ranges of dx.
+        unsafe {
+            match isa {
+                Isa::Avx512 => lb_avx512(&job, c0, c1),
+                Isa::Avx2 => lb_avx2(&job, c0, c1),
+                Isa::Reference => unreachable!(),
+            }
+        }
+    };
+    pool.run(num_chunks, &task);
+}
+
+struct Job {
+    ty: QuantType,
+    w: *const u8,
+    row_bytes: usize,
+    rows: usize,
+    cols: usize,
+    dy: *const f32,
+    n: usize,
+    dx: *mut f32,
+    chunk: usize,
+}
+// SAFETY: tasks only write their own column range of `dx`.
+unsafe impl Sync for Job {}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn lb_avx512(j: &Job, c0: usize, c1: usize) {
+    lb_any::<Avx512>(j, c0, c1)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lb_avx2(j: &Job, c0: usize, c1: usize) {
+    lb_any::<Avx2>(j, c0, c1)
+}
+
+#[inline(always)]
+unsafe fn lb_any<S: Simd>(j: &Job, c0: usize, c1: usize) {
+    match j.ty {
+        QuantType::F32 => lb::<S, dequant::F32>(j, c0, c1),
+        QuantType::F16 => lb::<S, dequant::F16>(j, c0, c1),
+        QuantType::BF16 => lb::<S, dequant::BF16>(j, c0, c1),
+        QuantType::Q4_0 => lb::<S, dequant::Q4_0>(j, c0, c1),
+        QuantType::Q4_1 => lb::<S, dequant::Q4_1>(j, c0, c1),
+        QuantType::Q8_0 => lb::<S, dequant::Q8_0>(j, c0, c1),
+        QuantType::Q4K => lb::<S, dequant::Q4K>(j, c0, c1),
+        QuantType::Q6K => lb::<S, dequant::Q6K>(j, c0, c1),
+    }
+}
+
+/// Columns c0..c1 of dx: zero them, then for each tile of TILE_ROWS weight rows (dequantized into
+/// a thread-local panel), dx[i][c] += Σ_r dy[i][r]·W[r][c] in row order.
+#[inline(always)]
+unsafe fn lb<S: Simd, F: Format>(j: &Job, c0: usize, c1: usize) {
+    let width = c1 - c0;
+    let panel = scratch(&TILE, TILE_ROWS * j.chunk + 16);
+    let off = (c0 / F::BS) * F::BB;
+    for i in 0..j.n {
+        std::ptr::write_bytes(j.dx.add(i * j.cols + c0), 0, width);
+    }
+    let l = S::LANES;
+    let mut r0 = 0;
+    while r0 < j.rows {
+        let tr = (j.rows - r0).min(TILE_ROWS);
+        for r in 0..tr {
+            dequant_row::<S, F>(
+                j.w.add((r0 + r) * j.row_bytes + off),
+                panel.add(r * width),
+                width,
+            );
+        }
+        for i in 0..j.n {
+            let dyr = j.dy.add(i * j.rows + r0);
+            let out = j.dx.add(i * j.cols + c0);
+            let mut c = 0;
+            while c + 4 * l <= width {
+                let mut acc = [
+                    S::load(out.add(c)),
+                    S::load(out.add(c + l)),
+                    S::load(out.add(c + 2 * l)),
+                    S::load(out.add(c + 3 * l)),
+                ];
+                for r in 0..tr {
+                    let g = S::splat(*dyr.add(r));
+                    let p = panel.add(r * width + c);
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        *a = S::fma(g, S::load(p.add(k * l)), *a);
+                    }
+                }
+                for (k, a) in acc.iter().enumerate() {
+                    S::store(out.add(c + k * l), *a);
+                }
+                c += 4 * l;
+            }
+            while c + l <= width {
+                let mut a = S::load(out.add(c));
+                for r in 0..tr {
+                    a = S::fma(S::splat(*dyr.add(r)), S::load(panel.add(r * width + c)), a);
+                }
+                S::store(out.add(c), a);
+                c += l;
+            }
+            while c < width {
+                let mut a = *out.add(c);
+                for r in 0..tr {
+                    a = (*dyr.add(r)).mul_add(*panel.add(r * width + c), a);
+                }
+                *out.add(c) = a;
+                c += 1;
+            }
+        }
+        r0 += tr;
+    }
+}
+
+/// RMSNorm backward for rows of `weight.len()` values: y = g ⊙ x / r, r = √(mean(x²) + eps);
+/// with u = g ⊙ dy, dx = u/r − x·(u·x)/(n·r³). (g frozen: no dg.)
+pub fn rmsnorm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32], dx: &mut [f32]) {
+    let d = weight.len();
+    assert!(x.len() == dy.len() && x.len() == dx.len() && x.len().is_multiple_of(d));
+    for ((xr, gr), or) in x.chunks(d).zip(dy.chunks(d)).zip(dx.chunks_mut(d)) {
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        let ux: f32 = (0..d).map(|c| weight[c] * gr[c] * xr[c]).sum();
+        let k = ux * inv * inv * inv / d as f32;
+        for c in 0..d {
+            or[c] = weight[c] * gr[c] * inv - xr[c] * k;
+        }
+    }
+}
+
+/// RoPE backward in place: each pair of dy turns by −θ (the table of `ops::rope_table`).
+pub fn rope_backward(
+    dy: &mut [f32],
+    table: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+) {
+    let half = rope_dim / 2;
+    let row = n_heads * head_dim;
+    for (t, r) in dy.chunks_mut(row).enumerate() {
+        let tab = &table[t * rope_dim..(t + 1) * rope_dim];
+        for h in r.chunks_mut(head_dim) {
+            for i in 0..half {
+                let (c, s) = (tab[2 * i], tab[2 * i + 1]);
+                let (a, b) = (h[2 * i], h[2 * i + 1]);
+                h[2 * i] = a * c + b * s;
+                h[2 * i + 1] = -a * s + b * c;
+            }
+        }
+    }
+}
+
+/// SwiGLU backward: a = silu(g) ⊙ u; du = da ⊙ silu(g); dg = da ⊙ u ⊙ σ(g)(1 + g(1 − σ(g))).
+pub fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+    assert!(gate.len() == up.len() && up.len() == da.len());
+    assert!(da.len() == dgate.len() && da.len() == dup.len());
+    for i in 0..gate.len() {
+        let g = gate[i];
+        let s = 1.0 / (1.0 + (-g).exp());
+        dup[i] = da[i] * g * s;
+        dgate[i] = da[i] * up[i] * s * (1.0 + g * (1.0 - s));
+    }
+}

@@ -1,0 +1,231 @@
+//! Backward kernels: each fast path against its scalar twin, and each twin against central
+//! finite differences of the forward written in f64 here (L = Σ dy ⊙ f(x), so dL/dx is the
+//! backward's output).
+
+use flywheel_kernels::cpu::ops::rope_table;
+use flywheel_kernels::quant::quantize::quantize;
+use flywheel_kernels::reference;
+use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
+use std::time::Duration;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
+            .collect()
+    }
+}
+
+fn cpus() -> Vec<Cpu> {
+    let mut v = Vec::new();
+    for isa in Isa::available()
+        .into_iter()
+        .filter(|i| *i != Isa::Reference)
+    {
+        for t in [1, 2] {
+            v.push(Cpu::new(isa, ThreadPool::new(t, Duration::from_micros(50))));
+        }
+    }
+    v
+}
+
+/// Central differences of `f` (f64 in, f64 out) at x, dotted with dy: dL/dx_k.
+fn numeric(x: &[f32], dy: &[f32], f: &dyn Fn(&[f64]) -> Vec<f64>) -> Vec<f64> {
+    let x64: Vec<f64> = x.iter().map(|v| *v as f64).collect();
+    (0..x.len())
+        .map(|k| {
+            let h = 1e-6;
+            let (mut a, mut b) = (x64.clone(), x64.clone());
+            a[k] += h;
+            b[k] -= h;
+            let (fa, fb) = (f(&a), f(&b));
+            fa.iter()
+                .zip(&fb)
+                .zip(dy)
+                .map(|((p, q), g)| (p - q) / (2.0 * h) * *g as f64)
+                .sum()
+        })
+        .collect()
+}
+
+fn close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+    for (k, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (*g as f64 - w).abs() <= tol * (1.0 + w.abs()),
+            "{what} [{k}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn linear_backward_is_dy_times_w_for_every_format() {
+    let mut rng = Rng(31);
+    for ty in QuantType::ALL {
+        let cols = match ty.block_size() {
+            1 => 100,
+            32 => 576,
+            _ => 512,
+        };
+        let rows = 37;
+        let wf = rng.vec(rows * cols, 1.0);
+        let w = quantize(ty, &wf);
+        let mut wd = vec![0.0f32; rows * cols];
+        reference::dequantize_row(ty, &w, &mut wd);
+        for n in [1usize, 3, 17] {
+            let dy = rng.vec(n * rows, 1.0);
+            let mut want = vec![0.0; n * cols];
+            reference::linear_backward(ty, &w, rows, cols, &dy, &mut want);
+            // The twin against finite differences of y = x·Wᵀ (f64, dequantized W): on a few
+            // columns (the function is linear; this checks the transpose is the right one).
+            if n == 3 {
+                let x = rng.vec(cols, 1.0);
+                for c in [0, cols / 2, cols - 1] {
+                    let f = |xs: &[f64]| -> Vec<f64> {
+                        (0..rows)
+                            .map(|r| (0..cols).map(|k| wd[r * cols + k] as f64 * xs[k]).sum())
+                            .collect()
+                    };
+                    let num = numeric(&x, &dy[..rows], &f)[c];
+                    assert!(
+                        (want[c] as f64 - num).abs() < 1e-4 * (1.0 + num.abs()),
+                        "{ty:?} col {c}"
+                    );
+                }
+            }
+            for c in cpus() {
+                let mut got = vec![f32::NAN; n * cols];
+                c.linear_backward(ty, &w, rows, cols, &dy, &mut got);
+                for (k, (g, w_)) in got.iter().zip(&want).enumerate() {
+                    let (i, col) = (k / cols, k % cols);
+                    let mag: f32 = (0..rows)
+                        .map(|r| (dy[i * rows + r] * wd[r * cols + col]).abs())
+                        .sum();
+                    assert!(
+                        (g - w_).abs() <= 2e-6 * mag + 1e-6,
+                        "{ty:?} {:?} n={n} [{k}]: {g} vs {w_}",
+                        c.isa
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rmsnorm_backward_matches_finite_differences() {
+    let mut rng = Rng(32);
+    let (d, rows, eps) = (48, 3, 1e-5f32);
+    let x = rng.vec(rows * d, 2.0);
+    let g = rng.vec(d, 1.0);
+    let dy = rng.vec(rows * d, 1.0);
+    let mut want = vec![0.0; x.len()];
+    reference::rmsnorm_backward(&x, &g, eps, &dy, &mut want);
+    let f = |xs: &[f64]| -> Vec<f64> {
+        xs.chunks(d)
+            .flat_map(|r| {
+                let inv =
+                    1.0 / (r.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps as f64).sqrt();
+                r.iter()
+                    .zip(&g)
+                    .map(move |(v, w)| v * inv * *w as f64)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    close(&want, &numeric(&x, &dy, &f), 1e-5, "rmsnorm twin");
+    for c in cpus() {
+        let mut got = vec![0.0; x.len()];
+        c.rmsnorm_backward(&x, &g, eps, &dy, &mut got);
+        close(
+            &got,
+            &want.iter().map(|v| *v as f64).collect::<Vec<_>>(),
+            1e-5,
+            "rmsnorm fast",
+        );
+    }
+}
+
+#[test]
+fn rope_backward_matches_finite_differences() {
+    let mut rng = Rng(33);
+    let (heads, hd, rope_dim) = (3, 16, 12);
+    let positions = [0u32, 5, 77];
+    let table = rope_table(&positions, rope_dim, 10000.0);
+    let x = rng.vec(positions.len() * heads * hd, 1.0);
+    let dy = rng.vec(x.len(), 1.0);
+    let mut want = dy.clone();
+    reference::rope_backward(&mut want, &table, heads, hd, rope_dim);
+    let f = |xs: &[f64]| -> Vec<f64> {
+        let mut y = xs.to_vec();
+        for (t, r) in y.chunks_mut(heads * hd).enumerate() {
+            for h in r.chunks_mut(hd) {
+                for i in 0..rope_dim / 2 {
+                    let th = positions[t] as f64 * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
+                    let (a, b) = (h[2 * i], h[2 * i + 1]);
+                    h[2 * i] = a * th.cos() - b * th.sin();
+                    h[2 * i + 1] = a * th.sin() + b * th.cos();
+                }
+            }
+        }
+        y
+    };
+    close(&want, &numeric(&x, &dy, &f), 1e-5, "rope twin");
+    for c in cpus() {
+        let mut got = dy.clone();
+        c.rope_backward(&mut got, &table, heads, hd, rope_dim);
+        close(
+            &got,
+            &want.iter().map(|v| *v as f64).collect::<Vec<_>>(),
+            1e-6,
+            "rope fast",
+        );
+    }
+}
+
+#[test]
+fn swiglu_backward_matches_finite_differences() {
+    let mut rng = Rng(34);
+    let n = 40;
+    let (gate, up, da) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+    let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+    reference::swiglu_backward(&gate, &up, &da, &mut dg, &mut du);
+    let silu = |g: f64| g / (1.0 + (-g).exp());
+    let fg = |gs: &[f64]| -> Vec<f64> {
+        gs.iter()
+            .zip(&up)
+            .map(|(g, u)| silu(*g) * *u as f64)
+            .collect()
+    };
+    let fu = |us: &[f64]| -> Vec<f64> {
+        us.iter()
+            .zip(&gate)
+            .map(|(u, g)| silu(*g as f64) * u)
+            .collect()
+    };
+    close(&dg, &numeric(&gate, &da, &fg), 1e-5, "swiglu dgate twin");
+    close(&du, &numeric(&up, &da, &fu), 1e-5, "swiglu dup twin");
+    for c in cpus() {
+        let (mut g2, mut u2) = (vec![0.0; n], vec![0.0; n]);
+        c.swiglu_backward(&gate, &up, &da, &mut g2, &mut u2);
+        close(
+            &g2,
+            &dg.iter().map(|v| *v as f64).collect::<Vec<_>>(),
+            1e-5,
+            "swiglu fast dg",
+        );
+        close(
+            &u2,
+            &du.iter().map(|v| *v as f64).collect::<Vec<_>>(),
+            1e-5,
+            "swiglu fast du",
+        );
+    }
+}
