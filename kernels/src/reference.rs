@@ -232,6 +232,22 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], 
     }
 }
 
+/// `g[q][i][j] += Σ_t x[t][q*k + i] · dy[t][q*m + j]`, sums in f64.
+pub fn block_outer(x: &[f32], dy: &[f32], nb: usize, k: usize, m: usize, g: &mut [f32]) {
+    let n = x.len() / (nb * k);
+    for q in 0..nb {
+        for i in 0..k {
+            for j in 0..m {
+                let mut acc = g[(q * k + i) * m + j] as f64;
+                for t in 0..n {
+                    acc += x[t * nb * k + q * k + i] as f64 * dy[t * nb * m + q * m + j] as f64;
+                }
+                g[(q * k + i) * m + j] = acc as f32;
+            }
+        }
+    }
+}
+
 /// RMSNorm of each row of `x` (rows of `weight.len()` values): out = x / sqrt(mean(x^2) + eps) * weight.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();

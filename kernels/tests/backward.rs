@@ -229,3 +229,30 @@ fn swiglu_backward_matches_finite_differences() {
         );
     }
 }
+
+#[test]
+fn block_outer_accumulates_like_the_reference() {
+    let mut rng = Rng(35);
+    for (nb, k, m, n) in [
+        (18, 32, 32, 5),
+        (1, 16, 576, 9),
+        (3, 5, 7, 4),
+        (1, 4, 300, 2),
+    ] {
+        let x = rng.vec(n * nb * k, 1.0);
+        let dy = rng.vec(n * nb * m, 1.0);
+        let init = rng.vec(nb * k * m, 1.0);
+        let mut want = init.clone();
+        reference::block_outer(&x, &dy, nb, k, m, &mut want);
+        for c in cpus() {
+            let mut got = init.clone();
+            c.block_outer(&x, &dy, nb, k, m, &mut got);
+            close(
+                &got,
+                &want.iter().map(|v| *v as f64).collect::<Vec<_>>(),
+                2e-6 * n as f64,
+                "block_outer",
+            );
+        }
+    }
+}

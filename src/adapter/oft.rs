@@ -170,9 +170,180 @@ fn cayley_exact(q: &[f32], b: usize, r: &mut [f32]) {
     }
 }
 
+/// PEFT's Cayley–Neumann coefficients: R = Σ_m c_m Q^m (c_0 = 1; then 2, …, 2, 1 up to the last
+/// power max(terms − 1, 3); terms 1 and 2 give I and I + 2Q).
+pub fn neumann_coefficients(terms: usize) -> Vec<f64> {
+    match terms {
+        0 | 1 => vec![1.0],
+        2 => vec![1.0, 2.0],
+        _ => {
+            let last = (terms - 1).max(3);
+            (0..=last)
+                .map(|m| match m {
+                    0 => 1.0,
+                    m if m == last => 1.0,
+                    _ => 2.0,
+                })
+                .collect()
+        }
+    }
+}
+
+fn mat_mul(a: &[f64], b: &[f64], n: usize) -> Vec<f64> {
+    let mut c = vec![0.0; n * n];
+    for i in 0..n {
+        for k in 0..n {
+            let aik = a[i * n + k];
+            for j in 0..n {
+                c[i * n + j] += aik * b[k * n + j];
+            }
+        }
+    }
+    c
+}
+
+fn transpose(a: &[f64], n: usize) -> Vec<f64> {
+    let mut t = vec![0.0; n * n];
+    for i in 0..n {
+        for j in 0..n {
+            t[j * n + i] = a[i * n + j];
+        }
+    }
+    t
+}
+
+/// The gradient with respect to θ of ⟨G_k, R_k(θ_k)⟩ for every block, added to `dtheta`
+/// (nb, b(b−1)/2); `g` (nb, b, b) holds dL/dR_k. In f64 per block.
+/// - Cayley–Neumann, R = Σ c_m Q^m: dL/dQ = Σ_m c_m Σ_{a+e=m−1} (Qᵀ)^a G (Qᵀ)^e, summed by the
+///   recursion B_1 = G, B_{m+1} = Qᵀ B_m + G (Qᵀ)^m.
+/// - exact Cayley, R = (I − Q)(I + Q)⁻¹: dL/dQ = −(I + R)ᵀ G (I + Q)⁻ᵀ.
+///
+/// Then dθ for entry (i, j), i < j, is dL/dQ[i][j] − dL/dQ[j][i].
+pub fn rotation_backward(cfg: &OftConfig, theta: &[f32], g: &[f32], dtheta: &mut [f32]) {
+    let b = cfg.block_size;
+    let np = num_block_params(b);
+    let nb = g.len() / (b * b);
+    let mut q32 = vec![0.0f32; b * b];
+    for k in 0..nb {
+        skew(&theta[k * np..(k + 1) * np], b, &mut q32);
+        let q: Vec<f64> = q32.iter().map(|v| *v as f64).collect();
+        let gk: Vec<f64> = g[k * b * b..(k + 1) * b * b]
+            .iter()
+            .map(|v| *v as f64)
+            .collect();
+        let qt = transpose(&q, b);
+        let dq = if cfg.use_cayley_neumann {
+            let c = neumann_coefficients(cfg.num_cayley_neumann_terms);
+            let mut dq = vec![0.0f64; b * b];
+            let mut bm = gk.clone(); // B_1
+            let mut qt_pow = qt.clone(); // (Qᵀ)^1
+            for (m, cm) in c.iter().enumerate().skip(1) {
+                for (d, v) in dq.iter_mut().zip(&bm) {
+                    *d += cm * v;
+                }
+                if m + 1 < c.len() {
+                    let left = mat_mul(&qt, &bm, b);
+                    let right = mat_mul(&gk, &qt_pow, b);
+                    bm = left.iter().zip(&right).map(|(x, y)| x + y).collect();
+                    qt_pow = mat_mul(&qt_pow, &qt, b);
+                }
+            }
+            dq
+        } else {
+            let mut r = vec![0.0f32; b * b];
+            cayley_exact(&q32, b, &mut r);
+            let mut ipr: Vec<f64> = r.iter().map(|v| *v as f64).collect();
+            let mut ipq = q.clone();
+            for i in 0..b {
+                ipr[i * b + i] += 1.0;
+                ipq[i * b + i] += 1.0;
+            }
+            let inv = invert(&ipq, b);
+            let t = mat_mul(
+                &mat_mul(&transpose(&ipr, b), &gk, b),
+                &transpose(&inv, b),
+                b,
+            );
+            t.iter().map(|v| -v).collect()
+        };
+        let mut p = 0;
+        for i in 0..b {
+            for j in i + 1..b {
+                dtheta[k * np + p] += (dq[i * b + j] - dq[j * b + i]) as f32;
+                p += 1;
+            }
+        }
+    }
+}
+
+/// Inverse by Gauss–Jordan with partial pivoting (f64).
+fn invert(a: &[f64], n: usize) -> Vec<f64> {
+    let mut m = a.to_vec();
+    let mut inv: Vec<f64> = (0..n * n)
+        .map(|e| if e / n == e % n { 1.0 } else { 0.0 })
+        .collect();
+    for col in 0..n {
+        let piv = (col..n)
+            .max_by(|&x, &y| m[x * n + col].abs().total_cmp(&m[y * n + col].abs()))
+            .unwrap_or(col);
+        for j in 0..n {
+            m.swap(piv * n + j, col * n + j);
+            inv.swap(piv * n + j, col * n + j);
+        }
+        let d = m[col * n + col];
+        for j in 0..n {
+            m[col * n + j] /= d;
+            inv[col * n + j] /= d;
+        }
+        for i in 0..n {
+            if i != col {
+                let f = m[i * n + col];
+                for j in 0..n {
+                    m[i * n + j] -= f * m[col * n + j];
+                    inv[i * n + j] -= f * inv[col * n + j];
+                }
+            }
+        }
+    }
+    inv
+}
+
+/// Backward of one OFT-adapted projection's rotation, x̃ = x · diag(R_k): with `dxr` = dL/dx̃
+/// (T, in) (the frozen linear's input gradient), writes dx = dL/dx (T, in) (`=`) and adds dL/dθ
+/// to `dtheta` (`+=`). `rot` is the version's R blocks (in/b, b, b).
+#[allow(clippy::too_many_arguments)]
+pub fn module_backward(
+    cpu: &Cpu,
+    cfg: &OftConfig,
+    theta: &[f32],
+    rot: &[f32],
+    x: &[f32],
+    dxr: &[f32],
+    dx: &mut [f32],
+    dtheta: &mut [f32],
+) {
+    let b = cfg.block_size;
+    let nb = rot.len() / (b * b);
+    // dx_k = dx̃_k · R_kᵀ
+    let mut rt = vec![0.0f32; rot.len()];
+    for k in 0..nb {
+        for i in 0..b {
+            for j in 0..b {
+                rt[k * b * b + j * b + i] = rot[k * b * b + i * b + j];
+            }
+        }
+    }
+    cpu.block_matmul(dxr, &rt, nb, b, b, dx);
+    // G_k = Σ_t x_kᵀ · dx̃_k, then through R(θ).
+    let mut g = vec![0.0f32; rot.len()];
+    cpu.block_outer(x, dxr, nb, b, b, &mut g);
+    rotation_backward(cfg, theta, &g, dtheta);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flywheel_kernels::ThreadPool;
 
     fn cfg(b: usize, terms: usize, neumann: bool) -> OftConfig {
         OftConfig {
@@ -291,6 +462,103 @@ mod tests {
                 for j in 0..b {
                     assert_eq!(r[k * b * b + i * b + j], if i == j { 1.0 } else { 0.0 });
                 }
+            }
+        }
+    }
+
+    /// f64 R(θ) for one block, as the series or the exact form.
+    fn r64(theta: &[f64], b: usize, cfg: &OftConfig) -> Vec<f64> {
+        let mut q = vec![0.0; b * b];
+        let mut p = 0;
+        for i in 0..b {
+            for j in i + 1..b {
+                q[i * b + j] = theta[p];
+                q[j * b + i] = -theta[p];
+                p += 1;
+            }
+        }
+        let id: Vec<f64> = (0..b * b)
+            .map(|e| if e / b == e % b { 1.0 } else { 0.0 })
+            .collect();
+        if cfg.use_cayley_neumann {
+            let c = neumann_coefficients(cfg.num_cayley_neumann_terms);
+            let mut r = id.clone();
+            let mut pw = id.clone();
+            for cm in c.iter().skip(1) {
+                pw = mat_mul(&pw, &q, b);
+                for (a, v) in r.iter_mut().zip(&pw) {
+                    *a += cm * v;
+                }
+            }
+            r
+        } else {
+            let imq: Vec<f64> = id.iter().zip(&q).map(|(a, b)| a - b).collect();
+            let ipq: Vec<f64> = id.iter().zip(&q).map(|(a, b)| a + b).collect();
+            mat_mul(&imq, &invert(&ipq, b), b)
+        }
+    }
+
+    #[test]
+    fn module_backward_matches_finite_differences() {
+        let cpu = flywheel_kernels::Cpu::new(Isa::detect(), ThreadPool::new(2, Duration::ZERO));
+        for (b, terms, neumann) in [
+            (4, 5, true),
+            (6, 3, true),
+            (5, 7, true),
+            (4, 2, true),
+            (4, 5, false),
+        ] {
+            let cfg = cfg(b, terms, neumann);
+            let (nb, t) = (2, 3);
+            let np = num_block_params(b);
+            let theta = rng_vec(nb * np, 40 + b as u64, 0.3);
+            let x = rng_vec(t * nb * b, 41, 1.0);
+            let dxr = rng_vec(t * nb * b, 42, 1.0);
+            let mut rot = vec![0.0; nb * b * b];
+            rotations(&cfg, &theta, &mut rot);
+            let mut dx = vec![0.0; x.len()];
+            let mut dth = vec![0.0; theta.len()];
+            module_backward(&cpu, &cfg, &theta, &rot, &x, &dxr, &mut dx, &mut dth);
+            // L(θ, x) = Σ dxr ⊙ (x · diag R_k(θ_k)) in f64.
+            let loss = |th: &[f64], xs: &[f64]| -> f64 {
+                let mut l = 0.0;
+                for k in 0..nb {
+                    let r = r64(&th[k * np..(k + 1) * np], b, &cfg);
+                    for tt in 0..t {
+                        for j in 0..b {
+                            let y: f64 = (0..b)
+                                .map(|i| xs[tt * nb * b + k * b + i] * r[i * b + j])
+                                .sum();
+                            l += dxr[tt * nb * b + k * b + j] as f64 * y;
+                        }
+                    }
+                }
+                l
+            };
+            let th64: Vec<f64> = theta.iter().map(|v| *v as f64).collect();
+            let x64: Vec<f64> = x.iter().map(|v| *v as f64).collect();
+            let h = 1e-6;
+            for p in 0..theta.len() {
+                let (mut a, mut c) = (th64.clone(), th64.clone());
+                a[p] += h;
+                c[p] -= h;
+                let num = (loss(&a, &x64) - loss(&c, &x64)) / (2.0 * h);
+                assert!(
+                    (num - dth[p] as f64).abs() < 1e-4 * (1.0 + num.abs()),
+                    "b={b} n={terms} exact={} θ[{p}]: {} vs {num}",
+                    !neumann,
+                    dth[p]
+                );
+            }
+            for e in 0..x.len() {
+                let (mut a, mut c) = (x64.clone(), x64.clone());
+                a[e] += h;
+                c[e] -= h;
+                let num = (loss(&th64, &a) - loss(&th64, &c)) / (2.0 * h);
+                assert!(
+                    (num - dx[e] as f64).abs() < 1e-4 * (1.0 + num.abs()),
+                    "b={b} x[{e}]"
+                );
             }
         }
     }

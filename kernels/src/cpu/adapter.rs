@@ -203,3 +203,140 @@ unsafe fn bm_rows<S: Simd, const N: usize>(
         }
     }
 }
+
+/// Accumulate outer products block by block: `g[q][i][j] += Σ_t x[t][q*k + i] · dy[t][q*m + j]`
+/// for x (n, nb·k) and dy (n, nb·m) — the gradient of a block-diagonal product with respect to its
+/// blocks (OFT: G_k = Σ_t x_kᵀ·dx̃_k; LoRA: dBᵀ = Σ_t hᵀ·dy). Tasks own disjoint blocks (or column
+/// tiles of one block); each value is one FMA chain over t in order.
+#[allow(clippy::too_many_arguments)]
+pub fn block_outer(
+    isa: Isa,
+    pool: &ThreadPool,
+    x: &[f32],
+    dy: &[f32],
+    nb: usize,
+    k: usize,
+    m: usize,
+    g: &mut [f32],
+) {
+    assert!(nb > 0 && k > 0 && m > 0, "shape");
+    assert_eq!(g.len(), nb * k * m, "g");
+    assert!(x.len().is_multiple_of(nb * k));
+    let n = x.len() / (nb * k);
+    assert_eq!(dy.len(), n * nb * m, "dy");
+    if isa == Isa::Reference {
+        reference::block_outer(x, dy, nb, k, m, g);
+        return;
+    }
+    let col_tiles = if nb == 1 { m.div_ceil(COL_TILE) } else { 1 };
+    let units = nb * col_tiles;
+    let tasks = if n * nb * k * m < PARALLEL_MIN_FMAS || pool.num_threads() == 1 {
+        1
+    } else {
+        units.min(4 * pool.num_threads())
+    };
+    let per = units.div_ceil(tasks);
+    let tasks = units.div_ceil(per);
+    let (xp, dp, gp) = (
+        x.as_ptr() as usize,
+        dy.as_ptr() as usize,
+        g.as_mut_ptr() as usize,
+    );
+    let task = |t: usize| {
+        let (u0, u1) = (t * per, ((t + 1) * per).min(units));
+        let (q0, q1, j0, j1) = if nb > 1 {
+            (u0, u1, 0, m)
+        } else {
+            (0, 1, u0 * COL_TILE, (u1 * COL_TILE).min(m))
+        };
+        let (x, dy, g) = (xp as *const f32, dp as *const f32, gp as *mut f32);
+        // SAFETY: ISA detected at start-up; tasks write disjoint (block, column) ranges of g.
+        unsafe {
+            match isa {
+                Isa::Avx512 => outer_avx512(x, dy, g, n, nb, k, m, q0, q1, j0, j1),
+                Isa::Avx2 => outer_avx2(x, dy, g, n, nb, k, m, q0, q1, j0, j1),
+                Isa::Reference => unreachable!(),
+            }
+        }
+    };
+    pool.run(tasks, &task);
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn outer_avx512(
+    x: *const f32,
+    dy: *const f32,
+    g: *mut f32,
+    n: usize,
+    nb: usize,
+    k: usize,
+    m: usize,
+    q0: usize,
+    q1: usize,
+    j0: usize,
+    j1: usize,
+) {
+    outer::<Avx512>(x, dy, g, n, nb, k, m, q0, q1, j0, j1)
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn outer_avx2(
+    x: *const f32,
+    dy: *const f32,
+    g: *mut f32,
+    n: usize,
+    nb: usize,
+    k: usize,
+    m: usize,
+    q0: usize,
+    q1: usize,
+    j0: usize,
+    j1: usize,
+) {
+    outer::<Avx2>(x, dy, g, n, nb, k, m, q0, q1, j0, j1)
+}
+
+/// Row i of block q, columns j0..j1: one vector accumulator per LANES columns, over t in order.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn outer<S: Simd>(
+    x: *const f32,
+    dy: *const f32,
+    g: *mut f32,
+    n: usize,
+    nb: usize,
+    k: usize,
+    m: usize,
+    q0: usize,
+    q1: usize,
+    j0: usize,
+    j1: usize,
+) {
+    let l = S::LANES;
+    for q in q0..q1 {
+        for i in 0..k {
+            let gr = g.add((q * k + i) * m);
+            let mut j = j0;
+            while j + l <= j1 {
+                let mut a = S::load(gr.add(j));
+                for t in 0..n {
+                    let xv = S::splat(*x.add(t * nb * k + q * k + i));
+                    a = S::fma(xv, S::load(dy.add(t * nb * m + q * m + j)), a);
+                }
+                S::store(gr.add(j), a);
+                j += l;
+            }
+            while j < j1 {
+                let mut a = *gr.add(j);
+                for t in 0..n {
+                    a = (*x.add(t * nb * k + q * k + i))
+                        .mul_add(*dy.add(t * nb * m + q * m + j), a);
+                }
+                *gr.add(j) = a;
+                j += 1;
+            }
+        }
+    }
+}

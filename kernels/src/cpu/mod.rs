@@ -190,6 +190,12 @@ impl Cpu {
         }
     }
 
+    /// g (nb, k, m) += Σ_t x_q[t]ᵀ·dy_q[t]: gradients of block-diagonal products' blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn block_outer(&self, x: &[f32], dy: &[f32], nb: usize, k: usize, m: usize, g: &mut [f32]) {
+        adapter::block_outer(self.isa, &self.pool, x, dy, nb, k, m, g)
+    }
+
     pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {
         matmul::dequantize_row(self.isa, ty, src, dst)
     }
