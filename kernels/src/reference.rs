@@ -248,6 +248,76 @@ pub fn block_outer(x: &[f32], dy: &[f32], nb: usize, k: usize, m: usize, g: &mut
     }
 }
 
+/// Causal GQA attention backward over one whole sequence (positions 0..t), in f64; see
+/// `cpu::backward::attention_backward`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dout: &[f32],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
+    let t = q.len() / qd;
+    let group = n_heads / n_kv_heads;
+    let mut dk64 = vec![0.0f64; dk.len()];
+    let mut dv64 = vec![0.0f64; dv.len()];
+    let sc = scale as f64;
+    for h in 0..n_heads {
+        let (qc, kc) = (h * head_dim, (h / group) * head_dim);
+        for i in 0..t {
+            let qi = |c: usize| q[i * qd + qc + c] as f64;
+            let di = |c: usize| dout[i * qd + qc + c] as f64;
+            let s: Vec<f64> = (0..=i)
+                .map(|j| {
+                    sc * (0..head_dim)
+                        .map(|c| qi(c) * k[j * kvd + kc + c] as f64)
+                        .sum::<f64>()
+                })
+                .collect();
+            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let p: Vec<f64> = e.iter().map(|x| x / z).collect();
+            let o: Vec<f64> = (0..head_dim)
+                .map(|c| (0..=i).map(|j| p[j] * v[j * kvd + kc + c] as f64).sum())
+                .collect();
+            let dot_do: f64 = (0..head_dim).map(|c| di(c) * o[c]).sum();
+            for c in 0..head_dim {
+                dq[i * qd + qc + c] = 0.0;
+            }
+            let mut dqi = vec![0.0f64; head_dim];
+            for j in 0..=i {
+                let dp: f64 = (0..head_dim)
+                    .map(|c| di(c) * v[j * kvd + kc + c] as f64)
+                    .sum();
+                let ds = p[j] * (dp - dot_do) * sc;
+                for c in 0..head_dim {
+                    dqi[c] += ds * k[j * kvd + kc + c] as f64;
+                    dk64[j * kvd + kc + c] += ds * qi(c);
+                    dv64[j * kvd + kc + c] += p[j] * di(c);
+                }
+            }
+            for c in 0..head_dim {
+                dq[i * qd + qc + c] = dqi[c] as f32;
+            }
+        }
+    }
+    for (d, s) in dk.iter_mut().zip(dk64) {
+        *d = s as f32;
+    }
+    for (d, s) in dv.iter_mut().zip(dv64) {
+        *d = s as f32;
+    }
+}
+
 /// RMSNorm of each row of `x` (rows of `weight.len()` values): out = x / sqrt(mean(x^2) + eps) * weight.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();

@@ -256,3 +256,73 @@ fn block_outer_accumulates_like_the_reference() {
         }
     }
 }
+
+#[test]
+fn attention_backward_matches_finite_differences() {
+    let mut rng = Rng(36);
+    let (h, hkv, d, t) = (4, 2, 8, 6);
+    let scale = 1.0 / (d as f32).sqrt();
+    let (q, k, v) = (
+        rng.vec(t * h * d, 1.0),
+        rng.vec(t * hkv * d, 1.0),
+        rng.vec(t * hkv * d, 1.0),
+    );
+    let dout = rng.vec(t * h * d, 1.0);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    reference::attention_backward(
+        &q, &k, &v, &dout, h, hkv, d, scale, &mut dq, &mut dk, &mut dv,
+    );
+    // The forward in f64: out (t, h·d), causal softmax attention with GQA.
+    let fwd = |q: &[f64], k: &[f64], v: &[f64]| -> Vec<f64> {
+        let mut out = vec![0.0; t * h * d];
+        for hh in 0..h {
+            let g = hh / (h / hkv);
+            for i in 0..t {
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..d)
+                            .map(|c| q[i * h * d + hh * d + c] * k[j * hkv * d + g * d + c])
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
+                for j in 0..=i {
+                    let p = (s[j] - mx).exp() / z;
+                    for c in 0..d {
+                        out[i * h * d + hh * d + c] += p * v[j * hkv * d + g * d + c];
+                    }
+                }
+            }
+        }
+        out
+    };
+    let f64s = |x: &[f32]| x.iter().map(|v| *v as f64).collect::<Vec<f64>>();
+    let (q64, k64, v64) = (f64s(&q), f64s(&k), f64s(&v));
+    close(
+        &dq,
+        &numeric(&q, &dout, &|x| fwd(x, &k64, &v64)),
+        1e-5,
+        "dq twin",
+    );
+    close(
+        &dk,
+        &numeric(&k, &dout, &|x| fwd(&q64, x, &v64)),
+        1e-5,
+        "dk twin",
+    );
+    close(
+        &dv,
+        &numeric(&v, &dout, &|x| fwd(&q64, &k64, x)),
+        1e-5,
+        "dv twin",
+    );
+    for c in cpus() {
+        let (mut a, mut b, mut e) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        c.attention_backward(&q, &k, &v, &dout, h, hkv, d, scale, &mut a, &mut b, &mut e);
+        close(&a, &f64s(&dq), 1e-5, "dq fast");
+        close(&b, &f64s(&dk), 1e-5, "dk fast");
+        close(&e, &f64s(&dv), 1e-5, "dv fast");
+    }
+}

@@ -235,3 +235,97 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], 
         dgate[i] = da[i] * up[i] * s * (1.0 + g * (1.0 - s));
     }
 }
+
+/// Causal grouped-query attention backward over one whole sequence of `t` tokens (positions 0..t):
+/// q (t, H·d), k and v (t, Hkv·d) as the forward used them (after RoPE), dout (t, H·d) → dq (=),
+/// dk, dv (=). P is recomputed from q and K (never stored): per query row i and head h,
+/// s_j = scale·q·k_j (j ≤ i), P = softmax(s), dP_j = dout·v_j, dS = P ⊙ (dP − dout·o),
+/// dq = scale·Σ dS_j k_j, dk_j += scale·dS_j q, dv_j += P_j dout. Query heads sharing a KV head sum
+/// into its dk, dv. Tasks own one KV head each (and so its dk, dv columns).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dout: &[f32],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
+    let t = q.len() / qd;
+    assert!(q.len() == t * qd && dout.len() == t * qd && dq.len() == t * qd);
+    assert!(k.len() == t * kvd && v.len() == t * kvd && dk.len() == t * kvd && dv.len() == t * kvd);
+    let group = n_heads / n_kv_heads;
+    let (dqp, dkp, dvp) = (
+        dq.as_mut_ptr() as usize,
+        dk.as_mut_ptr() as usize,
+        dv.as_mut_ptr() as usize,
+    );
+    let task = |g: usize| {
+        // SAFETY: task g writes only the columns of KV head g of dk, dv and of its query heads
+        // of dq; no two tasks share a column.
+        let (dq, dk, dv) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(dqp as *mut f32, t * qd),
+                std::slice::from_raw_parts_mut(dkp as *mut f32, t * kvd),
+                std::slice::from_raw_parts_mut(dvp as *mut f32, t * kvd),
+            )
+        };
+        let kc = g * head_dim;
+        for j in 0..t {
+            dk[j * kvd + kc..j * kvd + kc + head_dim].fill(0.0);
+            dv[j * kvd + kc..j * kvd + kc + head_dim].fill(0.0);
+        }
+        let mut p = vec![0.0f32; t];
+        let mut o = vec![0.0f32; head_dim];
+        for h in g * group..(g + 1) * group {
+            let qc = h * head_dim;
+            for i in 0..t {
+                let qi = &q[i * qd + qc..i * qd + qc + head_dim];
+                let di = &dout[i * qd + qc..i * qd + qc + head_dim];
+                let mut mx = f32::NEG_INFINITY;
+                for j in 0..=i {
+                    let kj = &k[j * kvd + kc..j * kvd + kc + head_dim];
+                    p[j] = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>();
+                    mx = mx.max(p[j]);
+                }
+                let mut z = 0.0f32;
+                for pj in &mut p[..=i] {
+                    *pj = (*pj - mx).exp();
+                    z += *pj;
+                }
+                o.fill(0.0);
+                for j in 0..=i {
+                    p[j] /= z;
+                    let vj = &v[j * kvd + kc..j * kvd + kc + head_dim];
+                    for (oo, vv) in o.iter_mut().zip(vj) {
+                        *oo += p[j] * vv;
+                    }
+                }
+                let dot_do: f32 = di.iter().zip(&o).map(|(a, b)| a * b).sum();
+                let dqi = &mut dq[i * qd + qc..i * qd + qc + head_dim];
+                dqi.fill(0.0);
+                for j in 0..=i {
+                    let (kj, vj) = (
+                        &k[j * kvd + kc..j * kvd + kc + head_dim],
+                        &v[j * kvd + kc..j * kvd + kc + head_dim],
+                    );
+                    let dp: f32 = di.iter().zip(vj).map(|(a, b)| a * b).sum();
+                    let ds = p[j] * (dp - dot_do) * scale;
+                    for c in 0..head_dim {
+                        dqi[c] += ds * kj[c];
+                        dk[j * kvd + kc + c] += ds * qi[c];
+                        dv[j * kvd + kc + c] += p[j] * di[c];
+                    }
+                }
+            }
+        }
+    };
+    pool.run(n_kv_heads, &task);
+}

@@ -196,6 +196,32 @@ impl Cpu {
         adapter::block_outer(self.isa, &self.pool, x, dy, nb, k, m, g)
     }
 
+    /// Causal GQA attention backward over one whole sequence (see `backward::attention_backward`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        dout: &[f32],
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) {
+        match self.isa {
+            Isa::Reference => crate::reference::attention_backward(
+                q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk, dv,
+            ),
+            _ => backward::attention_backward(
+                &self.pool, q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk, dv,
+            ),
+        }
+    }
+
     pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {
         matmul::dequantize_row(self.isa, ty, src, dst)
     }
