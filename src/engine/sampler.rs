@@ -131,7 +131,8 @@ pub fn sample(
     }
 }
 
-fn scale_and_normalize(cpu: &Cpu, logits: &mut [f32], temperature: f32) {
+/// log-softmax(logits / T) in place, as the sampler reports it (and as a trainer must recompute it).
+pub fn scale_and_normalize(cpu: &Cpu, logits: &mut [f32], temperature: f32) {
     if temperature > 0.0 && temperature != 1.0 {
         let inv = 1.0 / temperature;
         logits.iter_mut().for_each(|v| *v *= inv);

@@ -102,6 +102,30 @@ impl Llama {
         batch: &[BatchSeq],
         bufs: &mut ForwardBuffers,
     ) -> Result<(), ModelError> {
+        self.forward_impl(cpu, cache, batch, bufs, None)
+    }
+
+    /// The same forward, also keeping each layer's input and the final hidden state in `store`
+    /// ((layers + 1) × T × hidden): the activation checkpoints of the training backward.
+    pub fn forward_store(
+        &self,
+        cpu: &Cpu,
+        cache: &mut KvCache,
+        batch: &[BatchSeq],
+        bufs: &mut ForwardBuffers,
+        store: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        self.forward_impl(cpu, cache, batch, bufs, Some(store))
+    }
+
+    fn forward_impl(
+        &self,
+        cpu: &Cpu,
+        cache: &mut KvCache,
+        batch: &[BatchSeq],
+        bufs: &mut ForwardBuffers,
+        mut store: Option<&mut Vec<f32>>,
+    ) -> Result<(), ModelError> {
         let c = &self.config;
         let (hidden, kvd) = (c.hidden, c.kv_dim());
         let mut tokens = Vec::new();
@@ -150,7 +174,13 @@ impl Llama {
         self.embed(cpu, &tokens, x);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
 
+        if let Some(st) = store.as_deref_mut() {
+            st.clear();
+        }
         for (l, layer) in self.layers.iter().enumerate() {
+            if let Some(st) = store.as_deref_mut() {
+                st.extend_from_slice(x);
+            }
             cpu.rmsnorm(x, &layer.attn_norm, c.eps, n);
             self.project(
                 cpu,
@@ -249,6 +279,9 @@ impl Llama {
             add_in_place(x, proj);
         }
 
+        if let Some(st) = store {
+            st.extend_from_slice(x);
+        }
         for (j, &r) in logit_rows.iter().enumerate() {
             xs[j * hidden..(j + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }

@@ -4,9 +4,11 @@
 
 mod buffers;
 mod forward;
+mod train;
 
 pub use buffers::{AdapterScratch, ForwardBuffers};
 pub use forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Projection};
+pub use train::{TrainSeq, TrainState};
 
 use super::gguf::{Gguf, GgufError, TensorInfo};
 use flywheel_kernels::QuantType;
