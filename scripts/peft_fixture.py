@@ -184,6 +184,40 @@ def smollm2(check_export=None):
         check(base, pathlib.Path(check_export))
 
 
+GRAD_SAMPLE = {"prompt_token_ids": PROMPT, "completion_token_ids": [504, 3575, 282, 4649, 314, 7042, 47]}
+
+
+def smollm2_grads():
+    """dJ/dθ of J = Σ completion log-probs (temperature 1) for each seeded adapter, as a digest:
+    per tensor its norm, 4 seeded projections and its first 8 values (tests/python/peft_adapters.py
+    computes the same digest of `flywheel grad`'s output)."""
+    from peft_adapters import digest
+
+    base = load_smollm2()
+    tokens = GRAD_SAMPLE["prompt_token_ids"] + GRAD_SAMPLE["completion_token_ids"]
+    p = len(GRAD_SAMPLE["prompt_token_ids"])
+    out = {"sample": GRAD_SAMPLE, "variants": {}}
+    for name, spec in SMOL_VARIANTS.items():
+        kw = dict(r=spec["r"], lora_alpha=spec["lora_alpha"]) if spec["peft_type"] == "LORA" \
+            else dict(oft_block_size=spec["oft_block_size"])
+        m = peft_model(base, name, TARGETS, **kw)
+        fill_seeded(m, spec)
+        m.train()
+        logits = m(torch.tensor([tokens])).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        j = sum(lp[t - 1, tokens[t]] for t in range(p, len(tokens)))
+        j.backward()
+        grads = {}
+        for n, prm in m.named_parameters():
+            if prm.grad is not None:
+                grads[n.replace(".default", "")] = prm.grad.detach().numpy().astype(np.float32)
+        out["variants"][name] = {**spec, "objective": float(j), "tensors": digest(grads)}
+        print(name, "J =", float(j), len(grads), "tensors")
+    path = ROOT / "tests" / "fixtures" / "peft_smollm2_grads.json"
+    path.write_text(json.dumps(out))
+    print(f"wrote {path}")
+
+
 def check(base, d):
     """Load a Flywheel export into PEFT; compare with Flywheel's log-probs in d/flywheel.json."""
     from peft import PeftModel
@@ -197,13 +231,15 @@ def check(base, d):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("which", choices=["tiny", "smollm2", "check"])
+    ap.add_argument("which", choices=["tiny", "smollm2", "grads", "check"])
     ap.add_argument("--check-export")
     a = ap.parse_args()
     if a.which == "tiny":
         tiny()
     elif a.which == "smollm2":
         smollm2(a.check_export)
+    elif a.which == "grads":
+        smollm2_grads()
     else:
         check(load_smollm2(), pathlib.Path(a.check_export))
     sys.exit(0)

@@ -97,6 +97,21 @@ enum Cmd {
         #[arg(long)]
         adapter: Option<PathBuf>,
     },
+    /// J = Σ log π(completion token | prefix) through a PEFT adapter and dJ/dθ for every adapter
+    /// tensor (PEFT names and shapes, f32 safetensors).
+    Grad {
+        #[command(flatten)]
+        m: ModelArgs,
+        /// PEFT adapter folder.
+        #[arg(long)]
+        adapter: PathBuf,
+        /// JSON file {"prompt_token_ids": [...], "completion_token_ids": [...]}.
+        #[arg(long)]
+        sample: PathBuf,
+        /// Where to write the gradients.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Print the token ids of the text on stdin.
     Tokenize {
         #[arg(long, default_value = DEFAULT_MODEL)]
@@ -203,6 +218,48 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             flywheel::api::run(raw.validate(&cli)?)
         }
         Cmd::FetchModel { dest } => fetch_default(&dest),
+        Cmd::Grad {
+            m,
+            adapter,
+            sample,
+            out,
+        } => {
+            let (model, _tok) = load(&m)?;
+            let w = flywheel::adapter::peft::load(&adapter, &model.config)
+                .with_context(|| format!("adapter {}", adapter.display()))?;
+            let v: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(&sample)
+                    .with_context(|| format!("reading {}", sample.display()))?,
+            )
+            .context("--sample must be JSON")?;
+            let ids = |k: &str| -> anyhow::Result<Vec<u32>> {
+                v[k].as_array()
+                    .with_context(|| format!("--sample: '{k}' must be a list of token ids"))?
+                    .iter()
+                    .map(|x| {
+                        x.as_u64()
+                            .map(|t| t as u32)
+                            .with_context(|| format!("--sample: '{k}' holds a non-id"))
+                    })
+                    .collect()
+            };
+            let (prompt, completion) = (ids("prompt_token_ids")?, ids("completion_token_ids")?);
+            anyhow::ensure!(!prompt.is_empty(), "--sample: the prompt is empty");
+            let tokens = [prompt.clone(), completion].concat();
+            let cpu = make_cpu(&m);
+            let (j, logps, grads) =
+                flywheel::train::objective_grad(&model, &cpu, &w, &tokens, prompt.len())?;
+            if let Some(out) = out {
+                let bytes = flywheel::adapter::peft::values_to_safetensors(&w.layout, &grads)?;
+                std::fs::write(&out, bytes)
+                    .with_context(|| format!("writing {}", out.display()))?;
+            }
+            println!(
+                "{}",
+                serde_json::json!({"objective": j, "token_logprobs": logps})
+            );
+            Ok(())
+        }
         Cmd::Tokenize { model, json } => {
             let path = ensure_model(&model)?;
             let g = flywheel::model::gguf::Gguf::open(&path)?;

@@ -359,11 +359,20 @@ fn to_f32(name: &str, v: &TensorView) -> Result<Vec<f32>, AdapterError> {
 
 /// The adapter's tensors as safetensors bytes (f32, PEFT names, shapes and row order).
 pub fn to_safetensors(w: &AdapterWeights) -> Result<Vec<u8>, AdapterError> {
-    let layout = &w.layout;
+    values_to_safetensors(&w.layout, &w.params)
+}
+
+/// Any vector in an adapter's layout (its parameters, their gradients, optimizer moments) as
+/// safetensors under PEFT's names, shapes and row order.
+pub fn values_to_safetensors(
+    layout: &AdapterLayout,
+    values: &[f32],
+) -> Result<Vec<u8>, AdapterError> {
+    assert_eq!(values.len(), layout.num_params);
     let mut owned: Vec<(String, [usize; 2], Vec<u8>)> = Vec::new();
     for m in layout.iter_modules() {
         for t in &m.tensors {
-            let vals = w.tensor(t);
+            let vals = &values[t.range.clone()];
             let vals = if needs_permutation(&layout.config.method, m.target, t.suffix) {
                 permute_rows(vals, t.shape[1], layout.model.head_dim, false)
             } else {

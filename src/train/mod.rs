@@ -3,3 +3,25 @@
 
 pub mod loss;
 pub mod optim;
+
+use crate::adapter::AdapterWeights;
+use crate::model::llama::{Llama, ModelError, TrainSeq};
+use flywheel_kernels::Cpu;
+
+/// The objective J = Σ over completion tokens of log π(token | prefix) (temperature 1, the adapter
+/// on), the completion's log-probs, and dJ/dθ in the adapter's layout (`flywheel grad`).
+pub fn objective_grad(
+    model: &Llama,
+    cpu: &Cpu,
+    adapter: &AdapterWeights,
+    tokens: &[u32],
+    prompt_len: usize,
+) -> Result<(f64, Vec<f32>, Vec<f32>), ModelError> {
+    let seqs = [TrainSeq { tokens, prompt_len }];
+    let (logps, st) = model.train_forward(cpu, &seqs, Some(adapter), 1.0)?;
+    let ones: Vec<Vec<f32>> = logps.iter().map(|l| vec![1.0; l.len()]).collect();
+    let mut grads = vec![0.0f32; adapter.layout.num_params];
+    model.train_backward(cpu, &seqs, adapter, 1.0, &st, &ones, &mut grads)?;
+    let j = logps[0].iter().map(|v| *v as f64).sum();
+    Ok((j, logps.into_iter().next().unwrap_or_default(), grads))
+}

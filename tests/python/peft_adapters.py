@@ -91,3 +91,14 @@ def write_adapter(d, spec):
     (d / "adapter_config.json").write_text(json.dumps(cfg))
     write_safetensors(d / "adapter_model.safetensors", tensors(spec))
     return d
+
+
+def digest(tensors):
+    """Per tensor (sorted names): its norm, 4 projections on SplitMix64 vectors (seeded by the
+    tensor's index) and its first 8 values, all from f64 sums."""
+    out = {}
+    for idx, k in enumerate(sorted(tensors)):
+        g = np.asarray(tensors[k], dtype=np.float64).ravel()
+        proj = [float(np.dot(g, splitmix_uniform(7919 * idx + s, g.size).astype(np.float64))) for s in range(4)]
+        out[k] = {"norm": float(np.linalg.norm(g)), "proj": proj, "head": [float(x) for x in g[:8]], "size": int(g.size)}
+    return out
