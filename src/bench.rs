@@ -204,3 +204,92 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     println!("{json}");
     Ok(())
 }
+
+/// Peak resident memory of this process (VmHWM), bytes.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// `flywheel bench --train`: full training steps (forward, backward, AdamW) on `batch` sequences
+/// of `seq_len` tokens whose last `seq_len − prompt_len` are scored; tokens/s of the median step
+/// and the peak RSS, as a table and one JSON line.
+pub fn run_train(
+    model: &Llama,
+    cpu: &Cpu,
+    adapter: AdapterWeights,
+    batch: usize,
+    seq_len: usize,
+    prompt_len: usize,
+    runs: usize,
+) -> anyhow::Result<()> {
+    use crate::model::llama::TrainSeq;
+    use crate::train::optim::{AdamW, AdamWConfig};
+    anyhow::ensure!(
+        prompt_len >= 1 && prompt_len < seq_len,
+        "need 1 <= prompt length < sequence length"
+    );
+    let v = model.config.vocab_size as u64;
+    let mut rng = crate::engine::sampler::Rng::new(7);
+    let toks: Vec<Vec<u32>> = (0..batch)
+        .map(|_| (0..seq_len).map(|_| (rng.next_u64() % v) as u32).collect())
+        .collect();
+    let seqs: Vec<TrainSeq> = toks
+        .iter()
+        .map(|t| TrainSeq {
+            tokens: t,
+            prompt_len,
+        })
+        .collect();
+    let layout = adapter.layout.clone();
+    let mut params = adapter.params.clone();
+    let mut weights = adapter;
+    let mut opt = AdamW::new(AdamWConfig::default(), layout.num_params);
+    let mut times = Vec::new();
+    for _ in 0..runs + 1 {
+        let t0 = Instant::now();
+        let (logps, st) = model.train_forward(cpu, &seqs, Some(&weights), 1.0)?;
+        let g: Vec<Vec<f32>> = logps
+            .iter()
+            .map(|l| vec![-1.0 / l.len() as f32; l.len()])
+            .collect();
+        let mut grads = vec![0.0f32; layout.num_params];
+        model.train_backward(cpu, &seqs, &weights, 1.0, &st, &g, &mut grads)?;
+        drop(st);
+        opt.step(&mut params, &mut grads);
+        weights = AdapterWeights::new(layout.clone(), params.clone())?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    times.remove(0); // warm-up
+    let step = median(times);
+    let tps = (batch * seq_len) as f64 / step;
+    let rss = peak_rss_bytes();
+    println!(
+        "kernels: {}  threads: {}  adapter: {} ({} parameters)",
+        cpu.isa.name(),
+        cpu.pool.num_threads(),
+        layout.config.method.kind(),
+        layout.num_params
+    );
+    println!(
+        "{:<10} {:>8} {:>8} {:>12} {:>14} {:>14}",
+        "batch", "seq_len", "scored", "step s", "tokens/s", "peak RSS MB"
+    );
+    println!(
+        "{batch:<10} {seq_len:>8} {:>8} {step:>12.2} {tps:>14.1} {:>14.0}",
+        seq_len - prompt_len,
+        rss as f64 / 1e6
+    );
+    println!(
+        "{}",
+        serde_json::json!({"tokens_per_second": tps, "peak_rss_bytes": rss, "step_seconds": step, "batch": batch, "seq_len": seq_len, "prompt_len": prompt_len, "adapter": layout.config.method.kind(), "kernels": cpu.isa.name(), "runs": runs})
+    );
+    Ok(())
+}

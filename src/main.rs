@@ -139,6 +139,15 @@ enum Cmd {
         /// ratio: `oft` (b=32, all seven projections), `lora` (r=16, all seven), or a PEFT folder.
         #[arg(long)]
         adapter: Option<String>,
+        /// Time full training steps (forward, backward, AdamW) instead: --batch sequences (first
+        /// value) of --seq-len tokens through --adapter (default oft).
+        #[arg(long)]
+        train: bool,
+        #[arg(long, default_value_t = 256)]
+        seq_len: usize,
+        /// Tokens of each training sequence that are prompt (not scored); default 1.
+        #[arg(long, default_value_t = 1)]
+        prompt_len: usize,
     },
     /// Fetch the default model into models/ (skips the work when it is already there).
     FetchModel {
@@ -379,9 +388,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             runs,
             busy_peer,
             adapter,
+            train,
+            seq_len,
+            prompt_len,
         } => {
             let (model, tok) = load(&m)?;
             let cpu = make_cpu(&m);
+            if train {
+                let a = flywheel::bench::adapter_for(&model, adapter.as_deref().unwrap_or("oft"))?;
+                let b = batch.first().copied().unwrap_or(8);
+                return flywheel::bench::run_train(
+                    &model,
+                    &cpu,
+                    a,
+                    b,
+                    seq_len,
+                    prompt_len,
+                    runs.max(1),
+                );
+            }
             let t = std::time::Instant::now();
             let adapter = adapter
                 .map(|a| flywheel::bench::adapter_for(&model, &a))

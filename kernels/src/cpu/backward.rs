@@ -130,7 +130,6 @@ unsafe fn lb<S: Simd, F: Format>(j: &Job, c0: usize, c1: usize) {
     for i in 0..j.n {
         std::ptr::write_bytes(j.dx.add(i * j.cols + c0), 0, width);
     }
-    let l = S::LANES;
     let mut r0 = 0;
     while r0 < j.rows {
         let tr = (j.rows - r0).min(TILE_ROWS);
@@ -141,47 +140,77 @@ unsafe fn lb<S: Simd, F: Format>(j: &Job, c0: usize, c1: usize) {
                 width,
             );
         }
-        for i in 0..j.n {
-            let dyr = j.dy.add(i * j.rows + r0);
-            let out = j.dx.add(i * j.cols + c0);
-            let mut c = 0;
-            while c + 4 * l <= width {
-                let mut acc = [
-                    S::load(out.add(c)),
-                    S::load(out.add(c + l)),
-                    S::load(out.add(c + 2 * l)),
-                    S::load(out.add(c + 3 * l)),
-                ];
-                for r in 0..tr {
-                    let g = S::splat(*dyr.add(r));
-                    let p = panel.add(r * width + c);
-                    for (k, a) in acc.iter_mut().enumerate() {
-                        *a = S::fma(g, S::load(p.add(k * l)), *a);
-                    }
-                }
-                for (k, a) in acc.iter().enumerate() {
-                    S::store(out.add(c + k * l), *a);
-                }
-                c += 4 * l;
+        // Four activation rows at a time: each panel vector loaded feeds four FMAs.
+        let mut i = 0;
+        while i < j.n {
+            match (j.n - i).min(4) {
+                1 => lb_rows::<S, 1>(j, panel, width, c0, r0, tr, i),
+                2 => lb_rows::<S, 2>(j, panel, width, c0, r0, tr, i),
+                3 => lb_rows::<S, 3>(j, panel, width, c0, r0, tr, i),
+                _ => lb_rows::<S, 4>(j, panel, width, c0, r0, tr, i),
             }
-            while c + l <= width {
-                let mut a = S::load(out.add(c));
-                for r in 0..tr {
-                    a = S::fma(S::splat(*dyr.add(r)), S::load(panel.add(r * width + c)), a);
-                }
-                S::store(out.add(c), a);
-                c += l;
-            }
-            while c < width {
-                let mut a = *out.add(c);
-                for r in 0..tr {
-                    a = (*dyr.add(r)).mul_add(*panel.add(r * width + c), a);
-                }
-                *out.add(c) = a;
-                c += 1;
-            }
+            i += 4;
         }
         r0 += tr;
+    }
+}
+
+/// dx rows i0..i0+N, columns c0..c0+width += dy[., r0..r0+tr] · panel (tr rows of `width`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn lb_rows<S: Simd, const N: usize>(
+    j: &Job,
+    panel: *const f32,
+    width: usize,
+    c0: usize,
+    r0: usize,
+    tr: usize,
+    i0: usize,
+) {
+    let l = S::LANES;
+    let dys: [*const f32; N] = std::array::from_fn(|i| j.dy.add((i0 + i) * j.rows + r0));
+    let outs: [*mut f32; N] = std::array::from_fn(|i| j.dx.add((i0 + i) * j.cols + c0));
+    let mut c = 0;
+    while c + 2 * l <= width {
+        let mut acc: [[S::V; 2]; N] =
+            std::array::from_fn(|i| [S::load(outs[i].add(c)), S::load(outs[i].add(c + l))]);
+        for r in 0..tr {
+            let p = panel.add(r * width + c);
+            let (p0, p1) = (S::load(p), S::load(p.add(l)));
+            for (a, dy) in acc.iter_mut().zip(&dys) {
+                let g = S::splat(*dy.add(r));
+                a[0] = S::fma(g, p0, a[0]);
+                a[1] = S::fma(g, p1, a[1]);
+            }
+        }
+        for (a, o) in acc.iter().zip(&outs) {
+            S::store(o.add(c), a[0]);
+            S::store(o.add(c + l), a[1]);
+        }
+        c += 2 * l;
+    }
+    while c + l <= width {
+        let mut acc: [S::V; N] = std::array::from_fn(|i| S::load(outs[i].add(c)));
+        for r in 0..tr {
+            let p0 = S::load(panel.add(r * width + c));
+            for (a, dy) in acc.iter_mut().zip(&dys) {
+                *a = S::fma(S::splat(*dy.add(r)), p0, *a);
+            }
+        }
+        for (a, o) in acc.iter().zip(&outs) {
+            S::store(o.add(c), *a);
+        }
+        c += l;
+    }
+    while c < width {
+        for (dy, o) in dys.iter().zip(&outs) {
+            let mut a = *o.add(c);
+            for r in 0..tr {
+                a = (*dy.add(r)).mul_add(*panel.add(r * width + c), a);
+            }
+            *o.add(c) = a;
+        }
+        c += 1;
     }
 }
 
@@ -244,6 +273,7 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], 
 /// into its dk, dv. Tasks own one KV head each (and so its dk, dv columns).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
+    isa: Isa,
     pool: &ThreadPool,
     q: &[f32],
     k: &[f32],
@@ -261,71 +291,122 @@ pub fn attention_backward(
     let t = q.len() / qd;
     assert!(q.len() == t * qd && dout.len() == t * qd && dq.len() == t * qd);
     assert!(k.len() == t * kvd && v.len() == t * kvd && dk.len() == t * kvd && dv.len() == t * kvd);
-    let group = n_heads / n_kv_heads;
-    let (dqp, dkp, dvp) = (
-        dq.as_mut_ptr() as usize,
-        dk.as_mut_ptr() as usize,
-        dv.as_mut_ptr() as usize,
-    );
+    let job = AttnJob {
+        q: q.as_ptr(),
+        k: k.as_ptr(),
+        v: v.as_ptr(),
+        dout: dout.as_ptr(),
+        dq: dq.as_mut_ptr(),
+        dk: dk.as_mut_ptr(),
+        dv: dv.as_mut_ptr(),
+        t,
+        group: n_heads / n_kv_heads,
+        head_dim,
+        qd,
+        kvd,
+        scale,
+    };
     let task = |g: usize| {
-        // SAFETY: task g writes only the columns of KV head g of dk, dv and of its query heads
-        // of dq; no two tasks share a column.
-        let (dq, dk, dv) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(dqp as *mut f32, t * qd),
-                std::slice::from_raw_parts_mut(dkp as *mut f32, t * kvd),
-                std::slice::from_raw_parts_mut(dvp as *mut f32, t * kvd),
-            )
-        };
-        let kc = g * head_dim;
-        for j in 0..t {
-            dk[j * kvd + kc..j * kvd + kc + head_dim].fill(0.0);
-            dv[j * kvd + kc..j * kvd + kc + head_dim].fill(0.0);
-        }
-        let mut p = vec![0.0f32; t];
-        let mut o = vec![0.0f32; head_dim];
-        for h in g * group..(g + 1) * group {
-            let qc = h * head_dim;
-            for i in 0..t {
-                let qi = &q[i * qd + qc..i * qd + qc + head_dim];
-                let di = &dout[i * qd + qc..i * qd + qc + head_dim];
-                let mut mx = f32::NEG_INFINITY;
-                for j in 0..=i {
-                    let kj = &k[j * kvd + kc..j * kvd + kc + head_dim];
-                    p[j] = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>();
-                    mx = mx.max(p[j]);
-                }
-                let mut z = 0.0f32;
-                for pj in &mut p[..=i] {
-                    *pj = (*pj - mx).exp();
-                    z += *pj;
-                }
-                o.fill(0.0);
-                for j in 0..=i {
-                    p[j] /= z;
-                    let vj = &v[j * kvd + kc..j * kvd + kc + head_dim];
-                    for (oo, vv) in o.iter_mut().zip(vj) {
-                        *oo += p[j] * vv;
-                    }
-                }
-                let dot_do: f32 = di.iter().zip(&o).map(|(a, b)| a * b).sum();
-                let dqi = &mut dq[i * qd + qc..i * qd + qc + head_dim];
-                dqi.fill(0.0);
-                for j in 0..=i {
-                    let (kj, vj) = (
-                        &k[j * kvd + kc..j * kvd + kc + head_dim],
-                        &v[j * kvd + kc..j * kvd + kc + head_dim],
-                    );
-                    let dp: f32 = di.iter().zip(vj).map(|(a, b)| a * b).sum();
-                    let ds = p[j] * (dp - dot_do) * scale;
-                    for c in 0..head_dim {
-                        dqi[c] += ds * kj[c];
-                        dk[j * kvd + kc + c] += ds * qi[c];
-                        dv[j * kvd + kc + c] += p[j] * di[c];
-                    }
-                }
+        // SAFETY: task g writes only the columns of KV head g of dk, dv and of its query heads of
+        // dq; no two tasks share a column. The ISA is detected at start-up.
+        unsafe {
+            match isa {
+                Isa::Avx512 => attn_bwd_avx512(&job, g),
+                Isa::Avx2 => attn_bwd_avx2(&job, g),
+                Isa::Reference => unreachable!("the reference has its own twin"),
             }
         }
     };
     pool.run(n_kv_heads, &task);
+}
+
+struct AttnJob {
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    dout: *const f32,
+    dq: *mut f32,
+    dk: *mut f32,
+    dv: *mut f32,
+    t: usize,
+    group: usize,
+    head_dim: usize,
+    qd: usize,
+    kvd: usize,
+    scale: f32,
+}
+// SAFETY: tasks write disjoint columns (see `attention_backward`).
+unsafe impl Sync for AttnJob {}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn attn_bwd_avx512(j: &AttnJob, g: usize) {
+    attn_bwd::<Avx512>(j, g)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attn_bwd_avx2(j: &AttnJob, g: usize) {
+    attn_bwd::<Avx2>(j, g)
+}
+
+/// `y += a·x` over n values.
+#[inline(always)]
+unsafe fn axpy<S: Simd>(a: f32, x: *const f32, y: *mut f32, n: usize) {
+    let l = S::LANES;
+    let av = S::splat(a);
+    let mut c = 0;
+    while c + l <= n {
+        S::store(y.add(c), S::fma(av, S::load(x.add(c)), S::load(y.add(c))));
+        c += l;
+    }
+    while c < n {
+        *y.add(c) = a.mul_add(*x.add(c), *y.add(c));
+        c += 1;
+    }
+}
+
+/// KV head g and its query heads (see `attention_backward`).
+#[inline(always)]
+unsafe fn attn_bwd<S: Simd>(j: &AttnJob, g: usize) {
+    use super::matmul::dot;
+    let (t, hd, qd, kvd) = (j.t, j.head_dim, j.qd, j.kvd);
+    let kc = g * hd;
+    for r in 0..t {
+        std::ptr::write_bytes(j.dk.add(r * kvd + kc), 0, hd);
+        std::ptr::write_bytes(j.dv.add(r * kvd + kc), 0, hd);
+    }
+    let mut p = vec![0.0f32; t];
+    let mut o = vec![0.0f32; hd];
+    for h in g * j.group..(g + 1) * j.group {
+        let qc = h * hd;
+        for i in 0..t {
+            let qi = j.q.add(i * qd + qc);
+            let di = j.dout.add(i * qd + qc);
+            let mut mx = f32::NEG_INFINITY;
+            for (jj, pj) in p.iter_mut().enumerate().take(i + 1) {
+                *pj = j.scale * dot::<S>(qi, j.k.add(jj * kvd + kc), hd);
+                mx = mx.max(*pj);
+            }
+            let mut z = 0.0f32;
+            for pj in &mut p[..=i] {
+                *pj = (*pj - mx).exp();
+                z += *pj;
+            }
+            o.fill(0.0);
+            let inv = 1.0 / z;
+            for (jj, pj) in p.iter_mut().enumerate().take(i + 1) {
+                *pj *= inv;
+                axpy::<S>(*pj, j.v.add(jj * kvd + kc), o.as_mut_ptr(), hd);
+            }
+            let dot_do = dot::<S>(di, o.as_ptr(), hd);
+            let dqi = j.dq.add(i * qd + qc);
+            std::ptr::write_bytes(dqi, 0, hd);
+            for (jj, pj) in p.iter().enumerate().take(i + 1) {
+                let dp = dot::<S>(di, j.v.add(jj * kvd + kc), hd);
+                let ds = pj * (dp - dot_do) * j.scale;
+                axpy::<S>(ds, j.k.add(jj * kvd + kc), dqi, hd);
+                axpy::<S>(ds, qi, j.dk.add(jj * kvd + kc), hd);
+                axpy::<S>(*pj, di, j.dv.add(jj * kvd + kc), hd);
+            }
+        }
+    }
 }

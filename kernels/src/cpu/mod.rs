@@ -217,7 +217,8 @@ impl Cpu {
                 q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk, dv,
             ),
             _ => backward::attention_backward(
-                &self.pool, q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk, dv,
+                self.isa, &self.pool, q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk,
+                dv,
             ),
         }
     }
