@@ -21,6 +21,8 @@ use std::cell::RefCell;
 
 /// Weight rows dequantized per tile.
 const TILE_ROWS: usize = 16;
+/// Activation rows swept per tile before the next block (their dx chunk stays in cache).
+const I_BLOCK: usize = 64;
 
 thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -130,28 +132,35 @@ unsafe fn lb<S: Simd, F: Format>(j: &Job, c0: usize, c1: usize) {
     for i in 0..j.n {
         std::ptr::write_bytes(j.dx.add(i * j.cols + c0), 0, width);
     }
-    let mut r0 = 0;
-    while r0 < j.rows {
-        let tr = (j.rows - r0).min(TILE_ROWS);
-        for r in 0..tr {
-            dequant_row::<S, F>(
-                j.w.add((r0 + r) * j.row_bytes + off),
-                panel.add(r * width),
-                width,
-            );
-        }
-        // Four activation rows at a time: each panel vector loaded feeds four FMAs.
-        let mut i = 0;
-        while i < j.n {
-            match (j.n - i).min(4) {
-                1 => lb_rows::<S, 1>(j, panel, width, c0, r0, tr, i),
-                2 => lb_rows::<S, 2>(j, panel, width, c0, r0, tr, i),
-                3 => lb_rows::<S, 3>(j, panel, width, c0, r0, tr, i),
-                _ => lb_rows::<S, 4>(j, panel, width, c0, r0, tr, i),
+    // Activation rows in blocks that keep their dx columns in L1/L2; the weight tiles are
+    // dequantized again for each block (1/I_BLOCK of the multiply-adds).
+    let mut ib = 0;
+    while ib < j.n {
+        let ie = (ib + I_BLOCK).min(j.n);
+        let mut r0 = 0;
+        while r0 < j.rows {
+            let tr = (j.rows - r0).min(TILE_ROWS);
+            for r in 0..tr {
+                dequant_row::<S, F>(
+                    j.w.add((r0 + r) * j.row_bytes + off),
+                    panel.add(r * width),
+                    width,
+                );
             }
-            i += 4;
+            // Four activation rows at a time: each panel vector loaded feeds four FMAs.
+            let mut i = ib;
+            while i < ie {
+                match (ie - i).min(4) {
+                    1 => lb_rows::<S, 1>(j, panel, width, c0, r0, tr, i),
+                    2 => lb_rows::<S, 2>(j, panel, width, c0, r0, tr, i),
+                    3 => lb_rows::<S, 3>(j, panel, width, c0, r0, tr, i),
+                    _ => lb_rows::<S, 4>(j, panel, width, c0, r0, tr, i),
+                }
+                i += 4;
+            }
+            r0 += tr;
         }
-        r0 += tr;
+        ib = ie;
     }
 }
 
