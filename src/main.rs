@@ -112,6 +112,39 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Offline RL or SFT on a JSONL file; writes the adapter (PEFT) and optimizer state to --out,
+    /// one JSON line of statistics per step.
+    Train {
+        #[command(flatten)]
+        m: ModelArgs,
+        /// PEFT folder to start from (its optimizer state too, when present).
+        #[arg(long, conflicts_with = "new")]
+        adapter: Option<PathBuf>,
+        /// Start from a new identity adapter: oft (b=32) or lora (r=16) on all seven projections.
+        #[arg(long)]
+        new: Option<String>,
+        /// JSONL: {"prompt_token_ids", "completion_token_ids", "reward", "group", "behavior_logprobs"?}.
+        #[arg(long)]
+        data: PathBuf,
+        /// Output folder (must not exist).
+        #[arg(long)]
+        out: PathBuf,
+        /// grpo | dapo | dr_grpo | gspo | masked_is | sft
+        #[arg(long, default_value = "grpo")]
+        loss: String,
+        #[arg(long, default_value_t = 1e-4)]
+        lr: f32,
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Groups per step.
+        #[arg(long, default_value_t = 1)]
+        batch_groups: usize,
+        #[arg(long, default_value_t = 0.0)]
+        kl_coef: f32,
+        /// The sampling temperature the log-probs are taken at.
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f32,
+    },
     /// Print the token ids of the text on stdin.
     Tokenize {
         #[arg(long, default_value = DEFAULT_MODEL)]
@@ -227,6 +260,102 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             flywheel::api::run(raw.validate(&cli)?)
         }
         Cmd::FetchModel { dest } => fetch_default(&dest),
+        Cmd::Train {
+            m,
+            adapter,
+            new,
+            data,
+            out,
+            loss,
+            lr,
+            steps,
+            batch_groups,
+            kl_coef,
+            temperature,
+        } => {
+            use flywheel::train::optim::{AdamW, AdamWConfig};
+            anyhow::ensure!(!out.exists(), "--out {} already exists", out.display());
+            anyhow::ensure!(temperature > 0.0, "--temperature must be > 0");
+            let (model, _tok) = load(&m)?;
+            let text = std::fs::read_to_string(&data)
+                .with_context(|| format!("reading {}", data.display()))?;
+            let samples = flywheel::train::offline::parse_jsonl(&text)?;
+            let max_len = samples
+                .iter()
+                .map(|s| s.completion.len())
+                .max()
+                .unwrap_or(1);
+            let group_size = samples.len().max(1);
+            let mut cfg = flywheel::train::loss::LossConfig::named(&loss, max_len, group_size)
+                .with_context(|| {
+                    format!("--loss {loss}: grpo, dapo, dr_grpo, gspo, masked_is or sft")
+                })?;
+            cfg.kl_coef = kl_coef;
+            let (mut w, mut opt) = match (&adapter, new.as_deref()) {
+                (Some(dir), _) => {
+                    let w = flywheel::adapter::peft::load(dir, &model.config)?;
+                    let opt = AdamW::load(dir).unwrap_or_else(|_| {
+                        AdamW::new(AdamWConfig::default(), w.layout.num_params)
+                    });
+                    (w, opt)
+                }
+                (None, Some(kind @ ("oft" | "lora"))) => {
+                    let method = if kind == "oft" {
+                        flywheel::adapter::Method::Oft(Default::default())
+                    } else {
+                        flywheel::adapter::Method::Lora(flywheel::adapter::LoraConfig {
+                            r: 16,
+                            alpha: 32.0,
+                            use_rslora: false,
+                        })
+                    };
+                    let c = flywheel::adapter::AdapterConfig {
+                        method,
+                        targets: flywheel::adapter::Target::ALL.to_vec(),
+                        base_model: m.model.display().to_string(),
+                    };
+                    let layout = std::sync::Arc::new(flywheel::adapter::AdapterLayout::new(
+                        c,
+                        &model.config,
+                    )?);
+                    let n = layout.num_params;
+                    (
+                        flywheel::adapter::AdapterWeights::identity(layout, 0),
+                        AdamW::new(AdamWConfig::default(), n),
+                    )
+                }
+                _ => anyhow::bail!("give --adapter DIR or --new oft|lora"),
+            };
+            opt.config.lr = lr;
+            let batches = flywheel::train::offline::grouped(&samples, &loss);
+            anyhow::ensure!(
+                !batches.is_empty(),
+                "no group with a reward signal in {}",
+                data.display()
+            );
+            let cpu = make_cpu(&m);
+            let mut next = 0;
+            for _ in 0..steps {
+                let take: Vec<&flywheel::train::offline::Batch> = (0..batch_groups.max(1))
+                    .map(|k| &batches[(next + k) % batches.len()])
+                    .collect();
+                next += take.len();
+                let (nw, stats) = flywheel::train::offline::step(
+                    &model,
+                    &cpu,
+                    &w,
+                    &mut opt,
+                    &cfg,
+                    &take,
+                    temperature,
+                )?;
+                w = nw;
+                println!("{stats}");
+            }
+            flywheel::adapter::peft::save(&w, &out)?;
+            opt.save(&out)?;
+            Ok(())
+        }
         Cmd::Grad {
             m,
             adapter,

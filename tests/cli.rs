@@ -182,3 +182,97 @@ fn bad_arguments_and_missing_files_are_clear_errors() {
     );
     assert!(!ok && err.contains("cannot be used with"), "{err}");
 }
+
+#[test]
+fn train_writes_a_peft_adapter_and_optimizer_state_and_resumes() {
+    let (dir, path) = write_tiny(&TinySpec::small());
+    let p = path.to_str().unwrap();
+    let data = dir.path().join("data.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt_token_ids\": [5, 6], \"completion_token_ids\": [40, 41, 42], \"reward\": 1, \"group\": \"a\"}\n\
+         {\"prompt_token_ids\": [5, 6], \"completion_token_ids\": [70, 71], \"reward\": 0, \"group\": \"a\"}\n",
+    )
+    .unwrap();
+    let (d, out1, out2) = (
+        data.to_str().unwrap(),
+        dir.path().join("o1"),
+        dir.path().join("o2"),
+    );
+    let (ok, out, err) = flywheel(
+        &[
+            "train",
+            "--model",
+            p,
+            "--new",
+            "oft",
+            "--data",
+            d,
+            "--out",
+            out1.to_str().unwrap(),
+            "--loss",
+            "grpo",
+            "--steps",
+            "3",
+            "--lr",
+            "0.01",
+        ],
+        None,
+    );
+    assert!(ok, "{err}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[2]["step"], 3);
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.json",
+        "optimizer.safetensors",
+    ] {
+        assert!(out1.join(f).exists(), "{f}");
+    }
+    // Resume: the optimizer continues counting from the saved state.
+    let (ok, out, err) = flywheel(
+        &[
+            "train",
+            "--model",
+            p,
+            "--adapter",
+            out1.to_str().unwrap(),
+            "--data",
+            d,
+            "--out",
+            out2.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--lr",
+            "0.01",
+        ],
+        None,
+    );
+    assert!(ok, "{err}");
+    assert_eq!(
+        out.lines()
+            .last()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].clone()),
+        Some(serde_json::json!(5))
+    );
+    let (ok, _, err) = flywheel(
+        &[
+            "train",
+            "--model",
+            p,
+            "--new",
+            "oft",
+            "--data",
+            d,
+            "--out",
+            out2.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(!ok && err.contains("already exists"), "{err}");
+}

@@ -2,6 +2,7 @@
 //! backward through the frozen quantized base, the trainer loop and the rollout log follow.
 
 pub mod loss;
+pub mod offline;
 pub mod optim;
 
 use crate::adapter::AdapterWeights;

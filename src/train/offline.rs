@@ -1,0 +1,206 @@
+//! Offline training (`flywheel train`): samples with rewards and groups (or plain completions for
+//! SFT) → group advantages → the loss → train forward/backward → AdamW, one step per batch of
+//! groups, one JSON line of statistics per step. The online trainer will call the same `step`.
+
+use super::loss::{group_advantages, policy_loss, LossConfig, SeqInput};
+use super::optim::AdamW;
+use crate::adapter::AdapterWeights;
+use crate::model::llama::{Llama, TrainSeq};
+use flywheel_kernels::Cpu;
+use serde_json::{json, Value};
+use std::time::Instant;
+
+/// One completion of a prompt, with its reward and group.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    pub prompt: Vec<u32>,
+    pub completion: Vec<u32>,
+    pub reward: f32,
+    pub group: String,
+    /// The sampler's log-probs of the completion (None: taken as the current policy's, i.e.
+    /// on-policy).
+    pub behavior: Option<Vec<f32>>,
+}
+
+/// A batch's samples with their advantages.
+pub struct Batch<'a> {
+    pub samples: Vec<&'a Sample>,
+    pub advantages: Vec<f32>,
+}
+
+/// Group the samples (in order of first appearance) and give each usable group its advantages;
+/// groups without reward variance are dropped (no signal), except for SFT where every sample
+/// counts with advantage 1.
+pub fn grouped<'a>(samples: &'a [Sample], loss_name: &str) -> Vec<Batch<'a>> {
+    let mut order: Vec<&str> = Vec::new();
+    for s in samples {
+        if !order.contains(&s.group.as_str()) {
+            order.push(&s.group);
+        }
+    }
+    let kind = LossConfig::advantage_kind(loss_name);
+    order
+        .into_iter()
+        .filter_map(|g| {
+            let members: Vec<&Sample> = samples.iter().filter(|s| s.group == g).collect();
+            let advantages = if loss_name == "sft" {
+                vec![1.0; members.len()]
+            } else {
+                let rewards: Vec<f32> = members.iter().map(|s| s.reward).collect();
+                group_advantages(&rewards, kind)?
+            };
+            Some(Batch {
+                samples: members,
+                advantages,
+            })
+        })
+        .collect()
+}
+
+/// One optimizer step on `groups`: returns the new adapter version's weights and the statistics.
+pub fn step(
+    model: &Llama,
+    cpu: &Cpu,
+    weights: &AdapterWeights,
+    opt: &mut AdamW,
+    loss: &LossConfig,
+    groups: &[&Batch],
+    temperature: f32,
+) -> anyhow::Result<(AdapterWeights, Value)> {
+    let t0 = Instant::now();
+    let samples: Vec<&Sample> = groups
+        .iter()
+        .flat_map(|g| g.samples.iter().copied())
+        .collect();
+    let advantages: Vec<f32> = groups
+        .iter()
+        .flat_map(|g| g.advantages.iter().copied())
+        .collect();
+    let tokens: Vec<Vec<u32>> = samples
+        .iter()
+        .map(|s| [s.prompt.clone(), s.completion.clone()].concat())
+        .collect();
+    let seqs: Vec<TrainSeq> = samples
+        .iter()
+        .zip(&tokens)
+        .map(|(s, t)| TrainSeq {
+            tokens: t,
+            prompt_len: s.prompt.len(),
+        })
+        .collect();
+    let (logps, st) = model.train_forward(cpu, &seqs, Some(weights), temperature)?;
+    let refs = if loss.kl_coef != 0.0 {
+        Some(model.train_forward(cpu, &seqs, None, temperature)?.0)
+    } else {
+        None
+    };
+    let inputs: Vec<SeqInput> = samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| SeqInput {
+            logp: &logps[i],
+            behavior: s.behavior.as_deref().unwrap_or(&logps[i]),
+            ref_logp: refs.as_ref().map(|r| r[i].as_slice()),
+            old_logp: None,
+            advantage: advantages[i],
+        })
+        .collect();
+    let (stats, grad_logp) = policy_loss(loss, &inputs);
+    let mut grads = vec![0.0f32; weights.layout.num_params];
+    model.train_backward(
+        cpu,
+        &seqs,
+        weights,
+        temperature,
+        &st,
+        &grad_logp,
+        &mut grads,
+    )?;
+    drop(st);
+    let mut params = weights.params.clone();
+    let s = opt.step(&mut params, &mut grads);
+    let next = AdapterWeights::new(weights.layout.clone(), params)?;
+    let rewards: Vec<f64> = samples.iter().map(|s| s.reward as f64).collect();
+    let secs = t0.elapsed().as_secs_f64();
+    Ok((
+        next,
+        json!({
+            "step": opt.step,
+            "loss": stats.loss,
+            "reward_mean": rewards.iter().sum::<f64>() / rewards.len().max(1) as f64,
+            "clip_fraction": stats.clip_fraction,
+            "masked_fraction": stats.masked_fraction,
+            "kl": stats.kl,
+            "ratio_mean": stats.ratio_mean,
+            "ratio_min": stats.ratio_min,
+            "ratio_max": stats.ratio_max,
+            "grad_norm": s.grad_norm,
+            "lr": s.lr,
+            "sequences": samples.len(),
+            "tokens": stats.tokens,
+            "seconds": secs,
+            "tokens_per_second": seqs.iter().map(|s| s.tokens.len()).sum::<usize>() as f64 / secs,
+        }),
+    ))
+}
+
+/// Read a JSONL data file: `{"prompt_token_ids", "completion_token_ids", "reward"?, "group"?,
+/// "behavior_logprobs"?}` per line (a line without a group is its own group).
+pub fn parse_jsonl(text: &str) -> anyhow::Result<Vec<Sample>> {
+    let mut out = Vec::new();
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: Value = serde_json::from_str(line)
+            .map_err(|e| anyhow::anyhow!("line {}: not JSON: {e}", n + 1))?;
+        let ids = |k: &str| -> anyhow::Result<Vec<u32>> {
+            v[k].as_array()
+                .ok_or_else(|| {
+                    anyhow::anyhow!("line {}: '{k}' must be a list of token ids", n + 1)
+                })?
+                .iter()
+                .map(|x| {
+                    x.as_u64()
+                        .map(|t| t as u32)
+                        .ok_or_else(|| anyhow::anyhow!("line {}: '{k}' holds a non-id", n + 1))
+                })
+                .collect()
+        };
+        let (prompt, completion) = (ids("prompt_token_ids")?, ids("completion_token_ids")?);
+        anyhow::ensure!(
+            !prompt.is_empty() && !completion.is_empty(),
+            "line {}: empty prompt or completion",
+            n + 1
+        );
+        let behavior = match v.get("behavior_logprobs") {
+            None | Some(Value::Null) => None,
+            Some(b) => {
+                let b: Vec<f32> = serde_json::from_value(b.clone())
+                    .map_err(|e| anyhow::anyhow!("line {}: behavior_logprobs: {e}", n + 1))?;
+                anyhow::ensure!(
+                    b.len() == completion.len(),
+                    "line {}: behavior_logprobs must have one value per completion token",
+                    n + 1
+                );
+                Some(b)
+            }
+        };
+        let reward = v.get("reward").and_then(Value::as_f64).unwrap_or(0.0) as f32;
+        anyhow::ensure!(reward.is_finite(), "line {}: reward is not finite", n + 1);
+        let group = match v.get("group") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Number(x)) => x.to_string(),
+            _ => format!("line-{}", n + 1),
+        };
+        out.push(Sample {
+            prompt,
+            completion,
+            reward,
+            group,
+            behavior,
+        });
+    }
+    Ok(out)
+}
