@@ -256,6 +256,12 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
         let refs: Vec<_> = batches.iter().collect();
         let (next, stats) = step(&model, &Cpu::detect(), &w, &mut opt, &loss, &refs, 1.0).unwrap();
         assert!(stats["loss"].as_f64().unwrap().is_finite());
+        // Entropy of a distribution over the tiny vocabulary: in (0, ln V].
+        let h = stats["entropy"].as_f64().unwrap();
+        assert!(
+            h > 0.0 && h <= (model.config.vocab_size as f64).ln() + 1e-6,
+            "{h}"
+        );
         w = next;
     }
     let after = mean_logp(&model, &w, &samples);

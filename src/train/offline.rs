@@ -106,6 +106,7 @@ pub fn step(
         })
         .collect();
     let (stats, grad_logp) = policy_loss(loss, &inputs);
+    let entropy = st.mean_entropy;
     let mut grads = vec![0.0f32; weights.layout.num_params];
     model.train_backward(
         cpu,
@@ -131,6 +132,7 @@ pub fn step(
             "clip_fraction": stats.clip_fraction,
             "masked_fraction": stats.masked_fraction,
             "kl": stats.kl,
+            "entropy": entropy,
             "ratio_mean": stats.ratio_mean,
             "ratio_min": stats.ratio_min,
             "ratio_max": stats.ratio_max,

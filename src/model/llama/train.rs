@@ -38,6 +38,8 @@ pub struct TrainState {
     /// (layers + 1) × T × hidden: each layer's input, then the final hidden state.
     store: Vec<f32>,
     num_tokens: usize,
+    /// Mean entropy (nats) of the policy's next-token distribution over the scored tokens.
+    pub mean_entropy: f64,
 }
 
 impl Llama {
@@ -80,22 +82,32 @@ impl Llama {
         let mut store = Vec::new();
         self.forward_store(cpu, &mut cache, &batch, &mut bufs, &mut store)?;
         let num_tokens: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        let state = TrainState {
+        let mut state = TrainState {
             cache,
             tables,
             store,
             num_tokens,
+            mean_entropy: 0.0,
         };
         let mut logps: Vec<Vec<f32>> = seqs
             .iter()
             .map(|s| Vec::with_capacity(s.tokens.len() - s.prompt_len))
             .collect();
+        let (mut entropy, mut scored) = (0.0f64, 0usize);
         self.head_chunks(cpu, seqs, &state, temperature, |chunk, rows| {
             for (k, &(i, _, _)) in chunk.iter().enumerate() {
+                let row = &rows[k * c.vocab_size..(k + 1) * c.vocab_size];
                 let tok = seqs[i].tokens[seqs[i].prompt_len + logps[i].len()] as usize;
-                logps[i].push(rows[k * c.vocab_size + tok]);
+                logps[i].push(row[tok]);
+                entropy -= row
+                    .iter()
+                    .map(|&lp| (lp as f64).exp() * lp as f64)
+                    .filter(|v| v.is_finite())
+                    .sum::<f64>();
+                scored += 1;
             }
         });
+        state.mean_entropy = entropy / scored.max(1) as f64;
         Ok((logps, state))
     }
 
