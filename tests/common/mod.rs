@@ -1,6 +1,7 @@
 //! Tiny random-weight Llama GGUF files for tests, with a small byte-level BPE vocabulary.
 #![allow(dead_code)]
 
+pub mod adapters;
 pub mod naive;
 pub mod server;
 
