@@ -288,7 +288,7 @@ impl Engine {
         let prompt = req.prompt.clone();
         let adapter = req.adapter.clone();
         let n = req.n;
-        let state = Rc::new(RequestState::new(req, tx, arrival, seed));
+        let state = Rc::new(RequestState::new(req, tx, arrival, seed, &self.metrics));
         let mut out = SeqOutput::new(state, 0);
         out.pending_forks = n - 1;
         self.outputs.insert(id, out);

@@ -19,6 +19,8 @@ pub struct RequestState {
     pub tx: UnboundedSender<EngineEvent>,
     pub arrival: Instant,
     pub seed: u64,
+    /// This request's series of `adapter_generation_tokens_total` (looked up once, not per token).
+    pub adapter_tokens: prometheus::IntCounter,
     choices_left: Cell<usize>,
 }
 
@@ -28,13 +30,19 @@ impl RequestState {
         tx: UnboundedSender<EngineEvent>,
         arrival: Instant,
         seed: u64,
+        metrics: &Metrics,
     ) -> RequestState {
         let n = req.n;
+        let adapter = req.adapter.as_ref().map_or("", |a| &a.name);
+        let adapter_tokens = metrics
+            .adapter_generation_tokens
+            .with_label_values(&[adapter]);
         RequestState {
             req,
             tx,
             arrival,
             seed,
+            adapter_tokens,
             choices_left: Cell::new(n),
         }
     }
@@ -99,10 +107,7 @@ impl SeqOutput {
         }
         self.last_token_at = Some(now);
         m.generation_tokens.inc();
-        let adapter = self.req.req.adapter.as_ref().map_or("", |a| &a.name);
-        m.adapter_generation_tokens
-            .with_label_values(&[adapter])
-            .inc();
+        self.req.adapter_tokens.inc();
         *self.counts.entry(s.token).or_default() += 1;
 
         let r = &self.req.req;

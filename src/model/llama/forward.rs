@@ -362,47 +362,48 @@ impl Llama {
     ) {
         let in_dim = jobs[0].weight.cols;
         let t = x.len() / in_dim;
+        let jobs_len = jobs.len();
         // OFT: a rotated copy of the input for each projection some group rotates.
+        assert!(jobs.len() <= 3, "at most three projections share an input");
         let mut rotated = [false; 3];
         for (j, p) in jobs.iter().enumerate() {
-            let oft: Vec<_> = groups
-                .iter()
-                .filter_map(|g| {
-                    let Method::Oft(o) = &g.weights.layout.config.method else {
-                        return None;
-                    };
-                    let m = g.weights.layout.module(l, p.target)?;
-                    Some((g, g.weights.derived(m), o.block_size))
-                })
-                .collect();
-            if oft.is_empty() {
-                continue;
-            }
-            rotated[j] = true;
-            let buf = &mut scratch.rotated[j];
-            buf.resize(t * in_dim, 0.0);
-            buf.copy_from_slice(x);
-            for (g, r, b) in oft {
+            for g in groups {
+                let Method::Oft(o) = &g.weights.layout.config.method else {
+                    continue;
+                };
+                let Some(m) = g.weights.layout.module(l, p.target) else {
+                    continue;
+                };
+                let buf = &mut scratch.rotated[j];
+                if !rotated[j] {
+                    rotated[j] = true;
+                    buf.resize(t * in_dim, 0.0);
+                    buf.copy_from_slice(x);
+                }
                 for rows in &g.rows {
                     let span = rows.start * in_dim..rows.end * in_dim;
-                    cpu.oft_rotate(&x[span.clone()], r, b, &mut buf[span]);
+                    let r = g.weights.derived(m);
+                    cpu.oft_rotate(&x[span.clone()], r, o.block_size, &mut buf[span]);
                 }
             }
         }
         {
-            let mut mms: Vec<Matmul> = Vec::with_capacity(jobs.len());
-            for (j, p) in jobs.iter_mut().enumerate() {
-                let input: &[f32] = if rotated[j] { &scratch.rotated[j] } else { x };
-                mms.push(Matmul {
-                    ty: p.weight.ty,
-                    w: self.bytes(p.weight),
-                    rows: p.weight.rows,
-                    cols: p.weight.cols,
-                    x: input,
-                    y: p.y,
-                });
+            // One parallel region for the projections, without allocating (engine hot path).
+            let rot = &scratch.rotated;
+            let mut mm = jobs.iter_mut().enumerate().map(|(j, p)| Matmul {
+                ty: p.weight.ty,
+                w: self.bytes(p.weight),
+                rows: p.weight.rows,
+                cols: p.weight.cols,
+                x: if rotated[j] { &rot[j] } else { x },
+                y: &mut *p.y,
+            });
+            let mut next = || mm.next().expect("counted");
+            match jobs_len {
+                1 => cpu.matmul_many(&mut [next()]),
+                2 => cpu.matmul_many(&mut [next(), next()]),
+                _ => cpu.matmul_many(&mut [next(), next(), next()]),
             }
-            cpu.matmul_many(&mut mms);
         }
         // LoRA: y[rows] += s·B(A x[rows]), one gathered product per group and projection.
         for p in jobs.iter_mut() {
