@@ -122,51 +122,16 @@ fn add_scaled(r: &mut [f32], m: &[f32], s: f32) {
     }
 }
 
-/// R = (I − Q)(I + Q)⁻¹, solved in f64 (Gauss–Jordan with partial pivoting; I + Q is always
-/// invertible for skew Q), i.e. R solves R·(I + Q) = I − Q.
+/// R = (I − Q)(I + Q)⁻¹ in f64, with `invert` (I + Q is always invertible for skew Q).
 fn cayley_exact(q: &[f32], b: usize, r: &mut [f32]) {
-    // Transpose: (I + Q)ᵀ Rᵀ = (I − Q)ᵀ, a left solve with A = (I + Q)ᵀ = I − Q, B = (I − Q)ᵀ = I + Q.
-    let mut a = vec![0.0f64; b * b];
-    let mut rhs = vec![0.0f64; b * b];
-    for i in 0..b {
-        for j in 0..b {
-            let id = if i == j { 1.0 } else { 0.0 };
-            a[i * b + j] = id - q[i * b + j] as f64;
-            rhs[i * b + j] = id + q[i * b + j] as f64;
-        }
+    let (mut imq, mut ipq) = (vec![0.0f64; b * b], vec![0.0f64; b * b]);
+    for (e, qv) in q.iter().enumerate() {
+        let id = if e / b == e % b { 1.0 } else { 0.0 };
+        imq[e] = id - *qv as f64;
+        ipq[e] = id + *qv as f64;
     }
-    for col in 0..b {
-        let piv = (col..b)
-            .max_by(|&x, &y| a[x * b + col].abs().total_cmp(&a[y * b + col].abs()))
-            .unwrap_or(col);
-        if piv != col {
-            for j in 0..b {
-                a.swap(piv * b + j, col * b + j);
-                rhs.swap(piv * b + j, col * b + j);
-            }
-        }
-        let d = a[col * b + col];
-        for j in 0..b {
-            a[col * b + j] /= d;
-            rhs[col * b + j] /= d;
-        }
-        for i in 0..b {
-            if i != col {
-                let f = a[i * b + col];
-                if f != 0.0 {
-                    for j in 0..b {
-                        a[i * b + j] -= f * a[col * b + j];
-                        rhs[i * b + j] -= f * rhs[col * b + j];
-                    }
-                }
-            }
-        }
-    }
-    // rhs now holds Rᵀ.
-    for i in 0..b {
-        for j in 0..b {
-            r[i * b + j] = rhs[j * b + i] as f32;
-        }
+    for (o, v) in r.iter_mut().zip(mat_mul(&imq, &invert(&ipq, b), b)) {
+        *o = v as f32;
     }
 }
 
