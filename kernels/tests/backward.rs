@@ -2,27 +2,14 @@
 //! finite differences of the forward written in f64 here (L = Σ dy ⊙ f(x), so dL/dx is the
 //! backward's output).
 
+mod common;
+
+use common::Rng;
 use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::reference;
 use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
 use std::time::Duration;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
-            .collect()
-    }
-}
 
 fn cpus() -> Vec<Cpu> {
     let mut v = Vec::new();

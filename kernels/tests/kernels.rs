@@ -1,29 +1,14 @@
 //! Every fast path against the scalar reference, every format, odd shapes, with an error budget
 //! stated per op.
 
+mod common;
+
+use common::Rng;
 use flywheel_kernels::cpu::ops;
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::reference::{self, AttnSeq, PagedKv};
 use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
 use std::time::Duration;
-
-/// A small deterministic generator (SplitMix64) so failures reproduce.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
-    }
-}
 
 fn fast_isas() -> Vec<Isa> {
     let v: Vec<Isa> = Isa::available()

@@ -237,24 +237,27 @@ pub fn block_outer(
     };
     let per = units.div_ceil(tasks);
     let tasks = units.div_ceil(per);
-    let (xp, dp, gp) = (
-        x.as_ptr() as usize,
-        dy.as_ptr() as usize,
-        g.as_mut_ptr() as usize,
-    );
+    // The block product's job, read as: x, `mats` = dy (n, nb·m), `out` = g.
+    let job = Job {
+        x: x.as_ptr(),
+        mats: dy.as_ptr(),
+        out: g.as_mut_ptr(),
+        nb,
+        k,
+        m,
+    };
     let task = |t: usize| {
         let (u0, u1) = (t * per, ((t + 1) * per).min(units));
-        let (q0, q1, j0, j1) = if nb > 1 {
+        let span = if nb > 1 {
             (u0, u1, 0, m)
         } else {
             (0, 1, u0 * COL_TILE, (u1 * COL_TILE).min(m))
         };
-        let (x, dy, g) = (xp as *const f32, dp as *const f32, gp as *mut f32);
         // SAFETY: ISA detected at start-up; tasks write disjoint (block, column) ranges of g.
         unsafe {
             match isa {
-                Isa::Avx512 => outer_avx512(x, dy, g, n, nb, k, m, q0, q1, j0, j1),
-                Isa::Avx2 => outer_avx2(x, dy, g, n, nb, k, m, q0, q1, j0, j1),
+                Isa::Avx512 => outer_avx512(&job, n, span),
+                Isa::Avx2 => outer_avx2(&job, n, span),
                 Isa::Reference => unreachable!(),
             }
         }
@@ -262,58 +265,23 @@ pub fn block_outer(
     pool.run(tasks, &task);
 }
 
-#[allow(clippy::too_many_arguments)]
+/// (first block, end block, first column, end column) of one task.
+type Span = (usize, usize, usize, usize);
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn outer_avx512(
-    x: *const f32,
-    dy: *const f32,
-    g: *mut f32,
-    n: usize,
-    nb: usize,
-    k: usize,
-    m: usize,
-    q0: usize,
-    q1: usize,
-    j0: usize,
-    j1: usize,
-) {
-    outer::<Avx512>(x, dy, g, n, nb, k, m, q0, q1, j0, j1)
+unsafe fn outer_avx512(j: &Job, n: usize, span: Span) {
+    outer::<Avx512>(j, n, span)
 }
 
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn outer_avx2(
-    x: *const f32,
-    dy: *const f32,
-    g: *mut f32,
-    n: usize,
-    nb: usize,
-    k: usize,
-    m: usize,
-    q0: usize,
-    q1: usize,
-    j0: usize,
-    j1: usize,
-) {
-    outer::<Avx2>(x, dy, g, n, nb, k, m, q0, q1, j0, j1)
+unsafe fn outer_avx2(j: &Job, n: usize, span: Span) {
+    outer::<Avx2>(j, n, span)
 }
 
 /// Row i of block q, columns j0..j1: one vector accumulator per LANES columns, over t in order.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn outer<S: Simd>(
-    x: *const f32,
-    dy: *const f32,
-    g: *mut f32,
-    n: usize,
-    nb: usize,
-    k: usize,
-    m: usize,
-    q0: usize,
-    q1: usize,
-    j0: usize,
-    j1: usize,
-) {
+unsafe fn outer<S: Simd>(jb: &Job, n: usize, (q0, q1, j0, j1): Span) {
+    let (x, dy, g, nb, k, m) = (jb.x, jb.mats, jb.out, jb.nb, jb.k, jb.m);
     let l = S::LANES;
     for q in q0..q1 {
         for i in 0..k {
