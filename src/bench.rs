@@ -45,7 +45,14 @@ pub fn adapter_for(model: &Llama, spec: &str) -> anyhow::Result<AdapterWeights> 
     let params = (0..layout.num_params)
         .map(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.01) as f32)
         .collect();
-    Ok(AdapterWeights::new(layout, params)?)
+    // Building a version (OFT: every R from its parameters; LoRA: Bᵀ) is the publisher's cost.
+    let t = Instant::now();
+    let w = AdapterWeights::new(layout, params)?;
+    eprintln!(
+        "adapter version built in {:.1} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(w)
 }
 
 pub fn median(mut v: Vec<f64>) -> f64 {

@@ -536,14 +536,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     runs.max(1),
                 );
             }
-            let t = std::time::Instant::now();
             let adapter = adapter
                 .map(|a| flywheel::bench::adapter_for(&model, &a))
                 .transpose()?;
-            if adapter.is_some() {
-                // Building a version (OFT: every R from its parameters) is the publisher's cost.
-                eprintln!("adapter built in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
-            }
             flywheel::bench::run(
                 &model,
                 &tok,

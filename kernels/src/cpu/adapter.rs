@@ -18,7 +18,8 @@ use crate::reference;
 const ROWS: usize = 4;
 /// Output columns of one task when a single block is split (LoRA's B).
 const COL_TILE: usize = 128;
-/// Split across the pool only above this many multiply-adds (below, the pool's wake-up costs more).
+/// Split across the pool only above this many multiply-adds (a guess, not tuned: small products
+/// are not worth waking the workers for).
 const PARALLEL_MIN_FMAS: usize = 1 << 16;
 
 /// `out[t][k*b + j] = Σ_i x[t][k*b + i] · R_k[i][j]` for every row t of x (n, cols), with
