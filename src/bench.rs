@@ -225,36 +225,53 @@ pub fn peak_rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// The batch `flywheel bench --train` times.
+pub struct TrainShape {
+    pub batch: usize,
+    pub seq_len: usize,
+    /// Leading tokens of each sequence that are prompt (not scored).
+    pub prompt_len: usize,
+    /// One prompt for all sequences, run once (a GRPO group).
+    pub shared_prompt: bool,
+}
+
 /// `flywheel bench --train`: full training steps (forward, backward, AdamW) on `batch` sequences
-/// of `seq_len` tokens whose last `seq_len − prompt_len` are scored; tokens/s of the median step
-/// and the peak RSS, as a table and one JSON line.
+/// of `seq_len` tokens whose last `seq_len − prompt_len` are scored; tokens/s (sequence tokens,
+/// a shared prompt counted once per sequence) of the median step and the peak RSS, as a table
+/// and one JSON line.
 pub fn run_train(
     model: &Llama,
     cpu: &Cpu,
     adapter: AdapterWeights,
-    batch: usize,
-    seq_len: usize,
-    prompt_len: usize,
+    shape: &TrainShape,
     runs: usize,
 ) -> anyhow::Result<()> {
-    use crate::model::llama::TrainSeq;
     use crate::train::optim::{AdamW, AdamWConfig};
+    use crate::train::pack::Packed;
+    let &TrainShape {
+        batch,
+        seq_len,
+        prompt_len,
+        shared_prompt,
+    } = shape;
     anyhow::ensure!(
         prompt_len >= 1 && prompt_len < seq_len,
         "need 1 <= prompt length < sequence length"
     );
     let v = model.config.vocab_size as u64;
     let mut rng = crate::engine::sampler::Rng::new(7);
-    let toks: Vec<Vec<u32>> = (0..batch)
+    let mut toks: Vec<Vec<u32>> = (0..batch)
         .map(|_| (0..seq_len).map(|_| (rng.next_u64() % v) as u32).collect())
         .collect();
-    let seqs: Vec<TrainSeq> = toks
-        .iter()
-        .map(|t| TrainSeq {
-            tokens: t,
-            prompt_len,
-        })
-        .collect();
+    if shared_prompt {
+        let p = toks[0][..prompt_len].to_vec();
+        for t in &mut toks {
+            t[..prompt_len].copy_from_slice(&p);
+        }
+    }
+    let pairs: Vec<(&[u32], &[u32])> = toks.iter().map(|t| t.split_at(prompt_len)).collect();
+    let packed = Packed::new(&pairs, shared_prompt);
+    let seqs = packed.seqs();
     let layout = adapter.layout.clone();
     let mut params = adapter.params.clone();
     let mut weights = adapter;
@@ -265,7 +282,7 @@ pub fn run_train(
         let (logps, st) = model.train_forward(cpu, &seqs, Some(&weights), 1.0)?;
         let g: Vec<Vec<f32>> = logps
             .iter()
-            .map(|l| vec![-1.0 / l.len() as f32; l.len()])
+            .map(|l| vec![-1.0 / l.len().max(1) as f32; l.len()])
             .collect();
         let mut grads = vec![0.0f32; layout.num_params];
         model.train_backward(cpu, &seqs, &weights, 1.0, &st, &g, &mut grads)?;
@@ -286,17 +303,18 @@ pub fn run_train(
         layout.num_params
     );
     println!(
-        "{:<10} {:>8} {:>8} {:>12} {:>14} {:>14}",
-        "batch", "seq_len", "scored", "step s", "tokens/s", "peak RSS MB"
+        "{:<10} {:>8} {:>8} {:>8} {:>12} {:>14} {:>14}",
+        "batch", "seq_len", "scored", "shared", "step s", "tokens/s", "peak RSS MB"
     );
     println!(
-        "{batch:<10} {seq_len:>8} {:>8} {step:>12.2} {tps:>14.1} {:>14.0}",
+        "{batch:<10} {seq_len:>8} {:>8} {:>8} {step:>12.2} {tps:>14.1} {:>14.0}",
         seq_len - prompt_len,
+        if shared_prompt { prompt_len } else { 0 },
         rss as f64 / 1e6
     );
     println!(
         "{}",
-        serde_json::json!({"tokens_per_second": tps, "peak_rss_bytes": rss, "step_seconds": step, "batch": batch, "seq_len": seq_len, "prompt_len": prompt_len, "adapter": layout.config.method.kind(), "kernels": cpu.isa.name(), "runs": runs})
+        serde_json::json!({"tokens_per_second": tps, "peak_rss_bytes": rss, "step_seconds": step, "batch": batch, "seq_len": seq_len, "prompt_len": prompt_len, "shared_prompt": shared_prompt, "forward_tokens": packed.num_tokens(), "adapter": layout.config.method.kind(), "kernels": cpu.isa.name(), "runs": runs})
     );
     Ok(())
 }

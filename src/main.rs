@@ -181,6 +181,9 @@ enum Cmd {
         /// Tokens of each training sequence that are prompt (not scored); default 1.
         #[arg(long, default_value_t = 1)]
         prompt_len: usize,
+        /// All training sequences share one prompt, run once (a GRPO group).
+        #[arg(long)]
+        shared_prompt: bool,
     },
     /// Fetch the default model into models/ (skips the work when it is already there).
     FetchModel {
@@ -276,10 +279,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             use flywheel::train::optim::{AdamW, AdamWConfig};
             anyhow::ensure!(!out.exists(), "--out {} already exists", out.display());
             anyhow::ensure!(temperature > 0.0, "--temperature must be > 0");
-            let (model, _tok) = load(&m)?;
+            let (model, tok) = load(&m)?;
             let text = std::fs::read_to_string(&data)
                 .with_context(|| format!("reading {}", data.display()))?;
-            let samples = flywheel::train::offline::parse_jsonl(&text)?;
+            let samples = flywheel::train::offline::parse_jsonl(&text, Some(&tok))?;
             let max_len = samples
                 .iter()
                 .map(|s| s.completion.len())
@@ -520,21 +523,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             train,
             seq_len,
             prompt_len,
+            shared_prompt,
         } => {
             let (model, tok) = load(&m)?;
             let cpu = make_cpu(&m);
             if train {
                 let a = flywheel::bench::adapter_for(&model, adapter.as_deref().unwrap_or("oft"))?;
                 let b = batch.first().copied().unwrap_or(8);
-                return flywheel::bench::run_train(
-                    &model,
-                    &cpu,
-                    a,
-                    b,
+                let shape = flywheel::bench::TrainShape {
+                    batch: b,
                     seq_len,
                     prompt_len,
-                    runs.max(1),
-                );
+                    shared_prompt,
+                };
+                return flywheel::bench::run_train(&model, &cpu, a, &shape, runs.max(1));
             }
             let adapter = adapter
                 .map(|a| flywheel::bench::adapter_for(&model, &a))

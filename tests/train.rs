@@ -16,6 +16,7 @@ use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::metrics::Metrics;
 use flywheel::model::llama::{Llama, TrainSeq};
 use flywheel::model::tokenizer::Tokenizer;
+use flywheel::train::pack::Packed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -98,10 +99,7 @@ fn served_log_probs_equal_the_training_forward_bitwise() {
             let batch: Vec<TrainSeq> = seqs
                 .iter()
                 .zip(&toks)
-                .map(|((p, _, _, _), t)| TrainSeq {
-                    tokens: t,
-                    prompt_len: p.len(),
-                })
+                .map(|((p, _, _, _), t)| TrainSeq::whole(t, p.len()))
                 .collect();
             let (logps, _) = model
                 .train_forward(&Cpu::detect(), &batch, Some(&v.weights), temperature)
@@ -133,16 +131,7 @@ fn adapter_gradients_equal_finite_differences() {
     let c = cpu(Isa::Reference);
     let t1: Vec<u32> = (0..9).map(|t| (t * 29 + 4) % 250 + 3).collect();
     let t2: Vec<u32> = (0..7).map(|t| (t * 13 + 11) % 250 + 3).collect();
-    let seqs = [
-        TrainSeq {
-            tokens: &t1,
-            prompt_len: 4,
-        },
-        TrainSeq {
-            tokens: &t2,
-            prompt_len: 2,
-        },
-    ];
+    let seqs = [TrainSeq::whole(&t1, 4), TrainSeq::whole(&t2, 2)];
     for (name, method, scale) in [("oft", oft16(), 0.2f32), ("lora", lora4(), 0.3)] {
         let w = adapter(&model, method, &Target::ALL, 5, scale);
         let temperature = 0.8;
@@ -196,6 +185,76 @@ fn adapter_gradients_equal_finite_differences() {
     }
 }
 
+/// A GRPO group's prompt packed once (a prefix sequence the completions continue) gives every
+/// completion the log-probs of the unshared batch to the bit, and the same gradient up to the
+/// order of the sums.
+#[test]
+fn a_shared_prompt_equals_the_unshared_batch() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let model = Llama::open(&path).unwrap();
+    let prompt: Vec<u32> = (0..37).map(|t| (t * 31 + 7) % 250 + 3).collect();
+    let other: Vec<u32> = (0..20).map(|t| (t * 7 + 1) % 250 + 3).collect();
+    let comps: Vec<Vec<u32>> = (0..3)
+        .map(|i| {
+            (0..5 + 2 * i)
+                .map(|t| (t * 11 + 3 * i + 5) % 250 + 3)
+                .collect()
+        })
+        .collect();
+    let samples = [
+        (&prompt[..], &comps[0][..]),
+        (&other[..], &comps[1][..]),
+        (&prompt[..], &comps[1][..]),
+        (&prompt[..], &comps[2][..]),
+    ];
+    let shared = Packed::new(&samples, true);
+    let flat = Packed::new(&samples, false);
+    assert!(
+        shared.num_tokens() < flat.num_tokens(),
+        "nothing was shared"
+    );
+    for isa in [Isa::Reference, Isa::detect()] {
+        let c = cpu(isa);
+        for (name, method) in [("oft", oft16()), ("lora", lora4())] {
+            let w = adapter(&model, method, &Target::ALL, 21, 0.2);
+            let run = |k: &Packed| {
+                let seqs = k.seqs();
+                let (lp, st) = model.train_forward(&c, &seqs, Some(&w), 0.9).unwrap();
+                // A different weight per token, so that a mixed-up sum would show.
+                let mut gl: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
+                for (i, &q) in k.of_sample.iter().enumerate() {
+                    gl[q] = (0..lp[q].len())
+                        .map(|j| 1.0 + (i + j) as f32 * 0.25)
+                        .collect();
+                }
+                let mut g = vec![0.0f32; w.layout.num_params];
+                model
+                    .train_backward(&c, &seqs, &w, 0.9, &st, &gl, &mut g)
+                    .unwrap();
+                let per_sample: Vec<Vec<f32>> =
+                    k.of_sample.iter().map(|&q| lp[q].clone()).collect();
+                (per_sample, g)
+            };
+            let (lp_s, g_s) = run(&shared);
+            let (lp_f, g_f) = run(&flat);
+            for (a, b) in lp_s.iter().zip(&lp_f) {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(a), bits(b), "{name} {isa:?}: log-probs differ");
+            }
+            let norm = g_f.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+            let diff = g_s
+                .iter()
+                .zip(&g_f)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            eprintln!("{name} {isa:?}: |g| {norm:.3e}, |shared − unshared| {diff:.3e}");
+            assert!(norm > 1e-3, "{name}: the gradient vanishes");
+            assert!(diff <= 3e-6 * norm, "{name} {isa:?}: {diff} vs {norm}");
+        }
+    }
+}
+
 fn mean_logp(
     model: &Llama,
     w: &AdapterWeights,
@@ -208,10 +267,7 @@ fn mean_logp(
     let seqs: Vec<TrainSeq> = samples
         .iter()
         .zip(&toks)
-        .map(|(s, t)| TrainSeq {
-            tokens: t,
-            prompt_len: s.prompt.len(),
-        })
+        .map(|(s, t)| TrainSeq::whole(t, s.prompt.len()))
         .collect();
     let (lp, _) = model
         .train_forward(&Cpu::detect(), &seqs, Some(w), 1.0)
@@ -239,7 +295,7 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
     let model = Llama::open(&path).unwrap();
     let data = "{\"prompt_token_ids\": [5, 6, 7], \"completion_token_ids\": [40, 41, 42, 43]}\n\
                 {\"prompt_token_ids\": [9, 8], \"completion_token_ids\": [100, 101, 102]}\n";
-    let samples = parse_jsonl(data).unwrap();
+    let samples = parse_jsonl(data, None).unwrap();
     let mut w = identity(&model, oft16());
     let before = mean_logp(&model, &w, &samples);
     let loss = LossConfig::named("sft", 8, 1).unwrap();
@@ -292,7 +348,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
             )
         })
         .collect();
-    let samples = parse_jsonl(&data).unwrap();
+    let samples = parse_jsonl(&data, None).unwrap();
     for (name, method) in [("oft", oft16()), ("lora", lora4())] {
         let mut w = identity(&model, method);
         let gap = |w: &AdapterWeights| {
@@ -331,6 +387,32 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
         );
     }
     // A group whose rewards are all equal carries no signal.
-    let flat = parse_jsonl(&data.replace("\"reward\": 1", "\"reward\": 0")).unwrap();
+    let flat = parse_jsonl(&data.replace("\"reward\": 1", "\"reward\": 0"), None).unwrap();
     assert!(grouped(&flat, "grpo").is_empty());
+}
+
+/// SFT data as text: `messages` split at the assistant's answer by the chat template (the answer
+/// with its end-of-turn token is the completion), and `prompt` + `completion`.
+#[test]
+fn text_and_messages_lines_tokenize_into_prompt_and_completion() {
+    use flywheel::train::offline::parse_jsonl;
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let model = Llama::open(&path).unwrap();
+    let tok = Tokenizer::from_gguf(&model.gguf).unwrap();
+    let data = r#"{"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]}
+{"prompt": "abc", "completion": " def", "group": "g"}
+{"messages": [{"role": "user", "content": "only a question"}]}"#;
+    let err = parse_jsonl(data, Some(&tok)).err().unwrap().to_string();
+    assert!(err.contains("line 3") && err.contains("assistant"), "{err}");
+    let two: String = data.lines().take(2).collect::<Vec<_>>().join("\n");
+    assert!(parse_jsonl(&two, None).is_err(), "text needs the tokenizer");
+    let s = parse_jsonl(&two, Some(&tok)).unwrap();
+    assert_eq!(
+        tok.decode(&s[0].prompt),
+        "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(tok.decode(&s[0].completion), "hello<|im_end|>\n");
+    assert_eq!(tok.decode(&s[1].prompt), "abc");
+    assert_eq!(tok.decode(&s[1].completion), " def");
+    assert_eq!(s[1].group, "g");
 }

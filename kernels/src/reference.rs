@@ -248,7 +248,7 @@ pub fn block_outer(x: &[f32], dy: &[f32], nb: usize, k: usize, m: usize, g: &mut
     }
 }
 
-/// Causal GQA attention backward over one whole sequence (positions 0..t), in f64; see
+/// Causal GQA attention backward (queries at the last t of n positions), in f64; see
 /// `cpu::backward::attention_backward`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
@@ -266,6 +266,7 @@ pub fn attention_backward(
 ) {
     let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
     let t = q.len() / qd;
+    let off = k.len() / kvd - t;
     let group = n_heads / n_kv_heads;
     let mut dk64 = vec![0.0f64; dk.len()];
     let mut dv64 = vec![0.0f64; dv.len()];
@@ -275,7 +276,7 @@ pub fn attention_backward(
         for i in 0..t {
             let qi = |c: usize| q[i * qd + qc + c] as f64;
             let di = |c: usize| dout[i * qd + qc + c] as f64;
-            let s: Vec<f64> = (0..=i)
+            let s: Vec<f64> = (0..=off + i)
                 .map(|j| {
                     sc * (0..head_dim)
                         .map(|c| qi(c) * k[j * kvd + kc + c] as f64)
@@ -287,14 +288,18 @@ pub fn attention_backward(
             let z: f64 = e.iter().sum();
             let p: Vec<f64> = e.iter().map(|x| x / z).collect();
             let o: Vec<f64> = (0..head_dim)
-                .map(|c| (0..=i).map(|j| p[j] * v[j * kvd + kc + c] as f64).sum())
+                .map(|c| {
+                    (0..=off + i)
+                        .map(|j| p[j] * v[j * kvd + kc + c] as f64)
+                        .sum()
+                })
                 .collect();
             let dot_do: f64 = (0..head_dim).map(|c| di(c) * o[c]).sum();
             for c in 0..head_dim {
                 dq[i * qd + qc + c] = 0.0;
             }
             let mut dqi = vec![0.0f64; head_dim];
-            for j in 0..=i {
+            for j in 0..=off + i {
                 let dp: f64 = (0..head_dim)
                     .map(|c| di(c) * v[j * kvd + kc + c] as f64)
                     .sum();

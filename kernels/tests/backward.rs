@@ -313,3 +313,40 @@ fn attention_backward_matches_finite_differences() {
         close(&e, &f64s(&dv), 1e-5, "dv fast");
     }
 }
+
+/// Queries at the last rows of K/V (a shared prefix's own queries handled elsewhere) equal the
+/// whole-sequence backward with the prefix rows' dout zero; the fast kernels match the twin.
+#[test]
+fn attention_backward_with_a_prefix_matches_the_whole_sequence() {
+    let mut rng = Rng(37);
+    let (h, hkv, d, n, off) = (6, 2, 8, 11, 5);
+    let t = n - off;
+    let scale = 1.0 / (d as f32).sqrt();
+    let (q, k, v) = (
+        rng.vec(n * h * d, 1.0),
+        rng.vec(n * hkv * d, 1.0),
+        rng.vec(n * hkv * d, 1.0),
+    );
+    let mut dout = rng.vec(n * h * d, 1.0);
+    dout[..off * h * d].fill(0.0);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    reference::attention_backward(
+        &q, &k, &v, &dout, h, hkv, d, scale, &mut dq, &mut dk, &mut dv,
+    );
+    let f64s = |x: &[f32]| x.iter().map(|v| *v as f64).collect::<Vec<f64>>();
+    let (qs, ds) = (&q[off * h * d..], &dout[off * h * d..]);
+    let (mut a, mut b, mut e) = (vec![0.0; qs.len()], vec![7.0; k.len()], vec![7.0; v.len()]);
+    reference::attention_backward(qs, &k, &v, ds, h, hkv, d, scale, &mut a, &mut b, &mut e);
+    close(&a, &f64s(&dq[off * h * d..]), 1e-6, "dq twin with prefix");
+    close(&b, &f64s(&dk), 1e-6, "dk twin with prefix");
+    close(&e, &f64s(&dv), 1e-6, "dv twin with prefix");
+    for c in cpus() {
+        let (mut a2, mut b2, mut e2) =
+            (vec![0.0; qs.len()], vec![7.0; k.len()], vec![7.0; v.len()]);
+        c.attention_backward(qs, &k, &v, ds, h, hkv, d, scale, &mut a2, &mut b2, &mut e2);
+        close(&a2, &f64s(&a), 1e-5, "dq fast with prefix");
+        close(&b2, &f64s(&b), 1e-5, "dk fast with prefix");
+        close(&e2, &f64s(&e), 1e-5, "dv fast with prefix");
+        assert_eq!(t, a2.len() / (h * d));
+    }
+}

@@ -4,6 +4,7 @@
 pub mod loss;
 pub mod offline;
 pub mod optim;
+pub mod pack;
 
 use crate::adapter::AdapterWeights;
 use crate::model::llama::{Llama, ModelError, TrainSeq};
@@ -18,7 +19,7 @@ pub fn objective_grad(
     tokens: &[u32],
     prompt_len: usize,
 ) -> Result<(f64, Vec<f32>, Vec<f32>), ModelError> {
-    let seqs = [TrainSeq { tokens, prompt_len }];
+    let seqs = [TrainSeq::whole(tokens, prompt_len)];
     let (logps, st) = model.train_forward(cpu, &seqs, Some(adapter), 1.0)?;
     let ones: Vec<Vec<f32>> = logps.iter().map(|l| vec![1.0; l.len()]).collect();
     let mut grads = vec![0.0f32; adapter.layout.num_params];

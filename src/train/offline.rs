@@ -4,8 +4,10 @@
 
 use super::loss::{group_advantages, policy_loss, LossConfig, SeqInput};
 use super::optim::AdamW;
+use super::pack::Packed;
 use crate::adapter::AdapterWeights;
-use crate::model::llama::{Llama, TrainSeq};
+use crate::model::llama::Llama;
+use crate::model::tokenizer::{ChatMessage, Tokenizer};
 use flywheel_kernels::Cpu;
 use serde_json::{json, Value};
 use std::time::Instant;
@@ -76,18 +78,13 @@ pub fn step(
         .iter()
         .flat_map(|g| g.advantages.iter().copied())
         .collect();
-    let tokens: Vec<Vec<u32>> = samples
+    let pairs: Vec<(&[u32], &[u32])> = samples
         .iter()
-        .map(|s| [s.prompt.clone(), s.completion.clone()].concat())
+        .map(|s| (s.prompt.as_slice(), s.completion.as_slice()))
         .collect();
-    let seqs: Vec<TrainSeq> = samples
-        .iter()
-        .zip(&tokens)
-        .map(|(s, t)| TrainSeq {
-            tokens: t,
-            prompt_len: s.prompt.len(),
-        })
-        .collect();
+    // Each group's prompt runs once (exact: the same rows, their gradients summed).
+    let packed = Packed::new(&pairs, true);
+    let seqs = packed.seqs();
     let (logps, st) = model.train_forward(cpu, &seqs, Some(weights), temperature)?;
     let refs = if loss.kl_coef != 0.0 {
         Some(model.train_forward(cpu, &seqs, None, temperature)?.0)
@@ -97,15 +94,22 @@ pub fn step(
     let inputs: Vec<SeqInput> = samples
         .iter()
         .enumerate()
-        .map(|(i, s)| SeqInput {
-            logp: &logps[i],
-            behavior: s.behavior.as_deref().unwrap_or(&logps[i]),
-            ref_logp: refs.as_ref().map(|r| r[i].as_slice()),
-            old_logp: None,
-            advantage: advantages[i],
+        .map(|(i, s)| {
+            let q = packed.of_sample[i];
+            SeqInput {
+                logp: &logps[q],
+                behavior: s.behavior.as_deref().unwrap_or(&logps[q]),
+                ref_logp: refs.as_ref().map(|r| r[q].as_slice()),
+                old_logp: None,
+                advantage: advantages[i],
+            }
         })
         .collect();
-    let (stats, grad_logp) = policy_loss(loss, &inputs);
+    let (stats, per_sample) = policy_loss(loss, &inputs);
+    let mut grad_logp = vec![Vec::new(); seqs.len()];
+    for (i, g) in per_sample.into_iter().enumerate() {
+        grad_logp[packed.of_sample[i]] = g;
+    }
     let entropy = st.mean_entropy;
     let mut grads = vec![0.0f32; weights.layout.num_params];
     model.train_backward(
@@ -141,14 +145,19 @@ pub fn step(
             "sequences": samples.len(),
             "tokens": stats.tokens,
             "seconds": secs,
-            "tokens_per_second": seqs.iter().map(|s| s.tokens.len()).sum::<usize>() as f64 / secs,
+            "forward_tokens": packed.num_tokens(),
+            "tokens_per_second": pairs.iter().map(|(p, c)| p.len() + c.len()).sum::<usize>() as f64 / secs,
         }),
     ))
 }
 
-/// Read a JSONL data file: `{"prompt_token_ids", "completion_token_ids", "reward"?, "group"?,
-/// "behavior_logprobs"?}` per line (a line without a group is its own group).
-pub fn parse_jsonl(text: &str) -> anyhow::Result<Vec<Sample>> {
+/// Read a JSONL data file: per line `{"prompt_token_ids", "completion_token_ids", "reward"?,
+/// "group"?, "behavior_logprobs"?}`, or text for SFT, tokenized with `tok`: `{"prompt",
+/// "completion"}` (the completion tokenized on its own, no BOS), or `{"messages": [...]}` whose
+/// last message is the assistant's answer (prompt = the chat template of the others with the
+/// generation prompt; completion = the rest of the whole conversation's rendering, its
+/// end-of-turn token included). A line without a group is its own group.
+pub fn parse_jsonl(text: &str, tok: Option<&Tokenizer>) -> anyhow::Result<Vec<Sample>> {
     let mut out = Vec::new();
     for (n, line) in text
         .lines()
@@ -170,7 +179,13 @@ pub fn parse_jsonl(text: &str) -> anyhow::Result<Vec<Sample>> {
                 })
                 .collect()
         };
-        let (prompt, completion) = (ids("prompt_token_ids")?, ids("completion_token_ids")?);
+        let (prompt, completion) = if v.get("prompt_token_ids").is_some() {
+            (ids("prompt_token_ids")?, ids("completion_token_ids")?)
+        } else {
+            let tok =
+                tok.ok_or_else(|| anyhow::anyhow!("line {}: text needs a tokenizer", n + 1))?;
+            text_sample(&v, tok).map_err(|e| anyhow::anyhow!("line {}: {e}", n + 1))?
+        };
         anyhow::ensure!(
             !prompt.is_empty() && !completion.is_empty(),
             "line {}: empty prompt or completion",
@@ -205,4 +220,36 @@ pub fn parse_jsonl(text: &str) -> anyhow::Result<Vec<Sample>> {
         });
     }
     Ok(out)
+}
+
+/// Prompt and completion token ids of a text line (`prompt` + `completion`, or `messages`).
+fn text_sample(v: &Value, tok: &Tokenizer) -> anyhow::Result<(Vec<u32>, Vec<u32>)> {
+    let continuation = |text: &str| -> anyhow::Result<Vec<u32>> {
+        let mut ids = tok.encode(text)?;
+        if tok.add_bos && ids.first() == tok.bos_id.as_ref() {
+            ids.remove(0);
+        }
+        Ok(ids)
+    };
+    if let Some(m) = v.get("messages") {
+        let msgs: Vec<ChatMessage> =
+            serde_json::from_value(m.clone()).map_err(|e| anyhow::anyhow!("messages: {e}"))?;
+        let last = msgs.last().map(|m| m.role.as_str());
+        anyhow::ensure!(
+            msgs.len() >= 2 && last == Some("assistant"),
+            "messages: need at least two, the last the assistant's"
+        );
+        let prompt = tok.apply_chat_template(&msgs[..msgs.len() - 1], true)?;
+        let whole = tok.apply_chat_template(&msgs, false)?;
+        let rest = whole.strip_prefix(prompt.as_str()).ok_or_else(|| {
+            anyhow::anyhow!("messages: the chat template does not extend the prompt")
+        })?;
+        return Ok((tok.encode(&prompt)?, continuation(rest)?));
+    }
+    match (v.get("prompt"), v.get("completion")) {
+        (Some(Value::String(p)), Some(Value::String(c))) => Ok((tok.encode(p)?, continuation(c)?)),
+        _ => anyhow::bail!(
+            "give prompt_token_ids + completion_token_ids, prompt + completion (text), or messages"
+        ),
+    }
 }

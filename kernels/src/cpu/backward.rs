@@ -274,10 +274,12 @@ pub fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], 
     }
 }
 
-/// Causal grouped-query attention backward over one whole sequence of `t` tokens (positions 0..t):
-/// q (t, H·d), k and v (t, Hkv·d) as the forward used them (after RoPE), dout (t, H·d) → dq (=),
-/// dk, dv (=). P is recomputed from q and K (never stored): per query row i and head h,
-/// s_j = scale·q·k_j (j ≤ i), P = softmax(s), dP_j = dout·v_j, dS = P ⊙ (dP − dout·o),
+/// Causal grouped-query attention backward over one sequence: k and v (n, Hkv·d) for positions
+/// 0..n as the forward used them (after RoPE), q (t, H·d) for the last t positions (t ≤ n; t < n
+/// when earlier positions are a shared prefix whose queries are handled elsewhere), dout (t, H·d)
+/// → dq (=), dk, dv (n, Hkv·d; every row written, prefix rows included). P is recomputed from q
+/// and K (never stored): per query row i at position p = n − t + i and head h,
+/// s_j = scale·q·k_j (j ≤ p), P = softmax(s), dP_j = dout·v_j, dS = P ⊙ (dP − dout·o),
 /// dq = scale·Σ dS_j k_j, dk_j += scale·dS_j q, dv_j += P_j dout. Query heads sharing a KV head sum
 /// into its dk, dv. Tasks own one KV head each (and so its dk, dv columns).
 #[allow(clippy::too_many_arguments)]
@@ -298,8 +300,10 @@ pub fn attention_backward(
 ) {
     let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
     let t = q.len() / qd;
-    assert!(q.len() == t * qd && dout.len() == t * qd && dq.len() == t * qd);
-    assert!(k.len() == t * kvd && v.len() == t * kvd && dk.len() == t * kvd && dv.len() == t * kvd);
+    let tk = k.len() / kvd;
+    assert!(q.len() == t * qd && dout.len() == t * qd && dq.len() == t * qd && t <= tk);
+    assert!(k.len() == tk * kvd && v.len() == tk * kvd && dk.len() == tk * kvd);
+    assert!(dv.len() == tk * kvd);
     let job = AttnJob {
         q: q.as_ptr(),
         k: k.as_ptr(),
@@ -309,6 +313,7 @@ pub fn attention_backward(
         dk: dk.as_mut_ptr(),
         dv: dv.as_mut_ptr(),
         t,
+        off: tk - t,
         group: n_heads / n_kv_heads,
         head_dim,
         qd,
@@ -338,6 +343,8 @@ struct AttnJob {
     dk: *mut f32,
     dv: *mut f32,
     t: usize,
+    /// Position of the first query row among the K/V rows.
+    off: usize,
     group: usize,
     head_dim: usize,
     qd: usize,
@@ -377,13 +384,13 @@ unsafe fn axpy<S: Simd>(a: f32, x: *const f32, y: *mut f32, n: usize) {
 #[inline(always)]
 unsafe fn attn_bwd<S: Simd>(j: &AttnJob, g: usize) {
     use super::matmul::dot;
-    let (t, hd, qd, kvd) = (j.t, j.head_dim, j.qd, j.kvd);
+    let (t, off, hd, qd, kvd) = (j.t, j.off, j.head_dim, j.qd, j.kvd);
     let kc = g * hd;
-    for r in 0..t {
+    for r in 0..off + t {
         std::ptr::write_bytes(j.dk.add(r * kvd + kc), 0, hd);
         std::ptr::write_bytes(j.dv.add(r * kvd + kc), 0, hd);
     }
-    let mut p = vec![0.0f32; t];
+    let mut p = vec![0.0f32; off + t];
     let mut o = vec![0.0f32; hd];
     for h in g * j.group..(g + 1) * j.group {
         let qc = h * hd;
@@ -391,25 +398,25 @@ unsafe fn attn_bwd<S: Simd>(j: &AttnJob, g: usize) {
             let qi = j.q.add(i * qd + qc);
             let di = j.dout.add(i * qd + qc);
             let mut mx = f32::NEG_INFINITY;
-            for (jj, pj) in p.iter_mut().enumerate().take(i + 1) {
+            for (jj, pj) in p.iter_mut().enumerate().take(off + i + 1) {
                 *pj = j.scale * dot::<S>(qi, j.k.add(jj * kvd + kc), hd);
                 mx = mx.max(*pj);
             }
             let mut z = 0.0f32;
-            for pj in &mut p[..=i] {
+            for pj in &mut p[..=off + i] {
                 *pj = (*pj - mx).exp();
                 z += *pj;
             }
             o.fill(0.0);
             let inv = 1.0 / z;
-            for (jj, pj) in p.iter_mut().enumerate().take(i + 1) {
+            for (jj, pj) in p.iter_mut().enumerate().take(off + i + 1) {
                 *pj *= inv;
                 axpy::<S>(*pj, j.v.add(jj * kvd + kc), o.as_mut_ptr(), hd);
             }
             let dot_do = dot::<S>(di, o.as_ptr(), hd);
             let dqi = j.dq.add(i * qd + qc);
             std::ptr::write_bytes(dqi, 0, hd);
-            for (jj, pj) in p.iter().enumerate().take(i + 1) {
+            for (jj, pj) in p.iter().enumerate().take(off + i + 1) {
                 let dp = dot::<S>(di, j.v.add(jj * kvd + kc), hd);
                 let ds = pj * (dp - dot_do) * j.scale;
                 axpy::<S>(ds, j.k.add(jj * kvd + kc), dqi, hd);

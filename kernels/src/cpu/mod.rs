@@ -196,7 +196,8 @@ impl Cpu {
         adapter::block_outer(self.isa, &self.pool, x, dy, nb, k, m, g)
     }
 
-    /// Causal GQA attention backward over one whole sequence (see `backward::attention_backward`).
+    /// Causal GQA attention backward, queries the last rows of K/V (see
+    /// `backward::attention_backward`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         &self,

@@ -24,17 +24,39 @@ use flywheel_kernels::Cpu;
 /// Completion tokens scored per LM-head chunk.
 const HEAD_CHUNK: usize = 64;
 
+/// Tokens per KV block of the training cache; a shared prefix is a whole number of blocks.
+pub const TRAIN_BLOCK: usize = 16;
+
 /// One training sequence: prompt then completion tokens; the completion's tokens are scored.
+///
+/// With `prefix: Some(j)`, the sequence continues sequence j of the same batch (an earlier one,
+/// with no prefix of its own, nothing scored, and a whole number of `TRAIN_BLOCK`s): its tokens
+/// sit at positions `len(j)..` and attend to j's keys and values, which are computed once for all
+/// the sequences sharing them, and receive the sum of their gradients (a GRPO group's prompt).
 #[derive(Clone, Copy, Debug)]
 pub struct TrainSeq<'a> {
     pub tokens: &'a [u32],
     pub prompt_len: usize,
+    pub prefix: Option<usize>,
+}
+
+impl TrainSeq<'_> {
+    /// A sequence of its own (no shared prefix).
+    pub fn whole(tokens: &[u32], prompt_len: usize) -> TrainSeq<'_> {
+        TrainSeq {
+            tokens,
+            prompt_len,
+            prefix: None,
+        }
+    }
 }
 
 /// What the forward keeps for the backward.
 pub struct TrainState {
     cache: KvCache,
     tables: Vec<Vec<u32>>,
+    /// Position of each sequence's first token (its prefix's length, else 0).
+    first_pos: Vec<usize>,
     /// (layers + 1) × T × hidden: each layer's input, then the final hidden state.
     store: Vec<f32>,
     num_tokens: usize,
@@ -53,26 +75,43 @@ impl Llama {
         temperature: f32,
     ) -> Result<(Vec<Vec<f32>>, TrainState), ModelError> {
         let c = &self.config;
-        let bs = 16;
-        let mut tables = Vec::with_capacity(seqs.len());
+        let bs = TRAIN_BLOCK;
+        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
+        let mut first_pos = Vec::with_capacity(seqs.len());
         let mut next = 0u32;
-        for s in seqs {
+        for (i, s) in seqs.iter().enumerate() {
             if s.prompt_len == 0 || s.prompt_len > s.tokens.len() {
                 return Err(ModelError::Batch(
                     "a training sequence needs a prompt of at least one token".into(),
                 ));
             }
+            let mut table = Vec::new();
+            let mut pos = 0;
+            if let Some(j) = s.prefix {
+                let ok = j < i && seqs[j].prefix.is_none() && seqs[j].tokens.len() % bs == 0;
+                if !ok || seqs[j].prompt_len != seqs[j].tokens.len() {
+                    return Err(ModelError::Batch(format!(
+                        "sequence {i}: its prefix must be an earlier unscored sequence of whole \
+                         {bs}-token blocks"
+                    )));
+                }
+                table.extend_from_slice(&tables[j]);
+                pos = seqs[j].tokens.len();
+            }
             let nb = s.tokens.len().div_ceil(bs) as u32;
-            tables.push((next..next + nb).collect::<Vec<u32>>());
+            table.extend(next..next + nb);
             next += nb;
+            tables.push(table);
+            first_pos.push(pos);
         }
         let mut cache = KvCache::new(c.num_layers, c.kv_dim(), bs, next as usize);
         let batch: Vec<BatchSeq> = seqs
             .iter()
             .zip(&tables)
-            .map(|(s, t)| BatchSeq {
+            .zip(&first_pos)
+            .map(|((s, t), &p)| BatchSeq {
                 tokens: s.tokens,
-                first_pos: 0,
+                first_pos: p,
                 block_table: t,
                 logits: Logits::None,
                 adapter,
@@ -85,6 +124,7 @@ impl Llama {
         let mut state = TrainState {
             cache,
             tables,
+            first_pos,
             store,
             num_tokens,
             mean_entropy: 0.0,
@@ -217,9 +257,10 @@ impl Llama {
         let batch: Vec<BatchSeq> = seqs
             .iter()
             .zip(&st.tables)
-            .map(|(s, tb)| BatchSeq {
+            .zip(&st.first_pos)
+            .map(|((s, tb), &p)| BatchSeq {
                 tokens: s.tokens,
-                first_pos: 0,
+                first_pos: p,
                 block_table: tb,
                 logits: Logits::None,
                 adapter: Some(adapter),
@@ -229,21 +270,21 @@ impl Llama {
         let mut positions = Vec::with_capacity(t);
         let mut attn = Vec::with_capacity(seqs.len());
         let mut start = 0;
-        for (s, tb) in seqs.iter().zip(&st.tables) {
+        for ((s, tb), &p) in seqs.iter().zip(&st.tables).zip(&st.first_pos) {
             attn.push(AttnSeq {
                 q_start: start,
                 q_len: s.tokens.len(),
-                first_pos: 0,
+                first_pos: p,
                 block_table: tb,
             });
-            positions.extend(0..s.tokens.len() as u32);
+            positions.extend((p..p + s.tokens.len()).map(|p| p as u32));
             start += s.tokens.len();
         }
         let rope = rope_table(&positions, c.rope_dim, c.rope_base);
         let mut scratch = AdapterScratch::default();
         let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.ffn);
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
         let z = |n: usize| vec![0.0f32; n];
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
         for (l, layer) in self.layers.iter().enumerate().rev() {
             // Recompute the layer from its checkpoint.
             let x0 = &st.store[l * t * h..(l + 1) * t * h];
@@ -372,21 +413,17 @@ impl Llama {
                 grads,
             );
             let (mut dq, mut dk, mut dv) = (z(t * qd), z(t * kvd), z(t * kvd));
-            for a in &attn {
-                let (r0, r1) = (a.q_start, a.q_start + a.q_len);
-                cpu.attention_backward(
-                    &q[r0 * qd..r1 * qd],
-                    &k[r0 * kvd..r1 * kvd],
-                    &v[r0 * kvd..r1 * kvd],
-                    &datt[r0 * qd..r1 * qd],
-                    c.num_heads,
-                    c.num_kv_heads,
-                    c.head_dim,
-                    scale,
-                    &mut dq[r0 * qd..r1 * qd],
-                    &mut dk[r0 * kvd..r1 * kvd],
-                    &mut dv[r0 * kvd..r1 * kvd],
+            for (i, a) in attn.iter().enumerate() {
+                attention_backward_seq(
+                    cpu,
+                    &self.config,
+                    &attn,
+                    i,
+                    seqs[i].prefix,
+                    (&q, &k, &v, &datt),
+                    (&mut dq, &mut dk, &mut dv),
                 );
+                debug_assert_eq!(a.first_pos, st.first_pos[i]);
             }
             cpu.rope_backward(&mut dq, &rope, c.num_heads, c.head_dim, c.rope_dim);
             cpu.rope_backward(&mut dk, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
@@ -458,5 +495,54 @@ impl Llama {
                 dxr
             }
         }
+    }
+}
+
+/// Attention backward of sequence `i` of the packed rows (its queries; its keys and values and
+/// those of its prefix, if any), adding into the packed dq, dk, dv.
+fn attention_backward_seq(
+    cpu: &Cpu,
+    c: &super::LlamaConfig,
+    attn: &[AttnSeq],
+    i: usize,
+    prefix: Option<usize>,
+    (q, k, v, datt): (&[f32], &[f32], &[f32], &[f32]),
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    let (qd, kvd) = (c.q_dim(), c.kv_dim());
+    let rows = |a: &AttnSeq| a.q_start..a.q_start + a.q_len;
+    let own = rows(&attn[i]);
+    let mut parts = vec![own.clone()];
+    if let Some(j) = prefix {
+        parts.insert(0, rows(&attn[j]));
+    }
+    let gather = |x: &[f32]| -> Vec<f32> {
+        parts
+            .iter()
+            .flat_map(|r| x[r.start * kvd..r.end * kvd].iter().copied())
+            .collect()
+    };
+    let (kk, vv) = (gather(k), gather(v));
+    let (mut dkk, mut dvv) = (vec![0.0f32; kk.len()], vec![0.0f32; vv.len()]);
+    let qr = own.start * qd..own.end * qd;
+    cpu.attention_backward(
+        &q[qr.clone()],
+        &kk,
+        &vv,
+        &datt[qr.clone()],
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        1.0 / (c.head_dim as f32).sqrt(),
+        &mut dq[qr],
+        &mut dkk,
+        &mut dvv,
+    );
+    let mut at = 0;
+    for r in parts {
+        let n = (r.end - r.start) * kvd;
+        add_in_place(&mut dk[r.start * kvd..r.end * kvd], &dkk[at..at + n]);
+        add_in_place(&mut dv[r.start * kvd..r.end * kvd], &dvv[at..at + n]);
+        at += n;
     }
 }
