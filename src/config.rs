@@ -32,6 +32,10 @@ pub struct RawServer {
     pub retry_after_secs: Option<u64>,
     pub shutdown_timeout_secs: Option<f64>,
     pub http_threads: Option<usize>,
+    pub max_body_mb: Option<f64>,
+    pub header_read_timeout_secs: Option<f64>,
+    pub body_read_timeout_secs: Option<f64>,
+    pub max_connections: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -83,6 +87,14 @@ pub struct Config {
     /// After SIGTERM/SIGINT: how long running requests may take to finish.
     pub shutdown_timeout_secs: f64,
     pub http_threads: usize,
+    /// Largest request body accepted (bytes); larger ones get 413.
+    pub max_body_bytes: usize,
+    /// A connection that has not sent a whole request head in this long is closed.
+    pub header_read_timeout_secs: f64,
+    /// A request whose body has not arrived whole in this long gets 408.
+    pub body_read_timeout_secs: f64,
+    /// Connections open at once; more wait in the listen backlog.
+    pub max_connections: usize,
     pub model_path: PathBuf,
     /// None: the model's own context length.
     pub max_model_len: Option<usize>,
@@ -155,6 +167,10 @@ impl RawConfig {
             retry_after_secs: s.retry_after_secs.unwrap_or(1),
             shutdown_timeout_secs: s.shutdown_timeout_secs.unwrap_or(30.0),
             http_threads: s.http_threads.unwrap_or(1),
+            max_body_bytes: (s.max_body_mb.unwrap_or(2.0) * (1 << 20) as f64) as usize,
+            header_read_timeout_secs: s.header_read_timeout_secs.unwrap_or(10.0),
+            body_read_timeout_secs: s.body_read_timeout_secs.unwrap_or(30.0),
+            max_connections: s.max_connections.unwrap_or(512),
             model_path: cli
                 .model
                 .clone()
@@ -180,6 +196,26 @@ impl RawConfig {
         }
         if !(cfg.shutdown_timeout_secs >= 0.0 && cfg.shutdown_timeout_secs.is_finite()) {
             return Err(invalid("server.shutdown_timeout_secs", "must be >= 0"));
+        }
+        if cfg.max_body_bytes < 1024 {
+            return Err(invalid(
+                "server.max_body_mb",
+                "must be at least 0.001 (1 KiB)",
+            ));
+        }
+        for (key, v) in [
+            (
+                "server.header_read_timeout_secs",
+                cfg.header_read_timeout_secs,
+            ),
+            ("server.body_read_timeout_secs", cfg.body_read_timeout_secs),
+        ] {
+            if !(v > 0.0 && v <= 3600.0) {
+                return Err(invalid(key, "must be in (0, 3600]"));
+            }
+        }
+        if cfg.max_connections == 0 {
+            return Err(invalid("server.max_connections", "must be at least 1"));
         }
         if !(1..=64).contains(&cfg.http_threads) {
             return Err(invalid("server.http_threads", "must be in 1..=64"));

@@ -75,6 +75,7 @@ fn api_key_is_required_when_set() {
             .try_request("POST", "/v1/chat/completions", Some(&body), &h)
             .unwrap();
         assert_error(&r, 401, None);
+        assert_eq!(r.header("www-authenticate"), Some("Bearer"));
     }
     assert_error(&s.get("/v1/models"), 401, None);
     let ok = s

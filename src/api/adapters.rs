@@ -4,6 +4,7 @@
 //! `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (admin key). Loading and building
 //! run on the blocking pool, never on the engine thread; publishing is one atomic swap.
 
+use super::body::JsonBody;
 use super::error::ApiError;
 use super::openai::Fields;
 use super::{blocking, AppState, Ready};
@@ -19,13 +20,6 @@ use axum::Json;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::Arc;
-
-type JsonBody = Result<Json<Value>, axum::extract::rejection::JsonRejection>;
-
-fn body(b: JsonBody) -> Result<Value, ApiError> {
-    b.map(|Json(v)| v)
-        .map_err(|e| ApiError::bad_body(e.body_text()))
-}
 
 /// What clients see of an adapter (the list shows the same without `versions`).
 fn info(r: &Ready, slot: &Slot, detail: bool) -> Value {
@@ -152,8 +146,10 @@ async fn build_and_publish(
 
 /// `{"name", "path"}` loads a PEFT folder; `{"name", "kind": "oft"|"lora", "targets"?,
 /// "oft_block_size"?, "r"?, "lora_alpha"?, "use_rslora"?, "seed"?}` creates an identity adapter.
-pub async fn create(State(state): State<AppState>, b: JsonBody) -> Result<Response, ApiError> {
-    let v = body(b)?;
+pub async fn create(
+    State(state): State<AppState>,
+    JsonBody(v): JsonBody,
+) -> Result<Response, ApiError> {
     let f = Fields::parse(&v)?;
     let name = f
         .str("name")?
@@ -163,7 +159,7 @@ pub async fn create(State(state): State<AppState>, b: JsonBody) -> Result<Respon
         (Some(p), None) => Source::Path(PathBuf::from(p)),
         (None, Some(kind)) => Source::New(
             new_config(&f, kind, &state)?,
-            f.i64("seed")?.unwrap_or(0) as u64,
+            f.int_in("seed", 0, u64::MAX as i128)?.unwrap_or(0) as u64,
         ),
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
@@ -257,9 +253,8 @@ pub async fn delete(
 pub async fn export(
     State(state): State<AppState>,
     UrlPath(name): UrlPath<String>,
-    b: JsonBody,
+    JsonBody(v): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
-    let v = body(b)?;
     let f = Fields::parse(&v)?;
     let path = PathBuf::from(
         f.str("path")?
@@ -292,8 +287,10 @@ pub async fn export(
 }
 
 /// vLLM's `{"lora_name", "lora_path"}`: an existing name gets a new version (vLLM's load_inplace).
-pub async fn load_lora(State(state): State<AppState>, b: JsonBody) -> Result<Response, ApiError> {
-    let v = body(b)?;
+pub async fn load_lora(
+    State(state): State<AppState>,
+    JsonBody(v): JsonBody,
+) -> Result<Response, ApiError> {
     let f = Fields::parse(&v)?;
     let name = f
         .str("lora_name")?
@@ -320,8 +317,10 @@ pub async fn load_lora(State(state): State<AppState>, b: JsonBody) -> Result<Res
         .into_response())
 }
 
-pub async fn unload_lora(State(state): State<AppState>, b: JsonBody) -> Result<Response, ApiError> {
-    let v = body(b)?;
+pub async fn unload_lora(
+    State(state): State<AppState>,
+    JsonBody(v): JsonBody,
+) -> Result<Response, ApiError> {
     let f = Fields::parse(&v)?;
     let name = f
         .str("lora_name")?

@@ -1,18 +1,17 @@
 //! `POST /v1/chat/completions`: messages through the model's chat template, then generation.
 
+use super::body::JsonBody;
 use super::error::ApiError;
 use super::openai::{parse_chat_logprobs, parse_common, parse_messages, Fields};
 use super::respond::{respond, Flavor, Job};
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
-use serde_json::Value;
 
 pub async fn chat_completions(
     State(state): State<AppState>,
-    body: Result<axum::Json<Value>, axum::extract::rejection::JsonRejection>,
+    JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
-    let axum::Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
     let ready = state.ready()?;
     let f = Fields::parse(&body)?;
     let mut params = parse_common(&f, ready.vocab_size)?;

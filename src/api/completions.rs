@@ -1,18 +1,17 @@
 //! `POST /v1/completions`: a raw prompt (text or token ids), optionally echoed.
 
+use super::body::JsonBody;
 use super::error::ApiError;
 use super::openai::{parse_common, parse_completion_logprobs, parse_prompt, Fields, Prompt};
 use super::respond::{respond, Flavor, Job};
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
-use serde_json::Value;
 
 pub async fn completions(
     State(state): State<AppState>,
-    body: Result<axum::Json<Value>, axum::extract::rejection::JsonRejection>,
+    JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
-    let axum::Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
     let ready = state.ready()?;
     let f = Fields::parse(&body)?;
     let mut params = parse_common(&f, ready.vocab_size)?;

@@ -35,6 +35,11 @@ impl ApiError {
         }
     }
 
+    /// An error of the request as a whole with this status (413, 415, 408, 405).
+    pub fn status(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError::new(status, "invalid_request_error", message)
+    }
+
     pub fn bad_body(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
     }
@@ -114,6 +119,10 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(s) = self.retry_after {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));

@@ -1,6 +1,7 @@
 //! The small endpoints: `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (vLLM shapes),
 //! `GET /health`, `GET /metrics`.
 
+use super::body::JsonBody;
 use super::error::ApiError;
 use super::openai::{parse_messages, Fields};
 use super::{blocking, AppState};
@@ -9,8 +10,6 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-
-type JsonBody = Result<Json<Value>, axum::extract::rejection::JsonRejection>;
 
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let r = state.ready()?;
@@ -45,9 +44,8 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
 /// `{"count", "max_model_len", "tokens"}`.
 pub async fn tokenize(
     State(state): State<AppState>,
-    body: JsonBody,
+    JsonBody(body): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
-    let Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
     let r = state.ready()?;
     let f = Fields::parse(&body)?;
     if let Some(m) = f.str("model")? {
@@ -86,9 +84,8 @@ pub async fn tokenize(
 /// `{"model"?, "tokens": [ids]}` -> `{"prompt": text}`.
 pub async fn detokenize(
     State(state): State<AppState>,
-    body: JsonBody,
+    JsonBody(body): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
-    let Json(body) = body.map_err(|e| ApiError::bad_body(e.body_text()))?;
     let r = state.ready()?;
     let f = Fields::parse(&body)?;
     if let Some(m) = f.str("model")? {

@@ -2,12 +2,16 @@
 //! shutdown. Handlers validate at the edge and talk to the engine only through `EngineHandle`.
 
 pub mod adapters;
+pub mod body;
 pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod info;
 pub mod openai;
 pub mod respond;
+pub mod serve;
+
+pub use serve::run;
 
 use crate::adapter::registry::{Pinned, Registry};
 use crate::config::Config;
@@ -24,7 +28,6 @@ use axum::Router;
 use error::ApiError;
 use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use futures_util::FutureExt;
-use std::net::SocketAddr;
 use std::ops::Deref;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
@@ -54,6 +57,25 @@ pub struct Shared {
     pub admin_open: bool,
     pub metrics: Arc<Metrics>,
     pub retry_after_secs: u64,
+    pub limits: Limits,
+}
+
+/// What a request body may be.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Larger bodies get 413.
+    pub max_body_bytes: usize,
+    /// A body not received whole in this long gets 408.
+    pub body_read_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_body_bytes: 2 << 20,
+            body_read_timeout: Duration::from_secs(30),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -81,7 +103,16 @@ impl AppState {
             admin_open,
             metrics,
             retry_after_secs,
+            limits: Limits::default(),
         }))
+    }
+
+    /// Set the body limits (before the state is shared).
+    pub fn with_limits(mut self, limits: Limits) -> AppState {
+        Arc::get_mut(&mut self.0)
+            .expect("limits are set before the state is shared")
+            .limits = limits;
+        self
     }
 
     /// The loaded model and engine, or 503 while starting.
@@ -139,6 +170,12 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(info::health))
         .route("/metrics", get(info::metrics))
         .fallback(|| async { ApiError::not_found("no such route") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::status(
+                axum::http::StatusCode::METHOD_NOT_ALLOWED,
+                "this route does not take this method",
+            )
+        })
         .layer(middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
 }
@@ -242,7 +279,7 @@ fn model_name(cfg: &Config) -> String {
 }
 
 /// Load the model and start the engine (blocking).
-fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
+pub(crate) fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     let path = crate::fetch::ensure_model(&cfg.model_path)?;
     let model = Llama::open(&path)?;
     let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf)?);
@@ -300,99 +337,4 @@ fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         model,
         cpu,
     })
-}
-
-/// `flywheel serve`: bind, say where (`listening on ADDR` on stdout), load the model while
-/// answering 503, serve until SIGTERM/SIGINT, then drain for up to the shutdown timeout.
-pub fn run(cfg: Config) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(cfg.http_threads)
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
-        let addr: SocketAddr = tokio::net::lookup_host((cfg.host.as_str(), cfg.port))
-            .await?
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("cannot resolve {}", cfg.host))?;
-        let listener = tokio::net::TcpListener::bind(addr).await?;
-        let local = listener.local_addr()?;
-        println!("listening on {local}");
-        tracing::info!(%local, "listening");
-        let metrics = Arc::new(Metrics::new());
-        let admin_open = cfg.admin_key.is_none() && local.ip().is_loopback();
-        if cfg.admin_key.is_none() && !admin_open {
-            tracing::warn!("no admin key and a non-loopback address: admin routes are disabled");
-        }
-        let state = AppState::new(
-            cfg.api_key.clone(),
-            cfg.admin_key.clone(),
-            admin_open,
-            metrics.clone(),
-            cfg.retry_after_secs,
-        );
-        let loader = {
-            let (state, cfg) = (state.clone(), cfg.clone());
-            tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
-                state.set_ready(load(&cfg, metrics)?);
-                tracing::info!("ready");
-                Ok(())
-            })
-        };
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let app = router(state);
-        let server = axum::serve(listener, app).with_graceful_shutdown({
-            let mut rx = stop_rx.clone();
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            }
-        });
-        let timeout = Duration::from_secs_f64(cfg.shutdown_timeout_secs);
-        let drain_deadline = {
-            let mut rx = stop_rx;
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-                tokio::time::sleep(timeout).await;
-            }
-        };
-        tokio::spawn(async move {
-            shutdown_signal().await;
-            tracing::info!("shutting down: no new connections; draining");
-            let _ = stop_tx.send(true);
-        });
-        let load_failed = async {
-            match loader.await {
-                Ok(Ok(())) => std::future::pending::<anyhow::Error>().await,
-                Ok(Err(e)) => e,
-                Err(e) => anyhow::anyhow!("model loading panicked: {e}"),
-            }
-        };
-        tokio::select! {
-            r = server => r?,
-            _ = drain_deadline => tracing::warn!("shutdown timeout reached with requests still running"),
-            e = load_failed => return Err(e),
-        }
-        tracing::info!("stopped");
-        Ok(())
-    })
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
 }

@@ -58,23 +58,45 @@ impl<'a> Fields<'a> {
         Ok(Some(x as f32))
     }
 
-    pub fn i64(&self, name: &str) -> Result<Option<i64>, ApiError> {
-        self.get(name)
-            .map(|v| {
-                v.as_i64()
-                    .or_else(|| v.as_u64().map(|u| u as i64))
-                    .ok_or_else(|| type_error(name, "an integer"))
-            })
-            .transpose()
+    /// An integer as JSON Schema's `integer` reads it: integral numbers, also written as floats
+    /// (`4.0`); any size (checked by the caller's range, never wrapped).
+    pub fn int(&self, name: &str) -> Result<Option<i128>, ApiError> {
+        let Some(v) = self.get(name) else {
+            return Ok(None);
+        };
+        let n = v
+            .as_number()
+            .ok_or_else(|| type_error(name, "an integer"))?;
+        if let Some(i) = n.as_i64() {
+            return Ok(Some(i as i128));
+        }
+        if let Some(u) = n.as_u64() {
+            return Ok(Some(u as i128));
+        }
+        match n.as_f64() {
+            Some(x) if x.fract() == 0.0 && x.abs() < 1e30 => Ok(Some(x as i128)),
+            Some(x) if x.is_finite() && x.fract() == 0.0 => Err(ApiError::invalid(
+                name,
+                format!("'{name}' is {v}; it is out of range"),
+            )),
+            _ => Err(ApiError::invalid(
+                name,
+                format!("'{name}' is {v}; it must be an integer"),
+            )),
+        }
     }
 
-    pub fn int_in(&self, name: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
-        match self.i64(name)? {
+    /// An integer in `lo..=hi`; the error quotes the value as sent.
+    pub fn int_in(&self, name: &str, lo: i128, hi: i128) -> Result<Option<i64>, ApiError> {
+        match self.int(name)? {
             Some(x) if x < lo || x > hi => Err(ApiError::invalid(
                 name,
-                format!("'{name}' is {x}; it must be in [{lo}, {hi}]"),
+                format!(
+                    "'{name}' is {}; it must be in [{lo}, {hi}]",
+                    self.get(name).map(Value::to_string).unwrap_or_default()
+                ),
             )),
-            x => Ok(x),
+            x => Ok(x.map(|x| x as i64)),
         }
     }
 
@@ -140,12 +162,13 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         .str("model")?
         .ok_or_else(|| ApiError::invalid("model", "'model' is required"))?
         .to_string();
-    let max_tokens = match f.int_in("max_completion_tokens", 1, i64::MAX)? {
-        Some(m) => Some(m),
-        None => f.int_in("max_tokens", 1, i64::MAX)?,
-    };
+    // Both are read (and so validated) when both are sent; max_completion_tokens wins.
+    let legacy_max = f.int_in("max_tokens", 1, i64::MAX as i128)?;
+    let max_tokens = f
+        .int_in("max_completion_tokens", 1, i64::MAX as i128)?
+        .or(legacy_max);
     let temperature = f.f32_in("temperature", 0.0, f64::INFINITY, false)?;
-    let top_k = f.int_in("top_k", -1, vocab as i64)?.unwrap_or(0);
+    let top_k = f.int_in("top_k", -1, vocab as i128)?.unwrap_or(0);
     let sampling = SamplingParams {
         temperature: temperature.unwrap_or(1.0),
         top_p: f.f32_in("top_p", 0.0, 1.0, true)?.unwrap_or(1.0),
@@ -158,6 +181,7 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
             .f32_in("frequency_penalty", -2.0, 2.0, false)?
             .unwrap_or(0.0),
         top_logprobs: 0,
+        logit_bias: parse_logit_bias(f, vocab)?,
     };
     let stop = match f.get("stop") {
         None => Vec::new(),
@@ -187,9 +211,12 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
     Ok(CommonParams {
         model,
         max_tokens: max_tokens.map(|m| m as usize),
-        n: f.int_in("n", 1, MAX_N)?.unwrap_or(1) as usize,
+        n: f.int_in("n", 1, MAX_N as i128)?.unwrap_or(1) as usize,
         sampling,
-        seed: f.i64("seed")?.map(|s| s as u64),
+        // Any 64-bit seed, signed or not (negative ones wrap, as two's complement).
+        seed: f
+            .int_in("seed", i64::MIN as i128, u64::MAX as i128)?
+            .map(|s| s as u64),
         stop,
         stop_token_ids: f.token_ids("stop_token_ids", vocab)?.unwrap_or_default(),
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
@@ -201,10 +228,56 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
     })
 }
 
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// OpenAI's `logit_bias`: an object mapping token ids (as strings) to a bias in [-100, 100], at
+/// most 300 entries.
+fn parse_logit_bias(f: &Fields, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(v) = f.get("logit_bias") else {
+        return Ok(Vec::new());
+    };
+    let o = v
+        .as_object()
+        .ok_or_else(|| type_error("logit_bias", "an object mapping token ids to numbers"))?;
+    if o.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!(
+                "'logit_bias' has {} entries; at most {MAX_LOGIT_BIAS}",
+                o.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(o.len());
+    for (k, b) in o {
+        let tok = k
+            .parse::<u32>()
+            .ok()
+            .filter(|&t| (t as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("'logit_bias' key '{k}' is not a token id below {vocab}"),
+                )
+            })?;
+        let bias = b
+            .as_f64()
+            .filter(|x| (-100.0..=100.0).contains(x))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("'logit_bias' value {b} for token {k} must be a number in [-100, 100]"),
+                )
+            })?;
+        out.push((tok, bias as f32));
+    }
+    Ok(out)
+}
+
 /// Chat logprobs: `logprobs` (bool) and `top_logprobs` (0..=20, needs `logprobs`).
 pub fn parse_chat_logprobs(f: &Fields, p: &mut CommonParams) -> Result<(), ApiError> {
     p.logprobs = f.bool("logprobs")?.unwrap_or(false);
-    let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
+    let top = f.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i128)?;
     if top.is_some_and(|t| t > 0) && !p.logprobs {
         return Err(ApiError::invalid(
             "top_logprobs",
@@ -217,7 +290,7 @@ pub fn parse_chat_logprobs(f: &Fields, p: &mut CommonParams) -> Result<(), ApiEr
 
 /// Legacy completions logprobs: an integer 0..=20, the number of alternatives per token.
 pub fn parse_completion_logprobs(f: &Fields, p: &mut CommonParams) -> Result<(), ApiError> {
-    if let Some(k) = f.int_in("logprobs", 0, MAX_TOP_LOGPROBS)? {
+    if let Some(k) = f.int_in("logprobs", 0, MAX_TOP_LOGPROBS as i128)? {
         p.logprobs = true;
         p.sampling.top_logprobs = k as usize;
     }

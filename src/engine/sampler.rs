@@ -61,11 +61,21 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// How many top alternatives to report per token (0..=20).
     pub top_logprobs: usize,
+    /// OpenAI's logit_bias: (token, bias in [-100, 100]) added to the logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl SamplingParams {
-    pub fn has_penalties(&self) -> bool {
-        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    /// Whether the distribution drawn from is changed by logit edits (penalties or biases).
+    pub fn edits_logits(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
+    }
+
+    /// Whether a completion is drawn from exactly log-softmax(logits / T), the distribution the
+    /// reported (behaviour) log-probs describe: false with truncation (top-p, top-k, min-p),
+    /// penalties or logit biases. A trainer treats other completions as off-policy.
+    pub fn samples_the_policy(&self) -> bool {
+        self.top_p >= 1.0 && self.top_k == 0 && self.min_p <= 0.0 && !self.edits_logits()
     }
 }
 
@@ -79,6 +89,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             top_logprobs: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -105,12 +116,22 @@ pub fn sample(
     counts: &HashMap<u32, u32>,
     rng: &mut Rng,
 ) -> Sampled {
-    // The distribution drawn from differs from the reported one only when penalties apply.
-    let penalized = (p.has_penalties() && !counts.is_empty()).then(|| {
+    // The distribution drawn from differs from the reported one only when penalties or biases
+    // apply (the reported log-probs are the model's: what a trainer recomputes).
+    let penalties = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+    let edited = (penalties && !counts.is_empty()) || !p.logit_bias.is_empty();
+    let penalized = edited.then(|| {
         let mut l = logits.to_vec();
-        for (&t, &c) in counts {
+        if penalties {
+            for (&t, &c) in counts {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v -= p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+            }
+        }
+        for &(t, b) in &p.logit_bias {
             if let Some(v) = l.get_mut(t as usize) {
-                *v -= p.presence_penalty + p.frequency_penalty * c as f32;
+                *v += b;
             }
         }
         scale_and_normalize(cpu, &mut l, p.temperature);
@@ -354,5 +375,35 @@ mod tests {
         let (mut a, mut b) = (Rng::new(7), Rng::new(7));
         assert!((0..100).all(|_| a.next_u64() == b.next_u64()));
         assert_ne!(Rng::new(7).next_u64(), Rng::new(8).next_u64());
+    }
+
+    #[test]
+    fn logit_bias_steers_the_draw_and_marks_it_off_policy() {
+        let base = [0.6f64.ln(), 0.3f64.ln(), 0.1f64.ln()];
+        let mut rng = Rng::new(5);
+        for (bias, want) in [(vec![(0u32, -100.0f32)], 1u32), (vec![(2, 100.0)], 2)] {
+            let mut l: Vec<f32> = base.iter().map(|v| *v as f32).collect();
+            let p = SamplingParams {
+                temperature: 0.0,
+                logit_bias: bias,
+                ..Default::default()
+            };
+            assert!(!p.samples_the_policy());
+            let s = sample(&cpu(), &mut l, &p, &HashMap::new(), &mut rng);
+            assert_eq!(s.token, want);
+            // The reported log-prob is the model's own.
+            let lp = base[want as usize];
+            assert!(
+                (s.logprob as f64 - lp).abs() < 1e-5,
+                "{} vs {lp}",
+                s.logprob
+            );
+        }
+        assert!(SamplingParams::default().samples_the_policy());
+        let truncated = SamplingParams {
+            top_k: 5,
+            ..Default::default()
+        };
+        assert!(!truncated.samples_the_policy());
     }
 }

@@ -148,6 +148,16 @@ impl Client {
         Ok(s)
     }
 
+    /// Send `raw` bytes as they are (a hand-made request) and read the whole answer.
+    pub fn raw(&self, raw: &[u8]) -> std::io::Result<Response> {
+        let mut s = TcpStream::connect(&self.addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        s.write_all(raw)?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out)?;
+        Ok(Response::parse(&out))
+    }
+
     pub fn post(&self, path: &str, body: &serde_json::Value) -> Response {
         self.try_request("POST", path, Some(&body.to_string()), &[])
             .expect("request")

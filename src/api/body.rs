@@ -1,0 +1,85 @@
+//! The JSON request body every POST route reads: media type and encoding checked (415), size
+//! bounded (413, the limit configurable), read within a deadline (408, slow clients), parsed
+//! (400), each in the OpenAI error shape.
+
+use super::error::ApiError;
+use super::AppState;
+use axum::extract::{FromRequest, Request};
+use axum::http::{header, StatusCode};
+use serde_json::Value;
+
+/// A request body parsed as JSON.
+pub struct JsonBody(pub Value);
+
+impl FromRequest<AppState> for JsonBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<JsonBody, ApiError> {
+        let h = req.headers();
+        if let Some(enc) = h.get(header::CONTENT_ENCODING) {
+            let enc = enc.to_str().unwrap_or("?").trim().to_ascii_lowercase();
+            if !enc.is_empty() && enc != "identity" {
+                return Err(ApiError::status(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    format!(
+                        "Content-Encoding '{enc}' is not supported: send the JSON body uncompressed"
+                    ),
+                ));
+            }
+        }
+        // No Content-Type is taken as JSON (hand-written clients); any other type is refused.
+        if let Some(ct) = h.get(header::CONTENT_TYPE) {
+            let ct = ct.to_str().unwrap_or("?");
+            let essence = ct
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase();
+            let json = essence == "application/json"
+                || (essence.starts_with("application/") && essence.ends_with("+json"));
+            if !json {
+                return Err(ApiError::status(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    format!("Content-Type '{ct}' is not supported: send application/json"),
+                ));
+            }
+        }
+        let limit = state.limits.max_body_bytes;
+        let too_large = || {
+            ApiError::status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is larger than the limit of {limit} bytes"),
+            )
+        };
+        let declared = h
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(too_large());
+        }
+        let read = axum::body::to_bytes(req.into_body(), limit);
+        let bytes = match tokio::time::timeout(state.limits.body_read_timeout, read).await {
+            Err(_) => {
+                return Err(ApiError::status(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "the request body did not arrive in time",
+                ))
+            }
+            Ok(Err(e)) => {
+                let length_limit = std::error::Error::source(&e)
+                    .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+                return Err(if length_limit {
+                    too_large()
+                } else {
+                    ApiError::bad_body(format!("reading the request body: {e}"))
+                });
+            }
+            Ok(Ok(b)) => b,
+        };
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(|e| ApiError::bad_body(format!("the request body is not valid JSON: {e}")))
+    }
+}
