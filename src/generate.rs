@@ -95,6 +95,7 @@ pub fn generate(
         stop_token_ids: Vec::new(),
         ignore_eos: false,
         adapter: opts.adapter.clone(),
+        prompt_logprobs: None,
     })?;
     drop(engine);
     let mut out = Vec::new();
@@ -124,6 +125,7 @@ pub fn generate(
                 stop_reason,
                 ..
             }) => break (reason, stop_reason),
+            Some(EngineEvent::PromptLogprobs(_)) => {}
             Some(EngineEvent::Error(e)) => anyhow::bail!("generation failed: {e}"),
             None => anyhow::bail!("the engine stopped"),
         }

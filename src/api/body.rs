@@ -8,6 +8,9 @@ use axum::extract::{FromRequest, Request};
 use axum::http::{header, StatusCode};
 use serde_json::Value;
 
+/// Bodies declared up to this many times the limit are read to their end before the 413.
+const DRAIN_FACTOR: usize = 4;
+
 /// A request body parsed as JSON.
 pub struct JsonBody(pub Value);
 
@@ -56,11 +59,18 @@ impl FromRequest<AppState> for JsonBody {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
+        let timeout = state.limits.body_read_timeout;
         if declared.is_some_and(|n| n > limit as u64) {
+            // Read (and drop) a body up to DRAIN_FACTOR × the limit so that a client still
+            // sending reads the 413 instead of a reset; a larger one is cut off.
+            if declared.is_some_and(|n| n <= (DRAIN_FACTOR * limit) as u64) {
+                let drain = axum::body::to_bytes(req.into_body(), DRAIN_FACTOR * limit);
+                let _ = tokio::time::timeout(timeout, drain).await;
+            }
             return Err(too_large());
         }
         let read = axum::body::to_bytes(req.into_body(), limit);
-        let bytes = match tokio::time::timeout(state.limits.body_read_timeout, read).await {
+        let bytes = match tokio::time::timeout(timeout, read).await {
             Err(_) => {
                 return Err(ApiError::status(
                     StatusCode::REQUEST_TIMEOUT,

@@ -2,7 +2,7 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::openai::{parse_chat_logprobs, parse_common, parse_messages, Fields};
+use super::openai::{check_scoring, parse_chat_logprobs, parse_common, parse_messages, Fields};
 use super::respond::{respond, Flavor, Job};
 use super::{blocking, AppState};
 use axum::extract::State;
@@ -16,6 +16,7 @@ pub async fn chat_completions(
     let f = Fields::parse(&body)?;
     let mut params = parse_common(&f, ready.vocab_size)?;
     parse_chat_logprobs(&f, &mut params)?;
+    check_scoring(&f, &mut params, false)?;
     let messages = parse_messages(&f)?;
     let (_, adapter) = state.resolve_model(&params.model)?;
     let tok = ready.tokenizer.clone();

@@ -2,7 +2,9 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::openai::{parse_common, parse_completion_logprobs, parse_prompt, Fields, Prompt};
+use super::openai::{
+    check_scoring, parse_common, parse_completion_logprobs, parse_prompt, Fields, Prompt,
+};
 use super::respond::{respond, Flavor, Job};
 use super::{blocking, AppState};
 use axum::extract::State;
@@ -18,6 +20,7 @@ pub async fn completions(
     parse_completion_logprobs(&f, &mut params)?;
     let prompt = parse_prompt(&f, ready.vocab_size)?;
     let echo = f.bool("echo")?.unwrap_or(false);
+    check_scoring(&f, &mut params, echo)?;
     let (_, adapter) = state.resolve_model(&params.model)?;
     let tok = ready.tokenizer.clone();
     let (prompt_ids, text) = blocking(move || match prompt {

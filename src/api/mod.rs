@@ -9,6 +9,7 @@ pub mod error;
 pub mod info;
 pub mod openai;
 pub mod respond;
+pub mod scoring;
 pub mod serve;
 
 pub use serve::run;

@@ -151,6 +151,8 @@ pub struct CommonParams {
     pub return_tokens_as_token_ids: bool,
     /// Per-token log-probs in the response.
     pub logprobs: bool,
+    /// vLLM's `prompt_logprobs`: score the prompt, with this many alternatives per token.
+    pub prompt_logprobs: Option<usize>,
 }
 
 pub const MAX_N: i64 = 128;
@@ -163,9 +165,10 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         .ok_or_else(|| ApiError::invalid("model", "'model' is required"))?
         .to_string();
     // Both are read (and so validated) when both are sent; max_completion_tokens wins.
-    let legacy_max = f.int_in("max_tokens", 1, i64::MAX as i128)?;
+    // 0 only when the prompt is scored (checked by `check_scoring`).
+    let legacy_max = f.int_in("max_tokens", 0, i64::MAX as i128)?;
     let max_tokens = f
-        .int_in("max_completion_tokens", 1, i64::MAX as i128)?
+        .int_in("max_completion_tokens", 0, i64::MAX as i128)?
         .or(legacy_max);
     let temperature = f.f32_in("temperature", 0.0, f64::INFINITY, false)?;
     let top_k = f.int_in("top_k", -1, vocab as i128)?.unwrap_or(0);
@@ -225,7 +228,37 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
         return_tokens_as_token_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
         logprobs: false,
+        prompt_logprobs: f
+            .int_in("prompt_logprobs", 0, MAX_TOP_LOGPROBS as i128)?
+            .map(|k| k as usize),
     })
+}
+
+/// Prompt scoring rules, after the logprobs fields are read: `echo` with legacy `logprobs: k`
+/// scores the prompt with k alternatives (vLLM: prompt_logprobs defaults to logprobs); scores
+/// are not streamed; `max_tokens: 0` only with `echo` or `prompt_logprobs`.
+pub fn check_scoring(f: &Fields, p: &mut CommonParams, echo: bool) -> Result<(), ApiError> {
+    if echo && p.logprobs && p.prompt_logprobs.is_none() {
+        p.prompt_logprobs = Some(p.sampling.top_logprobs);
+    }
+    if p.stream && f.get("prompt_logprobs").is_some() {
+        return Err(ApiError::invalid(
+            "prompt_logprobs",
+            "'prompt_logprobs' is not available with 'stream'",
+        ));
+    }
+    if p.max_tokens == Some(0) && !echo && p.prompt_logprobs.is_none() {
+        let name = if f.get("max_completion_tokens").is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        return Err(ApiError::invalid(
+            name,
+            format!("'{name}' is 0; it must be at least 1 (0 only with echo or prompt_logprobs)"),
+        ));
+    }
+    Ok(())
 }
 
 pub const MAX_LOGIT_BIAS: usize = 300;

@@ -4,9 +4,10 @@
 
 use super::error::ApiError;
 use super::openai::CommonParams;
+use super::scoring::{legacy_prompt, vllm_prompt_logprobs, LegacyPrompt};
 use super::AppState;
 use crate::adapter::registry::Pinned;
-use crate::engine::sampler::TopLogprob;
+use crate::engine::sampler::{PromptLogprob, TopLogprob};
 use crate::engine::{
     EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
 };
@@ -88,6 +89,7 @@ fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, Ap
         stop_token_ids: p.stop_token_ids.clone(),
         ignore_eos: p.ignore_eos,
         adapter: job.adapter.as_ref().map(|a| a.version().clone()),
+        prompt_logprobs: p.prompt_logprobs,
     })
 }
 
@@ -120,6 +122,7 @@ pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
             .map_or_else(|| format!("{}@0", ready.model_name), |a| a.fingerprint()),
         tok: ready.tokenizer.clone(),
         choices: (0..job.params.n).map(|_| Choice::default()).collect(),
+        prompt_scores: None,
         job,
     };
     if r.job.params.stream {
@@ -152,6 +155,8 @@ struct Responder {
     tok: Arc<Tokenizer>,
     job: Job,
     choices: Vec<Choice>,
+    /// The prompt's scores, once the engine sent them (requests with prompt log-probs).
+    prompt_scores: Option<Vec<PromptLogprob>>,
 }
 
 fn stop_reason_json(s: &Option<StopReason>) -> Value {
@@ -233,8 +238,30 @@ impl Responder {
                 c.num_cached_tokens = *num_cached_tokens;
                 Some(*choice)
             }
+            EngineEvent::PromptLogprobs(v) => {
+                self.prompt_scores = Some(v.clone());
+                None
+            }
             EngineEvent::Error(_) => None,
         }
+    }
+
+    /// The echoed prompt's legacy logprobs (completions with `echo` and `logprobs`).
+    fn echo_logprobs(&self) -> Option<LegacyPrompt> {
+        let scores = self.prompt_scores.as_ref()?;
+        (self.job.echo.is_some() && self.job.params.logprobs)
+            .then(|| legacy_prompt(&self.job.prompt_ids, scores, |id| self.token_text(id)))
+    }
+
+    /// vLLM's `prompt_logprobs` value, when asked for.
+    fn prompt_logprobs_value(&self) -> Option<Value> {
+        self.job.params.prompt_logprobs?;
+        let scores = self.prompt_scores.as_deref().unwrap_or(&[]);
+        Some(vllm_prompt_logprobs(
+            &self.tok,
+            &self.job.prompt_ids,
+            scores,
+        ))
     }
 
     fn usage(&self) -> Value {
@@ -275,6 +302,7 @@ impl Responder {
 
     fn final_body(&self) -> Value {
         let p = &self.job.params;
+        let prompt_logprobs = self.prompt_logprobs_value();
         let choices = self
             .choices
             .iter()
@@ -303,10 +331,18 @@ impl Responder {
                 if p.return_token_ids {
                     v["token_ids"] = json!(c.token_ids);
                 }
+                if self.job.flavor == Flavor::Completion {
+                    if let Some(pl) = &prompt_logprobs {
+                        v["prompt_logprobs"] = pl.clone();
+                    }
+                }
                 v
             })
             .collect();
         let mut body = self.envelope(false, choices);
+        if let (Flavor::Chat, Some(pl)) = (self.job.flavor, prompt_logprobs) {
+            body["prompt_logprobs"] = pl;
+        }
         body["usage"] = self.usage();
         if p.return_token_ids {
             body["prompt_token_ids"] = json!(self.job.prompt_ids);
@@ -318,11 +354,23 @@ impl Responder {
         if !self.job.params.logprobs {
             return Value::Null;
         }
+        let Some(e) = self.echo_logprobs() else {
+            return json!({
+                "tokens": c.tokens,
+                "token_logprobs": c.token_logprobs,
+                "top_logprobs": c.top,
+                "text_offset": c.text_offset,
+            });
+        };
+        let cat = |a: Vec<Value>, b: Vec<Value>| a.into_iter().chain(b).collect::<Vec<Value>>();
+        let vals = |x: &[f32]| x.iter().map(|v| json!(v)).collect::<Vec<Value>>();
+        let tokens = [e.tokens, c.tokens.clone()].concat();
+        let offsets = [e.text_offset, c.text_offset.clone()].concat();
         json!({
-            "tokens": c.tokens,
-            "token_logprobs": c.token_logprobs,
-            "top_logprobs": c.top,
-            "text_offset": c.text_offset,
+            "tokens": tokens,
+            "token_logprobs": cat(e.token_logprobs, vals(&c.token_logprobs)),
+            "top_logprobs": cat(e.top_logprobs, c.top.clone()),
+            "text_offset": offsets,
         })
     }
 
@@ -345,9 +393,17 @@ impl Responder {
                         "logprobs": null,
                         "finish_reason": null,
                     })),
-                    Flavor::Completion => self.job.echo.as_ref().map(
-                        |e| json!({"index": j, "text": e, "logprobs": null, "finish_reason": null}),
-                    ),
+                    Flavor::Completion => self.job.echo.as_ref().map(|e| {
+                        let lp = self.echo_logprobs().map_or(Value::Null, |p| {
+                            json!({
+                                "tokens": p.tokens,
+                                "token_logprobs": p.token_logprobs,
+                                "top_logprobs": p.top_logprobs,
+                                "text_offset": p.text_offset,
+                            })
+                        });
+                        json!({"index": j, "text": e, "logprobs": lp, "finish_reason": null})
+                    }),
                 };
                 if let Some(c) = first {
                     let mut chunk = self.envelope(true, vec![c]);
@@ -409,7 +465,7 @@ impl Responder {
                 choice["stop_reason"] = stop_reason_json(stop_reason);
                 out.push(self.envelope(true, vec![choice]));
             }
-            EngineEvent::Error(_) => {}
+            EngineEvent::PromptLogprobs(_) | EngineEvent::Error(_) => {}
         }
         out
     }

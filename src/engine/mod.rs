@@ -16,8 +16,8 @@ use crate::model::tokenizer::Tokenizer;
 use block_manager::BlockManager;
 use flywheel_kernels::Cpu;
 use output::{RequestState, SeqOutput};
-use sampler::{SamplingParams, TopLogprob};
-use scheduler::{Scheduler, SchedulerConfig};
+use sampler::{PromptLogprob, SamplingParams, TopLogprob};
+use scheduler::{Chunk, Scheduler, SchedulerConfig};
 use sequence::{SeqId, Sequence};
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -55,6 +55,10 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// The adapter version pinned for this request (None: the base model).
     pub adapter: Option<Arc<AdapterVersion>>,
+    /// Score the prompt: every prompt token after the first with its log-prob, rank and this many
+    /// alternatives (one `PromptLogprobs` event before the first token). `max_tokens` may then
+    /// be 0 (the prompt scored, nothing generated).
+    pub prompt_logprobs: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,6 +97,9 @@ pub enum EngineEvent {
         /// Prompt tokens found in the prefix cache.
         num_cached_tokens: usize,
     },
+    /// The prompt's scores (requests with `prompt_logprobs`): one entry per prompt token after
+    /// the first, sent once, before any token.
+    PromptLogprobs(Vec<PromptLogprob>),
     /// The request failed inside the engine; no more events follow.
     Error(String),
 }
@@ -288,12 +295,15 @@ impl Engine {
         let prompt = req.prompt.clone();
         let adapter = req.adapter.clone();
         let n = req.n;
+        let score = req.prompt_logprobs.is_some();
         let state = Rc::new(RequestState::new(req, tx, arrival, seed, &self.metrics));
         let mut out = SeqOutput::new(state, 0);
         out.pending_forks = n - 1;
         self.outputs.insert(id, out);
         let table = self.sched.blocks().new_table();
-        self.sched.add(Sequence::new(id, prompt, table, adapter));
+        let mut seq = Sequence::new(id, prompt, table, adapter);
+        seq.score_prompt = score;
+        self.sched.add(seq);
     }
 
     fn new_seq_id(&mut self) -> SeqId {
@@ -363,7 +373,9 @@ impl Engine {
                     tokens: &s.tokens[c.start..c.start + c.len],
                     first_pos: c.start,
                     block_table: s.table.ids(),
-                    logits: if c.wants_logits {
+                    logits: if scores_prompt(s, c) {
+                        Logits::All
+                    } else if c.wants_logits {
                         Logits::Last
                     } else {
                         Logits::None
@@ -396,8 +408,19 @@ impl Engine {
         let mut logits = std::mem::take(&mut self.bufs.logits);
         self.sched.commit(&plan);
         let vocab = self.model.config.vocab_size;
-        for (row, c) in plan.chunks.iter().filter(|c| c.wants_logits).enumerate() {
+        let mut row = 0;
+        for c in &plan.chunks {
+            let all = self.sched.get(c.seq).is_some_and(|s| scores_prompt(s, c));
+            if all {
+                self.score_prompt_rows(c, &logits[row * vocab..(row + c.len) * vocab]);
+                row += c.len - 1;
+            }
+            if !c.wants_logits {
+                row += all as usize;
+                continue;
+            }
             let l = &mut logits[row * vocab..(row + 1) * vocab];
+            row += 1;
             let r = std::panic::catch_unwind(AssertUnwindSafe(|| self.on_logits(c.seq, l)));
             if let Err(panic) = r {
                 let msg = format!("sampling panicked: {}", panic_text(&panic));
@@ -408,11 +431,52 @@ impl Engine {
         true
     }
 
+    /// Score the prompt positions of chunk `c` (rows = its logits, one per token) that were not
+    /// scored before (a preempted sequence recomputes its prompt).
+    fn score_prompt_rows(&mut self, c: &Chunk, rows: &[f32]) {
+        let vocab = self.model.config.vocab_size;
+        let Some(s) = self.sched.get(c.seq) else {
+            return;
+        };
+        let Some(out) = self.outputs.get_mut(&c.seq) else {
+            return;
+        };
+        let r = &out.req.req;
+        let (k, t) = (r.prompt_logprobs.unwrap_or(0), r.sampling.temperature);
+        let mut row = vec![0.0f32; vocab];
+        for i in 0..c.len {
+            let pos = c.start + i;
+            // Row `pos` predicts token pos + 1.
+            if pos + 1 >= s.prompt_len || pos < out.prompt_scores.len() {
+                continue;
+            }
+            row.copy_from_slice(&rows[i * vocab..(i + 1) * vocab]);
+            let score = sampler::score_row(&self.cpu, &mut row, t, s.tokens[pos + 1], k);
+            out.prompt_scores.push(score);
+        }
+    }
+
     /// Sample the next token of `id` (and, on its first token, of its sibling choices).
     fn on_logits(&mut self, id: SeqId, logits: &mut [f32]) {
         let Some(out) = self.outputs.get_mut(&id) else {
             return;
         };
+        // The first choice's sequence ran the prompt (forked choices share it): it sends them.
+        if out.req.req.prompt_logprobs.is_some() && out.choice == 0 && !out.prompt_scores_sent {
+            out.prompt_scores_sent = true;
+            let scores = std::mem::take(&mut out.prompt_scores);
+            let _ = out.req.tx.send(EngineEvent::PromptLogprobs(scores));
+        }
+        if out.req.req.max_tokens == 0 {
+            // Scoring only: every choice ends here, with no token.
+            let forks = std::mem::take(&mut out.pending_forks);
+            for choice in 0..=forks {
+                out.finish_without_tokens(choice, &self.metrics);
+            }
+            self.outputs.remove(&id);
+            self.sched.remove(id);
+            return;
+        }
         let forks = std::mem::take(&mut out.pending_forks);
         let (req, num_cached) = (out.req.clone(), out.num_cached_tokens);
         let ctx = self.model.config.context_length;
@@ -464,6 +528,12 @@ impl Engine {
         m.prefix_cache_hits.inc_by(st.num_prefix_hit_tokens - h);
         self.last_prefix = (st.num_prefix_queried_tokens, st.num_prefix_hit_tokens);
     }
+}
+
+/// Whether chunk `c` of `s` covers prompt positions whose scores are wanted (its every row's
+/// logits are computed).
+fn scores_prompt(s: &Sequence, c: &Chunk) -> bool {
+    s.score_prompt && c.start + 1 < s.prompt_len
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {

@@ -2,7 +2,7 @@
 //! incremental detokenization, stop-string matching (text that could begin a stop string is held
 //! back until it cannot), timings, and the channel its events go to.
 
-use super::sampler::{self, Rng, Sampled};
+use super::sampler::{self, PromptLogprob, Rng, Sampled};
 use super::{EngineEvent, FinishReason, GenerateRequest, StopReason};
 use crate::metrics::Metrics;
 use crate::model::tokenizer::{Detokenizer, Tokenizer};
@@ -60,6 +60,9 @@ pub struct SeqOutput {
     pub scheduled_at: Option<Instant>,
     last_token_at: Option<Instant>,
     pub num_cached_tokens: usize,
+    /// Prompt scores computed so far (requests with prompt log-probs), and whether they were sent.
+    pub prompt_scores: Vec<PromptLogprob>,
+    pub prompt_scores_sent: bool,
 }
 
 /// The seed of choice `choice`: choice 0 uses the request's seed itself.
@@ -80,12 +83,38 @@ impl SeqOutput {
             scheduled_at: None,
             last_token_at: None,
             num_cached_tokens: 0,
+            prompt_scores: Vec::new(),
+            prompt_scores_sent: false,
         }
     }
 
     pub fn sample(&mut self, cpu: &Cpu, logits: &mut [f32]) -> Sampled {
         let p = &self.req.req.sampling;
         sampler::sample(cpu, logits, p, &self.counts, &mut self.rng)
+    }
+
+    /// End choice `choice` of this request without a token (`max_tokens` 0: prompt scoring).
+    pub fn finish_without_tokens(&self, choice: usize, m: &Metrics) {
+        let reason = FinishReason::Length;
+        self.count_finished(reason, Instant::now(), m);
+        let _ = self.req.tx.send(EngineEvent::Finished {
+            choice,
+            reason,
+            stop_reason: None,
+            num_cached_tokens: self.num_cached_tokens,
+        });
+    }
+
+    fn count_finished(&self, reason: FinishReason, now: Instant, m: &Metrics) {
+        m.request_success
+            .with_label_values(&[reason.as_str()])
+            .inc();
+        let left = self.req.choices_left.get().saturating_sub(1);
+        self.req.choices_left.set(left);
+        if left == 0 {
+            m.e2e_request_latency
+                .observe((now - self.req.arrival).as_secs_f64());
+        }
     }
 
     /// Record token `s` (the `num_generated`-th of this choice) and send its event; true when the
@@ -148,15 +177,7 @@ impl SeqOutput {
         }
         // Metrics first: a client that has its answer sees them updated.
         if let Some(reason) = finish {
-            m.request_success
-                .with_label_values(&[reason.as_str()])
-                .inc();
-            let left = self.req.choices_left.get().saturating_sub(1);
-            self.req.choices_left.set(left);
-            if left == 0 {
-                m.e2e_request_latency
-                    .observe((now - self.req.arrival).as_secs_f64());
-            }
+            self.count_finished(reason, now, m);
         }
         let _ = self.req.tx.send(EngineEvent::Token {
             choice: self.choice,

@@ -161,6 +161,36 @@ pub fn scale_and_normalize(cpu: &Cpu, logits: &mut [f32], temperature: f32) {
     cpu.log_softmax(logits);
 }
 
+/// A prompt token's score: its log-prob given the tokens before it, its rank (1 = the most
+/// likely), and the `k` most likely tokens at that position.
+#[derive(Clone, Debug)]
+pub struct PromptLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub rank: usize,
+    pub top: Vec<TopLogprob>,
+}
+
+/// Score `token` with one row of logits (overwritten with log-softmax(logits / T), the sampler's
+/// arithmetic, so a completion scored as a prompt gets the log-probs it was sampled with).
+pub fn score_row(
+    cpu: &Cpu,
+    logits: &mut [f32],
+    temperature: f32,
+    token: u32,
+    k: usize,
+) -> PromptLogprob {
+    scale_and_normalize(cpu, logits, temperature);
+    let logprob = logits[token as usize];
+    let rank = 1 + logits.iter().filter(|&&v| v > logprob).count();
+    PromptLogprob {
+        token_id: token,
+        logprob,
+        rank,
+        top: top_k(logits, k),
+    }
+}
+
 /// The index of the largest value (the lowest index on ties).
 pub fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;

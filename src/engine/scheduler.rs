@@ -176,7 +176,7 @@ impl Scheduler {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
-            if s.num_computed == 0 && s.table.num_blocks() == 0 {
+            if s.num_computed == 0 && s.table.num_blocks() == 0 && !s.score_prompt {
                 s.num_computed = s.table.match_prefix(&s.tokens, s.cache_key());
             }
             let remaining = s.num_remaining();

@@ -20,6 +20,9 @@ pub struct Sequence {
     pub adapter: Option<Arc<AdapterVersion>>,
     /// How often it was preempted (its K/V dropped, to be recomputed).
     pub num_preemptions: u32,
+    /// Its prompt is scored (prompt log-probs): every prompt position is computed, none is
+    /// taken from the prefix cache.
+    pub score_prompt: bool,
 }
 
 impl Sequence {
@@ -37,6 +40,7 @@ impl Sequence {
             table,
             adapter,
             num_preemptions: 0,
+            score_prompt: false,
         }
     }
 

@@ -74,10 +74,10 @@ def server():
         proc.kill()
 
 
-def http(method, url, body=None, key=KEY, raw=None):
+def http(method, url, body=None, key=KEY, raw=None, content_type="application/json"):
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
+    req.add_header("Content-Type", content_type)
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -145,20 +145,28 @@ def our_pointer(path, method, status, content_type):
     return f"{base}/content/{content_type.replace('/', '~1')}/schema"
 
 
-def completion_chunk_official(chunk):
-    """OpenAI's schema has no completions stream chunk; its finish_reason is null until the end
-    (as the real API sends it): validate with that one field relaxed."""
-    c = copy.deepcopy(chunk)
+def completion_official(doc):
+    """OpenAI's published schema types an echoed prompt's log-probs as numbers, but its API (and
+    vLLM) send null for the first prompt token; and it has no completions stream chunk, whose
+    finish_reason is null until the end (as the real API sends it): validate with those nulls
+    filled in."""
+    c = copy.deepcopy(doc)
     for ch in c["choices"]:
         if ch["finish_reason"] is None:
             ch["finish_reason"] = "stop"
+        lp = ch.get("logprobs")
+        if lp:
+            lp["token_logprobs"] = [0.0 if v is None else v for v in lp.get("token_logprobs", [])]
+            lp["top_logprobs"] = [{} if v is None else v for v in lp.get("top_logprobs", [])]
     return c
 
 
-def check(method, path, body=None, key=KEY, raw=None, expect=200, route=None):
+def check(method, path, body=None, key=KEY, raw=None, expect=200, route=None,
+          content_type="application/json"):
     """Call the server, check the status, validate the body (and each stream chunk). `route` is
     the documented path template when `path` fills one in (/v1/adapters/{name})."""
-    status, headers, data = http(method, SERVER + path, body, key=key, raw=raw)
+    status, headers, data = http(method, SERVER + path, body, key=key, raw=raw,
+                                 content_type=content_type)
     assert status == expect, (status, data[:500])
     path = route or path
     exercised.add((path, str(status)))
@@ -172,7 +180,7 @@ def check(method, path, body=None, key=KEY, raw=None, expect=200, route=None):
                 validate_ours(c, "/components/schemas/ErrorResponse")
                 continue
             validate_ours(c, our_pointer(path, method, status, ctype))
-            inst = completion_chunk_official(c) if path == "/v1/completions" else c
+            inst = completion_official(c) if path == "/v1/completions" else c
             validate_official(inst, OFFICIAL_CHUNK[path])
         return status, headers, chunks
     if ctype == "text/plain":
@@ -182,7 +190,8 @@ def check(method, path, body=None, key=KEY, raw=None, expect=200, route=None):
     if status >= 400:
         validate_official(doc, "/components/schemas/ErrorResponse")
     elif path in OFFICIAL_200:
-        validate_official(doc, OFFICIAL_200[path])
+        inst = completion_official(doc) if path == "/v1/completions" else doc
+        validate_official(inst, OFFICIAL_200[path])
     return status, headers, doc
 
 
@@ -231,6 +240,17 @@ def test_completion_responses_and_chunks_follow_both_schemas():
     check("POST", "/v1/completions", {
         "model": m, "prompt": "Once upon a time", "max_tokens": 6, "stream": True, "logprobs": 1,
         "stream_options": {"include_usage": True}})
+    # Prompt scoring: echo + logprobs with nothing generated, and vLLM's prompt_logprobs.
+    _, _, r = check("POST", "/v1/completions", {
+        "model": m, "prompt": "The capital of France is Paris", "max_tokens": 0, "echo": True,
+        "logprobs": 1})
+    lp = r["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == r["usage"]["prompt_tokens"]
+    assert r["choices"][0]["prompt_logprobs"][0] is None
+    _, _, r = check("POST", "/v1/chat/completions", {
+        "model": m, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+        "prompt_logprobs": 2, "logit_bias": {"504": -100}})
+    assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
 
 
 def test_small_endpoints_follow_the_contract():
@@ -261,6 +281,10 @@ def test_errors_follow_both_schemas():
                        ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})]:
         check("POST", path, body, key="wrong", expect=401)
     check("GET", "/v1/models", key=None, expect=401)
+    big = json.dumps({**chat, "messages": [{"role": "user", "content": "a" * (3 << 20)}]}).encode()
+    for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {"model": m, "prompt": "x"})]:
+        check("POST", path, raw=big, expect=413)
+        check("POST", path, raw=json.dumps(body).encode(), content_type="text/plain", expect=415)
     for path, body in [("/v1/chat/completions", {**chat, "model": "nope"}),
                        ("/v1/completions", {"model": "nope", "prompt": "x"}),
                        ("/tokenize", {"model": "nope", "prompt": "x"}),

@@ -88,7 +88,8 @@ impl Llama {
             let mut table = Vec::new();
             let mut pos = 0;
             if let Some(j) = s.prefix {
-                let ok = j < i && seqs[j].prefix.is_none() && seqs[j].tokens.len() % bs == 0;
+                let ok =
+                    j < i && seqs[j].prefix.is_none() && seqs[j].tokens.len().is_multiple_of(bs);
                 if !ok || seqs[j].prompt_len != seqs[j].tokens.len() {
                     return Err(ModelError::Batch(format!(
                         "sequence {i}: its prefix must be an earlier unscored sequence of whole \
