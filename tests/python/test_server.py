@@ -11,12 +11,9 @@ Run with `python3 -m pytest -q tests/python` after `cargo build --release`.
 
 import copy
 import json
-import os
 import pathlib
 import subprocess
-import time
-import urllib.error
-import urllib.request
+import sys
 
 import jsonschema
 import pytest
@@ -24,43 +21,11 @@ import referencing
 import yaml
 from referencing.jsonschema import DRAFT202012
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BIN = ROOT / "target" / "release" / "flywheel"
-MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from flywheel_server import KEY, ROOT, http, start_server  # noqa: E402
+
 OFFICIAL = pathlib.Path(__file__).with_name("openai-chat-subset.json")
 OURS = ROOT / "openapi" / "openapi.yaml"
-KEY = "test-key"
-
-
-def start_server(args, timeout=60):
-    proc = subprocess.Popen(
-        [str(BIN), "serve", "--model", str(MODEL), "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    deadline = time.time() + timeout
-    addr = None
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("listening on "):
-            addr = line.split()[-1]
-            break
-    if addr is None:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    base = f"http://{addr}"
-    while time.time() < deadline:
-        try:
-            if http("GET", base + "/health")[0] == 200:
-                return proc, base
-        except OSError:
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("server not healthy")
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +37,6 @@ def server():
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-
-
-def http(method, url, body=None, key=KEY, raw=None, content_type="application/json"):
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", content_type)
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
 
 
 # ---------------------------------------------------------------- schema plumbing

@@ -1,0 +1,59 @@
+"""Start `flywheel serve` on the default model (127.0.0.1, port 0) and talk HTTP to it: shared by
+the contract and fuzz tests."""
+
+import json
+import pathlib
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = ROOT / "target" / "release" / "flywheel"
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+KEY = "test-key"
+
+
+def start_server(args, timeout=60):
+    proc = subprocess.Popen(
+        [str(BIN), "serve", "--model", str(MODEL), "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    deadline = time.time() + timeout
+    addr = None
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("listening on "):
+            addr = line.split()[-1]
+            break
+    if addr is None:
+        proc.kill()
+        raise RuntimeError("server did not start")
+    base = f"http://{addr}"
+    while time.time() < deadline:
+        try:
+            if http("GET", base + "/health")[0] == 200:
+                return proc, base
+        except OSError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("server not healthy")
+
+
+
+def http(method, url, body=None, key=KEY, raw=None, content_type="application/json"):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", content_type)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
