@@ -63,7 +63,10 @@ fn chat_and_completions_answer_in_openai_shape() {
         .unwrap()
         .to_string();
     assert!(c["text"].as_str().unwrap().starts_with(&echo));
-    assert_eq!(c["logprobs"]["tokens"].as_array().unwrap().len(), 5);
+    // Echo + logprobs scores the prompt too: its 3 tokens (the first without a log-prob), then 5.
+    assert_eq!(c["logprobs"]["tokens"].as_array().unwrap().len(), 3 + 5);
+    assert_eq!(c["logprobs"]["token_logprobs"][0], Value::Null);
+    assert!(c["logprobs"]["token_logprobs"][1].is_number());
     assert_eq!(c["finish_reason"], "length");
     assert_eq!(v["usage"]["prompt_tokens"], 3);
 
