@@ -11,6 +11,7 @@ pub mod fetch;
 pub mod generate;
 pub mod metrics;
 pub mod model;
+pub mod online;
 pub mod train;
 
 pub use flywheel_kernels as kernels;

@@ -1,0 +1,559 @@
+//! The rollout log: every completion served through a learning adapter (token ids, the sampler's
+//! log-probs, its adapter version and group), the rewards posted for it, and the trainer's
+//! checkpoints, in one SQLite database (bundled, WAL, `synchronous = FULL`: a committed write
+//! survives a kill or a crash). A reward is acknowledged only after its transaction commits; a
+//! checkpoint and the groups it consumed are recorded in one transaction.
+//!
+//! Groups: a request's `n` choices form one group (`req:<id>`); a client may group single
+//! completions across requests with `"group": "ID"`, scoped to its key (`key:<hash>:<ID>`).
+
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Schema migrations, applied in order; `PRAGMA user_version` is how many ran.
+const MIGRATIONS: &[&str] = &[
+    // 1: completions, rewards, checkpoints.
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+     CREATE TABLE completions (
+        id TEXT NOT NULL, choice INTEGER NOT NULL,
+        adapter TEXT NOT NULL, version INTEGER NOT NULL,
+        group_id TEXT NOT NULL, group_size INTEGER NOT NULL,
+        prompt BLOB NOT NULL, completion BLOB NOT NULL, logprobs BLOB NOT NULL,
+        temperature REAL NOT NULL, policy_sampled INTEGER NOT NULL, params TEXT NOT NULL,
+        finish_reason TEXT NOT NULL, key_hash TEXT NOT NULL, created REAL NOT NULL,
+        reward REAL, rewarded_at REAL, consumed_step INTEGER, dropped TEXT,
+        PRIMARY KEY (id, choice));
+     CREATE INDEX completions_pending ON completions (adapter, consumed_step, dropped, group_id);
+     CREATE INDEX completions_created ON completions (created);
+     CREATE TABLE checkpoints (
+        adapter TEXT NOT NULL, step INTEGER NOT NULL, version INTEGER NOT NULL,
+        path TEXT NOT NULL, created REAL NOT NULL, stats TEXT NOT NULL,
+        PRIMARY KEY (adapter, step));",
+];
+
+/// One served completion (a choice of a request) to log.
+#[derive(Clone, Debug)]
+pub struct CompletionRecord {
+    pub id: String,
+    pub choice: u32,
+    pub adapter: String,
+    pub version: u64,
+    pub group_id: String,
+    /// Members the group will have (the request's `n`); 0 when unknown (client groups).
+    pub group_size: u32,
+    pub prompt: Vec<u32>,
+    pub completion: Vec<u32>,
+    /// The sampler's log-softmax(logits / T) of each completion token.
+    pub logprobs: Vec<f32>,
+    pub temperature: f32,
+    /// Drawn from exactly that distribution (no truncation, penalty or bias).
+    pub policy_sampled: bool,
+    /// The sampling parameters as sent (JSON).
+    pub params: String,
+    pub finish_reason: String,
+    /// The bearer key that made it ("" without one), stored hashed.
+    pub key: String,
+}
+
+/// A stored choice, as `GET /v1/feedback/{id}` shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ChoiceInfo {
+    pub choice: u32,
+    pub adapter: String,
+    pub adapter_version: u64,
+    pub group: String,
+    pub finish_reason: String,
+    pub reward: Option<f64>,
+    pub trained_step: Option<u64>,
+    pub dropped: Option<String>,
+}
+
+/// One reward to record.
+#[derive(Clone, Debug)]
+pub struct Reward {
+    pub id: String,
+    pub choice: u32,
+    pub reward: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FeedbackError {
+    #[error("no completion '{id}' choice {choice}")]
+    NotFound { index: usize, id: String, choice: u32 },
+    #[error("completion '{id}' was made with another key")]
+    Forbidden { index: usize, id: String },
+    #[error("completion '{id}' choice {choice} already has reward {old}")]
+    Conflict {
+        index: usize,
+        id: String,
+        choice: u32,
+        old: f64,
+    },
+    #[error("rollout log: {0}")]
+    Db(#[from] rusqlite::Error),
+}
+
+/// A pending (unconsumed) member of a group, for the trainer.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub id: String,
+    pub choice: u32,
+    pub version: u64,
+    pub prompt: Vec<u32>,
+    pub completion: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub temperature: f32,
+    pub policy_sampled: bool,
+    pub reward: Option<f64>,
+    pub rewarded_at: Option<f64>,
+    pub created: f64,
+}
+
+/// A group's pending members.
+#[derive(Clone, Debug)]
+pub struct PendingGroup {
+    pub group_id: String,
+    pub group_size: u32,
+    pub members: Vec<Member>,
+}
+
+/// The latest checkpoint of an adapter.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    pub step: u64,
+    pub version: u64,
+    pub path: String,
+}
+
+pub struct RolloutLog {
+    conn: Mutex<Connection>,
+    salt: String,
+}
+
+fn u32s(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn bytes_u32(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bytes_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn now_secs() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+impl RolloutLog {
+    /// Open (creating it and its folder if needed) and migrate.
+    pub fn open(path: &Path) -> anyhow::Result<RolloutLog> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        let done: usize = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+        anyhow::ensure!(
+            done <= MIGRATIONS.len(),
+            "{}: schema version {done} is newer than this build ({})",
+            path.display(),
+            MIGRATIONS.len()
+        );
+        for (i, m) in MIGRATIONS.iter().enumerate().skip(done) {
+            let tx = conn.transaction()?;
+            tx.execute_batch(m)?;
+            tx.pragma_update(None, "user_version", i + 1)?;
+            tx.commit()?;
+        }
+        let salt: Option<String> = conn
+            .query_row("SELECT value FROM meta WHERE key = 'key_salt'", [], |r| {
+                r.get(0)
+            })
+            .optional()?;
+        let salt = match salt {
+            Some(s) => s,
+            None => {
+                let s = format!(
+                    "{:016x}{:016x}",
+                    crate::engine::random_u64(),
+                    crate::engine::random_u64()
+                );
+                conn.execute(
+                    "INSERT INTO meta (key, value) VALUES ('key_salt', ?1)",
+                    params![s],
+                )?;
+                s
+            }
+        };
+        Ok(RolloutLog {
+            conn: Mutex::new(conn),
+            salt,
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A key's stored form: a 128-bit FNV-1a of a secret per-database salt and the key (keys are
+    /// compared, never shown; the salt keeps equal keys of two databases apart).
+    pub fn key_hash(&self, key: &str) -> String {
+        let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+        for b in self.salt.bytes().chain([0u8]).chain(key.bytes()) {
+            h ^= b as u128;
+            h = h.wrapping_mul(0x0000000001000000000000000000013B);
+        }
+        format!("{h:032x}")
+    }
+
+    /// Log the choices of one request (one transaction).
+    pub fn log_completions(&self, recs: &[CompletionRecord]) -> rusqlite::Result<()> {
+        let mut c = self.conn();
+        let tx = c.transaction()?;
+        {
+            let mut st = tx.prepare_cached(
+                "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
+                   prompt, completion, logprobs, temperature, policy_sampled, params,
+                   finish_reason, key_hash, created)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+            )?;
+            let now = now_secs();
+            for r in recs {
+                st.execute(params![
+                    r.id,
+                    r.choice,
+                    r.adapter,
+                    r.version as i64,
+                    r.group_id,
+                    r.group_size,
+                    bytes_u32(&r.prompt),
+                    bytes_u32(&r.completion),
+                    bytes_f32(&r.logprobs),
+                    r.temperature as f64,
+                    r.policy_sampled,
+                    r.params,
+                    r.finish_reason,
+                    self.key_hash(&r.key),
+                    now,
+                ])?;
+            }
+        }
+        tx.commit()
+    }
+
+    /// Record rewards, all or none (one transaction, committed before this returns). `key` is
+    /// the caller's bearer key; `admin` callers may reward any completion. Ok(true) when at
+    /// least one reward is new, Ok(false) when every one repeats a stored reward.
+    pub fn post_rewards(
+        &self,
+        items: &[Reward],
+        key: &str,
+        admin: bool,
+    ) -> Result<bool, FeedbackError> {
+        let kh = self.key_hash(key);
+        let mut c = self.conn();
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let mut any_new = false;
+        let now = now_secs();
+        for (index, it) in items.iter().enumerate() {
+            let row: Option<(String, Option<f64>)> = tx
+                .query_row(
+                    "SELECT key_hash, reward FROM completions WHERE id = ?1 AND choice = ?2",
+                    params![it.id, it.choice],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()?;
+            let Some((owner, old)) = row else {
+                return Err(FeedbackError::NotFound {
+                    index,
+                    id: it.id.clone(),
+                    choice: it.choice,
+                });
+            };
+            if !admin && owner != kh {
+                return Err(FeedbackError::Forbidden {
+                    index,
+                    id: it.id.clone(),
+                });
+            }
+            match old {
+                Some(o) if o == it.reward => {}
+                Some(o) => {
+                    return Err(FeedbackError::Conflict {
+                        index,
+                        id: it.id.clone(),
+                        choice: it.choice,
+                        old: o,
+                    })
+                }
+                None => {
+                    tx.execute(
+                        "UPDATE completions SET reward = ?3, rewarded_at = ?4
+                         WHERE id = ?1 AND choice = ?2",
+                        params![it.id, it.choice, it.reward, now],
+                    )?;
+                    any_new = true;
+                }
+            }
+        }
+        tx.commit()?;
+        Ok(any_new)
+    }
+
+    /// What is stored for each choice of completion `id` (empty: unknown id).
+    pub fn feedback(&self, id: &str) -> rusqlite::Result<Vec<(String, ChoiceInfo)>> {
+        let c = self.conn();
+        let mut st = c.prepare_cached(
+            "SELECT choice, adapter, version, group_id, finish_reason, reward, consumed_step,
+                    dropped, key_hash
+             FROM completions WHERE id = ?1 ORDER BY choice",
+        )?;
+        let rows = st.query_map(params![id], |r| {
+            Ok((
+                r.get::<_, String>(8)?,
+                ChoiceInfo {
+                    choice: r.get(0)?,
+                    adapter: r.get(1)?,
+                    adapter_version: r.get::<_, i64>(2)? as u64,
+                    group: r.get(3)?,
+                    finish_reason: r.get(4)?,
+                    reward: r.get(5)?,
+                    trained_step: r.get::<_, Option<i64>>(6)?.map(|s| s as u64),
+                    dropped: r.get(7)?,
+                },
+            ))
+        })?;
+        rows.collect()
+    }
+
+    /// Every group of `adapter` with unconsumed, undropped members that has at least one reward.
+    pub fn pending_groups(&self, adapter: &str) -> rusqlite::Result<Vec<PendingGroup>> {
+        let c = self.conn();
+        let mut st = c.prepare_cached(
+            "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
+                    temperature, policy_sampled, reward, rewarded_at, created
+             FROM completions
+             WHERE adapter = ?1 AND consumed_step IS NULL AND dropped IS NULL
+               AND group_id IN (SELECT group_id FROM completions
+                                WHERE adapter = ?1 AND consumed_step IS NULL
+                                  AND dropped IS NULL AND reward IS NOT NULL)
+             ORDER BY created, id, choice",
+        )?;
+        let mut out: Vec<PendingGroup> = Vec::new();
+        let rows = st.query_map(params![adapter], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, u32>(1)?,
+                Member {
+                    id: r.get(2)?,
+                    choice: r.get(3)?,
+                    version: r.get::<_, i64>(4)? as u64,
+                    prompt: u32s(&r.get::<_, Vec<u8>>(5)?),
+                    completion: u32s(&r.get::<_, Vec<u8>>(6)?),
+                    logprobs: f32s(&r.get::<_, Vec<u8>>(7)?),
+                    temperature: r.get::<_, f64>(8)? as f32,
+                    policy_sampled: r.get(9)?,
+                    reward: r.get(10)?,
+                    rewarded_at: r.get(11)?,
+                    created: r.get(12)?,
+                },
+            ))
+        })?;
+        for row in rows {
+            let (g, size, m) = row?;
+            match out.iter_mut().find(|p| p.group_id == g) {
+                Some(p) => p.members.push(m),
+                None => out.push(PendingGroup {
+                    group_id: g,
+                    group_size: size,
+                    members: vec![m],
+                }),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Mark members as not to be trained on, with the reason.
+    pub fn drop_members(&self, members: &[(String, u32)], reason: &str) -> rusqlite::Result<()> {
+        let mut c = self.conn();
+        let tx = c.transaction()?;
+        for (id, choice) in members {
+            tx.execute(
+                "UPDATE completions SET dropped = ?3 WHERE id = ?1 AND choice = ?2",
+                params![id, choice, reason],
+            )?;
+        }
+        tx.commit()
+    }
+
+    /// Record a checkpoint and the members its step consumed, in one transaction.
+    pub fn commit_step(
+        &self,
+        adapter: &str,
+        cp: &Checkpoint,
+        stats: &str,
+        consumed: &[(String, u32)],
+    ) -> rusqlite::Result<()> {
+        let mut c = self.conn();
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        tx.execute(
+            "INSERT INTO checkpoints (adapter, step, version, path, created, stats)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![adapter, cp.step as i64, cp.version as i64, cp.path, now_secs(), stats],
+        )?;
+        for (id, choice) in consumed {
+            tx.execute(
+                "UPDATE completions SET consumed_step = ?3 WHERE id = ?1 AND choice = ?2",
+                params![id, choice, cp.step as i64],
+            )?;
+        }
+        tx.commit()
+    }
+
+    pub fn latest_checkpoint(&self, adapter: &str) -> rusqlite::Result<Option<Checkpoint>> {
+        self.conn()
+            .query_row(
+                "SELECT step, version, path FROM checkpoints WHERE adapter = ?1
+                 ORDER BY step DESC LIMIT 1",
+                params![adapter],
+                |r| {
+                    Ok(Checkpoint {
+                        step: r.get::<_, i64>(0)? as u64,
+                        version: r.get::<_, i64>(1)? as u64,
+                        path: r.get(2)?,
+                    })
+                },
+            )
+            .optional()
+    }
+
+    /// Checkpoints of `adapter` older than the newest `keep` (their folders may be removed).
+    pub fn old_checkpoints(&self, adapter: &str, keep: usize) -> rusqlite::Result<Vec<String>> {
+        let c = self.conn();
+        let mut st = c.prepare_cached(
+            "SELECT path FROM checkpoints WHERE adapter = ?1 ORDER BY step DESC LIMIT -1 OFFSET ?2",
+        )?;
+        let rows = st.query_map(params![adapter, keep as i64], |r| r.get(0))?;
+        rows.collect()
+    }
+
+    /// Delete completions older than `max_age_secs` that are consumed or dropped, and at most
+    /// keep `max_rows` rows (oldest settled ones go first). Returns the rows deleted.
+    pub fn prune(&self, max_age_secs: f64, max_rows: usize) -> rusqlite::Result<usize> {
+        let c = self.conn();
+        let settled = "(consumed_step IS NOT NULL OR dropped IS NOT NULL)";
+        let mut n = c.execute(
+            &format!("DELETE FROM completions WHERE created < ?1 AND {settled}"),
+            params![now_secs() - max_age_secs],
+        )?;
+        let total: i64 = c.query_row("SELECT count(*) FROM completions", [], |r| r.get(0))?;
+        if total as usize > max_rows {
+            n += c.execute(
+                &format!(
+                    "DELETE FROM completions WHERE rowid IN (SELECT rowid FROM completions
+                     WHERE {settled} ORDER BY created LIMIT ?1)"
+                ),
+                params![total - max_rows as i64],
+            )?;
+        }
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
+        CompletionRecord {
+            id: id.into(),
+            choice,
+            adapter: "a".into(),
+            version: 3,
+            group_id: format!("req:{id}"),
+            group_size: 2,
+            prompt: vec![1, 2, 3],
+            completion: vec![4, 5],
+            logprobs: vec![-0.5, -1.25],
+            temperature: 1.0,
+            policy_sampled: true,
+            params: "{}".into(),
+            finish_reason: "stop".into(),
+            key: key.into(),
+        }
+    }
+
+    fn reward(id: &str, choice: u32, r: f64) -> Reward {
+        Reward {
+            id: id.into(),
+            choice,
+            reward: r,
+        }
+    }
+
+    #[test]
+    fn rewards_are_checked_recorded_once_and_survive_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/log.db");
+        let log = RolloutLog::open(&path).unwrap();
+        log.log_completions(&[rec("c1", 0, "k1"), rec("c1", 1, "k1")])
+            .unwrap();
+        assert!(log.post_rewards(&[reward("c1", 0, 1.0)], "k1", false).unwrap());
+        // A repeat of the same reward is not new; another value conflicts.
+        assert!(!log.post_rewards(&[reward("c1", 0, 1.0)], "k1", false).unwrap());
+        assert!(matches!(
+            log.post_rewards(&[reward("c1", 0, 0.5)], "k1", false),
+            Err(FeedbackError::Conflict { .. })
+        ));
+        assert!(matches!(
+            log.post_rewards(&[reward("c1", 1, 0.0)], "k2", false),
+            Err(FeedbackError::Forbidden { .. })
+        ));
+        // All or none: the unknown second item leaves the first unrecorded.
+        assert!(matches!(
+            log.post_rewards(&[reward("c1", 1, 0.0), reward("c9", 0, 1.0)], "k1", false),
+            Err(FeedbackError::NotFound { index: 1, .. })
+        ));
+        assert_eq!(log.feedback("c1").unwrap()[1].1.reward, None);
+        assert!(log.post_rewards(&[reward("c1", 1, 0.0)], "k2", true).unwrap());
+        let groups = log.pending_groups("a").unwrap();
+        assert_eq!(groups.len(), 1);
+        let g = &groups[0];
+        assert_eq!((g.group_id.as_str(), g.group_size), ("req:c1", 2));
+        assert_eq!(g.members[1].completion, vec![4, 5]);
+        assert_eq!(g.members[1].logprobs, vec![-0.5, -1.25]);
+        let cp = Checkpoint {
+            step: 1,
+            version: 4,
+            path: "x".into(),
+        };
+        log.commit_step("a", &cp, "{}", &[("c1".into(), 0), ("c1".into(), 1)])
+            .unwrap();
+        drop(log);
+        let log = RolloutLog::open(&path).unwrap();
+        assert!(log.pending_groups("a").unwrap().is_empty());
+        assert_eq!(log.latest_checkpoint("a").unwrap().unwrap().version, 4);
+        let info = log.feedback("c1").unwrap();
+        assert_eq!(info[0].1.reward, Some(1.0));
+        assert_eq!(info[0].1.trained_step, Some(1));
+        // The key is stored hashed, and the same key still owns its completions.
+        assert_ne!(info[0].0, "k1");
+        assert!(!log.post_rewards(&[reward("c1", 0, 1.0)], "k1", false).unwrap());
+    }
+}

@@ -1,0 +1,3 @@
+//! Serving while learning: the rollout log (`log`), feedback, and the in-process trainer.
+
+pub mod log;
