@@ -18,6 +18,11 @@ pub struct RawConfig {
     /// Adapters to load at start-up: NAME = "PEFT folder".
     #[serde(default)]
     pub adapters: std::collections::BTreeMap<String, PathBuf>,
+    #[serde(default)]
+    pub online: crate::online::config::RawOnline,
+    /// Learning adapters (`[[learn]]` tables).
+    #[serde(default)]
+    pub learn: Vec<crate::online::config::RawLearn>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -66,6 +71,11 @@ pub struct CliOverrides {
     pub admin_key: Option<String>,
     /// `--adapter NAME=PATH`, in order (added to and overriding the file's `[adapters]`).
     pub adapters: Vec<(String, PathBuf)>,
+    /// `--learn NAME`: learning adapters with default settings (a `[[learn]]` table of the same
+    /// name keeps its settings).
+    pub learn: Vec<String>,
+    /// `--data-dir`: overrides online.data_dir.
+    pub data_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug)]
@@ -104,6 +114,8 @@ pub struct Config {
     pub kv_cache_bytes: usize,
     pub block_size: usize,
     pub enable_prefix_caching: bool,
+    pub online: crate::online::config::OnlineConfig,
+    pub learn: Vec<crate::online::config::LearnConfig>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -145,6 +157,29 @@ impl RawConfig {
     /// Apply the CLI flags and defaults, and check every value.
     pub fn validate(self, cli: &CliOverrides) -> Result<Config, ConfigError> {
         let (s, m, e) = (self.server, self.model, self.engine);
+        let mut online = self
+            .online
+            .validate()
+            .map_err(|msg| invalid("online", msg))?;
+        if let Some(d) = &cli.data_dir {
+            online.data_dir = d.clone();
+        }
+        let mut raw_learn = self.learn;
+        for n in &cli.learn {
+            if !raw_learn.iter().any(|l| &l.name == n) {
+                raw_learn.push(crate::online::config::RawLearn::named(n));
+            }
+        }
+        let mut learn: Vec<crate::online::config::LearnConfig> = Vec::new();
+        for l in raw_learn {
+            let c = l
+                .validate()
+                .map_err(|(k, msg)| invalid("learn", format!("{k}: {msg}")))?;
+            if learn.iter().any(|o| o.name == c.name) {
+                return Err(invalid("learn", format!("'{}' is listed twice", c.name)));
+            }
+            learn.push(c);
+        }
         let cfg = Config {
             host: cli.host.clone().or(s.host).unwrap_or("127.0.0.1".into()),
             port: cli.port.or(s.port).unwrap_or(8080),
@@ -187,6 +222,8 @@ impl RawConfig {
             kv_cache_bytes: e.kv_cache_mb.unwrap_or(1024) << 20,
             block_size: e.block_size.unwrap_or(16),
             enable_prefix_caching: e.enable_prefix_caching.unwrap_or(true),
+            online,
+            learn,
         };
         if cfg.host.is_empty() {
             return Err(invalid("server.host", "empty"));

@@ -61,6 +61,14 @@ enum Cmd {
         /// Preload a PEFT adapter folder as NAME (repeatable).
         #[arg(long = "adapter", value_name = "NAME=PATH", value_parser = parse_named_path)]
         adapters: Vec<(String, PathBuf)>,
+        /// Make NAME a learning adapter (repeatable): created as the identity (OFT b=32 on all
+        /// seven projections) or resumed from its last checkpoint; completions through it are
+        /// logged, rewarded on /v1/feedback and trained on.
+        #[arg(long = "learn", value_name = "NAME")]
+        learn: Vec<String>,
+        /// Where the rollout log and checkpoints live (overrides online.data_dir; default data).
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -240,6 +248,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             api_key,
             admin_key,
             adapters,
+            learn,
+            data_dir,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -259,6 +269,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 api_key,
                 admin_key,
                 adapters,
+                learn,
+                data_dir,
             };
             flywheel::api::run(raw.validate(&cli)?)
         }

@@ -194,6 +194,17 @@ impl Registry {
         name: &str,
         weights: AdapterWeights,
     ) -> Result<(Arc<AdapterVersion>, bool), RegistryError> {
+        self.publish_from(name, weights, 1)
+    }
+
+    /// `publish`, numbering a new slot's first version `first` (a learning adapter resumed from
+    /// its checkpoint keeps counting where it stopped).
+    pub fn publish_from(
+        &self,
+        name: &str,
+        weights: AdapterWeights,
+        first: u64,
+    ) -> Result<(Arc<AdapterVersion>, bool), RegistryError> {
         self.check_name(name)?;
         if !weights.layout.model.same_shape(&self.model) {
             return Err(RegistryError::Adapter(super::config_error(
@@ -246,7 +257,7 @@ impl Registry {
                     return self.publish(name, weights);
                 }
                 let n: Arc<str> = Arc::from(name);
-                let v = make(n.clone(), 1, None, weights);
+                let v = make(n.clone(), first.max(1), None, weights);
                 let t0 = Instant::now();
                 slots.insert(
                     name.to_string(),

@@ -88,6 +88,10 @@ impl FromRequest<AppState> for JsonBody {
             }
             Ok(Ok(b)) => b,
         };
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            // No body: the handler decides whether it needs one (most say "a JSON object").
+            return Ok(JsonBody(serde_json::Value::Null));
+        }
         serde_json::from_slice(&bytes)
             .map(JsonBody)
             .map_err(|e| ApiError::bad_body(format!("the request body is not valid JSON: {e}")))

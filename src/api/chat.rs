@@ -10,6 +10,7 @@ use axum::response::Response;
 
 pub async fn chat_completions(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
@@ -35,6 +36,7 @@ pub async fn chat_completions(
         echo: None,
         adapter,
         prompt_param: "messages",
+        key: super::bearer_of(&headers).to_string(),
     };
     respond(&state, job).await
 }

@@ -12,6 +12,7 @@ use axum::response::Response;
 
 pub async fn completions(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
@@ -46,6 +47,7 @@ pub async fn completions(
         echo: echo.then_some(text),
         adapter,
         prompt_param: "prompt",
+        key: super::bearer_of(&headers).to_string(),
     };
     respond(&state, job).await
 }

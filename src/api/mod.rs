@@ -6,6 +6,7 @@ pub mod body;
 pub mod chat;
 pub mod completions;
 pub mod error;
+pub mod feedback;
 pub mod info;
 pub mod openai;
 pub mod respond;
@@ -20,6 +21,8 @@ use crate::engine::{Engine, EngineConfig, EngineHandle};
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
 use crate::model::tokenizer::Tokenizer;
+use crate::online::config::OnlineConfig;
+use crate::online::trainer::{Compute, Online};
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::header;
 use axum::middleware::{self, Next};
@@ -47,6 +50,42 @@ pub struct Ready {
     /// whatever else runs forwards beside it.
     pub model: Arc<Llama>,
     pub cpu: Arc<Cpu>,
+    /// The rollout log and trainer: started with the server when it has learning adapters,
+    /// else on the first `POST /v1/adapters/{name}/train`.
+    pub online: OnceLock<Arc<Online>>,
+    pub online_cfg: OnlineConfig,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Ready {
+    /// The online side, started now if it was not.
+    pub fn online_or_start(&self) -> anyhow::Result<&Arc<Online>> {
+        if let Some(o) = self.online.get() {
+            return Ok(o);
+        }
+        static START: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _g = START.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(o) = self.online.get() {
+            return Ok(o);
+        }
+        let o = Online::start(
+            self.online_cfg.clone(),
+            &[],
+            Compute {
+                model: self.model.clone(),
+                cpu: self.cpu.clone(),
+                registry: self.registry.clone(),
+            },
+            self.metrics.clone(),
+        )?;
+        let _ = self.online.set(o);
+        Ok(self.online.get().expect("just set"))
+    }
+
+    /// The online side if `name` is a learning adapter.
+    pub fn learning(&self, name: &str) -> Option<&Arc<Online>> {
+        self.online.get().filter(|o| o.is_learning(name))
+    }
 }
 
 pub struct Shared {
@@ -154,6 +193,9 @@ pub fn router(state: AppState) -> Router {
         .route("/detokenize", post(info::detokenize))
         .route("/v1/adapters", get(adapters::list))
         .route("/v1/adapters/{name}", get(adapters::show))
+        .route("/v1/feedback", post(feedback::post))
+        .route("/v1/feedback/{id}", get(feedback::get))
+        .route("/v1/train/status", get(feedback::status))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let admin = Router::new()
         .route("/v1/adapters", post(adapters::create))
@@ -164,6 +206,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/adapters/{name}/export", post(adapters::export))
         .route("/v1/load_lora_adapter", post(adapters::load_lora))
         .route("/v1/unload_lora_adapter", post(adapters::unload_lora))
+        .route("/v1/adapters/{name}/train", post(feedback::train))
+        .route("/v1/train/{name}/pause", post(feedback::pause))
+        .route("/v1/train/{name}/resume", post(feedback::resume))
         .route_layer(middleware::from_fn_with_state(state.clone(), admin_auth));
     Router::new()
         .merge(protected)
@@ -183,7 +228,12 @@ pub fn router(state: AppState) -> Router {
 
 /// The bearer token of a request ("" when absent).
 fn bearer(req: &Request) -> &str {
-    req.headers()
+    bearer_of(req.headers())
+}
+
+/// The bearer token in `headers` ("" when absent).
+pub fn bearer_of(headers: &axum::http::HeaderMap) -> &str {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
@@ -191,7 +241,7 @@ fn bearer(req: &Request) -> &str {
 }
 
 /// Constant-time comparison of a given key with the configured one.
-fn key_matches(given: &str, key: &str) -> bool {
+pub fn key_matches(given: &str, key: &str) -> bool {
     given.len() == key.len()
         && given
             .bytes()
@@ -325,8 +375,23 @@ pub(crate) fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready>
     }
     let model = Arc::new(model);
     let cpu = Arc::new(cpu);
-    let (engine, _join) =
-        Engine::start(model.clone(), tokenizer.clone(), cpu.clone(), ecfg, metrics)?;
+    let online = OnceLock::new();
+    if !cfg.learn.is_empty() {
+        let compute = Compute {
+            model: model.clone(),
+            cpu: cpu.clone(),
+            registry: registry.clone(),
+        };
+        let o = Online::start(cfg.online.clone(), &cfg.learn, compute, metrics.clone())?;
+        let _ = online.set(o);
+    }
+    let (engine, _join) = Engine::start(
+        model.clone(),
+        tokenizer.clone(),
+        cpu.clone(),
+        ecfg,
+        metrics.clone(),
+    )?;
     Ok(Ready {
         engine,
         tokenizer,
@@ -337,5 +402,8 @@ pub(crate) fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready>
         registry,
         model,
         cpu,
+        online,
+        online_cfg: cfg.online.clone(),
+        metrics,
     })
 }

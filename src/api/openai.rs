@@ -153,6 +153,9 @@ pub struct CommonParams {
     pub logprobs: bool,
     /// vLLM's `prompt_logprobs`: score the prompt, with this many alternatives per token.
     pub prompt_logprobs: Option<usize>,
+    /// Extension: the training group of a completion served through a learning adapter (its
+    /// choices are otherwise the group).
+    pub group: Option<String>,
 }
 
 pub const MAX_N: i64 = 128;
@@ -231,6 +234,15 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         prompt_logprobs: f
             .int_in("prompt_logprobs", 0, MAX_TOP_LOGPROBS as i128)?
             .map(|k| k as usize),
+        group: match f.str("group")? {
+            Some(g) if g.is_empty() || g.len() > 256 => {
+                return Err(ApiError::invalid(
+                    "group",
+                    "'group' must have 1 to 256 characters",
+                ))
+            }
+            g => g.map(str::to_string),
+        },
     })
 }
 

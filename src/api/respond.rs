@@ -12,6 +12,8 @@ use crate::engine::{
     EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
 };
 use crate::model::tokenizer::Tokenizer;
+use crate::online::log::CompletionRecord;
+use crate::online::trainer::Online;
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -35,6 +37,8 @@ pub struct Job {
     /// The adapter version pinned for this request (None: the base model); held until the
     /// response ends.
     pub adapter: Option<Pinned>,
+    /// The caller's bearer key ("" without one): who may reward the completion.
+    pub key: String,
 }
 
 /// 128 random bits, hex.
@@ -123,6 +127,11 @@ pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
         tok: ready.tokenizer.clone(),
         choices: (0..job.params.n).map(|_| Choice::default()).collect(),
         prompt_scores: None,
+        online: job
+            .adapter
+            .as_ref()
+            .and_then(|a| ready.learning(&a.name))
+            .cloned(),
         job,
     };
     if r.job.params.stream {
@@ -142,6 +151,8 @@ struct Choice {
     token_logprobs: Vec<f32>,
     top: Vec<Value>,
     text_offset: Vec<usize>,
+    /// The sampler's log-prob of each token (always kept: the behaviour policy's).
+    behavior: Vec<f32>,
     finish: Option<(FinishReason, Option<StopReason>)>,
     num_cached_tokens: usize,
     started: bool,
@@ -157,6 +168,8 @@ struct Responder {
     choices: Vec<Choice>,
     /// The prompt's scores, once the engine sent them (requests with prompt log-probs).
     prompt_scores: Option<Vec<PromptLogprob>>,
+    /// Set when the adapter is learning: the choices go to the rollout log.
+    online: Option<Arc<Online>>,
 }
 
 fn stop_reason_json(s: &Option<StopReason>) -> Value {
@@ -215,6 +228,7 @@ impl Responder {
                 let echo_len = self.job.echo.as_ref().map_or(0, String::len);
                 let c = &mut self.choices[*choice];
                 c.token_ids.push(*token_id);
+                c.behavior.push(*logprob);
                 if let Some(v) = lp_chat {
                     c.logprobs.push(v);
                 }
@@ -473,6 +487,62 @@ impl Responder {
     fn is_done(&self) -> bool {
         self.choices.iter().all(|c| c.finish.is_some())
     }
+
+    /// Write the finished choices to the rollout log when the adapter is learning (before the
+    /// client has the whole answer, so that its reward always finds them).
+    async fn log_rollouts(&self) -> Result<(), ApiError> {
+        let (Some(online), Some(a)) = (&self.online, &self.job.adapter) else {
+            return Ok(());
+        };
+        let p = &self.job.params;
+        let key = self.job.key.clone();
+        let (group_id, group_size) = match &p.group {
+            Some(g) => (format!("key:{}:{g}", online.log.key_hash(&key)), 0),
+            None => (format!("req:{}", self.id), p.n as u32),
+        };
+        let sp = &p.sampling;
+        let params = json!({
+            "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+            "min_p": sp.min_p, "presence_penalty": sp.presence_penalty,
+            "frequency_penalty": sp.frequency_penalty, "logit_bias": sp.logit_bias.len(),
+            "seed": p.seed, "max_tokens": p.max_tokens, "n": p.n,
+        })
+        .to_string();
+        let recs: Vec<CompletionRecord> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| CompletionRecord {
+                id: self.id.clone(),
+                choice: i as u32,
+                adapter: a.name.to_string(),
+                version: a.version,
+                group_id: group_id.clone(),
+                group_size,
+                prompt: self.job.prompt_ids.clone(),
+                completion: c.token_ids.clone(),
+                logprobs: c.behavior.clone(),
+                temperature: sp.temperature,
+                // Greedy answers are not draws from the policy either.
+                policy_sampled: sp.samples_the_policy() && sp.temperature > 0.0,
+                params: params.clone(),
+                finish_reason: c.finish.as_ref().map_or("length", |f| f.0.as_str()).into(),
+                key: key.clone(),
+            })
+            .collect();
+        let (log, n, name) = (online.log.clone(), recs.len(), a.name.to_string());
+        let metrics = online.metrics().clone();
+        super::blocking(move || {
+            log.log_completions(&recs)
+                .map_err(|e| ApiError::internal(format!("the rollout log failed: {e}")))
+        })
+        .await?;
+        metrics
+            .rollouts_logged
+            .with_label_values(&[&name])
+            .inc_by(n as u64);
+        Ok(())
+    }
 }
 
 async fn collect_response(
@@ -488,6 +558,7 @@ async fn collect_response(
             None => return Err(ApiError::internal("the engine stopped")),
         }
     }
+    r.log_rollouts().await?;
     Ok((StatusCode::OK, axum::Json(r.final_body())).into_response())
 }
 
@@ -500,6 +571,10 @@ fn stream_response(r: Responder, stream: RequestStream) -> Response {
         let (mut r, mut stream) = state?;
         if r.is_done() {
             let mut out = String::new();
+            if let Err(e) = r.log_rollouts().await {
+                out.push_str(&sse(&e.body()));
+                return Some((Ok(Bytes::from(out)), None));
+            }
             if r.job.params.include_usage {
                 let mut u = r.envelope(true, Vec::new());
                 u["usage"] = r.usage();

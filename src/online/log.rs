@@ -80,7 +80,11 @@ pub struct Reward {
 #[derive(Debug, thiserror::Error)]
 pub enum FeedbackError {
     #[error("no completion '{id}' choice {choice}")]
-    NotFound { index: usize, id: String, choice: u32 },
+    NotFound {
+        index: usize,
+        id: String,
+        choice: u32,
+    },
     #[error("completion '{id}' was made with another key")]
     Forbidden { index: usize, id: String },
     #[error("completion '{id}' choice {choice} already has reward {old}")]
@@ -415,7 +419,14 @@ impl RolloutLog {
         tx.execute(
             "INSERT INTO checkpoints (adapter, step, version, path, created, stats)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![adapter, cp.step as i64, cp.version as i64, cp.path, now_secs(), stats],
+            params![
+                adapter,
+                cp.step as i64,
+                cp.version as i64,
+                cp.path,
+                now_secs(),
+                stats
+            ],
         )?;
         for (id, choice) in consumed {
             tx.execute(
@@ -514,9 +525,13 @@ mod tests {
         let log = RolloutLog::open(&path).unwrap();
         log.log_completions(&[rec("c1", 0, "k1"), rec("c1", 1, "k1")])
             .unwrap();
-        assert!(log.post_rewards(&[reward("c1", 0, 1.0)], "k1", false).unwrap());
+        assert!(log
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false)
+            .unwrap());
         // A repeat of the same reward is not new; another value conflicts.
-        assert!(!log.post_rewards(&[reward("c1", 0, 1.0)], "k1", false).unwrap());
+        assert!(!log
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false)
+            .unwrap());
         assert!(matches!(
             log.post_rewards(&[reward("c1", 0, 0.5)], "k1", false),
             Err(FeedbackError::Conflict { .. })
@@ -531,7 +546,9 @@ mod tests {
             Err(FeedbackError::NotFound { index: 1, .. })
         ));
         assert_eq!(log.feedback("c1").unwrap()[1].1.reward, None);
-        assert!(log.post_rewards(&[reward("c1", 1, 0.0)], "k2", true).unwrap());
+        assert!(log
+            .post_rewards(&[reward("c1", 1, 0.0)], "k2", true)
+            .unwrap());
         let groups = log.pending_groups("a").unwrap();
         assert_eq!(groups.len(), 1);
         let g = &groups[0];
@@ -554,6 +571,8 @@ mod tests {
         assert_eq!(info[0].1.trained_step, Some(1));
         // The key is stored hashed, and the same key still owns its completions.
         assert_ne!(info[0].0, "k1");
-        assert!(!log.post_rewards(&[reward("c1", 0, 1.0)], "k1", false).unwrap());
+        assert!(!log
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false)
+            .unwrap());
     }
 }

@@ -22,6 +22,9 @@ pub struct Sample {
     /// The sampler's log-probs of the completion (None: taken as the current policy's, i.e.
     /// on-policy).
     pub behavior: Option<Vec<f32>>,
+    /// Sampled by the very weights being trained (then the training forward must reproduce
+    /// `behavior` to the bit: the step reports the largest difference).
+    pub sampled_by_current: bool,
 }
 
 /// A batch's samples with their advantages.
@@ -106,6 +109,19 @@ pub fn step(
         })
         .collect();
     let (stats, per_sample) = policy_loss(loss, &inputs);
+    // Train/serve log-prob difference over the samples drawn from these very weights.
+    let mut diff: Option<f64> = None;
+    for (i, s) in samples.iter().enumerate() {
+        if let (true, Some(b)) = (s.sampled_by_current, &s.behavior) {
+            let lp = &logps[packed.of_sample[i]];
+            let d = lp
+                .iter()
+                .zip(b)
+                .map(|(a, b)| (a - b).abs() as f64)
+                .fold(0.0f64, f64::max);
+            diff = Some(diff.unwrap_or(0.0).max(d));
+        }
+    }
     let mut grad_logp = vec![Vec::new(); seqs.len()];
     for (i, g) in per_sample.into_iter().enumerate() {
         grad_logp[packed.of_sample[i]] = g;
@@ -146,6 +162,7 @@ pub fn step(
             "tokens": stats.tokens,
             "seconds": secs,
             "forward_tokens": packed.num_tokens(),
+            "logprob_diff_max": diff,
             "tokens_per_second": pairs.iter().map(|(p, c)| p.len() + c.len()).sum::<usize>() as f64 / secs,
         }),
     ))
@@ -217,6 +234,7 @@ pub fn parse_jsonl(text: &str, tok: Option<&Tokenizer>) -> anyhow::Result<Vec<Sa
             reward,
             group,
             behavior,
+            sampled_by_current: false,
         });
     }
     Ok(out)

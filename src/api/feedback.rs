@@ -1,0 +1,274 @@
+//! `POST /v1/feedback` (rewards for completions served through learning adapters),
+//! `GET /v1/feedback/{id}`, and the training admin routes: `POST /v1/adapters/{name}/train`,
+//! `POST /v1/train/{name}/pause|resume`, `GET /v1/train/status`.
+
+use super::body::JsonBody;
+use super::error::ApiError;
+use super::openai::Fields;
+use super::{bearer_of, blocking, key_matches, AppState};
+use crate::online::config::RawLearn;
+use crate::online::log::{FeedbackError, Reward};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+fn is_admin(state: &AppState, headers: &HeaderMap) -> bool {
+    state
+        .admin_key
+        .as_deref()
+        .is_some_and(|k| key_matches(bearer_of(headers), k))
+}
+
+/// One reward item; `at` is its place in a list (None for a single object).
+fn parse_item(v: &Value, at: Option<usize>, lo: f64, hi: f64) -> Result<Reward, ApiError> {
+    let name = |f: &str| at.map_or(f.to_string(), |i| format!("[{i}].{f}"));
+    let o = v.as_object().ok_or_else(|| {
+        ApiError::invalid(&name("id"), "each reward is an object {id, choice, reward}")
+    })?;
+    let f = Fields(o);
+    let id = f
+        .str("id")
+        .map_err(|_| ApiError::invalid(&name("id"), "'id' must be a string"))?
+        .ok_or_else(|| ApiError::invalid(&name("id"), "'id' is required"))?
+        .to_string();
+    let choice = f
+        .int_in("choice", 0, u32::MAX as i128)
+        .map_err(|e| ApiError::invalid(&name("choice"), e.message))?
+        .unwrap_or(0) as u32;
+    // NaN and infinities are not JSON numbers; huge ones are, and are out of range.
+    let reward = match o.get("reward") {
+        Some(Value::Number(n)) => n.as_f64().unwrap_or(f64::NAN),
+        Some(Value::String(s))
+            if matches!(s.as_str(), "NaN" | "nan" | "Infinity" | "-Infinity") =>
+        {
+            f64::NAN
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                &name("reward"),
+                "'reward' must be a number",
+            ))
+        }
+        None => return Err(ApiError::invalid(&name("reward"), "'reward' is required")),
+    };
+    if !(reward.is_finite() && (lo..=hi).contains(&reward)) {
+        return Err(ApiError::invalid(
+            &name("reward"),
+            format!(
+                "'reward' is {}; it must be a finite number in [{lo}, {hi}]",
+                o["reward"]
+            ),
+        ));
+    }
+    Ok(Reward { id, choice, reward })
+}
+
+/// `POST /v1/feedback`: `{"id", "choice"?, "reward"}` or a list of them, recorded all or none.
+/// 202 once committed (200 when every reward repeats a stored one).
+pub async fn post(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let cfg = &ready.online_cfg;
+    let (lo, hi) = (cfg.reward_min, cfg.reward_max);
+    let items: Vec<Reward> = match &body {
+        Value::Array(a) if a.is_empty() => {
+            return Err(ApiError::bad_body("the list of rewards is empty"))
+        }
+        Value::Array(a) if a.len() > 4096 => {
+            return Err(ApiError::bad_body("at most 4096 rewards per request"))
+        }
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| parse_item(v, Some(i), lo, hi))
+            .collect::<Result<_, _>>()?,
+        v => vec![parse_item(v, None, lo, hi)?],
+    };
+    let Some(online) = ready.online.get().cloned() else {
+        let id = &items[0].id;
+        return Err(ApiError::not_found(format!(
+            "no completion '{id}' (this server has no learning adapter)"
+        )));
+    };
+    let (key, admin) = (bearer_of(&headers).to_string(), is_admin(&state, &headers));
+    let list = body.is_array();
+    let n = items.len();
+    let log = online.log.clone();
+    let r = blocking(move || Ok(log.post_rewards(&items, &key, admin))).await?;
+    let field = |index: usize, f: &str| {
+        if list {
+            format!("[{index}].{f}")
+        } else {
+            f.to_string()
+        }
+    };
+    let m = online.metrics();
+    match r {
+        Ok(new) => {
+            let outcome = if new { "new" } else { "repeat" };
+            m.feedback_rewards
+                .with_label_values(&[outcome])
+                .inc_by(n as u64);
+            if new {
+                online.notify();
+            }
+            let status = if new {
+                StatusCode::ACCEPTED
+            } else {
+                StatusCode::OK
+            };
+            Ok((
+                status,
+                Json(json!({"object": "feedback", "rewards": n, "status": if new { "accepted" } else { "unchanged" }})),
+            )
+                .into_response())
+        }
+        Err(FeedbackError::NotFound { index, id, choice }) => Err(ApiError {
+            param: Some(field(index, "id")),
+            ..ApiError::not_found(format!("no completion '{id}' with choice {choice}"))
+        }),
+        Err(FeedbackError::Forbidden { index, id }) => Err(ApiError {
+            param: Some(field(index, "id")),
+            ..ApiError::forbidden(format!(
+                "completion '{id}' was made with another key; only that key or the admin key may reward it"
+            ))
+        }),
+        Err(FeedbackError::Conflict {
+            index,
+            id,
+            choice,
+            old,
+        }) => Err(ApiError::conflict(
+            &field(index, "reward"),
+            format!("completion '{id}' choice {choice} already has the reward {old}"),
+        )),
+        Err(FeedbackError::Db(e)) => Err(ApiError::internal(format!("the rollout log failed: {e}"))),
+    }
+}
+
+/// `GET /v1/feedback/{id}`: what is stored for each choice (owner or admin only).
+pub async fn get(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let not_found = || ApiError::not_found(format!("no completion '{id}'"));
+    let online = ready.online.get().cloned().ok_or_else(not_found)?;
+    let log = online.log.clone();
+    let key = log.key_hash(bearer_of(&headers));
+    let q = id.clone();
+    let rows = blocking(move || {
+        log.feedback(&q)
+            .map_err(|e| ApiError::internal(format!("the rollout log failed: {e}")))
+    })
+    .await?;
+    if rows.is_empty() {
+        return Err(not_found());
+    }
+    if !is_admin(&state, &headers) && rows.iter().any(|(owner, _)| owner != &key) {
+        return Err(ApiError::forbidden(format!(
+            "completion '{id}' was made with another key"
+        )));
+    }
+    let choices: Vec<Value> = rows.into_iter().map(|(_, c)| json!(c)).collect();
+    Ok(Json(
+        json!({"object": "feedback", "id": id, "choices": choices}),
+    ))
+}
+
+/// `POST /v1/adapters/{name}/train` (admin): make `name` a learning adapter (created as the
+/// identity or resumed from its checkpoint), or change a learning adapter's settings.
+pub async fn train(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let mut raw: RawLearn = match body {
+        Value::Null => RawLearn::default(),
+        v => serde_json::from_value(v).map_err(|e| ApiError::bad_body(e.to_string()))?,
+    };
+    if !raw.name.is_empty() && raw.name != name {
+        return Err(ApiError::invalid(
+            "name",
+            "the body's name differs from the path's",
+        ));
+    }
+    raw.name = name.clone();
+    let cfg = raw.validate().map_err(|(k, m)| ApiError::invalid(k, m))?;
+    let online = ready
+        .online_or_start()
+        .map_err(|e| ApiError::internal(format!("starting the trainer: {e}")))?
+        .clone();
+    let o = online.clone();
+    let created = blocking(move || {
+        if o.is_learning(&cfg.name) {
+            o.update_config(cfg)
+                .map_err(|m| ApiError::invalid("method", m))
+                .map(|_| false)
+        } else {
+            o.add_learner(cfg)
+                .map(|_| true)
+                .map_err(|e| ApiError::invalid("name", e.to_string()))
+        }
+    })
+    .await?;
+    let status = online.status().remove(&name);
+    let code = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        code,
+        Json(json!({"object": "train.adapter", "id": name, "status": status})),
+    )
+        .into_response())
+}
+
+async fn set_paused(state: &AppState, name: &str, paused: bool) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let online = ready
+        .online
+        .get()
+        .filter(|o| o.set_paused(name, paused))
+        .ok_or_else(|| ApiError::not_found(format!("'{name}' is not a learning adapter")))?;
+    let status = online.status().remove(name);
+    Ok(Json(
+        json!({"object": "train.adapter", "id": name, "status": status}),
+    ))
+}
+
+pub async fn pause(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    set_paused(&state, &name, true).await
+}
+
+pub async fn resume(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    set_paused(&state, &name, false).await
+}
+
+/// `GET /v1/train/status`: each learning adapter's version, steps, pending and dropped groups,
+/// last step's statistics.
+pub async fn status(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let adapters = ready
+        .online
+        .get()
+        .map(|o| json!(o.status()))
+        .unwrap_or_else(|| json!({}));
+    Ok(Json(
+        json!({"object": "train.status", "adapters": adapters}),
+    ))
+}

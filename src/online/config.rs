@@ -1,0 +1,162 @@
+//! Learning configuration: `[online]` (the rollout log and the trainer's rules) and one `[[learn]]`
+//! table per learning adapter (also `serve --learn NAME` and `POST /v1/adapters/{name}/train`).
+
+use serde::Deserialize;
+use std::path::PathBuf;
+
+/// `[online]` as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOnline {
+    pub data_dir: Option<PathBuf>,
+    pub reward_min: Option<f64>,
+    pub reward_max: Option<f64>,
+    pub max_off_policy_steps: Option<u64>,
+    pub group_timeout_secs: Option<f64>,
+    pub train_off_policy_samples: Option<bool>,
+    pub retention_days: Option<f64>,
+    pub retention_max_rows: Option<usize>,
+    pub max_step_tokens: Option<usize>,
+}
+
+/// One `[[learn]]` table as written (also the body of `POST /v1/adapters/{name}/train`).
+#[derive(Clone, Debug, Default, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLearn {
+    pub name: String,
+    /// "oft" (default) or "lora".
+    pub method: Option<String>,
+    pub loss: Option<String>,
+    pub lr: Option<f32>,
+    pub groups_per_step: Option<usize>,
+    pub kl_coef: Option<f32>,
+    pub clip_low: Option<f32>,
+    pub clip_high: Option<f32>,
+    pub oft_block_size: Option<usize>,
+    pub lora_r: Option<usize>,
+}
+
+/// The validated `[online]` settings.
+#[derive(Clone, Debug)]
+pub struct OnlineConfig {
+    /// Holds `flywheel.db` (the rollout log) and `adapters/NAME/step-N` checkpoints.
+    pub data_dir: PathBuf,
+    pub reward_min: f64,
+    pub reward_max: f64,
+    /// Groups sampled more than this many versions before the current one are dropped.
+    pub max_off_policy_steps: u64,
+    /// A group with at least two rewards trains after this long even if incomplete.
+    pub group_timeout_secs: f64,
+    /// Train on completions sampled with truncation, penalties or biases (default: no; their
+    /// behaviour log-probs are not the distribution they were drawn from).
+    pub train_off_policy_samples: bool,
+    pub retention_days: f64,
+    pub retention_max_rows: usize,
+    /// Tokens (prompt + completion, summed over a step's sequences) one step takes at most.
+    pub max_step_tokens: usize,
+}
+
+/// A learning adapter's validated settings.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LearnConfig {
+    pub name: String,
+    pub method: String,
+    pub loss: String,
+    pub lr: f32,
+    pub groups_per_step: usize,
+    pub kl_coef: f32,
+    pub clip_low: Option<f32>,
+    pub clip_high: Option<f32>,
+    pub oft_block_size: usize,
+    pub lora_r: usize,
+}
+
+impl RawOnline {
+    pub fn validate(self) -> Result<OnlineConfig, String> {
+        let c = OnlineConfig {
+            data_dir: self.data_dir.unwrap_or_else(|| PathBuf::from("data")),
+            reward_min: self.reward_min.unwrap_or(-1e6),
+            reward_max: self.reward_max.unwrap_or(1e6),
+            max_off_policy_steps: self.max_off_policy_steps.unwrap_or(4),
+            group_timeout_secs: self.group_timeout_secs.unwrap_or(300.0),
+            train_off_policy_samples: self.train_off_policy_samples.unwrap_or(false),
+            retention_days: self.retention_days.unwrap_or(30.0),
+            retention_max_rows: self.retention_max_rows.unwrap_or(1_000_000),
+            max_step_tokens: self.max_step_tokens.unwrap_or(8192),
+        };
+        if !(c.reward_min.is_finite() && c.reward_max.is_finite() && c.reward_min < c.reward_max) {
+            return Err("online.reward_min must be below online.reward_max, both finite".into());
+        }
+        if !(c.group_timeout_secs > 0.0 && c.retention_days > 0.0) {
+            return Err("online.group_timeout_secs and online.retention_days must be > 0".into());
+        }
+        if c.max_step_tokens < 64 {
+            return Err("online.max_step_tokens must be at least 64".into());
+        }
+        Ok(c)
+    }
+}
+
+impl RawLearn {
+    pub fn named(name: &str) -> RawLearn {
+        RawLearn {
+            name: name.to_string(),
+            ..RawLearn::default()
+        }
+    }
+
+    pub fn validate(self) -> Result<LearnConfig, (&'static str, String)> {
+        // The name is also a folder name under data_dir/adapters: no leading dot.
+        let ok_chars = self
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if self.name.is_empty() || self.name.len() > 64 || !ok_chars || self.name.starts_with('.') {
+            return Err((
+                "name",
+                format!(
+                    "'{}': 1 to 64 letters, digits, '-', '_' or '.', not starting with '.'",
+                    self.name
+                ),
+            ));
+        }
+        let method = self.method.unwrap_or_else(|| "oft".into());
+        if !matches!(method.as_str(), "oft" | "lora") {
+            return Err(("method", format!("'{method}': oft or lora")));
+        }
+        let loss = self.loss.unwrap_or_else(|| "grpo".into());
+        if crate::train::loss::LossConfig::named(&loss, 1, 1).is_none() || loss == "sft" {
+            return Err((
+                "loss",
+                format!("'{loss}': grpo, dapo, dr_grpo, gspo or masked_is"),
+            ));
+        }
+        let c = LearnConfig {
+            name: self.name,
+            method,
+            loss,
+            lr: self.lr.unwrap_or(2e-4),
+            groups_per_step: self.groups_per_step.unwrap_or(1),
+            kl_coef: self.kl_coef.unwrap_or(0.0),
+            clip_low: self.clip_low,
+            clip_high: self.clip_high,
+            oft_block_size: self.oft_block_size.unwrap_or(32),
+            lora_r: self.lora_r.unwrap_or(16),
+        };
+        if !(c.lr > 0.0 && c.lr < 1.0) {
+            return Err(("lr", "must be in (0, 1)".into()));
+        }
+        if !(1..=64).contains(&c.groups_per_step) {
+            return Err(("groups_per_step", "must be in 1..=64".into()));
+        }
+        if !(c.kl_coef >= 0.0 && c.kl_coef.is_finite()) {
+            return Err(("kl_coef", "must be >= 0".into()));
+        }
+        for (k, v) in [("clip_low", c.clip_low), ("clip_high", c.clip_high)] {
+            if v.is_some_and(|v| !(v > 0.0 && v < 10.0)) {
+                return Err((k, "must be in (0, 10)".into()));
+            }
+        }
+        Ok(c)
+    }
+}
