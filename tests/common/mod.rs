@@ -3,6 +3,7 @@
 
 pub mod adapters;
 pub mod naive;
+pub mod online;
 pub mod server;
 
 use flywheel::kernels::quant::quantize::quantize;

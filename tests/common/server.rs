@@ -120,6 +120,13 @@ impl Client {
         let mut s = self.connect(method, path, body, headers)?;
         let mut raw = Vec::new();
         s.read_to_end(&mut raw)?;
+        if !raw.windows(4).any(|w| w == b"\r\n\r\n") {
+            // The server went away before answering (a test that kills it).
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "no HTTP response",
+            ));
+        }
         Ok(Response::parse(&raw))
     }
 

@@ -1,0 +1,67 @@
+//! Helpers for the online-learning HTTP tests: a server with learning adapters on a data
+//! directory, keyed requests, and reward posting.
+
+use super::server::{Client, Response, Server};
+use serde_json::{json, Value};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+pub const USER: &str = "user-key";
+pub const ADMIN: &str = "admin-key";
+
+/// A server on `model` learning `learn` (names), its rollout log and checkpoints in `data`.
+pub fn start_learning(model: &Path, data: &Path, config: &str, learn: &[&str]) -> Server {
+    let mut args = vec![
+        "--data-dir".to_string(),
+        data.to_str().unwrap().to_string(),
+        "--api-key".into(),
+        USER.into(),
+        "--admin-key".into(),
+        ADMIN.into(),
+    ];
+    for l in learn {
+        args.push("--learn".into());
+        args.push(l.to_string());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Server::start(model, config, &args)
+}
+
+pub fn call(c: &Client, method: &str, path: &str, body: Option<&Value>, key: &str) -> Response {
+    let auth = format!("Bearer {key}");
+    let text = body.map(Value::to_string);
+    c.try_request(method, path, text.as_deref(), &[("Authorization", &auth)])
+        .expect("request")
+}
+
+/// Chat with `n` choices through `model`; the response.
+pub fn sample(c: &Client, model: &str, n: usize, max_tokens: usize, key: &str) -> Value {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "say something"}],
+        "n": n, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": true,
+        "return_token_ids": true,
+    });
+    let r = call(c, "POST", "/v1/chat/completions", Some(&body), key);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    r.json()
+}
+
+pub fn status(c: &Client, adapter: &str) -> Value {
+    let r = call(c, "GET", "/v1/train/status", None, USER);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    r.json()["adapters"][adapter].clone()
+}
+
+/// Wait (bounded) until `pred` holds for the adapter's status.
+pub fn wait_status(c: &Client, adapter: &str, secs: u64, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let s = status(c, adapter);
+        if pred(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "status never satisfied: {s}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}

@@ -1,0 +1,215 @@
+//! Serving while learning, over HTTP on tiny generated models: feedback validation,
+//! authorization and idempotency; staleness drops; a learning run where the reward rises.
+
+mod common;
+
+use common::online::*;
+use common::server::*;
+use common::{write_tiny, TinySpec};
+use serde_json::{json, Value};
+
+const ONLINE: &str = r#"
+[server]
+served_model_name = "tiny"
+[engine]
+kv_cache_mb = 16
+max_num_batched_tokens = 64
+[online]
+reward_min = -1.0
+reward_max = 1.0
+max_off_policy_steps = 0
+"#;
+
+#[test]
+fn feedback_is_validated_authorized_and_idempotent() {
+    let (dir, path) = write_tiny(&spec());
+    let s = start_learning(&path, &dir.path().join("data"), ONLINE, &["l"]);
+    let r = sample(&s, "l", 2, 3, USER);
+    let id = r["id"].as_str().unwrap().to_string();
+    assert_eq!(r["adapter_version"], 1);
+    let post = |body: Value, key: &str| call(&s, "POST", "/v1/feedback", Some(&body), key);
+    // Bad input: 400 naming the field.
+    for (body, param) in [
+        (json!({"id": id, "reward": "x"}), "reward"),
+        (json!({"id": id, "reward": 5}), "reward"),
+        (json!({"id": id, "reward": -1.5}), "reward"),
+        (json!({"id": id}), "reward"),
+        (json!({"reward": 1}), "id"),
+        (json!({"id": id, "choice": -1, "reward": 1}), "choice"),
+        (
+            json!([{"id": id, "reward": 1}, {"id": id, "choice": 1, "reward": 9}]),
+            "[1].reward",
+        ),
+    ] {
+        assert_error(&post(body, USER), 400, Some(param));
+    }
+    let nan = format!("{{\"id\": \"{id}\", \"reward\": NaN}}");
+    let r = s
+        .try_request(
+            "POST",
+            "/v1/feedback",
+            Some(&nan),
+            &[("Authorization", &format!("Bearer {USER}"))],
+        )
+        .unwrap();
+    assert_error(&r, 400, None);
+    // Unknown completion or choice: 404, nothing recorded (all or none).
+    assert_error(
+        &post(json!({"id": "chatcmpl-nope", "reward": 1}), USER),
+        404,
+        Some("id"),
+    );
+    let r = post(
+        json!([{"id": id, "choice": 0, "reward": 1}, {"id": id, "choice": 7, "reward": 0}]),
+        USER,
+    );
+    assert_error(&r, 404, Some("[1].id"));
+    let got = call(&s, "GET", &format!("/v1/feedback/{id}"), None, USER).json();
+    assert_eq!(got["choices"][0]["reward"], Value::Null, "{got}");
+    // No key: 401. A completion made with the admin key is not the user's to reward.
+    assert_error(&post(json!({"id": id, "reward": 1}), "wrong"), 401, None);
+    let theirs = sample(&s, "l", 1, 2, ADMIN)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_error(
+        &post(json!({"id": theirs, "reward": 1}), USER),
+        403,
+        Some("id"),
+    );
+    assert_error(
+        &call(&s, "GET", &format!("/v1/feedback/{theirs}"), None, USER),
+        403,
+        None,
+    );
+    assert_eq!(post(json!({"id": theirs, "reward": 1}), ADMIN).status, 202);
+    // Accepted once (202), a repeat is 200, another value 409.
+    assert_eq!(
+        post(json!({"id": id, "choice": 0, "reward": 1}), USER).status,
+        202
+    );
+    assert_eq!(
+        post(json!({"id": id, "choice": 0, "reward": 1.0}), USER).status,
+        200
+    );
+    assert_error(
+        &post(json!({"id": id, "choice": 0, "reward": 0}), USER),
+        409,
+        Some("reward"),
+    );
+    let got = call(&s, "GET", &format!("/v1/feedback/{id}"), None, USER).json();
+    assert_eq!(got["choices"][0]["reward"], 1.0);
+    assert_eq!(got["choices"][0]["adapter_version"], 1);
+    assert_eq!(got["choices"].as_array().unwrap().len(), 2);
+    // The base model's completions are not logged.
+    let base = sample(&s, "tiny", 1, 2, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_error(
+        &post(json!({"id": base, "reward": 1}), USER),
+        404,
+        Some("id"),
+    );
+}
+
+#[test]
+fn stale_groups_are_dropped_and_flat_groups_carry_no_signal() {
+    let (dir, path) = write_tiny(&spec());
+    let s = start_learning(&path, &dir.path().join("data"), ONLINE, &["l"]);
+    let a = sample(&s, "l", 2, 3, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let b = sample(&s, "l", 2, 3, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let c = sample(&s, "l", 2, 3, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let reward = |id: &str, r0: f64, r1: f64| {
+        let body =
+            json!([{"id": id, "choice": 0, "reward": r0}, {"id": id, "choice": 1, "reward": r1}]);
+        assert_eq!(
+            call(&s, "POST", "/v1/feedback", Some(&body), USER).status,
+            202
+        );
+    };
+    // A flat group is dropped; a group with variance trains (version 1 -> 2).
+    reward(&c, 0.5, 0.5);
+    reward(&a, 1.0, 0.0);
+    let st = wait_status(&s, "l", 60, |st| st["version"] == 2);
+    assert_eq!(st["steps"], 1);
+    // b was sampled by version 1: with max_off_policy_steps = 0 it is now stale.
+    reward(&b, 0.0, 1.0);
+    let st = wait_status(&s, "l", 60, |st| st["dropped"]["stale"] == 2);
+    assert_eq!(st["dropped"]["no_variance"], 2);
+    assert_eq!(st["version"], 2);
+    let fb = call(&s, "GET", &format!("/v1/feedback/{b}"), None, USER).json();
+    assert_eq!(fb["choices"][0]["dropped"], "stale");
+    let fa = call(&s, "GET", &format!("/v1/feedback/{a}"), None, USER).json();
+    assert_eq!(fa["choices"][1]["trained_step"], 1);
+    assert!(
+        s.metric("flywheel_train_samples_dropped_total{adapter=\"l\",reason=\"stale\"}") >= 2.0
+    );
+    // The new version serves and is what the next completions report.
+    assert_eq!(sample(&s, "l", 1, 2, USER)["adapter_version"], 2);
+}
+
+/// A learning run on a tiny model: reward 1 when the first generated token is even. GRPO moves
+/// the policy toward even first tokens: the mean reward of the last rounds is clearly above the
+/// first rounds'.
+#[test]
+fn a_short_learning_run_raises_the_reward() {
+    let (dir, path) = write_tiny(&spec());
+    let cfg =
+        format!("{ONLINE}\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\nlr = 0.05\nlora_r = 4\n")
+            .replace("max_off_policy_steps = 0", "max_off_policy_steps = 2");
+    let s = start_learning(&path, &dir.path().join("data"), &cfg, &[]);
+    let mut means = Vec::new();
+    for round in 0..24 {
+        let r = sample(&s, "l", 8, 2, USER);
+        let id = r["id"].as_str().unwrap();
+        let items: Vec<Value> = r["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                let first = c["token_ids"][0].as_u64().unwrap();
+                json!({"id": id, "choice": c["index"], "reward": (first % 2 == 0) as u8})
+            })
+            .collect();
+        let mean = items
+            .iter()
+            .map(|i| i["reward"].as_f64().unwrap())
+            .sum::<f64>()
+            / items.len() as f64;
+        means.push(mean);
+        assert_eq!(
+            call(&s, "POST", "/v1/feedback", Some(&Value::Array(items)), USER).status,
+            202
+        );
+        // Wait for the group to be trained or dropped before sampling again (on-policy).
+        wait_status(&s, "l", 60, |st| {
+            st["pending_groups"] == 0 && {
+                let done = st["steps"].as_u64().unwrap()
+                    + st["dropped"]["no_variance"].as_u64().unwrap_or(0) / 8;
+                done > round as u64
+            }
+        });
+    }
+    let first: f64 = means[..6].iter().sum::<f64>() / 6.0;
+    let last: f64 = means[18..].iter().sum::<f64>() / 6.0;
+    eprintln!("mean reward per round: {means:?}");
+    assert!(
+        last > first + 0.2 && last > 0.7,
+        "first {first:.2}, last {last:.2}"
+    );
+    let st = status(&s, "l");
+    assert_eq!(
+        st["last"]["logprob_diff_max"], 0.0,
+        "train and serve log-probs differ: {st}"
+    );
+}
