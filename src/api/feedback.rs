@@ -190,10 +190,25 @@ pub async fn train(
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let mut raw: RawLearn = match body {
-        Value::Null => RawLearn::default(),
-        v => serde_json::from_value(v).map_err(|e| ApiError::bad_body(e.to_string()))?,
-    };
+    // On a learning adapter, the fields not given keep their current values.
+    let mut merged = ready
+        .online
+        .get()
+        .and_then(|o| o.status().remove(&name))
+        .and_then(|s| s.config)
+        .map(|c| json!(c))
+        .unwrap_or_else(|| json!({}));
+    match body {
+        Value::Null => {}
+        Value::Object(o) => {
+            for (k, v) in o {
+                merged[k] = v;
+            }
+        }
+        _ => return Err(ApiError::bad_body("the body must be a JSON object of settings")),
+    }
+    let mut raw: RawLearn =
+        serde_json::from_value(merged).map_err(|e| ApiError::bad_body(e.to_string()))?;
     if !raw.name.is_empty() && raw.name != name {
         return Err(ApiError::invalid(
             "name",

@@ -23,6 +23,8 @@ pub struct RawOnline {
 #[derive(Clone, Debug, Default, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawLearn {
+    /// Required in `[[learn]]`; taken from the path in `POST /v1/adapters/{name}/train`.
+    #[serde(default)]
     pub name: String,
     /// "oft" (default) or "lora".
     pub method: Option<String>,

@@ -28,9 +28,13 @@ OFFICIAL = pathlib.Path(__file__).with_name("openai-chat-subset.json")
 OURS = ROOT / "openapi" / "openapi.yaml"
 
 
+LEARN = "contract-learn"
+
+
 @pytest.fixture(scope="module")
-def server():
-    proc, base = start_server(["--api-key", KEY])
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    proc, base = start_server(["--api-key", KEY, "--learn", LEARN, "--data-dir", str(data)])
     yield base
     proc.terminate()
     try:
@@ -322,6 +326,44 @@ def test_adapters_follow_the_contract(tmp_path):
     check("DELETE", "/v1/adapters/contract-oft", route=A, expect=404)
     check("GET", "/v1/adapters/contract-oft", route=A, expect=404)
     check("POST", "/v1/chat/completions", {"model": "contract-oft", "messages": msgs}, expect=404)
+
+
+def test_feedback_and_training_follow_the_contract():
+    msgs = [{"role": "user", "content": "Say hi"}]
+    _, _, r = check("POST", "/v1/chat/completions", {
+        "model": LEARN, "messages": msgs, "max_tokens": 4, "n": 2, "temperature": 1.0})
+    cid = r["id"]
+    F = "/v1/feedback/{id}"
+    rewards = [{"id": cid, "choice": 0, "reward": 1.0}, {"id": cid, "choice": 1, "reward": 0.0}]
+    check("POST", "/v1/feedback", rewards, expect=202)
+    check("POST", "/v1/feedback", rewards[0], expect=200)
+    check("POST", "/v1/feedback", {**rewards[0], "reward": 0.5}, expect=409)
+    check("POST", "/v1/feedback", {"id": cid, "reward": "x"}, expect=400)
+    check("POST", "/v1/feedback", {"id": "chatcmpl-none", "reward": 1}, expect=404)
+    check("POST", "/v1/feedback", rewards, key="wrong", expect=401)
+    check("POST", "/v1/feedback", raw=b"x" * (3 << 20), expect=413)
+    check("POST", "/v1/feedback", raw=json.dumps(rewards).encode(), content_type="text/plain",
+          expect=415)
+    _, _, fb = check("GET", f"/v1/feedback/{cid}", route=F)
+    assert [c["reward"] for c in fb["choices"]] == [1.0, 0.0]
+    check("GET", "/v1/feedback/chatcmpl-none", route=F, expect=404)
+    check("GET", f"/v1/feedback/{cid}", route=F, key="wrong", expect=401)
+    _, _, st = check("GET", "/v1/train/status")
+    assert LEARN in st["adapters"]
+    check("GET", "/v1/train/status", key="wrong", expect=401)
+    T = "/v1/adapters/{name}/train"
+    check("POST", "/v1/adapters/contract-learn2/train", {"method": "lora", "lora_r": 4}, route=T,
+          expect=201)
+    _, _, t = check("POST", "/v1/adapters/contract-learn2/train", {"lr": 1e-4}, route=T)
+    assert t["status"]["config"]["lr"] == pytest.approx(1e-4)
+    check("POST", "/v1/adapters/contract-learn2/train", {"method": "oft"}, route=T, expect=400)
+    check("POST", "/v1/adapters/contract-learn2/train", {}, route=T, key="wrong", expect=401)
+    for action in ["pause", "resume"]:
+        R = "/v1/train/{name}/" + action
+        _, _, t = check("POST", f"/v1/train/contract-learn2/{action}", route=R)
+        assert t["status"]["paused"] == (action == "pause")
+        check("POST", f"/v1/train/nope/{action}", route=R, expect=404)
+        check("POST", f"/v1/train/contract-learn2/{action}", route=R, key="wrong", expect=401)
 
 
 def test_every_documented_path_and_status_was_exercised():
