@@ -205,7 +205,11 @@ pub async fn train(
                 merged[k] = v;
             }
         }
-        _ => return Err(ApiError::bad_body("the body must be a JSON object of settings")),
+        _ => {
+            return Err(ApiError::bad_body(
+                "the body must be a JSON object of settings",
+            ))
+        }
     }
     let mut raw: RawLearn =
         serde_json::from_value(merged).map_err(|e| ApiError::bad_body(e.to_string()))?;

@@ -271,7 +271,9 @@ impl Engine {
                 self.handle(cmd);
             }
             self.reap_cancelled();
-            let worked = self.step();
+            // A step is the pool's foreground: background (training) kernels wait for it.
+            let cpu = self.cpu.clone();
+            let worked = cpu.pool.gate.foreground(|| self.step());
             self.update_gauges();
             if !worked && !self.sched.is_idle() {
                 // Nothing could be scheduled (all waiting for blocks held by nobody should not

@@ -17,6 +17,7 @@ pub struct RawOnline {
     pub retention_days: Option<f64>,
     pub retention_max_rows: Option<usize>,
     pub max_step_tokens: Option<usize>,
+    pub train_share: Option<f64>,
 }
 
 /// One `[[learn]]` table as written (also the body of `POST /v1/adapters/{name}/train`).
@@ -56,6 +57,9 @@ pub struct OnlineConfig {
     pub retention_max_rows: usize,
     /// Tokens (prompt + completion, summed over a step's sequences) one step takes at most.
     pub max_step_tokens: usize,
+    /// While serving is busy, the trainer gets this much compute time per unit of serving time
+    /// (between engine steps); all of it when serving is idle.
+    pub train_share: f64,
 }
 
 /// A learning adapter's validated settings.
@@ -85,7 +89,11 @@ impl RawOnline {
             retention_days: self.retention_days.unwrap_or(30.0),
             retention_max_rows: self.retention_max_rows.unwrap_or(1_000_000),
             max_step_tokens: self.max_step_tokens.unwrap_or(8192),
+            train_share: self.train_share.unwrap_or(0.35),
         };
+        if !(0.0..=10.0).contains(&c.train_share) {
+            return Err("online.train_share must be in [0, 10]".into());
+        }
         if !(c.reward_min.is_finite() && c.reward_max.is_finite() && c.reward_min < c.reward_max) {
             return Err("online.reward_min must be below online.reward_max, both finite".into());
         }

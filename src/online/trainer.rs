@@ -213,6 +213,9 @@ impl Online {
     }
 
     fn run(self: Arc<Self>) {
+        // Serving first: this thread's kernels yield to engine steps (see kernels' `gate`).
+        flywheel_kernels::cpu::set_background(true);
+        self.compute.cpu.pool.gate.set_share(self.cfg.train_share);
         let mut last_prune = 0.0;
         loop {
             {

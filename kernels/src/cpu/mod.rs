@@ -5,11 +5,13 @@ pub mod adapter;
 pub mod attention;
 pub mod backward;
 pub mod dequant;
+pub mod gate;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod simd;
 
+pub use gate::set_background;
 pub use matmul::Matmul;
 pub use pool::ThreadPool;
 

@@ -38,6 +38,8 @@ pub struct ThreadPool {
     workers: Vec<JoinHandle<()>>,
     num_threads: usize,
     run_lock: Mutex<()>,
+    /// Serving first: background (training) jobs yield to foreground (engine) steps.
+    pub gate: super::gate::Gate,
 }
 
 impl ThreadPool {
@@ -71,6 +73,7 @@ impl ThreadPool {
             workers,
             num_threads,
             run_lock: Mutex::new(()),
+            gate: super::gate::Gate::default(),
         }
     }
 
@@ -91,6 +94,17 @@ impl ThreadPool {
         if num_tasks == 0 {
             return;
         }
+        if super::gate::is_background() {
+            self.gate.admit_background();
+            let t0 = Instant::now();
+            self.run_now(num_tasks, f);
+            self.gate.charge_background(t0.elapsed());
+        } else {
+            self.run_now(num_tasks, f);
+        }
+    }
+
+    fn run_now(&self, num_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if self.num_threads == 1 || num_tasks == 1 {
             (0..num_tasks).for_each(f);
             return;

@@ -1,0 +1,127 @@
+//! Foreground/background sharing of the compute pool: serving is the foreground (an engine step
+//! runs inside `Gate::foreground`), training the background (threads marked with
+//! `set_background`). A background kernel starts only while no foreground step runs, and while
+//! the foreground is busy (a step ended less than `IDLE` ago) only within a budget: each
+//! foreground step of duration d grants `share · d` of background kernel time, and the next
+//! step waits until a busy background has used it (or stopped asking). So a decode step is
+//! delayed by about `share` of its own time plus one in-flight background kernel, and the trainer
+//! still gets about `share / (1 + share)` of the machine under full serving load (all of it when
+//! serving is idle).
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The foreground counts as idle once no step ran for this long.
+const IDLE: Duration = Duration::from_millis(20);
+
+thread_local! {
+    static BACKGROUND: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Mark the calling thread as background (its pool jobs yield to foreground steps).
+pub fn set_background(on: bool) {
+    BACKGROUND.with(|b| b.set(on));
+}
+
+pub fn is_background() -> bool {
+    BACKGROUND.with(|b| b.get())
+}
+
+pub struct Gate {
+    epoch: Instant,
+    fg_active: AtomicBool,
+    /// Nanoseconds since `epoch` when the last foreground step ended.
+    fg_last_end: AtomicU64,
+    /// Background kernel time (ns) still allowed before the next foreground step.
+    budget: AtomicI64,
+    /// Background time granted per unit of foreground time, in millionths.
+    share_ppm: AtomicU64,
+    /// Background kernels waiting or running, and when the last one ended (ns since `epoch`).
+    bg_busy: AtomicU64,
+    bg_last_end: AtomicU64,
+}
+
+impl Default for Gate {
+    fn default() -> Gate {
+        Gate {
+            epoch: Instant::now(),
+            fg_active: AtomicBool::new(false),
+            fg_last_end: AtomicU64::new(0),
+            budget: AtomicI64::new(0),
+            share_ppm: AtomicU64::new(500_000),
+            bg_busy: AtomicU64::new(0),
+            bg_last_end: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Gate {
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Background time granted per unit of foreground time while serving is busy (0 to 10).
+    pub fn set_share(&self, share: f64) {
+        let s = (share.clamp(0.0, 10.0) * 1e6) as u64;
+        self.share_ppm.store(s, Ordering::Relaxed);
+    }
+
+    /// Run one foreground step (after the background's slice, if it is using it).
+    pub fn foreground<R>(&self, f: impl FnOnce() -> R) -> R {
+        let t_wait = Instant::now();
+        let cap = Duration::from_nanos(self.budget.load(Ordering::SeqCst).max(0) as u64)
+            + Duration::from_millis(2);
+        loop {
+            let recent = self
+                .now_ns()
+                .saturating_sub(self.bg_last_end.load(Ordering::SeqCst))
+                < 1_000_000;
+            let wants = self.bg_busy.load(Ordering::SeqCst) > 0 || recent;
+            if self.budget.load(Ordering::SeqCst) <= 0 || !wants || t_wait.elapsed() > cap {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        self.fg_active.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        let r = f();
+        let d = t0.elapsed().as_nanos() as i64;
+        let grant = d.saturating_mul(self.share_ppm.load(Ordering::Relaxed) as i64) / 1_000_000;
+        // One slice per step: unused budget does not pile up.
+        self.budget.store(grant, Ordering::SeqCst);
+        self.fg_last_end.store(self.now_ns(), Ordering::SeqCst);
+        self.fg_active.store(false, Ordering::SeqCst);
+        r
+    }
+
+    /// Wait until a background kernel may start (no-op on foreground threads).
+    pub fn admit_background(&self) {
+        if !is_background() {
+            return;
+        }
+        self.bg_busy.fetch_add(1, Ordering::SeqCst);
+        loop {
+            if !self.fg_active.load(Ordering::SeqCst) {
+                let idle = self
+                    .now_ns()
+                    .saturating_sub(self.fg_last_end.load(Ordering::SeqCst))
+                    > IDLE.as_nanos() as u64;
+                if idle || self.budget.load(Ordering::SeqCst) > 0 {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Charge a background kernel's time to the budget.
+    pub fn charge_background(&self, took: Duration) {
+        if is_background() {
+            self.budget
+                .fetch_sub(took.as_nanos() as i64, Ordering::SeqCst);
+            self.bg_last_end.store(self.now_ns(), Ordering::SeqCst);
+            self.bg_busy.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
