@@ -5,7 +5,7 @@ mod common;
 
 use common::online::*;
 use common::server::*;
-use common::{write_tiny, TinySpec};
+use common::write_tiny;
 use serde_json::{json, Value};
 
 const ONLINE: &str = r#"

@@ -89,7 +89,7 @@ impl RawOnline {
             retention_days: self.retention_days.unwrap_or(30.0),
             retention_max_rows: self.retention_max_rows.unwrap_or(1_000_000),
             max_step_tokens: self.max_step_tokens.unwrap_or(8192),
-            train_share: self.train_share.unwrap_or(0.35),
+            train_share: self.train_share.unwrap_or(0.25),
         };
         if !(0.0..=10.0).contains(&c.train_share) {
             return Err("online.train_share must be in [0, 10]".into());

@@ -21,8 +21,9 @@ use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::reference::AttnSeq;
 use flywheel_kernels::Cpu;
 
-/// Completion tokens scored per LM-head chunk.
-const HEAD_CHUNK: usize = 64;
+/// Completion tokens scored per LM-head chunk (small: one chunk is one kernel call, and a
+/// serving step may wait for the trainer's kernel in flight).
+const HEAD_CHUNK: usize = 16;
 
 /// Tokens per KV block of the training cache; a shared prefix is a whole number of blocks.
 pub const TRAIN_BLOCK: usize = 16;
