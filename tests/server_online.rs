@@ -213,3 +213,61 @@ fn a_short_learning_run_raises_the_reward() {
         "train and serve log-probs differ: {st}"
     );
 }
+
+/// Versions published by the trainer while streams run: every stream completes (no error, a
+/// final [DONE]) and reports one version from its first chunk to its last.
+#[test]
+fn versions_publish_while_streams_run_and_no_request_fails() {
+    let (dir, path) = write_tiny(&spec());
+    let cfg =
+        format!("{ONLINE}\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\nlr = 0.05\nlora_r = 4\n")
+            .replace("max_off_policy_steps = 0", "max_off_policy_steps = 1000");
+    let s = start_learning(&path, &dir.path().join("data"), &cfg, &[]);
+    let streams: Vec<_> = (0..2)
+        .map(|t| {
+            let c = s.client.clone();
+            std::thread::spawn(move || {
+                let mut versions = Vec::new();
+                for i in 0..8 {
+                    let body = json!({
+                        "model": "l", "stream": true, "max_tokens": 24, "ignore_eos": true,
+                        "messages": [{"role": "user", "content": format!("stream {t} {i}")}],
+                    });
+                    let r = call(&c, "POST", "/v1/chat/completions", Some(&body), USER);
+                    assert_eq!(r.status, 200, "{}", r.body_text());
+                    let data = r.sse_data();
+                    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+                    let chunks: Vec<Value> = data[..data.len() - 1]
+                        .iter()
+                        .map(|d| serde_json::from_str(d).unwrap())
+                        .collect();
+                    assert!(chunks.iter().all(|c| c.get("error").is_none()), "{data:?}");
+                    let v = chunks[0]["adapter_version"].as_u64().unwrap();
+                    assert!(chunks.iter().all(|c| c["adapter_version"] == v), "{data:?}");
+                    versions.push(v);
+                }
+                versions
+            })
+        })
+        .collect();
+    // Meanwhile: rewarded groups, each trained and published as a new version.
+    for _ in 0..6 {
+        let r = sample(&s, "l", 4, 2, USER);
+        let id = r["id"].as_str().unwrap();
+        let items: Vec<Value> = (0..4)
+            .map(|i| json!({"id": id, "choice": i, "reward": (i % 2) as f64}))
+            .collect();
+        let before = status(&s, "l")["steps"].as_u64().unwrap();
+        assert_eq!(
+            call(&s, "POST", "/v1/feedback", Some(&Value::Array(items)), USER).status,
+            202
+        );
+        wait_status(&s, "l", 60, |st| st["steps"].as_u64().unwrap() > before);
+    }
+    let mut seen = Vec::new();
+    for t in streams {
+        seen.extend(t.join().unwrap());
+    }
+    assert!(status(&s, "l")["version"].as_u64().unwrap() >= 7);
+    eprintln!("versions seen by the streams: {seen:?}");
+}
