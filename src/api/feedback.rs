@@ -37,14 +37,10 @@ fn parse_item(v: &Value, at: Option<usize>, lo: f64, hi: f64) -> Result<Reward, 
         .int_in("choice", 0, u32::MAX as i128)
         .map_err(|e| ApiError::invalid(&name("choice"), e.message))?
         .unwrap_or(0) as u32;
-    // NaN and infinities are not JSON numbers; huge ones are, and are out of range.
+    // NaN and infinities are not JSON numbers (the body is refused); huge ones are, and are
+    // out of range.
     let reward = match o.get("reward") {
         Some(Value::Number(n)) => n.as_f64().unwrap_or(f64::NAN),
-        Some(Value::String(s))
-            if matches!(s.as_str(), "NaN" | "nan" | "Infinity" | "-Infinity") =>
-        {
-            f64::NAN
-        }
         Some(_) => {
             return Err(ApiError::invalid(
                 &name("reward"),

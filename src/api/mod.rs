@@ -10,6 +10,7 @@ pub mod feedback;
 pub mod info;
 pub mod openai;
 pub mod respond;
+pub mod rollout;
 pub mod scoring;
 pub mod serve;
 

@@ -4,6 +4,7 @@
 
 use super::error::ApiError;
 use super::openai::CommonParams;
+use super::rollout::{log_choices, Served};
 use super::scoring::{legacy_prompt, vllm_prompt_logprobs, LegacyPrompt};
 use super::AppState;
 use crate::adapter::registry::Pinned;
@@ -12,7 +13,6 @@ use crate::engine::{
     EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
 };
 use crate::model::tokenizer::Tokenizer;
-use crate::online::log::CompletionRecord;
 use crate::online::trainer::Online;
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
@@ -491,57 +491,19 @@ impl Responder {
     /// Write the finished choices to the rollout log when the adapter is learning (before the
     /// client has the whole answer, so that its reward always finds them).
     async fn log_rollouts(&self) -> Result<(), ApiError> {
-        let (Some(online), Some(a)) = (&self.online, &self.job.adapter) else {
+        let Some(online) = &self.online else {
             return Ok(());
         };
-        let p = &self.job.params;
-        let key = self.job.key.clone();
-        let (group_id, group_size) = match &p.group {
-            Some(g) => (format!("key:{}:{g}", online.log.key_hash(&key)), 0),
-            None => (format!("req:{}", self.id), p.n as u32),
-        };
-        let sp = &p.sampling;
-        let params = json!({
-            "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-            "min_p": sp.min_p, "presence_penalty": sp.presence_penalty,
-            "frequency_penalty": sp.frequency_penalty, "logit_bias": sp.logit_bias.len(),
-            "seed": p.seed, "max_tokens": p.max_tokens, "n": p.n,
-        })
-        .to_string();
-        let recs: Vec<CompletionRecord> = self
+        let served: Vec<Served> = self
             .choices
             .iter()
-            .enumerate()
-            .map(|(i, c)| CompletionRecord {
-                id: self.id.clone(),
-                choice: i as u32,
-                adapter: a.name.to_string(),
-                version: a.version,
-                group_id: group_id.clone(),
-                group_size,
-                prompt: self.job.prompt_ids.clone(),
-                completion: c.token_ids.clone(),
-                logprobs: c.behavior.clone(),
-                temperature: sp.temperature,
-                // Greedy answers are not draws from the policy either.
-                policy_sampled: sp.samples_the_policy() && sp.temperature > 0.0,
-                params: params.clone(),
-                finish_reason: c.finish.as_ref().map_or("length", |f| f.0.as_str()).into(),
-                key: key.clone(),
+            .map(|c| Served {
+                tokens: &c.token_ids,
+                behavior: &c.behavior,
+                finish_reason: c.finish.as_ref().map_or("length", |f| f.0.as_str()),
             })
             .collect();
-        let (log, n, name) = (online.log.clone(), recs.len(), a.name.to_string());
-        let metrics = online.metrics().clone();
-        super::blocking(move || {
-            log.log_completions(&recs)
-                .map_err(|e| ApiError::internal(format!("the rollout log failed: {e}")))
-        })
-        .await?;
-        metrics
-            .rollouts_logged
-            .with_label_values(&[&name])
-            .inc_by(n as u64);
-        Ok(())
+        log_choices(online, &self.job, &self.id, &served).await
     }
 }
 

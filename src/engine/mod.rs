@@ -386,6 +386,11 @@ impl Engine {
                 }
             })
             .collect();
+        // Chunks whose every row's logits are computed (prompt scoring), decided once.
+        let all_rows: Vec<bool> = batch
+            .iter()
+            .map(|b| matches!(b.logits, Logits::All))
+            .collect();
         let (model, cpu, cache, bufs) = (&self.model, &*self.cpu, &mut self.cache, &mut self.bufs);
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             model.forward_into(cpu, cache, &batch, bufs)
@@ -411,8 +416,7 @@ impl Engine {
         self.sched.commit(&plan);
         let vocab = self.model.config.vocab_size;
         let mut row = 0;
-        for c in &plan.chunks {
-            let all = self.sched.get(c.seq).is_some_and(|s| scores_prompt(s, c));
+        for (c, &all) in plan.chunks.iter().zip(&all_rows) {
             if all {
                 self.score_prompt_rows(c, &logits[row * vocab..(row + c.len) * vocab]);
                 row += c.len - 1;

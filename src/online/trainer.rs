@@ -22,7 +22,7 @@ use crate::train::optim::{AdamW, AdamWConfig};
 use flywheel_kernels::Cpu;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -543,9 +543,4 @@ impl Online {
             l.status.last = Some(stats.clone());
         }
     }
-}
-
-/// Where a learning adapter's checkpoints live.
-pub fn checkpoint_root(data_dir: &Path, name: &str) -> PathBuf {
-    data_dir.join("adapters").join(name)
 }

@@ -1,0 +1,78 @@
+//! A finished request through a learning adapter, written to the rollout log: one record per
+//! choice with the prompt and completion token ids, the sampler's log-probs, the pinned version,
+//! the group (the request's choices, or the client's `group` scoped to its key) and whether the
+//! completion was drawn from the policy's own distribution.
+
+use super::error::ApiError;
+use super::respond::Job;
+use crate::online::log::CompletionRecord;
+use crate::online::trainer::Online;
+use serde_json::json;
+use std::sync::Arc;
+
+/// One choice as served.
+pub struct Served<'a> {
+    pub tokens: &'a [u32],
+    /// The sampler's log-prob of each token.
+    pub behavior: &'a [f32],
+    pub finish_reason: &'static str,
+}
+
+/// Log the choices of request `id` (one transaction, committed before this returns).
+pub async fn log_choices(
+    online: &Arc<Online>,
+    job: &Job,
+    id: &str,
+    choices: &[Served<'_>],
+) -> Result<(), ApiError> {
+    let Some(a) = &job.adapter else {
+        return Ok(());
+    };
+    let p = &job.params;
+    let (group_id, group_size) = match &p.group {
+        Some(g) => (format!("key:{}:{g}", online.log.key_hash(&job.key)), 0),
+        None => (format!("req:{id}"), p.n as u32),
+    };
+    let sp = &p.sampling;
+    let params = json!({
+        "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+        "min_p": sp.min_p, "presence_penalty": sp.presence_penalty,
+        "frequency_penalty": sp.frequency_penalty, "logit_bias": sp.logit_bias.len(),
+        "seed": p.seed, "max_tokens": p.max_tokens, "n": p.n,
+    })
+    .to_string();
+    // Greedy answers are not draws from the policy either.
+    let policy_sampled = sp.samples_the_policy() && sp.temperature > 0.0;
+    let recs: Vec<CompletionRecord> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| CompletionRecord {
+            id: id.to_string(),
+            choice: i as u32,
+            adapter: a.name.to_string(),
+            version: a.version,
+            group_id: group_id.clone(),
+            group_size,
+            prompt: job.prompt_ids.clone(),
+            completion: c.tokens.to_vec(),
+            logprobs: c.behavior.to_vec(),
+            temperature: sp.temperature,
+            policy_sampled,
+            params: params.clone(),
+            finish_reason: c.finish_reason.into(),
+            key: job.key.clone(),
+        })
+        .collect();
+    let (log, n, name) = (online.log.clone(), recs.len(), a.name.to_string());
+    super::blocking(move || {
+        log.log_completions(&recs)
+            .map_err(|e| ApiError::internal(format!("the rollout log failed: {e}")))
+    })
+    .await?;
+    online
+        .metrics()
+        .rollouts_logged
+        .with_label_values(&[&name])
+        .inc_by(n as u64);
+    Ok(())
+}
