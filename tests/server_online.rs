@@ -8,22 +8,23 @@ use common::server::*;
 use common::write_tiny;
 use serde_json::{json, Value};
 
-const ONLINE: &str = r#"
-[server]
-served_model_name = "tiny"
-[engine]
-kv_cache_mb = 16
-max_num_batched_tokens = 64
-[online]
-reward_min = -1.0
-reward_max = 1.0
-max_off_policy_steps = 0
-"#;
+/// `online(..)` with a fast-learning LoRA adapter `l` (r=4, lr 0.05).
+fn fast_lora(max_off_policy_steps: u64) -> String {
+    let learn = "[[learn]]\nname = \"l\"\nmethod = \"lora\"\nlr = 0.05\nlora_r = 4\n";
+    format!("{}\n{learn}", online(max_off_policy_steps))
+}
+
+/// Rewards in [-1, 1]; nothing sampled by an older version trains (unless a test says so).
+fn online(max_off_policy_steps: u64) -> String {
+    config(&format!(
+        "reward_min = -1.0\nreward_max = 1.0\nmax_off_policy_steps = {max_off_policy_steps}"
+    ))
+}
 
 #[test]
 fn feedback_is_validated_authorized_and_idempotent() {
     let (dir, path) = write_tiny(&spec());
-    let s = start_learning(&path, &dir.path().join("data"), ONLINE, &["l"]);
+    let s = start_learning(&path, &dir.path().join("data"), &online(0), &["l"]);
     let r = sample(&s, "l", 2, 3, USER);
     let id = r["id"].as_str().unwrap().to_string();
     assert_eq!(r["adapter_version"], 1);
@@ -116,7 +117,7 @@ fn feedback_is_validated_authorized_and_idempotent() {
 #[test]
 fn stale_groups_are_dropped_and_flat_groups_carry_no_signal() {
     let (dir, path) = write_tiny(&spec());
-    let s = start_learning(&path, &dir.path().join("data"), ONLINE, &["l"]);
+    let s = start_learning(&path, &dir.path().join("data"), &online(0), &["l"]);
     let a = sample(&s, "l", 2, 3, USER)["id"]
         .as_str()
         .unwrap()
@@ -164,9 +165,7 @@ fn stale_groups_are_dropped_and_flat_groups_carry_no_signal() {
 #[test]
 fn a_short_learning_run_raises_the_reward() {
     let (dir, path) = write_tiny(&spec());
-    let cfg =
-        format!("{ONLINE}\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\nlr = 0.05\nlora_r = 4\n")
-            .replace("max_off_policy_steps = 0", "max_off_policy_steps = 2");
+    let cfg = fast_lora(2);
     let s = start_learning(&path, &dir.path().join("data"), &cfg, &[]);
     let mut means = Vec::new();
     for round in 0..24 {
@@ -219,9 +218,7 @@ fn a_short_learning_run_raises_the_reward() {
 #[test]
 fn versions_publish_while_streams_run_and_no_request_fails() {
     let (dir, path) = write_tiny(&spec());
-    let cfg =
-        format!("{ONLINE}\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\nlr = 0.05\nlora_r = 4\n")
-            .replace("max_off_policy_steps = 0", "max_off_policy_steps = 1000");
+    let cfg = fast_lora(1000);
     let s = start_learning(&path, &dir.path().join("data"), &cfg, &[]);
     let streams: Vec<_> = (0..2)
         .map(|t| {

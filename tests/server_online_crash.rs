@@ -14,16 +14,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const CONFIG: &str = r#"
-[server]
-served_model_name = "tiny"
-[engine]
-kv_cache_mb = 16
-max_num_batched_tokens = 64
-[online]
-max_off_policy_steps = 1000000
-"#;
-
 /// (id, choice) -> reward of every acknowledged (2xx) reward.
 type Acked = Arc<Mutex<BTreeMap<(String, u64), f64>>>;
 
@@ -75,7 +65,8 @@ fn client_loop(c: Client, acked: Acked, until: Instant) {
 fn a_kill_during_training_loses_no_reward_and_trains_every_group_once() {
     let (dir, path) = write_tiny(&spec());
     let data = dir.path().join("data");
-    let mut s1 = start_learning(&path, &data, CONFIG, &["l"]);
+    let cfg = config("max_off_policy_steps = 1000000");
+    let mut s1 = start_learning(&path, &data, &cfg, &["l"]);
     let acked: Acked = Arc::default();
     let clients: Vec<_> = (0..2)
         .map(|_| {
@@ -98,7 +89,7 @@ fn a_kill_during_training_loses_no_reward_and_trains_every_group_once() {
         acked.len()
     );
 
-    let s2 = start_learning(&path, &data, CONFIG, &["l"]);
+    let s2 = start_learning(&path, &data, &cfg, &["l"]);
     let before = status(&s2, "l");
     let steps0 = before["steps"].as_u64().unwrap();
     assert!(steps0 >= 3, "{before}");

@@ -7,6 +7,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 pub const USER: &str = "user-key";
+
+/// The HTTP tests' server config (`server::CONFIG`) with these `[online]` settings.
+pub fn config(online: &str) -> String {
+    format!("{}[online]\n{online}\n", super::server::CONFIG)
+}
+
 pub const ADMIN: &str = "admin-key";
 
 /// A server on `model` learning `learn` (names), its rollout log and checkpoints in `data`.
