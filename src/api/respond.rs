@@ -148,10 +148,10 @@ struct Choice {
     logprobs: Vec<Value>,
     /// Completions logprobs, column-wise.
     tokens: Vec<String>,
-    token_logprobs: Vec<f32>,
     top: Vec<Value>,
     text_offset: Vec<usize>,
-    /// The sampler's log-prob of each token (always kept: the behaviour policy's).
+    /// The sampler's log-prob of each token, always kept (the behaviour policy's, for the
+    /// rollout log; also the completions `token_logprobs` column).
     behavior: Vec<f32>,
     finish: Option<(FinishReason, Option<StopReason>)>,
     num_cached_tokens: usize,
@@ -235,7 +235,6 @@ impl Responder {
                 if let Some((t, top)) = lp_cmpl {
                     c.text_offset.push(echo_len + c.text.len());
                     c.tokens.push(t);
-                    c.token_logprobs.push(*logprob);
                     c.top.push(top);
                 }
                 c.text.push_str(text);
@@ -371,7 +370,7 @@ impl Responder {
         let Some(e) = self.echo_logprobs() else {
             return json!({
                 "tokens": c.tokens,
-                "token_logprobs": c.token_logprobs,
+                "token_logprobs": c.behavior,
                 "top_logprobs": c.top,
                 "text_offset": c.text_offset,
             });
@@ -382,7 +381,7 @@ impl Responder {
         let offsets = [e.text_offset, c.text_offset.clone()].concat();
         json!({
             "tokens": tokens,
-            "token_logprobs": cat(e.token_logprobs, vals(&c.token_logprobs)),
+            "token_logprobs": cat(e.token_logprobs, vals(&c.behavior)),
             "top_logprobs": cat(e.top_logprobs, c.top.clone()),
             "text_offset": offsets,
         })
@@ -451,7 +450,7 @@ impl Responder {
                         "logprobs": if logprobs {
                             json!({
                                 "tokens": [c.tokens.last()],
-                                "token_logprobs": [c.token_logprobs.last()],
+                                "token_logprobs": [c.behavior.last()],
                                 "top_logprobs": [c.top.last()],
                                 "text_offset": [c.text_offset.last()],
                             })
