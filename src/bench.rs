@@ -233,6 +233,8 @@ pub struct TrainShape {
     pub prompt_len: usize,
     /// One prompt for all sequences, run once (a GRPO group).
     pub shared_prompt: bool,
+    /// Bytes of kept activations (`Llama::train_forward`).
+    pub activation_budget: usize,
 }
 
 /// `flywheel bench --train`: full training steps (forward, backward, AdamW) on `batch` sequences
@@ -253,6 +255,7 @@ pub fn run_train(
         seq_len,
         prompt_len,
         shared_prompt,
+        activation_budget,
     } = shape;
     anyhow::ensure!(
         prompt_len >= 1 && prompt_len < seq_len,
@@ -279,14 +282,13 @@ pub fn run_train(
     let mut times = Vec::new();
     for _ in 0..runs + 1 {
         let t0 = Instant::now();
-        let (logps, st) = model.train_forward(cpu, &seqs, Some(&weights), 1.0)?;
+        let (logps, st) = model.train_forward(cpu, &seqs, &weights, 1.0, activation_budget)?;
         let g: Vec<Vec<f32>> = logps
             .iter()
             .map(|l| vec![-1.0 / l.len().max(1) as f32; l.len()])
             .collect();
         let mut grads = vec![0.0f32; layout.num_params];
-        model.train_backward(cpu, &seqs, &weights, 1.0, &st, &g, &mut grads)?;
-        drop(st);
+        model.train_backward(cpu, &seqs, &weights, st, &g, &mut grads)?;
         opt.step(&mut params, &mut grads);
         weights = AdapterWeights::new(layout.clone(), params.clone())?;
         times.push(t0.elapsed().as_secs_f64());

@@ -152,6 +152,9 @@ enum Cmd {
         /// The sampling temperature the log-probs are taken at.
         #[arg(long, default_value_t = 1.0)]
         temperature: f32,
+        /// Memory for the activations a step keeps (layers beyond it are recomputed).
+        #[arg(long, default_value_t = flywheel::model::llama::ACTIVATION_BUDGET >> 20)]
+        activation_mb: usize,
     },
     /// Print the token ids of the text on stdin.
     Tokenize {
@@ -192,6 +195,9 @@ enum Cmd {
         /// All training sequences share one prompt, run once (a GRPO group).
         #[arg(long)]
         shared_prompt: bool,
+        /// Memory for the activations a training step keeps (layers beyond it are recomputed).
+        #[arg(long, default_value_t = flywheel::model::llama::ACTIVATION_BUDGET >> 20)]
+        activation_mb: usize,
     },
     /// Fetch the default model into models/ (skips the work when it is already there).
     FetchModel {
@@ -287,6 +293,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             batch_groups,
             kl_coef,
             temperature,
+            activation_mb,
         } => {
             use flywheel::train::optim::{AdamW, AdamWConfig};
             anyhow::ensure!(!out.exists(), "--out {} already exists", out.display());
@@ -363,6 +370,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     &cfg,
                     &take,
                     temperature,
+                    activation_mb << 20,
                 )?;
                 w = nw;
                 println!("{stats}");
@@ -536,6 +544,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             seq_len,
             prompt_len,
             shared_prompt,
+            activation_mb,
         } => {
             let (model, tok) = load(&m)?;
             let cpu = make_cpu(&m);
@@ -547,6 +556,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     seq_len,
                     prompt_len,
                     shared_prompt,
+                    activation_budget: activation_mb << 20,
                 };
                 return flywheel::bench::run_train(&model, &cpu, a, &shape, runs.max(1));
             }

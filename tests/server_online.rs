@@ -161,7 +161,7 @@ fn stale_groups_are_dropped_and_flat_groups_carry_no_signal() {
 
 /// Reward 1 when a choice's first generated token is even.
 fn even_first(c: &Value) -> u8 {
-    (c["token_ids"][0].as_u64().unwrap() % 2 == 0) as u8
+    c["token_ids"][0].as_u64().unwrap().is_multiple_of(2) as u8
 }
 
 /// A learning run on a tiny model: reward 1 when the first generated token is even. GRPO moves
@@ -179,7 +179,12 @@ fn a_short_learning_run_raises_the_reward() {
     let mut base = 0.0;
     for _ in 0..8 {
         let r = sample(&s, "tiny", 8, 1, USER);
-        base += r["choices"].as_array().unwrap().iter().map(even_first).sum::<u8>() as f64;
+        base += r["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(even_first)
+            .sum::<u8>() as f64;
     }
     base /= 64.0;
     let rounds = 48;

@@ -14,7 +14,7 @@ use flywheel::engine::sampler::SamplingParams;
 use flywheel::generate::{generate, GenerateOptions};
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::metrics::Metrics;
-use flywheel::model::llama::{Llama, TrainSeq};
+use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET};
 use flywheel::model::tokenizer::Tokenizer;
 use flywheel::train::pack::Packed;
 use std::sync::Arc;
@@ -101,9 +101,17 @@ fn served_log_probs_equal_the_training_forward_bitwise() {
                 .zip(&toks)
                 .map(|((p, _, _, _), t)| TrainSeq::whole(t, p.len()))
                 .collect();
+            let c = Cpu::detect();
             let (logps, _) = model
-                .train_forward(&Cpu::detect(), &batch, Some(&v.weights), temperature)
+                .train_forward(&c, &batch, &v.weights, temperature, ACTIVATION_BUDGET)
                 .unwrap();
+            let plain = model
+                .logprobs(&c, &batch, Some(&v.weights), temperature)
+                .unwrap();
+            assert_eq!(
+                logps, plain,
+                "the training forward's log-probs are the plain forward's"
+            );
             for ((_, c, served, t), lp) in seqs.iter().zip(&logps) {
                 if *t != temperature {
                     continue;
@@ -136,19 +144,18 @@ fn adapter_gradients_equal_finite_differences() {
         let w = adapter(&model, method, &Target::ALL, 5, scale);
         let temperature = 0.8;
         let j = |w: &AdapterWeights| -> f64 {
-            let (lp, _) = model
-                .train_forward(&c, &seqs, Some(w), temperature)
-                .unwrap();
+            let lp = model.logprobs(&c, &seqs, Some(w), temperature).unwrap();
             lp.iter().flatten().map(|v| *v as f64).sum()
         };
-        let (lp, st) = model
-            .train_forward(&c, &seqs, Some(&w), temperature)
-            .unwrap();
-        let ones: Vec<Vec<f32>> = lp.iter().map(|l| vec![1.0; l.len()]).collect();
-        let mut g = vec![0.0f32; w.layout.num_params];
-        model
-            .train_backward(&c, &seqs, &w, temperature, &st, &ones, &mut g)
-            .unwrap();
+        let g = gradient(
+            &model,
+            &c,
+            &seqs,
+            &w,
+            temperature,
+            ACTIVATION_BUDGET,
+            &|_, l| vec![1.0; l],
+        );
         let mut checked = 0;
         let mut worst = 0.0f64;
         for m in w.layout.iter_modules() {
@@ -182,6 +189,72 @@ fn adapter_gradients_equal_finite_differences() {
             g.iter().any(|v| v.abs() > 1e-3),
             "{name}: all gradients vanish"
         );
+    }
+}
+
+/// dL/dθ for dL/dlog π of token j of sequence i = `gl(i, len)[j]`, keeping `budget` bytes of
+/// activations.
+fn gradient(
+    model: &Llama,
+    c: &Cpu,
+    seqs: &[TrainSeq],
+    w: &AdapterWeights,
+    temperature: f32,
+    budget: usize,
+    gl: &dyn Fn(usize, usize) -> Vec<f32>,
+) -> Vec<f32> {
+    let (lp, st) = model
+        .train_forward(c, seqs, w, temperature, budget)
+        .unwrap();
+    let grads: Vec<Vec<f32>> = lp.iter().enumerate().map(|(i, l)| gl(i, l.len())).collect();
+    let mut g = vec![0.0f32; w.layout.num_params];
+    model
+        .train_backward(c, seqs, w, st, &grads, &mut g)
+        .unwrap();
+    g
+}
+
+/// Keeping every layer's activations, some, or none (recomputing the rest from the layer
+/// inputs) gives the same gradient to the bit, with the reference and the fast kernels.
+#[test]
+fn kept_and_recomputed_activations_give_the_same_gradient() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let model = Llama::open(&path).unwrap();
+    let t1: Vec<u32> = (0..21).map(|t| (t * 29 + 4) % 250 + 3).collect();
+    let t2: Vec<u32> = (0..13).map(|t| (t * 13 + 11) % 250 + 3).collect();
+    let seqs = [TrainSeq::whole(&t1, 6), TrainSeq::whole(&t2, 3)];
+    let layers = model.config.num_layers;
+    let weight = |i: usize, l: usize| (0..l).map(|j| 0.5 + (i + j) as f32 * 0.3).collect();
+    for isa in [Isa::Reference, Isa::detect()] {
+        let c = cpu(isa);
+        for (name, method) in [("oft", oft16()), ("lora", lora4())] {
+            let w = adapter(&model, method, &Target::ALL, 7, 0.2);
+            let (_, st) = model.train_forward(&c, &seqs, &w, 1.1, usize::MAX).unwrap();
+            assert_eq!(st.layers_kept, layers);
+            let all = gradient(&model, &c, &seqs, &w, 1.1, usize::MAX, &weight);
+            assert!(all.iter().any(|v| *v != 0.0));
+            // Budgets for none, one and all but one layer (q, k, v, attention, residual, gate, up).
+            let m = &model.config;
+            let per_layer = 34 * (2 * m.q_dim() + 2 * m.kv_dim() + m.hidden + 2 * m.ffn) * 4;
+            for (budget, want) in [
+                (per_layer - 1, 0),
+                (per_layer, 1),
+                (per_layer * (layers - 1), layers - 1),
+            ] {
+                let kept = model
+                    .train_forward(&c, &seqs, &w, 1.1, budget)
+                    .unwrap()
+                    .1
+                    .layers_kept;
+                assert_eq!(kept, want);
+                let g = gradient(&model, &c, &seqs, &w, 1.1, budget, &weight);
+                let same = g.iter().zip(&all).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{name} {isa:?}: keeping {kept} layers changes the gradient"
+                );
+            }
+        }
     }
 }
 
@@ -219,7 +292,9 @@ fn a_shared_prompt_equals_the_unshared_batch() {
             let w = adapter(&model, method, &Target::ALL, 21, 0.2);
             let run = |k: &Packed| {
                 let seqs = k.seqs();
-                let (lp, st) = model.train_forward(&c, &seqs, Some(&w), 0.9).unwrap();
+                let (lp, st) = model
+                    .train_forward(&c, &seqs, &w, 0.9, ACTIVATION_BUDGET)
+                    .unwrap();
                 // A different weight per token, so that a mixed-up sum would show.
                 let mut gl: Vec<Vec<f32>> = vec![Vec::new(); seqs.len()];
                 for (i, &q) in k.of_sample.iter().enumerate() {
@@ -229,7 +304,7 @@ fn a_shared_prompt_equals_the_unshared_batch() {
                 }
                 let mut g = vec![0.0f32; w.layout.num_params];
                 model
-                    .train_backward(&c, &seqs, &w, 0.9, &st, &gl, &mut g)
+                    .train_backward(&c, &seqs, &w, st, &gl, &mut g)
                     .unwrap();
                 let per_sample: Vec<Vec<f32>> =
                     k.of_sample.iter().map(|&q| lp[q].clone()).collect();
@@ -269,9 +344,7 @@ fn mean_logp(
         .zip(&toks)
         .map(|(s, t)| TrainSeq::whole(t, s.prompt.len()))
         .collect();
-    let (lp, _) = model
-        .train_forward(&Cpu::detect(), &seqs, Some(w), 1.0)
-        .unwrap();
+    let lp = model.logprobs(&Cpu::detect(), &seqs, Some(w), 1.0).unwrap();
     lp.iter()
         .map(|l| l.iter().map(|v| *v as f64).sum::<f64>() / l.len() as f64)
         .collect()
@@ -310,7 +383,17 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
     assert_eq!(batches.len(), 2);
     for _ in 0..6 {
         let refs: Vec<_> = batches.iter().collect();
-        let (next, stats) = step(&model, &Cpu::detect(), &w, &mut opt, &loss, &refs, 1.0).unwrap();
+        let (next, stats) = step(
+            &model,
+            &Cpu::detect(),
+            &w,
+            &mut opt,
+            &loss,
+            &refs,
+            1.0,
+            ACTIVATION_BUDGET,
+        )
+        .unwrap();
         assert!(stats["loss"].as_f64().unwrap().is_finite());
         // Entropy of a distribution over the tiny vocabulary: in (0, ln V].
         let h = stats["entropy"].as_f64().unwrap();
@@ -375,6 +458,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
                 &loss,
                 &[&batches[0]],
                 1.0,
+                ACTIVATION_BUDGET,
             )
             .unwrap();
             w = next;

@@ -392,6 +392,19 @@ pub fn log_softmax(x: &mut [f32]) {
     }
 }
 
+/// `dz[v] = −scale·exp(lp[v])`; returns the entropy −Σ exp(lp)·lp (f64 sums; log-probs below
+/// −87.3 count as probability 0, as in the SIMD kernels).
+pub fn softmax_backward_row(lp: &[f32], scale: f32, dz: &mut [f32]) -> f64 {
+    let mut entropy = 0.0f64;
+    for (d, &x) in dz.iter_mut().zip(lp) {
+        let x = x.max(-87.3) as f64;
+        let e = x.exp();
+        *d = (-(scale as f64) * e) as f32;
+        entropy -= e * x;
+    }
+    entropy
+}
+
 /// One layer's paged KV storage. V: block `b`, slot `s` holds its `kv_dim` values at
 /// `(b * block_size + s) * kv_dim`. K is stored transposed within each block, `[kv_dim][block_size]`:
 /// value `c` of slot `s` is at `b * block_size * kv_dim + c * block_size + s`, so that attention

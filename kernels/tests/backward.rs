@@ -350,3 +350,38 @@ fn attention_backward_with_a_prefix_matches_the_whole_sequence() {
         assert_eq!(t, a2.len() / (h * d));
     }
 }
+
+/// Model-sized heads (and every tail of the tiled kernel: query blocks, key vectors, head sizes
+/// of one to eight vectors, or none for the row kernel): the fast kernels match the twin, with
+/// and without a prefix, with 1 and 2 threads.
+#[test]
+fn attention_backward_tiled_matches_the_twin_at_model_sizes() {
+    let mut rng = Rng(38);
+    for (h, hkv, d, n, off) in [
+        (9, 3, 64, 70, 0),
+        (9, 3, 64, 70, 23),
+        (4, 4, 16, 37, 5),
+        (2, 1, 128, 19, 0),
+        (3, 1, 12, 9, 2),
+    ] {
+        let t = n - off;
+        let scale = 1.0 / (d as f32).sqrt();
+        let q = rng.vec(t * h * d, 1.5);
+        let (k, v) = (rng.vec(n * hkv * d, 1.5), rng.vec(n * hkv * d, 1.0));
+        let dout = rng.vec(t * h * d, 1.0);
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        reference::attention_backward(
+            &q, &k, &v, &dout, h, hkv, d, scale, &mut dq, &mut dk, &mut dv,
+        );
+        let f64s = |x: &[f32]| x.iter().map(|v| *v as f64).collect::<Vec<f64>>();
+        for c in cpus() {
+            let (mut a, mut b, mut e) =
+                (vec![7.0; q.len()], vec![7.0; k.len()], vec![7.0; v.len()]);
+            c.attention_backward(&q, &k, &v, &dout, h, hkv, d, scale, &mut a, &mut b, &mut e);
+            let what = format!("{:?} h={h} d={d} n={n} off={off}", c.isa);
+            close(&a, &f64s(&dq), 2e-5, &format!("dq {what}"));
+            close(&b, &f64s(&dk), 2e-5, &format!("dk {what}"));
+            close(&e, &f64s(&dv), 2e-5, &format!("dv {what}"));
+        }
+    }
+}

@@ -222,6 +222,40 @@ fn rmsnorm_swiglu_log_softmax_match_reference() {
     }
 }
 
+/// dz = −scale·softmax and the entropy from a row of log-probs, against the f64 reference; a
+/// −inf log-prob (probability 0) contributes nothing.
+#[test]
+fn softmax_backward_row_matches_reference() {
+    let mut rng = Rng(9);
+    for isa in fast_isas() {
+        for n in [1usize, 5, 17, 49152] {
+            let mut lp = rng.vec(n, 20.0);
+            if n > 1 {
+                lp[n / 2] = f32::NEG_INFINITY;
+            }
+            reference::log_softmax(&mut lp);
+            let (mut want, mut got) = (vec![0.0; n], vec![0.0; n]);
+            let ew = reference::softmax_backward_row(&lp, 1.25, &mut want);
+            let eg = ops::softmax_backward_row(isa, &lp, 1.25, &mut got);
+            assert!(ew.is_finite() && ew >= 0.0, "entropy {ew}");
+            assert!(
+                (eg - ew).abs() <= 1e-5 * ew.max(1.0),
+                "{isa:?} n={n}: {eg} vs {ew}"
+            );
+            for i in 0..n {
+                assert!(
+                    (got[i] - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-30),
+                    "{isa:?} n={n} [{i}]: {} vs {}",
+                    got[i],
+                    want[i]
+                );
+            }
+            let sum: f64 = want.iter().map(|&v| v as f64).sum();
+            assert!((sum + 1.25).abs() < 1e-4, "softmax sums to {}", -sum / 1.25);
+        }
+    }
+}
+
 #[test]
 fn exp_is_accurate_over_the_range_that_matters() {
     for isa in fast_isas() {

@@ -18,6 +18,7 @@ pub struct RawOnline {
     pub retention_max_rows: Option<usize>,
     pub max_step_tokens: Option<usize>,
     pub train_share: Option<f64>,
+    pub activation_mb: Option<usize>,
 }
 
 /// One `[[learn]]` table as written (also the body of `POST /v1/adapters/{name}/train`).
@@ -60,6 +61,8 @@ pub struct OnlineConfig {
     /// While serving is busy, the trainer gets this much compute time per unit of serving time
     /// (between engine steps); all of it when serving is idle.
     pub train_share: f64,
+    /// Memory a step's kept activations may take (beyond it, layers are recomputed).
+    pub activation_mb: usize,
 }
 
 /// A learning adapter's validated settings.
@@ -90,6 +93,9 @@ impl RawOnline {
             retention_max_rows: self.retention_max_rows.unwrap_or(1_000_000),
             max_step_tokens: self.max_step_tokens.unwrap_or(8192),
             train_share: self.train_share.unwrap_or(0.25),
+            activation_mb: self
+                .activation_mb
+                .unwrap_or(crate::model::llama::ACTIVATION_BUDGET >> 20),
         };
         if !(0.0..=10.0).contains(&c.train_share) {
             return Err("online.train_share must be in [0, 10]".into());

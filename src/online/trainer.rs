@@ -436,6 +436,7 @@ impl Online {
             &loss,
             &refs,
             temperature,
+            self.cfg.activation_mb << 20,
         )?;
         let version = cur.version + 1;
         let step_no = opt.step;

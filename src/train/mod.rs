@@ -20,10 +20,16 @@ pub fn objective_grad(
     prompt_len: usize,
 ) -> Result<(f64, Vec<f32>, Vec<f32>), ModelError> {
     let seqs = [TrainSeq::whole(tokens, prompt_len)];
-    let (logps, st) = model.train_forward(cpu, &seqs, Some(adapter), 1.0)?;
+    let (logps, st) = model.train_forward(
+        cpu,
+        &seqs,
+        adapter,
+        1.0,
+        crate::model::llama::ACTIVATION_BUDGET,
+    )?;
     let ones: Vec<Vec<f32>> = logps.iter().map(|l| vec![1.0; l.len()]).collect();
     let mut grads = vec![0.0f32; adapter.layout.num_params];
-    model.train_backward(cpu, &seqs, adapter, 1.0, &st, &ones, &mut grads)?;
+    model.train_backward(cpu, &seqs, adapter, st, &ones, &mut grads)?;
     let j = logps[0].iter().map(|v| *v as f64).sum();
     Ok((j, logps.into_iter().next().unwrap_or_default(), grads))
 }

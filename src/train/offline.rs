@@ -63,6 +63,8 @@ pub fn grouped<'a>(samples: &'a [Sample], loss_name: &str) -> Vec<Batch<'a>> {
 }
 
 /// One optimizer step on `groups`: returns the new adapter version's weights and the statistics.
+/// `activation_budget`: bytes of activations the training forward keeps (`Llama::train_forward`).
+#[allow(clippy::too_many_arguments)]
 pub fn step(
     model: &Llama,
     cpu: &Cpu,
@@ -71,6 +73,7 @@ pub fn step(
     loss: &LossConfig,
     groups: &[&Batch],
     temperature: f32,
+    activation_budget: usize,
 ) -> anyhow::Result<(AdapterWeights, Value)> {
     let t0 = Instant::now();
     let samples: Vec<&Sample> = groups
@@ -88,9 +91,9 @@ pub fn step(
     // Each group's prompt runs once (exact: the same rows, their gradients summed).
     let packed = Packed::new(&pairs, true);
     let seqs = packed.seqs();
-    let (logps, st) = model.train_forward(cpu, &seqs, Some(weights), temperature)?;
+    let (logps, st) = model.train_forward(cpu, &seqs, weights, temperature, activation_budget)?;
     let refs = if loss.kl_coef != 0.0 {
-        Some(model.train_forward(cpu, &seqs, None, temperature)?.0)
+        Some(model.logprobs(cpu, &seqs, None, temperature)?)
     } else {
         None
     };
@@ -128,16 +131,7 @@ pub fn step(
     }
     let entropy = st.mean_entropy;
     let mut grads = vec![0.0f32; weights.layout.num_params];
-    model.train_backward(
-        cpu,
-        &seqs,
-        weights,
-        temperature,
-        &st,
-        &grad_logp,
-        &mut grads,
-    )?;
-    drop(st);
+    model.train_backward(cpu, &seqs, weights, st, &grad_logp, &mut grads)?;
     let mut params = weights.params.clone();
     let s = opt.step(&mut params, &mut grads);
     let next = AdapterWeights::new(weights.layout.clone(), params)?;

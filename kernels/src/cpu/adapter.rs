@@ -11,6 +11,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 use super::simd::{Avx2, Avx512, Simd};
+use super::small_gemm::gemm;
 use super::{Isa, ThreadPool};
 use crate::reference;
 
@@ -283,29 +284,16 @@ unsafe fn outer_avx2(j: &Job, n: usize, span: Span) {
 #[inline(always)]
 unsafe fn outer<S: Simd>(jb: &Job, n: usize, (q0, q1, j0, j1): Span) {
     let (x, dy, g, nb, k, m) = (jb.x, jb.mats, jb.out, jb.nb, jb.k, jb.m);
-    let l = S::LANES;
     for q in q0..q1 {
-        for i in 0..k {
-            let gr = g.add((q * k + i) * m);
-            let mut j = j0;
-            while j + l <= j1 {
-                let mut a = S::load(gr.add(j));
-                for t in 0..n {
-                    let xv = S::splat(*x.add(t * nb * k + q * k + i));
-                    a = S::fma(xv, S::load(dy.add(t * nb * m + q * m + j)), a);
-                }
-                S::store(gr.add(j), a);
-                j += l;
-            }
-            while j < j1 {
-                let mut a = *gr.add(j);
-                for t in 0..n {
-                    a = (*x.add(t * nb * k + q * k + i))
-                        .mul_add(*dy.add(t * nb * m + q * m + j), a);
-                }
-                *gr.add(j) = a;
-                j += 1;
-            }
-        }
+        // g[q] (k × m) += Σ_t x[t, q·k + i] · dy[t, q·m + j], columns j0..j1.
+        gemm::<S>(
+            k,
+            j1 - j0,
+            n,
+            (x.add(q * k), 1, nb * k),
+            (dy.add(q * m + j0), nb * m),
+            (g.add(q * k * m + j0), m),
+            true,
+        );
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod adapter;
 pub mod attention;
+pub mod attention_backward;
 pub mod backward;
 pub mod dequant;
 pub mod gate;
@@ -10,6 +11,7 @@ pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod simd;
+mod small_gemm;
 
 pub use gate::set_background;
 pub use matmul::Matmul;
@@ -199,7 +201,7 @@ impl Cpu {
     }
 
     /// Causal GQA attention backward, queries the last rows of K/V (see
-    /// `backward::attention_backward`).
+    /// `attention_backward::attention_backward`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         &self,
@@ -219,7 +221,7 @@ impl Cpu {
             Isa::Reference => crate::reference::attention_backward(
                 q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk, dv,
             ),
-            _ => backward::attention_backward(
+            _ => attention_backward::attention_backward(
                 self.isa, &self.pool, q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk,
                 dv,
             ),
@@ -251,6 +253,11 @@ impl Cpu {
 
     pub fn log_softmax(&self, x: &mut [f32]) {
         ops::log_softmax(self.isa, x)
+    }
+
+    /// `dz = −scale·exp(lp)` for a row of log-probs; returns its entropy (`ops::softmax_backward_row`).
+    pub fn softmax_backward_row(&self, lp: &[f32], scale: f32, dz: &mut [f32]) -> f64 {
+        ops::softmax_backward_row(self.isa, lp, scale, dz)
     }
 
     #[allow(clippy::too_many_arguments)]

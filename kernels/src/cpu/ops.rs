@@ -164,6 +164,57 @@ unsafe fn log_softmax_g<S: Simd>(x: &mut [f32]) {
     }
 }
 
+/// The softmax part of the gradient of a log-prob row: `dz[v] = −scale·exp(lp[v])` for one row of
+/// log-probs `lp` (d log p(token)/dz is `scale·(onehot − softmax)`, the caller adds the one-hot);
+/// returns the row's entropy −Σ exp(lp)·lp. One pass, so that the training forward gets the LM
+/// head's gradient direction and the entropy from one exp per logit.
+pub fn softmax_backward_row(isa: Isa, lp: &[f32], scale: f32, dz: &mut [f32]) -> f64 {
+    assert_eq!(lp.len(), dz.len());
+    match isa {
+        Isa::Reference => reference::softmax_backward_row(lp, scale, dz),
+        // SAFETY: the ISA was detected at start-up.
+        Isa::Avx512 => unsafe { softmax_backward_row_avx512(lp, scale, dz) },
+        Isa::Avx2 => unsafe { softmax_backward_row_avx2(lp, scale, dz) },
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn softmax_backward_row_avx512(lp: &[f32], scale: f32, dz: &mut [f32]) -> f64 {
+    softmax_backward_row_g::<Avx512>(lp, scale, dz)
+}
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn softmax_backward_row_avx2(lp: &[f32], scale: f32, dz: &mut [f32]) -> f64 {
+    softmax_backward_row_g::<Avx2>(lp, scale, dz)
+}
+
+#[inline(always)]
+unsafe fn softmax_backward_row_g<S: Simd>(lp: &[f32], scale: f32, dz: &mut [f32]) -> f64 {
+    let l = S::LANES;
+    let n = lp.len();
+    let (p, d) = (lp.as_ptr(), dz.as_mut_ptr());
+    let vs = S::splat(-scale);
+    // Below exp's clamp a probability is 0: its log-prob is clamped too, so 0·(−inf) stays 0.
+    let floor = S::splat(-87.3);
+    let mut ent = S::zero();
+    let mut i = 0;
+    while i + l <= n {
+        let x = S::max(S::load(p.add(i)), floor);
+        let e = exp::<S>(x);
+        S::store(d.add(i), S::mul(e, vs));
+        ent = S::fma(e, x, ent);
+        i += l;
+    }
+    let mut entropy = -(S::reduce_add(ent) as f64);
+    while i < n {
+        let x = (*p.add(i)).max(-87.3);
+        let e = x.exp();
+        *d.add(i) = -scale * e;
+        entropy -= (e * x) as f64;
+        i += 1;
+    }
+    entropy
+}
+
 /// The largest of the `n` values at `p`.
 #[inline(always)]
 pub(crate) unsafe fn max_of<S: Simd>(p: *const f32, n: usize) -> f32 {

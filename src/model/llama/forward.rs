@@ -14,6 +14,7 @@
 //! logits = RMSNorm(x) * output_norm · Woutᵀ (Wout = token_embd when tied; never adapted)
 
 use super::buffers::{AdapterScratch, ForwardBuffers};
+use super::train::{ActStore, LayerActs};
 use super::{Llama, ModelError, Weight};
 use crate::adapter::{lora, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
@@ -105,15 +106,15 @@ impl Llama {
         self.forward_impl(cpu, cache, batch, bufs, None)
     }
 
-    /// The same forward, also keeping each layer's input and the final hidden state in `store`
-    /// ((layers + 1) × T × hidden): the activation checkpoints of the training backward.
-    pub fn forward_store(
+    /// The same forward, also keeping what the training backward needs in `store`: each layer's
+    /// input (the checkpoints), and the activations of the layers from `store.keep_from` on.
+    pub(super) fn forward_store(
         &self,
         cpu: &Cpu,
         cache: &mut KvCache,
         batch: &[BatchSeq],
         bufs: &mut ForwardBuffers,
-        store: &mut Vec<f32>,
+        store: &mut ActStore,
     ) -> Result<(), ModelError> {
         self.forward_impl(cpu, cache, batch, bufs, Some(store))
     }
@@ -124,7 +125,7 @@ impl Llama {
         cache: &mut KvCache,
         batch: &[BatchSeq],
         bufs: &mut ForwardBuffers,
-        mut store: Option<&mut Vec<f32>>,
+        mut store: Option<&mut ActStore>,
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let (hidden, kvd) = (c.hidden, c.kv_dim());
@@ -175,11 +176,14 @@ impl Llama {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
 
         if let Some(st) = store.as_deref_mut() {
-            st.clear();
+            st.checkpoints.clear();
+            st.acts.clear();
         }
         for (l, layer) in self.layers.iter().enumerate() {
+            let mut keep = None;
             if let Some(st) = store.as_deref_mut() {
-                st.extend_from_slice(x);
+                st.checkpoints.extend_from_slice(x);
+                keep = (l >= st.keep_from).then(LayerActs::default);
             }
             cpu.rmsnorm(x, &layer.attn_norm, c.eps, n);
             self.project(
@@ -208,6 +212,9 @@ impl Llama {
             );
             cpu.rope(q, &rope, c.num_heads, c.head_dim, c.rope_dim);
             cpu.rope(k, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
+            if let Some(a) = keep.as_mut() {
+                (a.q, a.k, a.v) = (q.to_vec(), k.to_vec(), v.to_vec());
+            }
             for (s, a) in batch.iter().zip(&attn) {
                 for i in 0..a.q_len {
                     let r = a.q_start + i;
@@ -243,6 +250,9 @@ impl Llama {
                 adapter,
             );
             add_in_place(x, proj);
+            if let Some(a) = keep.as_mut() {
+                (a.att, a.hx) = (att.to_vec(), x.to_vec());
+            }
             cpu.rmsnorm(x, &layer.ffn_norm, c.eps, n);
             self.project(
                 cpu,
@@ -264,6 +274,12 @@ impl Llama {
                 adapter,
             );
             cpu.swiglu(gate, up, act);
+            if let Some(a) = keep.as_mut() {
+                (a.gate, a.up) = (gate.to_vec(), up.to_vec());
+            }
+            if let Some(st) = store.as_deref_mut() {
+                st.acts.push(keep);
+            }
             self.project(
                 cpu,
                 l,
@@ -279,9 +295,6 @@ impl Llama {
             add_in_place(x, proj);
         }
 
-        if let Some(st) = store {
-            st.extend_from_slice(x);
-        }
         for (j, &r) in logit_rows.iter().enumerate() {
             xs[j * hidden..(j + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }

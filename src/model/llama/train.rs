@@ -12,7 +12,7 @@
 //! hidden), one layer's activations, and one chunk of logits (never T × vocab).
 
 use super::buffers::{AdapterScratch, ForwardBuffers};
-use super::forward::{adapter_groups, add_in_place, Projection};
+use super::forward::{adapter_groups, add_in_place, AdapterGroup, Projection};
 use super::{BatchSeq, Llama, Logits, ModelError, Weight};
 use crate::adapter::{lora, oft, AdapterWeights, Method, Target};
 use crate::engine::sampler::scale_and_normalize;
@@ -52,30 +52,69 @@ impl TrainSeq<'_> {
     }
 }
 
+/// One layer's activations kept by the training forward for its backward, T rows each: q and k
+/// after RoPE, v, the attention output, the residual stream after attention (`hx`), and the MLP's
+/// gate and up products. (The RMSNorm outputs and SwiGLU are recomputed: they are cheap.)
+#[derive(Default)]
+pub(super) struct LayerActs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub att: Vec<f32>,
+    pub hx: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+}
+
+/// What `forward_store` keeps: every layer's input, and the activations of layers
+/// `keep_from..` (the others are recomputed from their input by the backward).
+#[derive(Default)]
+pub(super) struct ActStore {
+    /// layers × T × hidden.
+    pub checkpoints: Vec<f32>,
+    pub keep_from: usize,
+    pub acts: Vec<Option<LayerActs>>,
+}
+
+/// Bytes of one layer's `LayerActs` for `t` tokens.
+fn layer_act_bytes(c: &super::LlamaConfig, t: usize) -> usize {
+    t * (2 * c.q_dim() + 2 * c.kv_dim() + c.hidden + 2 * c.ffn) * 4
+}
+
+/// A training batch's block tables in one pool of `blocks` KV blocks, and each sequence's first
+/// position.
+struct Tables {
+    tables: Vec<Vec<u32>>,
+    first_pos: Vec<usize>,
+    blocks: usize,
+}
+
 /// What the forward keeps for the backward.
 pub struct TrainState {
     cache: KvCache,
     tables: Vec<Vec<u32>>,
     /// Position of each sequence's first token (its prefix's length, else 0).
     first_pos: Vec<usize>,
-    /// (layers + 1) × T × hidden: each layer's input, then the final hidden state.
-    store: Vec<f32>,
+    store: ActStore,
+    /// T × hidden: the final hidden state.
+    final_x: Vec<f32>,
+    /// T × hidden: d log π(token)/d(normed final hidden state) at each scored row (the LM head's
+    /// backward, done in the forward while the chunk's log-probs are at hand), zero elsewhere.
+    head_grad: Vec<f32>,
     num_tokens: usize,
     /// Mean entropy (nats) of the policy's next-token distribution over the scored tokens.
     pub mean_entropy: f64,
+    /// Layers whose activations were kept (the rest are recomputed by the backward).
+    pub layers_kept: usize,
 }
 
+/// The default memory budget of the kept activations (`train_forward`): 8 × 256 tokens keep all
+/// 30 layers of SmolLM2-135M.
+pub const ACTIVATION_BUDGET: usize = 1300 << 20;
+
 impl Llama {
-    /// Log-probs (from logits / `temperature`) of every completion token of every sequence, and
-    /// the state the backward needs.
-    pub fn train_forward(
-        &self,
-        cpu: &Cpu,
-        seqs: &[TrainSeq],
-        adapter: Option<&AdapterWeights>,
-        temperature: f32,
-    ) -> Result<(Vec<Vec<f32>>, TrainState), ModelError> {
-        let c = &self.config;
+    /// Block tables (one KV block pool) and first positions of a training batch, checked.
+    fn train_tables(&self, seqs: &[TrainSeq]) -> Result<Tables, ModelError> {
         let bs = TRAIN_BLOCK;
         let mut tables: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
         let mut first_pos = Vec::with_capacity(seqs.len());
@@ -106,11 +145,30 @@ impl Llama {
             tables.push(table);
             first_pos.push(pos);
         }
-        let mut cache = KvCache::new(c.num_layers, c.kv_dim(), bs, next as usize);
+        Ok(Tables {
+            tables,
+            first_pos,
+            blocks: next as usize,
+        })
+    }
+
+    /// The forward of a training batch: its cache, and the final hidden state in `bufs.x`.
+    fn train_pass(
+        &self,
+        cpu: &Cpu,
+        seqs: &[TrainSeq],
+        adapter: Option<&AdapterWeights>,
+        bufs: &mut ForwardBuffers,
+        store: Option<&mut ActStore>,
+    ) -> Result<(KvCache, Tables), ModelError> {
+        let c = &self.config;
+        let tb = self.train_tables(seqs)?;
+        let (tables, first_pos) = (&tb.tables, &tb.first_pos);
+        let mut cache = KvCache::new(c.num_layers, c.kv_dim(), TRAIN_BLOCK, tb.blocks);
         let batch: Vec<BatchSeq> = seqs
             .iter()
-            .zip(&tables)
-            .zip(&first_pos)
+            .zip(tables)
+            .zip(first_pos)
             .map(|((s, t), &p)| BatchSeq {
                 tokens: s.tokens,
                 first_pos: p,
@@ -119,65 +177,135 @@ impl Llama {
                 adapter,
             })
             .collect();
+        match store {
+            Some(st) => self.forward_store(cpu, &mut cache, &batch, bufs, st)?,
+            None => self.forward_into(cpu, &mut cache, &batch, bufs)?,
+        }
+        drop(batch);
+        Ok((cache, tb))
+    }
+
+    /// Log-probs (from logits / `temperature`) of every completion token of every sequence, the
+    /// same as `train_forward`'s, without keeping anything for a backward (the reference policy,
+    /// evaluations).
+    pub fn logprobs(
+        &self,
+        cpu: &Cpu,
+        seqs: &[TrainSeq],
+        adapter: Option<&AdapterWeights>,
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let mut bufs = ForwardBuffers::default();
-        let mut store = Vec::new();
-        self.forward_store(cpu, &mut cache, &batch, &mut bufs, &mut store)?;
-        let num_tokens: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        let mut state = TrainState {
-            cache,
-            tables,
-            first_pos,
-            store,
-            num_tokens,
-            mean_entropy: 0.0,
-        };
+        self.train_pass(cpu, seqs, adapter, &mut bufs, None)?;
+        let vocab = self.config.vocab_size;
         let mut logps: Vec<Vec<f32>> = seqs
             .iter()
             .map(|s| Vec::with_capacity(s.tokens.len() - s.prompt_len))
             .collect();
-        let (mut entropy, mut scored) = (0.0f64, 0usize);
-        self.head_chunks(cpu, seqs, &state, temperature, |chunk, rows| {
-            for (k, &(i, _, _)) in chunk.iter().enumerate() {
-                let row = &rows[k * c.vocab_size..(k + 1) * c.vocab_size];
-                let tok = seqs[i].tokens[seqs[i].prompt_len + logps[i].len()] as usize;
-                logps[i].push(row[tok]);
-                entropy -= row
-                    .iter()
-                    .map(|&lp| (lp as f64).exp() * lp as f64)
-                    .filter(|v| v.is_finite())
-                    .sum::<f64>();
-                scored += 1;
+        self.head_chunks(cpu, seqs, &bufs.x, temperature, |chunk, rows| {
+            for (k, &(i, _, tok)) in chunk.iter().enumerate() {
+                logps[i].push(rows[k * vocab + tok as usize]);
             }
         });
-        state.mean_entropy = entropy / scored.max(1) as f64;
+        Ok(logps)
+    }
+
+    /// Log-probs (from logits / `temperature`) of every completion token of every sequence, and
+    /// the state the backward needs: the activations of as many layers as `activation_budget`
+    /// bytes hold (the others are recomputed by the backward; the gradients are the same to the
+    /// bit either way).
+    pub fn train_forward(
+        &self,
+        cpu: &Cpu,
+        seqs: &[TrainSeq],
+        adapter: &AdapterWeights,
+        temperature: f32,
+        activation_budget: usize,
+    ) -> Result<(Vec<Vec<f32>>, TrainState), ModelError> {
+        let c = &self.config;
+        let h = c.hidden;
+        let num_tokens: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let per_layer = layer_act_bytes(c, num_tokens).max(1);
+        let kept = (activation_budget / per_layer).min(c.num_layers);
+        let mut store = ActStore {
+            keep_from: c.num_layers - kept,
+            ..ActStore::default()
+        };
+        let mut bufs = ForwardBuffers::default();
+        let (
+            cache,
+            Tables {
+                tables, first_pos, ..
+            },
+        ) = self.train_pass(cpu, seqs, Some(adapter), &mut bufs, Some(&mut store))?;
+        let final_x = std::mem::take(&mut bufs.x);
+        drop(bufs);
+        let mut logps: Vec<Vec<f32>> = seqs
+            .iter()
+            .map(|s| Vec::with_capacity(s.tokens.len() - s.prompt_len))
+            .collect();
+        // d log π(tok)/dz = (onehot − softmax)/T for z = the logits; through the frozen head now.
+        let inv_t = if temperature > 0.0 {
+            1.0 / temperature
+        } else {
+            1.0
+        };
+        let mut head_grad = vec![0.0f32; num_tokens * h];
+        let (mut entropy, mut scored) = (0.0f64, 0usize);
+        let (mut dz, mut dn) = (Vec::new(), Vec::new());
+        self.head_chunks(cpu, seqs, &final_x, temperature, |chunk, rows| {
+            dz.resize(rows.len(), 0.0);
+            for (k, &(i, _, tok)) in chunk.iter().enumerate() {
+                let row = &rows[k * c.vocab_size..(k + 1) * c.vocab_size];
+                logps[i].push(row[tok as usize]);
+                let d = &mut dz[k * c.vocab_size..(k + 1) * c.vocab_size];
+                entropy += cpu.softmax_backward_row(row, inv_t, d);
+                d[tok as usize] += inv_t;
+                scored += 1;
+            }
+            dn.resize(chunk.len() * h, 0.0);
+            cpu.linear_backward(
+                self.output.ty,
+                self.bytes(&self.output),
+                c.vocab_size,
+                h,
+                &dz,
+                &mut dn,
+            );
+            for (k, &(_, r, _)) in chunk.iter().enumerate() {
+                head_grad[r * h..(r + 1) * h].copy_from_slice(&dn[k * h..(k + 1) * h]);
+            }
+        });
+        let state = TrainState {
+            cache,
+            tables,
+            first_pos,
+            store,
+            final_x,
+            head_grad,
+            num_tokens,
+            mean_entropy: entropy / scored.max(1) as f64,
+            layers_kept: kept,
+        };
         Ok((logps, state))
     }
 
     /// The scored rows (sequence, row in the batch, target token), HEAD_CHUNK at a time: their
-    /// log-softmax(logits / T) rows are handed to `f`.
+    /// log-softmax(logits / T) rows (from the final hidden state `final_x`) are handed to `f`.
     fn head_chunks(
         &self,
         cpu: &Cpu,
         seqs: &[TrainSeq],
-        st: &TrainState,
+        final_x: &[f32],
         temperature: f32,
         mut f: impl FnMut(&[(usize, usize, u32)], &[f32]),
     ) {
         let c = &self.config;
         let h = c.hidden;
-        let final_x = &st.store[c.num_layers * st.num_tokens * h..];
-        let mut scored = Vec::new();
-        let mut start = 0;
-        for (i, s) in seqs.iter().enumerate() {
-            for a in s.prompt_len..s.tokens.len() {
-                scored.push((i, start + a - 1, s.tokens[a]));
-            }
-            start += s.tokens.len();
-        }
         let mut xs = Vec::new();
         let mut normed = Vec::new();
         let mut logits = Vec::new();
-        for chunk in scored.chunks(HEAD_CHUNK) {
+        for chunk in scored_rows(seqs).chunks(HEAD_CHUNK) {
             xs.clear();
             for &(_, r, _) in chunk {
                 xs.extend_from_slice(&final_x[r * h..(r + 1) * h]);
@@ -201,60 +329,34 @@ impl Llama {
     }
 
     /// Add dL/dθ of every adapter parameter to `grads` (the adapter's flat layout), given dL/dlog π
-    /// of every completion token (`grad_logp`, as `train_forward` returned the log-probs).
-    #[allow(clippy::too_many_arguments)]
+    /// of every completion token (`grad_logp`, as `train_forward` returned the log-probs). The
+    /// state is consumed: each layer's kept activations are freed once its backward is done.
     pub fn train_backward(
         &self,
         cpu: &Cpu,
         seqs: &[TrainSeq],
         adapter: &AdapterWeights,
-        temperature: f32,
-        st: &TrainState,
+        mut st: TrainState,
         grad_logp: &[Vec<f32>],
         grads: &mut [f32],
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let (h, t) = (c.hidden, st.num_tokens);
         assert_eq!(grads.len(), adapter.layout.num_params);
-        // dL/dx of the final hidden state: through the LM head (frozen) and the final RMSNorm.
-        let mut dnormed_all = vec![0.0f32; t * h];
+        // dL/dx of the final hidden state: the head's gradient times dL/dlog π, through the final
+        // RMSNorm.
+        let mut dnormed_all = std::mem::take(&mut st.head_grad);
         let mut done: Vec<usize> = vec![0; seqs.len()];
-        let inv_t = if temperature > 0.0 {
-            1.0 / temperature
-        } else {
-            1.0
-        };
-        let mut dz = Vec::new();
-        let mut dn = Vec::new();
-        self.head_chunks(cpu, seqs, st, temperature, |chunk, rows| {
-            dz.resize(rows.len(), 0.0);
-            for (k, &(i, _, tok)) in chunk.iter().enumerate() {
-                let g = grad_logp[i][done[i]];
-                done[i] += 1;
-                let row = &rows[k * c.vocab_size..(k + 1) * c.vocab_size];
-                let d = &mut dz[k * c.vocab_size..(k + 1) * c.vocab_size];
-                // log p = log_softmax(z / T): dL/dz = g·(onehot − softmax)/T.
-                for (dv, lp) in d.iter_mut().zip(row) {
-                    *dv = -g * lp.exp() * inv_t;
-                }
-                d[tok as usize] += g * inv_t;
-            }
-            dn.resize(chunk.len() * h, 0.0);
-            cpu.linear_backward(
-                self.output.ty,
-                self.bytes(&self.output),
-                c.vocab_size,
-                h,
-                &dz,
-                &mut dn,
-            );
-            for (k, &(_, r, _)) in chunk.iter().enumerate() {
-                dnormed_all[r * h..(r + 1) * h].copy_from_slice(&dn[k * h..(k + 1) * h]);
-            }
-        });
-        let final_x = &st.store[c.num_layers * t * h..];
+        for (i, r, _) in scored_rows(seqs) {
+            let g = grad_logp[i][done[i]];
+            done[i] += 1;
+            dnormed_all[r * h..(r + 1) * h]
+                .iter_mut()
+                .for_each(|v| *v *= g);
+        }
         let mut dx = vec![0.0f32; t * h];
-        cpu.rmsnorm_backward(final_x, &self.output_norm, c.eps, &dnormed_all, &mut dx);
+        cpu.rmsnorm_backward(&st.final_x, &self.output_norm, c.eps, &dnormed_all, &mut dx);
+        drop(dnormed_all);
 
         let batch: Vec<BatchSeq> = seqs
             .iter()
@@ -286,86 +388,18 @@ impl Llama {
         let mut scratch = AdapterScratch::default();
         let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.ffn);
         let z = |n: usize| vec![0.0f32; n];
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
         for (l, layer) in self.layers.iter().enumerate().rev() {
-            // Recompute the layer from its checkpoint.
-            let x0 = &st.store[l * t * h..(l + 1) * t * h];
-            let (mut n, mut q, mut k, mut v) = (z(t * h), z(t * qd), z(t * kvd), z(t * kvd));
+            let x0 = &st.store.checkpoints[l * t * h..(l + 1) * t * h];
+            let a = match st.store.acts[l].take() {
+                Some(a) => a,
+                None => {
+                    self.recompute_layer(cpu, l, x0, &st.cache, &attn, &rope, &groups, &mut scratch)
+                }
+            };
+            let (mut n, mut m, mut act) = (z(t * h), z(t * h), z(t * f));
             cpu.rmsnorm(x0, &layer.attn_norm, c.eps, &mut n);
-            self.project(
-                cpu,
-                l,
-                &n,
-                &mut [
-                    Projection {
-                        target: Target::Q,
-                        weight: &layer.wq,
-                        y: &mut q,
-                    },
-                    Projection {
-                        target: Target::K,
-                        weight: &layer.wk,
-                        y: &mut k,
-                    },
-                    Projection {
-                        target: Target::V,
-                        weight: &layer.wv,
-                        y: &mut v,
-                    },
-                ],
-                &groups,
-                &mut scratch,
-            );
-            cpu.rope(&mut q, &rope, c.num_heads, c.head_dim, c.rope_dim);
-            cpu.rope(&mut k, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
-            let mut att = z(t * qd);
-            cpu.attention(
-                &q,
-                &mut att,
-                &attn,
-                st.cache.layer(l),
-                c.num_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                scale,
-            );
-            let mut hx = z(t * h);
-            self.project(
-                cpu,
-                l,
-                &att,
-                &mut [Projection {
-                    target: Target::O,
-                    weight: &layer.wo,
-                    y: &mut hx,
-                }],
-                &groups,
-                &mut scratch,
-            );
-            add_in_place(&mut hx, x0);
-            let mut m = z(t * h);
-            cpu.rmsnorm(&hx, &layer.ffn_norm, c.eps, &mut m);
-            let (mut gate, mut up, mut act) = (z(t * f), z(t * f), z(t * f));
-            self.project(
-                cpu,
-                l,
-                &m,
-                &mut [
-                    Projection {
-                        target: Target::Gate,
-                        weight: &layer.w_gate,
-                        y: &mut gate,
-                    },
-                    Projection {
-                        target: Target::Up,
-                        weight: &layer.w_up,
-                        y: &mut up,
-                    },
-                ],
-                &groups,
-                &mut scratch,
-            );
-            cpu.swiglu(&gate, &up, &mut act);
+            cpu.rmsnorm(&a.hx, &layer.ffn_norm, c.eps, &mut m);
+            cpu.swiglu(&a.gate, &a.up, &mut act);
 
             // Backward: dx holds dL/d(layer output).
             let dact = self.linear_backward_adapted(
@@ -378,8 +412,10 @@ impl Llama {
                 &dx,
                 grads,
             );
+            drop(act);
             let (mut dgate, mut dup) = (z(t * f), z(t * f));
-            cpu.swiglu_backward(&gate, &up, &dact, &mut dgate, &mut dup);
+            cpu.swiglu_backward(&a.gate, &a.up, &dact, &mut dgate, &mut dup);
+            drop(dact);
             let mut dm = self.linear_backward_adapted(
                 cpu,
                 adapter,
@@ -402,7 +438,7 @@ impl Llama {
             );
             add_in_place(&mut dm, &dm_up);
             let mut dh = z(t * h);
-            cpu.rmsnorm_backward(&hx, &layer.ffn_norm, c.eps, &dm, &mut dh);
+            cpu.rmsnorm_backward(&a.hx, &layer.ffn_norm, c.eps, &dm, &mut dh);
             add_in_place(&mut dh, &dx);
             let datt = self.linear_backward_adapted(
                 cpu,
@@ -410,23 +446,23 @@ impl Llama {
                 l,
                 Target::O,
                 &layer.wo,
-                &att,
+                &a.att,
                 &dh,
                 grads,
             );
             let (mut dq, mut dk, mut dv) = (z(t * qd), z(t * kvd), z(t * kvd));
-            for (i, a) in attn.iter().enumerate() {
+            for (i, s) in seqs.iter().enumerate() {
                 attention_backward_seq(
                     cpu,
                     &self.config,
                     &attn,
                     i,
-                    seqs[i].prefix,
-                    (&q, &k, &v, &datt),
+                    s.prefix,
+                    (&a.q, &a.k, &a.v, &datt),
                     (&mut dq, &mut dk, &mut dv),
                 );
-                debug_assert_eq!(a.first_pos, st.first_pos[i]);
             }
+            drop(a);
             cpu.rope_backward(&mut dq, &rope, c.num_heads, c.head_dim, c.rope_dim);
             cpu.rope_backward(&mut dk, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
             let mut dn =
@@ -441,6 +477,80 @@ impl Llama {
             dx = dx0;
         }
         Ok(())
+    }
+
+    /// Layer `l`'s activations recomputed from its input `x0` (the same kernels as the forward,
+    /// so the same bits as if they had been kept), reading K/V from the training cache.
+    #[allow(clippy::too_many_arguments)]
+    fn recompute_layer(
+        &self,
+        cpu: &Cpu,
+        l: usize,
+        x0: &[f32],
+        cache: &KvCache,
+        attn: &[AttnSeq],
+        rope: &[f32],
+        groups: &[AdapterGroup],
+        scratch: &mut AdapterScratch,
+    ) -> LayerActs {
+        let c = &self.config;
+        let layer = &self.layers[l];
+        let t = x0.len() / c.hidden;
+        let z = |n: usize| vec![0.0f32; n];
+        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.ffn);
+        let mut a = LayerActs {
+            q: z(t * qd),
+            k: z(t * kvd),
+            v: z(t * kvd),
+            att: z(t * qd),
+            hx: z(t * c.hidden),
+            gate: z(t * f),
+            up: z(t * f),
+        };
+        let mut n = z(t * c.hidden);
+        cpu.rmsnorm(x0, &layer.attn_norm, c.eps, &mut n);
+        let projections = [
+            (Target::Q, &layer.wq, &mut a.q),
+            (Target::K, &layer.wk, &mut a.k),
+            (Target::V, &layer.wv, &mut a.v),
+        ];
+        let mut projections =
+            projections.map(|(target, weight, y)| Projection { target, weight, y });
+        self.project(cpu, l, &n, &mut projections, groups, scratch);
+        cpu.rope(&mut a.q, rope, c.num_heads, c.head_dim, c.rope_dim);
+        cpu.rope(&mut a.k, rope, c.num_kv_heads, c.head_dim, c.rope_dim);
+        cpu.attention(
+            &a.q,
+            &mut a.att,
+            attn,
+            cache.layer(l),
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            1.0 / (c.head_dim as f32).sqrt(),
+        );
+        let mut o = [Projection {
+            target: Target::O,
+            weight: &layer.wo,
+            y: &mut a.hx,
+        }];
+        self.project(cpu, l, &a.att, &mut o, groups, scratch);
+        add_in_place(&mut a.hx, x0);
+        cpu.rmsnorm(&a.hx, &layer.ffn_norm, c.eps, &mut n);
+        let mut mlp = [
+            Projection {
+                target: Target::Gate,
+                weight: &layer.w_gate,
+                y: &mut a.gate,
+            },
+            Projection {
+                target: Target::Up,
+                weight: &layer.w_up,
+                y: &mut a.up,
+            },
+        ];
+        self.project(cpu, l, &n, &mut mlp, groups, scratch);
+        a
     }
 
     /// dL/d(input) of one adapted projection of layer `l` with input `x` (T, in) and output
@@ -547,4 +657,18 @@ fn attention_backward_seq(
         add_in_place(&mut dv[r.start * kvd..r.end * kvd], &dvv[at..at + n]);
         at += n;
     }
+}
+
+/// The scored rows of a packed batch: (sequence, row whose logits predict the token, token), in
+/// order (each completion token is predicted by the row before it).
+fn scored_rows(seqs: &[TrainSeq]) -> Vec<(usize, usize, u32)> {
+    let mut scored = Vec::new();
+    let mut start = 0;
+    for (i, s) in seqs.iter().enumerate() {
+        for a in s.prompt_len..s.tokens.len() {
+            scored.push((i, start + a - 1, s.tokens[a]));
+        }
+        start += s.tokens.len();
+    }
+    scored
 }
