@@ -61,45 +61,48 @@ fn linear_backward_is_dy_times_w_for_every_format() {
             32 => 576,
             _ => 512,
         };
-        let rows = 37;
-        let wf = rng.vec(rows * cols, 1.0);
-        let w = quantize(ty, &wf);
-        let mut wd = vec![0.0f32; rows * cols];
-        reference::dequantize_row(ty, &w, &mut wd);
-        for n in [1usize, 3, 17] {
-            let dy = rng.vec(n * rows, 1.0);
-            let mut want = vec![0.0; n * cols];
-            reference::linear_backward(ty, &w, rows, cols, &dy, &mut want);
-            // The twin against finite differences of y = x·Wᵀ (f64, dequantized W): on a few
-            // columns (the function is linear; this checks the transpose is the right one).
-            if n == 3 {
-                let x = rng.vec(cols, 1.0);
-                for c in [0, cols / 2, cols - 1] {
-                    let f = |xs: &[f64]| -> Vec<f64> {
-                        (0..rows)
-                            .map(|r| (0..cols).map(|k| wd[r * cols + k] as f64 * xs[k]).sum())
-                            .collect()
-                    };
-                    let num = numeric(&x, &dy[..rows], &f)[c];
-                    assert!(
-                        (want[c] as f64 - num).abs() < 1e-4 * (1.0 + num.abs()),
-                        "{ty:?} col {c}"
-                    );
+        // 300 rows: several weight tiles (256 rows for 32-value blocks); 70 dy rows: two
+        // activation blocks.
+        for (rows, ns) in [(37usize, &[1usize, 3, 17][..]), (300, &[70][..])] {
+            let wf = rng.vec(rows * cols, 1.0);
+            let w = quantize(ty, &wf);
+            let mut wd = vec![0.0f32; rows * cols];
+            reference::dequantize_row(ty, &w, &mut wd);
+            for &n in ns {
+                let dy = rng.vec(n * rows, 1.0);
+                let mut want = vec![0.0; n * cols];
+                reference::linear_backward(ty, &w, rows, cols, &dy, &mut want);
+                // The twin against finite differences of y = x·Wᵀ (f64, dequantized W): on a few
+                // columns (the function is linear; this checks the transpose is the right one).
+                if n == 3 {
+                    let x = rng.vec(cols, 1.0);
+                    for c in [0, cols / 2, cols - 1] {
+                        let f = |xs: &[f64]| -> Vec<f64> {
+                            (0..rows)
+                                .map(|r| (0..cols).map(|k| wd[r * cols + k] as f64 * xs[k]).sum())
+                                .collect()
+                        };
+                        let num = numeric(&x, &dy[..rows], &f)[c];
+                        assert!(
+                            (want[c] as f64 - num).abs() < 1e-4 * (1.0 + num.abs()),
+                            "{ty:?} col {c}"
+                        );
+                    }
                 }
-            }
-            for c in cpus() {
-                let mut got = vec![f32::NAN; n * cols];
-                c.linear_backward(ty, &w, rows, cols, &dy, &mut got);
-                for (k, (g, w_)) in got.iter().zip(&want).enumerate() {
-                    let (i, col) = (k / cols, k % cols);
-                    let mag: f32 = (0..rows)
-                        .map(|r| (dy[i * rows + r] * wd[r * cols + col]).abs())
-                        .sum();
-                    assert!(
-                        (g - w_).abs() <= 2e-6 * mag + 1e-6,
-                        "{ty:?} {:?} n={n} [{k}]: {g} vs {w_}",
-                        c.isa
-                    );
+                for c in cpus() {
+                    let mut got = vec![f32::NAN; n * cols];
+                    c.linear_backward(ty, &w, rows, cols, &dy, &mut got);
+                    for (k, (g, w_)) in got.iter().zip(&want).enumerate() {
+                        let (i, col) = (k / cols, k % cols);
+                        let mag: f32 = (0..rows)
+                            .map(|r| (dy[i * rows + r] * wd[r * cols + col]).abs())
+                            .sum();
+                        assert!(
+                            (g - w_).abs() <= 2e-6 * mag + 1e-6,
+                            "{ty:?} {:?} n={n} [{k}]: {g} vs {w_}",
+                            c.isa
+                        );
+                    }
                 }
             }
         }
