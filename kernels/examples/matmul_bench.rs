@@ -2,7 +2,7 @@
 //! each format next to F32 weights (no decoding: the arithmetic alone) in the same invocation.
 //! With `backward`, the training backward's dx = dy·W (`linear_backward`) next to the forward
 //! product of the same shape and format.
-//! `cargo run --release -p flywheel-kernels --example matmul_bench [-- N [backward]]`
+//! `[THREADS=2] cargo run --release -p flywheel-kernels --example matmul_bench [-- N [backward]]`
 
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::{Cpu, QuantType, ThreadPool};
@@ -13,12 +13,19 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(16);
+    let threads: usize = std::env::var("THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
     let cpu = Cpu::new(
         flywheel_kernels::Isa::detect(),
-        ThreadPool::new(1, Duration::ZERO),
+        ThreadPool::new(threads, Duration::from_micros(50)),
     );
     let backward = std::env::args().nth(2).as_deref() == Some("backward");
-    println!("isa {:?}, batch {n}, 1 thread", cpu.isa);
+    println!(
+        "isa {:?}, batch {n}, {threads} thread(s) (THREADS=)",
+        cpu.isa
+    );
     for (rows, cols) in [(1536usize, 576usize), (576, 1536), (49152, 576)] {
         let w: Vec<f32> = (0..rows * cols)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0)

@@ -13,8 +13,8 @@
 //!   x += (silu(m Wgateᵀ) ⊙ m Wupᵀ) Wdownᵀ   (each adapted)
 //! logits = RMSNorm(x) * output_norm · Woutᵀ (Wout = token_embd when tied; never adapted)
 
+use super::activations::{ActStore, LayerActs};
 use super::buffers::{AdapterScratch, ForwardBuffers};
-use super::train::{ActStore, LayerActs};
 use super::{Llama, ModelError, Weight};
 use crate::adapter::{lora, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;

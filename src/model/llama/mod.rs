@@ -2,6 +2,7 @@
 //! formats (mmapped, never dequantized as a whole, never copied). `forward` runs a packed batch
 //! (each sequence optionally through its own adapter version); `buffers` holds its activations.
 
+mod activations;
 mod buffers;
 mod forward;
 mod train;
