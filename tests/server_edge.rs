@@ -149,6 +149,28 @@ fn logit_bias_is_applied_and_bad_values_are_400s() {
     );
 }
 
+/// A temperature of 1e-45 (found by fuzzing: every log-prob came back null) is greedy: the
+/// same tokens and log-probs as temperature 0, all of them numbers.
+#[test]
+fn a_tiny_temperature_is_greedy_and_its_logprobs_are_numbers() {
+    let (_d, s) = start(EDGE, &[]);
+    let run = |t: f64| -> Value {
+        let body = completion(json!({"temperature": t, "logprobs": 3, "return_token_ids": true}));
+        let r = s.post("/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        r.json()["choices"][0].clone()
+    };
+    let (tiny, zero) = (run(1e-45), run(0.0));
+    let lp = &tiny["logprobs"];
+    let numbers = |v: &Value| v.as_array().unwrap().iter().all(Value::is_f64);
+    assert!(numbers(&lp["token_logprobs"]), "{lp}");
+    for top in lp["top_logprobs"].as_array().unwrap() {
+        assert!(top.as_object().unwrap().values().all(Value::is_f64), "{top}");
+    }
+    assert_eq!(tiny["token_ids"], zero["token_ids"]);
+    assert_eq!(lp["token_logprobs"], zero["logprobs"]["token_logprobs"]);
+}
+
 #[test]
 fn bodies_media_types_and_methods_get_the_right_status_in_openai_shape() {
     let (_d, s) = start(EDGE, &[]);

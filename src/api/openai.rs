@@ -2,7 +2,7 @@
 //! (`param`), unknown fields are ignored, and the result is a typed, validated value.
 
 use super::error::ApiError;
-use crate::engine::sampler::SamplingParams;
+use crate::engine::sampler::{is_greedy, SamplingParams};
 use crate::model::tokenizer::ChatMessage;
 use serde_json::{Map, Value};
 
@@ -176,7 +176,8 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
     let temperature = f.f32_in("temperature", 0.0, f64::INFINITY, false)?;
     let top_k = f.int_in("top_k", -1, vocab as i128)?.unwrap_or(0);
     let sampling = SamplingParams {
-        temperature: temperature.unwrap_or(1.0),
+        // Below MIN_TEMPERATURE is greedy: said as 0 everywhere after this (the rollout log too).
+        temperature: temperature.map_or(1.0, |t| if is_greedy(t) { 0.0 } else { t }),
         top_p: f.f32_in("top_p", 0.0, 1.0, true)?.unwrap_or(1.0),
         top_k: top_k.max(0) as usize,
         min_p: f.f32_in("min_p", 0.0, 1.0, false)?.unwrap_or(0.0),

@@ -5,6 +5,7 @@
 
 use super::error::ApiError;
 use super::respond::Job;
+use crate::engine::sampler::is_greedy;
 use crate::online::log::CompletionRecord;
 use crate::online::trainer::Online;
 use serde_json::json;
@@ -42,7 +43,7 @@ pub async fn log_choices(
     })
     .to_string();
     // Greedy answers are not draws from the policy either.
-    let policy_sampled = sp.samples_the_policy() && sp.temperature > 0.0;
+    let policy_sampled = sp.samples_the_policy() && !is_greedy(sp.temperature);
     let recs: Vec<CompletionRecord> = choices
         .iter()
         .enumerate()

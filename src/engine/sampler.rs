@@ -140,7 +140,7 @@ pub fn sample(
     scale_and_normalize(cpu, logits, p.temperature);
     let lp: &[f32] = logits;
     let draw_from = penalized.as_deref().unwrap_or(lp);
-    let token = if p.temperature <= 0.0 {
+    let token = if is_greedy(p.temperature) {
         argmax(draw_from)
     } else {
         sample_truncated(draw_from, p, rng)
@@ -152,9 +152,19 @@ pub fn sample(
     }
 }
 
-/// log-softmax(logits / T) in place, as the sampler reports it (and as a trainer must recompute it).
+/// Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`): logits / T would overflow
+/// f32 for T near 0 (1e-45 makes every log-prob NaN), so such a T means temperature 0.
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
+/// Greedy decoding: temperature 0, or below `MIN_TEMPERATURE`.
+pub fn is_greedy(temperature: f32) -> bool {
+    temperature < MIN_TEMPERATURE
+}
+
+/// log-softmax(logits / T) in place, as the sampler reports it (and as a trainer must recompute
+/// it); plain log-softmax(logits) when greedy.
 pub fn scale_and_normalize(cpu: &Cpu, logits: &mut [f32], temperature: f32) {
-    if temperature > 0.0 && temperature != 1.0 {
+    if !is_greedy(temperature) && temperature != 1.0 {
         let inv = 1.0 / temperature;
         logits.iter_mut().for_each(|v| *v *= inv);
     }
@@ -306,6 +316,30 @@ mod tests {
             s.top.iter().map(|t| t.token_id).collect::<Vec<_>>(),
             vec![1, 2]
         );
+    }
+
+    /// A temperature of 1e-45 (found by fuzzing: logits / T overflowed and every log-prob was NaN)
+    /// samples greedily and reports temperature-0 log-probs; 1e-5 still scales.
+    #[test]
+    fn tiny_temperatures_are_greedy() {
+        for (t, greedy) in [(1e-45f32, true), (1e-6, true), (1e-5, false)] {
+            let mut l = vec![1.0, 3.0, 2.0 + 1e-5];
+            let s = sample(
+                &cpu(),
+                &mut l,
+                &SamplingParams {
+                    temperature: t,
+                    top_logprobs: 3,
+                    ..Default::default()
+                },
+                &HashMap::new(),
+                &mut Rng::new(0),
+            );
+            assert_eq!(s.token, 1, "T={t}");
+            assert!(s.logprob.is_finite() && s.top.iter().all(|x| x.logprob.is_finite()));
+            let plain = 3.0 - (1f64.exp() + 3f64.exp() + (2.0f64 + 1e-5).exp()).ln();
+            assert_eq!((s.logprob as f64 - plain).abs() < 1e-6, greedy, "T={t}");
+        }
     }
 
     #[test]

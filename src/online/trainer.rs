@@ -14,6 +14,7 @@ use super::log::{now_secs, Checkpoint, Member, PendingGroup, RolloutLog};
 use crate::adapter::registry::Registry;
 use crate::adapter::{peft, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method};
 use crate::adapter::{OftConfig, Target};
+use crate::engine::sampler::is_greedy;
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
 use crate::train::loss::{LossConfig, Objective};
@@ -423,7 +424,7 @@ impl Online {
             *eps_high = cfg.clip_high.unwrap_or(*eps_high);
         }
         opt.config.lr = cfg.lr;
-        let temperature = if t > 0.0 { t } else { 1.0 };
+        let temperature = if is_greedy(t) { 1.0 } else { t };
         let staleness: Vec<u64> = batch
             .iter()
             .flat_map(|g| g.members.iter().map(|m| cur.version - m.version))

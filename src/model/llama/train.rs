@@ -221,7 +221,7 @@ impl Llama {
             .map(|s| Vec::with_capacity(s.tokens.len() - s.prompt_len))
             .collect();
         // d log π(tok)/dz = (onehot − softmax)/T for z = the logits; through the frozen head now.
-        let inv_t = if temperature > 0.0 {
+        let inv_t = if !crate::engine::sampler::is_greedy(temperature) {
             1.0 / temperature
         } else {
             1.0
