@@ -165,7 +165,10 @@ fn a_tiny_temperature_is_greedy_and_its_logprobs_are_numbers() {
     let numbers = |v: &Value| v.as_array().unwrap().iter().all(Value::is_f64);
     assert!(numbers(&lp["token_logprobs"]), "{lp}");
     for top in lp["top_logprobs"].as_array().unwrap() {
-        assert!(top.as_object().unwrap().values().all(Value::is_f64), "{top}");
+        assert!(
+            top.as_object().unwrap().values().all(Value::is_f64),
+            "{top}"
+        );
     }
     assert_eq!(tiny["token_ids"], zero["token_ids"]);
     assert_eq!(lp["token_logprobs"], zero["logprobs"]["token_logprobs"]);
