@@ -121,12 +121,7 @@ fn streaming_matches_non_streaming_and_reports_usage() {
         .header("content-type")
         .unwrap()
         .starts_with("text/event-stream"));
-    let data = r.sse_data();
-    assert_eq!(data.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = r.sse_chunks();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let mut text = String::new();
     let mut ids = Vec::new();

@@ -256,12 +256,7 @@ fn deleting_or_replacing_an_adapter_lets_running_requests_finish_on_their_versio
     let mut sock = sock;
     sock.read_to_end(&mut raw).unwrap();
     let r = common::server::Response::parse(&raw);
-    let data = r.sse_data();
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = r.sse_chunks();
     assert!(chunks
         .iter()
         .all(|c| c["adapter_version"] == 1 && c["adapter"] == "d"));

@@ -243,15 +243,16 @@ fn versions_publish_while_streams_run_and_no_request_fails() {
                     });
                     let r = call(&c, "POST", "/v1/chat/completions", Some(&body), USER);
                     assert_eq!(r.status, 200, "{}", r.body_text());
-                    let data = r.sse_data();
-                    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-                    let chunks: Vec<Value> = data[..data.len() - 1]
-                        .iter()
-                        .map(|d| serde_json::from_str(d).unwrap())
-                        .collect();
-                    assert!(chunks.iter().all(|c| c.get("error").is_none()), "{data:?}");
+                    let chunks = r.sse_chunks();
+                    assert!(
+                        chunks.iter().all(|c| c.get("error").is_none()),
+                        "{chunks:?}"
+                    );
                     let v = chunks[0]["adapter_version"].as_u64().unwrap();
-                    assert!(chunks.iter().all(|c| c["adapter_version"] == v), "{data:?}");
+                    assert!(
+                        chunks.iter().all(|c| c["adapter_version"] == v),
+                        "{chunks:?}"
+                    );
                     versions.push(v);
                 }
                 versions

@@ -255,6 +255,16 @@ impl Response {
             .map(str::to_string)
             .collect()
     }
+
+    /// The stream's JSON chunks, after checking that it ends with `data: [DONE]`.
+    pub fn sse_chunks(&self) -> Vec<serde_json::Value> {
+        let data = self.sse_data();
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{data:?}");
+        data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
 }
 
 pub fn dechunk(mut b: &[u8]) -> Vec<u8> {
