@@ -41,7 +41,7 @@ pub fn adapter_for(model: &Llama, spec: &str) -> anyhow::Result<AdapterWeights> 
         base_model: String::new(),
     };
     let layout = Arc::new(AdapterLayout::new(cfg, &model.config)?);
-    let mut rng = crate::engine::sampler::Rng::new(1);
+    let mut rng = crate::util::Rng::new(1);
     let params = (0..layout.num_params)
         .map(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.01) as f32)
         .collect();
@@ -262,7 +262,7 @@ pub fn run_train(
         "need 1 <= prompt length < sequence length"
     );
     let v = model.config.vocab_size as u64;
-    let mut rng = crate::engine::sampler::Rng::new(7);
+    let mut rng = crate::util::Rng::new(7);
     let mut toks: Vec<Vec<u32>> = (0..batch)
         .map(|_| (0..seq_len).map(|_| (rng.next_u64() % v) as u32).collect())
         .collect();

@@ -23,6 +23,18 @@ pub struct RawConfig {
     /// Learning adapters (`[[learn]]` tables).
     #[serde(default)]
     pub learn: Vec<crate::online::config::RawLearn>,
+    #[serde(default)]
+    pub limits: RawLimits,
+}
+
+/// `[limits]`: what one request or file may make an adapter allocate.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    pub max_lora_rank: Option<usize>,
+    pub max_oft_block_size: Option<usize>,
+    pub max_adapter_params: Option<usize>,
+    pub max_adapter_file_mb: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -116,6 +128,7 @@ pub struct Config {
     pub enable_prefix_caching: bool,
     pub online: crate::online::config::OnlineConfig,
     pub learn: Vec<crate::online::config::LearnConfig>,
+    pub adapter_limits: crate::adapter::AdapterLimits,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -224,6 +237,18 @@ impl RawConfig {
             enable_prefix_caching: e.enable_prefix_caching.unwrap_or(true),
             online,
             learn,
+            adapter_limits: {
+                let d = crate::adapter::AdapterLimits::default();
+                let l = self.limits;
+                crate::adapter::AdapterLimits {
+                    max_lora_rank: l.max_lora_rank.unwrap_or(d.max_lora_rank),
+                    max_oft_block_size: l.max_oft_block_size.unwrap_or(d.max_oft_block_size),
+                    max_params: l.max_adapter_params.unwrap_or(d.max_params),
+                    max_file_bytes: l
+                        .max_adapter_file_mb
+                        .map_or(d.max_file_bytes, |mb| mb << 20),
+                }
+            },
         };
         if cfg.host.is_empty() {
             return Err(invalid("server.host", "empty"));

@@ -12,6 +12,8 @@ pub mod generate;
 pub mod metrics;
 pub mod model;
 pub mod online;
+pub mod policy;
 pub mod train;
+pub mod util;
 
 pub use flywheel_kernels as kernels;

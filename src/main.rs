@@ -295,7 +295,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             temperature,
             activation_mb,
         } => {
-            use flywheel::train::optim::{AdamW, AdamWConfig};
+            use flywheel::train::optim::{self as optim, AdamW, AdamWConfig};
             anyhow::ensure!(!out.exists(), "--out {} already exists", out.display());
             anyhow::ensure!(temperature > 0.0, "--temperature must be > 0");
             let (model, tok) = load(&m)?;
@@ -316,9 +316,26 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let (mut w, mut opt) = match (&adapter, new.as_deref()) {
                 (Some(dir), _) => {
                     let w = flywheel::adapter::peft::load(dir, &model.config)?;
-                    let opt = AdamW::load(dir).unwrap_or_else(|_| {
+                    // A PEFT folder without optimizer files starts a new optimizer; one with
+                    // them resumes it, and refuses to go on when they are unreadable or made
+                    // for another adapter.
+                    let has_state = [optim::STATE_FILE, optim::CONFIG_FILE]
+                        .iter()
+                        .any(|f| dir.join(f).exists());
+                    let opt = if has_state {
+                        let opt = AdamW::load(dir)
+                            .with_context(|| format!("the optimizer state in {}", dir.display()))?;
+                        anyhow::ensure!(
+                            opt.m.len() == w.layout.num_params,
+                            "the optimizer state in {} is for {} parameters, the adapter has {}",
+                            dir.display(),
+                            opt.m.len(),
+                            w.layout.num_params
+                        );
+                        opt
+                    } else {
                         AdamW::new(AdamWConfig::default(), w.layout.num_params)
-                    });
+                    };
                     (w, opt)
                 }
                 (None, Some(kind @ ("oft" | "lora"))) => {
@@ -373,7 +390,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     activation_mb << 20,
                 )?;
                 w = nw;
-                println!("{stats}");
+                println!("{}", serde_json::to_string(&stats)?);
             }
             flywheel::adapter::peft::save(&w, &out)?;
             opt.save(&out)?;
@@ -483,7 +500,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     let w = flywheel::adapter::peft::load(&dir, &model.config)
                         .with_context(|| format!("adapter {}", dir.display()))?;
                     let reg = flywheel::adapter::registry::Registry::new(
-                        model.config.clone(),
+                        &model.config,
                         Vec::new(),
                         std::sync::Arc::new(flywheel::metrics::Metrics::new()),
                     );

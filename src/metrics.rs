@@ -46,6 +46,10 @@ pub struct Metrics {
     pub train_groups_dropped: IntCounterVec,
     pub train_pending_groups: IntGaugeVec,
     pub train_errors: IntCounterVec,
+    /// 1 while the learner trains or may (running or paused), 0 once it has failed.
+    pub train_learner_ok: IntGaugeVec,
+    /// 1 while the rollout log's database is usable, 0 once it is not.
+    pub rollout_log_ok: IntGauge,
     pub feedback_rewards: IntCounterVec,
     pub rollouts_logged: IntCounterVec,
 }
@@ -101,7 +105,7 @@ impl Metrics {
             num_requests_running: gauge("num_requests_running", "Sequences in the running batch."),
             num_requests_waiting: gauge("num_requests_waiting", "Sequences waiting to run."),
             kv_blocks_used: gauge("kv_cache_blocks_used", "KV cache blocks in use."),
-            kv_blocks_total: gauge("kv_cache_blocks_total", "KV cache blocks in all."),
+            kv_blocks_total: gauge("kv_cache_blocks", "KV cache blocks in all (used or free)."),
             kv_cache_usage_perc: reg(
                 &registry,
                 prometheus::Gauge::new("kv_cache_usage_perc", "KV cache use, 0 to 1.")
@@ -254,10 +258,29 @@ impl Metrics {
             train_errors: reg(
                 &registry,
                 IntCounterVec::new(
-                    Opts::new("train_errors_total", "Training steps that failed."),
-                    &["adapter"],
+                    Opts::new(
+                        "train_errors_total",
+                        "Trainer errors, by kind: database, checkpoint, step, publish, panic, \
+                         start.",
+                    ),
+                    &["adapter", "kind"],
                 )
                 .expect("counter vec"),
+            ),
+            train_learner_ok: reg(
+                &registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "train_learner_ok",
+                        "1 while a learning adapter trains (or is paused), 0 once it has failed.",
+                    ),
+                    &["adapter"],
+                )
+                .expect("gauge vec"),
+            ),
+            rollout_log_ok: gauge(
+                "rollout_log_ok",
+                "1 while the rollout log's database is usable, 0 once it is not.",
             ),
             feedback_rewards: reg(
                 &registry,

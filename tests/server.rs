@@ -252,7 +252,7 @@ fn prefix_cache_hits_and_metrics_are_reported() {
         "flywheel_e2e_request_latency_seconds_sum",
         "flywheel_request_queue_time_seconds_count",
         "flywheel_num_requests_waiting",
-        "flywheel_kv_cache_blocks_total",
+        "flywheel_kv_cache_blocks",
         "flywheel_kv_cache_usage_perc",
         "flywheel_prompt_tokens_total",
         "flywheel_generation_tokens_total",

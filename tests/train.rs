@@ -61,7 +61,7 @@ fn served_log_probs_equal_the_training_forward_bitwise() {
     let (_dir, path) = write_tiny(&TinySpec::small());
     let model = Arc::new(Llama::open(&path).unwrap());
     let tok = Arc::new(Tokenizer::from_gguf(&model.gguf).unwrap());
-    let reg = Registry::new(model.config.clone(), Vec::new(), Arc::new(Metrics::new()));
+    let reg = Registry::new(&model.config, Vec::new(), Arc::new(Metrics::new()));
     for (kind, method) in [("oft", oft16()), ("lora", lora4())] {
         let w = adapter(&model, method, &Target::ALL, 9, 0.1);
         let v = reg.publish(kind, w).unwrap().0;
@@ -395,9 +395,9 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
             ACTIVATION_BUDGET,
         )
         .unwrap();
-        assert!(stats["loss"].as_f64().unwrap().is_finite());
+        assert!(stats.loss.is_finite());
         // Entropy of a distribution over the tiny vocabulary: in (0, ln V].
-        let h = stats["entropy"].as_f64().unwrap();
+        let h = stats.entropy;
         assert!(
             h > 0.0 && h <= (model.config.vocab_size as f64).ln() + 1e-6,
             "{h}"

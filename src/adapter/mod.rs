@@ -8,7 +8,6 @@ pub mod oft;
 pub mod peft;
 pub mod registry;
 
-use crate::model::llama::LlamaConfig;
 use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use std::ops::Range;
 use std::sync::Arc;
@@ -85,14 +84,102 @@ impl Target {
     }
 
     /// (in, out) widths of the projection in a model.
-    pub fn dims(self, c: &LlamaConfig) -> (usize, usize) {
+    pub fn dims(self, c: &BaseShape) -> (usize, usize) {
         match self {
-            Target::Q => (c.hidden, c.q_dim()),
-            Target::K | Target::V => (c.hidden, c.kv_dim()),
-            Target::O => (c.q_dim(), c.hidden),
+            Target::Q => (c.hidden, c.q_dim),
+            Target::K | Target::V => (c.hidden, c.kv_dim),
+            Target::O => (c.q_dim, c.hidden),
             Target::Gate | Target::Up => (c.hidden, c.ffn),
             Target::Down => (c.ffn, c.hidden),
         }
+    }
+}
+
+/// What an adapter depends on of its base model: the layer count and the projections' widths
+/// (each model family describes itself this way; the adapter math knows no family).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BaseShape {
+    pub num_layers: usize,
+    pub hidden: usize,
+    /// Width of the query projection's output (heads × head dim).
+    pub q_dim: usize,
+    /// Width of the key and value projections' outputs.
+    pub kv_dim: usize,
+    pub ffn: usize,
+    /// One attention head's width (PEFT's q/k row order differs from GGUF's within a head).
+    pub head_dim: usize,
+}
+
+/// A base model adapters can attach to.
+pub trait AdapterBase {
+    fn adapter_shape(&self) -> BaseShape;
+}
+
+impl AdapterBase for BaseShape {
+    fn adapter_shape(&self) -> BaseShape {
+        *self
+    }
+}
+
+/// Bounds on what a request or a file may make an adapter allocate, checked before allocating.
+#[derive(Clone, Copy, Debug)]
+pub struct AdapterLimits {
+    pub max_lora_rank: usize,
+    pub max_oft_block_size: usize,
+    /// Parameters of one adapter (f32 each; a learning adapter keeps three vectors this long).
+    pub max_params: usize,
+    /// Size of an `adapter_model.safetensors` file.
+    pub max_file_bytes: u64,
+}
+
+impl Default for AdapterLimits {
+    fn default() -> AdapterLimits {
+        AdapterLimits {
+            max_lora_rank: 256,
+            max_oft_block_size: 256,
+            max_params: 50_000_000,
+            max_file_bytes: 1 << 30,
+        }
+    }
+}
+
+impl AdapterLimits {
+    /// Refuse a method whose rank or block size is past the limits (before any layout exists).
+    pub fn check_method(&self, m: &Method) -> Result<(), AdapterError> {
+        match m {
+            Method::Lora(l) if l.r > self.max_lora_rank => Err(config_error(
+                "r",
+                format!("{} is above this server's limit of {}", l.r, self.max_lora_rank),
+            )),
+            Method::Oft(o) if o.block_size > self.max_oft_block_size => Err(config_error(
+                "oft_block_size",
+                format!(
+                    "{} is above this server's limit of {}",
+                    o.block_size, self.max_oft_block_size
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// A layout for `config` on `model` within the limits (nothing large is allocated before).
+    pub fn layout(
+        &self,
+        config: AdapterConfig,
+        model: &impl AdapterBase,
+    ) -> Result<AdapterLayout, AdapterError> {
+        self.check_method(&config.method)?;
+        let layout = AdapterLayout::new(config, model)?;
+        if layout.num_params > self.max_params {
+            return Err(config_error(
+                "num_parameters",
+                format!(
+                    "the adapter would have {} parameters, above this server's limit of {}",
+                    layout.num_params, self.max_params
+                ),
+            ));
+        }
+        Ok(layout)
     }
 }
 
@@ -212,12 +299,16 @@ pub struct AdapterLayout {
     /// Floats of derived tensors per version (OFT rotations, LoRA Bᵀ).
     pub num_derived_floats: usize,
     /// The base's shape, to refuse an adapter made for other dimensions.
-    pub model: LlamaConfig,
+    pub model: BaseShape,
 }
 
 impl AdapterLayout {
     /// Check `config` against the model and lay out its tensors.
-    pub fn new(config: AdapterConfig, model: &LlamaConfig) -> Result<AdapterLayout, AdapterError> {
+    pub fn new(
+        config: AdapterConfig,
+        model: &impl AdapterBase,
+    ) -> Result<AdapterLayout, AdapterError> {
+        let model = &model.adapter_shape();
         if config.targets.is_empty() {
             return Err(config_error("target_modules", "no target modules"));
         }
@@ -307,7 +398,7 @@ impl AdapterLayout {
             modules,
             num_params: off,
             num_derived_floats: derived,
-            model: model.clone(),
+            model: *model,
         })
     }
 
@@ -401,7 +492,7 @@ impl AdapterWeights {
     pub fn identity(layout: Arc<AdapterLayout>, seed: u64) -> AdapterWeights {
         let mut params = vec![0.0f32; layout.num_params];
         if let Method::Lora(_) = layout.config.method {
-            let mut rng = crate::engine::sampler::Rng::new(seed);
+            let mut rng = crate::util::Rng::new(seed);
             for m in layout.iter_modules() {
                 let a = &m.tensors[0];
                 let bound = 1.0 / (m.in_dim as f64).sqrt();

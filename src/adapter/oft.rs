@@ -319,7 +319,7 @@ mod tests {
     }
 
     fn rng_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-        let mut r = crate::engine::sampler::Rng::new(seed);
+        let mut r = crate::util::Rng::new(seed);
         (0..n)
             .map(|_| ((r.next_f64() * 2.0 - 1.0) as f32) * scale)
             .collect()

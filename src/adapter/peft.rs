@@ -7,10 +7,9 @@
 //! needs nothing; LoRA A reads the (unpermuted) hidden state.
 
 use super::{
-    config_error, AdapterConfig, AdapterError, AdapterLayout, AdapterWeights, LoraConfig, Method,
-    OftConfig, Target,
+    config_error, AdapterBase, AdapterConfig, AdapterError, AdapterLayout, AdapterLimits,
+    AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
-use crate::model::llama::LlamaConfig;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
@@ -260,15 +259,43 @@ fn needs_permutation(method: &Method, target: Target, suffix: &str) -> bool {
         && suffix == "lora_B.weight"
 }
 
-/// Load a PEFT adapter folder for a model of shape `model`.
-pub fn load(dir: &Path, model: &LlamaConfig) -> Result<AdapterWeights, AdapterError> {
+/// Load a PEFT adapter folder for a model of shape `model`, within the default limits.
+pub fn load(dir: &Path, model: &impl AdapterBase) -> Result<AdapterWeights, AdapterError> {
+    load_within(dir, model, &AdapterLimits::default())
+}
+
+/// Load a PEFT adapter folder: the config is checked against `limits` and the weights file's
+/// size before anything is allocated, and the file is mapped, not read into memory.
+pub fn load_within(
+    dir: &Path,
+    model: &impl AdapterBase,
+    limits: &AdapterLimits,
+) -> Result<AdapterWeights, AdapterError> {
     let cfg_path = dir.join(CONFIG_FILE);
+    let meta = std::fs::metadata(&cfg_path).map_err(|e| io_err(&cfg_path, e))?;
+    if meta.len() > 1 << 20 {
+        return Err(io_err(&cfg_path, "larger than 1 MiB: not an adapter config"));
+    }
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| io_err(&cfg_path, e))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| io_err(&cfg_path, e))?;
     let config = parse_config(&v)?;
+    limits.check_method(&config.method)?;
     let w_path = dir.join(WEIGHTS_FILE);
-    let bytes = std::fs::read(&w_path).map_err(|e| io_err(&w_path, e))?;
-    from_safetensors(config, &bytes, model)
+    let file = std::fs::File::open(&w_path).map_err(|e| io_err(&w_path, e))?;
+    let len = file.metadata().map_err(|e| io_err(&w_path, e))?.len();
+    if len > limits.max_file_bytes {
+        return Err(io_err(
+            &w_path,
+            format!(
+                "{len} bytes, above this server's limit of {} for an adapter file",
+                limits.max_file_bytes
+            ),
+        ));
+    }
+    // SAFETY: the map is read-only and dropped before this returns; a file truncated under it
+    // by another process is the one way to fault, as with any mapped model file.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_err(&w_path, e))?;
+    from_safetensors_within(config, &map, model, limits)
 }
 
 /// Build the adapter of `config` from safetensors bytes: every expected tensor present with its
@@ -276,11 +303,21 @@ pub fn load(dir: &Path, model: &LlamaConfig) -> Result<AdapterWeights, AdapterEr
 pub fn from_safetensors(
     config: AdapterConfig,
     bytes: &[u8],
-    model: &LlamaConfig,
+    model: &impl AdapterBase,
 ) -> Result<AdapterWeights, AdapterError> {
+    from_safetensors_within(config, bytes, model, &AdapterLimits::default())
+}
+
+fn from_safetensors_within(
+    config: AdapterConfig,
+    bytes: &[u8],
+    model: &impl AdapterBase,
+    limits: &AdapterLimits,
+) -> Result<AdapterWeights, AdapterError> {
+    let model = &model.adapter_shape();
+    let layout = Arc::new(limits.layout(config, model)?);
     let st = SafeTensors::deserialize(bytes)
         .map_err(|e| tensor_err(WEIGHTS_FILE, format!("not a safetensors file: {e}")))?;
-    let layout = Arc::new(AdapterLayout::new(config, model)?);
     let mut expected: HashMap<&str, (&super::TensorSlot, Target)> = HashMap::new();
     for m in layout.iter_modules() {
         for t in &m.tensors {
@@ -409,7 +446,7 @@ pub fn save(w: &AdapterWeights, dir: &Path) -> Result<(), AdapterError> {
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "adapter".into());
-    let tmp = parent.join(format!(".{base}.tmp-{:016x}", crate::engine::random_u64()));
+    let tmp = parent.join(format!(".{base}.tmp-{:016x}", crate::util::random_u64()));
     let write = || -> Result<(), AdapterError> {
         std::fs::create_dir(&tmp).map_err(|e| io_err(&tmp, e))?;
         let cfg = serde_json::to_string_pretty(&config_json(&w.layout.config))
@@ -428,18 +465,13 @@ pub fn save(w: &AdapterWeights, dir: &Path) -> Result<(), AdapterError> {
 }
 
 /// Write a file and fsync it.
-pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), AdapterError> {
-    use std::io::Write;
-    let mut f = std::fs::File::create(path).map_err(|e| io_err(path, e))?;
-    f.write_all(bytes).map_err(|e| io_err(path, e))?;
-    f.sync_all().map_err(|e| io_err(path, e))
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), AdapterError> {
+    crate::util::write_synced(path, bytes).map_err(|e| io_err(path, e))
 }
 
 /// fsync a directory (so a rename inside it is durable).
-pub fn sync_dir(path: &Path) -> Result<(), AdapterError> {
-    std::fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| io_err(path, e))
+fn sync_dir(path: &Path) -> Result<(), AdapterError> {
+    crate::util::sync_dir(path).map_err(|e| io_err(path, e))
 }
 
 #[cfg(test)]

@@ -5,10 +5,13 @@
 //! pins the version current at its admission (`Pinned`, an `Arc` plus an in-flight count) and its
 //! sequences keep that `Arc` to their end, through preemption and recompute; a version is freed
 //! when its last user drops it.
+//!
+//! A name's version numbers only grow, across delete and re-create: the registry remembers the
+//! last number of every name it has held. A learning adapter's slot is owned by its lineage (the
+//! trainer's id for it): only that owner publishes to it; other publishers get `Learning`.
 
-use super::{AdapterError, AdapterWeights};
+use super::{AdapterBase, AdapterError, AdapterLimits, AdapterWeights, BaseShape};
 use crate::metrics::Metrics;
-use crate::model::llama::LlamaConfig;
 use arc_swap::ArcSwap;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -96,6 +99,8 @@ pub struct Slot {
     current: ArcSwap<AdapterVersion>,
     /// Serializes publishers of this name (numbering); readers never take it.
     publish_lock: Mutex<()>,
+    /// The lineage that learns into this slot (0: none; anyone may publish).
+    owner: AtomicU64,
     /// Every version published, as weak references: the ones still alive upgrade.
     history: Mutex<Vec<Weak<AdapterVersion>>>,
 }
@@ -103,6 +108,11 @@ pub struct Slot {
 impl Slot {
     pub fn current(&self) -> Arc<AdapterVersion> {
         self.current.load_full()
+    }
+
+    /// The lineage learning into this slot, if one is.
+    pub fn owner(&self) -> Option<u64> {
+        Some(self.owner.load(Ordering::Acquire)).filter(|o| *o != 0)
     }
 
     /// Versions still held by someone (the current one always), oldest first.
@@ -119,13 +129,54 @@ pub enum RegistryError {
     BadName(String, &'static str),
     #[error(transparent)]
     Adapter(#[from] AdapterError),
+    #[error(
+        "'{0}' is a learning adapter: its versions come from its trainer (stop learning with \
+         DELETE /v1/adapters/{0} first)"
+    )]
+    Learning(String),
+    #[error("the adapter '{0}' is gone, or learns in another lineage")]
+    Gone(String),
+}
+
+/// Who publishes a version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Publisher {
+    /// An operator (files, the admin API): refused on a learning adapter.
+    Admin,
+    /// The trainer of lineage `id`: creates or takes over the slot, numbering from at least
+    /// `min_version`.
+    Claim { id: u64, min_version: u64 },
+    /// The trainer of lineage `id`, stepping: only to the slot it owns.
+    Owner(u64),
+}
+
+/// A name an adapter may take (it also names a folder of the data directory): 1–64 letters,
+/// digits, `-`, `_` or `.`, not starting with `.` (so never `.` or `..`).
+pub fn check_adapter_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() || name.len() > 64 {
+        return Err("must have 1 to 64 characters");
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err("may hold only letters, digits, '-', '_' and '.'");
+    }
+    if name.starts_with('.') {
+        return Err("must not start with '.'");
+    }
+    Ok(())
 }
 
 /// Every named adapter of the server.
 pub struct Registry {
     slots: RwLock<BTreeMap<String, Arc<Slot>>>,
     /// The base's shape: adapters for other dimensions are refused.
-    pub model: LlamaConfig,
+    pub model: BaseShape,
+    /// What requests and files may make an adapter allocate.
+    pub limits: AdapterLimits,
+    /// The last version number of every name ever held (kept after removal: never reused).
+    last_version: Mutex<BTreeMap<String, u64>>,
     /// Names adapters may not take (the base model's).
     reserved: Vec<String>,
     next_uid: AtomicU64,
@@ -134,10 +185,12 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn new(model: LlamaConfig, reserved: Vec<String>, metrics: Arc<Metrics>) -> Registry {
+    pub fn new(model: &impl AdapterBase, reserved: Vec<String>, metrics: Arc<Metrics>) -> Registry {
         Registry {
             slots: RwLock::new(BTreeMap::new()),
-            model,
+            model: model.adapter_shape(),
+            limits: AdapterLimits::default(),
+            last_version: Mutex::new(BTreeMap::new()),
             reserved,
             next_uid: AtomicU64::new(1),
             alive: Arc::new(AtomicUsize::new(0)),
@@ -145,18 +198,19 @@ impl Registry {
         }
     }
 
-    /// 1–64 characters of letters, digits, `-`, `_`, `.`; not the base model's name.
+    /// Set the limits (before the registry is shared).
+    pub fn with_limits(mut self, limits: AdapterLimits) -> Registry {
+        self.limits = limits;
+        self
+    }
+
+    /// 1–64 characters of letters, digits, `-`, `_`, `.`, not starting with `.`; not the base
+    /// model's name.
     pub fn check_name(&self, name: &str) -> Result<(), RegistryError> {
+        if let Err(why) = check_adapter_name(name) {
+            return Err(RegistryError::BadName(name.to_string(), why));
+        }
         let bad = |why| Err(RegistryError::BadName(name.to_string(), why));
-        if name.is_empty() || name.len() > 64 {
-            return bad("must have 1 to 64 characters");
-        }
-        if !name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        {
-            return bad("may hold only letters, digits, '-', '_' and '.'");
-        }
         if self.reserved.iter().any(|r| r == name) {
             return bad("is the base model's name");
         }
@@ -194,19 +248,31 @@ impl Registry {
         name: &str,
         weights: AdapterWeights,
     ) -> Result<(Arc<AdapterVersion>, bool), RegistryError> {
-        self.publish_from(name, weights, 1)
+        self.publish_as(name, weights, Publisher::Admin)
     }
 
-    /// `publish`, numbering a new slot's first version `first` (a learning adapter resumed from
-    /// its checkpoint keeps counting where it stopped).
-    pub fn publish_from(
+    /// The last version number `name` ever had in this process (0: never held).
+    pub fn last_version(&self, name: &str) -> u64 {
+        let g = self.last_version.lock().unwrap_or_else(|e| e.into_inner());
+        g.get(name).copied().unwrap_or(0)
+    }
+
+    fn note_version(&self, name: &str, version: u64) {
+        let mut g = self.last_version.lock().unwrap_or_else(|e| e.into_inner());
+        let v = g.entry(name.to_string()).or_default();
+        *v = (*v).max(version);
+    }
+
+    /// `publish` by `who` (see `Publisher`). Version numbers are the previous one + 1, never
+    /// below what the name ever had + 1 (nor below a claim's `min_version`).
+    pub fn publish_as(
         &self,
         name: &str,
         weights: AdapterWeights,
-        first: u64,
+        who: Publisher,
     ) -> Result<(Arc<AdapterVersion>, bool), RegistryError> {
         self.check_name(name)?;
-        if !weights.layout.model.same_shape(&self.model) {
+        if weights.layout.model != self.model {
             return Err(RegistryError::Adapter(super::config_error(
                 "base_model",
                 "the adapter was made for a model of other dimensions",
@@ -220,7 +286,7 @@ impl Registry {
                 name,
                 version,
                 parent,
-                created: crate::api::respond::unix_now(),
+                created: crate::util::unix_now(),
                 uid: self.next_uid.fetch_add(1, Ordering::AcqRel),
                 weights,
                 in_flight: AtomicUsize::new(0),
@@ -228,13 +294,32 @@ impl Registry {
             })
         };
         let existing = self.get(name);
+        let floor = self.last_version(name) + 1;
         let (v, is_new) = match existing {
             Some(slot) => {
                 let _g = slot.publish_lock.lock().unwrap_or_else(|e| e.into_inner());
+                let mut floor = floor;
+                match (who, slot.owner()) {
+                    (Publisher::Admin, Some(_)) => {
+                        return Err(RegistryError::Learning(name.to_string()))
+                    }
+                    (Publisher::Admin, None) => {}
+                    (Publisher::Owner(id), owner) if owner != Some(id) => {
+                        return Err(RegistryError::Gone(name.to_string()))
+                    }
+                    (Publisher::Owner(_), _) => {}
+                    (Publisher::Claim { id, min_version }, owner) => {
+                        if owner.is_some_and(|o| o != id) {
+                            return Err(RegistryError::Learning(name.to_string()));
+                        }
+                        slot.owner.store(id, Ordering::Release);
+                        floor = floor.max(min_version);
+                    }
+                }
                 let cur = slot.current();
                 let v = make(
                     slot.name.clone(),
-                    cur.version + 1,
+                    (cur.version + 1).max(floor),
                     Some(cur.version),
                     weights,
                 );
@@ -250,14 +335,19 @@ impl Registry {
                 (v, false)
             }
             None => {
+                let (owner, first) = match who {
+                    Publisher::Admin => (0, floor),
+                    Publisher::Claim { id, min_version } => (id, floor.max(min_version)),
+                    Publisher::Owner(_) => return Err(RegistryError::Gone(name.to_string())),
+                };
                 let mut slots = self.slots.write().unwrap_or_else(|e| e.into_inner());
                 if slots.contains_key(name) {
                     // Another publisher created it meanwhile: publish on top of theirs.
                     drop(slots);
-                    return self.publish(name, weights);
+                    return self.publish_as(name, weights, who);
                 }
                 let n: Arc<str> = Arc::from(name);
-                let v = make(n.clone(), first.max(1), None, weights);
+                let v = make(n.clone(), first, None, weights);
                 let t0 = Instant::now();
                 slots.insert(
                     name.to_string(),
@@ -266,6 +356,7 @@ impl Registry {
                         created: v.created,
                         current: ArcSwap::new(v.clone()),
                         publish_lock: Mutex::new(()),
+                        owner: AtomicU64::new(owner),
                         history: Mutex::new(vec![Arc::downgrade(&v)]),
                     }),
                 );
@@ -274,6 +365,7 @@ impl Registry {
             }
         };
         drop(old);
+        self.note_version(name, v.version);
         let m = &self.metrics;
         m.adapter_publishes.inc();
         m.adapter_publish_seconds.observe(swap_secs);

@@ -10,7 +10,7 @@ use super::openai::Fields;
 use super::{blocking, AppState, Ready};
 use crate::adapter::registry::{RegistryError, Slot};
 use crate::adapter::{
-    peft, AdapterConfig, AdapterError, AdapterLayout, AdapterWeights, LoraConfig, Method,
+    peft, AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method,
     OftConfig, Target,
 };
 use axum::extract::{Path as UrlPath, State};
@@ -90,10 +90,26 @@ fn adapter_error(param: &str, e: AdapterError) -> ApiError {
     ApiError::invalid(param, format!("invalid adapter: {e}"))
 }
 
+/// A new adapter's settings refused: the request field the error is about.
+fn new_adapter_error(e: AdapterError) -> ApiError {
+    let param = match &e {
+        AdapterError::Config { key, .. } if key == "num_parameters" => "r",
+        AdapterError::Config { key, .. } if key == "target_modules" => "targets",
+        AdapterError::Config { key, .. } if key == "oft_block_size" || key == "r" => key.as_str(),
+        _ => "kind",
+    }
+    .to_string();
+    ApiError::invalid(&param, format!("invalid adapter: {e}"))
+}
+
 fn registry_error(e: RegistryError) -> ApiError {
     match e {
         RegistryError::BadName(..) => ApiError::invalid("name", e.to_string()),
         RegistryError::Adapter(a) => adapter_error("path", a),
+        RegistryError::Learning(_) | RegistryError::Gone(_) => ApiError {
+            code: Some("adapter_is_learning"),
+            ..ApiError::conflict("name", e.to_string())
+        },
     }
 }
 
@@ -114,16 +130,20 @@ async fn build_and_publish(
     r.registry
         .check_name(&name)
         .map_err(|e| ApiError::invalid(name_param, e.to_string()))?;
+    if r.registry.get(&name).is_some_and(|s| s.owner().is_some()) {
+        return Err(registry_error(RegistryError::Learning(name)));
+    }
     let (reg, model) = (r.registry.clone(), r.model.clone());
     let name2 = name.clone();
     let is_new = blocking(move || {
         let weights = match source {
-            Source::Path(p) => {
-                peft::load(&p, &model.config).map_err(|e| adapter_error("path", e))?
-            }
+            Source::Path(p) => peft::load_within(&p, &model.config, &reg.limits)
+                .map_err(|e| adapter_error("path", e))?,
             Source::New(cfg, seed) => {
-                let layout = AdapterLayout::new(cfg, &model.config)
-                    .map_err(|e| adapter_error("config", e))?;
+                let layout = reg
+                    .limits
+                    .layout(cfg, &model.config)
+                    .map_err(new_adapter_error)?;
                 AdapterWeights::identity(Arc::new(layout), seed)
             }
         };
@@ -207,11 +227,11 @@ fn new_config(f: &Fields, kind: &str, state: &AppState) -> Result<AdapterConfig,
     };
     let method = match kind {
         "oft" => Method::Oft(OftConfig {
-            block_size: f.int_in("oft_block_size", 1, 4096)?.unwrap_or(32) as usize,
+            block_size: f.int_in("oft_block_size", 1, 1 << 20)?.unwrap_or(32) as usize,
             ..OftConfig::default()
         }),
         "lora" => {
-            let r = f.int_in("r", 1, 4096)?.unwrap_or(16) as usize;
+            let r = f.int_in("r", 1, 1 << 20)?.unwrap_or(16) as usize;
             let alpha = f
                 .f32_in("lora_alpha", -1e6, 1e6, true)?
                 .unwrap_or(2.0 * r as f32);
@@ -235,12 +255,24 @@ fn new_config(f: &Fields, kind: &str, state: &AppState) -> Result<AdapterConfig,
     })
 }
 
+/// Remove `name`; a learning adapter's lineage ends with it (its trainer stops, its versions
+/// are never reused). False: no such adapter.
+async fn remove(r: &Ready, name: &str) -> Result<bool, ApiError> {
+    let learning = r.registry.get(name).is_some_and(|s| s.owner().is_some());
+    match r.learning(name) {
+        Some(t) if learning => t.remove(name).await.map(|_| true).map_err(|e| {
+            ApiError::unavailable(format!("the trainer could not end '{name}': {e}"))
+        }),
+        _ => Ok(r.registry.remove(name)),
+    }
+}
+
 pub async fn delete(
     State(state): State<AppState>,
     UrlPath(name): UrlPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     let r = state.ready()?;
-    if !r.registry.remove(&name) {
+    if !remove(r, &name).await? {
         return Err(adapter_not_found(&name));
     }
     tracing::info!(adapter = %name, "adapter deleted");
@@ -326,7 +358,7 @@ pub async fn unload_lora(
         .str("lora_name")?
         .ok_or_else(|| ApiError::invalid("lora_name", "'lora_name' is required"))?;
     let r = state.ready()?;
-    if !r.registry.remove(name) {
+    if !remove(r, name).await? {
         return Err(ApiError {
             param: Some("lora_name".into()),
             ..adapter_not_found(name)

@@ -55,9 +55,10 @@ impl ApiError {
         }
     }
 
-    pub fn forbidden(message: impl Into<String>) -> ApiError {
+    /// 403 with `code` saying what was refused.
+    pub fn forbidden(code: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
-            code: Some("admin_disabled"),
+            code: Some(code),
             ..ApiError::new(StatusCode::FORBIDDEN, "permission_error", message)
         }
     }

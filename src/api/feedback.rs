@@ -7,7 +7,9 @@ use super::error::ApiError;
 use super::openai::Fields;
 use super::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
-use crate::online::log::{FeedbackError, Reward};
+use crate::online::log::{FeedbackError, LogError, Refusal, Reward};
+use crate::online::learner::{self, ErrorKind};
+use crate::online::trainer::CommandError;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -19,6 +21,25 @@ fn is_admin(state: &AppState, headers: &HeaderMap) -> bool {
         .admin_key
         .as_deref()
         .is_some_and(|k| key_matches(bearer_of(headers), k))
+}
+
+/// An id as echoed in a message: at most 80 characters (ids are 40; a client's may be anything).
+fn clip(id: &str) -> String {
+    match id.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &id[..i]),
+        None => id.to_string(),
+    }
+}
+
+/// The rollout log's errors: 503 when its database became unusable, 500 otherwise.
+pub fn log_error(e: LogError) -> ApiError {
+    match e {
+        LogError::Broken(_) => ApiError {
+            code: Some("rollout_log_unavailable"),
+            ..ApiError::unavailable(format!("{e}; nothing more is recorded until a restart"))
+        },
+        LogError::Db(e) => ApiError::internal(format!("the rollout log failed: {e}")),
+    }
 }
 
 /// One reward item; `at` is its place in a list (None for a single object).
@@ -94,8 +115,8 @@ pub async fn post(
     let (key, admin) = (bearer_of(&headers).to_string(), is_admin(&state, &headers));
     let list = body.is_array();
     let n = items.len();
-    let log = online.log.clone();
-    let r = blocking(move || Ok(log.post_rewards(&items, &key, admin))).await?;
+    let o = online.clone();
+    let r = blocking(move || Ok(o.log.post_rewards(&items, &key, admin, &|a| o.accepts(a)))).await?;
     let field = |index: usize, f: &str| {
         if list {
             format!("[{index}].{f}")
@@ -103,7 +124,7 @@ pub async fn post(
             f.to_string()
         }
     };
-    let m = online.metrics();
+    let m = &online.metrics;
     match r {
         Ok(new) => {
             let outcome = if new { "new" } else { "repeat" };
@@ -126,13 +147,45 @@ pub async fn post(
         }
         Err(FeedbackError::NotFound { index, id, choice }) => Err(ApiError {
             param: Some(field(index, "id")),
-            ..ApiError::not_found(format!("no completion '{id}' with choice {choice}"))
+            code: Some("completion_not_found"),
+            ..ApiError::not_found(format!(
+                "no completion '{}' with choice {choice}",
+                clip(&id)
+            ))
         }),
         Err(FeedbackError::Forbidden { index, id }) => Err(ApiError {
             param: Some(field(index, "id")),
-            ..ApiError::forbidden(format!(
-                "completion '{id}' was made with another key; only that key or the admin key may reward it"
+            ..ApiError::forbidden(
+                "not_owner",
+                format!(
+                    "completion '{id}' was made with another key; only that key or the admin key may reward it"
+                ),
+            )
+        }),
+        Err(FeedbackError::Refused {
+            index,
+            id,
+            adapter,
+            why: Refusal::Failed(why),
+        }) => Err(ApiError {
+            param: Some(field(index, "id")),
+            code: Some("trainer_failed"),
+            ..ApiError::unavailable(format!(
+                "completion '{id}' belongs to '{adapter}', whose trainer has failed ({why}); the \
+                 reward was not recorded. An operator resumes it with POST /v1/train/{adapter}/resume"
             ))
+        }),
+        Err(FeedbackError::Refused {
+            index, id, adapter, ..
+        }) => Err(ApiError {
+            code: Some("adapter_not_learning"),
+            ..ApiError::conflict(
+                &field(index, "id"),
+                format!(
+                    "completion '{id}' belongs to '{adapter}', which no longer learns (deleted \
+                     or re-created since): the reward would not be trained on"
+                ),
+            )
         }),
         Err(FeedbackError::Conflict {
             index,
@@ -143,7 +196,7 @@ pub async fn post(
             &field(index, "reward"),
             format!("completion '{id}' choice {choice} already has the reward {old}"),
         )),
-        Err(FeedbackError::Db(e)) => Err(ApiError::internal(format!("the rollout log failed: {e}"))),
+        Err(FeedbackError::Log(e)) => Err(log_error(e)),
     }
 }
 
@@ -154,23 +207,23 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let ready = state.ready()?;
-    let not_found = || ApiError::not_found(format!("no completion '{id}'"));
+    let not_found = || ApiError {
+        code: Some("completion_not_found"),
+        ..ApiError::not_found(format!("no completion '{}'", clip(&id)))
+    };
     let online = ready.online.get().cloned().ok_or_else(not_found)?;
     let log = online.log.clone();
     let key = log.key_hash(bearer_of(&headers));
     let q = id.clone();
-    let rows = blocking(move || {
-        log.feedback(&q)
-            .map_err(|e| ApiError::internal(format!("the rollout log failed: {e}")))
-    })
-    .await?;
+    let rows = blocking(move || log.feedback(&q).map_err(log_error)).await?;
     if rows.is_empty() {
         return Err(not_found());
     }
     if !is_admin(&state, &headers) && rows.iter().any(|(owner, _)| owner != &key) {
-        return Err(ApiError::forbidden(format!(
-            "completion '{id}' was made with another key"
-        )));
+        return Err(ApiError::forbidden(
+            "not_owner",
+            format!("completion '{id}' was made with another key"),
+        ));
     }
     let choices: Vec<Value> = rows.into_iter().map(|(_, c)| json!(c)).collect();
     Ok(Json(
@@ -178,8 +231,32 @@ pub async fn get(
     ))
 }
 
+/// The trainer's answers to commands, as HTTP errors.
+fn command_error(e: CommandError) -> ApiError {
+    match e {
+        CommandError::NotLearning(name) => ApiError {
+            code: Some("adapter_not_learning"),
+            ..ApiError::not_found(format!("'{name}' is not a learning adapter"))
+        },
+        CommandError::Conflict(m) => ApiError {
+            code: Some("adapter_shape_fixed"),
+            ..ApiError::conflict("method", m)
+        },
+        CommandError::Train(e) if e.kind == ErrorKind::Database => ApiError {
+            code: Some("rollout_log_unavailable"),
+            ..ApiError::unavailable(e.to_string())
+        },
+        CommandError::Train(e) => ApiError {
+            code: Some("trainer_start_failed"),
+            ..ApiError::internal(e.to_string())
+        },
+        CommandError::Stopped => ApiError::unavailable("the trainer has stopped"),
+    }
+}
+
 /// `POST /v1/adapters/{name}/train` (admin): make `name` a learning adapter (created as the
-/// identity or resumed from its checkpoint), or change a learning adapter's settings.
+/// identity or resumed from its checkpoint), or change a learning adapter's settings (its shape
+/// stays: method, block size and rank are fixed for its lineage).
 pub async fn train(
     State(state): State<AppState>,
     Path(name): Path<String>,
@@ -188,11 +265,9 @@ pub async fn train(
     let ready = state.ready()?;
     // On a learning adapter, the fields not given keep their current values.
     let mut merged = ready
-        .online
-        .get()
+        .learning(&name)
         .and_then(|o| o.status().remove(&name))
-        .and_then(|s| s.config)
-        .map(|c| json!(c))
+        .map(|s| json!(s.config))
         .unwrap_or_else(|| json!({}));
     match body {
         Value::Null => {}
@@ -217,24 +292,21 @@ pub async fn train(
     }
     raw.name = name.clone();
     let cfg = raw.validate().map_err(|(k, m)| ApiError::invalid(k, m))?;
+    // The adapter's size, within the limits, before anything is allocated.
+    let shape = learner::adapter_config(&cfg);
+    if let Err(e) = ready.registry.limits.layout(shape, &ready.model.config) {
+        let param = if cfg.method == "lora" {
+            "lora_r"
+        } else {
+            "oft_block_size"
+        };
+        return Err(ApiError::invalid(param, e.to_string()));
+    }
     let online = ready
         .online_or_start()
-        .map_err(|e| ApiError::internal(format!("starting the trainer: {e}")))?
+        .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))?
         .clone();
-    let o = online.clone();
-    let created = blocking(move || {
-        if o.is_learning(&cfg.name) {
-            o.update_config(cfg)
-                .map_err(|m| ApiError::invalid("method", m))
-                .map(|_| false)
-        } else {
-            o.add_learner(cfg)
-                .map(|_| true)
-                .map_err(|e| ApiError::invalid("name", e.to_string()))
-        }
-    })
-    .await?;
-    let status = online.status().remove(&name);
+    let (status, created) = online.train(cfg).await.map_err(command_error)?;
     let code = if created {
         StatusCode::CREATED
     } else {
@@ -252,9 +324,11 @@ async fn set_paused(state: &AppState, name: &str, paused: bool) -> Result<Json<V
     let online = ready
         .online
         .get()
-        .filter(|o| o.set_paused(name, paused))
-        .ok_or_else(|| ApiError::not_found(format!("'{name}' is not a learning adapter")))?;
-    let status = online.status().remove(name);
+        .ok_or_else(|| command_error(CommandError::NotLearning(name.to_string())))?;
+    let status = online
+        .set_paused(name, paused)
+        .await
+        .map_err(command_error)?;
     Ok(Json(
         json!({"object": "train.adapter", "id": name, "status": status}),
     ))
@@ -274,8 +348,8 @@ pub async fn resume(
     set_paused(&state, &name, false).await
 }
 
-/// `GET /v1/train/status`: each learning adapter's version, steps, pending and dropped groups,
-/// last step's statistics.
+/// `GET /v1/train/status`: each learning adapter's state (running, paused, failed), version,
+/// steps, pending and dropped groups, last step's statistics and last error.
 pub async fn status(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let ready = state.ready()?;
     let adapters = ready
@@ -283,7 +357,8 @@ pub async fn status(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
         .get()
         .map(|o| json!(o.status()))
         .unwrap_or_else(|| json!({}));
+    let log_ok = ready.online.get().map(|o| o.health().is_ok());
     Ok(Json(
-        json!({"object": "train.status", "adapters": adapters}),
+        json!({"object": "train.status", "adapters": adapters, "rollout_log_ok": log_ok}),
     ))
 }

@@ -99,13 +99,18 @@ pub async fn detokenize(
 
 /// 200 when the model is loaded and the engine thread alive; 503 otherwise.
 pub async fn health(State(state): State<AppState>) -> Response {
-    match state.ready() {
-        Ok(r) if r.engine.is_alive() => {
-            (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
-        }
-        Ok(_) => ApiError::unavailable("the engine stopped").into_response(),
-        Err(e) => e.into_response(),
+    let r = match state.ready() {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    if !r.engine.is_alive() {
+        return ApiError::unavailable("the engine stopped").into_response();
     }
+    // Learning: the rollout log must be usable and the trainer running.
+    if let Some(Err(why)) = r.online.get().map(|o| o.health()) {
+        return ApiError::unavailable(format!("learning is unavailable: {why}")).into_response();
+    }
+    (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
 }
 
 pub async fn metrics(State(state): State<AppState>) -> Response {

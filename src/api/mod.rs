@@ -23,7 +23,7 @@ use crate::metrics::Metrics;
 use crate::model::llama::Llama;
 use crate::model::tokenizer::Tokenizer;
 use crate::online::config::OnlineConfig;
-use crate::online::trainer::{Compute, Online};
+use crate::online::trainer::{Compute, TrainerHandle};
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::header;
 use axum::middleware::{self, Next};
@@ -53,14 +53,14 @@ pub struct Ready {
     pub cpu: Arc<Cpu>,
     /// The rollout log and trainer: started with the server when it has learning adapters,
     /// else on the first `POST /v1/adapters/{name}/train`.
-    pub online: OnceLock<Arc<Online>>,
+    pub online: OnceLock<TrainerHandle>,
     pub online_cfg: OnlineConfig,
     pub metrics: Arc<Metrics>,
 }
 
 impl Ready {
     /// The online side, started now if it was not.
-    pub fn online_or_start(&self) -> anyhow::Result<&Arc<Online>> {
+    pub fn online_or_start(&self) -> anyhow::Result<&TrainerHandle> {
         if let Some(o) = self.online.get() {
             return Ok(o);
         }
@@ -69,7 +69,7 @@ impl Ready {
         if let Some(o) = self.online.get() {
             return Ok(o);
         }
-        let o = Online::start(
+        let o = TrainerHandle::start(
             self.online_cfg.clone(),
             &[],
             Compute {
@@ -84,7 +84,7 @@ impl Ready {
     }
 
     /// The online side if `name` is a learning adapter.
-    pub fn learning(&self, name: &str) -> Option<&Arc<Online>> {
+    pub fn learning(&self, name: &str) -> Option<&TrainerHandle> {
         self.online.get().filter(|o| o.is_learning(name))
     }
 }
@@ -277,6 +277,7 @@ async fn admin_auth(State(state): State<AppState>, req: Request, next: Next) -> 
         }
         None if !state.admin_open => {
             return ApiError::forbidden(
+                "admin_disabled",
                 "admin routes are disabled: this server binds a non-loopback address and has no \
                  admin key (set --admin-key or server.admin_key)",
             )
@@ -361,13 +362,11 @@ pub(crate) fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready>
         "model loaded"
     );
     let name = model_name(cfg);
-    let registry = Arc::new(Registry::new(
-        c.clone(),
-        vec![name.clone()],
-        metrics.clone(),
-    ));
+    let registry = Arc::new(
+        Registry::new(c, vec![name.clone()], metrics.clone()).with_limits(cfg.adapter_limits),
+    );
     for (adapter, dir) in &cfg.adapters {
-        let w = crate::adapter::peft::load(dir, c)
+        let w = crate::adapter::peft::load_within(dir, c, &registry.limits)
             .map_err(|e| anyhow::anyhow!("adapter {adapter} ({}): {e}", dir.display()))?;
         registry
             .publish(adapter, w)
@@ -383,7 +382,7 @@ pub(crate) fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready>
             cpu: cpu.clone(),
             registry: registry.clone(),
         };
-        let o = Online::start(cfg.online.clone(), &cfg.learn, compute, metrics.clone())?;
+        let o = TrainerHandle::start(cfg.online.clone(), &cfg.learn, compute, metrics.clone())?;
         let _ = online.set(o);
     }
     let (engine, _join) = Engine::start(
@@ -399,7 +398,7 @@ pub(crate) fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready>
         model_name: name,
         max_model_len,
         vocab_size,
-        created: respond::unix_now(),
+        created: crate::util::unix_now(),
         registry,
         model,
         cpu,

@@ -2,7 +2,8 @@
 //! (`param`), unknown fields are ignored, and the result is a typed, validated value.
 
 use super::error::ApiError;
-use crate::engine::sampler::{is_greedy, SamplingParams};
+use crate::engine::sampler::SamplingParams;
+use crate::policy::is_greedy;
 use crate::model::tokenizer::ChatMessage;
 use serde_json::{Map, Value};
 

@@ -13,7 +13,8 @@ use crate::engine::{
     EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
 };
 use crate::model::tokenizer::Tokenizer;
-use crate::online::trainer::Online;
+use crate::online::trainer::TrainerHandle;
+use crate::util::{random_id, unix_now};
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -39,22 +40,6 @@ pub struct Job {
     pub adapter: Option<Pinned>,
     /// The caller's bearer key ("" without one): who may reward the completion.
     pub key: String,
-}
-
-/// 128 random bits, hex.
-pub fn random_id(prefix: &str) -> String {
-    let mut b = [0u8; 16];
-    getrandom::fill(&mut b).expect("OS randomness");
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{prefix}{hex}")
-}
-
-/// Seconds since the Unix epoch (the `created` field).
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 /// Check lengths against the context and build the engine request.
@@ -169,7 +154,7 @@ struct Responder {
     /// The prompt's scores, once the engine sent them (requests with prompt log-probs).
     prompt_scores: Option<Vec<PromptLogprob>>,
     /// Set when the adapter is learning: the choices go to the rollout log.
-    online: Option<Arc<Online>>,
+    online: Option<TrainerHandle>,
 }
 
 fn stop_reason_json(s: &Option<StopReason>) -> Value {

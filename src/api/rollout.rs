@@ -5,11 +5,10 @@
 
 use super::error::ApiError;
 use super::respond::Job;
-use crate::engine::sampler::is_greedy;
+use crate::policy::is_greedy;
 use crate::online::log::CompletionRecord;
-use crate::online::trainer::Online;
+use crate::online::trainer::TrainerHandle;
 use serde_json::json;
-use std::sync::Arc;
 
 /// One choice as served.
 pub struct Served<'a> {
@@ -21,7 +20,7 @@ pub struct Served<'a> {
 
 /// Log the choices of request `id` (one transaction, committed before this returns).
 pub async fn log_choices(
-    online: &Arc<Online>,
+    online: &TrainerHandle,
     job: &Job,
     id: &str,
     choices: &[Served<'_>],
@@ -71,7 +70,7 @@ pub async fn log_choices(
     })
     .await?;
     online
-        .metrics()
+        .metrics
         .rollouts_logged
         .with_label_values(&[&name])
         .inc_by(n as u64);

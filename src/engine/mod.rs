@@ -292,7 +292,7 @@ impl Engine {
     fn add_request(&mut self, sub: Submission) {
         let Submission { req, tx, arrival } = sub;
         self.metrics.prompt_tokens.inc_by(req.prompt.len() as u64);
-        let seed = req.seed.unwrap_or_else(random_u64);
+        let seed = req.seed.unwrap_or_else(crate::util::random_u64);
         let id = self.new_seq_id();
         let prompt = req.prompt.clone();
         let adapter = req.adapter.clone();
@@ -547,11 +547,4 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".into())
-}
-
-/// 64 random bits from the OS.
-pub fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    getrandom::fill(&mut b).expect("OS randomness");
-    u64::from_le_bytes(b)
 }

@@ -2,7 +2,8 @@
 //! incremental detokenization, stop-string matching (text that could begin a stop string is held
 //! back until it cannot), timings, and the channel its events go to.
 
-use super::sampler::{self, PromptLogprob, Rng, Sampled};
+use super::sampler::{self, PromptLogprob, Sampled};
+use crate::util::Rng;
 use super::{EngineEvent, FinishReason, GenerateRequest, StopReason};
 use crate::metrics::Metrics;
 use crate::model::tokenizer::{Detokenizer, Tokenizer};

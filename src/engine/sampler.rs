@@ -3,47 +3,10 @@
 //! logits at temperature 0), before penalties and truncation, so that a trainer can recompute them
 //! exactly. Penalties and truncation change only which token is drawn.
 
+use crate::policy::{is_greedy, scale_and_normalize};
+use crate::util::Rng;
 use flywheel_kernels::Cpu;
 use std::collections::HashMap;
-
-/// xoshiro256** seeded through SplitMix64: small, fast, reproducible across platforms.
-#[derive(Clone, Debug)]
-pub struct Rng {
-    s: [u64; 4],
-}
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        let mut z = seed;
-        let mut next = || {
-            z = z.wrapping_add(0x9E3779B97F4A7C15);
-            let mut x = z;
-            x = (x ^ (x >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
-            x ^ (x >> 31)
-        };
-        Rng {
-            s: [next(), next(), next(), next()],
-        }
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = self.s[1] << 17;
-        self.s[2] ^= self.s[0];
-        self.s[3] ^= self.s[1];
-        self.s[1] ^= self.s[2];
-        self.s[0] ^= self.s[3];
-        self.s[2] ^= t;
-        self.s[3] = self.s[3].rotate_left(45);
-        r
-    }
-
-    /// Uniform in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 #[derive(Clone, Debug)]
 pub struct SamplingParams {
@@ -150,25 +113,6 @@ pub fn sample(
         logprob: lp[token as usize],
         top: top_k(lp, p.top_logprobs),
     }
-}
-
-/// Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`): logits / T would overflow
-/// f32 for T near 0 (1e-45 makes every log-prob NaN), so such a T means temperature 0.
-pub const MIN_TEMPERATURE: f32 = 1e-5;
-
-/// Greedy decoding: temperature 0, or below `MIN_TEMPERATURE`.
-pub fn is_greedy(temperature: f32) -> bool {
-    temperature < MIN_TEMPERATURE
-}
-
-/// log-softmax(logits / T) in place, as the sampler reports it (and as a trainer must recompute
-/// it); plain log-softmax(logits) when greedy.
-pub fn scale_and_normalize(cpu: &Cpu, logits: &mut [f32], temperature: f32) {
-    if !is_greedy(temperature) && temperature != 1.0 {
-        let inv = 1.0 / temperature;
-        logits.iter_mut().for_each(|v| *v *= inv);
-    }
-    cpu.log_softmax(logits);
 }
 
 /// A prompt token's score: its log-prob given the tokens before it, its rank (1 = the most

@@ -6,10 +6,16 @@
 //!
 //! Groups: a request's `n` choices form one group (`req:<id>`); a client may group single
 //! completions across requests with `"group": "ID"`, scoped to its key (`key:<hash>:<ID>`).
+//!
+//! The database under a running server: every transaction first checks that the file is still
+//! the one opened (same device and inode, an SQLite header). A deleted, replaced or truncated
+//! file makes the log `Broken` for good: nothing more is acknowledged into an unlinked file.
 
+use crate::util::now_secs;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
-use std::path::Path;
-use std::sync::Mutex;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
 
 /// Schema migrations, applied in order; `PRAGMA user_version` is how many ran.
 const MIGRATIONS: &[&str] = &[
@@ -30,7 +36,46 @@ const MIGRATIONS: &[&str] = &[
         adapter TEXT NOT NULL, step INTEGER NOT NULL, version INTEGER NOT NULL,
         path TEXT NOT NULL, created REAL NOT NULL, stats TEXT NOT NULL,
         PRIMARY KEY (adapter, step));",
+    // 2: lineages (a learning adapter's life from creation to deletion); checkpoints keyed by
+    // version, in their lineage, at paths relative to the data directory.
+    "CREATE TABLE lineages (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, adapter TEXT NOT NULL,
+        first_version INTEGER NOT NULL, created REAL NOT NULL, ended REAL);
+     CREATE INDEX lineages_adapter ON lineages (adapter, ended);
+     INSERT INTO lineages (adapter, first_version, created)
+        SELECT adapter, 1, min(created) FROM checkpoints GROUP BY adapter;
+     CREATE TABLE checkpoints2 (
+        adapter TEXT NOT NULL, version INTEGER NOT NULL, lineage INTEGER NOT NULL,
+        step INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL, stats TEXT NOT NULL,
+        PRIMARY KEY (adapter, version));
+     INSERT INTO checkpoints2 (adapter, version, lineage, step, path, created, stats)
+        SELECT c.adapter, c.version, l.id, c.step,
+               'adapters/' || c.adapter || '/step-' || printf('%08d', c.step), c.created, c.stats
+        FROM checkpoints c JOIN lineages l ON l.adapter = c.adapter;
+     DROP TABLE checkpoints;
+     ALTER TABLE checkpoints2 RENAME TO checkpoints;",
 ];
+
+/// Why the log cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// The database file was deleted, replaced or truncated under the server: permanent until a
+    /// restart (which then reads whatever is at the path).
+    #[error("the rollout log is unusable: {0}")]
+    Broken(String),
+    #[error("rollout log: {0}")]
+    Db(#[from] rusqlite::Error),
+}
+
+/// Why a reward for a completion of `adapter` is not taken (the caller decides per adapter).
+#[derive(Clone, Debug)]
+pub enum Refusal {
+    /// The adapter's trainer has failed: the reward would not be trained on.
+    Failed(String),
+    /// The adapter no longer learns (deleted, or its lineage ended).
+    NotLearning,
+}
+
 
 /// One served completion (a choice of a request) to log.
 #[derive(Clone, Debug)]
@@ -94,8 +139,21 @@ pub enum FeedbackError {
         choice: u32,
         old: f64,
     },
-    #[error("rollout log: {0}")]
-    Db(#[from] rusqlite::Error),
+    #[error("completion '{id}' belongs to '{adapter}', which does not take rewards now")]
+    Refused {
+        index: usize,
+        id: String,
+        adapter: String,
+        why: Refusal,
+    },
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+impl From<rusqlite::Error> for FeedbackError {
+    fn from(e: rusqlite::Error) -> FeedbackError {
+        FeedbackError::Log(LogError::Db(e))
+    }
 }
 
 /// A pending (unconsumed) member of a group, for the trainer.
@@ -122,17 +180,13 @@ pub struct PendingGroup {
     pub members: Vec<Member>,
 }
 
-/// The latest checkpoint of an adapter.
-#[derive(Clone, Debug)]
-pub struct Checkpoint {
-    pub step: u64,
-    pub version: u64,
-    pub path: String,
-}
-
 pub struct RolloutLog {
     conn: Mutex<Connection>,
     salt: String,
+    path: PathBuf,
+    /// (device, inode) of the file opened.
+    identity: (u64, u64),
+    broken: OnceLock<String>,
 }
 
 fn u32s(b: &[u8]) -> Vec<u32> {
@@ -155,20 +209,15 @@ fn bytes_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-pub fn now_secs() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
-
 impl RolloutLog {
     /// Open (creating it and its folder if needed) and migrate.
     pub fn open(path: &Path) -> anyhow::Result<RolloutLog> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
         }
-        let mut conn = Connection::open(path)?;
+        let mut conn = Connection::open(path)
+            .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
@@ -195,8 +244,8 @@ impl RolloutLog {
             None => {
                 let s = format!(
                     "{:016x}{:016x}",
-                    crate::engine::random_u64(),
-                    crate::engine::random_u64()
+                    crate::util::random_u64(),
+                    crate::util::random_u64(),
                 );
                 conn.execute(
                     "INSERT INTO meta (key, value) VALUES ('key_salt', ?1)",
@@ -205,14 +254,50 @@ impl RolloutLog {
                 s
             }
         };
+        let meta = std::fs::metadata(path)?;
         Ok(RolloutLog {
             conn: Mutex::new(conn),
             salt,
+            path: path.to_path_buf(),
+            identity: (meta.dev(), meta.ino()),
+            broken: OnceLock::new(),
         })
     }
 
-    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    /// Ok while the file is the one opened and still an SQLite database; once not, never again.
+    pub fn check(&self) -> Result<(), LogError> {
+        if let Some(why) = self.broken.get() {
+            return Err(LogError::Broken(why.clone()));
+        }
+        let p = self.path.display();
+        let why = match std::fs::metadata(&self.path) {
+            Err(e) => Some(format!("{p} is gone ({e})")),
+            Ok(m) if (m.dev(), m.ino()) != self.identity => {
+                Some(format!("{p} was replaced by another file"))
+            }
+            Ok(_) => {
+                let mut head = [0u8; 16];
+                let ok = std::fs::File::open(&self.path)
+                    .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+                    .is_ok();
+                (!ok || &head != b"SQLite format 3\0")
+                    .then(|| format!("{p} was truncated or overwritten"))
+            }
+        };
+        match why {
+            None => Ok(()),
+            Some(w) => {
+                tracing::error!(path = %p, reason = %w, "the rollout log is unusable");
+                let w = self.broken.get_or_init(|| w).clone();
+                Err(LogError::Broken(w))
+            }
+        }
+    }
+
+    /// The connection, after `check`.
+    pub(super) fn conn(&self) -> Result<std::sync::MutexGuard<'_, Connection>, LogError> {
+        self.check()?;
+        Ok(self.conn.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// A key's stored form: a 128-bit FNV-1a of a secret per-database salt and the key (keys are
@@ -227,8 +312,8 @@ impl RolloutLog {
     }
 
     /// Log the choices of one request (one transaction).
-    pub fn log_completions(&self, recs: &[CompletionRecord]) -> rusqlite::Result<()> {
-        let mut c = self.conn();
+    pub fn log_completions(&self, recs: &[CompletionRecord]) -> Result<(), LogError> {
+        let mut c = self.conn()?;
         let tx = c.transaction()?;
         {
             let mut st = tx.prepare_cached(
@@ -258,32 +343,35 @@ impl RolloutLog {
                 ])?;
             }
         }
-        tx.commit()
+        Ok(tx.commit()?)
     }
 
     /// Record rewards, all or none (one transaction, committed before this returns). `key` is
-    /// the caller's bearer key; `admin` callers may reward any completion. Ok(true) when at
-    /// least one reward is new, Ok(false) when every one repeats a stored reward.
+    /// the caller's bearer key; `admin` callers may reward any completion; `accepts` says
+    /// whether a completion's adapter takes rewards now. Ok(true) when at least one reward is
+    /// new, Ok(false) when every one repeats a stored reward.
     pub fn post_rewards(
         &self,
         items: &[Reward],
         key: &str,
         admin: bool,
+        accepts: &dyn Fn(&str) -> Result<(), Refusal>,
     ) -> Result<bool, FeedbackError> {
         let kh = self.key_hash(key);
-        let mut c = self.conn();
+        let mut c = self.conn()?;
         let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let mut any_new = false;
         let now = now_secs();
         for (index, it) in items.iter().enumerate() {
-            let row: Option<(String, Option<f64>)> = tx
+            let row: Option<(String, Option<f64>, String)> = tx
                 .query_row(
-                    "SELECT key_hash, reward FROM completions WHERE id = ?1 AND choice = ?2",
+                    "SELECT key_hash, reward, adapter FROM completions
+                     WHERE id = ?1 AND choice = ?2",
                     params![it.id, it.choice],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
                 )
                 .optional()?;
-            let Some((owner, old)) = row else {
+            let Some((owner, old, adapter)) = row else {
                 return Err(FeedbackError::NotFound {
                     index,
                     id: it.id.clone(),
@@ -295,6 +383,16 @@ impl RolloutLog {
                     index,
                     id: it.id.clone(),
                 });
+            }
+            if old.is_none() {
+                if let Err(why) = accepts(&adapter) {
+                    return Err(FeedbackError::Refused {
+                        index,
+                        id: it.id.clone(),
+                        adapter,
+                        why,
+                    });
+                }
             }
             match old {
                 Some(o) if o == it.reward => {}
@@ -321,8 +419,8 @@ impl RolloutLog {
     }
 
     /// What is stored for each choice of completion `id` (empty: unknown id).
-    pub fn feedback(&self, id: &str) -> rusqlite::Result<Vec<(String, ChoiceInfo)>> {
-        let c = self.conn();
+    pub fn feedback(&self, id: &str) -> Result<Vec<(String, ChoiceInfo)>, LogError> {
+        let c = self.conn()?;
         let mut st = c.prepare_cached(
             "SELECT choice, adapter, version, group_id, finish_reason, reward, consumed_step,
                     dropped, key_hash
@@ -343,12 +441,12 @@ impl RolloutLog {
                 },
             ))
         })?;
-        rows.collect()
+        Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// Every group of `adapter` with unconsumed, undropped members that has at least one reward.
-    pub fn pending_groups(&self, adapter: &str) -> rusqlite::Result<Vec<PendingGroup>> {
-        let c = self.conn();
+    pub fn pending_groups(&self, adapter: &str) -> Result<Vec<PendingGroup>, LogError> {
+        let c = self.conn()?;
         let mut st = c.prepare_cached(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
                     temperature, policy_sampled, reward, rewarded_at, created
@@ -394,8 +492,8 @@ impl RolloutLog {
     }
 
     /// Mark members as not to be trained on, with the reason.
-    pub fn drop_members(&self, members: &[(String, u32)], reason: &str) -> rusqlite::Result<()> {
-        let mut c = self.conn();
+    pub fn drop_members(&self, members: &[(String, u32)], reason: &str) -> Result<(), LogError> {
+        let mut c = self.conn()?;
         let tx = c.transaction()?;
         for (id, choice) in members {
             tx.execute(
@@ -403,71 +501,13 @@ impl RolloutLog {
                 params![id, choice, reason],
             )?;
         }
-        tx.commit()
-    }
-
-    /// Record a checkpoint and the members its step consumed, in one transaction.
-    pub fn commit_step(
-        &self,
-        adapter: &str,
-        cp: &Checkpoint,
-        stats: &str,
-        consumed: &[(String, u32)],
-    ) -> rusqlite::Result<()> {
-        let mut c = self.conn();
-        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        tx.execute(
-            "INSERT INTO checkpoints (adapter, step, version, path, created, stats)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![
-                adapter,
-                cp.step as i64,
-                cp.version as i64,
-                cp.path,
-                now_secs(),
-                stats
-            ],
-        )?;
-        for (id, choice) in consumed {
-            tx.execute(
-                "UPDATE completions SET consumed_step = ?3 WHERE id = ?1 AND choice = ?2",
-                params![id, choice, cp.step as i64],
-            )?;
-        }
-        tx.commit()
-    }
-
-    pub fn latest_checkpoint(&self, adapter: &str) -> rusqlite::Result<Option<Checkpoint>> {
-        self.conn()
-            .query_row(
-                "SELECT step, version, path FROM checkpoints WHERE adapter = ?1
-                 ORDER BY step DESC LIMIT 1",
-                params![adapter],
-                |r| {
-                    Ok(Checkpoint {
-                        step: r.get::<_, i64>(0)? as u64,
-                        version: r.get::<_, i64>(1)? as u64,
-                        path: r.get(2)?,
-                    })
-                },
-            )
-            .optional()
-    }
-
-    /// Checkpoints of `adapter` older than the newest `keep` (their folders may be removed).
-    pub fn old_checkpoints(&self, adapter: &str, keep: usize) -> rusqlite::Result<Vec<String>> {
-        let c = self.conn();
-        let mut st = c.prepare_cached(
-            "SELECT path FROM checkpoints WHERE adapter = ?1 ORDER BY step DESC LIMIT -1 OFFSET ?2",
-        )?;
-        let rows = st.query_map(params![adapter, keep as i64], |r| r.get(0))?;
-        rows.collect()
+        Ok(tx.commit()?)
     }
 
     /// Delete completions older than `max_age_secs` that are consumed or dropped, and at most
     /// keep `max_rows` rows (oldest settled ones go first). Returns the rows deleted.
-    pub fn prune(&self, max_age_secs: f64, max_rows: usize) -> rusqlite::Result<usize> {
-        let c = self.conn();
+    pub fn prune(&self, max_age_secs: f64, max_rows: usize) -> Result<usize, LogError> {
+        let c = self.conn()?;
         let settled = "(consumed_step IS NOT NULL OR dropped IS NOT NULL)";
         let mut n = c.execute(
             &format!("DELETE FROM completions WHERE created < ?1 AND {settled}"),
@@ -490,6 +530,11 @@ impl RolloutLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::online::lineage::Checkpoint;
+
+    fn open(_: &str) -> Result<(), Refusal> {
+        Ok(())
+    }
 
     fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
         CompletionRecord {
@@ -526,28 +571,33 @@ mod tests {
         log.log_completions(&[rec("c1", 0, "k1"), rec("c1", 1, "k1")])
             .unwrap();
         assert!(log
-            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false)
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
             .unwrap());
         // A repeat of the same reward is not new; another value conflicts.
         assert!(!log
-            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false)
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
             .unwrap());
         assert!(matches!(
-            log.post_rewards(&[reward("c1", 0, 0.5)], "k1", false),
+            log.post_rewards(&[reward("c1", 0, 0.5)], "k1", false, &open),
             Err(FeedbackError::Conflict { .. })
         ));
         assert!(matches!(
-            log.post_rewards(&[reward("c1", 1, 0.0)], "k2", false),
+            log.post_rewards(&[reward("c1", 1, 0.0)], "k2", false, &open),
             Err(FeedbackError::Forbidden { .. })
         ));
         // All or none: the unknown second item leaves the first unrecorded.
         assert!(matches!(
-            log.post_rewards(&[reward("c1", 1, 0.0), reward("c9", 0, 1.0)], "k1", false),
+            log.post_rewards(
+                &[reward("c1", 1, 0.0), reward("c9", 0, 1.0)],
+                "k1",
+                false,
+                &open
+            ),
             Err(FeedbackError::NotFound { index: 1, .. })
         ));
         assert_eq!(log.feedback("c1").unwrap()[1].1.reward, None);
         assert!(log
-            .post_rewards(&[reward("c1", 1, 0.0)], "k2", true)
+            .post_rewards(&[reward("c1", 1, 0.0)], "k2", true, &open)
             .unwrap());
         let groups = log.pending_groups("a").unwrap();
         assert_eq!(groups.len(), 1);
@@ -555,24 +605,71 @@ mod tests {
         assert_eq!((g.group_id.as_str(), g.group_size), ("req:c1", 2));
         assert_eq!(g.members[1].completion, vec![4, 5]);
         assert_eq!(g.members[1].logprobs, vec![-0.5, -1.25]);
+        let l = log.begin_lineage("a", 3).unwrap();
         let cp = Checkpoint {
             step: 1,
             version: 4,
-            path: "x".into(),
+            path: "adapters/a/v-00000004".into(),
         };
-        log.commit_step("a", &cp, "{}", &[("c1".into(), 0), ("c1".into(), 1)])
+        log.commit_step("a", l.id, &cp, "{}", &[("c1".into(), 0), ("c1".into(), 1)])
             .unwrap();
         drop(log);
         let log = RolloutLog::open(&path).unwrap();
         assert!(log.pending_groups("a").unwrap().is_empty());
-        assert_eq!(log.latest_checkpoint("a").unwrap().unwrap().version, 4);
+        assert_eq!(log.active_lineage("a").unwrap(), Some(l));
+        assert_eq!(log.checkpoints(l.id).unwrap(), vec![cp]);
+        assert_eq!(log.max_version("a").unwrap(), 4);
         let info = log.feedback("c1").unwrap();
         assert_eq!(info[0].1.reward, Some(1.0));
         assert_eq!(info[0].1.trained_step, Some(1));
         // The key is stored hashed, and the same key still owns its completions.
         assert_ne!(info[0].0, "k1");
         assert!(!log
-            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false)
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
             .unwrap());
+    }
+
+    #[test]
+    fn a_refused_adapter_records_nothing_of_the_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = RolloutLog::open(&dir.path().join("log.db")).unwrap();
+        let mut other = rec("c2", 0, "k");
+        other.adapter = "b".into();
+        log.log_completions(&[rec("c1", 0, "k"), other]).unwrap();
+        let only_a = |a: &str| {
+            if a == "a" {
+                Ok(())
+            } else {
+                Err(Refusal::Failed("broken".into()))
+            }
+        };
+        let r = log.post_rewards(&[reward("c1", 0, 1.0), reward("c2", 0, 1.0)], "k", false, &only_a);
+        assert!(matches!(r, Err(FeedbackError::Refused { index: 1, .. })), "{r:?}");
+        assert_eq!(log.feedback("c1").unwrap()[0].1.reward, None);
+    }
+
+    #[test]
+    fn a_deleted_or_truncated_database_is_noticed_and_stays_unusable() {
+        for how in ["delete", "truncate", "replace"] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("log.db");
+            let log = RolloutLog::open(&path).unwrap();
+            log.log_completions(&[rec("c1", 0, "k")]).unwrap();
+            match how {
+                "delete" => std::fs::remove_file(&path).unwrap(),
+                "truncate" => std::fs::File::create(&path).map(drop).unwrap(),
+                _ => {
+                    std::fs::remove_file(&path).unwrap();
+                    drop(RolloutLog::open(&path).unwrap());
+                }
+            }
+            let r = log.post_rewards(&[reward("c1", 0, 1.0)], "k", false, &open);
+            assert!(
+                matches!(r, Err(FeedbackError::Log(LogError::Broken(_)))),
+                "{how}: {r:?}"
+            );
+            assert!(matches!(log.log_completions(&[rec("c3", 0, "k")]), Err(LogError::Broken(_))));
+            assert!(log.check().is_err(), "{how}");
+        }
     }
 }

@@ -1,548 +1,489 @@
-//! The in-process trainer: one thread beside the engine. It picks rewarded groups of each
-//! learning adapter from the rollout log, drops what must not be trained on (stale, sampled off
-//! the policy's distribution, no reward variance), runs one GRPO-family step (the training
-//! issue's forward/backward/AdamW on the same quantized base and compute pool), checkpoints
-//! adapter + optimizer atomically, records the checkpoint and the consumed groups in one SQLite
-//! transaction, and only then publishes the step as the adapter's next version.
+//! The trainer: one thread that owns the learners (their settings, lineages and optimizers), and
+//! the `TrainerHandle` everyone else talks to it with. Like the engine, it is the only owner of
+//! its mutable state: request threads send commands (add, remove, configure, pause, resume) and
+//! await the answer, which comes between two steps; they read the status from a snapshot the
+//! thread publishes, so no request ever waits on a step or an fsync for a status.
 //!
-//! Sharing the two cores: the trainer calls the same `Cpu` as the engine; the pool runs one
-//! kernel at a time, so serving and training interleave kernel by kernel (no call holds the pool
-//! for more than one kernel's time).
+//! Nothing fails silently. A step's error is counted (`flywheel_train_errors_total{adapter,
+//! kind}`), shown in the status (`last_error`), and retried with backoff (1, 2, 4, ... 60 s); after
+//! `MAX_FAILURES` in a row, or a panic, the learner is `failed`: feedback for it gets 503 until an
+//! operator resumes it. A rollout log that became unusable fails every learner. The thread is
+//! supervised: a panic is caught and reported the same way; if it ever ends, every learner counts
+//! as failed.
+//!
+//! Sharing the two cores: the trainer calls the same `Cpu` as the engine; its kernels run as
+//! background work (the pool's gate lets them run between engine steps, within `train_share`).
 
 use super::config::{LearnConfig, OnlineConfig};
-use super::log::{now_secs, Checkpoint, Member, PendingGroup, RolloutLog};
+use super::learner::{sweep_temporaries, Env, ErrorKind, Learner, State, Status, TrainError};
+use super::log::{Refusal, RolloutLog};
 use crate::adapter::registry::Registry;
-use crate::adapter::{peft, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method};
-use crate::adapter::{OftConfig, Target};
-use crate::engine::sampler::is_greedy;
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
-use crate::train::loss::{LossConfig, Objective};
-use crate::train::offline::{grouped, step, Sample};
-use crate::train::optim::{AdamW, AdamWConfig};
+use crate::util::now_secs;
 use flywheel_kernels::Cpu;
-use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-/// What `GET /v1/train/status` shows of a learning adapter.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct Status {
-    pub version: u64,
-    pub steps: u64,
-    pub paused: bool,
-    pub pending_groups: usize,
-    pub dropped: BTreeMap<String, u64>,
-    pub last: Option<Value>,
-    pub config: Option<LearnConfig>,
-}
+/// Failures in a row after which a learner is `failed`.
+pub const MAX_FAILURES: u32 = 5;
 
-struct Learner {
-    cfg: LearnConfig,
-    status: Status,
-}
+/// Steps one learner takes in a row while batches are ready (then the others get a turn).
+const MAX_STEPS_IN_A_ROW: usize = 16;
 
-/// The learning side of the server, shared by the HTTP handlers and the trainer thread.
-pub struct Online {
-    pub cfg: OnlineConfig,
-    pub log: Arc<RolloutLog>,
-    learners: Mutex<BTreeMap<String, Learner>>,
-    /// Each learner's optimizer state, used by the trainer thread (one step at a time).
-    optimizers: Mutex<BTreeMap<String, AdamW>>,
-    wake: (Mutex<bool>, Condvar),
-    metrics: Arc<Metrics>,
-    compute: Compute,
-}
-
-/// Everything the trainer thread computes with.
+/// Everything the trainer computes with.
 pub struct Compute {
     pub model: Arc<Llama>,
     pub cpu: Arc<Cpu>,
     pub registry: Arc<Registry>,
 }
 
-fn layout_for(cfg: &LearnConfig, model: &Llama) -> anyhow::Result<Arc<AdapterLayout>> {
-    let method = match cfg.method.as_str() {
-        "lora" => Method::Lora(LoraConfig {
-            r: cfg.lora_r,
-            alpha: 2.0 * cfg.lora_r as f32,
-            use_rslora: false,
-        }),
-        _ => Method::Oft(OftConfig {
-            block_size: cfg.oft_block_size,
-            ..OftConfig::default()
-        }),
-    };
-    let c = AdapterConfig {
-        method,
-        targets: Target::ALL.to_vec(),
-        base_model: String::new(),
-    };
-    Ok(Arc::new(AdapterLayout::new(c, &model.config)?))
+type Reply<T> = tokio::sync::oneshot::Sender<Result<T, CommandError>>;
+
+enum Command {
+    /// Make a name learn (resume or create); true when it is new.
+    Add(LearnConfig, Reply<Status>),
+    /// Replace a learner's settings.
+    Configure(LearnConfig, Reply<Status>),
+    Pause(String, bool, Reply<Status>),
+    /// End a learner's lineage and remove its adapter.
+    Remove(String, Reply<()>),
+    /// A reward arrived.
+    Wake,
 }
 
-fn adamw(cfg: &LearnConfig) -> AdamWConfig {
-    AdamWConfig {
-        lr: cfg.lr,
-        ..AdamWConfig::default()
+/// What the handle reads without the thread.
+struct Shared {
+    status: RwLock<BTreeMap<String, Status>>,
+    /// False once the trainer thread has ended.
+    alive: AtomicBool,
+}
+
+/// The handle to the trainer (cheap to clone).
+#[derive(Clone)]
+pub struct TrainerHandle {
+    tx: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+    pub log: Arc<RolloutLog>,
+    pub cfg: OnlineConfig,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Why a command was not carried out.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error("'{0}' is not a learning adapter")]
+    NotLearning(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error("the trainer has stopped")]
+    Stopped,
+}
+
+struct Trainer {
+    env: Env,
+    learners: BTreeMap<String, Learner>,
+    shared: Arc<Shared>,
+    rx: mpsc::Receiver<Command>,
+    last_prune: f64,
+    log_ok: bool,
+}
+
+/// Ends `alive` when the thread ends, however it ends.
+struct AliveGuard(Arc<Shared>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.alive.store(false, Ordering::Release);
     }
 }
 
-impl Online {
-    /// Open the rollout log, publish each learning adapter (its last checkpoint, or the
-    /// identity), and start the trainer thread.
+/// Check that `dir` exists (created if needed) and takes files; the error names the path.
+fn check_writable(dir: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| {
+        anyhow::anyhow!("the data directory {} cannot be created: {e}", dir.display())
+    })?;
+    let probe = dir.join(format!(".probe-{:016x}", crate::util::random_u64()));
+    std::fs::write(&probe, b"probe")
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|e| {
+            anyhow::anyhow!("the data directory {} is not writable: {e}", dir.display())
+        })
+}
+
+impl TrainerHandle {
+    /// Open the rollout log in `cfg.data_dir` (which must be writable), remove leftover
+    /// temporary checkpoints, start the trainer thread, and add each of `learn` (an error in one
+    /// of them is returned: the server does not start half-learning). Blocking.
     pub fn start(
         cfg: OnlineConfig,
         learn: &[LearnConfig],
         compute: Compute,
         metrics: Arc<Metrics>,
-    ) -> anyhow::Result<Arc<Online>> {
+    ) -> anyhow::Result<TrainerHandle> {
+        check_writable(&cfg.data_dir)?;
         let log = Arc::new(RolloutLog::open(&cfg.data_dir.join("flywheel.db"))?);
-        let online = Arc::new(Online {
-            cfg,
-            log,
-            learners: Mutex::new(BTreeMap::new()),
-            optimizers: Mutex::new(BTreeMap::new()),
-            wake: (Mutex::new(false), Condvar::new()),
-            metrics,
-            compute,
+        metrics.rollout_log_ok.set(1);
+        sweep_temporaries(&cfg.data_dir);
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            status: RwLock::new(BTreeMap::new()),
+            alive: AtomicBool::new(true),
         });
-        for l in learn {
-            online.add_learner(l.clone())?;
-        }
-        let o = online.clone();
+        let trainer = Trainer {
+            env: Env {
+                cfg: cfg.clone(),
+                log: log.clone(),
+                model: compute.model,
+                cpu: compute.cpu,
+                registry: compute.registry,
+                metrics: metrics.clone(),
+            },
+            learners: BTreeMap::new(),
+            shared: shared.clone(),
+            rx,
+            last_prune: now_secs(),
+            log_ok: true,
+        };
         std::thread::Builder::new()
             .name("flywheel-trainer".into())
-            .spawn(move || o.run())?;
-        Ok(online)
-    }
-
-    /// Make `cfg.name` a learning adapter: resume its checkpoint or publish the identity
-    /// (an adapter already serving under that name is replaced by it).
-    pub fn add_learner(&self, cfg: LearnConfig) -> anyhow::Result<()> {
-        let c = &self.compute;
-        let name = cfg.name.clone();
-        anyhow::ensure!(!self.is_learning(&name), "'{name}' is already learning");
-        let (opt, version, steps) = match self.log.latest_checkpoint(&name)? {
-            Some(cp) => {
-                let dir = PathBuf::from(&cp.path);
-                let w = peft::load(&dir, &c.model.config)?;
-                let opt = AdamW::load(&dir)?;
-                c.registry.publish_from(&name, w, cp.version)?;
-                tracing::info!(adapter = %name, step = cp.step, version = cp.version, "learning adapter resumed");
-                (opt, cp.version, cp.step)
-            }
-            None => {
-                let layout = layout_for(&cfg, &c.model)?;
-                let n = layout.num_params;
-                let (v, _) = c
-                    .registry
-                    .publish(&name, AdapterWeights::identity(layout, 0))?;
-                tracing::info!(adapter = %name, method = %cfg.method, "learning adapter created");
-                (AdamW::new(adamw(&cfg), n), v.version, 0)
-            }
+            .spawn(move || trainer.run())?;
+        let handle = TrainerHandle {
+            tx,
+            shared,
+            log,
+            cfg,
+            metrics,
         };
-        let status = Status {
-            version,
-            steps,
-            config: Some(cfg.clone()),
-            ..Status::default()
-        };
-        self.optimizers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.clone(), opt);
-        self.lock().insert(name, Learner { cfg, status });
-        Ok(())
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Learner>> {
-        self.learners.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn metrics(&self) -> &Arc<Metrics> {
-        &self.metrics
-    }
-
-    pub fn is_learning(&self, name: &str) -> bool {
-        self.lock().contains_key(name)
-    }
-
-    pub fn status(&self) -> BTreeMap<String, Status> {
-        self.lock()
-            .iter()
-            .map(|(k, l)| (k.clone(), l.status.clone()))
-            .collect()
-    }
-
-    /// Pause or resume training of `name` (false: not a learning adapter).
-    pub fn set_paused(&self, name: &str, paused: bool) -> bool {
-        let mut g = self.lock();
-        let Some(l) = g.get_mut(name) else {
-            return false;
-        };
-        l.status.paused = paused;
-        drop(g);
-        self.notify();
-        true
-    }
-
-    /// Replace the settings of `name` (its method must stay); false: not a learning adapter.
-    pub fn update_config(&self, cfg: LearnConfig) -> Result<bool, String> {
-        let mut g = self.lock();
-        let Some(l) = g.get_mut(&cfg.name) else {
-            return Ok(false);
-        };
-        if l.cfg.method != cfg.method {
-            return Err(format!(
-                "'{}' learns with {}; its method cannot change",
-                cfg.name, l.cfg.method
-            ));
+        for l in learn {
+            let (reply, rx) = tokio::sync::oneshot::channel();
+            handle.send(Command::Add(l.clone(), reply))?;
+            rx.blocking_recv()
+                .map_err(|_| anyhow::anyhow!("the trainer stopped"))?
+                .map_err(|e| anyhow::anyhow!("learning adapter '{}': {e}", l.name))?;
         }
-        l.status.config = Some(cfg.clone());
-        l.cfg = cfg;
-        Ok(true)
+        Ok(handle)
+    }
+
+    fn send(&self, c: Command) -> Result<(), CommandError> {
+        self.tx.send(c).map_err(|_| CommandError::Stopped)
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, CommandError> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.send(make(reply))?;
+        rx.await.map_err(|_| CommandError::Stopped)?
+    }
+
+    /// Make `cfg.name` learn (resumed from its lineage's checkpoint, or a new lineage from the
+    /// identity), or change its settings if it already does. (status, whether it is new).
+    pub async fn train(&self, cfg: LearnConfig) -> Result<(Status, bool), CommandError> {
+        if self.is_learning(&cfg.name) {
+            let s = self.ask(|r| Command::Configure(cfg, r)).await?;
+            return Ok((s, false));
+        }
+        Ok((self.ask(|r| Command::Add(cfg, r)).await?, true))
+    }
+
+    /// Pause or resume `name` (resuming a failed learner clears its failure).
+    pub async fn set_paused(&self, name: &str, paused: bool) -> Result<Status, CommandError> {
+        let n = name.to_string();
+        self.ask(|r| Command::Pause(n, paused, r)).await
+    }
+
+    /// Stop learning `name`: its lineage ends (never resumed, its versions never reused), its
+    /// adapter is removed. Waits for a step in progress to end.
+    pub async fn remove(&self, name: &str) -> Result<(), CommandError> {
+        let n = name.to_string();
+        self.ask(|r| Command::Remove(n, r)).await
     }
 
     /// Wake the trainer (a reward arrived).
     pub fn notify(&self) {
-        let (m, c) = &self.wake;
-        *m.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        c.notify_one();
+        let _ = self.tx.send(Command::Wake);
     }
 
-    fn run(self: Arc<Self>) {
+    pub fn is_alive(&self) -> bool {
+        self.shared.alive.load(Ordering::Acquire)
+    }
+
+    pub fn is_learning(&self, name: &str) -> bool {
+        self.read().contains_key(name)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Status>> {
+        self.shared.status.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Every learner's status, by name.
+    pub fn status(&self) -> BTreeMap<String, Status> {
+        let mut s = self.read().clone();
+        if !self.is_alive() {
+            for st in s.values_mut() {
+                st.state = State::Failed;
+            }
+        }
+        s
+    }
+
+    /// Whether rewards for completions of `adapter` are taken now.
+    pub fn accepts(&self, adapter: &str) -> Result<(), Refusal> {
+        if !self.is_alive() {
+            return Err(Refusal::Failed("the trainer thread has stopped".into()));
+        }
+        match self.read().get(adapter) {
+            None => Err(Refusal::NotLearning),
+            Some(s) if s.state == State::Failed => Err(Refusal::Failed(
+                s.last_error
+                    .as_ref()
+                    .map_or_else(|| "failed".to_string(), |e| e.to_string()),
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Ok while the trainer runs and the rollout log is usable (readiness).
+    pub fn health(&self) -> Result<(), String> {
+        if !self.is_alive() {
+            return Err("the trainer thread has stopped".into());
+        }
+        self.log.check().map_err(|e| e.to_string())
+    }
+}
+
+impl Trainer {
+    fn run(mut self) {
+        let _alive = AliveGuard(self.shared.clone());
         // Serving first: this thread's kernels yield to engine steps (see kernels' `gate`).
         flywheel_kernels::cpu::set_background(true);
-        self.compute.cpu.pool.gate.set_share(self.cfg.train_share);
-        let mut last_prune = 0.0;
+        self.env.cpu.pool.gate.set_share(self.env.cfg.train_share);
         loop {
-            {
-                let (m, cv) = &self.wake;
-                let g = m.lock().unwrap_or_else(|e| e.into_inner());
-                let (mut g, _) = cv
-                    .wait_timeout_while(g, Duration::from_millis(500), |woken| !*woken)
-                    .unwrap_or_else(|e| e.into_inner());
-                *g = false;
+            let wait = self.next_wait();
+            match self.rx.recv_timeout(wait) {
+                Ok(c) => self.supervised("", |t| t.handle(c)),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
             }
-            let names: Vec<(String, LearnConfig, bool)> = self
-                .lock()
-                .iter()
-                .map(|(k, l)| (k.clone(), l.cfg.clone(), l.status.paused))
-                .collect();
-            for (name, cfg, paused) in names {
-                if paused {
-                    continue;
-                }
-                let mut opts = self.optimizers.lock().unwrap_or_else(|e| e.into_inner());
-                let Some(opt) = opts.get_mut(&name) else {
-                    continue;
-                };
-                // Keep stepping while whole steps are ready (a reward burst).
-                for _ in 0..16 {
-                    match self.try_step(&self.compute, &cfg, opt) {
-                        Ok(true) => {}
-                        Ok(false) => break,
-                        Err(e) => {
-                            tracing::error!(adapter = %name, error = %e, "training step failed");
-                            self.metrics.train_errors.with_label_values(&[&name]).inc();
-                            std::thread::sleep(Duration::from_secs(1));
-                            break;
-                        }
-                    }
-                }
+            while let Ok(c) = self.rx.try_recv() {
+                self.supervised("", |t| t.handle(c));
             }
-            let now = now_secs();
-            if now - last_prune > 600.0 {
-                last_prune = now;
-                let max_age = self.cfg.retention_days * 86400.0;
-                if let Err(e) = self.log.prune(max_age, self.cfg.retention_max_rows) {
-                    tracing::warn!(error = %e, "rollout log retention failed");
-                }
+            self.supervised("", Trainer::check_log);
+            let names: Vec<String> = self.learners.keys().cloned().collect();
+            for name in names {
+                self.supervised(&name.clone(), |t| t.train(&name));
             }
+            self.supervised("", Trainer::prune);
+            self.publish_status();
         }
     }
 
-    /// Sort pending groups into ready ones and drops; drop what must not train. Returns the
-    /// ready groups (oldest first) and how many are still waiting.
-    fn classify(
-        &self,
-        name: &str,
-        current: u64,
-        pending: Vec<PendingGroup>,
-    ) -> anyhow::Result<(Vec<PendingGroup>, usize)> {
-        let now = now_secs();
-        let mut drops: BTreeMap<&'static str, Vec<(String, u32)>> = BTreeMap::new();
-        let mut ready = Vec::new();
-        let mut waiting = 0;
-        let key = |m: &Member| (m.id.clone(), m.choice);
-        for mut g in pending {
-            if !self.cfg.train_off_policy_samples {
-                let (ok, off): (Vec<Member>, Vec<Member>) =
-                    g.members.into_iter().partition(|m| m.policy_sampled);
-                drops
-                    .entry("off_policy_sample")
-                    .or_default()
-                    .extend(off.iter().map(key));
-                g.members = ok;
-            }
-            if g.members.is_empty() {
-                continue;
-            }
-            let stale = g
-                .members
-                .iter()
-                .any(|m| current.saturating_sub(m.version) > self.cfg.max_off_policy_steps);
-            if stale {
-                drops
-                    .entry("stale")
-                    .or_default()
-                    .extend(g.members.iter().map(key));
-                continue;
-            }
-            let rewarded: Vec<&Member> = g.members.iter().filter(|m| m.reward.is_some()).collect();
-            let all = rewarded.len() == g.members.len();
-            let oldest = rewarded
-                .iter()
-                .filter_map(|m| m.rewarded_at)
-                .fold(f64::INFINITY, f64::min);
-            let timed_out = rewarded.len() >= 2 && now - oldest > self.cfg.group_timeout_secs;
-            // A request's choices are logged together: rewarded all, the group is whole.
-            let whole = all && g.group_size > 0;
-            if !(whole || timed_out) {
-                waiting += 1;
-                continue;
-            }
-            let (keep, late): (Vec<Member>, Vec<Member>) =
-                g.members.into_iter().partition(|m| m.reward.is_some());
-            drops
-                .entry("timeout")
-                .or_default()
-                .extend(late.iter().map(key));
-            g.members = keep;
-            let first = g.members[0].reward;
-            if g.members.len() < 2 {
-                drops
-                    .entry("single")
-                    .or_default()
-                    .extend(g.members.iter().map(key));
-            } else if g.members.iter().all(|m| m.reward == first) {
-                drops
-                    .entry("no_variance")
-                    .or_default()
-                    .extend(g.members.iter().map(key));
+    /// Run `f`, catching a panic: it fails learner `name` (all of them when "").
+    fn supervised(&mut self, name: &str, f: impl FnOnce(&mut Trainer)) {
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| f(self)));
+        if let Err(p) = r {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            let e = TrainError::new(ErrorKind::Panic, msg);
+            let names: Vec<String> = if name.is_empty() {
+                self.learners.keys().cloned().collect()
             } else {
-                ready.push(g);
+                vec![name.to_string()]
+            };
+            for n in names {
+                self.fail(&n, e.clone(), true);
             }
+            self.publish_status();
         }
-        let mut g = self.lock();
-        for (reason, members) in &drops {
-            if members.is_empty() {
-                continue;
-            }
-            self.log.drop_members(members, reason)?;
-            self.metrics
-                .train_groups_dropped
-                .with_label_values(&[name, reason])
-                .inc_by(members.len() as u64);
-            if let Some(l) = g.get_mut(name) {
-                *l.status.dropped.entry(reason.to_string()).or_default() += members.len() as u64;
-            }
-        }
-        Ok((ready, waiting))
     }
 
-    /// One step of `cfg.name` if a batch is ready; Ok(false) when nothing was ready.
-    fn try_step(&self, c: &Compute, cfg: &LearnConfig, opt: &mut AdamW) -> anyhow::Result<bool> {
-        let name = cfg.name.as_str();
-        let slot = c
-            .registry
-            .get(name)
-            .ok_or_else(|| anyhow::anyhow!("the adapter '{name}' is gone"))?;
-        let cur = slot.current();
-        let pending = self.log.pending_groups(name)?;
-        let (ready, waiting) = self.classify(name, cur.version, pending)?;
-        {
-            let mut g = self.lock();
-            if let Some(l) = g.get_mut(name) {
-                l.status.pending_groups = waiting + ready.len();
+    /// How long to wait for a command: until the earliest retry, at most 500 ms.
+    fn next_wait(&self) -> Duration {
+        let now = now_secs();
+        let soonest = self
+            .learners
+            .values()
+            .filter(|l| l.status.state == State::Running)
+            .filter_map(|l| l.status.retry_at)
+            .fold(0.5f64, |w, at| w.min((at - now).max(0.0)));
+        Duration::from_secs_f64(soonest)
+    }
+
+    fn handle(&mut self, c: Command) {
+        match c {
+            Command::Wake => {}
+            Command::Add(cfg, reply) => {
+                let name = cfg.name.clone();
+                let r = match self.learners.get(&name) {
+                    Some(l) => Ok(l.status.clone()),
+                    None => Learner::start(cfg, &self.env).map(|l| {
+                        let s = l.status.clone();
+                        self.learners.insert(name.clone(), l);
+                        s
+                    }),
+                };
+                if let Err(e) = &r {
+                    self.count(&name, e.kind);
+                    tracing::error!(adapter = %name, error = %e, "cannot start learning");
+                }
+                self.publish_status();
+                let _ = reply.send(r.map_err(CommandError::Train));
+            }
+            Command::Configure(cfg, reply) => {
+                let r = match self.learners.get_mut(&cfg.name) {
+                    None => Err(CommandError::NotLearning(cfg.name)),
+                    Some(l) => l
+                        .configure(cfg)
+                        .map(|_| l.status.clone())
+                        .map_err(CommandError::Conflict),
+                };
+                self.publish_status();
+                let _ = reply.send(r);
+            }
+            Command::Pause(name, paused, reply) => {
+                let r = match self.learners.get_mut(&name) {
+                    None => Err(CommandError::NotLearning(name)),
+                    Some(l) => {
+                        l.status.state = if paused { State::Paused } else { State::Running };
+                        l.status.consecutive_failures = 0;
+                        l.status.retry_at = None;
+                        self.env
+                            .metrics
+                            .train_learner_ok
+                            .with_label_values(&[&name])
+                            .set(1);
+                        Ok(l.status.clone())
+                    }
+                };
+                self.publish_status();
+                let _ = reply.send(r);
+            }
+            Command::Remove(name, reply) => {
+                let r = match self.learners.remove(&name) {
+                    None => Err(CommandError::NotLearning(name)),
+                    Some(_) => {
+                        self.env.registry.remove(&name);
+                        let m = &self.env.metrics;
+                        let _ = m.train_learner_ok.remove_label_values(&[&name]);
+                        tracing::info!(adapter = %name, "learning adapter deleted: its lineage ended");
+                        let ended = self.env.log.end_lineage(&name);
+                        ended.map_err(|e| CommandError::Train(e.into()))
+                    }
+                };
+                self.publish_status();
+                let _ = reply.send(r);
             }
         }
-        self.metrics
-            .train_pending_groups
-            .with_label_values(&[name])
-            .set((waiting + ready.len()) as i64);
-        let Some(t) = ready.first().map(|g| g.members[0].temperature) else {
-            return Ok(false);
+    }
+
+    /// Take the steps `name` has ready (while it runs and is not waiting out a backoff).
+    fn train(&mut self, name: &str) {
+        for _ in 0..MAX_STEPS_IN_A_ROW {
+            let Some(l) = self.learners.get_mut(name) else {
+                return;
+            };
+            let waiting = l.status.retry_at.is_some_and(|at| now_secs() < at);
+            if l.status.state != State::Running || waiting {
+                return;
+            }
+            match l.step(&self.env) {
+                Ok(None) => return,
+                Ok(Some(_)) => {
+                    l.status.consecutive_failures = 0;
+                    l.status.retry_at = None;
+                }
+                Err(e) => {
+                    self.fail(name, e, false);
+                    return;
+                }
+            }
+            self.publish_status();
+            // Commands wait at most one step.
+            while let Ok(c) = self.rx.try_recv() {
+                self.handle(c);
+            }
+        }
+    }
+
+    fn count(&self, name: &str, kind: ErrorKind) {
+        self.env
+            .metrics
+            .train_errors
+            .with_label_values(&[name, kind.as_str()])
+            .inc();
+    }
+
+    /// Record a failure of `name`: retry later with backoff, or fail it (`fatal`, or too many).
+    fn fail(&mut self, name: &str, e: TrainError, fatal: bool) {
+        self.count(name, e.kind);
+        let Some(l) = self.learners.get_mut(name) else {
+            return;
         };
-        // Up to groups_per_step groups of one temperature within the token budget.
-        let mut batch: Vec<&PendingGroup> = Vec::new();
-        let mut tokens = 0;
-        for g in &ready {
-            let n: usize = g
-                .members
-                .iter()
-                .map(|m| m.prompt.len() + m.completion.len())
-                .sum();
-            let same_t = g.members.iter().all(|m| m.temperature == t);
-            if same_t && (batch.is_empty() || tokens + n <= self.cfg.max_step_tokens) {
-                batch.push(g);
-                tokens += n;
-            }
-            if batch.len() == cfg.groups_per_step {
-                break;
-            }
-        }
-        let samples: Vec<Sample> = batch
-            .iter()
-            .flat_map(|g| {
-                g.members.iter().map(|m| Sample {
-                    prompt: m.prompt.clone(),
-                    completion: m.completion.clone(),
-                    reward: m.reward.unwrap_or(0.0) as f32,
-                    group: g.group_id.clone(),
-                    behavior: Some(m.logprobs.clone()),
-                    sampled_by_current: m.version == cur.version,
-                })
-            })
-            .collect();
-        let groups = grouped(&samples, &cfg.loss);
-        let refs: Vec<_> = groups.iter().collect();
-        let max_len = samples
-            .iter()
-            .map(|s| s.completion.len())
-            .max()
-            .unwrap_or(1);
-        let group_size = samples.len() / batch.len().max(1);
-        let mut loss = LossConfig::named(&cfg.loss, max_len, group_size)
-            .ok_or_else(|| anyhow::anyhow!("unknown loss {}", cfg.loss))?;
-        loss.kl_coef = cfg.kl_coef;
-        if let Objective::Clipped { eps_low, eps_high } = &mut loss.objective {
-            *eps_low = cfg.clip_low.unwrap_or(*eps_low);
-            *eps_high = cfg.clip_high.unwrap_or(*eps_high);
-        }
-        opt.config.lr = cfg.lr;
-        let temperature = if is_greedy(t) { 1.0 } else { t };
-        let staleness: Vec<u64> = batch
-            .iter()
-            .flat_map(|g| g.members.iter().map(|m| cur.version - m.version))
-            .collect();
-        let (next, mut stats) = step(
-            &c.model,
-            &c.cpu,
-            &cur.weights,
-            opt,
-            &loss,
-            &refs,
-            temperature,
-            self.cfg.activation_mb << 20,
-        )?;
-        let version = cur.version + 1;
-        let step_no = opt.step;
-        let dir = self.checkpoint(name, step_no, &next, opt)?;
-        let consumed: Vec<(String, u32)> = batch
-            .iter()
-            .flat_map(|g| g.members.iter().map(|m| (m.id.clone(), m.choice)))
-            .collect();
-        stats["version"] = json!(version);
-        stats["groups"] = json!(batch.len());
-        stats["staleness_max"] = json!(staleness.iter().max());
-        let rewards: Vec<f64> = samples.iter().map(|s| s.reward as f64).collect();
-        let mean = rewards.iter().sum::<f64>() / rewards.len().max(1) as f64;
-        let std = (rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>()
-            / rewards.len().max(1) as f64)
-            .sqrt();
-        stats["reward_std"] = json!(std);
-        let cp = Checkpoint {
-            step: step_no,
-            version,
-            path: dir.to_string_lossy().into_owned(),
-        };
-        self.log
-            .commit_step(name, &cp, &stats.to_string(), &consumed)?;
-        let (v, _) = c.registry.publish(name, next)?;
-        if v.version != version {
-            tracing::warn!(
-                adapter = name,
-                expected = version,
-                got = v.version,
-                "another publisher numbered this adapter's versions"
-            );
-        }
-        for old in self.log.old_checkpoints(name, 2)? {
-            let _ = std::fs::remove_dir_all(&old);
-        }
-        self.record(name, &stats, &staleness, v.version, step_no);
-        tracing::info!(adapter = name, step = step_no, version = v.version, stats = %stats, "trained");
-        Ok(true)
-    }
-
-    /// Save adapter + optimizer to data_dir/adapters/NAME/step-N, atomically (a temp folder,
-    /// fsynced, renamed, the parent fsynced).
-    fn checkpoint(
-        &self,
-        name: &str,
-        step_no: u64,
-        w: &AdapterWeights,
-        opt: &AdamW,
-    ) -> anyhow::Result<PathBuf> {
-        let parent = self.cfg.data_dir.join("adapters").join(name);
-        std::fs::create_dir_all(&parent)?;
-        let dir = parent.join(format!("step-{step_no:08}"));
-        let tmp = parent.join(format!(".tmp-step-{step_no:08}"));
-        for p in [&dir, &tmp] {
-            if p.exists() {
-                // Left by a crash before its record was committed: never read, replace it.
-                std::fs::remove_dir_all(p)?;
-            }
-        }
-        peft::save(w, &tmp)?;
-        opt.save(&tmp)?;
-        peft::sync_dir(&tmp)?;
-        std::fs::rename(&tmp, &dir)?;
-        peft::sync_dir(&parent)?;
-        Ok(dir)
-    }
-
-    fn record(&self, name: &str, stats: &Value, staleness: &[u64], version: u64, steps: u64) {
-        let m = &self.metrics;
-        let f = |k: &str| stats[k].as_f64().unwrap_or(0.0);
-        m.train_steps.with_label_values(&[name]).inc();
-        m.train_step_seconds
-            .with_label_values(&[name])
-            .observe(f("seconds"));
-        m.train_tokens
-            .with_label_values(&[name])
-            .inc_by(f("tokens") as u64);
-        m.train_tokens_per_second
-            .with_label_values(&[name])
-            .set(f("tokens_per_second"));
-        for (g, k) in [
-            (&m.train_loss, "loss"),
-            (&m.train_reward_mean, "reward_mean"),
-            (&m.train_reward_std, "reward_std"),
-            (&m.train_kl, "kl"),
-            (&m.train_clip_fraction, "clip_fraction"),
-            (&m.train_masked_fraction, "masked_fraction"),
-            (&m.train_grad_norm, "grad_norm"),
-        ] {
-            g.with_label_values(&[name]).set(f(k));
-        }
-        if let Some(d) = stats["logprob_diff_max"].as_f64() {
-            m.train_logprob_diff.with_label_values(&[name]).set(d);
-        }
-        for s in staleness {
-            m.train_staleness
+        let s = &mut l.status;
+        s.consecutive_failures += 1;
+        let failed = fatal || s.consecutive_failures >= MAX_FAILURES;
+        if failed {
+            s.state = State::Failed;
+            s.retry_at = None;
+            self.env
+                .metrics
+                .train_learner_ok
                 .with_label_values(&[name])
-                .observe(*s as f64);
+                .set(0);
+            tracing::error!(adapter = %name, error = %e, "learner failed: feedback for it is refused until it is resumed");
+        } else {
+            let backoff = (1u64 << (s.consecutive_failures - 1).min(6)).min(60) as f64;
+            s.retry_at = Some(now_secs() + backoff);
+            tracing::error!(adapter = %name, error = %e, retry_in_secs = backoff, "training step failed: optimizer and adapter rolled back");
         }
-        let mut g = self.lock();
-        if let Some(l) = g.get_mut(name) {
-            l.status.version = version;
-            l.status.steps = steps;
-            l.status.last = Some(stats.clone());
+        s.last_error = Some(e);
+    }
+
+    /// A rollout log that became unusable fails every learner (once).
+    fn check_log(&mut self) {
+        if !self.log_ok {
+            return;
         }
+        if let Err(e) = self.env.log.check() {
+            self.log_ok = false;
+            self.env.metrics.rollout_log_ok.set(0);
+            let names: Vec<String> = self.learners.keys().cloned().collect();
+            for n in names {
+                self.fail(&n, TrainError::new(ErrorKind::Database, &e), true);
+            }
+        }
+    }
+
+    fn prune(&mut self) {
+        let now = now_secs();
+        if now - self.last_prune < 600.0 || !self.log_ok {
+            return;
+        }
+        self.last_prune = now;
+        let c = &self.env.cfg;
+        if let Err(e) = self
+            .env
+            .log
+            .prune(c.retention_days * 86400.0, c.retention_max_rows)
+        {
+            tracing::warn!(error = %e, "rollout log retention failed");
+        }
+    }
+
+    fn publish_status(&self) {
+        let s: BTreeMap<String, Status> = self
+            .learners
+            .iter()
+            .map(|(k, l)| (k.clone(), l.status.clone()))
+            .collect();
+        *self.shared.status.write().unwrap_or_else(|e| e.into_inner()) = s;
     }
 }

@@ -9,7 +9,7 @@ use crate::adapter::AdapterWeights;
 use crate::model::llama::Llama;
 use crate::model::tokenizer::{ChatMessage, Tokenizer};
 use flywheel_kernels::Cpu;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::time::Instant;
 
 /// One completion of a prompt, with its reward and group.
@@ -62,6 +62,36 @@ pub fn grouped<'a>(samples: &'a [Sample], loss_name: &str) -> Vec<Batch<'a>> {
         .collect()
 }
 
+/// What one step did (`flywheel train` prints it as a JSON line; the online trainer shows the last
+/// one in `/v1/train/status` and in its metrics).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct StepStats {
+    /// The optimizer's step number after this step.
+    pub step: u64,
+    pub loss: f64,
+    pub reward_mean: f64,
+    pub reward_std: f64,
+    pub clip_fraction: f64,
+    pub masked_fraction: f64,
+    pub kl: f64,
+    pub entropy: f64,
+    pub ratio_mean: f64,
+    pub ratio_min: f64,
+    pub ratio_max: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub lr: f32,
+    pub sequences: usize,
+    /// Completion tokens the loss covered.
+    pub tokens: usize,
+    pub seconds: f64,
+    /// Rows the forward ran (a group's shared prompt once).
+    pub forward_tokens: usize,
+    /// The largest |train − serve| log-prob over samples drawn from these very weights.
+    pub logprob_diff_max: Option<f64>,
+    pub tokens_per_second: f64,
+}
+
 /// One optimizer step on `groups`: returns the new adapter version's weights and the statistics.
 /// `activation_budget`: bytes of activations the training forward keeps (`Llama::train_forward`).
 #[allow(clippy::too_many_arguments)]
@@ -74,7 +104,7 @@ pub fn step(
     groups: &[&Batch],
     temperature: f32,
     activation_budget: usize,
-) -> anyhow::Result<(AdapterWeights, Value)> {
+) -> anyhow::Result<(AdapterWeights, StepStats)> {
     let t0 = Instant::now();
     let samples: Vec<&Sample> = groups
         .iter()
@@ -137,29 +167,38 @@ pub fn step(
     let next = AdapterWeights::new(weights.layout.clone(), params)?;
     let rewards: Vec<f64> = samples.iter().map(|s| s.reward as f64).collect();
     let secs = t0.elapsed().as_secs_f64();
+    let num_tokens: usize = pairs.iter().map(|(p, c)| p.len() + c.len()).sum();
     Ok((
         next,
-        json!({
-            "step": opt.step,
-            "loss": stats.loss,
-            "reward_mean": rewards.iter().sum::<f64>() / rewards.len().max(1) as f64,
-            "clip_fraction": stats.clip_fraction,
-            "masked_fraction": stats.masked_fraction,
-            "kl": stats.kl,
-            "entropy": entropy,
-            "ratio_mean": stats.ratio_mean,
-            "ratio_min": stats.ratio_min,
-            "ratio_max": stats.ratio_max,
-            "grad_norm": s.grad_norm,
-            "lr": s.lr,
-            "sequences": samples.len(),
-            "tokens": stats.tokens,
-            "seconds": secs,
-            "forward_tokens": packed.num_tokens(),
-            "logprob_diff_max": diff,
-            "tokens_per_second": pairs.iter().map(|(p, c)| p.len() + c.len()).sum::<usize>() as f64 / secs,
-        }),
+        StepStats {
+            step: opt.step,
+            loss: stats.loss,
+            reward_mean: rewards.iter().sum::<f64>() / rewards.len().max(1) as f64,
+            reward_std: std_dev(&rewards),
+            clip_fraction: stats.clip_fraction,
+            masked_fraction: stats.masked_fraction,
+            kl: stats.kl,
+            entropy,
+            ratio_mean: stats.ratio_mean,
+            ratio_min: stats.ratio_min,
+            ratio_max: stats.ratio_max,
+            grad_norm: s.grad_norm,
+            lr: s.lr,
+            sequences: samples.len(),
+            tokens: stats.tokens,
+            seconds: secs,
+            forward_tokens: packed.num_tokens(),
+            logprob_diff_max: diff,
+            tokens_per_second: num_tokens as f64 / secs,
+        },
     ))
+}
+
+/// The population standard deviation of `x` (0 when empty).
+fn std_dev(x: &[f64]) -> f64 {
+    let n = x.len().max(1) as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    (x.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n).sqrt()
 }
 
 /// Read a JSONL data file: per line `{"prompt_token_ids", "completion_token_ids", "reward"?,

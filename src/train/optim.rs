@@ -191,7 +191,7 @@ impl AdamW {
         let st =
             safetensors::serialize(views, None).map_err(|e| OptimError::State(e.to_string()))?;
         let p = dir.join(STATE_FILE);
-        crate::adapter::peft::write_synced(&p, &st).map_err(|e| io(&p, e))?;
+        crate::util::write_synced(&p, &st).map_err(|e| io(&p, e))?;
         let j = serde_json::to_vec_pretty(&Saved {
             step: self.step,
             num_params: n,
@@ -199,7 +199,7 @@ impl AdamW {
         })
         .map_err(|e| OptimError::State(e.to_string()))?;
         let p = dir.join(CONFIG_FILE);
-        crate::adapter::peft::write_synced(&p, &j).map_err(|e| io(&p, e))
+        crate::util::write_synced(&p, &j).map_err(|e| io(&p, e))
     }
 
     pub fn load(dir: &Path) -> Result<AdamW, OptimError> {

@@ -16,7 +16,7 @@
 use super::activations::{ActStore, LayerActs};
 use super::buffers::{AdapterScratch, ForwardBuffers};
 use super::{Llama, ModelError, Weight};
-use crate::adapter::{lora, AdapterWeights, Method, Target};
+use crate::adapter::{lora, AdapterBase, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
 use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::reference::AttnSeq;
@@ -337,7 +337,7 @@ impl Llama {
             )));
         }
         if let Some(a) = s.adapter {
-            if !a.layout.model.same_shape(c) {
+            if a.layout.model != c.adapter_shape() {
                 return Err(ModelError::Batch(
                     "the adapter was made for a model of other dimensions".into(),
                 ));

@@ -50,15 +50,18 @@ impl LlamaConfig {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Same layer count and widths (what an adapter depends on).
-    pub fn same_shape(&self, o: &LlamaConfig) -> bool {
-        (
-            self.num_layers,
-            self.hidden,
-            self.ffn,
-            self.num_heads,
-            self.num_kv_heads,
-        ) == (o.num_layers, o.hidden, o.ffn, o.num_heads, o.num_kv_heads)
+}
+
+impl crate::adapter::AdapterBase for LlamaConfig {
+    fn adapter_shape(&self) -> crate::adapter::BaseShape {
+        crate::adapter::BaseShape {
+            num_layers: self.num_layers,
+            hidden: self.hidden,
+            q_dim: self.q_dim(),
+            kv_dim: self.kv_dim(),
+            ffn: self.ffn,
+            head_dim: self.head_dim,
+        }
     }
 }
 

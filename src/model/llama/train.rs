@@ -20,7 +20,7 @@ use super::buffers::{AdapterScratch, ForwardBuffers};
 use super::forward::{adapter_groups, add_in_place};
 use super::{BatchSeq, Llama, Logits, ModelError, Weight};
 use crate::adapter::{lora, oft, AdapterWeights, Method, Target};
-use crate::engine::sampler::scale_and_normalize;
+use crate::policy::scale_and_normalize;
 use crate::model::kv_cache::KvCache;
 use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::reference::AttnSeq;
@@ -221,7 +221,7 @@ impl Llama {
             .map(|s| Vec::with_capacity(s.tokens.len() - s.prompt_len))
             .collect();
         // d log π(tok)/dz = (onehot − softmax)/T for z = the logits; through the frozen head now.
-        let inv_t = if !crate::engine::sampler::is_greedy(temperature) {
+        let inv_t = if !crate::policy::is_greedy(temperature) {
             1.0 / temperature
         } else {
             1.0

@@ -1,0 +1,574 @@
+//! One learning adapter, owned by the trainer thread: its settings, lineage, optimizer and the
+//! status it shows. `start` resumes the newest intact checkpoint of its lineage (or begins a
+//! lineage with the identity); `step` takes one GRPO-family step if a batch is ready and makes it
+//! durable before it changes anything: the optimizer works on a copy that replaces the learner's
+//! only once the checkpoint and its consumed groups are committed, so a step that fails at any
+//! point leaves optimizer and adapter exactly as before.
+
+use super::config::{LearnConfig, OnlineConfig};
+use super::groups::{self, Rules};
+use super::lineage::{Checkpoint, Lineage};
+use super::log::{LogError, PendingGroup, RolloutLog};
+use crate::adapter::registry::{Publisher, Registry, RegistryError};
+use crate::adapter::{peft, AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method};
+use crate::adapter::{OftConfig, Target};
+use crate::metrics::Metrics;
+use crate::model::llama::Llama;
+use crate::policy::is_greedy;
+use crate::train::loss::{LossConfig, Objective};
+use crate::train::offline::{grouped, step, Sample, StepStats};
+use crate::train::optim::{AdamW, AdamWConfig, OptimError};
+use crate::util::now_secs;
+use flywheel_kernels::Cpu;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Everything a learner works with (shared with the engine: model, compute, registry).
+pub struct Env {
+    pub cfg: OnlineConfig,
+    pub log: Arc<RolloutLog>,
+    pub model: Arc<Llama>,
+    pub cpu: Arc<Cpu>,
+    pub registry: Arc<Registry>,
+    pub metrics: Arc<Metrics>,
+}
+
+/// running: trains when batches are ready; paused: by an operator; failed: stopped after an
+/// error it could not recover from (feedback for it is refused until it is resumed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    Running,
+    Paused,
+    Failed,
+}
+
+/// What went wrong, by where.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The rollout log (SQLite, or its file gone).
+    Database,
+    /// Writing the checkpoint (disk full, read-only, ...).
+    Checkpoint,
+    /// The forward, backward or optimizer.
+    Step,
+    /// Publishing the version.
+    Publish,
+    /// A panic in the trainer, caught.
+    Panic,
+    /// Starting the learner (reading its checkpoint, creating its lineage).
+    Start,
+}
+
+impl ErrorKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Database => "database",
+            ErrorKind::Checkpoint => "checkpoint",
+            ErrorKind::Step => "step",
+            ErrorKind::Publish => "publish",
+            ErrorKind::Panic => "panic",
+            ErrorKind::Start => "start",
+        }
+    }
+}
+
+/// A trainer error, as `/v1/train/status` shows it.
+#[derive(Clone, Debug, serde::Serialize, thiserror::Error)]
+#[error("{} error: {message}", kind.as_str())]
+pub struct TrainError {
+    pub kind: ErrorKind,
+    pub message: String,
+    /// Unix seconds.
+    pub at: f64,
+}
+
+impl TrainError {
+    pub fn new(kind: ErrorKind, message: impl std::fmt::Display) -> TrainError {
+        TrainError {
+            kind,
+            message: message.to_string(),
+            at: now_secs(),
+        }
+    }
+}
+
+impl From<LogError> for TrainError {
+    fn from(e: LogError) -> TrainError {
+        TrainError::new(ErrorKind::Database, e)
+    }
+}
+
+/// A published step: its statistics and where it sits.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StepReport {
+    #[serde(flatten)]
+    pub stats: StepStats,
+    pub version: u64,
+    pub groups: usize,
+    pub staleness_max: u64,
+}
+
+/// What `GET /v1/train/status` shows of a learning adapter.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Status {
+    pub state: State,
+    pub version: u64,
+    pub lineage: u64,
+    pub steps: u64,
+    pub pending_groups: usize,
+    pub dropped: BTreeMap<String, u64>,
+    pub last: Option<StepReport>,
+    pub last_error: Option<TrainError>,
+    /// Failures since the last success (the learner fails after `MAX_FAILURES`).
+    pub consecutive_failures: u32,
+    /// Unix seconds of the next try after a failure.
+    pub retry_at: Option<f64>,
+    pub config: LearnConfig,
+}
+
+pub struct Learner {
+    pub cfg: LearnConfig,
+    pub lineage: Lineage,
+    opt: AdamW,
+    pub status: Status,
+}
+
+/// A learning adapter's checkpoint folder, relative to the data directory.
+fn checkpoint_rel(name: &str, version: u64) -> String {
+    format!("adapters/{name}/v-{version:08}")
+}
+
+/// The adapter `cfg` learns: its method on every projection.
+pub fn adapter_config(cfg: &LearnConfig) -> AdapterConfig {
+    let method = match cfg.method.as_str() {
+        "lora" => Method::Lora(LoraConfig {
+            r: cfg.lora_r,
+            alpha: 2.0 * cfg.lora_r as f32,
+            use_rslora: false,
+        }),
+        _ => Method::Oft(OftConfig {
+            block_size: cfg.oft_block_size,
+            ..OftConfig::default()
+        }),
+    };
+    AdapterConfig {
+        method,
+        targets: Target::ALL.to_vec(),
+        base_model: String::new(),
+    }
+}
+
+/// The identity adapter of `cfg`'s method, within the registry's limits.
+fn identity(cfg: &LearnConfig, env: &Env) -> Result<AdapterWeights, AdapterError> {
+    let c = adapter_config(cfg);
+    let layout = env.registry.limits.layout(c, &env.model.config)?;
+    Ok(AdapterWeights::identity(Arc::new(layout), 0))
+}
+
+fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
+    let c = AdamWConfig {
+        lr: cfg.lr,
+        ..AdamWConfig::default()
+    };
+    AdamW::new(c, num_params)
+}
+
+/// Adapter and optimizer of a checkpoint folder, checked against each other.
+fn load_checkpoint(dir: &Path, env: &Env) -> Result<(AdapterWeights, AdamW), String> {
+    let w = peft::load_within(dir, &env.model.config, &env.registry.limits)
+        .map_err(|e| e.to_string())?;
+    let opt = AdamW::load(dir).map_err(|e: OptimError| e.to_string())?;
+    if opt.m.len() != w.layout.num_params {
+        return Err(format!(
+            "{}: the optimizer holds {} values for an adapter of {} parameters",
+            dir.display(),
+            opt.m.len(),
+            w.layout.num_params
+        ));
+    }
+    Ok((w, opt))
+}
+
+/// Remove `path` (a folder) if it exists.
+fn remove_dir(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_dir_all(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Remove the temporary folders a crash or a failed checkpoint left under `data_dir/adapters`.
+pub fn sweep_temporaries(data_dir: &Path) {
+    let Ok(names) = std::fs::read_dir(data_dir.join("adapters")) else {
+        return;
+    };
+    for dir in names.flatten() {
+        let Ok(entries) = std::fs::read_dir(dir.path()) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(".tmp-") {
+                match remove_dir(&e.path()) {
+                    Ok(()) => tracing::info!(path = %e.path().display(), "removed a leftover temporary checkpoint"),
+                    Err(err) => tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a leftover temporary checkpoint"),
+                }
+            }
+        }
+    }
+}
+
+/// Write adapter + optimizer to `data_dir/rel` atomically: a temporary sibling folder, fsynced,
+/// renamed, the parent fsynced. The temporary folder is removed on failure.
+fn write_checkpoint(
+    data_dir: &Path,
+    rel: &str,
+    w: &AdapterWeights,
+    opt: &AdamW,
+) -> anyhow::Result<()> {
+    let dir = data_dir.join(rel);
+    let parent = dir.parent().expect("a checkpoint path has a parent");
+    std::fs::create_dir_all(parent)
+        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", parent.display()))?;
+    let base = dir.file_name().expect("named").to_string_lossy();
+    let tmp = parent.join(format!(".tmp-{base}"));
+    // Left by a crash or a failed try before its record was committed: never read, replaced.
+    remove_dir(&tmp)?;
+    remove_dir(&dir)?;
+    let write = || -> anyhow::Result<()> {
+        peft::save(w, &tmp)?;
+        opt.save(&tmp)?;
+        crate::util::sync_dir(&tmp)?;
+        std::fs::rename(&tmp, &dir)?;
+        crate::util::sync_dir(parent)?;
+        Ok(())
+    };
+    let r = write();
+    if r.is_err() {
+        let _ = remove_dir(&tmp);
+    }
+    r.map_err(|e| anyhow::anyhow!("checkpoint {}: {e}", dir.display()))
+}
+
+impl Learner {
+    /// Resume `cfg.name`'s lineage from its newest intact checkpoint, or begin a lineage with the
+    /// identity adapter; publish it either way. A broken newest checkpoint is skipped with a
+    /// warning. Versions continue above every version the name ever had.
+    pub fn start(cfg: LearnConfig, env: &Env) -> Result<Learner, TrainError> {
+        let name = cfg.name.as_str();
+        let start_err = |e: &dyn std::fmt::Display| TrainError::new(ErrorKind::Start, e);
+        let max_seen = env.log.max_version(name)?.max(env.registry.last_version(name));
+        let lineage = env.log.active_lineage(name)?;
+        let mut resumed = None;
+        if let Some(l) = lineage {
+            for cp in env.log.checkpoints(l.id)? {
+                let dir = env.cfg.data_dir.join(&cp.path);
+                match load_checkpoint(&dir, env) {
+                    Ok(x) => {
+                        resumed = Some((l, cp, x));
+                        break;
+                    }
+                    Err(e) => tracing::warn!(
+                        adapter = name, version = cp.version, error = %e,
+                        "checkpoint unreadable: falling back to the one before"
+                    ),
+                }
+            }
+        }
+        let (lineage, weights, opt, min_version) = match (lineage, resumed) {
+            (_, Some((l, cp, (w, opt)))) => {
+                // The same number only if no later version was ever seen (then it is the same
+                // weights); else a new number for these older weights.
+                let v = if cp.version >= max_seen {
+                    cp.version
+                } else {
+                    max_seen + 1
+                };
+                tracing::info!(adapter = name, checkpoint = cp.version, version = v, step = cp.step, "learning adapter resumed");
+                (l, w, opt, v)
+            }
+            (l, None) => {
+                let w = identity(&cfg, env).map_err(|e| start_err(&e))?;
+                let opt = adamw(&cfg, w.layout.num_params);
+                let l = match l {
+                    Some(l) => {
+                        tracing::warn!(adapter = name, "no intact checkpoint in its lineage: starting again from the identity");
+                        l
+                    }
+                    None => env.log.begin_lineage(name, max_seen + 1)?,
+                };
+                tracing::info!(adapter = name, method = %cfg.method, lineage = l.id, "learning adapter created");
+                (l, w, opt, max_seen + 1)
+            }
+        };
+        let who = Publisher::Claim {
+            id: lineage.id,
+            min_version,
+        };
+        let (v, _) = env
+            .registry
+            .publish_as(name, weights, who)
+            .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
+        env.metrics.train_learner_ok.with_label_values(&[name]).set(1);
+        Ok(Learner {
+            status: Status {
+                state: State::Running,
+                version: v.version,
+                lineage: lineage.id,
+                steps: opt.step,
+                pending_groups: 0,
+                dropped: BTreeMap::new(),
+                last: None,
+                last_error: None,
+                consecutive_failures: 0,
+                retry_at: None,
+                config: cfg.clone(),
+            },
+            cfg,
+            lineage,
+            opt,
+        })
+    }
+
+    /// Form groups (recording drops), and take one step if a batch is ready: Ok(None) when none
+    /// was. On any error, optimizer and adapter are as before.
+    pub fn step(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError> {
+        let name = self.cfg.name.clone();
+        let slot = env.registry.get(&name).ok_or_else(|| {
+            TrainError::new(ErrorKind::Publish, format!("the adapter '{name}' is gone"))
+        })?;
+        let cur = slot.current();
+        let rules = Rules {
+            max_off_policy_steps: env.cfg.max_off_policy_steps,
+            group_timeout_secs: env.cfg.group_timeout_secs,
+            train_off_policy_samples: env.cfg.train_off_policy_samples,
+        };
+        let pending = env.log.pending_groups(&name)?;
+        let plan = groups::form(
+            pending,
+            cur.version,
+            self.lineage.first_version,
+            now_secs(),
+            &rules,
+            &self.cfg.loss,
+        );
+        for (reason, members) in &plan.dropped {
+            env.log.drop_members(members, reason.as_str())?;
+            let n = members.len() as u64;
+            env.metrics
+                .train_groups_dropped
+                .with_label_values(&[&name, reason.as_str()])
+                .inc_by(n);
+            *self
+                .status
+                .dropped
+                .entry(reason.as_str().to_string())
+                .or_default() += n;
+        }
+        let num_pending = plan.waiting + plan.ready.len();
+        self.status.pending_groups = num_pending;
+        env.metrics
+            .train_pending_groups
+            .with_label_values(&[&name])
+            .set(num_pending as i64);
+        let batch = self.batch(&plan.ready, env.cfg.max_step_tokens);
+        if batch.is_empty() {
+            return Ok(None);
+        }
+        let samples: Vec<Sample> = batch
+            .iter()
+            .flat_map(|g| {
+                g.members.iter().map(|m| Sample {
+                    prompt: m.prompt.clone(),
+                    completion: m.completion.clone(),
+                    reward: m.reward.unwrap_or(0.0) as f32,
+                    group: g.group_id.clone(),
+                    behavior: Some(m.logprobs.clone()),
+                    sampled_by_current: m.version == cur.version,
+                })
+            })
+            .collect();
+        let loss = self.loss_config(&samples, batch.len())?;
+        let t = batch[0].members[0].temperature;
+        let temperature = if is_greedy(t) { 1.0 } else { t };
+        let groups = grouped(&samples, &self.cfg.loss);
+        let refs: Vec<_> = groups.iter().collect();
+        // The step works on a copy: the learner's optimizer changes only once all is durable.
+        let mut opt = self.opt.clone();
+        opt.config.lr = self.cfg.lr;
+        let (next, stats) = step(
+            &env.model,
+            &env.cpu,
+            &cur.weights,
+            &mut opt,
+            &loss,
+            &refs,
+            temperature,
+            env.cfg.activation_mb << 20,
+        )
+        .map_err(|e| TrainError::new(ErrorKind::Step, e))?;
+        let version = cur.version + 1;
+        let rel = checkpoint_rel(&name, version);
+        write_checkpoint(&env.cfg.data_dir, &rel, &next, &opt)
+            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        let staleness_max = batch
+            .iter()
+            .flat_map(|g| g.members.iter().map(|m| cur.version - m.version))
+            .max()
+            .unwrap_or(0);
+        let report = StepReport {
+            stats,
+            version,
+            groups: batch.len(),
+            staleness_max,
+        };
+        let consumed: Vec<(String, u32)> = batch
+            .iter()
+            .flat_map(|g| g.members.iter().map(|m| (m.id.clone(), m.choice)))
+            .collect();
+        let cp = Checkpoint {
+            version,
+            step: opt.step,
+            path: rel,
+        };
+        let stats_json = serde_json::to_string(&report).unwrap_or_default();
+        env.log
+            .commit_step(&name, self.lineage.id, &cp, &stats_json, &consumed)?;
+        // Durable: the step is taken, whatever happens next.
+        self.opt = opt;
+        let published = env
+            .registry
+            .publish_as(&name, next, Publisher::Owner(self.lineage.id));
+        let v = match published {
+            Ok((v, _)) => v,
+            Err(e @ RegistryError::Gone(_)) => return Err(TrainError::new(ErrorKind::Publish, e)),
+            Err(e) => return Err(TrainError::new(ErrorKind::Publish, e)),
+        };
+        if v.version != version {
+            tracing::warn!(adapter = %name, expected = version, got = v.version, "another publisher numbered this adapter's versions");
+        }
+        self.record(env, &report, &batch, cur.version);
+        self.retire(env);
+        tracing::info!(adapter = %name, step = cp.step, version = v.version, loss = report.stats.loss, "trained");
+        Ok(Some(report))
+    }
+
+    /// Up to `groups_per_step` ready groups of the first one's temperature, within the token
+    /// budget (the first always).
+    fn batch<'a>(&self, ready: &'a [PendingGroup], max_tokens: usize) -> Vec<&'a PendingGroup> {
+        let Some(t) = ready.first().map(|g| g.members[0].temperature) else {
+            return Vec::new();
+        };
+        let mut batch: Vec<&PendingGroup> = Vec::new();
+        let mut tokens = 0;
+        for g in ready {
+            let n: usize = g
+                .members
+                .iter()
+                .map(|m| m.prompt.len() + m.completion.len())
+                .sum();
+            let same_t = g.members.iter().all(|m| m.temperature == t);
+            if same_t && (batch.is_empty() || tokens + n <= max_tokens) {
+                batch.push(g);
+                tokens += n;
+            }
+            if batch.len() == self.cfg.groups_per_step {
+                break;
+            }
+        }
+        batch
+    }
+
+    fn loss_config(&self, samples: &[Sample], num_groups: usize) -> Result<LossConfig, TrainError> {
+        let c = &self.cfg;
+        let max_len = samples
+            .iter()
+            .map(|s| s.completion.len())
+            .max()
+            .unwrap_or(1);
+        let group_size = samples.len() / num_groups.max(1);
+        let mut loss = LossConfig::named(&c.loss, max_len, group_size).ok_or_else(|| {
+            TrainError::new(ErrorKind::Step, format!("unknown loss {}", c.loss))
+        })?;
+        loss.kl_coef = c.kl_coef;
+        if let Objective::Clipped { eps_low, eps_high } = &mut loss.objective {
+            *eps_low = c.clip_low.unwrap_or(*eps_low);
+            *eps_high = c.clip_high.unwrap_or(*eps_high);
+        }
+        Ok(loss)
+    }
+
+    fn record(&mut self, env: &Env, r: &StepReport, batch: &[&PendingGroup], cur: u64) {
+        let name = self.cfg.name.as_str();
+        let m = &env.metrics;
+        let s = &r.stats;
+        m.train_steps.with_label_values(&[name]).inc();
+        m.train_step_seconds
+            .with_label_values(&[name])
+            .observe(s.seconds);
+        m.train_tokens
+            .with_label_values(&[name])
+            .inc_by(s.tokens as u64);
+        m.train_tokens_per_second
+            .with_label_values(&[name])
+            .set(s.tokens_per_second);
+        for (g, v) in [
+            (&m.train_loss, s.loss),
+            (&m.train_reward_mean, s.reward_mean),
+            (&m.train_reward_std, s.reward_std),
+            (&m.train_kl, s.kl),
+            (&m.train_clip_fraction, s.clip_fraction),
+            (&m.train_masked_fraction, s.masked_fraction),
+            (&m.train_grad_norm, s.grad_norm),
+        ] {
+            g.with_label_values(&[name]).set(v);
+        }
+        if let Some(d) = s.logprob_diff_max {
+            m.train_logprob_diff.with_label_values(&[name]).set(d);
+        }
+        for g in batch {
+            for mem in &g.members {
+                m.train_staleness
+                    .with_label_values(&[name])
+                    .observe((cur - mem.version) as f64);
+            }
+        }
+        let st = &mut self.status;
+        st.version = r.version;
+        st.steps = s.step;
+        st.last = Some(r.clone());
+    }
+
+    /// Remove checkpoints no longer needed (the newest two of the lineage stay).
+    fn retire(&self, env: &Env) {
+        match env.log.retire_checkpoints(&self.cfg.name, 2) {
+            Ok(paths) => {
+                for p in paths {
+                    let dir: PathBuf = env.cfg.data_dir.join(&p);
+                    if let Err(e) = remove_dir(&dir) {
+                        tracing::warn!(path = %dir.display(), error = %e, "cannot remove an old checkpoint");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(adapter = %self.cfg.name, error = %e, "checkpoint retention failed"),
+        }
+    }
+
+    /// Replace the settings (the adapter's shape stays: method, block size, rank).
+    pub fn configure(&mut self, cfg: LearnConfig) -> Result<(), String> {
+        let c = &self.cfg;
+        let shape = |c: &LearnConfig| (c.method.clone(), c.oft_block_size, c.lora_r);
+        if shape(c) != shape(&cfg) {
+            return Err(format!(
+                "'{}' learns with {} (oft_block_size {}, lora_r {}): a learning adapter's shape \
+                 cannot change; DELETE it and train it again to start a new lineage",
+                c.name, c.method, c.oft_block_size, c.lora_r
+            ));
+        }
+        self.status.config = cfg.clone();
+        self.cfg = cfg;
+        Ok(())
+    }
+}

@@ -1,0 +1,172 @@
+//! The rollout log's record of training: lineages and checkpoints.
+//!
+//! A lineage is one life of a learning adapter, from its creation (or its first learning) to its
+//! deletion: its versions start at `first_version`, above every version the name ever had, so a
+//! name's version numbers are never reused. A checkpoint is one published step of a lineage:
+//! adapter and optimizer in a folder under the data directory, recorded by its path relative to
+//! that directory (a copied data directory is self-contained) in the same transaction as the
+//! completions the step consumed.
+
+use super::log::{LogError, RolloutLog};
+use crate::util::now_secs;
+use rusqlite::{params, OptionalExtension, TransactionBehavior};
+
+/// A lineage of a learning adapter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lineage {
+    pub id: u64,
+    /// Its first version: completions sampled below it belong to an earlier lineage.
+    pub first_version: u64,
+}
+
+/// A checkpoint of a lineage.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Checkpoint {
+    pub version: u64,
+    /// The optimizer's step count.
+    pub step: u64,
+    /// Relative to the data directory.
+    pub path: String,
+}
+
+impl RolloutLog {
+    /// The lineage `adapter` learns in now, if any.
+    pub fn active_lineage(&self, adapter: &str) -> Result<Option<Lineage>, LogError> {
+        let c = self.conn()?;
+        let l = c
+            .query_row(
+                "SELECT id, first_version FROM lineages WHERE adapter = ?1 AND ended IS NULL
+                 ORDER BY id DESC LIMIT 1",
+                params![adapter],
+                |r| {
+                    Ok(Lineage {
+                        id: r.get::<_, i64>(0)? as u64,
+                        first_version: r.get::<_, i64>(1)? as u64,
+                    })
+                },
+            )
+            .optional()?;
+        Ok(l)
+    }
+
+    /// The highest version `adapter` ever had in this log (served, checkpointed, or a lineage's
+    /// first); 0 if none.
+    pub fn max_version(&self, adapter: &str) -> Result<u64, LogError> {
+        let c = self.conn()?;
+        let v: i64 = c.query_row(
+            "SELECT max(
+                (SELECT coalesce(max(version), 0) FROM completions WHERE adapter = ?1),
+                (SELECT coalesce(max(version), 0) FROM checkpoints WHERE adapter = ?1),
+                (SELECT coalesce(max(first_version), 0) FROM lineages WHERE adapter = ?1))",
+            params![adapter],
+            |r| r.get(0),
+        )?;
+        Ok(v as u64)
+    }
+
+    /// Start a lineage of `adapter` at `first_version`, ending any still active.
+    pub fn begin_lineage(&self, adapter: &str, first_version: u64) -> Result<Lineage, LogError> {
+        let mut c = self.conn()?;
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let now = now_secs();
+        tx.execute(
+            "UPDATE lineages SET ended = ?2 WHERE adapter = ?1 AND ended IS NULL",
+            params![adapter, now],
+        )?;
+        tx.execute(
+            "INSERT INTO lineages (adapter, first_version, created) VALUES (?1, ?2, ?3)",
+            params![adapter, first_version as i64, now],
+        )?;
+        let id = tx.last_insert_rowid() as u64;
+        tx.commit()?;
+        Ok(Lineage { id, first_version })
+    }
+
+    /// End the active lineage of `adapter` (deleted): its checkpoints are never resumed.
+    pub fn end_lineage(&self, adapter: &str) -> Result<(), LogError> {
+        let c = self.conn()?;
+        c.execute(
+            "UPDATE lineages SET ended = ?2 WHERE adapter = ?1 AND ended IS NULL",
+            params![adapter, now_secs()],
+        )?;
+        Ok(())
+    }
+
+    /// The checkpoints of `lineage`, newest first.
+    pub fn checkpoints(&self, lineage: u64) -> Result<Vec<Checkpoint>, LogError> {
+        let c = self.conn()?;
+        let mut st = c.prepare_cached(
+            "SELECT version, step, path FROM checkpoints WHERE lineage = ?1
+             ORDER BY version DESC",
+        )?;
+        let rows = st.query_map(params![lineage as i64], |r| {
+            Ok(Checkpoint {
+                version: r.get::<_, i64>(0)? as u64,
+                step: r.get::<_, i64>(1)? as u64,
+                path: r.get(2)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Record a checkpoint of `lineage` and the members its step consumed, in one transaction.
+    pub fn commit_step(
+        &self,
+        adapter: &str,
+        lineage: u64,
+        cp: &Checkpoint,
+        stats: &str,
+        consumed: &[(String, u32)],
+    ) -> Result<(), LogError> {
+        let mut c = self.conn()?;
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        tx.execute(
+            "INSERT INTO checkpoints (adapter, version, lineage, step, path, created, stats)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![
+                adapter,
+                cp.version as i64,
+                lineage as i64,
+                cp.step as i64,
+                cp.path,
+                now_secs(),
+                stats
+            ],
+        )?;
+        for (id, choice) in consumed {
+            tx.execute(
+                "UPDATE completions SET consumed_step = ?3 WHERE id = ?1 AND choice = ?2",
+                params![id, choice, cp.step as i64],
+            )?;
+        }
+        Ok(tx.commit()?)
+    }
+
+    /// Checkpoints of `adapter` no longer needed: those of ended lineages, and all but the newest
+    /// `keep` of the active one. Their rows are forgotten; the relative paths are returned for
+    /// the caller to remove.
+    pub fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError> {
+        let mut c = self.conn()?;
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let paths: Vec<(i64, String)> = {
+            let mut st = tx.prepare_cached(
+                "SELECT c.version, c.path FROM checkpoints c JOIN lineages l ON l.id = c.lineage
+                 WHERE c.adapter = ?1 AND (l.ended IS NOT NULL OR c.version NOT IN (
+                    SELECT version FROM checkpoints WHERE adapter = ?1 AND lineage = l.id
+                    ORDER BY version DESC LIMIT ?2))",
+            )?;
+            let rows = st.query_map(params![adapter, keep as i64], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?;
+            rows.collect::<Result<_, _>>()?
+        };
+        for (v, _) in &paths {
+            tx.execute(
+                "DELETE FROM checkpoints WHERE adapter = ?1 AND version = ?2",
+                params![adapter, v],
+            )?;
+        }
+        tx.commit()?;
+        Ok(paths.into_iter().map(|(_, p)| p).collect())
+    }
+}
