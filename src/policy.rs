@@ -23,4 +23,3 @@ pub fn scale_and_normalize(cpu: &Cpu, logits: &mut [f32], temperature: f32) {
     }
     cpu.log_softmax(logits);
 }
-

@@ -74,7 +74,6 @@ impl Rng {
     }
 }
 
-
 /// Write a file and fsync it.
 pub fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut f = std::fs::File::create(path)?;

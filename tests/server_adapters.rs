@@ -338,7 +338,7 @@ fn bad_adapters_are_refused_and_leave_the_slot_untouched() {
             &json!({"name": "x", "kind": "oft", "oft_block_size": 24}),
         ),
         400,
-        Some("config"),
+        Some("oft_block_size"),
     );
     assert_error(
         &s.post(

@@ -149,7 +149,10 @@ impl AdapterLimits {
         match m {
             Method::Lora(l) if l.r > self.max_lora_rank => Err(config_error(
                 "r",
-                format!("{} is above this server's limit of {}", l.r, self.max_lora_rank),
+                format!(
+                    "{} is above this server's limit of {}",
+                    l.r, self.max_lora_rank
+                ),
             )),
             Method::Oft(o) if o.block_size > self.max_oft_block_size => Err(config_error(
                 "oft_block_size",

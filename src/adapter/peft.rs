@@ -274,7 +274,10 @@ pub fn load_within(
     let cfg_path = dir.join(CONFIG_FILE);
     let meta = std::fs::metadata(&cfg_path).map_err(|e| io_err(&cfg_path, e))?;
     if meta.len() > 1 << 20 {
-        return Err(io_err(&cfg_path, "larger than 1 MiB: not an adapter config"));
+        return Err(io_err(
+            &cfg_path,
+            "larger than 1 MiB: not an adapter config",
+        ));
     }
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| io_err(&cfg_path, e))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| io_err(&cfg_path, e))?;

@@ -10,8 +10,7 @@ use super::openai::Fields;
 use super::{blocking, AppState, Ready};
 use crate::adapter::registry::{RegistryError, Slot};
 use crate::adapter::{
-    peft, AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method,
-    OftConfig, Target,
+    peft, AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
 use axum::extract::{Path as UrlPath, State};
 use axum::http::StatusCode;
@@ -260,9 +259,11 @@ fn new_config(f: &Fields, kind: &str, state: &AppState) -> Result<AdapterConfig,
 async fn remove(r: &Ready, name: &str) -> Result<bool, ApiError> {
     let learning = r.registry.get(name).is_some_and(|s| s.owner().is_some());
     match r.learning(name) {
-        Some(t) if learning => t.remove(name).await.map(|_| true).map_err(|e| {
-            ApiError::unavailable(format!("the trainer could not end '{name}': {e}"))
-        }),
+        Some(t) if learning => {
+            t.remove(name).await.map(|_| true).map_err(|e| {
+                ApiError::unavailable(format!("the trainer could not end '{name}': {e}"))
+            })
+        }
         _ => Ok(r.registry.remove(name)),
     }
 }

@@ -131,3 +131,17 @@ impl IntoResponse for ApiError {
         r
     }
 }
+
+/// The rollout log's errors: 503 once its database became unusable, 500 otherwise.
+impl From<crate::online::log::LogError> for ApiError {
+    fn from(e: crate::online::log::LogError) -> ApiError {
+        use crate::online::log::LogError;
+        match e {
+            LogError::Broken(_) => ApiError {
+                code: Some("rollout_log_unavailable"),
+                ..ApiError::unavailable(format!("{e}; nothing more is recorded until a restart"))
+            },
+            LogError::Db(e) => ApiError::internal(format!("the rollout log failed: {e}")),
+        }
+    }
+}

@@ -7,8 +7,8 @@ use super::error::ApiError;
 use super::openai::Fields;
 use super::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
-use crate::online::log::{FeedbackError, LogError, Refusal, Reward};
 use crate::online::learner::{self, ErrorKind};
+use crate::online::log::{FeedbackError, Refusal, Reward};
 use crate::online::trainer::CommandError;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -28,17 +28,6 @@ fn clip(id: &str) -> String {
     match id.char_indices().nth(80) {
         Some((i, _)) => format!("{}...", &id[..i]),
         None => id.to_string(),
-    }
-}
-
-/// The rollout log's errors: 503 when its database became unusable, 500 otherwise.
-pub fn log_error(e: LogError) -> ApiError {
-    match e {
-        LogError::Broken(_) => ApiError {
-            code: Some("rollout_log_unavailable"),
-            ..ApiError::unavailable(format!("{e}; nothing more is recorded until a restart"))
-        },
-        LogError::Db(e) => ApiError::internal(format!("the rollout log failed: {e}")),
     }
 }
 
@@ -116,7 +105,8 @@ pub async fn post(
     let list = body.is_array();
     let n = items.len();
     let o = online.clone();
-    let r = blocking(move || Ok(o.log.post_rewards(&items, &key, admin, &|a| o.accepts(a)))).await?;
+    let r =
+        blocking(move || Ok(o.log.post_rewards(&items, &key, admin, &|a| o.accepts(a)))).await?;
     let field = |index: usize, f: &str| {
         if list {
             format!("[{index}].{f}")
@@ -196,7 +186,7 @@ pub async fn post(
             &field(index, "reward"),
             format!("completion '{id}' choice {choice} already has the reward {old}"),
         )),
-        Err(FeedbackError::Log(e)) => Err(log_error(e)),
+        Err(FeedbackError::Log(e)) => Err(ApiError::from(e)),
     }
 }
 
@@ -215,7 +205,7 @@ pub async fn get(
     let log = online.log.clone();
     let key = log.key_hash(bearer_of(&headers));
     let q = id.clone();
-    let rows = blocking(move || log.feedback(&q).map_err(log_error)).await?;
+    let rows = blocking(move || log.feedback(&q).map_err(ApiError::from)).await?;
     if rows.is_empty() {
         return Err(not_found());
     }

@@ -232,13 +232,15 @@ fn bearer(req: &Request) -> &str {
     bearer_of(req.headers())
 }
 
-/// The bearer token in `headers` ("" when absent).
+/// The bearer token in `headers` ("" when absent). The scheme is matched case-insensitively
+/// (RFC 7235), the token exactly.
 pub fn bearer_of(headers: &axum::http::HeaderMap) -> &str {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("")
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map_or("", |(_, token)| token.trim_start_matches(' '))
 }
 
 /// Constant-time comparison of a given key with the configured one.

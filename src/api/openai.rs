@@ -3,8 +3,8 @@
 
 use super::error::ApiError;
 use crate::engine::sampler::SamplingParams;
-use crate::policy::is_greedy;
 use crate::model::tokenizer::ChatMessage;
+use crate::policy::is_greedy;
 use serde_json::{Map, Value};
 
 /// A JSON object's fields, with typed getters that name the field in their errors.

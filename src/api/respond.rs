@@ -472,8 +472,9 @@ impl Responder {
         self.choices.iter().all(|c| c.finish.is_some())
     }
 
-    /// Write the finished choices to the rollout log when the adapter is learning (before the
-    /// client has the whole answer, so that its reward always finds them).
+    /// Write the finished choices to the rollout log when the adapter is learning: before the
+    /// response (non-streaming), or before the chunk that finishes the last choice (streaming),
+    /// so that a reward always finds them.
     async fn log_rollouts(&self) -> Result<(), ApiError> {
         let Some(online) = &self.online else {
             return Ok(());
@@ -517,10 +518,6 @@ fn stream_response(r: Responder, stream: RequestStream) -> Response {
         let (mut r, mut stream) = state?;
         if r.is_done() {
             let mut out = String::new();
-            if let Err(e) = r.log_rollouts().await {
-                out.push_str(&sse(&e.body()));
-                return Some((Ok(Bytes::from(out)), None));
-            }
             if r.job.params.include_usage {
                 let mut u = r.envelope(true, Vec::new());
                 u["usage"] = r.usage();
@@ -551,6 +548,14 @@ fn stream_response(r: Responder, stream: RequestStream) -> Response {
                     out.push_str(&sse(&ApiError::internal("the engine stopped").body()));
                     return Some((Ok(Bytes::from(out)), None));
                 }
+            }
+        }
+        // The chunk that finishes the last choice leaves only once the rollout log has the
+        // completion: a reward posted when it arrives finds it.
+        if r.is_done() {
+            if let Err(e) = r.log_rollouts().await {
+                out.push_str(&sse(&e.body()));
+                return Some((Ok(Bytes::from(out)), None));
             }
         }
         Some((Ok(Bytes::from(out)), Some((r, stream))))

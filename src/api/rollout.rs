@@ -5,9 +5,9 @@
 
 use super::error::ApiError;
 use super::respond::Job;
-use crate::policy::is_greedy;
 use crate::online::log::CompletionRecord;
 use crate::online::trainer::TrainerHandle;
+use crate::policy::is_greedy;
 use serde_json::json;
 
 /// One choice as served.
@@ -64,11 +64,7 @@ pub async fn log_choices(
         })
         .collect();
     let (log, n, name) = (online.log.clone(), recs.len(), a.name.to_string());
-    super::blocking(move || {
-        log.log_completions(&recs)
-            .map_err(|e| ApiError::internal(format!("the rollout log failed: {e}")))
-    })
-    .await?;
+    super::blocking(move || log.log_completions(&recs).map_err(ApiError::from)).await?;
     online
         .metrics
         .rollouts_logged

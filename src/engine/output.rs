@@ -3,10 +3,10 @@
 //! back until it cannot), timings, and the channel its events go to.
 
 use super::sampler::{self, PromptLogprob, Sampled};
-use crate::util::Rng;
 use super::{EngineEvent, FinishReason, GenerateRequest, StopReason};
 use crate::metrics::Metrics;
 use crate::model::tokenizer::{Detokenizer, Tokenizer};
+use crate::util::Rng;
 use flywheel_kernels::Cpu;
 use std::cell::Cell;
 use std::collections::HashMap;

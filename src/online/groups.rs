@@ -192,13 +192,41 @@ mod tests {
     #[test]
     fn whole_groups_with_a_signal_are_ready_and_the_rest_wait_or_drop() {
         let pending = vec![
-            group("a", 2, vec![member("a", 0, 5, Some(1.0), 0.0), member("a", 1, 5, Some(0.0), 0.0)]),
+            group(
+                "a",
+                2,
+                vec![
+                    member("a", 0, 5, Some(1.0), 0.0),
+                    member("a", 1, 5, Some(0.0), 0.0),
+                ],
+            ),
             // Not all rewarded, not timed out: waits.
-            group("b", 2, vec![member("b", 0, 5, Some(1.0), 0.0), member("b", 1, 5, None, 0.0)]),
+            group(
+                "b",
+                2,
+                vec![
+                    member("b", 0, 5, Some(1.0), 0.0),
+                    member("b", 1, 5, None, 0.0),
+                ],
+            ),
             // Equal rewards: no signal.
-            group("c", 2, vec![member("c", 0, 5, Some(1.0), 0.0), member("c", 1, 5, Some(1.0), 0.0)]),
+            group(
+                "c",
+                2,
+                vec![
+                    member("c", 0, 5, Some(1.0), 0.0),
+                    member("c", 1, 5, Some(1.0), 0.0),
+                ],
+            ),
             // Sampled three versions ago with a bound of 2: stale.
-            group("d", 2, vec![member("d", 0, 3, Some(1.0), 0.0), member("d", 1, 5, Some(0.0), 0.0)]),
+            group(
+                "d",
+                2,
+                vec![
+                    member("d", 0, 3, Some(1.0), 0.0),
+                    member("d", 1, 5, Some(0.0), 0.0),
+                ],
+            ),
         ];
         let p = form(pending, 6, 1, 1.0, &rules(), "grpo");
         assert_eq!(p.ready.len(), 1);
@@ -218,7 +246,10 @@ mod tests {
                 member("a", 2, 5, None, 0.0),
             ],
         );
-        assert_eq!(form(vec![g.clone()], 5, 1, 5.0, &rules(), "grpo").waiting, 1);
+        assert_eq!(
+            form(vec![g.clone()], 5, 1, 5.0, &rules(), "grpo").waiting,
+            1
+        );
         let p = form(vec![g], 5, 1, 11.0, &rules(), "grpo");
         assert_eq!(p.ready[0].members.len(), 2);
         assert_eq!(reasons(&p), vec![("timeout", 1)]);
@@ -231,7 +262,14 @@ mod tests {
         let pending = vec![
             group("a", 2, vec![member("a", 0, 9, Some(1.0), 0.0), off]),
             // Versions 3 and 4 were the lineage before (this one starts at 9).
-            group("b", 2, vec![member("b", 0, 3, Some(1.0), 0.0), member("b", 1, 4, Some(0.0), 0.0)]),
+            group(
+                "b",
+                2,
+                vec![
+                    member("b", 0, 3, Some(1.0), 0.0),
+                    member("b", 1, 4, Some(0.0), 0.0),
+                ],
+            ),
         ];
         let p = form(pending, 9, 9, 1.0, &rules(), "grpo");
         assert!(p.ready.is_empty());
@@ -244,7 +282,14 @@ mod tests {
 
     #[test]
     fn a_version_newer_than_the_current_one_is_never_trained() {
-        let g = group("a", 2, vec![member("a", 0, 7, Some(1.0), 0.0), member("a", 1, 7, Some(0.0), 0.0)]);
+        let g = group(
+            "a",
+            2,
+            vec![
+                member("a", 0, 7, Some(1.0), 0.0),
+                member("a", 1, 7, Some(0.0), 0.0),
+            ],
+        );
         let p = form(vec![g], 5, 1, 1.0, &rules(), "grpo");
         assert!(p.ready.is_empty());
         assert_eq!(reasons(&p), vec![("stale", 2)]);
@@ -255,7 +300,14 @@ mod tests {
         // Different as f64, equal once rounded to f32 (what the step computes with).
         let (a, b) = (1.0, 1.0 + 1e-12);
         assert_ne!(a, b);
-        let g = group("a", 2, vec![member("a", 0, 5, Some(a), 0.0), member("a", 1, 5, Some(b), 0.0)]);
+        let g = group(
+            "a",
+            2,
+            vec![
+                member("a", 0, 5, Some(a), 0.0),
+                member("a", 1, 5, Some(b), 0.0),
+            ],
+        );
         let p = form(vec![g], 5, 1, 1.0, &rules(), "grpo");
         assert!(p.ready.is_empty());
         assert_eq!(reasons(&p), vec![("no_variance", 2)]);

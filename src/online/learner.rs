@@ -212,8 +212,12 @@ pub fn sweep_temporaries(data_dir: &Path) {
         for e in entries.flatten() {
             if e.file_name().to_string_lossy().starts_with(".tmp-") {
                 match remove_dir(&e.path()) {
-                    Ok(()) => tracing::info!(path = %e.path().display(), "removed a leftover temporary checkpoint"),
-                    Err(err) => tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a leftover temporary checkpoint"),
+                    Ok(()) => {
+                        tracing::info!(path = %e.path().display(), "removed a leftover temporary checkpoint")
+                    }
+                    Err(err) => {
+                        tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a leftover temporary checkpoint")
+                    }
                 }
             }
         }
@@ -259,11 +263,17 @@ impl Learner {
     pub fn start(cfg: LearnConfig, env: &Env) -> Result<Learner, TrainError> {
         let name = cfg.name.as_str();
         let start_err = |e: &dyn std::fmt::Display| TrainError::new(ErrorKind::Start, e);
-        let max_seen = env.log.max_version(name)?.max(env.registry.last_version(name));
+        let max_seen = env
+            .log
+            .max_version(name)?
+            .max(env.registry.last_version(name));
         let lineage = env.log.active_lineage(name)?;
         let mut resumed = None;
+        let mut num_checkpoints = 0;
         if let Some(l) = lineage {
-            for cp in env.log.checkpoints(l.id)? {
+            let cps = env.log.checkpoints(l.id)?;
+            num_checkpoints = cps.len();
+            for cp in cps {
                 let dir = env.cfg.data_dir.join(&cp.path);
                 match load_checkpoint(&dir, env) {
                     Ok(x) => {
@@ -286,21 +296,34 @@ impl Learner {
                 } else {
                     max_seen + 1
                 };
-                tracing::info!(adapter = name, checkpoint = cp.version, version = v, step = cp.step, "learning adapter resumed");
+                tracing::info!(
+                    adapter = name,
+                    checkpoint = cp.version,
+                    version = v,
+                    step = cp.step,
+                    "learning adapter resumed"
+                );
                 (l, w, opt, v)
             }
             (l, None) => {
                 let w = identity(&cfg, env).map_err(|e| start_err(&e))?;
                 let opt = adamw(&cfg, w.layout.num_params);
-                let l = match l {
-                    Some(l) => {
-                        tracing::warn!(adapter = name, "no intact checkpoint in its lineage: starting again from the identity");
-                        l
+                let (l, v) = match l {
+                    // Never trained: the identity it started with, under the same number.
+                    Some(l) if num_checkpoints == 0 && max_seen <= l.first_version => {
+                        (l, l.first_version)
                     }
-                    None => env.log.begin_lineage(name, max_seen + 1)?,
+                    Some(l) => {
+                        tracing::warn!(
+                            adapter = name,
+                            "no intact checkpoint in its lineage: starting again from the identity"
+                        );
+                        (l, max_seen + 1)
+                    }
+                    None => (env.log.begin_lineage(name, max_seen + 1)?, max_seen + 1),
                 };
-                tracing::info!(adapter = name, method = %cfg.method, lineage = l.id, "learning adapter created");
-                (l, w, opt, max_seen + 1)
+                tracing::info!(adapter = name, method = %cfg.method, lineage = l.id, version = v, "learning adapter created");
+                (l, w, opt, v)
             }
         };
         let who = Publisher::Claim {
@@ -311,7 +334,10 @@ impl Learner {
             .registry
             .publish_as(name, weights, who)
             .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
-        env.metrics.train_learner_ok.with_label_values(&[name]).set(1);
+        env.metrics
+            .train_learner_ok
+            .with_label_values(&[name])
+            .set(1);
         Ok(Learner {
             status: Status {
                 state: State::Running,
@@ -489,9 +515,8 @@ impl Learner {
             .max()
             .unwrap_or(1);
         let group_size = samples.len() / num_groups.max(1);
-        let mut loss = LossConfig::named(&c.loss, max_len, group_size).ok_or_else(|| {
-            TrainError::new(ErrorKind::Step, format!("unknown loss {}", c.loss))
-        })?;
+        let mut loss = LossConfig::named(&c.loss, max_len, group_size)
+            .ok_or_else(|| TrainError::new(ErrorKind::Step, format!("unknown loss {}", c.loss)))?;
         loss.kl_coef = c.kl_coef;
         if let Objective::Clipped { eps_low, eps_high } = &mut loss.objective {
             *eps_low = c.clip_low.unwrap_or(*eps_low);
@@ -552,7 +577,9 @@ impl Learner {
                     }
                 }
             }
-            Err(e) => tracing::warn!(adapter = %self.cfg.name, error = %e, "checkpoint retention failed"),
+            Err(e) => {
+                tracing::warn!(adapter = %self.cfg.name, error = %e, "checkpoint retention failed")
+            }
         }
     }
 

@@ -76,7 +76,6 @@ pub enum Refusal {
     NotLearning,
 }
 
-
 /// One served completion (a choice of a request) to log.
 #[derive(Clone, Debug)]
 pub struct CompletionRecord {
@@ -643,8 +642,16 @@ mod tests {
                 Err(Refusal::Failed("broken".into()))
             }
         };
-        let r = log.post_rewards(&[reward("c1", 0, 1.0), reward("c2", 0, 1.0)], "k", false, &only_a);
-        assert!(matches!(r, Err(FeedbackError::Refused { index: 1, .. })), "{r:?}");
+        let r = log.post_rewards(
+            &[reward("c1", 0, 1.0), reward("c2", 0, 1.0)],
+            "k",
+            false,
+            &only_a,
+        );
+        assert!(
+            matches!(r, Err(FeedbackError::Refused { index: 1, .. })),
+            "{r:?}"
+        );
         assert_eq!(log.feedback("c1").unwrap()[0].1.reward, None);
     }
 
@@ -668,7 +675,10 @@ mod tests {
                 matches!(r, Err(FeedbackError::Log(LogError::Broken(_)))),
                 "{how}: {r:?}"
             );
-            assert!(matches!(log.log_completions(&[rec("c3", 0, "k")]), Err(LogError::Broken(_))));
+            assert!(matches!(
+                log.log_completions(&[rec("c3", 0, "k")]),
+                Err(LogError::Broken(_))
+            ));
             assert!(log.check().is_err(), "{how}");
         }
     }

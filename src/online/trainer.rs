@@ -107,14 +107,15 @@ impl Drop for AliveGuard {
 /// Check that `dir` exists (created if needed) and takes files; the error names the path.
 fn check_writable(dir: &std::path::Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| {
-        anyhow::anyhow!("the data directory {} cannot be created: {e}", dir.display())
+        anyhow::anyhow!(
+            "the data directory {} cannot be created: {e}",
+            dir.display()
+        )
     })?;
     let probe = dir.join(format!(".probe-{:016x}", crate::util::random_u64()));
     std::fs::write(&probe, b"probe")
         .and_then(|_| std::fs::remove_file(&probe))
-        .map_err(|e| {
-            anyhow::anyhow!("the data directory {} is not writable: {e}", dir.display())
-        })
+        .map_err(|e| anyhow::anyhow!("the data directory {} is not writable: {e}", dir.display()))
 }
 
 impl TrainerHandle {
@@ -352,7 +353,11 @@ impl Trainer {
                 let r = match self.learners.get_mut(&name) {
                     None => Err(CommandError::NotLearning(name)),
                     Some(l) => {
-                        l.status.state = if paused { State::Paused } else { State::Running };
+                        l.status.state = if paused {
+                            State::Paused
+                        } else {
+                            State::Running
+                        };
                         l.status.consecutive_failures = 0;
                         l.status.retry_at = None;
                         self.env
@@ -484,6 +489,10 @@ impl Trainer {
             .iter()
             .map(|(k, l)| (k.clone(), l.status.clone()))
             .collect();
-        *self.shared.status.write().unwrap_or_else(|e| e.into_inner()) = s;
+        *self
+            .shared
+            .status
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = s;
     }
 }

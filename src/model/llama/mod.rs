@@ -49,7 +49,6 @@ impl LlamaConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
-
 }
 
 impl crate::adapter::AdapterBase for LlamaConfig {

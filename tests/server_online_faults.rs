@@ -1,0 +1,437 @@
+//! Faults on the learning side, made through the public interface (HTTP, the data directory on
+//! disk, restarts): none of them may make the trainer stop learning while feedback is still
+//! acknowledged, lose an acknowledged reward, reuse a version number or corrupt the optimizer.
+
+mod common;
+
+use common::online::*;
+use common::server::*;
+use common::write_tiny;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Sample a group of `n` through `model` and reward its choices 0, 1, 0, 1, ...; the id.
+fn sample_and_reward(c: &Client, model: &str, n: usize) -> String {
+    let id = sample(c, model, n, 3, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    reward(c, &id, n, 202);
+    id
+}
+
+/// Reward the `n` choices of `id` 0, 1, 0, ...; assert the status.
+fn reward(c: &Client, id: &str, n: usize, status: u16) -> Response {
+    let items: Vec<Value> = (0..n)
+        .map(|i| json!({"id": id, "choice": i, "reward": (i % 2) as f64}))
+        .collect();
+    let r = call(c, "POST", "/v1/feedback", Some(&Value::Array(items)), USER);
+    assert_eq!(r.status, status, "{}", r.body_text());
+    r
+}
+
+fn version_of(c: &Client, name: &str) -> u64 {
+    let r = call(c, "GET", &format!("/v1/adapters/{name}"), None, USER);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    r.json()["version"].as_u64().unwrap()
+}
+
+fn learning_config() -> String {
+    config("max_off_policy_steps = 1000")
+}
+
+fn optimizer_step(checkpoint: &Path) -> u64 {
+    let j: Value =
+        serde_json::from_slice(&std::fs::read(checkpoint.join("optimizer.json")).unwrap()).unwrap();
+    j["step"].as_u64().unwrap()
+}
+
+fn checkpoint_dir(data: &Path, name: &str, version: u64) -> std::path::PathBuf {
+    data.join(format!("adapters/{name}/v-{version:08}"))
+}
+
+#[test]
+fn a_learning_adapter_is_not_replaced_by_a_publish_and_keeps_training() {
+    let (dir, path) = write_tiny(&spec());
+    let s = start_learning(&path, &dir.path().join("data"), &learning_config(), &["l"]);
+    for body in [
+        json!({"name": "l", "kind": "oft", "oft_block_size": 16}),
+        json!({"name": "l", "kind": "lora"}),
+    ] {
+        let r = call(&s, "POST", "/v1/adapters", Some(&body), ADMIN);
+        let e = assert_error(&r, 409, Some("name"));
+        assert_eq!(e["error"]["code"], "adapter_is_learning", "{e}");
+    }
+    // Nor can its shape change through the training route.
+    let r = call(
+        &s,
+        "POST",
+        "/v1/adapters/l/train",
+        Some(&json!({"method": "lora"})),
+        ADMIN,
+    );
+    assert_error(&r, 409, Some("method"));
+    // Settings that keep the shape do change.
+    let r = call(
+        &s,
+        "POST",
+        "/v1/adapters/l/train",
+        Some(&json!({"lr": 0.001})),
+        ADMIN,
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let lr = r.json()["status"]["config"]["lr"].as_f64().unwrap();
+    assert!((lr - 0.001).abs() < 1e-9, "{lr}");
+    sample_and_reward(&s, "l", 2);
+    let st = wait_status(&s, "l", 60, |st| st["steps"] == 1);
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(version_of(&s, "l"), 2);
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_changes_nothing_and_is_retried() {
+    let (dir, path) = write_tiny(&spec());
+    let data = dir.path().join("data");
+    let s = start_learning(&path, &data, &learning_config(), &["l"]);
+    // The checkpoints' folder cannot be created: a file stands where it goes.
+    let adapters = data.join("adapters");
+    let _ = std::fs::remove_dir_all(&adapters);
+    std::fs::write(&adapters, b"in the way").unwrap();
+    sample_and_reward(&s, "l", 2);
+    let st = wait_status(&s, "l", 60, |st| {
+        st["consecutive_failures"].as_u64() >= Some(2)
+    });
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(st["steps"], 0, "{st}");
+    assert_eq!(st["last_error"]["kind"], "checkpoint", "{st}");
+    assert_eq!(version_of(&s, "l"), 1);
+    assert!(s.metric("flywheel_train_errors_total{adapter=\"l\",kind=\"checkpoint\"}") >= 2.0);
+    // Space comes back: the step is taken once, from the optimizer as it was.
+    std::fs::remove_file(&adapters).unwrap();
+    let st = wait_status(&s, "l", 60, |st| st["steps"] == 1);
+    assert_eq!(st["consecutive_failures"], 0, "{st}");
+    assert_eq!(version_of(&s, "l"), 2);
+    let cp = checkpoint_dir(&data, "l", 2);
+    assert_eq!(optimizer_step(&cp), 1, "AdamW was applied more than once");
+    let leftovers: Vec<_> = std::fs::read_dir(adapters.join("l"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn a_deleted_and_recreated_learning_adapter_never_reuses_a_version() {
+    let (dir, path) = write_tiny(&spec());
+    let data = dir.path().join("data");
+    let cfg = learning_config();
+    let mut s = start_learning(&path, &data, &cfg, &["l"]);
+    sample_and_reward(&s, "l", 2);
+    wait_status(&s, "l", 60, |st| st["steps"] == 1);
+    assert_eq!(version_of(&s, "l"), 2);
+    // A group sampled at version 2, rewarded only after the adapter is deleted and re-created.
+    let old = sample(&s, "l", 2, 3, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = call(&s, "DELETE", "/v1/adapters/l", None, ADMIN);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    assert!(status(&s, "l").is_null());
+    // Not learning now: its rewards would never train.
+    let e = assert_error(&reward(&s, &old, 2, 409), 409, Some("[0].id"));
+    assert_eq!(e["error"]["code"], "adapter_not_learning");
+    let r = call(&s, "POST", "/v1/adapters/l/train", Some(&json!({})), ADMIN);
+    assert_eq!(r.status, 201, "{}", r.body_text());
+    assert_eq!(version_of(&s, "l"), 3);
+    // The old group is from another lineage: dropped with that reason, never trained.
+    reward(&s, &old, 2, 202);
+    let st = wait_status(&s, "l", 60, |st| st["dropped"]["lineage"] == 2);
+    assert_eq!(st["steps"], 0, "{st}");
+    let fb = call(&s, "GET", &format!("/v1/feedback/{old}"), None, USER).json();
+    assert_eq!(fb["choices"][0]["dropped"], "lineage", "{fb}");
+    sample_and_reward(&s, "l", 2);
+    wait_status(&s, "l", 60, |st| st["steps"] == 1);
+    assert_eq!(version_of(&s, "l"), 4);
+    // A restart resumes the new lineage where it was.
+    s.terminate();
+    let _ = s.child.wait();
+    let s = start_learning(&path, &data, &cfg, &["l"]);
+    assert_eq!(version_of(&s, "l"), 4);
+    assert_eq!(status(&s, "l")["steps"], 1);
+}
+
+#[test]
+fn a_copied_data_directory_leaves_the_original_intact() {
+    let (dir, path) = write_tiny(&spec());
+    let d0 = dir.path().join("d0");
+    let cfg = learning_config();
+    let s = start_learning(&path, &d0, &cfg, &["l"]);
+    sample_and_reward(&s, "l", 2);
+    wait_status(&s, "l", 60, |st| st["steps"] == 1);
+    s.terminate();
+    drop(s);
+    let copy = dir.path().join("copy");
+    let ok = Command::new("cp")
+        .args(["-a", d0.to_str().unwrap(), copy.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    // Training on the copy retires the copy's old checkpoints, never the original's.
+    let s = start_learning(&path, &copy, &cfg, &["l"]);
+    for k in 2..=4 {
+        sample_and_reward(&s, "l", 2);
+        wait_status(&s, "l", 60, |st| st["steps"] == k);
+    }
+    assert!(!checkpoint_dir(&copy, "l", 2).exists());
+    assert!(checkpoint_dir(&d0, "l", 2).exists());
+    drop(s);
+    let s = start_learning(&path, &d0, &cfg, &["l"]);
+    assert_eq!(version_of(&s, "l"), 2);
+    assert_eq!(status(&s, "l")["steps"], 1);
+}
+
+#[test]
+fn a_database_deleted_under_the_server_stops_acknowledging_rewards() {
+    let (dir, path) = write_tiny(&spec());
+    let data = dir.path().join("data");
+    let s = start_learning(&path, &data, &learning_config(), &["l"]);
+    let id = sample(&s, "l", 2, 3, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    std::fs::remove_file(data.join("flywheel.db")).unwrap();
+    let e = assert_error(&reward(&s, &id, 2, 503), 503, None);
+    assert_eq!(e["error"]["code"], "rollout_log_unavailable", "{e}");
+    // Readiness fails, the metric and the status say so.
+    assert_eq!(s.get("/health").status, 503);
+    let st = wait_status(&s, "l", 10, |st| st["state"] == "failed");
+    assert_eq!(st["last_error"]["kind"], "database", "{st}");
+    assert_eq!(s.metric("flywheel_rollout_log_ok"), 0.0);
+    assert_eq!(s.metric("flywheel_train_learner_ok{adapter=\"l\"}"), 0.0);
+    // Completions through the learning adapter are not served unlogged either.
+    let r = call(
+        &s,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat("hi", json!({"model": "l", "max_tokens": 2}))),
+        USER,
+    );
+    assert_eq!(r.status, 503, "{}", r.body_text());
+}
+
+/// `flywheel serve` with these arguments, expected to refuse to start: its stderr.
+fn refused_start(model: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_flywheel"))
+        .args(["serve", "--model", model.to_str().unwrap()])
+        .args(["--host", "127.0.0.1", "--port", "0"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the server started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn start_up_falls_back_to_the_newest_intact_checkpoint_and_names_bad_data_dirs() {
+    let (dir, path) = write_tiny(&spec());
+    let data = dir.path().join("data");
+    let cfg = learning_config();
+    let s = start_learning(&path, &data, &cfg, &["l"]);
+    for k in 1..=2 {
+        sample_and_reward(&s, "l", 2);
+        wait_status(&s, "l", 60, |st| st["steps"] == k);
+    }
+    assert_eq!(version_of(&s, "l"), 3);
+    drop(s);
+    // A truncated optimizer state in the newest checkpoint: back to version 2's weights and
+    // optimizer, under a new number (3 was served).
+    let f = checkpoint_dir(&data, "l", 3).join("optimizer.safetensors");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(10)
+        .unwrap();
+    let s = start_learning(&path, &data, &cfg, &["l"]);
+    assert_eq!(version_of(&s, "l"), 4);
+    assert_eq!(status(&s, "l")["steps"], 1);
+    assert!(s.stderr().contains("falling back"), "{}", s.stderr());
+    // It trains on from there.
+    sample_and_reward(&s, "l", 2);
+    wait_status(&s, "l", 60, |st| st["steps"] == 2);
+    assert_eq!(version_of(&s, "l"), 5);
+    drop(s);
+    // The newest checkpoint's folder gone: the same.
+    std::fs::remove_dir_all(checkpoint_dir(&data, "l", 5)).unwrap();
+    let s = start_learning(&path, &data, &cfg, &["l"]);
+    assert_eq!(version_of(&s, "l"), 6);
+    drop(s);
+    // A data directory that cannot be created, or is not a directory: refused, path named.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let bad = file.join("data");
+    let err = refused_start(
+        &path,
+        &["--data-dir", bad.to_str().unwrap(), "--learn", "l"],
+    );
+    assert!(err.contains(bad.to_str().unwrap()), "{err}");
+    // A read-only one (only where permissions bind this user: root bypasses them).
+    let ro = dir.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    if std::fs::write(ro.join("probe"), b"x").is_ok() {
+        eprintln!("skipped the read-only data directory check: this user writes through 0555");
+    } else {
+        let err = refused_start(&path, &["--data-dir", ro.to_str().unwrap(), "--learn", "l"]);
+        assert!(err.contains(ro.to_str().unwrap()), "{err}");
+    }
+}
+
+#[test]
+fn adapter_sizes_are_bounded_before_anything_is_allocated() {
+    let (dir, path) = write_tiny(&spec());
+    let s = start_learning(&path, &dir.path().join("data"), &learning_config(), &[]);
+    let t0 = Instant::now();
+    let r = call(
+        &s,
+        "POST",
+        "/v1/adapters/huge/train",
+        Some(&json!({"method": "lora", "lora_r": 100000})),
+        ADMIN,
+    );
+    assert_error(&r, 400, Some("lora_r"));
+    for (body, param) in [
+        (json!({"name": "x", "kind": "lora", "r": 100000}), "r"),
+        (
+            json!({"name": "x", "kind": "oft", "oft_block_size": 4096}),
+            "oft_block_size",
+        ),
+    ] {
+        let r = call(&s, "POST", "/v1/adapters", Some(&body), ADMIN);
+        assert_error(&r, 400, Some(param));
+    }
+    // A 3 GiB (sparse) weights file is refused by its size, before it is read.
+    let peft = dir.path().join("big");
+    std::fs::create_dir(&peft).unwrap();
+    std::fs::write(
+        peft.join("adapter_config.json"),
+        json!({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+            .to_string(),
+    )
+    .unwrap();
+    let f = std::fs::File::create(peft.join("adapter_model.safetensors")).unwrap();
+    f.set_len(3 << 30).unwrap();
+    let r = call(
+        &s,
+        "POST",
+        "/v1/load_lora_adapter",
+        Some(&json!({"lora_name": "big", "lora_path": peft.to_str().unwrap()})),
+        ADMIN,
+    );
+    let e = assert_error(&r, 400, Some("lora_path"));
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("limit"),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(s.get("/health").status, 200);
+}
+
+#[test]
+fn names_keys_ids_and_codes_at_the_edge() {
+    let (dir, path) = write_tiny(&spec());
+    let s = start_learning(&path, &dir.path().join("data"), &learning_config(), &["l"]);
+    for name in [".", "..", ".hidden"] {
+        let r = call(
+            &s,
+            "POST",
+            "/v1/adapters",
+            Some(&json!({"name": name, "kind": "oft"})),
+            ADMIN,
+        );
+        assert_error(&r, 400, Some("name"));
+    }
+    let r = call(&s, "POST", "/v1/adapters/../train", Some(&json!({})), ADMIN);
+    assert_ne!(r.status / 100, 2, "{}", r.body_text());
+    // The scheme is case-insensitive.
+    let r = s
+        .try_request(
+            "GET",
+            "/v1/train/status",
+            None,
+            &[("Authorization", &format!("bearer {USER}"))],
+        )
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    // A huge unknown id is not echoed whole.
+    let long = "x".repeat(100_000);
+    let r = call(
+        &s,
+        "POST",
+        "/v1/feedback",
+        Some(&json!({"id": long, "reward": 1})),
+        USER,
+    );
+    assert_eq!(r.status, 404);
+    assert!(r.body.len() < 1000, "{} bytes", r.body.len());
+    // Another key's completion: 403 saying so.
+    let theirs = sample(&s, "l", 1, 2, ADMIN)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = call(
+        &s,
+        "POST",
+        "/v1/feedback",
+        Some(&json!({"id": theirs, "reward": 1})),
+        USER,
+    );
+    assert_eq!(
+        assert_error(&r, 403, Some("id"))["error"]["code"],
+        "not_owner"
+    );
+}
+
+#[test]
+fn a_streamed_completion_takes_its_reward_as_soon_as_its_last_choice_finishes() {
+    let (dir, path) = write_tiny(&spec());
+    let s = start_learning(&path, &dir.path().join("data"), &learning_config(), &["l"]);
+    let body = json!({
+        "model": "l", "messages": [{"role": "user", "content": "go"}],
+        "n": 2, "max_tokens": 4, "temperature": 1.0, "ignore_eos": true, "stream": true,
+    });
+    let auth = format!("Bearer {USER}");
+    let mut sock = s
+        .connect(
+            "POST",
+            "/v1/chat/completions",
+            Some(&body.to_string()),
+            &[("Authorization", &auth)],
+        )
+        .unwrap();
+    // Read until both choices have their finish_reason, then reward before reading on.
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (mut id, mut finished) = (String::new(), 0);
+    while finished < 2 {
+        assert!(Instant::now() < deadline, "{seen}");
+        let n = std::io::Read::read(&mut sock, &mut buf).unwrap();
+        assert!(n > 0, "the stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        finished = 0;
+        for line in seen.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if let Ok(v) = serde_json::from_str::<Value>(line) {
+                id = v["id"].as_str().unwrap_or_default().to_string();
+                let f = v["choices"][0]["finish_reason"].is_string();
+                finished += f as usize;
+            }
+        }
+    }
+    reward(&s, &id, 2, 202);
+}
