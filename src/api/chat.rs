@@ -3,7 +3,8 @@
 use super::body::JsonBody;
 use super::error::ApiError;
 use super::openai::{check_scoring, parse_chat_logprobs, parse_common, parse_messages, Fields};
-use super::respond::{respond, Flavor, Job};
+use super::job::{Flavor, Job};
+use super::respond::respond;
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;

@@ -5,7 +5,8 @@ use super::error::ApiError;
 use super::openai::{
     check_scoring, parse_common, parse_completion_logprobs, parse_prompt, Fields, Prompt,
 };
-use super::respond::{respond, Flavor, Job};
+use super::job::{Flavor, Job};
+use super::respond::respond;
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;

@@ -8,6 +8,7 @@ pub mod completions;
 pub mod error;
 pub mod feedback;
 pub mod info;
+pub mod job;
 pub mod openai;
 pub mod respond;
 pub mod rollout;

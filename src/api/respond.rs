@@ -3,11 +3,10 @@
 //! completions differ only in how a choice and a chunk are shaped (`Flavor`).
 
 use super::error::ApiError;
-use super::openai::CommonParams;
+use super::job::{Flavor, Job};
 use super::rollout::{log_choices, Served};
 use super::scoring::{legacy_prompt, vllm_prompt_logprobs, LegacyPrompt};
 use super::AppState;
-use crate::adapter::registry::Pinned;
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
 use crate::engine::{
     EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
@@ -20,27 +19,6 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use std::sync::Arc;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Flavor {
-    Chat,
-    Completion,
-}
-
-pub struct Job {
-    pub flavor: Flavor,
-    pub params: CommonParams,
-    pub prompt_ids: Vec<u32>,
-    /// Completions with `echo`: the prompt text, put before each choice's text.
-    pub echo: Option<String>,
-    /// The field the prompt came from, for length errors.
-    pub prompt_param: &'static str,
-    /// The adapter version pinned for this request (None: the base model); held until the
-    /// response ends.
-    pub adapter: Option<Pinned>,
-    /// The caller's bearer key ("" without one): who may reward the completion.
-    pub key: String,
-}
 
 /// Check lengths against the context and build the engine request.
 fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, ApiError> {

@@ -4,7 +4,7 @@
 //! completion was drawn from the policy's own distribution.
 
 use super::error::ApiError;
-use super::respond::Job;
+use super::job::Job;
 use crate::online::log::CompletionRecord;
 use crate::online::trainer::TrainerHandle;
 use crate::policy::is_greedy;

@@ -1,0 +1,28 @@
+//! A validated generation request, as the chat and completions routes hand it to `respond`.
+
+use super::openai::CommonParams;
+use crate::adapter::registry::Pinned;
+
+/// Which OpenAI shape the response takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    Chat,
+    Completion,
+}
+
+/// One request: its parameters, prompt tokens, pinned adapter version and caller.
+pub struct Job {
+    pub flavor: Flavor,
+    pub params: CommonParams,
+    pub prompt_ids: Vec<u32>,
+    /// Completions with `echo`: the prompt text, put before each choice's text.
+    pub echo: Option<String>,
+    /// The field the prompt came from, for length errors.
+    pub prompt_param: &'static str,
+    /// The adapter version pinned for this request (None: the base model); held until the
+    /// response ends.
+    pub adapter: Option<Pinned>,
+    /// The caller's bearer key ("" without one): who may reward the completion.
+    pub key: String,
+}
+
