@@ -2,8 +2,8 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::openai::{check_scoring, parse_chat_logprobs, parse_common, parse_messages, Fields};
 use super::job::{Flavor, Job};
+use super::openai::{check_scoring, parse_chat_logprobs, parse_common, parse_messages, Fields};
 use super::respond::respond;
 use super::{blocking, AppState};
 use axum::extract::State;

@@ -2,10 +2,10 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
+use super::job::{Flavor, Job};
 use super::openai::{
     check_scoring, parse_common, parse_completion_logprobs, parse_prompt, Fields, Prompt,
 };
-use super::job::{Flavor, Job};
 use super::respond::respond;
 use super::{blocking, AppState};
 use axum::extract::State;

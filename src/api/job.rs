@@ -25,4 +25,3 @@ pub struct Job {
     /// The caller's bearer key ("" without one): who may reward the completion.
     pub key: String,
 }
-

@@ -45,6 +45,21 @@ pub struct BatchSeq<'a> {
     pub adapter: Option<&'a AdapterWeights>,
 }
 
+/// Where a block's attention finds K/V: written by this pass for `batch` (the forward), or
+/// already in the cache (a training recompute reads what the forward wrote).
+pub(super) enum KvAccess<'c, 'b> {
+    Write(&'c mut KvCache, &'b [BatchSeq<'b>]),
+    Read(&'c KvCache),
+}
+
+/// What every block of one pass shares: the sequences' attention spans, the RoPE table of
+/// their positions, and the adapter groups of their rows.
+pub(super) struct LayerIo<'a> {
+    pub attn: &'a [AttnSeq<'a>],
+    pub rope: &'a [f32],
+    pub groups: &'a [AdapterGroup<'a>],
+}
+
 /// The rows of the batch that run through one adapter version.
 pub struct AdapterGroup<'a> {
     pub weights: &'a AdapterWeights,
@@ -128,7 +143,7 @@ impl Llama {
         mut store: Option<&mut ActStore>,
     ) -> Result<(), ModelError> {
         let c = &self.config;
-        let (hidden, kvd) = (c.hidden, c.kv_dim());
+        let hidden = c.hidden;
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut logit_rows = Vec::new();
@@ -155,146 +170,35 @@ impl Llama {
         let rope = rope_table(&positions, c.rope_dim, c.rope_base);
         let m = logit_rows.len();
         bufs.size(t, m, c);
-        let ForwardBuffers {
-            x,
-            n,
-            q,
-            k,
-            v,
-            att,
-            proj,
-            gate,
-            up,
-            act,
-            xs,
-            normed,
-            logits,
-            adapter,
-        } = bufs;
-
-        self.embed(cpu, &tokens, x);
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-
+        self.embed(cpu, &tokens, &mut bufs.x);
         if let Some(st) = store.as_deref_mut() {
             st.checkpoints.clear();
             st.acts.clear();
         }
-        for (l, layer) in self.layers.iter().enumerate() {
+        for l in 0..self.layers.len() {
             let mut keep = None;
             if let Some(st) = store.as_deref_mut() {
-                st.checkpoints.extend_from_slice(x);
+                st.checkpoints.extend_from_slice(&bufs.x);
                 keep = (l >= st.keep_from).then(LayerActs::default);
             }
-            cpu.rmsnorm(x, &layer.attn_norm, c.eps, n);
-            self.project(
-                cpu,
-                l,
-                n,
-                &mut [
-                    Projection {
-                        target: Target::Q,
-                        weight: &layer.wq,
-                        y: q,
-                    },
-                    Projection {
-                        target: Target::K,
-                        weight: &layer.wk,
-                        y: k,
-                    },
-                    Projection {
-                        target: Target::V,
-                        weight: &layer.wv,
-                        y: v,
-                    },
-                ],
-                &groups,
-                adapter,
-            );
-            cpu.rope(q, &rope, c.num_heads, c.head_dim, c.rope_dim);
-            cpu.rope(k, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
-            if let Some(a) = keep.as_mut() {
-                (a.q, a.k, a.v) = (q.to_vec(), k.to_vec(), v.to_vec());
-            }
-            for (s, a) in batch.iter().zip(&attn) {
-                for i in 0..a.q_len {
-                    let r = a.q_start + i;
-                    cache.write(
-                        l,
-                        s.block_table,
-                        s.first_pos + i,
-                        &k[r * kvd..(r + 1) * kvd],
-                        &v[r * kvd..(r + 1) * kvd],
-                    );
-                }
-            }
-            cpu.attention(
-                q,
-                att,
-                &attn,
-                cache.layer(l),
-                c.num_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                scale,
-            );
-            self.project(
-                cpu,
-                l,
-                att,
-                &mut [Projection {
-                    target: Target::O,
-                    weight: &layer.wo,
-                    y: proj,
-                }],
-                &groups,
-                adapter,
-            );
-            add_in_place(x, proj);
-            if let Some(a) = keep.as_mut() {
-                (a.att, a.hx) = (att.to_vec(), x.to_vec());
-            }
-            cpu.rmsnorm(x, &layer.ffn_norm, c.eps, n);
-            self.project(
-                cpu,
-                l,
-                n,
-                &mut [
-                    Projection {
-                        target: Target::Gate,
-                        weight: &layer.w_gate,
-                        y: gate,
-                    },
-                    Projection {
-                        target: Target::Up,
-                        weight: &layer.w_up,
-                        y: up,
-                    },
-                ],
-                &groups,
-                adapter,
-            );
-            cpu.swiglu(gate, up, act);
-            if let Some(a) = keep.as_mut() {
-                (a.gate, a.up) = (gate.to_vec(), up.to_vec());
-            }
+            let io = LayerIo {
+                attn: &attn,
+                rope: &rope,
+                groups: &groups,
+            };
+            let kv = KvAccess::Write(&mut *cache, batch);
+            self.layer(cpu, l, bufs, kv, &io, keep.as_mut(), true);
             if let Some(st) = store.as_deref_mut() {
                 st.acts.push(keep);
             }
-            self.project(
-                cpu,
-                l,
-                act,
-                &mut [Projection {
-                    target: Target::Down,
-                    weight: &layer.w_down,
-                    y: proj,
-                }],
-                &groups,
-                adapter,
-            );
-            add_in_place(x, proj);
         }
-
+        let ForwardBuffers {
+            x,
+            xs,
+            normed,
+            logits,
+            ..
+        } = bufs;
         for (j, &r) in logit_rows.iter().enumerate() {
             xs[j * hidden..(j + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }
@@ -310,6 +214,140 @@ impl Llama {
             );
         }
         Ok(())
+    }
+
+    /// Block `l` on the rows of `bufs.x` (T, hidden), in place: h = x + Wo·Attn(RoPE(Wq·n),
+    /// RoPE(Wk·n), Wv·n) with n = RMSNorm(x), then x = h + Wdown·SwiGLU(Wgate·m, Wup·m) with
+    /// m = RMSNorm(h). With `keep`, the activations the backward needs are copied into it; with
+    /// `whole` false it stops after the MLP's gate and up (all a recompute needs). The forward and
+    /// the training recompute both run this one function, so their bits agree.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer(
+        &self,
+        cpu: &Cpu,
+        l: usize,
+        bufs: &mut ForwardBuffers,
+        kv: KvAccess,
+        io: &LayerIo,
+        mut keep: Option<&mut LayerActs>,
+        whole: bool,
+    ) {
+        let c = &self.config;
+        let layer = &self.layers[l];
+        let kvd = c.kv_dim();
+        let ForwardBuffers {
+            x,
+            n,
+            q,
+            k,
+            v,
+            att,
+            proj,
+            gate,
+            up,
+            act,
+            adapter,
+            ..
+        } = bufs;
+        let groups = io.groups;
+        cpu.rmsnorm(x, &layer.attn_norm, c.eps, n);
+        let mut qkv = [
+            (Target::Q, &layer.wq, &mut *q),
+            (Target::K, &layer.wk, &mut *k),
+            (Target::V, &layer.wv, &mut *v),
+        ]
+        .map(|(target, weight, y)| Projection { target, weight, y });
+        self.project(cpu, l, n, &mut qkv, groups, adapter);
+        cpu.rope(q, io.rope, c.num_heads, c.head_dim, c.rope_dim);
+        cpu.rope(k, io.rope, c.num_kv_heads, c.head_dim, c.rope_dim);
+        if let Some(a) = keep.as_deref_mut() {
+            (a.q, a.k, a.v) = (q.to_vec(), k.to_vec(), v.to_vec());
+        }
+        let cache: &KvCache = match kv {
+            KvAccess::Write(cache, batch) => {
+                for (s, a) in batch.iter().zip(io.attn) {
+                    for i in 0..a.q_len {
+                        let r = a.q_start + i;
+                        cache.write(
+                            l,
+                            s.block_table,
+                            s.first_pos + i,
+                            &k[r * kvd..(r + 1) * kvd],
+                            &v[r * kvd..(r + 1) * kvd],
+                        );
+                    }
+                }
+                cache
+            }
+            KvAccess::Read(cache) => cache,
+        };
+        cpu.attention(
+            q,
+            att,
+            io.attn,
+            cache.layer(l),
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            1.0 / (c.head_dim as f32).sqrt(),
+        );
+        let mut o = [Projection {
+            target: Target::O,
+            weight: &layer.wo,
+            y: &mut *proj,
+        }];
+        self.project(cpu, l, att, &mut o, groups, adapter);
+        add_in_place(x, proj);
+        if let Some(a) = keep.as_deref_mut() {
+            (a.att, a.hx) = (att.to_vec(), x.to_vec());
+        }
+        cpu.rmsnorm(x, &layer.ffn_norm, c.eps, n);
+        let mut mlp = [
+            Projection {
+                target: Target::Gate,
+                weight: &layer.w_gate,
+                y: &mut *gate,
+            },
+            Projection {
+                target: Target::Up,
+                weight: &layer.w_up,
+                y: &mut *up,
+            },
+        ];
+        self.project(cpu, l, n, &mut mlp, groups, adapter);
+        if let Some(a) = keep {
+            (a.gate, a.up) = (gate.to_vec(), up.to_vec());
+        }
+        if !whole {
+            return;
+        }
+        cpu.swiglu(gate, up, act);
+        let mut down = [Projection {
+            target: Target::Down,
+            weight: &layer.w_down,
+            y: &mut *proj,
+        }];
+        self.project(cpu, l, act, &mut down, groups, adapter);
+        add_in_place(x, proj);
+    }
+
+    /// Layer `l`'s activations recomputed from its input `x0` by the forward's own block
+    /// (`Llama::layer`, so the same bits as if they had been kept), reading K/V from the
+    /// training cache.
+    pub(super) fn recompute_layer(
+        &self,
+        cpu: &Cpu,
+        l: usize,
+        x0: &[f32],
+        cache: &KvCache,
+        io: &LayerIo,
+        bufs: &mut ForwardBuffers,
+    ) -> LayerActs {
+        bufs.size(x0.len() / self.config.hidden, 0, &self.config);
+        bufs.x.copy_from_slice(x0);
+        let mut a = LayerActs::default();
+        self.layer(cpu, l, bufs, KvAccess::Read(cache), io, Some(&mut a), false);
+        a
     }
 
     fn check_seq(&self, s: &BatchSeq, cache: &KvCache) -> Result<(), ModelError> {

@@ -16,8 +16,8 @@
 //! budget), one layer's gradients, and one chunk of logits (never T × vocab).
 
 use super::activations::{layer_act_bytes, ActStore};
-use super::buffers::{AdapterScratch, ForwardBuffers};
-use super::forward::{adapter_groups, add_in_place};
+use super::buffers::ForwardBuffers;
+use super::forward::{adapter_groups, add_in_place, LayerIo};
 use super::{BatchSeq, Llama, Logits, ModelError, Weight};
 use crate::adapter::{lora, oft, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
@@ -361,16 +361,19 @@ impl Llama {
             start += s.tokens.len();
         }
         let rope = rope_table(&positions, c.rope_dim, c.rope_base);
-        let mut scratch = AdapterScratch::default();
+        let mut bufs = ForwardBuffers::default();
+        let io = LayerIo {
+            attn: &attn,
+            rope: &rope,
+            groups: &groups,
+        };
         let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.ffn);
         let z = |n: usize| vec![0.0f32; n];
         for (l, layer) in self.layers.iter().enumerate().rev() {
             let x0 = &st.store.checkpoints[l * t * h..(l + 1) * t * h];
             let a = match st.store.acts[l].take() {
                 Some(a) => a,
-                None => {
-                    self.recompute_layer(cpu, l, x0, &st.cache, &attn, &rope, &groups, &mut scratch)
-                }
+                None => self.recompute_layer(cpu, l, x0, &st.cache, &io, &mut bufs),
             };
             let (mut n, mut m, mut act) = (z(t * h), z(t * h), z(t * f));
             cpu.rmsnorm(x0, &layer.attn_norm, c.eps, &mut n);
