@@ -5,23 +5,24 @@
 //! only once the checkpoint and its consumed groups are committed, so a step that fails at any
 //! point leaves optimizer and adapter exactly as before.
 
+use super::checkpoint::{checkpoint_rel, load_checkpoint, remove_dir, write_checkpoint};
 use super::config::{LearnConfig, OnlineConfig};
 use super::groups::{self, Rules};
 use super::lineage::{Checkpoint, Lineage};
 use super::log::{LogError, PendingGroup, RolloutLog};
 use crate::adapter::registry::{Publisher, Registry, RegistryError};
-use crate::adapter::{peft, AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method};
+use crate::adapter::{AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method};
 use crate::adapter::{OftConfig, Target};
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
 use crate::policy::is_greedy;
 use crate::train::loss::{LossConfig, Objective};
 use crate::train::offline::{grouped, step, Sample, StepStats};
-use crate::train::optim::{AdamW, AdamWConfig, OptimError};
+use crate::train::optim::{AdamW, AdamWConfig};
 use crate::util::now_secs;
 use flywheel_kernels::Cpu;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Everything a learner works with (shared with the engine: model, compute, registry).
@@ -136,11 +137,6 @@ pub struct Learner {
     pub status: Status,
 }
 
-/// A learning adapter's checkpoint folder, relative to the data directory.
-fn checkpoint_rel(name: &str, version: u64) -> String {
-    format!("adapters/{name}/v-{version:08}")
-}
-
 /// The adapter `cfg` learns: its method on every projection.
 pub fn adapter_config(cfg: &LearnConfig) -> AdapterConfig {
     let method = match cfg.method.as_str() {
@@ -176,86 +172,6 @@ fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
     AdamW::new(c, num_params)
 }
 
-/// Adapter and optimizer of a checkpoint folder, checked against each other.
-fn load_checkpoint(dir: &Path, env: &Env) -> Result<(AdapterWeights, AdamW), String> {
-    let w = peft::load_within(dir, &env.model.config, &env.registry.limits)
-        .map_err(|e| e.to_string())?;
-    let opt = AdamW::load(dir).map_err(|e: OptimError| e.to_string())?;
-    if opt.m.len() != w.layout.num_params {
-        return Err(format!(
-            "{}: the optimizer holds {} values for an adapter of {} parameters",
-            dir.display(),
-            opt.m.len(),
-            w.layout.num_params
-        ));
-    }
-    Ok((w, opt))
-}
-
-/// Remove `path` (a folder) if it exists.
-fn remove_dir(path: &Path) -> std::io::Result<()> {
-    match std::fs::remove_dir_all(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
-}
-
-/// Remove the temporary folders a crash or a failed checkpoint left under `data_dir/adapters`.
-pub fn sweep_temporaries(data_dir: &Path) {
-    let Ok(names) = std::fs::read_dir(data_dir.join("adapters")) else {
-        return;
-    };
-    for dir in names.flatten() {
-        let Ok(entries) = std::fs::read_dir(dir.path()) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            if e.file_name().to_string_lossy().starts_with(".tmp-") {
-                match remove_dir(&e.path()) {
-                    Ok(()) => {
-                        tracing::info!(path = %e.path().display(), "removed a leftover temporary checkpoint")
-                    }
-                    Err(err) => {
-                        tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a leftover temporary checkpoint")
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Write adapter + optimizer to `data_dir/rel` atomically: a temporary sibling folder, fsynced,
-/// renamed, the parent fsynced. The temporary folder is removed on failure.
-fn write_checkpoint(
-    data_dir: &Path,
-    rel: &str,
-    w: &AdapterWeights,
-    opt: &AdamW,
-) -> anyhow::Result<()> {
-    let dir = data_dir.join(rel);
-    let parent = dir.parent().expect("a checkpoint path has a parent");
-    std::fs::create_dir_all(parent)
-        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", parent.display()))?;
-    let base = dir.file_name().expect("named").to_string_lossy();
-    let tmp = parent.join(format!(".tmp-{base}"));
-    // Left by a crash or a failed try before its record was committed: never read, replaced.
-    remove_dir(&tmp)?;
-    remove_dir(&dir)?;
-    let write = || -> anyhow::Result<()> {
-        peft::save(w, &tmp)?;
-        opt.save(&tmp)?;
-        crate::util::sync_dir(&tmp)?;
-        std::fs::rename(&tmp, &dir)?;
-        crate::util::sync_dir(parent)?;
-        Ok(())
-    };
-    let r = write();
-    if r.is_err() {
-        let _ = remove_dir(&tmp);
-    }
-    r.map_err(|e| anyhow::anyhow!("checkpoint {}: {e}", dir.display()))
-}
-
 impl Learner {
     /// Resume `cfg.name`'s lineage from its newest intact checkpoint, or begin a lineage with the
     /// identity adapter; publish it either way. A broken newest checkpoint is skipped with a
@@ -275,7 +191,7 @@ impl Learner {
             num_checkpoints = cps.len();
             for cp in cps {
                 let dir = env.cfg.data_dir.join(&cp.path);
-                match load_checkpoint(&dir, env) {
+                match load_checkpoint(&dir, &env.model.config, &env.registry.limits) {
                     Ok(x) => {
                         resumed = Some((l, cp, x));
                         break;

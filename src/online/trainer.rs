@@ -14,8 +14,9 @@
 //! Sharing the two cores: the trainer calls the same `Cpu` as the engine; its kernels run as
 //! background work (the pool's gate lets them run between engine steps, within `train_share`).
 
+use super::checkpoint::sweep_temporaries;
 use super::config::{LearnConfig, OnlineConfig};
-use super::learner::{sweep_temporaries, Env, ErrorKind, Learner, State, Status, TrainError};
+use super::learner::{Env, ErrorKind, Learner, State, Status, TrainError};
 use super::log::{Refusal, RolloutLog};
 use crate::adapter::registry::Registry;
 use crate::metrics::Metrics;
