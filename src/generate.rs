@@ -1,14 +1,13 @@
-//! Generation without a server: one request through the engine (the same scheduler, forward,
-//! sampler and adapter wiring as `serve`), collected synchronously. Used by `flywheel generate`.
+//! Generation without a server: one request through an engine (the same scheduler, forward,
+//! sampler and adapter wiring as `serve`, built by `app::generate`), collected synchronously.
+//! Used by `flywheel generate`.
 //! `decode_batch` times the forward pass alone for `flywheel bench`.
 
 use crate::adapter::registry::AdapterVersion;
 use crate::engine::sampler::{SamplingParams, TopLogprob};
-use crate::engine::{Engine, EngineConfig, EngineEvent, FinishReason, GenerateRequest, StopReason};
-use crate::metrics::Metrics;
+use crate::engine::{EngineEvent, EngineHandle, FinishReason, GenerateRequest, StopReason};
 use crate::model::kv_cache::{BlockAllocator, KvCache};
 use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
-use crate::model::tokenizer::Tokenizer;
 use flywheel_kernels::Cpu;
 use std::sync::Arc;
 use std::time::Instant;
@@ -51,39 +50,18 @@ pub struct GenerateOutput {
     pub timings: Timings,
 }
 
-/// Generate from `prompt` through a private engine, calling `on_token` with each new token.
+/// Generate from `prompt` through `engine` (one request, collected synchronously), calling
+/// `on_token` with each new token. `eos`: the token that ends a sequence (reported, not kept).
+/// The caller builds the engine (`app::generate`).
 pub fn generate(
-    model: Arc<Llama>,
-    tokenizer: Arc<Tokenizer>,
-    cpu: Cpu,
+    engine: EngineHandle,
+    join: std::thread::JoinHandle<()>,
+    eos: Option<u32>,
     prompt: &[u32],
     opts: &GenerateOptions,
     mut on_token: impl FnMut(u32),
 ) -> anyhow::Result<GenerateOutput> {
-    anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
-    let ctx = model.config.context_length;
-    anyhow::ensure!(
-        prompt.len() < ctx,
-        "the prompt has {} tokens; the context holds {ctx}",
-        prompt.len()
-    );
-    let max_tokens = opts.max_tokens.min(ctx - prompt.len());
-    let cfg = EngineConfig {
-        max_num_seqs: 1,
-        max_num_batched_tokens: 512,
-        num_kv_blocks: (prompt.len() + max_tokens + 1).div_ceil(BLOCK_SIZE),
-        block_size: BLOCK_SIZE,
-        enable_prefix_caching: false,
-        max_pending_requests: 1,
-    };
-    let eos = tokenizer.eos_id;
-    let (engine, join) = Engine::start(
-        model,
-        tokenizer,
-        Arc::new(cpu),
-        cfg,
-        Arc::new(Metrics::new()),
-    )?;
+    let max_tokens = opts.max_tokens;
     let t0 = Instant::now();
     let mut stream = engine.submit(GenerateRequest {
         prompt: prompt.to_vec(),

@@ -4,6 +4,7 @@
 
 pub mod adapter;
 pub mod api;
+pub mod app;
 pub mod bench;
 pub mod config;
 pub mod engine;

@@ -2,16 +2,16 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use flywheel::app::{Base, ModelSpec};
 use flywheel::config::{CliOverrides, RawConfig};
 use flywheel::engine::sampler::SamplingParams;
 use flywheel::fetch::{ensure_model, fetch_default, DEFAULT_MODEL};
-use flywheel::generate::{generate, GenerateOptions};
-use flywheel::model::llama::Llama;
+use flywheel::generate::GenerateOptions;
 use flywheel::model::tokenizer::{ChatMessage, Detokenizer, Tokenizer};
-use flywheel_kernels::{Cpu, Isa, ThreadPool};
+use flywheel::train::job::{OfflineJob, Start};
+
 use std::io::{Read, Write};
 use std::path::PathBuf;
-use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -216,25 +216,14 @@ fn parse_named_path(s: &str) -> Result<(String, PathBuf), String> {
     Ok((n.to_string(), PathBuf::from(p)))
 }
 
-fn make_cpu(m: &ModelArgs) -> Cpu {
-    let threads = m.threads.unwrap_or_else(|| {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    });
-    let isa = if m.reference_kernels {
-        Isa::Reference
-    } else {
-        Isa::detect()
-    };
-    Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(100)))
-}
-
-fn load(m: &ModelArgs) -> anyhow::Result<(Llama, Tokenizer)> {
-    let path = ensure_model(&m.model)?;
-    let model = Llama::open(&path).with_context(|| format!("loading {}", path.display()))?;
-    let tok = Tokenizer::from_gguf(&model.gguf).context("building the tokenizer")?;
-    Ok((model, tok))
+impl ModelArgs {
+    fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            path: self.model.clone(),
+            threads: self.threads,
+            reference_kernels: self.reference_kernels,
+        }
+    }
 }
 
 fn main() {
@@ -278,7 +267,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 learn,
                 data_dir,
             };
-            flywheel::api::run(raw.validate(&cli)?)
+            flywheel::app::serve(raw.validate(&cli)?)
         }
         Cmd::FetchModel { dest } => fetch_default(&dest),
         Cmd::Train {
@@ -295,106 +284,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             temperature,
             activation_mb,
         } => {
-            use flywheel::train::optim::{self as optim, AdamW, AdamWConfig};
-            anyhow::ensure!(!out.exists(), "--out {} already exists", out.display());
-            anyhow::ensure!(temperature > 0.0, "--temperature must be > 0");
-            let (model, tok) = load(&m)?;
-            let text = std::fs::read_to_string(&data)
-                .with_context(|| format!("reading {}", data.display()))?;
-            let samples = flywheel::train::offline::parse_jsonl(&text, Some(&tok))?;
-            let max_len = samples
-                .iter()
-                .map(|s| s.completion.len())
-                .max()
-                .unwrap_or(1);
-            let group_size = samples.len().max(1);
-            let mut cfg = flywheel::train::loss::LossConfig::named(&loss, max_len, group_size)
-                .with_context(|| {
-                    format!("--loss {loss}: grpo, dapo, dr_grpo, gspo, masked_is or sft")
-                })?;
-            cfg.kl_coef = kl_coef;
-            let (mut w, mut opt) = match (&adapter, new.as_deref()) {
-                (Some(dir), _) => {
-                    let w = flywheel::adapter::peft::load(dir, &model.config)?;
-                    // A PEFT folder without optimizer files starts a new optimizer; one with
-                    // them resumes it, and refuses to go on when they are unreadable or made
-                    // for another adapter.
-                    let has_state = [optim::STATE_FILE, optim::CONFIG_FILE]
-                        .iter()
-                        .any(|f| dir.join(f).exists());
-                    let opt = if has_state {
-                        let opt = AdamW::load(dir)
-                            .with_context(|| format!("the optimizer state in {}", dir.display()))?;
-                        anyhow::ensure!(
-                            opt.m.len() == w.layout.num_params,
-                            "the optimizer state in {} is for {} parameters, the adapter has {}",
-                            dir.display(),
-                            opt.m.len(),
-                            w.layout.num_params
-                        );
-                        opt
-                    } else {
-                        AdamW::new(AdamWConfig::default(), w.layout.num_params)
-                    };
-                    (w, opt)
-                }
-                (None, Some(kind @ ("oft" | "lora"))) => {
-                    let method = if kind == "oft" {
-                        flywheel::adapter::Method::Oft(Default::default())
-                    } else {
-                        flywheel::adapter::Method::Lora(flywheel::adapter::LoraConfig {
-                            r: 16,
-                            alpha: 32.0,
-                            use_rslora: false,
-                        })
-                    };
-                    let c = flywheel::adapter::AdapterConfig {
-                        method,
-                        targets: flywheel::adapter::Target::ALL.to_vec(),
-                        base_model: m.model.display().to_string(),
-                    };
-                    let layout = std::sync::Arc::new(flywheel::adapter::AdapterLayout::new(
-                        c,
-                        &model.config,
-                    )?);
-                    let n = layout.num_params;
-                    (
-                        flywheel::adapter::AdapterWeights::identity(layout, 0),
-                        AdamW::new(AdamWConfig::default(), n),
-                    )
-                }
-                _ => anyhow::bail!("give --adapter DIR or --new oft|lora"),
+            let base = Base::load(&m.spec())?;
+            let start = match (adapter, new) {
+                (Some(dir), _) => Start::Folder(dir),
+                (None, Some(kind)) => Start::New(kind),
+                (None, None) => anyhow::bail!("give --adapter DIR or --new oft|lora"),
             };
-            opt.config.lr = lr;
-            let batches = flywheel::train::offline::grouped(&samples, &loss);
-            anyhow::ensure!(
-                !batches.is_empty(),
-                "no group with a reward signal in {}",
-                data.display()
-            );
-            let cpu = make_cpu(&m);
-            let mut next = 0;
-            for _ in 0..steps {
-                let take: Vec<&flywheel::train::offline::Batch> = (0..batch_groups.max(1))
-                    .map(|k| &batches[(next + k) % batches.len()])
-                    .collect();
-                next += take.len();
-                let (nw, stats) = flywheel::train::offline::step(
-                    &model,
-                    &cpu,
-                    &w,
-                    &mut opt,
-                    &cfg,
-                    &take,
-                    temperature,
-                    activation_mb << 20,
-                )?;
-                w = nw;
-                println!("{}", serde_json::to_string(&stats)?);
-            }
-            flywheel::adapter::peft::save(&w, &out)?;
-            opt.save(&out)?;
-            Ok(())
+            let job = OfflineJob {
+                start,
+                data,
+                loss,
+                lr,
+                steps,
+                groups_per_step: batch_groups,
+                kl_coef,
+                temperature,
+                activation_budget: activation_mb << 20,
+                base_model: m.model.display().to_string(),
+            };
+            flywheel::app::train(&base, &job, &out)
         }
         Cmd::Grad {
             m,
@@ -402,7 +310,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             sample,
             out,
         } => {
-            let (model, _tok) = load(&m)?;
+            let base = Base::load(&m.spec())?;
+            let model = &base.model;
             let w = flywheel::adapter::peft::load(&adapter, &model.config)
                 .with_context(|| format!("adapter {}", adapter.display()))?;
             let v: serde_json::Value = serde_json::from_str(
@@ -424,9 +333,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let (prompt, completion) = (ids("prompt_token_ids")?, ids("completion_token_ids")?);
             anyhow::ensure!(!prompt.is_empty(), "--sample: the prompt is empty");
             let tokens = [prompt.clone(), completion].concat();
-            let cpu = make_cpu(&m);
             let (j, logps, grads) =
-                flywheel::train::objective_grad(&model, &cpu, &w, &tokens, prompt.len())?;
+                flywheel::train::objective_grad(model, &base.cpu, &w, &tokens, prompt.len())?;
             if let Some(out) = out {
                 let bytes = flywheel::adapter::peft::values_to_safetensors(&w.layout, &grads)?;
                 std::fs::write(&out, bytes)
@@ -475,7 +383,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             anyhow::ensure!(temperature >= 0.0, "--temperature must be >= 0");
             anyhow::ensure!(top_p > 0.0 && top_p <= 1.0, "--top-p must be in (0, 1]");
             anyhow::ensure!(top_logprobs <= 1000, "--top-logprobs must be at most 1000");
-            let (model, tok) = load(&m)?;
+            let base = Base::load(&m.spec())?;
+            let tok = base.tokenizer.clone();
             let text = match (prompt, chat, messages) {
                 (Some(p), None, None) => p,
                 (None, Some(c), None) => tok.apply_chat_template(
@@ -493,20 +402,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 _ => anyhow::bail!("give one of --prompt, --chat or --messages"),
             };
             let prompt_ids = tok.encode(&text)?;
-            let cpu = make_cpu(&m);
-            let adapter = match adapter {
-                None => None,
-                Some(dir) => {
-                    let w = flywheel::adapter::peft::load(&dir, &model.config)
-                        .with_context(|| format!("adapter {}", dir.display()))?;
-                    let reg = flywheel::adapter::registry::Registry::new(
-                        &model.config,
-                        Vec::new(),
-                        std::sync::Arc::new(flywheel::metrics::Metrics::new()),
-                    );
-                    Some(reg.publish("adapter", w)?.0)
-                }
-            };
             let opts = GenerateOptions {
                 max_tokens,
                 sampling: SamplingParams {
@@ -517,18 +412,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     ..Default::default()
                 },
                 seed,
-                adapter,
+                adapter: None,
             };
             let mut detok = Detokenizer::default();
             let mut stdout = std::io::stdout();
-            let (model, tok) = (std::sync::Arc::new(model), std::sync::Arc::new(tok));
-            let isa = cpu.isa;
-            let out = generate(model, tok.clone(), cpu, &prompt_ids, &opts, |id| {
-                if !json {
-                    let _ = write!(stdout, "{}", detok.push(&tok, id));
-                    let _ = stdout.flush();
-                }
-            })?;
+            let isa = base.cpu.isa;
+            let out =
+                flywheel::app::generate(&base, &prompt_ids, &opts, adapter.as_deref(), |id| {
+                    if !json {
+                        let _ = write!(stdout, "{}", detok.push(&tok, id));
+                        let _ = stdout.flush();
+                    }
+                })?;
             if json {
                 let v = serde_json::json!({
                     "prompt_token_ids": prompt_ids,
@@ -563,8 +458,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             shared_prompt,
             activation_mb,
         } => {
-            let (model, tok) = load(&m)?;
-            let cpu = make_cpu(&m);
+            let base = Base::load(&m.spec())?;
+            let (model, tok, cpu) = (&*base.model, &*base.tokenizer, &*base.cpu);
             if train {
                 let a = flywheel::bench::adapter_for(&model, adapter.as_deref().unwrap_or("oft"))?;
                 let b = batch.first().copied().unwrap_or(8);

@@ -275,4 +275,62 @@ fn train_writes_a_peft_adapter_and_optimizer_state_and_resumes() {
         None,
     );
     assert!(!ok && err.contains("already exists"), "{err}");
+    // An optimizer state that is unreadable, or made for another adapter, is refused (not
+    // silently replaced by a new one, nor a panic).
+    let resume_from = |dir: &std::path::Path, out: &str| {
+        flywheel(
+            &[
+                "train",
+                "--model",
+                p,
+                "--adapter",
+                dir.to_str().unwrap(),
+                "--data",
+                d,
+                "--out",
+                dir.with_file_name(out).to_str().unwrap(),
+            ],
+            None,
+        )
+    };
+    let broken = dir.path().join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.json",
+    ] {
+        std::fs::copy(out1.join(f), broken.join(f)).unwrap();
+    }
+    std::fs::write(broken.join("optimizer.safetensors"), b"truncated").unwrap();
+    let (ok, _, err) = resume_from(&broken, "o3");
+    assert!(!ok && err.contains("optimizer state"), "{err}");
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(out1.join(f), other.join(f)).unwrap();
+    }
+    let (ok, _, err) = flywheel(
+        &[
+            "train",
+            "--model",
+            p,
+            "--new",
+            "lora",
+            "--data",
+            d,
+            "--out",
+            dir.path().join("lora").to_str().unwrap(),
+            "--steps",
+            "1",
+        ],
+        None,
+    );
+    assert!(ok, "{err}");
+    for f in ["optimizer.json", "optimizer.safetensors"] {
+        std::fs::copy(dir.path().join("lora").join(f), other.join(f)).unwrap();
+    }
+    let (ok, _, err) = resume_from(&other, "o4");
+    assert!(!ok && err.contains("parameters"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }

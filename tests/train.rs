@@ -10,8 +10,9 @@ use flywheel::adapter::registry::Registry;
 use flywheel::adapter::{
     AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
+use flywheel::app::Base;
 use flywheel::engine::sampler::SamplingParams;
-use flywheel::generate::{generate, GenerateOptions};
+use flywheel::generate::GenerateOptions;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::metrics::Metrics;
 use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET};
@@ -61,6 +62,11 @@ fn served_log_probs_equal_the_training_forward_bitwise() {
     let (_dir, path) = write_tiny(&TinySpec::small());
     let model = Arc::new(Llama::open(&path).unwrap());
     let tok = Arc::new(Tokenizer::from_gguf(&model.gguf).unwrap());
+    let base = Base {
+        model: model.clone(),
+        tokenizer: tok,
+        cpu: Arc::new(Cpu::detect()),
+    };
     let reg = Registry::new(&model.config, Vec::new(), Arc::new(Metrics::new()));
     for (kind, method) in [("oft", oft16()), ("lora", lora4())] {
         let w = adapter(&model, method, &Target::ALL, 9, 0.1);
@@ -79,15 +85,7 @@ fn served_log_probs_equal_the_training_forward_bitwise() {
                 seed: 40 + i as u64,
                 adapter: Some(v.clone()),
             };
-            let out = generate(
-                model.clone(),
-                tok.clone(),
-                Cpu::detect(),
-                &prompt,
-                &opts,
-                |_| {},
-            )
-            .unwrap();
+            let out = flywheel::app::generate(&base, &prompt, &opts, None, |_| {}).unwrap();
             seqs.push((prompt, out.token_ids, out.logprobs, temperature));
         }
         // Each temperature is its own training batch of all three sequences (packed together).

@@ -18,8 +18,7 @@ pub mod serve;
 pub use serve::run;
 
 use crate::adapter::registry::{Pinned, Registry};
-use crate::config::Config;
-use crate::engine::{Engine, EngineConfig, EngineHandle};
+use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
 use crate::model::tokenizer::Tokenizer;
@@ -32,7 +31,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use error::ApiError;
-use flywheel_kernels::{Cpu, Isa, ThreadPool};
+use flywheel_kernels::Cpu;
 use futures_util::FutureExt;
 use std::ops::Deref;
 use std::panic::AssertUnwindSafe;
@@ -323,90 +322,4 @@ pub async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|_| ApiError::internal("a worker task failed"))?
-}
-
-fn model_name(cfg: &Config) -> String {
-    cfg.served_model_name.clone().unwrap_or_else(|| {
-        cfg.model_path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into())
-    })
-}
-
-/// Load the model and start the engine (blocking).
-pub(crate) fn load(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
-    let path = crate::fetch::ensure_model(&cfg.model_path)?;
-    let model = Llama::open(&path)?;
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf)?);
-    let c = &model.config;
-    let max_model_len = cfg.max_model_len(c.context_length);
-    let num_kv_blocks = cfg.num_kv_blocks(c.num_layers, c.kv_dim(), max_model_len)?;
-    let vocab_size = c.vocab_size;
-    let cpu = Cpu::new(
-        Isa::detect(),
-        ThreadPool::new(cfg.threads, Duration::from_micros(100)),
-    );
-    let ecfg = EngineConfig {
-        max_num_seqs: cfg.max_num_seqs,
-        max_num_batched_tokens: cfg.max_num_batched_tokens,
-        num_kv_blocks,
-        block_size: cfg.block_size,
-        enable_prefix_caching: cfg.enable_prefix_caching,
-        max_pending_requests: cfg.max_pending_requests,
-    };
-    tracing::info!(
-        model = %path.display(),
-        layers = c.num_layers,
-        max_model_len,
-        num_kv_blocks,
-        isa = ?cpu.isa,
-        threads = cfg.threads,
-        "model loaded"
-    );
-    let name = model_name(cfg);
-    let registry = Arc::new(
-        Registry::new(c, vec![name.clone()], metrics.clone()).with_limits(cfg.adapter_limits),
-    );
-    for (adapter, dir) in &cfg.adapters {
-        let w = crate::adapter::peft::load_within(dir, c, &registry.limits)
-            .map_err(|e| anyhow::anyhow!("adapter {adapter} ({}): {e}", dir.display()))?;
-        registry
-            .publish(adapter, w)
-            .map_err(|e| anyhow::anyhow!("adapter {adapter}: {e}"))?;
-        tracing::info!(adapter, path = %dir.display(), "adapter loaded");
-    }
-    let model = Arc::new(model);
-    let cpu = Arc::new(cpu);
-    let online = OnceLock::new();
-    if !cfg.learn.is_empty() {
-        let compute = Compute {
-            model: model.clone(),
-            cpu: cpu.clone(),
-            registry: registry.clone(),
-        };
-        let o = TrainerHandle::start(cfg.online.clone(), &cfg.learn, compute, metrics.clone())?;
-        let _ = online.set(o);
-    }
-    let (engine, _join) = Engine::start(
-        model.clone(),
-        tokenizer.clone(),
-        cpu.clone(),
-        ecfg,
-        metrics.clone(),
-    )?;
-    Ok(Ready {
-        engine,
-        tokenizer,
-        model_name: name,
-        max_model_len,
-        vocab_size,
-        created: crate::util::unix_now(),
-        registry,
-        model,
-        cpu,
-        online,
-        online_cfg: cfg.online.clone(),
-        metrics,
-    })
 }

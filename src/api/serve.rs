@@ -3,7 +3,7 @@
 //! whose request head does not arrive within `header_read_timeout_secs` (slow-loris clients),
 //! and on SIGTERM/SIGINT stop accepting and drain for up to the shutdown timeout.
 
-use super::{load, router, AppState, Limits};
+use super::{router, AppState, Limits, Ready};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -16,7 +16,11 @@ use tokio::sync::Semaphore;
 
 /// `flywheel serve`: bind, say where (`listening on ADDR` on stdout), load the model while
 /// answering 503, serve until SIGTERM/SIGINT, then drain for up to the shutdown timeout.
-pub fn run(cfg: Config) -> anyhow::Result<()> {
+/// `build` makes what the server runs on (the composition root's `app::serving`).
+pub fn run(
+    cfg: Config,
+    build: fn(&Config, Arc<Metrics>) -> anyhow::Result<Ready>,
+) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.http_threads)
         .enable_all()
@@ -49,7 +53,7 @@ pub fn run(cfg: Config) -> anyhow::Result<()> {
         let loader = {
             let (state, cfg) = (state.clone(), cfg.clone());
             tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
-                state.set_ready(load(&cfg, metrics)?);
+                state.set_ready(build(&cfg, metrics)?);
                 tracing::info!("ready");
                 Ok(())
             })

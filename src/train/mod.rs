@@ -1,6 +1,7 @@
-//! Training: policy-gradient losses as pure functions (`loss`), the optimizer (`optim`). The
-//! backward through the frozen quantized base, the trainer loop and the rollout log follow.
+//! Training: policy-gradient losses as pure functions (`loss`), the optimizer (`optim`), packing
+//! (`pack`), one step (`offline::step`, also the online trainer's) and an offline job (`job`).
 
+pub mod job;
 pub mod loss;
 pub mod offline;
 pub mod optim;

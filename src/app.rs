@@ -1,0 +1,212 @@
+//! The composition root: what `serve`, `generate`, `train` and `grad` run on is built here and
+//! only here — the model and tokenizer, the compute pool, the adapter registry, the engine and
+//! the trainer. `main.rs` parses the command line and calls one function of this file.
+
+use crate::adapter::registry::Registry;
+use crate::api::Ready;
+use crate::config::Config;
+use crate::engine::{Engine, EngineConfig};
+use crate::generate::{GenerateOptions, GenerateOutput, BLOCK_SIZE};
+use crate::metrics::Metrics;
+use crate::model::llama::Llama;
+use crate::model::tokenizer::Tokenizer;
+use crate::online::trainer::{Compute, TrainerHandle};
+use crate::train::job::OfflineJob;
+use anyhow::Context;
+use flywheel_kernels::{Cpu, Isa, ThreadPool};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// The model a command runs on.
+#[derive(Clone, Debug)]
+pub struct ModelSpec {
+    /// A GGUF file (the default model is fetched on first use).
+    pub path: PathBuf,
+    /// Compute threads (None: one per core).
+    pub threads: Option<usize>,
+    /// The scalar reference kernels (slow; for checking).
+    pub reference_kernels: bool,
+}
+
+/// A loaded model, its tokenizer and the compute pool.
+pub struct Base {
+    pub model: Arc<Llama>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub cpu: Arc<Cpu>,
+}
+
+/// The compute pool: `threads` (None: one per core) on the best kernels the CPU has, or the
+/// scalar reference.
+pub fn compute(threads: Option<usize>, reference: bool) -> Cpu {
+    let threads = threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let isa = if reference {
+        Isa::Reference
+    } else {
+        Isa::detect()
+    };
+    Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(100)))
+}
+
+impl Base {
+    pub fn load(spec: &ModelSpec) -> anyhow::Result<Base> {
+        let path = crate::fetch::ensure_model(&spec.path)?;
+        let model = Llama::open(&path).with_context(|| format!("loading {}", path.display()))?;
+        let tokenizer = Tokenizer::from_gguf(&model.gguf).context("building the tokenizer")?;
+        Ok(Base {
+            model: Arc::new(model),
+            tokenizer: Arc::new(tokenizer),
+            cpu: Arc::new(compute(spec.threads, spec.reference_kernels)),
+        })
+    }
+}
+
+/// `flywheel serve`.
+pub fn serve(cfg: Config) -> anyhow::Result<()> {
+    crate::api::serve::run(cfg, serving)
+}
+
+/// `flywheel generate`: one request through an engine of its own, sized for it, through the
+/// PEFT adapter folder `adapter` when given.
+pub fn generate(
+    base: &Base,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    adapter: Option<&Path>,
+    on_token: impl FnMut(u32),
+) -> anyhow::Result<GenerateOutput> {
+    anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
+    let ctx = base.model.config.context_length;
+    anyhow::ensure!(
+        prompt.len() < ctx,
+        "the prompt has {} tokens; the context holds {ctx}",
+        prompt.len()
+    );
+    let mut opts = opts.clone();
+    opts.max_tokens = opts.max_tokens.min(ctx - prompt.len());
+    if let Some(dir) = adapter {
+        let w = crate::adapter::peft::load(dir, &base.model.config)
+            .with_context(|| format!("adapter {}", dir.display()))?;
+        let reg = Registry::new(&base.model.config, Vec::new(), Arc::new(Metrics::new()));
+        opts.adapter = Some(reg.publish("adapter", w)?.0);
+    }
+    let cfg = EngineConfig {
+        max_num_seqs: 1,
+        max_num_batched_tokens: 512,
+        num_kv_blocks: (prompt.len() + opts.max_tokens + 1).div_ceil(BLOCK_SIZE),
+        block_size: BLOCK_SIZE,
+        enable_prefix_caching: false,
+        max_pending_requests: 1,
+    };
+    let (engine, join) = Engine::start(
+        base.model.clone(),
+        base.tokenizer.clone(),
+        base.cpu.clone(),
+        cfg,
+        Arc::new(Metrics::new()),
+    )?;
+    let eos = base.tokenizer.eos_id;
+    crate::generate::generate(engine, join, eos, prompt, &opts, on_token)
+}
+
+/// `flywheel train`: run `job`, print each step's statistics as a JSON line, write the adapter
+/// (PEFT) and optimizer state to `out` (which must not exist).
+pub fn train(base: &Base, job: &OfflineJob, out: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(!out.exists(), "--out {} already exists", out.display());
+    let (w, opt) = crate::train::job::run(&base.model, &base.cpu, &base.tokenizer, job, |s| {
+        println!("{}", serde_json::to_string(s)?);
+        Ok(())
+    })?;
+    crate::adapter::peft::save(&w, out)?;
+    opt.save(out)?;
+    Ok(())
+}
+
+fn model_name(cfg: &Config) -> String {
+    cfg.served_model_name.clone().unwrap_or_else(|| {
+        cfg.model_path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    })
+}
+
+/// What `serve` runs on: the model, its registry (with the configured adapters), the trainer
+/// when adapters learn, and the engine (blocking; `api::serve::run` calls it off the async
+/// threads while answering 503).
+pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
+    let path = crate::fetch::ensure_model(&cfg.model_path)?;
+    let model = Llama::open(&path)?;
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf)?);
+    let c = &model.config;
+    let max_model_len = cfg.max_model_len(c.context_length);
+    let num_kv_blocks = cfg.num_kv_blocks(c.num_layers, c.kv_dim(), max_model_len)?;
+    let vocab_size = c.vocab_size;
+    let cpu = compute(Some(cfg.threads), false);
+    let ecfg = EngineConfig {
+        max_num_seqs: cfg.max_num_seqs,
+        max_num_batched_tokens: cfg.max_num_batched_tokens,
+        num_kv_blocks,
+        block_size: cfg.block_size,
+        enable_prefix_caching: cfg.enable_prefix_caching,
+        max_pending_requests: cfg.max_pending_requests,
+    };
+    tracing::info!(
+        model = %path.display(),
+        layers = c.num_layers,
+        max_model_len,
+        num_kv_blocks,
+        isa = ?cpu.isa,
+        threads = cfg.threads,
+        "model loaded"
+    );
+    let name = model_name(cfg);
+    let registry = Arc::new(
+        Registry::new(c, vec![name.clone()], metrics.clone()).with_limits(cfg.adapter_limits),
+    );
+    for (adapter, dir) in &cfg.adapters {
+        let w = crate::adapter::peft::load_within(dir, c, &registry.limits)
+            .map_err(|e| anyhow::anyhow!("adapter {adapter} ({}): {e}", dir.display()))?;
+        registry
+            .publish(adapter, w)
+            .map_err(|e| anyhow::anyhow!("adapter {adapter}: {e}"))?;
+        tracing::info!(adapter, path = %dir.display(), "adapter loaded");
+    }
+    let model = Arc::new(model);
+    let cpu = Arc::new(cpu);
+    let online = OnceLock::new();
+    if !cfg.learn.is_empty() {
+        let compute = Compute {
+            model: model.clone(),
+            cpu: cpu.clone(),
+            registry: registry.clone(),
+        };
+        let o = TrainerHandle::start(cfg.online.clone(), &cfg.learn, compute, metrics.clone())?;
+        let _ = online.set(o);
+    }
+    let (engine, _join) = Engine::start(
+        model.clone(),
+        tokenizer.clone(),
+        cpu.clone(),
+        ecfg,
+        metrics.clone(),
+    )?;
+    Ok(Ready {
+        engine,
+        tokenizer,
+        model_name: name,
+        max_model_len,
+        vocab_size,
+        created: crate::util::unix_now(),
+        registry,
+        model,
+        cpu,
+        online,
+        online_cfg: cfg.online.clone(),
+        metrics,
+    })
+}
