@@ -461,7 +461,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let base = Base::load(&m.spec())?;
             let (model, tok, cpu) = (&*base.model, &*base.tokenizer, &*base.cpu);
             if train {
-                let a = flywheel::bench::adapter_for(&model, adapter.as_deref().unwrap_or("oft"))?;
+                let a = flywheel::bench::adapter_for(model, adapter.as_deref().unwrap_or("oft"))?;
                 let b = batch.first().copied().unwrap_or(8);
                 let shape = flywheel::bench::TrainShape {
                     batch: b,
@@ -470,15 +470,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     shared_prompt,
                     activation_budget: activation_mb << 20,
                 };
-                return flywheel::bench::run_train(&model, &cpu, a, &shape, runs.max(1));
+                return flywheel::bench::run_train(model, cpu, a, &shape, runs.max(1));
             }
             let adapter = adapter
-                .map(|a| flywheel::bench::adapter_for(&model, &a))
+                .map(|a| flywheel::bench::adapter_for(model, &a))
                 .transpose()?;
             flywheel::bench::run(
-                &model,
-                &tok,
-                &cpu,
+                model,
+                tok,
+                cpu,
                 &flywheel::bench::BenchOptions {
                     model_path: m.model.display().to_string(),
                     prompt_tokens,
