@@ -14,6 +14,7 @@ pub mod respond;
 pub mod rollout;
 pub mod scoring;
 pub mod serve;
+pub mod wire;
 
 pub use serve::run;
 

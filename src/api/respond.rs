@@ -5,8 +5,12 @@
 use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::rollout::{log_choices, Served};
-use super::scoring::{legacy_prompt, vllm_prompt_logprobs, LegacyPrompt};
-use super::AppState;
+use super::scoring::{legacy_prompt, vllm_prompt_logprobs};
+use super::wire::{
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Completion, Delta,
+    PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, Usage,
+};
+use super::{wire, AppState};
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
 use crate::engine::{
     EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
@@ -17,7 +21,7 @@ use crate::util::{random_id, unix_now};
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
 /// Check lengths against the context and build the engine request.
@@ -108,10 +112,10 @@ pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
 struct Choice {
     text: String,
     token_ids: Vec<u32>,
-    logprobs: Vec<Value>,
+    logprobs: Vec<TokenLogprob>,
     /// Completions logprobs, column-wise.
     tokens: Vec<String>,
-    top: Vec<Value>,
+    top: Vec<Map<String, Value>>,
     text_offset: Vec<usize>,
     /// The sampler's log-prob of each token, always kept (the behaviour policy's, for the
     /// rollout log; also the completions `token_logprobs` column).
@@ -152,20 +156,30 @@ impl Responder {
         }
     }
 
-    fn chat_logprob(&self, id: u32, logprob: f32, top: &[TopLogprob]) -> Value {
-        let entry = |id: u32, lp: f32| json!({"token": self.token_text(id), "logprob": lp, "bytes": self.tok.token_bytes(id)});
-        let mut e = entry(id, logprob);
-        e["top_logprobs"] = top.iter().map(|t| entry(t.token_id, t.logprob)).collect();
-        e
+    fn chat_logprob(&self, id: u32, logprob: f32, top: &[TopLogprob]) -> TokenLogprob {
+        let bytes = |id: u32| self.tok.token_bytes(id).to_vec();
+        TokenLogprob {
+            token: self.token_text(id),
+            logprob: logprob as f64,
+            bytes: bytes(id),
+            top_logprobs: top
+                .iter()
+                .map(|t| wire::TopLogprob {
+                    token: self.token_text(t.token_id),
+                    logprob: t.logprob as f64,
+                    bytes: bytes(t.token_id),
+                })
+                .collect(),
+        }
     }
 
-    fn completion_top(&self, top: &[TopLogprob]) -> Value {
-        let mut m = serde_json::Map::new();
+    fn completion_top(&self, top: &[TopLogprob]) -> Map<String, Value> {
+        let mut m = Map::new();
         for t in top {
             m.entry(self.token_text(t.token_id))
                 .or_insert(json!(t.logprob));
         }
-        Value::Object(m)
+        m
     }
 
     /// Fold one event into the choice state; return the new text of the token and its
@@ -223,7 +237,7 @@ impl Responder {
     }
 
     /// The echoed prompt's legacy logprobs (completions with `echo` and `logprobs`).
-    fn echo_logprobs(&self) -> Option<LegacyPrompt> {
+    fn echo_logprobs(&self) -> Option<TextLogprobs> {
         let scores = self.prompt_scores.as_ref()?;
         (self.job.echo.is_some() && self.job.params.logprobs)
             .then(|| legacy_prompt(&self.job.prompt_ids, scores, |id| self.token_text(id)))
@@ -240,16 +254,18 @@ impl Responder {
         ))
     }
 
-    fn usage(&self) -> Value {
+    fn usage(&self) -> Usage {
         let completion: usize = self.choices.iter().map(|c| c.token_ids.len()).sum();
         let prompt = self.job.prompt_ids.len();
         let cached = self.choices.first().map_or(0, |c| c.num_cached_tokens);
-        json!({
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        })
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
+        }
     }
 
     fn object(&self, chunk: bool) -> &'static str {
@@ -262,96 +278,87 @@ impl Responder {
 
     /// The fields every response and chunk carries: which policy answered (`adapter`,
     /// `adapter_version`, 0 for the base; `system_fingerprint` is "NAME@VERSION").
-    fn envelope(&self, chunk: bool, choices: Vec<Value>) -> Value {
+    fn envelope(&self, chunk: bool, choices: Vec<wire::Choice>) -> Completion {
         let a = self.job.adapter.as_ref();
-        json!({
-            "id": self.id,
-            "object": self.object(chunk),
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint,
-            "adapter": a.map(|a| a.name.to_string()),
-            "adapter_version": a.map_or(0, |a| a.version),
-            "choices": choices,
-        })
+        Completion {
+            id: self.id.clone(),
+            object: self.object(chunk),
+            created: self.created,
+            model: self.model.clone(),
+            system_fingerprint: self.fingerprint.clone(),
+            adapter: a.map(|a| a.name.to_string()),
+            adapter_version: a.map_or(0, |a| a.version),
+            choices,
+            usage: None,
+            prompt_logprobs: None,
+            prompt_token_ids: None,
+        }
     }
 
-    fn final_body(&self) -> Value {
+    fn final_body(&self) -> Completion {
         let p = &self.job.params;
         let prompt_logprobs = self.prompt_logprobs_value();
+        let token_ids = |c: &Choice| p.return_token_ids.then(|| c.token_ids.clone());
         let choices = self
             .choices
             .iter()
             .enumerate()
             .map(|(i, c)| {
                 let (reason, stop) = c.finish.clone().unwrap_or((FinishReason::Length, None));
-                let mut v = match self.job.flavor {
-                    Flavor::Chat => json!({
-                        "index": i,
-                        "message": {"role": "assistant", "content": c.text, "refusal": null},
-                        "logprobs": if p.logprobs {
-                            json!({"content": c.logprobs, "refusal": null})
-                        } else {
-                            Value::Null
+                match self.job.flavor {
+                    Flavor::Chat => wire::Choice::Chat(ChatChoice {
+                        index: i,
+                        message: AssistantMessage {
+                            role: "assistant",
+                            content: c.text.clone(),
+                            refusal: None,
                         },
-                        "finish_reason": reason.as_str(),
+                        logprobs: p.logprobs.then(|| ChatLogprobs {
+                            content: c.logprobs.clone(),
+                            refusal: None,
+                        }),
+                        finish_reason: reason.as_str(),
+                        stop_reason: stop_reason_json(&stop),
+                        token_ids: token_ids(c),
                     }),
-                    Flavor::Completion => json!({
-                        "index": i,
-                        "text": format!("{}{}", self.job.echo.as_deref().unwrap_or(""), c.text),
-                        "logprobs": self.completion_logprobs(c),
-                        "finish_reason": reason.as_str(),
+                    Flavor::Completion => wire::Choice::Text(TextChoice {
+                        index: i,
+                        text: format!("{}{}", self.job.echo.as_deref().unwrap_or(""), c.text),
+                        logprobs: self.completion_logprobs(c),
+                        finish_reason: Some(reason.as_str()),
+                        stop_reason: Some(stop_reason_json(&stop)),
+                        token_ids: token_ids(c),
+                        prompt_logprobs: prompt_logprobs.clone(),
                     }),
-                };
-                v["stop_reason"] = stop_reason_json(&stop);
-                if p.return_token_ids {
-                    v["token_ids"] = json!(c.token_ids);
                 }
-                if self.job.flavor == Flavor::Completion {
-                    if let Some(pl) = &prompt_logprobs {
-                        v["prompt_logprobs"] = pl.clone();
-                    }
-                }
-                v
             })
             .collect();
         let mut body = self.envelope(false, choices);
-        if let (Flavor::Chat, Some(pl)) = (self.job.flavor, prompt_logprobs) {
-            body["prompt_logprobs"] = pl;
+        if self.job.flavor == Flavor::Chat {
+            body.prompt_logprobs = prompt_logprobs;
         }
-        body["usage"] = self.usage();
+        body.usage = Some(self.usage());
         if p.return_token_ids {
-            body["prompt_token_ids"] = json!(self.job.prompt_ids);
+            body.prompt_token_ids = Some(self.job.prompt_ids.clone());
         }
         body
     }
 
-    fn completion_logprobs(&self, c: &Choice) -> Value {
+    fn completion_logprobs(&self, c: &Choice) -> Option<TextLogprobs> {
         if !self.job.params.logprobs {
-            return Value::Null;
+            return None;
         }
-        let Some(e) = self.echo_logprobs() else {
-            return json!({
-                "tokens": c.tokens,
-                "token_logprobs": c.behavior,
-                "top_logprobs": c.top,
-                "text_offset": c.text_offset,
-            });
-        };
-        let cat = |a: Vec<Value>, b: Vec<Value>| a.into_iter().chain(b).collect::<Vec<Value>>();
-        let vals = |x: &[f32]| x.iter().map(|v| json!(v)).collect::<Vec<Value>>();
-        let tokens = [e.tokens, c.tokens.clone()].concat();
-        let offsets = [e.text_offset, c.text_offset.clone()].concat();
-        json!({
-            "tokens": tokens,
-            "token_logprobs": cat(e.token_logprobs, vals(&c.behavior)),
-            "top_logprobs": cat(e.top_logprobs, c.top.clone()),
-            "text_offset": offsets,
-        })
+        let mut lp = self.echo_logprobs().unwrap_or_default();
+        lp.tokens.extend(c.tokens.iter().cloned());
+        lp.token_logprobs
+            .extend(c.behavior.iter().map(|v| Some(*v as f64)));
+        lp.top_logprobs.extend(c.top.iter().cloned().map(Some));
+        lp.text_offset.extend(&c.text_offset);
+        Some(lp)
     }
 
     /// The chunks one event turns into (possibly none).
-    fn chunks_for(&mut self, ev: &EngineEvent) -> Vec<Value> {
+    fn chunks_for(&mut self, ev: &EngineEvent) -> Vec<Completion> {
         let Some(i) = self.apply(ev) else {
             return Vec::new();
         };
@@ -363,28 +370,33 @@ impl Responder {
             for j in 0..self.choices.len() {
                 self.choices[j].started = true;
                 let first = match self.job.flavor {
-                    Flavor::Chat => Some(json!({
-                        "index": j,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": null,
-                        "finish_reason": null,
+                    Flavor::Chat => Some(wire::Choice::ChatChunk(ChatChunkChoice {
+                        index: j,
+                        delta: Delta {
+                            role: Some("assistant"),
+                            content: Some(String::new()),
+                        },
+                        logprobs: None,
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: None,
                     })),
                     Flavor::Completion => self.job.echo.as_ref().map(|e| {
-                        let lp = self.echo_logprobs().map_or(Value::Null, |p| {
-                            json!({
-                                "tokens": p.tokens,
-                                "token_logprobs": p.token_logprobs,
-                                "top_logprobs": p.top_logprobs,
-                                "text_offset": p.text_offset,
-                            })
-                        });
-                        json!({"index": j, "text": e, "logprobs": lp, "finish_reason": null})
+                        wire::Choice::Text(TextChoice {
+                            index: j,
+                            text: e.clone(),
+                            logprobs: self.echo_logprobs(),
+                            finish_reason: None,
+                            stop_reason: None,
+                            token_ids: None,
+                            prompt_logprobs: None,
+                        })
                     }),
                 };
                 if let Some(c) = first {
                     let mut chunk = self.envelope(true, vec![c]);
                     if token_ids && j == 0 {
-                        chunk["prompt_token_ids"] = json!(self.job.prompt_ids);
+                        chunk.prompt_token_ids = Some(self.job.prompt_ids.clone());
                     }
                     out.push(chunk);
                 }
@@ -396,36 +408,37 @@ impl Responder {
                     return out;
                 }
                 let c = &self.choices[i];
-                let mut choice = match self.job.flavor {
-                    Flavor::Chat => json!({
-                        "index": i,
-                        "delta": {"content": text},
-                        "logprobs": if logprobs {
-                            json!({"content": [c.logprobs.last()], "refusal": null})
-                        } else {
-                            Value::Null
+                let ids = token_ids.then(|| vec![*token_id]);
+                let choice = match self.job.flavor {
+                    Flavor::Chat => wire::Choice::ChatChunk(ChatChunkChoice {
+                        index: i,
+                        delta: Delta {
+                            role: None,
+                            content: Some(text.clone()),
                         },
-                        "finish_reason": null,
+                        logprobs: logprobs.then(|| ChatLogprobs {
+                            content: c.logprobs.last().cloned().into_iter().collect(),
+                            refusal: None,
+                        }),
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: ids,
                     }),
-                    Flavor::Completion => json!({
-                        "index": i,
-                        "text": text,
-                        "logprobs": if logprobs {
-                            json!({
-                                "tokens": [c.tokens.last()],
-                                "token_logprobs": [c.behavior.last()],
-                                "top_logprobs": [c.top.last()],
-                                "text_offset": [c.text_offset.last()],
-                            })
-                        } else {
-                            Value::Null
-                        },
-                        "finish_reason": null,
+                    Flavor::Completion => wire::Choice::Text(TextChoice {
+                        index: i,
+                        text: text.clone(),
+                        logprobs: logprobs.then(|| TextLogprobs {
+                            tokens: c.tokens.last().cloned().into_iter().collect(),
+                            token_logprobs: vec![c.behavior.last().map(|v| *v as f64)],
+                            top_logprobs: vec![c.top.last().cloned()],
+                            text_offset: c.text_offset.last().copied().into_iter().collect(),
+                        }),
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: ids,
+                        prompt_logprobs: None,
                     }),
                 };
-                if token_ids {
-                    choice["token_ids"] = json!([token_id]);
-                }
                 out.push(self.envelope(true, vec![choice]));
             }
             EngineEvent::Finished {
@@ -433,12 +446,26 @@ impl Responder {
                 stop_reason,
                 ..
             } => {
-                let mut choice = match self.job.flavor {
-                    Flavor::Chat => json!({"index": i, "delta": {}, "logprobs": null}),
-                    Flavor::Completion => json!({"index": i, "text": "", "logprobs": null}),
+                let (reason, stop) = (Some(reason.as_str()), Some(stop_reason_json(stop_reason)));
+                let choice = match self.job.flavor {
+                    Flavor::Chat => wire::Choice::ChatChunk(ChatChunkChoice {
+                        index: i,
+                        delta: Delta::default(),
+                        logprobs: None,
+                        finish_reason: reason,
+                        stop_reason: stop,
+                        token_ids: None,
+                    }),
+                    Flavor::Completion => wire::Choice::Text(TextChoice {
+                        index: i,
+                        text: String::new(),
+                        logprobs: None,
+                        finish_reason: reason,
+                        stop_reason: stop,
+                        token_ids: None,
+                        prompt_logprobs: None,
+                    }),
                 };
-                choice["finish_reason"] = json!(reason.as_str());
-                choice["stop_reason"] = stop_reason_json(stop_reason);
                 out.push(self.envelope(true, vec![choice]));
             }
             EngineEvent::PromptLogprobs(_) | EngineEvent::Error(_) => {}
@@ -487,8 +514,9 @@ async fn collect_response(
     Ok((StatusCode::OK, axum::Json(r.final_body())).into_response())
 }
 
-fn sse(v: &Value) -> String {
-    format!("data: {v}\n\n")
+fn sse(v: &impl serde::Serialize) -> String {
+    let text = serde_json::to_string(v).expect("response shapes serialize");
+    format!("data: {text}\n\n")
 }
 
 fn stream_response(r: Responder, stream: RequestStream) -> Response {
@@ -498,7 +526,7 @@ fn stream_response(r: Responder, stream: RequestStream) -> Response {
             let mut out = String::new();
             if r.job.params.include_usage {
                 let mut u = r.envelope(true, Vec::new());
-                u["usage"] = r.usage();
+                u.usage = Some(r.usage());
                 out.push_str(&sse(&u));
             }
             out.push_str("data: [DONE]\n\n");

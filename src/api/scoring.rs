@@ -3,6 +3,7 @@
 //! `logprobs` of an echoed prompt (OpenAI's shape: the prompt's tokens first, `null` for the
 //! first one's log-prob and alternatives).
 
+use super::wire::TextLogprobs;
 use crate::engine::sampler::PromptLogprob;
 use crate::model::tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
@@ -28,24 +29,17 @@ pub fn vllm_prompt_logprobs(tok: &Tokenizer, prompt: &[u32], scores: &[PromptLog
     Value::Array(out)
 }
 
-/// The prompt's part of legacy completions logprobs, column by column.
-pub struct LegacyPrompt {
-    pub tokens: Vec<String>,
-    pub token_logprobs: Vec<Value>,
-    pub top_logprobs: Vec<Value>,
-    pub text_offset: Vec<usize>,
-}
-
-/// `token_text` writes a token as the response does (text, or `token_id:<id>`).
+/// The prompt's part of legacy completions logprobs, column by column. `token_text` writes a
+/// token as the response does (text, or `token_id:<id>`).
 pub fn legacy_prompt(
     prompt: &[u32],
     scores: &[PromptLogprob],
     token_text: impl Fn(u32) -> String,
-) -> LegacyPrompt {
-    let mut p = LegacyPrompt {
+) -> TextLogprobs {
+    let mut p = TextLogprobs {
         tokens: Vec::with_capacity(prompt.len()),
-        token_logprobs: vec![Value::Null],
-        top_logprobs: vec![Value::Null],
+        token_logprobs: vec![None],
+        top_logprobs: vec![None],
         text_offset: Vec::with_capacity(prompt.len()),
     };
     let mut offset = 0;
@@ -56,13 +50,13 @@ pub fn legacy_prompt(
         p.tokens.push(t);
     }
     for s in scores.iter().take(prompt.len().saturating_sub(1)) {
-        p.token_logprobs.push(json!(s.logprob));
+        p.token_logprobs.push(Some(s.logprob as f64));
         let mut m = Map::new();
         for t in &s.top {
             m.entry(token_text(t.token_id)).or_insert(json!(t.logprob));
         }
         m.entry(token_text(s.token_id)).or_insert(json!(s.logprob));
-        p.top_logprobs.push(Value::Object(m));
+        p.top_logprobs.push(Some(m));
     }
     p
 }

@@ -356,12 +356,23 @@ def test_feedback_and_training_follow_the_contract():
           expect=201)
     _, _, t = check("POST", "/v1/adapters/contract-learn2/train", {"lr": 1e-4}, route=T)
     assert t["status"]["config"]["lr"] == pytest.approx(1e-4)
-    check("POST", "/v1/adapters/contract-learn2/train", {"method": "oft"}, route=T, expect=400)
+    # A learning adapter's shape is fixed for its lineage, and only its trainer publishes to it.
+    _, _, e = check("POST", "/v1/adapters/contract-learn2/train", {"method": "oft"}, route=T,
+                    expect=409)
+    assert e["error"]["param"] == "method"
+    check("POST", "/v1/adapters/contract-learn2/train", {"lr": 2.0}, route=T, expect=400)
+    check("POST", "/v1/adapters/big/train", {"method": "lora", "lora_r": 100000}, route=T,
+          expect=400)
     check("POST", "/v1/adapters/contract-learn2/train", {}, route=T, key="wrong", expect=401)
+    _, _, e = check("POST", "/v1/adapters", {"name": "contract-learn2", "kind": "oft"},
+                    expect=409)
+    assert e["error"]["code"] == "adapter_is_learning"
+    check("POST", "/v1/load_lora_adapter",
+          {"lora_name": "contract-learn2", "lora_path": "/nonexistent"}, expect=409)
     for action in ["pause", "resume"]:
         R = "/v1/train/{name}/" + action
         _, _, t = check("POST", f"/v1/train/contract-learn2/{action}", route=R)
-        assert t["status"]["paused"] == (action == "pause")
+        assert t["status"]["state"] == ("paused" if action == "pause" else "running")
         check("POST", f"/v1/train/nope/{action}", route=R, expect=404)
         check("POST", f"/v1/train/contract-learn2/{action}", route=R, key="wrong", expect=401)
 
