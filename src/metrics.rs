@@ -136,7 +136,11 @@ impl Metrics {
             http_requests: reg(
                 &registry,
                 IntCounterVec::new(
-                    Opts::new("http_requests_total", "HTTP requests by route and status."),
+                    Opts::new(
+                        "http_requests_total",
+                        "API requests by route and status (probes of /health and /metrics are \
+                         not counted: /health answers 503 while the model loads).",
+                    ),
                     &["route", "status"],
                 )
                 .expect("counter vec"),

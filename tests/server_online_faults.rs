@@ -435,3 +435,39 @@ fn a_streamed_completion_takes_its_reward_as_soon_as_its_last_choice_finishes() 
     }
     reward(&s, &id, 2, 202);
 }
+
+#[test]
+fn a_16_stream_learning_run_counts_no_server_error() {
+    let (dir, path) = write_tiny(&spec());
+    let s = start_learning(&path, &dir.path().join("data"), &learning_config(), &["l"]);
+    let workers: Vec<_> = (0..16)
+        .map(|_| {
+            let c = s.client.clone();
+            std::thread::spawn(move || {
+                for _ in 0..3 {
+                    let body = json!({
+                        "model": "l", "messages": [{"role": "user", "content": "go"}],
+                        "n": 2, "max_tokens": 4, "temperature": 1.0, "ignore_eos": true,
+                        "stream": true,
+                    });
+                    let r = call(&c, "POST", "/v1/chat/completions", Some(&body), USER);
+                    assert_eq!(r.status, 200);
+                    let id = r.sse_chunks()[0]["id"].as_str().unwrap().to_string();
+                    reward(&c, &id, 2, 202);
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    wait_status(&s, "l", 60, |st| st["steps"].as_u64() >= Some(1));
+    // The start-up's health polls (503 while loading) are probes, not API errors.
+    let text = s.get("/metrics").body_text();
+    let errors: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("flywheel_http_requests_total") && l.contains("status=\"5"))
+        .collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(!text.contains("route=\"/health\""), "probes counted");
+}

@@ -297,7 +297,9 @@ async fn admin_auth(State(state): State<AppState>, req: Request, next: Next) -> 
     next.run(req).await
 }
 
-/// A panicking handler answers 500 instead of dropping the connection; every answer is counted.
+/// A panicking handler answers 500 instead of dropping the connection; every answer of the API
+/// is counted. Probes are not: `/health` answers 503 while the model loads (readiness), which
+/// would read as server errors no client saw.
 async fn guard(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let route = req
         .extensions()
@@ -308,11 +310,13 @@ async fn guard(State(state): State<AppState>, req: Request, next: Next) -> Respo
         Ok(r) => r,
         Err(_) => ApiError::internal("the request handler failed").into_response(),
     };
-    state
-        .metrics
-        .http_requests
-        .with_label_values(&[&route, resp.status().as_str()])
-        .inc();
+    if !matches!(route.as_str(), "/health" | "/metrics") {
+        state
+            .metrics
+            .http_requests
+            .with_label_values(&[&route, resp.status().as_str()])
+            .inc();
+    }
     resp
 }
 
