@@ -10,7 +10,7 @@ use super::config::{LearnConfig, OnlineConfig};
 use super::groups::{self, Rules};
 use super::lineage::{Checkpoint, Lineage};
 use super::log::{LogError, PendingGroup, RolloutLog};
-use crate::adapter::registry::{Publisher, Registry, RegistryError};
+use crate::adapter::registry::{Publisher, Registry};
 use crate::adapter::{AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method};
 use crate::adapter::{OftConfig, Target};
 use crate::metrics::Metrics;
@@ -176,8 +176,9 @@ impl Learner {
     /// Resume `cfg.name`'s lineage from its newest intact checkpoint, or begin a lineage with the
     /// identity adapter; publish it either way. A broken newest checkpoint is skipped with a
     /// warning. Versions continue above every version the name ever had.
-    pub fn start(cfg: LearnConfig, env: &Env) -> Result<Learner, TrainError> {
-        let name = cfg.name.as_str();
+    pub fn start(mut cfg: LearnConfig, env: &Env) -> Result<Learner, TrainError> {
+        let name = cfg.name.clone();
+        let name = name.as_str();
         let start_err = |e: &dyn std::fmt::Display| TrainError::new(ErrorKind::Start, e);
         let max_seen = env
             .log
@@ -205,6 +206,17 @@ impl Learner {
         }
         let (lineage, weights, opt, min_version) = match (lineage, resumed) {
             (_, Some((l, cp, (w, opt)))) => {
+                // A lineage keeps its shape: the settings say what the checkpoint holds.
+                let requested = (cfg.method.clone(), cfg.oft_block_size, cfg.lora_r);
+                match &w.layout.config.method {
+                    Method::Oft(o) => {
+                        (cfg.method, cfg.oft_block_size) = ("oft".into(), o.block_size)
+                    }
+                    Method::Lora(r) => (cfg.method, cfg.lora_r) = ("lora".into(), r.r),
+                }
+                if requested != (cfg.method.clone(), cfg.oft_block_size, cfg.lora_r) {
+                    tracing::warn!(adapter = name, method = %cfg.method, "resumed with the shape of its lineage, not the one asked for");
+                }
                 // The same number only if no later version was ever seen (then it is the same
                 // weights); else a new number for these older weights.
                 let v = if cp.version >= max_seen {
@@ -380,14 +392,11 @@ impl Learner {
             .commit_step(&name, self.lineage.id, &cp, &stats_json, &consumed)?;
         // Durable: the step is taken, whatever happens next.
         self.opt = opt;
-        let published = env
+        // Fails only when the adapter was deleted meanwhile (its lineage has ended).
+        let (v, _) = env
             .registry
-            .publish_as(&name, next, Publisher::Owner(self.lineage.id));
-        let v = match published {
-            Ok((v, _)) => v,
-            Err(e @ RegistryError::Gone(_)) => return Err(TrainError::new(ErrorKind::Publish, e)),
-            Err(e) => return Err(TrainError::new(ErrorKind::Publish, e)),
-        };
+            .publish_as(&name, next, Publisher::Owner(self.lineage.id))
+            .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
         if v.version != version {
             tracing::warn!(adapter = %name, expected = version, got = v.version, "another publisher numbered this adapter's versions");
         }
