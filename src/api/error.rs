@@ -141,6 +141,23 @@ impl From<crate::online::log::LogError> for ApiError {
                 code: Some("rollout_log_unavailable"),
                 ..ApiError::unavailable(format!("{e}; nothing more is recorded until a restart"))
             },
+            // Out of space, read-only, I/O errors: the storage, not the request; retry later.
+            LogError::Db(rusqlite::Error::SqliteFailure(f, _))
+                if matches!(
+                    f.code,
+                    rusqlite::ErrorCode::DiskFull
+                        | rusqlite::ErrorCode::ReadOnly
+                        | rusqlite::ErrorCode::SystemIoFailure
+                        | rusqlite::ErrorCode::CannotOpen
+                ) =>
+            {
+                ApiError {
+                    code: Some("rollout_log_storage"),
+                    ..ApiError::unavailable(format!(
+                        "the rollout log cannot write ({e}); nothing was recorded"
+                    ))
+                }
+            }
             LogError::Db(e) => ApiError::internal(format!("the rollout log failed: {e}")),
         }
     }

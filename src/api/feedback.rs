@@ -292,10 +292,15 @@ pub async fn train(
         };
         return Err(ApiError::invalid(param, e.to_string()));
     }
-    let online = ready
-        .online_or_start()
-        .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))?
-        .clone();
+    // Starting the trainer opens (and may migrate) the rollout log: off the async threads.
+    let st = state.clone();
+    let online = blocking(move || {
+        st.ready()?
+            .online_or_start()
+            .cloned()
+            .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))
+    })
+    .await?;
     let (status, created) = online.train(cfg).await.map_err(command_error)?;
     let code = if created {
         StatusCode::CREATED

@@ -143,7 +143,7 @@ impl TrainerHandle {
                 cfg: cfg.clone(),
                 log: log.clone(),
                 model: compute.model,
-                cpu: compute.cpu,
+                cpu: Arc::new(compute.cpu.background()),
                 registry: compute.registry,
                 metrics: metrics.clone(),
             },
@@ -262,8 +262,8 @@ impl TrainerHandle {
 impl Trainer {
     fn run(mut self) {
         let _alive = AliveGuard(self.shared.clone());
-        // Serving first: this thread's kernels yield to engine steps (see kernels' `gate`).
-        flywheel_kernels::cpu::set_background(true);
+        // Serving first: the trainer's kernels (its `Cpu` is a background one) yield to engine
+        // steps, within `train_share` of their time (see kernels' `gate`).
         self.env.cpu.pool.gate.set_share(self.env.cfg.train_share);
         loop {
             let wait = self.next_wait();

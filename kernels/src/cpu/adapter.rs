@@ -12,7 +12,7 @@
 
 use super::simd::{Avx2, Avx512, Simd};
 use super::small_gemm::gemm;
-use super::{Isa, ThreadPool};
+use super::{Isa, Tasks};
 use crate::reference;
 
 /// Rows computed together: each matrix vector loaded feeds this many FMAs.
@@ -25,7 +25,7 @@ const PARALLEL_MIN_FMAS: usize = 1 << 16;
 
 /// `out[t][k*b + j] = Σ_i x[t][k*b + i] · R_k[i][j]` for every row t of x (n, cols), with
 /// `r` = (cols / b) blocks of b×b, row-major: R_k[i][j] at `r[(k*b + i)*b + j]`.
-pub fn oft_rotate(isa: Isa, pool: &ThreadPool, x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {
+pub fn oft_rotate(isa: Isa, pool: Tasks, x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {
     assert!(b > 0, "block size");
     let cols = r.len() / b;
     assert!(
@@ -42,7 +42,7 @@ pub fn oft_rotate(isa: Isa, pool: &ThreadPool, x: &[f32], r: &[f32], b: usize, o
 #[allow(clippy::too_many_arguments)]
 pub fn block_matmul(
     isa: Isa,
-    pool: &ThreadPool,
+    pool: Tasks,
     x: &[f32],
     mats: &[f32],
     nb: usize,
@@ -213,7 +213,7 @@ unsafe fn bm_rows<S: Simd, const N: usize>(
 #[allow(clippy::too_many_arguments)]
 pub fn block_outer(
     isa: Isa,
-    pool: &ThreadPool,
+    pool: Tasks,
     x: &[f32],
     dy: &[f32],
     nb: usize,

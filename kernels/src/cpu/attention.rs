@@ -5,7 +5,7 @@
 use super::matmul::scratch as thread_scratch;
 use super::ops::{exp_shifted, max_of};
 use super::simd::{Avx2, Avx512, Simd};
-use super::{Isa, ThreadPool};
+use super::{Isa, Tasks};
 use crate::reference::{self, AttnSeq, PagedKv};
 use std::cell::RefCell;
 
@@ -30,7 +30,7 @@ unsafe impl Sync for AttnArgs<'_> {}
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     isa: Isa,
-    pool: &ThreadPool,
+    pool: Tasks,
     q: &[f32],
     out: &mut [f32],
     seqs: &[AttnSeq],

@@ -13,7 +13,7 @@
 
 use super::simd::{exp, Avx2, Avx512, Simd};
 use super::small_gemm::gemm;
-use super::{Isa, ThreadPool};
+use super::{Isa, Tasks};
 
 /// Query rows per block of the tiled kernel.
 const BQ: usize = 8;
@@ -29,7 +29,7 @@ const BQ: usize = 8;
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     isa: Isa,
-    pool: &ThreadPool,
+    pool: Tasks,
     q: &[f32],
     k: &[f32],
     v: &[f32],

@@ -15,7 +15,7 @@
 use super::dequant::{self, dequant_row, Format};
 use super::matmul::scratch;
 use super::simd::{Avx2, Avx512, Simd};
-use super::{Isa, ThreadPool};
+use super::{Isa, Tasks};
 use crate::quant::QuantType;
 use crate::reference;
 use std::cell::RefCell;
@@ -36,7 +36,7 @@ thread_local! {
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward(
     isa: Isa,
-    pool: &ThreadPool,
+    pool: Tasks,
     ty: QuantType,
     w: &[u8],
     rows: usize,

@@ -1,6 +1,6 @@
 //! Foreground/background sharing of the compute pool: serving is the foreground (an engine step
-//! runs inside `Gate::foreground`), training the background (threads marked with
-//! `set_background`). A background kernel starts only while no foreground step runs, and while
+//! runs inside `Gate::foreground`), training the background (kernels run through a `Cpu` made
+//! with `Cpu::background`: an explicit input, not a property of the calling thread). A background kernel starts only while no foreground step runs, and while
 //! the foreground is busy (a step ended less than `IDLE` ago) only within a budget: each
 //! foreground step of duration d grants `share · d` of background kernel time, and the next
 //! step waits until a busy background has used it (or stopped asking), for at most that slice
@@ -8,25 +8,11 @@
 //! 2 ms and one in-flight background kernel, and under full serving load the background's share is bounded by `share / (1 + share)` (all
 //! of the machine when serving is idle). Measured effect on serving: scripts/itl_while_training.py.
 
-use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The foreground counts as idle once no step ran for this long.
 const IDLE: Duration = Duration::from_millis(20);
-
-thread_local! {
-    static BACKGROUND: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Mark the calling thread as background (its pool jobs yield to foreground steps).
-pub fn set_background(on: bool) {
-    BACKGROUND.with(|b| b.set(on));
-}
-
-pub fn is_background() -> bool {
-    BACKGROUND.with(|b| b.get())
-}
 
 pub struct Gate {
     epoch: Instant,
@@ -95,11 +81,8 @@ impl Gate {
         r
     }
 
-    /// Wait until a background kernel may start (no-op on foreground threads).
+    /// Wait until a background kernel may start.
     pub fn admit_background(&self) {
-        if !is_background() {
-            return;
-        }
         self.bg_busy.fetch_add(1, Ordering::SeqCst);
         loop {
             if !self.fg_active.load(Ordering::SeqCst) {
@@ -117,11 +100,9 @@ impl Gate {
 
     /// Charge a background kernel's time to the budget.
     pub fn charge_background(&self, took: Duration) {
-        if is_background() {
-            self.budget
-                .fetch_sub(took.as_nanos() as i64, Ordering::SeqCst);
-            self.bg_last_end.store(self.now_ns(), Ordering::SeqCst);
-            self.bg_busy.fetch_sub(1, Ordering::SeqCst);
-        }
+        self.budget
+            .fetch_sub(took.as_nanos() as i64, Ordering::SeqCst);
+        self.bg_last_end.store(self.now_ns(), Ordering::SeqCst);
+        self.bg_busy.fetch_sub(1, Ordering::SeqCst);
     }
 }

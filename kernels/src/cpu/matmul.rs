@@ -30,7 +30,7 @@
 
 use super::dequant::{self, dequant_row, Format};
 use super::simd::{Avx2, Avx512, Simd};
-use super::{Isa, ThreadPool};
+use super::{Isa, Tasks};
 use crate::quant::QuantType;
 use crate::reference;
 use std::cell::RefCell;
@@ -88,7 +88,7 @@ thread_local! {
 }
 
 /// Run several independent products as one parallel region (e.g. q, k and v of a layer).
-pub fn matmul_many(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
+pub fn matmul_many(isa: Isa, pool: Tasks, jobs: &mut [Matmul]) {
     for j in jobs.iter() {
         j.check();
     }
@@ -103,7 +103,7 @@ pub fn matmul_many(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
     }
 }
 
-fn run_chunk(isa: Isa, pool: &ThreadPool, jobs: &mut [Matmul]) {
+fn run_chunk(isa: Isa, pool: Tasks, jobs: &mut [Matmul]) {
     let wr = if isa.lanes() >= 16 { 6 } else { 3 };
     let mut refs: [Option<JobRef>; MAX_JOBS] = Default::default();
     let mut first_task = [0usize; MAX_JOBS + 1];

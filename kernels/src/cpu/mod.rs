@@ -13,9 +13,8 @@ pub mod pool;
 pub mod simd;
 mod small_gemm;
 
-pub use gate::set_background;
 pub use matmul::Matmul;
-pub use pool::ThreadPool;
+pub use pool::{Tasks, ThreadPool};
 
 use crate::quant::QuantType;
 use crate::reference::{AttnSeq, PagedKv};
@@ -78,14 +77,42 @@ impl Isa {
 }
 
 /// The compute seam: an ISA plus the thread pool. Everything the model computes goes through here.
+/// A `Cpu` is foreground (serving) or background (training, from `Cpu::background`): its
+/// kernels then yield to foreground steps (`gate`). Both share one pool.
 pub struct Cpu {
     pub isa: Isa,
-    pub pool: ThreadPool,
+    pub pool: std::sync::Arc<ThreadPool>,
+    background: bool,
 }
 
 impl Cpu {
     pub fn new(isa: Isa, pool: ThreadPool) -> Cpu {
-        Cpu { isa, pool }
+        Cpu {
+            isa,
+            pool: std::sync::Arc::new(pool),
+            background: false,
+        }
+    }
+
+    /// The same ISA and pool, for background work (training beside serving).
+    pub fn background(&self) -> Cpu {
+        Cpu {
+            isa: self.isa,
+            pool: self.pool.clone(),
+            background: true,
+        }
+    }
+
+    pub fn is_background(&self) -> bool {
+        self.background
+    }
+
+    /// The pool as this `Cpu` uses it.
+    fn tasks(&self) -> Tasks<'_> {
+        Tasks {
+            pool: &self.pool,
+            background: self.background,
+        }
     }
 
     /// The best ISA, one thread per core.
@@ -95,7 +122,7 @@ impl Cpu {
 
     /// Several independent products in one parallel region.
     pub fn matmul_many(&self, jobs: &mut [Matmul]) {
-        matmul::matmul_many(self.isa, &self.pool, jobs)
+        matmul::matmul_many(self.isa, self.tasks(), jobs)
     }
 
     pub fn matmul(
@@ -119,7 +146,7 @@ impl Cpu {
 
     /// OFT: each row of x (n, cols) times the block-diagonal rotation `r` (cols/b blocks of b×b).
     pub fn oft_rotate(&self, x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {
-        adapter::oft_rotate(self.isa, &self.pool, x, r, b, out)
+        adapter::oft_rotate(self.isa, self.tasks(), x, r, b, out)
     }
 
     /// Rows of x (n, nb·k) times the block-diagonal diag(M_0 … M_{nb−1}) of (k, m) blocks.
@@ -133,7 +160,7 @@ impl Cpu {
         m: usize,
         out: &mut [f32],
     ) {
-        adapter::block_matmul(self.isa, &self.pool, x, mats, nb, k, m, out)
+        adapter::block_matmul(self.isa, self.tasks(), x, mats, nb, k, m, out)
     }
 
     /// dx (n, cols) = dy (n, rows) · W: the input gradient of a frozen quantized linear.
@@ -147,7 +174,7 @@ impl Cpu {
         dy: &[f32],
         dx: &mut [f32],
     ) {
-        backward::linear_backward(self.isa, &self.pool, ty, w, rows, cols, dy, dx)
+        backward::linear_backward(self.isa, self.tasks(), ty, w, rows, cols, dy, dx)
     }
 
     pub fn rmsnorm_backward(
@@ -197,7 +224,7 @@ impl Cpu {
     /// g (nb, k, m) += Σ_t x_q[t]ᵀ·dy_q[t]: gradients of block-diagonal products' blocks.
     #[allow(clippy::too_many_arguments)]
     pub fn block_outer(&self, x: &[f32], dy: &[f32], nb: usize, k: usize, m: usize, g: &mut [f32]) {
-        adapter::block_outer(self.isa, &self.pool, x, dy, nb, k, m, g)
+        adapter::block_outer(self.isa, self.tasks(), x, dy, nb, k, m, g)
     }
 
     /// Causal GQA attention backward, queries the last rows of K/V (see
@@ -222,7 +249,18 @@ impl Cpu {
                 q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk, dv,
             ),
             _ => attention_backward::attention_backward(
-                self.isa, &self.pool, q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk,
+                self.isa,
+                self.tasks(),
+                q,
+                k,
+                v,
+                dout,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                scale,
+                dq,
+                dk,
                 dv,
             ),
         }
@@ -273,7 +311,16 @@ impl Cpu {
         scale: f32,
     ) {
         attention::attention(
-            self.isa, &self.pool, q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale,
+            self.isa,
+            self.tasks(),
+            q,
+            out,
+            seqs,
+            kv,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale,
         )
     }
 }

@@ -91,10 +91,15 @@ impl ThreadPool {
 
     /// Run `f(i)` for every `i in 0..num_tasks`, spread over the pool; returns when all are done.
     pub fn run(&self, num_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.run_as(false, num_tasks, f)
+    }
+
+    /// `run`, as background work when `background` (it yields to foreground steps: `Gate`).
+    pub fn run_as(&self, background: bool, num_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if num_tasks == 0 {
             return;
         }
-        if super::gate::is_background() {
+        if background {
             self.gate.admit_background();
             let t0 = Instant::now();
             self.run_now(num_tasks, f);
@@ -292,5 +297,23 @@ mod tests {
             });
         }
         assert_eq!(total.load(Ordering::Relaxed), 2000 * 10);
+    }
+}
+
+/// A pool as one caller uses it: foreground (serving) or background (training) work.
+#[derive(Clone, Copy)]
+pub struct Tasks<'a> {
+    pub pool: &'a ThreadPool,
+    pub background: bool,
+}
+
+impl Tasks<'_> {
+    /// Run `f(i)` for every `i in 0..num_tasks` (see `ThreadPool::run_as`).
+    pub fn run(&self, num_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.pool.run_as(self.background, num_tasks, f)
+    }
+
+    pub fn num_threads(&self) -> usize {
+        self.pool.num_threads()
     }
 }
