@@ -406,34 +406,38 @@ fn a_streamed_completion_takes_its_reward_as_soon_as_its_last_choice_finishes() 
         "n": 2, "max_tokens": 4, "temperature": 1.0, "ignore_eos": true, "stream": true,
     });
     let auth = format!("Bearer {USER}");
-    let mut sock = s
-        .connect(
-            "POST",
-            "/v1/chat/completions",
-            Some(&body.to_string()),
-            &[("Authorization", &auth)],
-        )
-        .unwrap();
-    // Read until both choices have their finish_reason, then reward before reading on.
-    let mut seen = String::new();
-    let mut buf = [0u8; 4096];
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let (mut id, mut finished) = (String::new(), 0);
-    while finished < 2 {
-        assert!(Instant::now() < deadline, "{seen}");
-        let n = std::io::Read::read(&mut sock, &mut buf).unwrap();
-        assert!(n > 0, "the stream ended early: {seen}");
-        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-        finished = 0;
-        for line in seen.lines().filter_map(|l| l.strip_prefix("data: ")) {
-            if let Ok(v) = serde_json::from_str::<Value>(line) {
-                id = v["id"].as_str().unwrap_or_default().to_string();
-                let f = v["choices"][0]["finish_reason"].is_string();
-                finished += f as usize;
+    // The window between the finishing chunk and the log write (if it came after) is short:
+    // try it several times.
+    for _ in 0..20 {
+        let mut sock = s
+            .connect(
+                "POST",
+                "/v1/chat/completions",
+                Some(&body.to_string()),
+                &[("Authorization", &auth)],
+            )
+            .unwrap();
+        // Read until both choices have their finish_reason, then reward before reading on.
+        let mut seen = String::new();
+        let mut buf = [0u8; 4096];
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (mut id, mut finished) = (String::new(), 0);
+        while finished < 2 {
+            assert!(Instant::now() < deadline, "{seen}");
+            let n = std::io::Read::read(&mut sock, &mut buf).unwrap();
+            assert!(n > 0, "the stream ended early: {seen}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+            finished = 0;
+            for line in seen.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                if let Ok(v) = serde_json::from_str::<Value>(line) {
+                    id = v["id"].as_str().unwrap_or_default().to_string();
+                    let f = v["choices"][0]["finish_reason"].is_string();
+                    finished += f as usize;
+                }
             }
         }
+        reward(&s, &id, 2, 202);
     }
-    reward(&s, &id, 2, 202);
 }
 
 #[test]
