@@ -96,10 +96,13 @@ pub async fn post(
         v => vec![parse_item(v, None, lo, hi)?],
     };
     let Some(online) = ready.online.get().cloned() else {
-        let id = &items[0].id;
-        return Err(ApiError::not_found(format!(
-            "no completion '{id}' (this server has no learning adapter)"
-        )));
+        return Err(ApiError {
+            code: Some("completion_not_found"),
+            ..ApiError::not_found(format!(
+                "no completion '{}' (this server has no learning adapter)",
+                clip(&items[0].id)
+            ))
+        });
     };
     let (key, admin) = (bearer_of(&headers).to_string(), is_admin(&state, &headers));
     let list = body.is_array();
