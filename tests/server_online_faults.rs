@@ -397,47 +397,72 @@ fn names_keys_ids_and_codes_at_the_edge() {
     );
 }
 
+/// Read SSE from `sock` until `done` holds for the `data:` objects seen; all the text read.
+fn read_sse_until(sock: &mut std::net::TcpStream, done: impl Fn(&[Value]) -> bool) -> String {
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let chunks: Vec<Value> = seen
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        if done(&chunks) {
+            return seen;
+        }
+        assert!(Instant::now() < deadline, "{seen}");
+        let n = std::io::Read::read(sock, &mut buf).unwrap();
+        assert!(n > 0, "the stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+}
+
 #[test]
-fn a_streamed_completion_takes_its_reward_as_soon_as_its_last_choice_finishes() {
-    let (dir, path) = write_tiny(&spec());
+fn a_streamed_completion_is_recorded_when_its_last_choice_finishes() {
+    // A long generation, so that it outlasts the reward posted after its first chunk.
+    let long = common::TinySpec {
+        ctx: 8192,
+        ..common::TinySpec::small()
+    };
+    let (dir, path) = write_tiny(&long);
     let s = start_learning(&path, &dir.path().join("data"), &learning_config(), &["l"]);
     let body = json!({
         "model": "l", "messages": [{"role": "user", "content": "go"}],
-        "n": 2, "max_tokens": 4, "temperature": 1.0, "ignore_eos": true, "stream": true,
+        "n": 2, "max_tokens": 4000, "temperature": 1.0, "ignore_eos": true, "stream": true,
     });
     let auth = format!("Bearer {USER}");
-    // The window between the finishing chunk and the log write (if it came after) is short:
-    // try it several times.
-    for _ in 0..20 {
-        let mut sock = s
-            .connect(
-                "POST",
-                "/v1/chat/completions",
-                Some(&body.to_string()),
-                &[("Authorization", &auth)],
-            )
-            .unwrap();
-        // Read until both choices have their finish_reason, then reward before reading on.
-        let mut seen = String::new();
-        let mut buf = [0u8; 4096];
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let (mut id, mut finished) = (String::new(), 0);
-        while finished < 2 {
-            assert!(Instant::now() < deadline, "{seen}");
-            let n = std::io::Read::read(&mut sock, &mut buf).unwrap();
-            assert!(n > 0, "the stream ended early: {seen}");
-            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-            finished = 0;
-            for line in seen.lines().filter_map(|l| l.strip_prefix("data: ")) {
-                if let Ok(v) = serde_json::from_str::<Value>(line) {
-                    id = v["id"].as_str().unwrap_or_default().to_string();
-                    let f = v["choices"][0]["finish_reason"].is_string();
-                    finished += f as usize;
-                }
-            }
-        }
-        reward(&s, &id, 2, 202);
-    }
+    let mut sock = s
+        .connect(
+            "POST",
+            "/v1/chat/completions",
+            Some(&body.to_string()),
+            &[("Authorization", &auth)],
+        )
+        .unwrap();
+    // While it streams, the id is known but nothing is recorded yet: 404 saying when it will be.
+    let seen = read_sse_until(&mut sock, |c| !c.is_empty());
+    let first: Value =
+        serde_json::from_str(seen.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
+    let id = first["id"].as_str().unwrap().to_string();
+    let e = assert_error(&reward(&s, &id, 2, 404), 404, Some("[0].id"));
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("finishes the last one"),
+        "{e}"
+    );
+    // Once the chunk finishing the last choice has arrived, the reward is taken (read no
+    // further first).
+    let finished = |c: &[Value]| {
+        c.iter()
+            .filter(|v| v["choices"][0]["finish_reason"].is_string())
+            .count()
+            == 2
+    };
+    read_sse_until(&mut sock, finished);
+    reward(&s, &id, 2, 202);
 }
 
 #[test]

@@ -142,7 +142,9 @@ pub async fn post(
             param: Some(field(index, "id")),
             code: Some("completion_not_found"),
             ..ApiError::not_found(format!(
-                "no completion '{}' with choice {choice}",
+                "no completion '{}' with choice {choice} (a completion is recorded once all its \
+                 choices have finished: before the response, or before a stream's chunk that \
+                 finishes the last one)",
                 clip(&id)
             ))
         }),
