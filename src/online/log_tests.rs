@@ -154,3 +154,46 @@ fn a_deleted_or_truncated_database_is_noticed_and_stays_unusable() {
         assert!(log.check().is_err(), "{how}");
     }
 }
+
+#[test]
+fn a_database_of_the_first_schema_migrates_to_lineages_and_relative_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flywheel.db");
+    {
+        // What the first schema's server left: checkpoints under absolute paths.
+        let c = Connection::open(&path).unwrap();
+        c.execute_batch(MIGRATIONS[0]).unwrap();
+        c.pragma_update(None, "user_version", 1).unwrap();
+        for (step, version) in [(1, 2), (2, 3)] {
+            c.execute(
+                "INSERT INTO checkpoints (adapter, step, version, path, created, stats)
+                 VALUES ('a', ?1, ?2, ?3, 0, '{}')",
+                params![
+                    step,
+                    version,
+                    format!("/somewhere/else/data/adapters/a/step-{step:08}")
+                ],
+            )
+            .unwrap();
+        }
+    }
+    let log = RolloutLog::open(&path).unwrap();
+    let l = log
+        .active_lineage("a")
+        .unwrap()
+        .expect("a lineage for the old checkpoints");
+    let cps = log.checkpoints(l.id).unwrap();
+    let got: Vec<(u64, u64, &str)> = cps
+        .iter()
+        .map(|c| (c.version, c.step, c.path.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (3, 2, "adapters/a/step-00000002"),
+            (2, 1, "adapters/a/step-00000001")
+        ]
+    );
+    assert_eq!(log.max_version("a").unwrap(), 3);
+    assert!(log.active_lineage("b").unwrap().is_none());
+}
