@@ -5,5 +5,5 @@ pub mod cpu;
 pub mod quant;
 pub mod reference;
 
-pub use cpu::{Cpu, Isa, Matmul, ThreadPool};
+pub use cpu::{Cpu, Isa, Matmul, RopeLayout, ThreadPool};
 pub use quant::QuantType;

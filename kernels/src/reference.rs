@@ -6,6 +6,26 @@
 
 use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, QK};
 
+/// Which dims of a head RoPE turns together (pair `i` turns by frequency `i` either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// (x[2i], x[2i+1]): llama.cpp's LLaMA layout (its converter permuted q/k rows for it).
+    Adjacent,
+    /// (x[i], x[i + rope_dim/2]): GPT-NeoX's, as Qwen, Gemma and Hugging Face's weights use.
+    Neox,
+}
+
+impl RopeLayout {
+    /// The two dims of pair `i` of `rope_dim`.
+    #[inline(always)]
+    pub fn pair(self, i: usize, rope_dim: usize) -> (usize, usize) {
+        match self {
+            RopeLayout::Adjacent => (2 * i, 2 * i + 1),
+            RopeLayout::Neox => (i, i + rope_dim / 2),
+        }
+    }
+}
+
 fn rd16(b: &[u8], at: usize) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
 }
@@ -205,6 +225,7 @@ pub fn rope_backward(
     n_heads: usize,
     head_dim: usize,
     rope_dim: usize,
+    layout: RopeLayout,
 ) {
     let row = n_heads * head_dim;
     for (t, r) in dy.chunks_mut(row).enumerate() {
@@ -214,9 +235,10 @@ pub fn rope_backward(
                     table[t * rope_dim + 2 * i] as f64,
                     table[t * rope_dim + 2 * i + 1] as f64,
                 );
-                let (a, b) = (h[2 * i] as f64, h[2 * i + 1] as f64);
-                h[2 * i] = (a * c + b * s) as f32;
-                h[2 * i + 1] = (-a * s + b * c) as f32;
+                let (p, q) = layout.pair(i, rope_dim);
+                let (a, b) = (h[p] as f64, h[q] as f64);
+                h[p] = (a * c + b * s) as f32;
+                h[q] = (-a * s + b * c) as f32;
             }
         }
     }
@@ -335,8 +357,9 @@ pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// RoPE on adjacent pairs (llama.cpp's LLaMA layout): for each row t (n_heads heads of head_dim),
-/// pair (x[2i], x[2i+1]) of the first `rope_dim` dims turns by positions[t] * base^(-2i/rope_dim).
+/// RoPE: for each row t (n_heads heads of head_dim), pair i of the first `rope_dim` dims (in
+/// `layout`: adjacent (2i, 2i+1) as llama.cpp's LLaMA, or (i, i + rope_dim/2) as GPT-NeoX)
+/// turns by positions[t] * base^(-2i/rope_dim).
 pub fn rope(
     x: &mut [f32],
     positions: &[u32],
@@ -344,6 +367,7 @@ pub fn rope(
     head_dim: usize,
     rope_dim: usize,
     base: f32,
+    layout: RopeLayout,
 ) {
     let row = n_heads * head_dim;
     for (t, xr) in x.chunks_mut(row).enumerate() {
@@ -353,9 +377,10 @@ pub fn rope(
             for i in 0..rope_dim / 2 {
                 let theta = pos * (base as f64).powf(-2.0 * i as f64 / rope_dim as f64);
                 let (s, c) = (theta.sin() as f32, theta.cos() as f32);
-                let (a, b) = (xh[2 * i], xh[2 * i + 1]);
-                xh[2 * i] = a * c - b * s;
-                xh[2 * i + 1] = a * s + b * c;
+                let (p, q) = layout.pair(i, rope_dim);
+                let (a, b) = (xh[p], xh[q]);
+                xh[p] = a * c - b * s;
+                xh[q] = a * s + b * c;
             }
         }
     }

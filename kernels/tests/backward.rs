@@ -8,7 +8,7 @@ use common::Rng;
 use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::reference;
-use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
+use flywheel_kernels::{Cpu, Isa, QuantType, RopeLayout, ThreadPool};
 use std::time::Duration;
 
 fn cpus() -> Vec<Cpu> {
@@ -145,6 +145,12 @@ fn rmsnorm_backward_matches_finite_differences() {
 
 #[test]
 fn rope_backward_matches_finite_differences() {
+    for layout in [RopeLayout::Adjacent, RopeLayout::Neox] {
+        rope_backward_case(layout);
+    }
+}
+
+fn rope_backward_case(layout: RopeLayout) {
     let mut rng = Rng(33);
     let (heads, hd, rope_dim) = (3, 16, 12);
     let positions = [0u32, 5, 77];
@@ -152,16 +158,22 @@ fn rope_backward_matches_finite_differences() {
     let x = rng.vec(positions.len() * heads * hd, 1.0);
     let dy = rng.vec(x.len(), 1.0);
     let mut want = dy.clone();
-    reference::rope_backward(&mut want, &table, heads, hd, rope_dim);
+    reference::rope_backward(&mut want, &table, heads, hd, rope_dim, layout);
+    // The pairs written out, not taken from the kernels' `pair`.
+    let pair = |i: usize| match layout {
+        RopeLayout::Adjacent => (2 * i, 2 * i + 1),
+        RopeLayout::Neox => (i, i + rope_dim / 2),
+    };
     let f = |xs: &[f64]| -> Vec<f64> {
         let mut y = xs.to_vec();
         for (t, r) in y.chunks_mut(heads * hd).enumerate() {
             for h in r.chunks_mut(hd) {
                 for i in 0..rope_dim / 2 {
                     let th = positions[t] as f64 * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
-                    let (a, b) = (h[2 * i], h[2 * i + 1]);
-                    h[2 * i] = a * th.cos() - b * th.sin();
-                    h[2 * i + 1] = a * th.sin() + b * th.cos();
+                    let (p, q) = pair(i);
+                    let (a, b) = (h[p], h[q]);
+                    h[p] = a * th.cos() - b * th.sin();
+                    h[q] = a * th.sin() + b * th.cos();
                 }
             }
         }
@@ -170,7 +182,7 @@ fn rope_backward_matches_finite_differences() {
     close(&want, &numeric(&x, &dy, &f), 1e-5, "rope twin");
     for c in cpus() {
         let mut got = dy.clone();
-        c.rope_backward(&mut got, &table, heads, hd, rope_dim);
+        c.rope_backward(&mut got, &table, heads, hd, rope_dim, layout);
         close(
             &got,
             &want.iter().map(|v| *v as f64).collect::<Vec<_>>(),

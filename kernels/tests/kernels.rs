@@ -7,7 +7,7 @@ use common::Rng;
 use flywheel_kernels::cpu::ops;
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::reference::{self, AttnSeq, PagedKv};
-use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
+use flywheel_kernels::{Cpu, Isa, QuantType, RopeLayout, ThreadPool};
 use std::time::Duration;
 
 fn fast_isas() -> Vec<Isa> {
@@ -275,26 +275,48 @@ fn exp_is_accurate_over_the_range_that_matters() {
 }
 
 #[test]
-fn rope_table_rotates_adjacent_pairs_like_the_formula() {
+fn rope_table_rotates_adjacent_and_neox_pairs_like_the_formula() {
     let mut rng = Rng(5);
     let (heads, hd, base) = (3usize, 8usize, 10000.0f32);
     let positions = [0u32, 1, 17, 4095];
     let x = rng.vec(positions.len() * heads * hd, 1.0);
-    let mut want = x.clone();
-    reference::rope(&mut want, &positions, heads, hd, hd, base);
-    let mut got = x.clone();
-    ops::rope(
-        &mut got,
-        &ops::rope_table(&positions, hd, base),
+    for layout in [RopeLayout::Adjacent, RopeLayout::Neox] {
+        let mut want = x.clone();
+        reference::rope(&mut want, &positions, heads, hd, hd, base, layout);
+        let mut got = x.clone();
+        ops::rope(
+            &mut got,
+            &ops::rope_table(&positions, hd, base),
+            heads,
+            hd,
+            hd,
+            layout,
+        );
+        for i in 0..x.len() {
+            assert!((got[i] - want[i]).abs() < 1e-6, "{layout:?} {i}");
+        }
+        // Position 0 is the identity.
+        assert_eq!(&got[..heads * hd], &x[..heads * hd]);
+    }
+    // The layouts differ: NeoX pairs dim 0 with dim hd/2, which the adjacent layout never does.
+    let (mut a, mut n) = (x.clone(), x.clone());
+    reference::rope(
+        &mut a,
+        &positions,
         heads,
         hd,
         hd,
+        base,
+        RopeLayout::Adjacent,
     );
-    for i in 0..x.len() {
-        assert!((got[i] - want[i]).abs() < 1e-6, "{i}");
-    }
-    // Position 0 is the identity.
-    assert_eq!(&got[..heads * hd], &x[..heads * hd]);
+    reference::rope(&mut n, &positions, heads, hd, hd, base, RopeLayout::Neox);
+    let row = heads * hd;
+    assert_ne!(&a[row..2 * row], &n[row..2 * row]);
+    // One NeoX pair, written out: position 1, head 0, pair 0 = (x[0], x[hd/2]), angle 1 rad.
+    let (c, s) = (1f32.cos(), 1f32.sin());
+    let (x0, x4) = (x[row], x[row + hd / 2]);
+    assert!((n[row] - (x0 * c - x4 * s)).abs() < 1e-6);
+    assert!((n[row + hd / 2] - (x0 * s + x4 * c)).abs() < 1e-6);
 }
 
 #[test]

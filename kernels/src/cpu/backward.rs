@@ -253,6 +253,7 @@ pub fn rope_backward(
     n_heads: usize,
     head_dim: usize,
     rope_dim: usize,
+    layout: crate::reference::RopeLayout,
 ) {
     let half = rope_dim / 2;
     let row = n_heads * head_dim;
@@ -261,9 +262,10 @@ pub fn rope_backward(
         for h in r.chunks_mut(head_dim) {
             for i in 0..half {
                 let (c, s) = (tab[2 * i], tab[2 * i + 1]);
-                let (a, b) = (h[2 * i], h[2 * i + 1]);
-                h[2 * i] = a * c + b * s;
-                h[2 * i + 1] = -a * s + b * c;
+                let (p, q) = layout.pair(i, rope_dim);
+                let (a, b) = (h[p], h[q]);
+                h[p] = a * c + b * s;
+                h[q] = -a * s + b * c;
             }
         }
     }

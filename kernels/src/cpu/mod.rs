@@ -13,6 +13,7 @@ pub mod pool;
 pub mod simd;
 mod small_gemm;
 
+pub use crate::reference::RopeLayout;
 pub use matmul::Matmul;
 pub use pool::{Tasks, ThreadPool};
 
@@ -198,12 +199,13 @@ impl Cpu {
         n_heads: usize,
         head_dim: usize,
         rope_dim: usize,
+        layout: RopeLayout,
     ) {
         match self.isa {
             Isa::Reference => {
-                crate::reference::rope_backward(dy, table, n_heads, head_dim, rope_dim)
+                crate::reference::rope_backward(dy, table, n_heads, head_dim, rope_dim, layout)
             }
-            _ => backward::rope_backward(dy, table, n_heads, head_dim, rope_dim),
+            _ => backward::rope_backward(dy, table, n_heads, head_dim, rope_dim, layout),
         }
     }
 
@@ -281,8 +283,9 @@ impl Cpu {
         n_heads: usize,
         head_dim: usize,
         rope_dim: usize,
+        layout: RopeLayout,
     ) {
-        ops::rope(x, table, n_heads, head_dim, rope_dim)
+        ops::rope(x, table, n_heads, head_dim, rope_dim, layout)
     }
 
     pub fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {

@@ -5,6 +5,7 @@ use super::matmul::dot;
 use super::simd::{exp, Avx2, Avx512, Simd};
 use super::Isa;
 use crate::reference;
+pub use crate::reference::RopeLayout;
 
 /// out = x / rms(x) * weight for each row of `weight.len()` values.
 pub fn rmsnorm(isa: Isa, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -69,18 +70,26 @@ pub fn rope_table(positions: &[u32], rope_dim: usize, base: f32) -> Vec<f32> {
     t
 }
 
-/// Rotate adjacent pairs (x[2i], x[2i+1]) of the first `rope_dim` dims of every head of every
-/// row by the table from `rope_table` (scalar: it is a small part of the work).
-pub fn rope(x: &mut [f32], table: &[f32], n_heads: usize, head_dim: usize, rope_dim: usize) {
+/// Rotate the pairs of `layout` of the first `rope_dim` dims of every head of every row by the
+/// table from `rope_table` (scalar: it is a small part of the work).
+pub fn rope(
+    x: &mut [f32],
+    table: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+    layout: RopeLayout,
+) {
     let row = n_heads * head_dim;
     for (t, xr) in x.chunks_mut(row).enumerate() {
         let tab = &table[t * rope_dim..(t + 1) * rope_dim];
         for xh in xr.chunks_mut(head_dim) {
             for i in 0..rope_dim / 2 {
                 let (c, s) = (tab[2 * i], tab[2 * i + 1]);
-                let (a, b) = (xh[2 * i], xh[2 * i + 1]);
-                xh[2 * i] = a * c - b * s;
-                xh[2 * i + 1] = a * s + b * c;
+                let (p, q) = layout.pair(i, rope_dim);
+                let (a, b) = (xh[p], xh[q]);
+                xh[p] = a * c - b * s;
+                xh[q] = a * s + b * c;
             }
         }
     }

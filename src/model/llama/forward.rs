@@ -258,8 +258,22 @@ impl Llama {
         ]
         .map(|(target, weight, y)| Projection { target, weight, y });
         self.project(cpu, l, n, &mut qkv, groups, adapter);
-        cpu.rope(q, io.rope, c.num_heads, c.head_dim, c.rope_dim);
-        cpu.rope(k, io.rope, c.num_kv_heads, c.head_dim, c.rope_dim);
+        cpu.rope(
+            q,
+            io.rope,
+            c.num_heads,
+            c.head_dim,
+            c.rope_dim,
+            c.rope_layout,
+        );
+        cpu.rope(
+            k,
+            io.rope,
+            c.num_kv_heads,
+            c.head_dim,
+            c.rope_dim,
+            c.rope_layout,
+        );
         if let Some(a) = keep.as_deref_mut() {
             (a.q, a.k, a.v) = (q.to_vec(), k.to_vec(), v.to_vec());
         }

@@ -12,7 +12,7 @@ pub use forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Projection};
 pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, TRAIN_BLOCK};
 
 use super::gguf::{Gguf, GgufError, TensorInfo};
-use flywheel_kernels::QuantType;
+use flywheel_kernels::{QuantType, RopeLayout};
 use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +37,10 @@ pub struct LlamaConfig {
     pub head_dim: usize,
     pub rope_dim: usize,
     pub rope_base: f32,
+    /// Which dims RoPE pairs: adjacent for `llama` GGUFs, NeoX for the families whose converter
+    /// keeps Hugging Face's q/k order.
+    #[serde(serialize_with = "rope_layout_name")]
+    pub rope_layout: RopeLayout,
     pub eps: f32,
     pub context_length: usize,
     pub vocab_size: usize,
@@ -146,6 +150,7 @@ impl Llama {
             num_kv_heads,
             head_dim,
             rope_dim,
+            rope_layout: RopeLayout::Adjacent,
             rope_base: match g.get(&k("rope.freq_base")) {
                 Some(_) => g.get_f32(&k("rope.freq_base"))?,
                 None => 10000.0,
@@ -205,6 +210,13 @@ impl Llama {
             .sum();
         per_layer + self.output.len
     }
+}
+
+fn rope_layout_name<S: serde::Serializer>(l: &RopeLayout, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match l {
+        RopeLayout::Adjacent => "adjacent",
+        RopeLayout::Neox => "neox",
+    })
 }
 
 fn missing(name: &str) -> ModelError {

@@ -442,8 +442,16 @@ impl Llama {
                 );
             }
             drop(a);
-            cpu.rope_backward(&mut dq, &rope, c.num_heads, c.head_dim, c.rope_dim);
-            cpu.rope_backward(&mut dk, &rope, c.num_kv_heads, c.head_dim, c.rope_dim);
+            let layout = c.rope_layout;
+            cpu.rope_backward(&mut dq, &rope, c.num_heads, c.head_dim, c.rope_dim, layout);
+            cpu.rope_backward(
+                &mut dk,
+                &rope,
+                c.num_kv_heads,
+                c.head_dim,
+                c.rope_dim,
+                layout,
+            );
             let mut dn =
                 self.linear_backward_adapted(cpu, adapter, l, Target::Q, &layer.wq, &n, &dq, grads);
             for (target, w, d) in [(Target::K, &layer.wk, &dk), (Target::V, &layer.wv, &dv)] {
