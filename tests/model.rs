@@ -32,7 +32,7 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f64>]) -> f64 {
 
 #[test]
 fn reference_kernels_match_the_naive_implementation() {
-    for spec in [TinySpec::small(), TinySpec::k_quants()] {
+    for spec in [TinySpec::small(), TinySpec::k_quants(), TinySpec::qwen2()] {
         let (_dir, path) = write_tiny(&spec);
         let tokens: Vec<u32> = (0..19).map(|i| (i * 37 + 5) % 250 + 3).collect();
         let want = naive_logprobs(&path, &tokens);
@@ -40,7 +40,8 @@ fn reference_kernels_match_the_naive_implementation() {
         let got = run_all(&model, &cpu(Isa::Reference), &tokens);
         let d = max_diff(&got, &want);
         eprintln!(
-            "hidden {}: reference vs naive max |Δ log-prob| {d:.2e}, range {:.1}",
+            "{} hidden {}: reference vs naive max |Δ log-prob| {d:.2e}, range {:.1}",
+            spec.arch,
             spec.hidden,
             min_lp(&want)
         );
@@ -53,7 +54,7 @@ fn reference_kernels_match_the_naive_implementation() {
 
 #[test]
 fn fast_kernels_match_the_naive_implementation() {
-    for spec in [TinySpec::small(), TinySpec::k_quants()] {
+    for spec in [TinySpec::small(), TinySpec::k_quants(), TinySpec::qwen2()] {
         let (_dir, path) = write_tiny(&spec);
         let tokens: Vec<u32> = (0..40).map(|i| (i * 53 + 1) % 250 + 3).collect();
         let want = naive_logprobs(&path, &tokens);

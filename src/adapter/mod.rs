@@ -108,6 +108,9 @@ pub struct BaseShape {
     pub ffn: usize,
     /// One attention head's width (PEFT's q/k row order differs from GGUF's within a head).
     pub head_dim: usize,
+    /// The GGUF's q/k rows are permuted from Hugging Face's order (llama.cpp does it for LLaMA's
+    /// adjacent-pair RoPE): LoRA B rows of q_proj and k_proj are permuted on load and save.
+    pub qk_rows_permuted: bool,
 }
 
 /// A base model adapters can attach to.

@@ -253,8 +253,10 @@ fn permute_rows(src: &[f32], cols: usize, head_dim: usize, to_gguf: bool) -> Vec
     out
 }
 
-fn needs_permutation(method: &Method, target: Target, suffix: &str) -> bool {
-    matches!(method, Method::Lora(_))
+/// LoRA B rows of q_proj and k_proj, on a base whose GGUF q/k rows were permuted (LLaMA's).
+fn needs_permutation(layout: &AdapterLayout, target: Target, suffix: &str) -> bool {
+    layout.model.qk_rows_permuted
+        && matches!(layout.config.method, Method::Lora(_))
         && matches!(target, Target::Q | Target::K)
         && suffix == "lora_B.weight"
 }
@@ -355,7 +357,7 @@ fn from_safetensors_within(
                 ));
             }
             let vals = to_f32(&t.name, &view)?;
-            let vals = if needs_permutation(&layout.config.method, m.target, t.suffix) {
+            let vals = if needs_permutation(&layout, m.target, t.suffix) {
                 permute_rows(&vals, t.shape[1], model.head_dim, true)
             } else {
                 vals
@@ -413,7 +415,7 @@ pub fn values_to_safetensors(
     for m in layout.iter_modules() {
         for t in &m.tensors {
             let vals = &values[t.range.clone()];
-            let vals = if needs_permutation(&layout.config.method, m.target, t.suffix) {
+            let vals = if needs_permutation(layout, m.target, t.suffix) {
                 permute_rows(vals, t.shape[1], layout.model.head_dim, false)
             } else {
                 vals.to_vec()

@@ -40,6 +40,8 @@ pub struct TinySpec {
     /// Formats for q, k, v, o, gate, up, down, embedding.
     pub formats: [QuantType; 8],
     pub seed: u64,
+    /// `general.architecture`: "llama", or "qwen2" (q/k/v biases, NeoX RoPE).
+    pub arch: &'static str,
 }
 
 impl TinySpec {
@@ -55,6 +57,17 @@ impl TinySpec {
             tied: true,
             formats: [Q4_1, Q4_0, Q8_0, F16, Q4_1, BF16, Q8_0, Q8_0],
             seed: 11,
+            arch: "llama",
+        }
+    }
+
+    /// `small`, as a Qwen2 (biases on q, k and v; NeoX RoPE; untied output).
+    pub fn qwen2() -> TinySpec {
+        TinySpec {
+            arch: "qwen2",
+            tied: false,
+            seed: 13,
+            ..TinySpec::small()
         }
     }
     pub fn k_quants() -> TinySpec {
@@ -69,6 +82,7 @@ impl TinySpec {
             tied: false,
             formats: [Q4K, Q6K, Q4K, Q6K, Q4K, Q6K, Q4K, F32],
             seed: 12,
+            arch: "llama",
         }
     }
 }
@@ -130,17 +144,19 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
     let mut w = GgufWriter::new();
     let str_arr =
         |xs: &[String]| Value::Array(xs.iter().map(|x| Value::String(x.clone())).collect());
-    w.meta("general.architecture", Value::String("llama".into()))
+    let a = s.arch;
+    let k = |key: &str| format!("{a}.{key}");
+    w.meta("general.architecture", Value::String(a.into()))
         .meta("general.name", Value::String("tiny".into()))
-        .meta("llama.block_count", Value::U32(s.layers as u32))
-        .meta("llama.context_length", Value::U32(s.ctx as u32))
-        .meta("llama.embedding_length", Value::U32(s.hidden as u32))
-        .meta("llama.feed_forward_length", Value::U32(s.ffn as u32))
-        .meta("llama.attention.head_count", Value::U32(s.heads as u32))
-        .meta("llama.attention.head_count_kv", Value::U32(s.kv_heads as u32))
-        .meta("llama.rope.freq_base", Value::F32(10000.0))
-        .meta("llama.rope.dimension_count", Value::U32(hd as u32))
-        .meta("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+        .meta(&k("block_count"), Value::U32(s.layers as u32))
+        .meta(&k("context_length"), Value::U32(s.ctx as u32))
+        .meta(&k("embedding_length"), Value::U32(s.hidden as u32))
+        .meta(&k("feed_forward_length"), Value::U32(s.ffn as u32))
+        .meta(&k("attention.head_count"), Value::U32(s.heads as u32))
+        .meta(&k("attention.head_count_kv"), Value::U32(s.kv_heads as u32))
+        .meta(&k("rope.freq_base"), Value::F32(10000.0))
+        .meta(&k("rope.dimension_count"), Value::U32(hd as u32))
+        .meta(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
         .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
         .meta("tokenizer.ggml.pre", Value::String("smollm".into()))
         .meta("tokenizer.ggml.tokens", str_arr(&tokens))
@@ -185,6 +201,13 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         mat(&mut w, &mut rng, &n("ffn_gate"), s.ffn, s.hidden, f[4], 0.3);
         mat(&mut w, &mut rng, &n("ffn_up"), s.ffn, s.hidden, f[5], 0.3);
         mat(&mut w, &mut rng, &n("ffn_down"), s.hidden, s.ffn, f[6], 0.3);
+        if s.arch == "qwen2" {
+            for (t, len) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
+                let b = rng.vec(len, 0.5);
+                let name = format!("blk.{l}.{t}.bias");
+                w.tensor(&name, &[len as u64], QuantType::F32, quantize(QuantType::F32, &b));
+            }
+        }
         let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();
         w.tensor(
             &n("attn_norm"),

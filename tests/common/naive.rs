@@ -32,13 +32,16 @@ pub fn rmsnorm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
     x.iter().zip(w).map(|(a, b)| a * s * b).collect()
 }
 
-pub fn rope(x: &mut [f64], pos: usize, hd: usize, base: f64) {
+/// RoPE on each head of `x`: pairs (2i, 2i+1) for `llama` GGUFs, (i, i + hd/2) (GPT-NeoX's, as
+/// in Hugging Face's `rotate_half`) for the other families.
+pub fn rope(x: &mut [f64], pos: usize, hd: usize, base: f64, neox: bool) {
     for h in x.chunks_mut(hd) {
         for i in 0..hd / 2 {
             let th = pos as f64 * base.powf(-2.0 * i as f64 / hd as f64);
-            let (a, b) = (h[2 * i], h[2 * i + 1]);
-            h[2 * i] = a * th.cos() - b * th.sin();
-            h[2 * i + 1] = a * th.sin() + b * th.cos();
+            let (p, q) = if neox { (i, i + hd / 2) } else { (2 * i, 2 * i + 1) };
+            let (a, b) = (h[p], h[q]);
+            h[p] = a * th.cos() - b * th.sin();
+            h[q] = a * th.sin() + b * th.cos();
         }
     }
 }
@@ -58,18 +61,20 @@ pub fn naive_logprobs_with(
     project: &Project,
 ) -> Vec<Vec<f64>> {
     let g = Gguf::open(path).unwrap();
-    let get = |k: &str| g.get(k).unwrap().as_f64().unwrap();
+    let arch = g.get_str("general.architecture").unwrap().to_string();
+    let neox = arch != "llama";
+    let get = |k: &str| g.get(&format!("{arch}.{k}")).unwrap().as_f64().unwrap();
     let (layers, hidden) = (
-        get("llama.block_count") as usize,
-        get("llama.embedding_length") as usize,
+        get("block_count") as usize,
+        get("embedding_length") as usize,
     );
     let (heads, kvh) = (
-        get("llama.attention.head_count") as usize,
-        get("llama.attention.head_count_kv") as usize,
+        get("attention.head_count") as usize,
+        get("attention.head_count_kv") as usize,
     );
     let (base, eps) = (
-        get("llama.rope.freq_base"),
-        get("llama.attention.layer_norm_rms_epsilon"),
+        get("rope.freq_base"),
+        get("attention.layer_norm_rms_epsilon"),
     );
     let hd = hidden / heads;
     let emb = mat(&g, "token_embd.weight");
@@ -90,12 +95,22 @@ pub fn naive_logprobs_with(
         let mut qs = Vec::new();
         for (p, x) in xs.iter().enumerate() {
             let n = rmsnorm(x, &an, eps);
-            let (mut q, mut k) = (project(l, 0, &wq, &n), project(l, 1, &wk, &n));
-            rope(&mut q, p, hd, base);
-            rope(&mut k, p, hd, base);
+            // Biases (Qwen2) after the projection, adapters included (PEFT's order).
+            let bias = |t: &str, mut y: Vec<f64>| {
+                if let Some(b) = g.tensor(&format!("blk.{l}.{t}.bias")).map(|_| {
+                    mat(&g, &format!("blk.{l}.{t}.bias"))[0].clone()
+                }) {
+                    y.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                }
+                y
+            };
+            let mut q = bias("attn_q", project(l, 0, &wq, &n));
+            let mut k = bias("attn_k", project(l, 1, &wk, &n));
+            rope(&mut q, p, hd, base, neox);
+            rope(&mut k, p, hd, base, neox);
             qs.push(q);
             ks.push(k);
-            vs.push(project(l, 2, &wv, &n));
+            vs.push(bias("attn_v", project(l, 2, &wv, &n)));
         }
         for p in 0..xs.len() {
             let mut att = vec![0.0; heads * hd];

@@ -258,6 +258,11 @@ impl Llama {
         ]
         .map(|(target, weight, y)| Projection { target, weight, y });
         self.project(cpu, l, n, &mut qkv, groups, adapter);
+        for (y, b) in [(&mut *q, &layer.bq), (&mut *k, &layer.bk), (&mut *v, &layer.bv)] {
+            if let Some(b) = b {
+                add_bias(y, b);
+            }
+        }
         cpu.rope(
             q,
             io.rope,
@@ -504,6 +509,13 @@ impl Llama {
                 }
             }
         }
+    }
+}
+
+/// Add `b` to every row of `y` (rows of `b.len()`).
+fn add_bias(y: &mut [f32], b: &[f32]) {
+    for row in y.chunks_mut(b.len()) {
+        add_in_place(row, b);
     }
 }
 

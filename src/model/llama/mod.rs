@@ -64,6 +64,7 @@ impl crate::adapter::AdapterBase for LlamaConfig {
             kv_dim: self.kv_dim(),
             ffn: self.ffn,
             head_dim: self.head_dim,
+            qk_rows_permuted: self.rope_layout == RopeLayout::Adjacent,
         }
     }
 }
@@ -83,12 +84,19 @@ pub struct Layer {
     pub wq: Weight,
     pub wk: Weight,
     pub wv: Weight,
+    /// Added after the q, k and v products (Qwen2); None where the family has none.
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
     pub wo: Weight,
     pub ffn_norm: Vec<f32>,
     pub w_gate: Weight,
     pub w_up: Weight,
     pub w_down: Weight,
 }
+
+/// The `general.architecture` values this build reads.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2"];
 
 pub struct Llama {
     pub config: LlamaConfig,
@@ -106,11 +114,19 @@ impl Llama {
 
     pub fn from_gguf(g: Gguf) -> Result<Llama, ModelError> {
         let arch = g.get_str("general.architecture")?.to_string();
-        if arch != "llama" {
-            return Err(ModelError::Unsupported(format!(
-                "general.architecture = '{arch}' (only 'llama')"
-            )));
-        }
+        // What differs between the families read so far: the RoPE layout (llama.cpp's converter
+        // permutes LLaMA's q/k rows for adjacent pairs and keeps the others' NeoX order) and
+        // Qwen2's q/k/v biases (read below when the file has them).
+        let rope_layout = match arch.as_str() {
+            "llama" => RopeLayout::Adjacent,
+            "qwen2" => RopeLayout::Neox,
+            _ => {
+                return Err(ModelError::Unsupported(format!(
+                    "general.architecture = '{arch}': supported are {}",
+                    SUPPORTED_ARCHITECTURES.join(", ")
+                )))
+            }
+        };
         let k = |s: &str| format!("{arch}.{s}");
         let hidden = g.get_usize(&k("embedding_length"))?;
         let num_heads = g.get_usize(&k("attention.head_count"))?;
@@ -120,14 +136,18 @@ impl Llama {
         };
         if num_heads == 0
             || num_kv_heads == 0
-            || hidden % num_heads != 0
+            || (g.get(&k("attention.key_length")).is_none() && hidden % num_heads != 0)
             || num_heads % num_kv_heads != 0
         {
             return Err(ModelError::Unsupported(format!(
                 "{num_heads} heads, {num_kv_heads} KV heads, hidden {hidden}: heads must divide hidden and KV heads must divide heads"
             )));
         }
-        let head_dim = hidden / num_heads;
+        // Its own key where the family has one (Qwen3's head dim is not hidden / heads).
+        let head_dim = match g.get(&k("attention.key_length")) {
+            Some(_) => g.get_usize(&k("attention.key_length"))?,
+            None => hidden / num_heads,
+        };
         let rope_dim = match g.get(&k("rope.dimension_count")) {
             Some(_) => g.get_usize(&k("rope.dimension_count"))?,
             None => head_dim,
@@ -150,7 +170,7 @@ impl Llama {
             num_kv_heads,
             head_dim,
             rope_dim,
-            rope_layout: RopeLayout::Adjacent,
+            rope_layout,
             rope_base: match g.get(&k("rope.freq_base")) {
                 Some(_) => g.get_f32(&k("rope.freq_base"))?,
                 None => 10000.0,
@@ -164,7 +184,17 @@ impl Llama {
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let bias = |s: &str, len: usize| -> Result<Option<Vec<f32>>, ModelError> {
+                let name = format!("blk.{l}.{s}.bias");
+                match g.tensor(&name) {
+                    Some(_) => vector(&g, &name, len).map(Some),
+                    None => Ok(None),
+                }
+            };
             layers.push(Layer {
+                bq: bias("attn_q", c.q_dim())?,
+                bk: bias("attn_k", c.kv_dim())?,
+                bv: bias("attn_v", c.kv_dim())?,
                 attn_norm: vector(&g, &n("attn_norm"), c.hidden)?,
                 wq: weight(&g, &n("attn_q"), c.q_dim(), c.hidden)?,
                 wk: weight(&g, &n("attn_k"), c.kv_dim(), c.hidden)?,
