@@ -280,3 +280,39 @@ fn versions_publish_while_streams_run_and_no_request_fails() {
     assert!(status(&s, "l")["version"].as_u64().unwrap() >= 7);
     eprintln!("versions seen by the streams: {seen:?}");
 }
+
+#[test]
+fn a_qwen2_model_serves_chat_and_completions_and_learns() {
+    let (dir, path) = write_tiny(&common::TinySpec {
+        ctx: 512,
+        ..common::TinySpec::qwen2()
+    });
+    let s = start_learning(&path, &dir.path().join("data"), &online(1000), &["l"]);
+    let r = call(
+        &s,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"model": "tiny", "prompt": "hello", "max_tokens": 4, "logprobs": 1})),
+        USER,
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    assert_eq!(
+        r.json()["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .len(),
+        4
+    );
+    let id = sample(&s, "l", 2, 3, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let items =
+        json!([{"id": id, "choice": 0, "reward": 1.0}, {"id": id, "choice": 1, "reward": 0.0}]);
+    let r = call(&s, "POST", "/v1/feedback", Some(&items), USER);
+    assert_eq!(r.status, 202, "{}", r.body_text());
+    let st = wait_status(&s, "l", 60, |st| st["steps"] == 1);
+    assert_eq!(st["state"], "running", "{st}");
+    // The step's log-probs of its own samples equal the served ones.
+    assert_eq!(st["last"]["logprob_diff_max"], 0.0, "{st}");
+}

@@ -59,7 +59,13 @@ fn lora4() -> Method {
 
 #[test]
 fn served_log_probs_equal_the_training_forward_bitwise() {
-    let (_dir, path) = write_tiny(&TinySpec::small());
+    for spec in [TinySpec::small(), TinySpec::qwen2()] {
+        served_equal_training(&spec);
+    }
+}
+
+fn served_equal_training(spec: &TinySpec) {
+    let (_dir, path) = write_tiny(spec);
     let model = Arc::new(Llama::open(&path).unwrap());
     let tok = Arc::new(Tokenizer::from_gguf(&model.gguf).unwrap());
     let base = Base {
@@ -132,7 +138,13 @@ fn served_log_probs_equal_the_training_forward_bitwise() {
 /// kernels, f64 sums) on a sample of parameters from every layer and target.
 #[test]
 fn adapter_gradients_equal_finite_differences() {
-    let (_dir, path) = write_tiny(&TinySpec::small());
+    for spec in [TinySpec::small(), TinySpec::qwen2()] {
+        gradients_equal_finite_differences(&spec);
+    }
+}
+
+fn gradients_equal_finite_differences(spec: &TinySpec) {
+    let (_dir, path) = write_tiny(spec);
     let model = Llama::open(&path).unwrap();
     let c = cpu(Isa::Reference);
     let t1: Vec<u32> = (0..9).map(|t| (t * 29 + 4) % 250 + 3).collect();
@@ -182,7 +194,10 @@ fn adapter_gradients_equal_finite_differences() {
                 }
             }
         }
-        eprintln!("{name}: {checked} parameters, worst relative error {worst:.2e}");
+        eprintln!(
+            "{} {name}: {checked} parameters, worst relative error {worst:.2e}",
+            spec.arch
+        );
         assert!(
             g.iter().any(|v| v.abs() > 1e-3),
             "{name}: all gradients vanish"
@@ -216,7 +231,13 @@ fn gradient(
 /// inputs) gives the same gradient to the bit, with the reference and the fast kernels.
 #[test]
 fn kept_and_recomputed_activations_give_the_same_gradient() {
-    let (_dir, path) = write_tiny(&TinySpec::small());
+    for spec in [TinySpec::small(), TinySpec::qwen2()] {
+        kept_and_recomputed_case(&spec);
+    }
+}
+
+fn kept_and_recomputed_case(spec: &TinySpec) {
+    let (_dir, path) = write_tiny(spec);
     let model = Llama::open(&path).unwrap();
     let t1: Vec<u32> = (0..21).map(|t| (t * 29 + 4) % 250 + 3).collect();
     let t2: Vec<u32> = (0..13).map(|t| (t * 13 + 11) % 250 + 3).collect();

@@ -482,6 +482,7 @@ fn sync_dir(path: &Path) -> Result<(), AdapterError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::adapter::BaseShape;
 
     #[test]
     fn qk_row_permutation_pairs_halves_and_inverts() {
@@ -520,5 +521,43 @@ mod tests {
             .starts_with("use_dora"));
         let round = parse_config(&config_json(&parse_config(&base).unwrap())).unwrap();
         assert_eq!(round, parse_config(&base).unwrap());
+    }
+
+    #[test]
+    fn lora_b_rows_of_q_and_k_are_permuted_only_for_llama_gguf_bases() {
+        let shape = |permuted| BaseShape {
+            num_layers: 1,
+            hidden: 8,
+            q_dim: 8,
+            kv_dim: 8,
+            ffn: 8,
+            head_dim: 4,
+            qk_rows_permuted: permuted,
+        };
+        let cfg = AdapterConfig {
+            method: Method::Lora(LoraConfig {
+                r: 2,
+                alpha: 2.0,
+                use_rslora: false,
+            }),
+            targets: vec![Target::Q],
+            base_model: String::new(),
+        };
+        for permuted in [true, false] {
+            let layout = Arc::new(AdapterLayout::new(cfg.clone(), &shape(permuted)).unwrap());
+            let params: Vec<f32> = (0..layout.num_params).map(|v| v as f32).collect();
+            let w = AdapterWeights::new(layout.clone(), params.clone()).unwrap();
+            let bytes = to_safetensors(&w).unwrap();
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            let b = layout
+                .tensors()
+                .find(|t| t.suffix == "lora_B.weight")
+                .unwrap();
+            let saved = to_f32(&b.name, &st.tensor(&b.name).unwrap()).unwrap();
+            assert_eq!(saved == params[b.range.clone()], !permuted, "{permuted}");
+            // Loading undoes what saving did, either way.
+            let back = from_safetensors(cfg.clone(), &bytes, &shape(permuted)).unwrap();
+            assert_eq!(back.params, params);
+        }
     }
 }

@@ -205,7 +205,12 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
             for (t, len) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
                 let b = rng.vec(len, 0.5);
                 let name = format!("blk.{l}.{t}.bias");
-                w.tensor(&name, &[len as u64], QuantType::F32, quantize(QuantType::F32, &b));
+                w.tensor(
+                    &name,
+                    &[len as u64],
+                    QuantType::F32,
+                    quantize(QuantType::F32, &b),
+                );
             }
         }
         let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();

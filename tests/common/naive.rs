@@ -38,7 +38,11 @@ pub fn rope(x: &mut [f64], pos: usize, hd: usize, base: f64, neox: bool) {
     for h in x.chunks_mut(hd) {
         for i in 0..hd / 2 {
             let th = pos as f64 * base.powf(-2.0 * i as f64 / hd as f64);
-            let (p, q) = if neox { (i, i + hd / 2) } else { (2 * i, 2 * i + 1) };
+            let (p, q) = if neox {
+                (i, i + hd / 2)
+            } else {
+                (2 * i, 2 * i + 1)
+            };
             let (a, b) = (h[p], h[q]);
             h[p] = a * th.cos() - b * th.sin();
             h[q] = a * th.sin() + b * th.cos();
@@ -97,9 +101,10 @@ pub fn naive_logprobs_with(
             let n = rmsnorm(x, &an, eps);
             // Biases (Qwen2) after the projection, adapters included (PEFT's order).
             let bias = |t: &str, mut y: Vec<f64>| {
-                if let Some(b) = g.tensor(&format!("blk.{l}.{t}.bias")).map(|_| {
-                    mat(&g, &format!("blk.{l}.{t}.bias"))[0].clone()
-                }) {
+                if let Some(b) = g
+                    .tensor(&format!("blk.{l}.{t}.bias"))
+                    .map(|_| mat(&g, &format!("blk.{l}.{t}.bias"))[0].clone())
+                {
                     y.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
                 }
                 y

@@ -258,7 +258,11 @@ impl Llama {
         ]
         .map(|(target, weight, y)| Projection { target, weight, y });
         self.project(cpu, l, n, &mut qkv, groups, adapter);
-        for (y, b) in [(&mut *q, &layer.bq), (&mut *k, &layer.bk), (&mut *v, &layer.bv)] {
+        for (y, b) in [
+            (&mut *q, &layer.bq),
+            (&mut *k, &layer.bk),
+            (&mut *v, &layer.bv),
+        ] {
             if let Some(b) = b {
                 add_bias(y, b);
             }

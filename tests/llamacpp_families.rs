@@ -1,0 +1,70 @@
+//! Each model family against llama.cpp on the same tiny GGUF (f32 weights, so neither side
+//! quantizes activations): next-token log-probs at every position of a sequence. llama.cpp reads
+//! the file through llama-cpp-python (a test dependency, installed by `scripts/test`); without it
+//! the test says so and checks nothing.
+
+mod common;
+
+use common::{logprobs_all, write_tiny, TinySpec};
+use flywheel::kernels::{Cpu, QuantType};
+use flywheel::model::llama::Llama;
+use std::process::Command;
+
+/// llama.cpp's log-probs of the next token after each prefix of `tokens` (None: no llama_cpp).
+fn llamacpp_logprobs(path: &std::path::Path, tokens: &[u32]) -> Option<Vec<Vec<f64>>> {
+    let script = r#"
+import json, sys
+import numpy as np
+try:
+    import llama_cpp
+except ImportError:
+    print("null"); sys.exit(0)
+path, tokens = sys.argv[1], json.loads(sys.argv[2])
+llm = llama_cpp.Llama(model_path=path, n_ctx=64, logits_all=True, verbose=False, n_threads=1,
+                      type_k=0, type_v=0)  # f32 K/V: no f16 rounding on either side
+llm.eval(tokens)
+out = []
+for i in range(len(tokens)):
+    z = np.array(llm.scores[i], dtype=np.float64)
+    m = z.max()
+    out.append((z - m - np.log(np.exp(z - m).sum())).tolist())
+print(json.dumps(out))
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, path.to_str().unwrap()])
+        .arg(serde_json::to_string(tokens).unwrap())
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn every_family_agrees_with_llama_cpp_on_the_same_file() {
+    for spec in [TinySpec::small(), TinySpec::qwen2()] {
+        let spec = TinySpec {
+            formats: [QuantType::F32; 8],
+            ctx: 64,
+            ..spec
+        };
+        let (_dir, path) = write_tiny(&spec);
+        let tokens: Vec<u32> = (0..24).map(|i| (i * 41 + 7) % 250 + 3).collect();
+        let Some(want) = llamacpp_logprobs(&path, &tokens) else {
+            eprintln!("skipped: llama_cpp (llama-cpp-python) is not installed");
+            return;
+        };
+        let model = Llama::open(&path).unwrap();
+        let got = logprobs_all(&model, &Cpu::detect(), &tokens, None);
+        let d = got
+            .iter()
+            .zip(&want)
+            .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (*x as f64 - y).abs()))
+            .fold(0.0, f64::max);
+        eprintln!("{}: max |Δ log-prob| vs llama.cpp {d:.2e}", spec.arch);
+        assert!(d < 1e-4, "{}: max |Δ log-prob| vs llama.cpp {d}", spec.arch);
+    }
+}
