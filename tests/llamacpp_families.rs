@@ -45,7 +45,7 @@ print(json.dumps(out))
 
 #[test]
 fn every_family_agrees_with_llama_cpp_on_the_same_file() {
-    for spec in [TinySpec::small(), TinySpec::qwen2()] {
+    for spec in [TinySpec::small(), TinySpec::qwen2(), TinySpec::qwen3()] {
         let spec = TinySpec {
             formats: [QuantType::F32; 8],
             ctx: 64,

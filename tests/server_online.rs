@@ -282,11 +282,14 @@ fn versions_publish_while_streams_run_and_no_request_fails() {
 }
 
 #[test]
-fn a_qwen2_model_serves_chat_and_completions_and_learns() {
-    let (dir, path) = write_tiny(&common::TinySpec {
-        ctx: 512,
-        ..common::TinySpec::qwen2()
-    });
+fn qwen2_and_qwen3_models_serve_chat_and_completions_and_learn() {
+    for spec in [common::TinySpec::qwen2(), common::TinySpec::qwen3()] {
+        serves_and_learns(spec);
+    }
+}
+
+fn serves_and_learns(spec: common::TinySpec) {
+    let (dir, path) = write_tiny(&common::TinySpec { ctx: 512, ..spec });
     let s = start_learning(&path, &dir.path().join("data"), &online(1000), &["l"]);
     let r = call(
         &s,

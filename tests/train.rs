@@ -59,7 +59,7 @@ fn lora4() -> Method {
 
 #[test]
 fn served_log_probs_equal_the_training_forward_bitwise() {
-    for spec in [TinySpec::small(), TinySpec::qwen2()] {
+    for spec in [TinySpec::small(), TinySpec::qwen2(), TinySpec::qwen3()] {
         served_equal_training(&spec);
     }
 }
@@ -138,7 +138,7 @@ fn served_equal_training(spec: &TinySpec) {
 /// kernels, f64 sums) on a sample of parameters from every layer and target.
 #[test]
 fn adapter_gradients_equal_finite_differences() {
-    for spec in [TinySpec::small(), TinySpec::qwen2()] {
+    for spec in [TinySpec::small(), TinySpec::qwen2(), TinySpec::qwen3()] {
         gradients_equal_finite_differences(&spec);
     }
 }
@@ -231,7 +231,7 @@ fn gradient(
 /// inputs) gives the same gradient to the bit, with the reference and the fast kernels.
 #[test]
 fn kept_and_recomputed_activations_give_the_same_gradient() {
-    for spec in [TinySpec::small(), TinySpec::qwen2()] {
+    for spec in [TinySpec::small(), TinySpec::qwen2(), TinySpec::qwen3()] {
         kept_and_recomputed_case(&spec);
     }
 }
@@ -255,7 +255,10 @@ fn kept_and_recomputed_case(spec: &TinySpec) {
             // Budgets for none, one and all but one layer (q, k, v, attention, residual, gate, up).
             let m = &model.config;
             let t = t1.len() + t2.len();
-            let per_layer = t * (2 * m.q_dim() + 2 * m.kv_dim() + m.hidden + 2 * m.ffn) * 4;
+            // Families with q/k norms also keep q and k before them.
+            let qk_lin = if m.qk_norm { m.q_dim() + m.kv_dim() } else { 0 };
+            let per_layer =
+                t * (2 * m.q_dim() + 2 * m.kv_dim() + m.hidden + 2 * m.ffn + qk_lin) * 4;
             for (budget, want) in [
                 (per_layer - 1, 0),
                 (per_layer, 1),

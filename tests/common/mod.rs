@@ -40,8 +40,11 @@ pub struct TinySpec {
     /// Formats for q, k, v, o, gate, up, down, embedding.
     pub formats: [QuantType; 8],
     pub seed: u64,
-    /// `general.architecture`: "llama", or "qwen2" (q/k/v biases, NeoX RoPE).
+    /// `general.architecture`: "llama", "qwen2" (q/k/v biases, NeoX RoPE) or "qwen3" (per-head
+    /// q/k norms, NeoX RoPE).
     pub arch: &'static str,
+    /// Written as `attention.key_length` when set (else hidden / heads).
+    pub head_dim: Option<usize>,
 }
 
 impl TinySpec {
@@ -58,6 +61,17 @@ impl TinySpec {
             formats: [Q4_1, Q4_0, Q8_0, F16, Q4_1, BF16, Q8_0, Q8_0],
             seed: 11,
             arch: "llama",
+            head_dim: None,
+        }
+    }
+
+    /// `small`, as a Qwen3 (per-head q/k norms, NeoX RoPE, a head dim that is not hidden / heads).
+    pub fn qwen3() -> TinySpec {
+        TinySpec {
+            arch: "qwen3",
+            head_dim: Some(32),
+            seed: 17,
+            ..TinySpec::small()
         }
     }
 
@@ -83,6 +97,7 @@ impl TinySpec {
             formats: [Q4K, Q6K, Q4K, Q6K, Q4K, Q6K, Q4K, F32],
             seed: 12,
             arch: "llama",
+            head_dim: None,
         }
     }
 }
@@ -139,7 +154,7 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
     let (tokens, types, merges) = vocab();
     let v = tokens.len();
     let s = spec;
-    let hd = s.hidden / s.heads;
+    let hd = s.head_dim.unwrap_or(s.hidden / s.heads);
     let mut rng = Rng(s.seed);
     let mut w = GgufWriter::new();
     let str_arr =
@@ -156,8 +171,12 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         .meta(&k("attention.head_count_kv"), Value::U32(s.kv_heads as u32))
         .meta(&k("rope.freq_base"), Value::F32(10000.0))
         .meta(&k("rope.dimension_count"), Value::U32(hd as u32))
-        .meta(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
-        .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .meta(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+    if let Some(d) = s.head_dim {
+        w.meta(&k("attention.key_length"), Value::U32(d as u32))
+            .meta(&k("attention.value_length"), Value::U32(d as u32));
+    }
+    w.meta("tokenizer.ggml.model", Value::String("gpt2".into()))
         .meta("tokenizer.ggml.pre", Value::String("smollm".into()))
         .meta("tokenizer.ggml.tokens", str_arr(&tokens))
         .meta("tokenizer.ggml.token_type", Value::Array(types.iter().map(|t| Value::I32(*t)).collect()))
@@ -201,6 +220,17 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         mat(&mut w, &mut rng, &n("ffn_gate"), s.ffn, s.hidden, f[4], 0.3);
         mat(&mut w, &mut rng, &n("ffn_up"), s.ffn, s.hidden, f[5], 0.3);
         mat(&mut w, &mut rng, &n("ffn_down"), s.hidden, s.ffn, f[6], 0.3);
+        if s.arch == "qwen3" {
+            for t in ["attn_q_norm", "attn_k_norm"] {
+                let norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.3 * rng.uniform()).collect();
+                w.tensor(
+                    &n(t),
+                    &[hd as u64],
+                    QuantType::F32,
+                    quantize(QuantType::F32, &norm),
+                );
+            }
+        }
         if s.arch == "qwen2" {
             for (t, len) in [("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)] {
                 let b = rng.vec(len, 0.5);

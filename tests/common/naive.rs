@@ -80,7 +80,9 @@ pub fn naive_logprobs_with(
         get("rope.freq_base"),
         get("attention.layer_norm_rms_epsilon"),
     );
-    let hd = hidden / heads;
+    let hd = g
+        .get(&format!("{arch}.attention.key_length"))
+        .map_or(hidden / heads, |v| v.as_f64().unwrap() as usize);
     let emb = mat(&g, "token_embd.weight");
     let out = if g.tensor("output.weight").is_some() {
         mat(&g, "output.weight")
@@ -111,6 +113,14 @@ pub fn naive_logprobs_with(
             };
             let mut q = bias("attn_q", project(l, 0, &wq, &n));
             let mut k = bias("attn_k", project(l, 1, &wk, &n));
+            // Per-head RMSNorm of q and k (Qwen3), before RoPE.
+            for (y, t) in [(&mut q, "attn_q_norm"), (&mut k, "attn_k_norm")] {
+                if g.tensor(&format!("blk.{l}.{t}.weight")).is_some() {
+                    let w = m(t)[0].clone();
+                    let normed: Vec<f64> = y.chunks(hd).flat_map(|h| rmsnorm(h, &w, eps)).collect();
+                    *y = normed;
+                }
+            }
             rope(&mut q, p, hd, base, neox);
             rope(&mut k, p, hd, base, neox);
             qs.push(q);

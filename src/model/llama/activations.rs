@@ -15,6 +15,9 @@ pub(super) struct LayerActs {
     pub hx: Vec<f32>,
     pub gate: Vec<f32>,
     pub up: Vec<f32>,
+    /// q and k before their per-head norms (families with q/k norms; empty otherwise).
+    pub q_lin: Vec<f32>,
+    pub k_lin: Vec<f32>,
 }
 
 /// What `forward_store` keeps: every layer's input, and the activations of layers
@@ -29,5 +32,6 @@ pub(super) struct ActStore {
 
 /// Bytes of one layer's `LayerActs` for `t` tokens.
 pub(super) fn layer_act_bytes(c: &super::LlamaConfig, t: usize) -> usize {
-    t * (2 * c.q_dim() + 2 * c.kv_dim() + c.hidden + 2 * c.ffn) * 4
+    let qk_lin = if c.qk_norm { c.q_dim() + c.kv_dim() } else { 0 };
+    t * (2 * c.q_dim() + 2 * c.kv_dim() + c.hidden + 2 * c.ffn + qk_lin) * 4
 }

@@ -267,6 +267,13 @@ impl Llama {
                 add_bias(y, b);
             }
         }
+        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            if let Some(a) = keep.as_deref_mut() {
+                (a.q_lin, a.k_lin) = (q.to_vec(), k.to_vec());
+            }
+            head_norm(cpu, q, qn, c.eps);
+            head_norm(cpu, k, kn, c.eps);
+        }
         cpu.rope(
             q,
             io.rope,
@@ -514,6 +521,12 @@ impl Llama {
             }
         }
     }
+}
+
+/// RMSNorm of every head of `y` (rows of `w.len()` = head_dim), in place.
+fn head_norm(cpu: &Cpu, y: &mut [f32], w: &[f32], eps: f32) {
+    let x = y.to_vec();
+    cpu.rmsnorm(&x, w, eps, y);
 }
 
 /// Add `b` to every row of `y` (rows of `b.len()`).

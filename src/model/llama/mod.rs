@@ -43,6 +43,8 @@ pub struct LlamaConfig {
     pub rope_layout: RopeLayout,
     pub eps: f32,
     pub context_length: usize,
+    /// Each head's q and k are RMS-normed before RoPE (Qwen3: `attn_q_norm`, `attn_k_norm`).
+    pub qk_norm: bool,
     pub vocab_size: usize,
 }
 
@@ -88,6 +90,9 @@ pub struct Layer {
     pub bq: Option<Vec<f32>>,
     pub bk: Option<Vec<f32>>,
     pub bv: Option<Vec<f32>>,
+    /// RMSNorm weights (head_dim) of each head's q and k, before RoPE (Qwen3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
     pub wo: Weight,
     pub ffn_norm: Vec<f32>,
     pub w_gate: Weight,
@@ -96,7 +101,7 @@ pub struct Layer {
 }
 
 /// The `general.architecture` values this build reads.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
 
 pub struct Llama {
     pub config: LlamaConfig,
@@ -116,10 +121,10 @@ impl Llama {
         let arch = g.get_str("general.architecture")?.to_string();
         // What differs between the families read so far: the RoPE layout (llama.cpp's converter
         // permutes LLaMA's q/k rows for adjacent pairs and keeps the others' NeoX order) and
-        // Qwen2's q/k/v biases (read below when the file has them).
+        // Qwen2's q/k/v biases and Qwen3's per-head q/k norms (read below when the file has them).
         let rope_layout = match arch.as_str() {
             "llama" => RopeLayout::Adjacent,
-            "qwen2" => RopeLayout::Neox,
+            "qwen2" | "qwen3" => RopeLayout::Neox,
             _ => {
                 return Err(ModelError::Unsupported(format!(
                     "general.architecture = '{arch}': supported are {}",
@@ -177,6 +182,7 @@ impl Llama {
             },
             eps: g.get_f32(&k("attention.layer_norm_rms_epsilon"))?,
             context_length: g.get_usize(&k("context_length"))?,
+            qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
             vocab_size,
         };
         let c = &config;
@@ -191,7 +197,16 @@ impl Llama {
                     None => Ok(None),
                 }
             };
+            // Every layer has them, or none (a missing one is an error naming it).
+            let head_norm = |s: &str| -> Result<Option<Vec<f32>>, ModelError> {
+                match c.qk_norm {
+                    true => vector(&g, &n(s), c.head_dim).map(Some),
+                    false => Ok(None),
+                }
+            };
             layers.push(Layer {
+                q_norm: head_norm("attn_q_norm")?,
+                k_norm: head_norm("attn_k_norm")?,
                 bq: bias("attn_q", c.q_dim())?,
                 bk: bias("attn_k", c.kv_dim())?,
                 bv: bias("attn_v", c.kv_dim())?,

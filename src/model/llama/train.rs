@@ -441,7 +441,8 @@ impl Llama {
                     (&mut dq, &mut dk, &mut dv),
                 );
             }
-            drop(a);
+            let (q_lin, k_lin) = (a.q_lin, a.k_lin);
+            drop((a.q, a.k, a.v, a.att));
             let layout = c.rope_layout;
             cpu.rope_backward(&mut dq, &rope, c.num_heads, c.head_dim, c.rope_dim, layout);
             cpu.rope_backward(
@@ -452,6 +453,13 @@ impl Llama {
                 c.rope_dim,
                 layout,
             );
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                // Through the per-head norms, from the products they normed.
+                let (mut dql, mut dkl) = (z(t * qd), z(t * kvd));
+                cpu.rmsnorm_backward(&q_lin, qn, c.eps, &dq, &mut dql);
+                cpu.rmsnorm_backward(&k_lin, kn, c.eps, &dk, &mut dkl);
+                (dq, dk) = (dql, dkl);
+            }
             let mut dn =
                 self.linear_backward_adapted(cpu, adapter, l, Target::Q, &layer.wq, &n, &dq, grads);
             for (target, w, d) in [(Target::K, &layer.wk, &dk), (Target::V, &layer.wv, &dv)] {
