@@ -45,7 +45,12 @@ print(json.dumps(out))
 
 #[test]
 fn every_family_agrees_with_llama_cpp_on_the_same_file() {
-    for spec in [TinySpec::small(), TinySpec::qwen2(), TinySpec::qwen3()] {
+    for spec in [
+        TinySpec::small(),
+        TinySpec::llama3(),
+        TinySpec::qwen2(),
+        TinySpec::qwen3(),
+    ] {
         let spec = TinySpec {
             formats: [QuantType::F32; 8],
             ctx: 64,

@@ -35,6 +35,7 @@ fn reference_kernels_match_the_naive_implementation() {
     for spec in [
         TinySpec::small(),
         TinySpec::k_quants(),
+        TinySpec::llama3(),
         TinySpec::qwen2(),
         TinySpec::qwen3(),
     ] {
@@ -62,6 +63,7 @@ fn fast_kernels_match_the_naive_implementation() {
     for spec in [
         TinySpec::small(),
         TinySpec::k_quants(),
+        TinySpec::llama3(),
         TinySpec::qwen2(),
         TinySpec::qwen3(),
     ] {
@@ -72,7 +74,8 @@ fn fast_kernels_match_the_naive_implementation() {
         for isa in Isa::available() {
             let d = max_diff(&run_all(&model, &cpu(isa), &tokens), &want);
             eprintln!(
-                "hidden {}: {isa:?} vs naive max |Δ log-prob| {d:.2e}, range {:.1}",
+                "{} hidden {}: {isa:?} vs naive max |Δ log-prob| {d:.2e}, range {:.1}",
+                spec.arch,
                 spec.hidden,
                 min_lp(&want)
             );

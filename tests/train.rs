@@ -59,7 +59,12 @@ fn lora4() -> Method {
 
 #[test]
 fn served_log_probs_equal_the_training_forward_bitwise() {
-    for spec in [TinySpec::small(), TinySpec::qwen2(), TinySpec::qwen3()] {
+    for spec in [
+        TinySpec::small(),
+        TinySpec::llama3(),
+        TinySpec::qwen2(),
+        TinySpec::qwen3(),
+    ] {
         served_equal_training(&spec);
     }
 }
@@ -138,7 +143,12 @@ fn served_equal_training(spec: &TinySpec) {
 /// kernels, f64 sums) on a sample of parameters from every layer and target.
 #[test]
 fn adapter_gradients_equal_finite_differences() {
-    for spec in [TinySpec::small(), TinySpec::qwen2(), TinySpec::qwen3()] {
+    for spec in [
+        TinySpec::small(),
+        TinySpec::llama3(),
+        TinySpec::qwen2(),
+        TinySpec::qwen3(),
+    ] {
         gradients_equal_finite_differences(&spec);
     }
 }
@@ -231,7 +241,12 @@ fn gradient(
 /// inputs) gives the same gradient to the bit, with the reference and the fast kernels.
 #[test]
 fn kept_and_recomputed_activations_give_the_same_gradient() {
-    for spec in [TinySpec::small(), TinySpec::qwen2(), TinySpec::qwen3()] {
+    for spec in [
+        TinySpec::small(),
+        TinySpec::llama3(),
+        TinySpec::qwen2(),
+        TinySpec::qwen3(),
+    ] {
         kept_and_recomputed_case(&spec);
     }
 }

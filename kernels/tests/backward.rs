@@ -154,7 +154,7 @@ fn rope_backward_case(layout: RopeLayout) {
     let mut rng = Rng(33);
     let (heads, hd, rope_dim) = (3, 16, 12);
     let positions = [0u32, 5, 77];
-    let table = rope_table(&positions, rope_dim, 10000.0);
+    let table = rope_table(&positions, rope_dim, 10000.0, None);
     let x = rng.vec(positions.len() * heads * hd, 1.0);
     let dy = rng.vec(x.len(), 1.0);
     let mut want = dy.clone();

@@ -286,7 +286,7 @@ fn rope_table_rotates_adjacent_and_neox_pairs_like_the_formula() {
         let mut got = x.clone();
         ops::rope(
             &mut got,
-            &ops::rope_table(&positions, hd, base),
+            &ops::rope_table(&positions, hd, base, None),
             heads,
             hd,
             hd,
@@ -312,6 +312,16 @@ fn rope_table_rotates_adjacent_and_neox_pairs_like_the_formula() {
     reference::rope(&mut n, &positions, heads, hd, hd, base, RopeLayout::Neox);
     let row = heads * hd;
     assert_ne!(&a[row..2 * row], &n[row..2 * row]);
+    // Llama 3's frequency factors divide each pair's angle.
+    let factors = [1.0f32, 2.0, 4.0, 8.0];
+    let t = ops::rope_table(&positions, hd, base, Some(&factors));
+    for (k, &p) in positions.iter().enumerate() {
+        for (i, f) in factors.iter().enumerate() {
+            let th = p as f64 * (base as f64).powf(-2.0 * i as f64 / hd as f64) / *f as f64;
+            let (c, s) = (t[k * hd + 2 * i], t[k * hd + 2 * i + 1]);
+            assert!((c as f64 - th.cos()).abs() < 1e-6 && (s as f64 - th.sin()).abs() < 1e-6);
+        }
+    }
     // One NeoX pair, written out: position 1, head 0, pair 0 = (x[0], x[hd/2]), angle 1 rad.
     let (c, s) = (1f32.cos(), 1f32.sin());
     let (x0, x4) = (x[row], x[row + hd / 2]);

@@ -45,6 +45,8 @@ pub struct TinySpec {
     pub arch: &'static str,
     /// Written as `attention.key_length` when set (else hidden / heads).
     pub head_dim: Option<usize>,
+    /// Llama 3's RoPE frequency factors (a `rope_freqs.weight` tensor).
+    pub rope_freqs: bool,
 }
 
 impl TinySpec {
@@ -62,6 +64,17 @@ impl TinySpec {
             seed: 11,
             arch: "llama",
             head_dim: None,
+            rope_freqs: false,
+        }
+    }
+
+    /// `small`, as a Llama 3 (RoPE frequency factors, 4 query heads per KV head).
+    pub fn llama3() -> TinySpec {
+        TinySpec {
+            kv_heads: 1,
+            rope_freqs: true,
+            seed: 19,
+            ..TinySpec::small()
         }
     }
 
@@ -98,6 +111,7 @@ impl TinySpec {
             seed: 12,
             arch: "llama",
             head_dim: None,
+            rope_freqs: false,
         }
     }
 }
@@ -256,6 +270,18 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
             &[s.hidden as u64],
             QuantType::F32,
             quantize(QuantType::F32, &norm),
+        );
+    }
+    if s.rope_freqs {
+        // Factors from 1 (high frequencies) to 8 (low ones), as Llama 3.1's shape them.
+        let f: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 + 7.0 * (i as f32 / (hd / 2) as f32))
+            .collect();
+        w.tensor(
+            "rope_freqs.weight",
+            &[(hd / 2) as u64],
+            QuantType::F32,
+            quantize(QuantType::F32, &f),
         );
     }
     let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.2 * rng.uniform()).collect();

@@ -34,10 +34,12 @@ pub fn rmsnorm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
 
 /// RoPE on each head of `x`: pairs (2i, 2i+1) for `llama` GGUFs, (i, i + hd/2) (GPT-NeoX's, as
 /// in Hugging Face's `rotate_half`) for the other families.
-pub fn rope(x: &mut [f64], pos: usize, hd: usize, base: f64, neox: bool) {
+/// `factors`: Llama 3's per-frequency divisors of the angle (`rope_freqs`).
+pub fn rope(x: &mut [f64], pos: usize, hd: usize, base: f64, neox: bool, factors: &[f64]) {
     for h in x.chunks_mut(hd) {
         for i in 0..hd / 2 {
-            let th = pos as f64 * base.powf(-2.0 * i as f64 / hd as f64);
+            let f = factors.get(i).copied().unwrap_or(1.0);
+            let th = pos as f64 * base.powf(-2.0 * i as f64 / hd as f64) / f;
             let (p, q) = if neox {
                 (i, i + hd / 2)
             } else {
@@ -83,6 +85,11 @@ pub fn naive_logprobs_with(
     let hd = g
         .get(&format!("{arch}.attention.key_length"))
         .map_or(hidden / heads, |v| v.as_f64().unwrap() as usize);
+    let factors: Vec<f64> = if g.tensor("rope_freqs.weight").is_some() {
+        mat(&g, "rope_freqs.weight")[0].clone()
+    } else {
+        Vec::new()
+    };
     let emb = mat(&g, "token_embd.weight");
     let out = if g.tensor("output.weight").is_some() {
         mat(&g, "output.weight")
@@ -121,8 +128,8 @@ pub fn naive_logprobs_with(
                     *y = normed;
                 }
             }
-            rope(&mut q, p, hd, base, neox);
-            rope(&mut k, p, hd, base, neox);
+            rope(&mut q, p, hd, base, neox, &factors);
+            rope(&mut k, p, hd, base, neox, &factors);
             qs.push(q);
             ks.push(k);
             vs.push(bias("attn_v", project(l, 2, &wv, &n)));

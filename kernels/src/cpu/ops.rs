@@ -52,12 +52,21 @@ unsafe fn rmsnorm_g<S: Simd>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// The RoPE table for `positions`: per token, `rope_dim / 2` pairs (cos, sin) of pos * base^(-2i/rope_dim),
+/// The RoPE table for `positions`: per token, `rope_dim / 2` pairs (cos, sin) of
+/// pos * base^(-2i/rope_dim) / factors[i] (Llama 3's frequency factors, `rope_freqs`; 1 without),
 /// computed in f64. Shared by every layer and head of a forward pass.
-pub fn rope_table(positions: &[u32], rope_dim: usize, base: f32) -> Vec<f32> {
+pub fn rope_table(
+    positions: &[u32],
+    rope_dim: usize,
+    base: f32,
+    factors: Option<&[f32]>,
+) -> Vec<f32> {
     let half = rope_dim / 2;
     let freqs: Vec<f64> = (0..half)
-        .map(|i| (base as f64).powf(-2.0 * i as f64 / rope_dim as f64))
+        .map(|i| {
+            let f = factors.map_or(1.0, |f| f[i] as f64);
+            (base as f64).powf(-2.0 * i as f64 / rope_dim as f64) / f
+        })
         .collect();
     let mut t = Vec::with_capacity(positions.len() * rope_dim);
     for &p in positions {

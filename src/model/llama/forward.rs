@@ -167,7 +167,12 @@ impl Llama {
         }
         let groups = adapter_groups(batch);
         let t = tokens.len();
-        let rope = rope_table(&positions, c.rope_dim, c.rope_base);
+        let rope = rope_table(
+            &positions,
+            c.rope_dim,
+            c.rope_base,
+            self.rope_freqs.as_deref(),
+        );
         let m = logit_rows.len();
         bufs.size(t, m, c);
         self.embed(cpu, &tokens, &mut bufs.x);

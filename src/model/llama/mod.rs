@@ -106,6 +106,9 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
 pub struct Llama {
     pub config: LlamaConfig,
     pub gguf: Gguf,
+    /// Llama 3's RoPE frequency factors (`rope_freqs.weight`, rope_dim / 2): each pair's angle
+    /// is divided by its factor. None: plain RoPE.
+    pub rope_freqs: Option<Vec<f32>>,
     pub token_embd: Weight,
     pub layers: Vec<Layer>,
     pub output_norm: Vec<f32>,
@@ -221,6 +224,10 @@ impl Llama {
                 w_down: weight(&g, &n("ffn_down"), c.hidden, c.ffn)?,
             });
         }
+        let rope_freqs = match g.tensor("rope_freqs.weight") {
+            Some(_) => Some(vector(&g, "rope_freqs.weight", c.rope_dim / 2)?),
+            None => None,
+        };
         let output_norm = vector(&g, "output_norm.weight", c.hidden)?;
         let output = match g.tensor("output.weight") {
             Some(_) => weight(&g, "output.weight", c.vocab_size, c.hidden)?,
@@ -229,6 +236,7 @@ impl Llama {
         Ok(Llama {
             config,
             gguf: g,
+            rope_freqs,
             token_embd,
             layers,
             output_norm,

@@ -360,7 +360,12 @@ impl Llama {
             positions.extend((p..p + s.tokens.len()).map(|p| p as u32));
             start += s.tokens.len();
         }
-        let rope = rope_table(&positions, c.rope_dim, c.rope_base);
+        let rope = rope_table(
+            &positions,
+            c.rope_dim,
+            c.rope_base,
+            self.rope_freqs.as_deref(),
+        );
         let mut bufs = ForwardBuffers::default();
         let io = LayerIo {
             attn: &attn,
