@@ -73,3 +73,57 @@ fn every_family_agrees_with_llama_cpp_on_the_same_file() {
         assert!(d < 1e-4, "{}: max |Δ log-prob| vs llama.cpp {d}", spec.arch);
     }
 }
+
+/// llama.cpp's token ids for each text (None: no llama_cpp).
+fn llamacpp_tokenize(path: &std::path::Path, texts: &[&str]) -> Option<Vec<Vec<u32>>> {
+    let script = r#"
+import json, sys
+try:
+    import llama_cpp
+except ImportError:
+    print("null"); sys.exit(0)
+llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+texts = json.loads(sys.argv[2])
+print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=False) for t in texts]))
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, path.to_str().unwrap()])
+        .arg(serde_json::to_string(texts).unwrap())
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn qwen2_and_llama3_pre_tokenizers_split_like_llama_cpp() {
+    let texts = [
+        "12345 1234567 12 3",
+        "hello\n\nworld\r\n\n  x",
+        "it's IT'S they'LL   go!\n\n",
+        "  leading and trailing   ",
+        "a1b22c333 ½ ⅔ ٣ 𝟙𝟚",
+        "héllo wörld — ok?! ...\t\ttabs",
+        "x  \n  y\n\n\n z",
+    ];
+    for pre in ["qwen2", "llama-bpe"] {
+        let spec = TinySpec {
+            pre,
+            ..TinySpec::qwen2()
+        };
+        let (_dir, path) = write_tiny(&spec);
+        let Some(want) = llamacpp_tokenize(&path, &texts) else {
+            eprintln!("skipped: llama_cpp (llama-cpp-python) is not installed");
+            return;
+        };
+        let model = Llama::open(&path).unwrap();
+        let tok = flywheel::model::tokenizer::Tokenizer::from_gguf(&model.gguf).unwrap();
+        for (t, w) in texts.iter().zip(&want) {
+            assert_eq!(&tok.encode(t).unwrap(), w, "{pre}: {t:?}");
+        }
+    }
+}

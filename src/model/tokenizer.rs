@@ -9,6 +9,7 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::AddedToken;
 
@@ -22,6 +23,28 @@ pub enum TokenizerError {
     Build(String),
     #[error("chat template: {0}")]
     Template(String),
+}
+
+/// Qwen2's (and Qwen3's) pre-tokenizer: single digits, letters with one leading non-letter.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Llama 3's (`llama-bpe`): as Qwen2's, but digits in runs of up to three.
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Split on `pattern` (each match its own piece), then byte-level characters (no added space,
+/// no second regex): Hugging Face's pre-tokenizer for these models.
+fn split_then_bytes(pattern: &str) -> Result<PreTokenizerWrapper, TokenizerError> {
+    let split = Split::new(
+        SplitPattern::Regex(pattern.to_string()),
+        tokenizers::SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(|e| TokenizerError::Build(e.to_string()))?;
+    Ok(Sequence::new(vec![
+        split.into(),
+        ByteLevel::new(false, false, false).into(),
+    ])
+    .into())
 }
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
@@ -84,6 +107,10 @@ impl Tokenizer {
                 ByteLevel::new(false, true, true).into(),
             ])
             .into(),
+            // The regexes of the models' own tokenizer.json (llama.cpp rewrites them by hand for
+            // its engine; onig reads them as written), then bytes to characters.
+            "qwen2" => split_then_bytes(QWEN2_PATTERN)?,
+            "llama-bpe" => split_then_bytes(LLAMA3_PATTERN)?,
             other => {
                 return Err(TokenizerError::Unsupported(format!(
                     "tokenizer.ggml.pre = '{other}'"

@@ -47,6 +47,9 @@ pub struct TinySpec {
     pub head_dim: Option<usize>,
     /// Llama 3's RoPE frequency factors (a `rope_freqs.weight` tensor).
     pub rope_freqs: bool,
+    /// `tokenizer.ggml.pre`; other than "smollm", the vocab has merges across the boundaries
+    /// the pre-tokenizers draw differently (digit runs, newlines, spaces, contractions).
+    pub pre: &'static str,
 }
 
 impl TinySpec {
@@ -65,6 +68,7 @@ impl TinySpec {
             arch: "llama",
             head_dim: None,
             rope_freqs: false,
+            pre: "smollm",
         }
     }
 
@@ -112,6 +116,7 @@ impl TinySpec {
             arch: "llama",
             head_dim: None,
             rope_freqs: false,
+            pre: "smollm",
         }
     }
 }
@@ -165,7 +170,14 @@ pub struct TinyModel {
 }
 
 pub fn tiny_model(spec: &TinySpec) -> TinyModel {
-    let (tokens, types, merges) = vocab();
+    let (mut tokens, mut types, mut merges) = vocab();
+    if spec.pre != "smollm" {
+        for m in ["1 2", "12 3", "Ċ Ċ", "Ġ Ġ", "' s", "Ġ 1", "ĠĠ Ġ", "! Ċ"] {
+            tokens.push(m.replace(' ', ""));
+            types.push(1);
+            merges.push(m.to_string());
+        }
+    }
     let v = tokens.len();
     let s = spec;
     let hd = s.head_dim.unwrap_or(s.hidden / s.heads);
@@ -191,7 +203,7 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
             .meta(&k("attention.value_length"), Value::U32(d as u32));
     }
     w.meta("tokenizer.ggml.model", Value::String("gpt2".into()))
-        .meta("tokenizer.ggml.pre", Value::String("smollm".into()))
+        .meta("tokenizer.ggml.pre", Value::String(s.pre.into()))
         .meta("tokenizer.ggml.tokens", str_arr(&tokens))
         .meta("tokenizer.ggml.token_type", Value::Array(types.iter().map(|t| Value::I32(*t)).collect()))
         .meta("tokenizer.ggml.merges", str_arr(&merges))
