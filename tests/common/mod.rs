@@ -50,6 +50,8 @@ pub struct TinySpec {
     /// `tokenizer.ggml.pre`; other than "smollm", the vocab has merges across the boundaries
     /// the pre-tokenizers draw differently (digit runs, newlines, spaces, contractions).
     pub pre: &'static str,
+    /// `tokenizer.chat_template` (None: a one-line ChatML template).
+    pub chat_template: Option<&'static str>,
 }
 
 impl TinySpec {
@@ -69,6 +71,7 @@ impl TinySpec {
             head_dim: None,
             rope_freqs: false,
             pre: "smollm",
+            chat_template: None,
         }
     }
 
@@ -117,6 +120,7 @@ impl TinySpec {
             head_dim: None,
             rope_freqs: false,
             pre: "smollm",
+            chat_template: None,
         }
     }
 }
@@ -212,9 +216,9 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         .meta("tokenizer.ggml.add_bos_token", Value::Bool(false))
         .meta(
             "tokenizer.chat_template",
-            Value::String(
-                "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}".into(),
-            ),
+            Value::String(spec.chat_template.unwrap_or(
+                "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}",
+            ).into()),
         );
     let mat = |w: &mut GgufWriter,
                rng: &mut Rng,
