@@ -4,10 +4,9 @@
 
 mod common;
 
-use common::{write_tiny, TinySpec};
+use common::{python_json, write_tiny, TinySpec};
 use flywheel::model::llama::Llama;
 use flywheel::model::tokenizer::{ChatMessage, Tokenizer};
-use std::process::Command;
 
 const TEMPLATE: &str = r#"{{- bos_token }}
 {% if messages[0]['role'] == 'system' %}
@@ -49,17 +48,8 @@ t = env.from_string(sys.argv[1])
 print(json.dumps(t.render(messages=json.loads(sys.argv[2]), bos_token="<|im_start|>",
                           eos_token="<|im_end|>", add_generation_prompt=sys.argv[3] == "1")))
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script, TEMPLATE, messages])
-        .arg(if add_generation_prompt { "1" } else { "0" })
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let gen = if add_generation_prompt { "1" } else { "0" };
+    python_json(script, &[TEMPLATE, messages, gen])
 }
 
 #[test]

@@ -5,10 +5,9 @@
 
 mod common;
 
-use common::{logprobs_all, write_tiny, TinySpec};
+use common::{logprobs_all, python_json, write_tiny, TinySpec};
 use flywheel::kernels::{Cpu, QuantType};
 use flywheel::model::llama::Llama;
-use std::process::Command;
 
 /// llama.cpp's log-probs of the next token after each prefix of `tokens` (None: no llama_cpp).
 fn llamacpp_logprobs(path: &std::path::Path, tokens: &[u32]) -> Option<Vec<Vec<f64>>> {
@@ -30,27 +29,13 @@ for i in range(len(tokens)):
     out.append((z - m - np.log(np.exp(z - m).sum())).tolist())
 print(json.dumps(out))
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script, path.to_str().unwrap()])
-        .arg(serde_json::to_string(tokens).unwrap())
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let tokens = serde_json::to_string(tokens).unwrap();
+    python_json(script, &[path.to_str().unwrap(), &tokens])
 }
 
 #[test]
 fn every_family_agrees_with_llama_cpp_on_the_same_file() {
-    for spec in [
-        TinySpec::small(),
-        TinySpec::llama3(),
-        TinySpec::qwen2(),
-        TinySpec::qwen3(),
-    ] {
+    for spec in TinySpec::families() {
         let spec = TinySpec {
             formats: [QuantType::F32; 8],
             ctx: 64,
@@ -86,17 +71,8 @@ llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
 texts = json.loads(sys.argv[2])
 print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=False) for t in texts]))
 "#;
-    let out = Command::new("python3")
-        .args(["-c", script, path.to_str().unwrap()])
-        .arg(serde_json::to_string(texts).unwrap())
-        .output()
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let texts = serde_json::to_string(texts).unwrap();
+    python_json(script, &[path.to_str().unwrap(), &texts])
 }
 
 #[test]

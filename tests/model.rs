@@ -32,13 +32,10 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f64>]) -> f64 {
 
 #[test]
 fn reference_kernels_match_the_naive_implementation() {
-    for spec in [
-        TinySpec::small(),
-        TinySpec::k_quants(),
-        TinySpec::llama3(),
-        TinySpec::qwen2(),
-        TinySpec::qwen3(),
-    ] {
+    for spec in TinySpec::families()
+        .into_iter()
+        .chain([TinySpec::k_quants()])
+    {
         let (_dir, path) = write_tiny(&spec);
         let tokens: Vec<u32> = (0..19).map(|i| (i * 37 + 5) % 250 + 3).collect();
         let want = naive_logprobs(&path, &tokens);
@@ -60,13 +57,10 @@ fn reference_kernels_match_the_naive_implementation() {
 
 #[test]
 fn fast_kernels_match_the_naive_implementation() {
-    for spec in [
-        TinySpec::small(),
-        TinySpec::k_quants(),
-        TinySpec::llama3(),
-        TinySpec::qwen2(),
-        TinySpec::qwen3(),
-    ] {
+    for spec in TinySpec::families()
+        .into_iter()
+        .chain([TinySpec::k_quants()])
+    {
         let (_dir, path) = write_tiny(&spec);
         let tokens: Vec<u32> = (0..40).map(|i| (i * 53 + 1) % 250 + 3).collect();
         let want = naive_logprobs(&path, &tokens);

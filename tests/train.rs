@@ -59,12 +59,7 @@ fn lora4() -> Method {
 
 #[test]
 fn served_log_probs_equal_the_training_forward_bitwise() {
-    for spec in [
-        TinySpec::small(),
-        TinySpec::llama3(),
-        TinySpec::qwen2(),
-        TinySpec::qwen3(),
-    ] {
+    for spec in TinySpec::families() {
         served_equal_training(&spec);
     }
 }
@@ -143,12 +138,7 @@ fn served_equal_training(spec: &TinySpec) {
 /// kernels, f64 sums) on a sample of parameters from every layer and target.
 #[test]
 fn adapter_gradients_equal_finite_differences() {
-    for spec in [
-        TinySpec::small(),
-        TinySpec::llama3(),
-        TinySpec::qwen2(),
-        TinySpec::qwen3(),
-    ] {
+    for spec in TinySpec::families() {
         gradients_equal_finite_differences(&spec);
     }
 }
@@ -241,12 +231,7 @@ fn gradient(
 /// inputs) gives the same gradient to the bit, with the reference and the fast kernels.
 #[test]
 fn kept_and_recomputed_activations_give_the_same_gradient() {
-    for spec in [
-        TinySpec::small(),
-        TinySpec::llama3(),
-        TinySpec::qwen2(),
-        TinySpec::qwen3(),
-    ] {
+    for spec in TinySpec::families() {
         kept_and_recomputed_case(&spec);
     }
 }

@@ -364,3 +364,32 @@ pub fn logprobs_all(
         })
         .collect()
 }
+
+/// Run a Python `script` with `args` (argv[1..]) and parse what it prints as JSON; the script
+/// prints `null` when a package it needs is missing (the caller then skips, saying so).
+pub fn python_json<T: serde::de::DeserializeOwned>(script: &str, args: &[&str]) -> Option<T> {
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<Option<T>>(&out.stdout).unwrap()
+}
+
+impl TinySpec {
+    /// One tiny model of each family: llama (SmolLM2's shape), Llama 3, Qwen2, Qwen3.
+    pub fn families() -> [TinySpec; 4] {
+        [
+            TinySpec::small(),
+            TinySpec::llama3(),
+            TinySpec::qwen2(),
+            TinySpec::qwen3(),
+        ]
+    }
+}
