@@ -245,7 +245,7 @@ fn command_error(e: CommandError) -> ApiError {
             code: Some("trainer_start_failed"),
             ..ApiError::internal(e.to_string())
         },
-        CommandError::Stopped => ApiError::unavailable("the trainer has stopped"),
+        CommandError::Stopped => ApiError::unavailable(CommandError::Stopped.to_string()),
     }
 }
 

@@ -83,7 +83,8 @@ pub enum CommandError {
     Conflict(String),
     #[error(transparent)]
     Train(#[from] TrainError),
-    #[error("the trainer has stopped")]
+    /// No answer: the thread has ended, or the command panicked (counted and logged).
+    #[error("the trainer did not answer (it has stopped, or the command failed: see its log)")]
     Stopped,
 }
 
@@ -285,7 +286,9 @@ impl Trainer {
         }
     }
 
-    /// Run `f`, catching a panic: it fails learner `name` (all of them when "").
+    /// Run `f`, catching a panic. In a learner's turn (`name`) it fails that learner; elsewhere
+    /// (a command, the log check, retention) it is logged and counted under adapter "", and the
+    /// command's caller gets an error (its reply is dropped): the other learners go on.
     fn supervised(&mut self, name: &str, f: impl FnOnce(&mut Trainer)) {
         let r = std::panic::catch_unwind(AssertUnwindSafe(|| f(self)));
         if let Err(p) = r {
@@ -295,13 +298,11 @@ impl Trainer {
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a panic".into());
             let e = TrainError::new(ErrorKind::Panic, msg);
-            let names: Vec<String> = if name.is_empty() {
-                self.learners.keys().cloned().collect()
+            if name.is_empty() {
+                self.count("", e.kind);
+                tracing::error!(error = %e, "the trainer caught a panic outside a training step");
             } else {
-                vec![name.to_string()]
-            };
-            for n in names {
-                self.fail(&n, e.clone(), true);
+                self.fail(name, e, true);
             }
             self.publish_status();
         }

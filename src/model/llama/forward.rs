@@ -276,8 +276,9 @@ impl Llama {
             if let Some(a) = keep.as_deref_mut() {
                 (a.q_lin, a.k_lin) = (q.to_vec(), k.to_vec());
             }
-            head_norm(cpu, q, qn, c.eps);
-            head_norm(cpu, k, kn, c.eps);
+            // `att` is free until the attention writes it: the norms' input copy, no allocation.
+            head_norm(cpu, q, qn, c.eps, att);
+            head_norm(cpu, k, kn, c.eps, att);
         }
         cpu.rope(
             q,
@@ -528,10 +529,12 @@ impl Llama {
     }
 }
 
-/// RMSNorm of every head of `y` (rows of `w.len()` = head_dim), in place.
-fn head_norm(cpu: &Cpu, y: &mut [f32], w: &[f32], eps: f32) {
-    let x = y.to_vec();
-    cpu.rmsnorm(&x, w, eps, y);
+/// RMSNorm of every head of `y` (rows of `w.len()` = head_dim), in place; `scratch` holds at
+/// least `y.len()` values and is overwritten.
+fn head_norm(cpu: &Cpu, y: &mut [f32], w: &[f32], eps: f32, scratch: &mut [f32]) {
+    let x = &mut scratch[..y.len()];
+    x.copy_from_slice(y);
+    cpu.rmsnorm(x, w, eps, y);
 }
 
 /// Add `b` to every row of `y` (rows of `b.len()`).
