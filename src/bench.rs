@@ -3,7 +3,7 @@
 //! adapter in the same invocation and the ratio is printed (the cost of serving through it).
 
 use crate::adapter::{
-    peft, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
+    peft, AdapterBase, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig,
 };
 use crate::generate::{decode_batch, BLOCK_SIZE};
 use crate::model::kv_cache::KvCache;
@@ -37,7 +37,7 @@ pub fn adapter_for(model: &Llama, spec: &str) -> anyhow::Result<AdapterWeights> 
     };
     let cfg = AdapterConfig {
         method,
-        targets: Target::ALL.to_vec(),
+        targets: model.config.adapter_shape().default_targets(),
         base_model: String::new(),
     };
     let layout = Arc::new(AdapterLayout::new(cfg, &model.config)?);

@@ -531,3 +531,30 @@ fn malformed_adapters_are_refused_by_name() {
         "{e}"
     );
 }
+
+/// A mixture-of-experts model adapts its attention: an adapter naming an expert projection is
+/// refused by name, and the default targets are the four attention projections.
+#[test]
+fn moe_models_refuse_adapters_on_their_experts() {
+    use flywheel::adapter::AdapterBase;
+    let (_dir, path) = write_tiny(&TinySpec::qwen3moe());
+    let model = Llama::open(&path).unwrap();
+    let shape = model.config.adapter_shape();
+    assert_eq!(
+        shape.default_targets(),
+        vec![Target::Q, Target::K, Target::V, Target::O]
+    );
+    for t in [Target::Gate, Target::Up, Target::Down] {
+        let err = AdapterLayout::new(lora(4, 8.0, &[Target::Q, t]), &model.config)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(t.peft_name()) && err.contains("expert"),
+            "{err}"
+        );
+    }
+    // A dense model keeps all seven.
+    let (_d, dense) = write_tiny(&TinySpec::qwen3());
+    let dense = Llama::open(&dense).unwrap();
+    assert_eq!(dense.config.adapter_shape().default_targets(), Target::ALL);
+}

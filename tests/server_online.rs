@@ -282,8 +282,12 @@ fn versions_publish_while_streams_run_and_no_request_fails() {
 }
 
 #[test]
-fn qwen2_and_qwen3_models_serve_chat_and_completions_and_learn() {
-    for spec in [common::TinySpec::qwen2(), common::TinySpec::qwen3()] {
+fn qwen2_qwen3_and_qwen3moe_models_serve_completions_and_learn() {
+    for spec in [
+        common::TinySpec::qwen2(),
+        common::TinySpec::qwen3(),
+        common::TinySpec::qwen3moe(),
+    ] {
         serves_and_learns(spec);
     }
 }

@@ -105,12 +105,31 @@ pub struct BaseShape {
     pub q_dim: usize,
     /// Width of the key and value projections' outputs.
     pub kv_dim: usize,
+    /// Width of the dense MLP; 0 where the model has none to adapt (a mixture of experts: the
+    /// experts are not adapted, so gate/up/down targets are refused).
     pub ffn: usize,
     /// One attention head's width (PEFT's q/k row order differs from GGUF's within a head).
     pub head_dim: usize,
     /// The GGUF's q/k rows are permuted from Hugging Face's order (llama.cpp does it for LLaMA's
     /// adjacent-pair RoPE): LoRA B rows of q_proj and k_proj are permuted on load and save.
     pub qk_rows_permuted: bool,
+}
+
+impl BaseShape {
+    /// The projections an adapter targets when its config names none: all seven where the
+    /// model has a dense MLP, the attention projections otherwise.
+    pub fn default_targets(&self) -> Vec<Target> {
+        Target::ALL
+            .iter()
+            .copied()
+            .filter(|t| self.has(*t))
+            .collect()
+    }
+
+    /// Whether the model has `t` to adapt.
+    pub fn has(&self, t: Target) -> bool {
+        self.ffn > 0 || !matches!(t, Target::Gate | Target::Up | Target::Down)
+    }
 }
 
 /// A base model adapters can attach to.
@@ -317,6 +336,16 @@ impl AdapterLayout {
         let model = &model.adapter_shape();
         if config.targets.is_empty() {
             return Err(config_error("target_modules", "no target modules"));
+        }
+        if let Some(t) = config.targets.iter().find(|t| !model.has(**t)) {
+            return Err(config_error(
+                "target_modules",
+                format!(
+                    "{} is an expert projection of this mixture-of-experts model; adapters \
+                     attach to its attention projections (q_proj, k_proj, v_proj, o_proj)",
+                    t.peft_name()
+                ),
+            ));
         }
         match &config.method {
             Method::Oft(o) => {

@@ -10,7 +10,8 @@ use super::openai::Fields;
 use super::{blocking, AppState, Ready};
 use crate::adapter::registry::{RegistryError, Slot};
 use crate::adapter::{
-    peft, AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method, OftConfig, Target,
+    peft, AdapterBase, AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method, OftConfig,
+    Target,
 };
 use axum::extract::{Path as UrlPath, State};
 use axum::http::StatusCode;
@@ -199,7 +200,12 @@ pub async fn create(
 
 fn new_config(f: &Fields, kind: &str, state: &AppState) -> Result<AdapterConfig, ApiError> {
     let targets = match f.get("targets") {
-        None => Target::ALL.to_vec(),
+        None => state
+            .ready()?
+            .model
+            .config
+            .adapter_shape()
+            .default_targets(),
         Some(Value::Array(a)) => {
             let mut t = Vec::new();
             for x in a {

@@ -288,7 +288,7 @@ pub async fn train(
     raw.name = name.clone();
     let cfg = raw.validate().map_err(|(k, m)| ApiError::invalid(k, m))?;
     // The adapter's size, within the limits, before anything is allocated.
-    let shape = learner::adapter_config(&cfg);
+    let shape = learner::adapter_config(&cfg, &ready.model.config);
     if let Err(e) = ready.registry.limits.layout(shape, &ready.model.config) {
         let param = if cfg.method == "lora" {
             "lora_r"

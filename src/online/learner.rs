@@ -11,8 +11,8 @@ use super::groups::{self, Rules};
 use super::lineage::{Checkpoint, Lineage};
 use super::log::{LogError, PendingGroup, RolloutLog};
 use crate::adapter::registry::{Publisher, Registry};
+use crate::adapter::{AdapterBase, OftConfig};
 use crate::adapter::{AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method};
-use crate::adapter::{OftConfig, Target};
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
 use crate::policy::is_greedy;
@@ -137,8 +137,8 @@ pub struct Learner {
     pub status: Status,
 }
 
-/// The adapter `cfg` learns: its method on every projection.
-pub fn adapter_config(cfg: &LearnConfig) -> AdapterConfig {
+/// The adapter `cfg` learns on `base`: its method on every projection the base has to adapt.
+pub fn adapter_config(cfg: &LearnConfig, base: &impl AdapterBase) -> AdapterConfig {
     let method = match cfg.method.as_str() {
         "lora" => Method::Lora(LoraConfig {
             r: cfg.lora_r,
@@ -152,14 +152,14 @@ pub fn adapter_config(cfg: &LearnConfig) -> AdapterConfig {
     };
     AdapterConfig {
         method,
-        targets: Target::ALL.to_vec(),
+        targets: base.adapter_shape().default_targets(),
         base_model: String::new(),
     }
 }
 
 /// The identity adapter of `cfg`'s method, within the registry's limits.
 fn identity(cfg: &LearnConfig, env: &Env) -> Result<AdapterWeights, AdapterError> {
-    let c = adapter_config(cfg);
+    let c = adapter_config(cfg, &env.model.config);
     let layout = env.registry.limits.layout(c, &env.model.config)?;
     Ok(AdapterWeights::identity(Arc::new(layout), 0))
 }

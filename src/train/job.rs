@@ -6,7 +6,7 @@ use super::loss::LossConfig;
 use super::offline::{grouped, parse_jsonl, step, Batch, StepStats};
 use super::optim::{self, AdamW, AdamWConfig};
 use crate::adapter::{
-    peft, AdapterBase, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, Target,
+    peft, AdapterBase, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method,
 };
 use crate::model::llama::Llama;
 use crate::model::tokenizer::Tokenizer;
@@ -82,7 +82,7 @@ pub fn start_state(
             };
             let c = AdapterConfig {
                 method,
-                targets: Target::ALL.to_vec(),
+                targets: model.adapter_shape().default_targets(),
                 base_model: base_model.to_string(),
             };
             let layout = Arc::new(AdapterLayout::new(c, model)?);

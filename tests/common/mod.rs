@@ -52,6 +52,8 @@ pub struct TinySpec {
     pub pre: &'static str,
     /// `tokenizer.chat_template` (None: a one-line ChatML template).
     pub chat_template: Option<&'static str>,
+    /// A mixture of experts in place of the dense MLP: (experts, used per token, expert width).
+    pub experts: Option<(usize, usize, usize)>,
 }
 
 impl TinySpec {
@@ -72,6 +74,7 @@ impl TinySpec {
             rope_freqs: false,
             pre: "smollm",
             chat_template: None,
+            experts: None,
         }
     }
 
@@ -92,6 +95,16 @@ impl TinySpec {
             head_dim: Some(32),
             seed: 17,
             ..TinySpec::small()
+        }
+    }
+
+    /// `small`, as a Qwen3-MoE (Qwen3's attention; 8 experts of width 32, 2 per token).
+    pub fn qwen3moe() -> TinySpec {
+        TinySpec {
+            arch: "qwen3moe",
+            experts: Some((8, 2, 32)),
+            seed: 23,
+            ..TinySpec::qwen3()
         }
     }
 
@@ -121,6 +134,7 @@ impl TinySpec {
             rope_freqs: false,
             pre: "smollm",
             chat_template: None,
+            experts: None,
         }
     }
 }
@@ -202,6 +216,11 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         .meta(&k("rope.freq_base"), Value::F32(10000.0))
         .meta(&k("rope.dimension_count"), Value::U32(hd as u32))
         .meta(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+    if let Some((e, used, ef)) = s.experts {
+        w.meta(&k("expert_count"), Value::U32(e as u32))
+            .meta(&k("expert_used_count"), Value::U32(used as u32))
+            .meta(&k("expert_feed_forward_length"), Value::U32(ef as u32));
+    }
     if let Some(d) = s.head_dim {
         w.meta(&k("attention.key_length"), Value::U32(d as u32))
             .meta(&k("attention.value_length"), Value::U32(d as u32));
@@ -247,10 +266,39 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         mat(&mut w, &mut rng, &n("attn_k"), kvd, s.hidden, f[1], 0.3);
         mat(&mut w, &mut rng, &n("attn_v"), kvd, s.hidden, f[2], 0.3);
         mat(&mut w, &mut rng, &n("attn_output"), s.hidden, qd, f[3], 0.3);
-        mat(&mut w, &mut rng, &n("ffn_gate"), s.ffn, s.hidden, f[4], 0.3);
-        mat(&mut w, &mut rng, &n("ffn_up"), s.ffn, s.hidden, f[5], 0.3);
-        mat(&mut w, &mut rng, &n("ffn_down"), s.hidden, s.ffn, f[6], 0.3);
-        if s.arch == "qwen3" {
+        match s.experts {
+            None => {
+                mat(&mut w, &mut rng, &n("ffn_gate"), s.ffn, s.hidden, f[4], 0.3);
+                mat(&mut w, &mut rng, &n("ffn_up"), s.ffn, s.hidden, f[5], 0.3);
+                mat(&mut w, &mut rng, &n("ffn_down"), s.hidden, s.ffn, f[6], 0.3);
+            }
+            Some((e, _, ef)) => {
+                // The router (F32, as llama.cpp keeps it) and each projection's experts stacked.
+                mat(
+                    &mut w,
+                    &mut rng,
+                    &n("ffn_gate_inp"),
+                    e,
+                    s.hidden,
+                    QuantType::F32,
+                    1.0,
+                );
+                for (t, rows, cols, ty) in [
+                    ("ffn_gate_exps", ef, s.hidden, f[4]),
+                    ("ffn_up_exps", ef, s.hidden, f[5]),
+                    ("ffn_down_exps", s.hidden, ef, f[6]),
+                ] {
+                    let data = rng.vec(e * rows * cols, 0.3);
+                    w.tensor(
+                        &n(t),
+                        &[cols as u64, rows as u64, e as u64],
+                        ty,
+                        quantize(ty, &data),
+                    );
+                }
+            }
+        }
+        if s.arch == "qwen3" || s.arch == "qwen3moe" {
             for t in ["attn_q_norm", "attn_k_norm"] {
                 let norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.3 * rng.uniform()).collect();
                 w.tensor(
@@ -383,13 +431,14 @@ pub fn python_json<T: serde::de::DeserializeOwned>(script: &str, args: &[&str]) 
 }
 
 impl TinySpec {
-    /// One tiny model of each family: llama (SmolLM2's shape), Llama 3, Qwen2, Qwen3.
-    pub fn families() -> [TinySpec; 4] {
+    /// One tiny model of each family: llama (SmolLM2's shape), Llama 3, Qwen2, Qwen3, Qwen3-MoE.
+    pub fn families() -> [TinySpec; 5] {
         [
             TinySpec::small(),
             TinySpec::llama3(),
             TinySpec::qwen2(),
             TinySpec::qwen3(),
+            TinySpec::qwen3moe(),
         ]
     }
 }

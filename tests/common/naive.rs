@@ -4,15 +4,11 @@
 use flywheel::kernels::reference;
 use flywheel::model::gguf::Gguf;
 
-/// Dequantized tensor as f64 rows (rows, cols).
+/// Dequantized tensor as f64 rows (rows, cols); a stack of matrices (experts) as all their rows.
 pub fn mat(g: &Gguf, name: &str) -> Vec<Vec<f64>> {
     let t = g.tensor(name).unwrap_or_else(|| panic!("{name}"));
     let cols = t.dims[0] as usize;
-    let rows = if t.dims.len() > 1 {
-        t.dims[1] as usize
-    } else {
-        1
-    };
+    let rows = t.dims[1..].iter().product::<u64>().max(1) as usize;
     let mut all = vec![0.0f32; rows * cols];
     reference::dequantize_row(t.ty, g.tensor_data(t), &mut all);
     all.chunks(cols)
@@ -101,7 +97,11 @@ pub fn naive_logprobs_with(
     for l in 0..layers {
         let m = |n: &str| mat(&g, &format!("blk.{l}.{n}.weight"));
         let (wq, wk, wv, wo) = (m("attn_q"), m("attn_k"), m("attn_v"), m("attn_output"));
-        let (wg, wu, wd) = (m("ffn_gate"), m("ffn_up"), m("ffn_down"));
+        let moe = g
+            .tensor(&format!("blk.{l}.ffn_gate_inp.weight"))
+            .map(|_| Experts::read(&g, &arch, l));
+        let dense = |n: &str| if moe.is_none() { m(n) } else { Vec::new() };
+        let (wg, wu, wd) = (dense("ffn_gate"), dense("ffn_up"), dense("ffn_down"));
         let (an, fnorm) = (m("attn_norm")[0].clone(), m("ffn_norm")[0].clone());
         let mut ks = Vec::new();
         let mut vs = Vec::new();
@@ -160,13 +160,13 @@ pub fn naive_logprobs_with(
                 *a += b;
             }
             let n = rmsnorm(&xs[p], &fnorm, eps);
-            let (gt, up) = (project(l, 4, &wg, &n), project(l, 5, &wu, &n));
-            let act: Vec<f64> = gt
-                .iter()
-                .zip(&up)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let d = project(l, 6, &wd, &act);
+            let d = match &moe {
+                None => {
+                    let (gt, up) = (project(l, 4, &wg, &n), project(l, 5, &wu, &n));
+                    project(l, 6, &wd, &swiglu(&gt, &up))
+                }
+                Some(experts) => experts.forward(&n),
+            };
             for (a, b) in xs[p].iter_mut().zip(d) {
                 *a += b;
             }
@@ -180,4 +180,65 @@ pub fn naive_logprobs_with(
             logits.iter().map(|v| v - lse).collect()
         })
         .collect()
+}
+
+fn swiglu(gate: &[f64], up: &[f64]) -> Vec<f64> {
+    gate.iter()
+        .zip(up)
+        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+        .collect()
+}
+
+/// A mixture-of-experts MLP as Qwen3-MoE's modeling code writes it: softmax over the router's
+/// logits, the top `used`, renormalised (unless the file says not), the weighted sum of the
+/// chosen experts' SwiGLU outputs.
+pub struct Experts {
+    router: Vec<Vec<f64>>,
+    gate: Vec<Vec<f64>>,
+    up: Vec<Vec<f64>>,
+    down: Vec<Vec<f64>>,
+    used: usize,
+    width: usize,
+    hidden: usize,
+    norm: bool,
+}
+
+impl Experts {
+    pub fn read(g: &Gguf, arch: &str, l: usize) -> Experts {
+        let get = |k: &str| g.get(&format!("{arch}.{k}")).map(|v| v.as_f64().unwrap());
+        let m = |n: &str| mat(g, &format!("blk.{l}.{n}.weight"));
+        let router = m("ffn_gate_inp");
+        Experts {
+            hidden: router[0].len(),
+            router,
+            gate: m("ffn_gate_exps"),
+            up: m("ffn_up_exps"),
+            down: m("ffn_down_exps"),
+            used: get("expert_used_count").unwrap() as usize,
+            width: get("expert_feed_forward_length").unwrap() as usize,
+            norm: get("expert_weights_norm").is_none_or(|v| v != 0.0),
+        }
+    }
+
+    pub fn forward(&self, x: &[f64]) -> Vec<f64> {
+        let z = matvec(&self.router, x);
+        let mx = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = z.iter().map(|v| (v - mx).exp()).collect();
+        let s: f64 = e.iter().sum();
+        let p: Vec<f64> = e.iter().map(|v| v / s).collect();
+        let mut order: Vec<usize> = (0..p.len()).collect();
+        order.sort_by(|a, b| p[*b].total_cmp(&p[*a]));
+        let chosen = &order[..self.used];
+        let total: f64 = chosen.iter().map(|&i| p[i]).sum();
+        let (f, h) = (self.width, self.hidden);
+        let mut y = vec![0.0; h];
+        for &i in chosen {
+            let w = if self.norm { p[i] / total } else { p[i] };
+            let gt = matvec(&self.gate[i * f..(i + 1) * f], x);
+            let up = matvec(&self.up[i * f..(i + 1) * f], x);
+            let d = matvec(&self.down[i * h..(i + 1) * h], &swiglu(&gt, &up));
+            y.iter_mut().zip(d).for_each(|(a, b)| *a += w * b);
+        }
+        y
+    }
 }

@@ -18,6 +18,8 @@ pub(super) struct LayerActs {
     /// q and k before their per-head norms (families with q/k norms; empty otherwise).
     pub q_lin: Vec<f32>,
     pub k_lin: Vec<f32>,
+    /// The mixture of experts' routing and products (MoE families, in place of gate and up).
+    pub moe: Option<super::moe::MoeActs>,
 }
 
 /// What `forward_store` keeps: every layer's input, and the activations of layers
@@ -33,5 +35,8 @@ pub(super) struct ActStore {
 /// Bytes of one layer's `LayerActs` for `t` tokens.
 pub(super) fn layer_act_bytes(c: &super::LlamaConfig, t: usize) -> usize {
     let qk_lin = if c.qk_norm { c.q_dim() + c.kv_dim() } else { 0 };
-    t * (2 * c.q_dim() + 2 * c.kv_dim() + c.hidden + 2 * c.ffn + qk_lin) * 4
+    let moe = c
+        .moe
+        .map_or(0, |m| super::moe::MoeActs::bytes(&m, c.hidden, t));
+    t * (2 * c.q_dim() + 2 * c.kv_dim() + c.hidden + 2 * c.ffn + qk_lin) * 4 + moe
 }

@@ -20,6 +20,8 @@ pub struct ForwardBuffers {
     /// (rows of logits asked for, vocab_size) after a pass.
     pub logits: Vec<f32>,
     pub(super) adapter: AdapterScratch,
+    /// The mixture of experts' routing and products (MoE families).
+    pub(super) moe: super::moe::MoeActs,
 }
 
 /// Scratch for adapter work: rotated inputs (one per projection sharing an input) and LoRA's

@@ -15,7 +15,8 @@
 
 use super::activations::{ActStore, LayerActs};
 use super::buffers::{AdapterScratch, ForwardBuffers};
-use super::{Llama, ModelError, Weight};
+use super::moe::MoeActs;
+use super::{Llama, Mlp, ModelError, Weight};
 use crate::adapter::{lora, AdapterBase, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
 use flywheel_kernels::cpu::ops::rope_table;
@@ -252,6 +253,7 @@ impl Llama {
             up,
             act,
             adapter,
+            moe,
             ..
         } = bufs;
         let groups = io.groups;
@@ -338,15 +340,38 @@ impl Llama {
             (a.att, a.hx) = (att.to_vec(), x.to_vec());
         }
         cpu.rmsnorm(x, &layer.ffn_norm, c.eps, n);
+        let (w_gate, w_up, w_down) = match &layer.mlp {
+            Mlp::Dense {
+                w_gate,
+                w_up,
+                w_down,
+            } => (w_gate, w_up, w_down),
+            Mlp::Moe(experts) => {
+                // The experts' products (a recompute needs them all: the backward reads each
+                // expert's output).
+                match keep {
+                    Some(a) => {
+                        let mut acts = MoeActs::default();
+                        self.moe_forward(cpu, experts, n, proj, &mut acts);
+                        a.moe = Some(acts);
+                    }
+                    None => self.moe_forward(cpu, experts, n, proj, moe),
+                }
+                if whole {
+                    add_in_place(x, proj);
+                }
+                return;
+            }
+        };
         let mut mlp = [
             Projection {
                 target: Target::Gate,
-                weight: &layer.w_gate,
+                weight: w_gate,
                 y: &mut *gate,
             },
             Projection {
                 target: Target::Up,
-                weight: &layer.w_up,
+                weight: w_up,
                 y: &mut *up,
             },
         ];
@@ -360,7 +385,7 @@ impl Llama {
         cpu.swiglu(gate, up, act);
         let mut down = [Projection {
             target: Target::Down,
-            weight: &layer.w_down,
+            weight: w_down,
             y: &mut *proj,
         }];
         self.project(cpu, l, act, &mut down, groups, adapter);

@@ -5,6 +5,7 @@
 mod activations;
 mod buffers;
 mod forward;
+mod moe;
 mod train;
 
 pub use buffers::{AdapterScratch, ForwardBuffers};
@@ -46,6 +47,20 @@ pub struct LlamaConfig {
     /// Each head's q and k are RMS-normed before RoPE (Qwen3: `attn_q_norm`, `attn_k_norm`).
     pub qk_norm: bool,
     pub vocab_size: usize,
+    /// A mixture of experts in place of the dense MLP (Qwen3-MoE); `ffn` is then 0.
+    pub moe: Option<MoeConfig>,
+}
+
+/// A mixture-of-experts MLP: a router picks `used` of `experts` SwiGLU experts per token.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub used: usize,
+    /// Each expert's intermediate width.
+    pub expert_ffn: usize,
+    /// The chosen experts' softmax weights are renormalised to sum to one (Qwen3-MoE's
+    /// `norm_topk_prob`; llama.cpp always does for `qwen3moe`).
+    pub norm_topk: bool,
 }
 
 impl LlamaConfig {
@@ -95,13 +110,30 @@ pub struct Layer {
     pub k_norm: Option<Vec<f32>>,
     pub wo: Weight,
     pub ffn_norm: Vec<f32>,
-    pub w_gate: Weight,
-    pub w_up: Weight,
-    pub w_down: Weight,
+    pub mlp: Mlp,
+}
+
+/// A layer's MLP: dense SwiGLU, or a routed mixture of SwiGLU experts.
+pub enum Mlp {
+    Dense {
+        w_gate: Weight,
+        w_up: Weight,
+        w_down: Weight,
+    },
+    Moe(Experts),
+}
+
+/// One layer's experts: the router (experts × hidden) and each expert's projections, slices of
+/// the stacked `ffn_*_exps` tensors (read in place, quantized, one expert at a time).
+pub struct Experts {
+    pub router: Weight,
+    pub gate: Vec<Weight>,
+    pub up: Vec<Weight>,
+    pub down: Vec<Weight>,
 }
 
 /// The `general.architecture` values this build reads.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe"];
 
 pub struct Llama {
     pub config: LlamaConfig,
@@ -127,7 +159,7 @@ impl Llama {
         // Qwen2's q/k/v biases and Qwen3's per-head q/k norms (read below when the file has them).
         let rope_layout = match arch.as_str() {
             "llama" => RopeLayout::Adjacent,
-            "qwen2" | "qwen3" => RopeLayout::Neox,
+            "qwen2" | "qwen3" | "qwen3moe" => RopeLayout::Neox,
             _ => {
                 return Err(ModelError::Unsupported(format!(
                     "general.architecture = '{arch}': supported are {}",
@@ -170,10 +202,35 @@ impl Llama {
             .ok_or_else(|| missing("token_embd.weight"))?
             .clone();
         let vocab_size = *embd.dims.get(1).unwrap_or(&0) as usize;
+        let moe = match g.get(&k("expert_count")) {
+            None => None,
+            Some(_) => {
+                let experts = g.get_usize(&k("expert_count"))?;
+                let used = g.get_usize(&k("expert_used_count"))?;
+                if experts == 0 || used == 0 || used > experts {
+                    return Err(ModelError::Unsupported(format!(
+                        "{used} experts used of {experts}"
+                    )));
+                }
+                Some(MoeConfig {
+                    experts,
+                    used,
+                    expert_ffn: g.get_usize(&k("expert_feed_forward_length"))?,
+                    norm_topk: match g.get(&k("expert_weights_norm")) {
+                        Some(v) => v.as_i64().unwrap_or(1) != 0,
+                        None => true,
+                    },
+                })
+            }
+        };
         let config = LlamaConfig {
             num_layers: g.get_usize(&k("block_count"))?,
             hidden,
-            ffn: g.get_usize(&k("feed_forward_length"))?,
+            ffn: match moe {
+                Some(_) => 0,
+                None => g.get_usize(&k("feed_forward_length"))?,
+            },
+            moe,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -219,9 +276,22 @@ impl Llama {
                 wv: weight(&g, &n("attn_v"), c.kv_dim(), c.hidden)?,
                 wo: weight(&g, &n("attn_output"), c.hidden, c.q_dim())?,
                 ffn_norm: vector(&g, &n("ffn_norm"), c.hidden)?,
-                w_gate: weight(&g, &n("ffn_gate"), c.ffn, c.hidden)?,
-                w_up: weight(&g, &n("ffn_up"), c.ffn, c.hidden)?,
-                w_down: weight(&g, &n("ffn_down"), c.hidden, c.ffn)?,
+                mlp: match &c.moe {
+                    None => Mlp::Dense {
+                        w_gate: weight(&g, &n("ffn_gate"), c.ffn, c.hidden)?,
+                        w_up: weight(&g, &n("ffn_up"), c.ffn, c.hidden)?,
+                        w_down: weight(&g, &n("ffn_down"), c.hidden, c.ffn)?,
+                    },
+                    Some(m) => {
+                        let (e, f) = (m.experts, m.expert_ffn);
+                        Mlp::Moe(Experts {
+                            router: weight(&g, &n("ffn_gate_inp"), e, c.hidden)?,
+                            gate: experts(&g, &n("ffn_gate_exps"), e, f, c.hidden)?,
+                            up: experts(&g, &n("ffn_up_exps"), e, f, c.hidden)?,
+                            down: experts(&g, &n("ffn_down_exps"), e, c.hidden, f)?,
+                        })
+                    }
+                },
             });
         }
         let rope_freqs = match g.tensor("rope_freqs.weight") {
@@ -255,10 +325,19 @@ impl Llama {
             .layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                    .iter()
-                    .map(|w| w.len)
-                    .sum::<usize>()
+                let attn: usize = [&l.wq, &l.wk, &l.wv, &l.wo].iter().map(|w| w.len).sum();
+                attn + match &l.mlp {
+                    Mlp::Dense {
+                        w_gate,
+                        w_up,
+                        w_down,
+                    } => w_gate.len + w_up.len + w_down.len,
+                    // The router and the experts one token uses.
+                    Mlp::Moe(x) => {
+                        let used = self.config.moe.map_or(0, |m| m.used);
+                        x.router.len + used * (x.gate[0].len + x.up[0].len + x.down[0].len)
+                    }
+                }
             })
             .sum();
         per_layer + self.output.len
@@ -295,6 +374,42 @@ fn weight(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<Weight, Mode
         start,
         len: t.size,
     })
+}
+
+/// The `n` experts stacked in one tensor (dims [cols, rows, n]), each a weight of its own: a
+/// slice of the file (llama.cpp's layout: expert e's rows follow expert e − 1's).
+fn experts(
+    g: &Gguf,
+    name: &str,
+    n: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<Weight>, ModelError> {
+    let t: &TensorInfo = g.tensor(name).ok_or_else(|| missing(name))?;
+    if t.dims != [cols as u64, rows as u64, n as u64] {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            msg: format!("dims {:?}, expected [{cols}, {rows}, {n}]", t.dims),
+        });
+    }
+    let each = t.size / n;
+    let row_bytes = t.ty.row_bytes(cols).unwrap_or(0);
+    if row_bytes * rows != each {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            msg: format!("{} bytes do not hold {n} experts of {rows} rows", t.size),
+        });
+    }
+    let start = (g.data_offset + t.offset) as usize;
+    Ok((0..n)
+        .map(|e| Weight {
+            ty: t.ty,
+            rows,
+            cols,
+            start: start + e * each,
+            len: each,
+        })
+        .collect())
 }
 
 fn vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {

@@ -18,7 +18,7 @@
 use super::activations::{layer_act_bytes, ActStore};
 use super::buffers::ForwardBuffers;
 use super::forward::{adapter_groups, add_in_place, LayerIo};
-use super::{BatchSeq, Llama, Logits, ModelError, Weight};
+use super::{BatchSeq, Llama, Logits, Mlp, ModelError, Weight};
 use crate::adapter::{lora, oft, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
 use crate::policy::scale_and_normalize;
@@ -89,6 +89,12 @@ pub struct TrainState {
 pub const ACTIVATION_BUDGET: usize = 1300 << 20;
 
 impl Llama {
+    /// Bytes one layer's kept activations take for `tokens` tokens (the unit of the activation
+    /// budget of `train_forward`).
+    pub fn layer_activation_bytes(&self, tokens: usize) -> usize {
+        layer_act_bytes(&self.config, tokens)
+    }
+
     /// Block tables (one KV block pool) and first positions of a training batch, checked.
     fn train_tables(&self, seqs: &[TrainSeq]) -> Result<Tables, ModelError> {
         let bs = TRAIN_BLOCK;
@@ -201,7 +207,7 @@ impl Llama {
         let c = &self.config;
         let h = c.hidden;
         let num_tokens: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        let per_layer = layer_act_bytes(c, num_tokens).max(1);
+        let per_layer = self.layer_activation_bytes(num_tokens).max(1);
         let kept = (activation_budget / per_layer).min(c.num_layers);
         let mut store = ActStore {
             keep_from: c.num_layers - kept,
@@ -380,47 +386,65 @@ impl Llama {
                 Some(a) => a,
                 None => self.recompute_layer(cpu, l, x0, &st.cache, &io, &mut bufs),
             };
-            let (mut n, mut m, mut act) = (z(t * h), z(t * h), z(t * f));
+            let mut n = z(t * h);
             cpu.rmsnorm(x0, &layer.attn_norm, c.eps, &mut n);
-            cpu.rmsnorm(&a.hx, &layer.ffn_norm, c.eps, &mut m);
-            cpu.swiglu(&a.gate, &a.up, &mut act);
 
             // Backward: dx holds dL/d(layer output).
-            let dact = self.linear_backward_adapted(
-                cpu,
-                adapter,
-                l,
-                Target::Down,
-                &layer.w_down,
-                &act,
-                &dx,
-                grads,
-            );
-            drop(act);
-            let (mut dgate, mut dup) = (z(t * f), z(t * f));
-            cpu.swiglu_backward(&a.gate, &a.up, &dact, &mut dgate, &mut dup);
-            drop(dact);
-            let mut dm = self.linear_backward_adapted(
-                cpu,
-                adapter,
-                l,
-                Target::Gate,
-                &layer.w_gate,
-                &m,
-                &dgate,
-                grads,
-            );
-            let dm_up = self.linear_backward_adapted(
-                cpu,
-                adapter,
-                l,
-                Target::Up,
-                &layer.w_up,
-                &m,
-                &dup,
-                grads,
-            );
-            add_in_place(&mut dm, &dm_up);
+            let dm = match &layer.mlp {
+                Mlp::Dense {
+                    w_gate,
+                    w_up,
+                    w_down,
+                } => {
+                    let (mut m, mut act) = (z(t * h), z(t * f));
+                    cpu.rmsnorm(&a.hx, &layer.ffn_norm, c.eps, &mut m);
+                    cpu.swiglu(&a.gate, &a.up, &mut act);
+                    let dact = self.linear_backward_adapted(
+                        cpu,
+                        adapter,
+                        l,
+                        Target::Down,
+                        w_down,
+                        &act,
+                        &dx,
+                        grads,
+                    );
+                    drop(act);
+                    let (mut dgate, mut dup) = (z(t * f), z(t * f));
+                    cpu.swiglu_backward(&a.gate, &a.up, &dact, &mut dgate, &mut dup);
+                    drop(dact);
+                    let mut dm = self.linear_backward_adapted(
+                        cpu,
+                        adapter,
+                        l,
+                        Target::Gate,
+                        w_gate,
+                        &m,
+                        &dgate,
+                        grads,
+                    );
+                    let dm_up = self.linear_backward_adapted(
+                        cpu,
+                        adapter,
+                        l,
+                        Target::Up,
+                        w_up,
+                        &m,
+                        &dup,
+                        grads,
+                    );
+                    add_in_place(&mut dm, &dm_up);
+                    dm
+                }
+                // Frozen experts: the gradient only passes through them to the norm's output.
+                Mlp::Moe(experts) => {
+                    let acts = a
+                        .moe
+                        .as_ref()
+                        .expect("the MoE forward kept its activations");
+                    self.moe_backward(cpu, experts, acts, &dx)
+                }
+            };
             let mut dh = z(t * h);
             cpu.rmsnorm_backward(&a.hx, &layer.ffn_norm, c.eps, &dm, &mut dh);
             add_in_place(&mut dh, &dx);
