@@ -83,7 +83,13 @@ fn fast_kernels_match_the_naive_implementation() {
 /// as each sequence run alone in one go.
 #[test]
 fn packed_batches_and_chunked_prefill_agree_exactly_with_single_runs() {
-    let (_dir, path) = write_tiny(&TinySpec::small());
+    for spec in TinySpec::families() {
+        packed_equals_single(&spec);
+    }
+}
+
+fn packed_equals_single(spec: &TinySpec) {
+    let (_dir, path) = write_tiny(spec);
     let model = Llama::open(&path).unwrap();
     let c = cpu(Isa::detect());
     let a: Vec<u32> = (0..23).map(|i| (i * 7 + 3) % 250 + 3).collect();

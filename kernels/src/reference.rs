@@ -286,6 +286,24 @@ pub fn attention_backward(
     dk: &mut [f32],
     dv: &mut [f32],
 ) {
+    let heads = (n_heads, n_kv_heads, head_dim);
+    attention_backward_windowed(q, k, v, dout, heads, scale, None, dq, dk, dv)
+}
+
+/// `attention_backward` where query i sees only the `window` keys up to its own position.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_windowed(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dout: &[f32],
+    (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+    scale: f32,
+    window: Option<usize>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
     let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
     let t = q.len() / qd;
     let off = k.len() / kvd - t;
@@ -298,7 +316,9 @@ pub fn attention_backward(
         for i in 0..t {
             let qi = |c: usize| q[i * qd + qc + c] as f64;
             let di = |c: usize| dout[i * qd + qc + c] as f64;
-            let s: Vec<f64> = (0..=off + i)
+            let lo = (off + i + 1).saturating_sub(window.unwrap_or(usize::MAX));
+            // Scores of keys lo..=off+i, indexed from 0.
+            let s: Vec<f64> = (lo..=off + i)
                 .map(|j| {
                     sc * (0..head_dim)
                         .map(|c| qi(c) * k[j * kvd + kc + c] as f64)
@@ -311,8 +331,8 @@ pub fn attention_backward(
             let p: Vec<f64> = e.iter().map(|x| x / z).collect();
             let o: Vec<f64> = (0..head_dim)
                 .map(|c| {
-                    (0..=off + i)
-                        .map(|j| p[j] * v[j * kvd + kc + c] as f64)
+                    (lo..=off + i)
+                        .map(|j| p[j - lo] * v[j * kvd + kc + c] as f64)
                         .sum()
                 })
                 .collect();
@@ -321,15 +341,16 @@ pub fn attention_backward(
                 dq[i * qd + qc + c] = 0.0;
             }
             let mut dqi = vec![0.0f64; head_dim];
-            for j in 0..=off + i {
+            for j in lo..=off + i {
                 let dp: f64 = (0..head_dim)
                     .map(|c| di(c) * v[j * kvd + kc + c] as f64)
                     .sum();
-                let ds = p[j] * (dp - dot_do) * sc;
+                let pj = p[j - lo];
+                let ds = pj * (dp - dot_do) * sc;
                 for c in 0..head_dim {
                     dqi[c] += ds * k[j * kvd + kc + c] as f64;
                     dk64[j * kvd + kc + c] += ds * qi(c);
-                    dv64[j * kvd + kc + c] += p[j] * di(c);
+                    dv64[j * kvd + kc + c] += pj * di(c);
                 }
             }
             for c in 0..head_dim {
@@ -391,6 +412,29 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for i in 0..out.len() {
         let g = gate[i];
         out[i] = g / (1.0 + (-g).exp()) * up[i];
+    }
+}
+
+/// √(2/π), GELU's tanh approximation's constant.
+const GELU_C: f64 = 0.797_884_560_802_865_4;
+
+/// GeGLU with the tanh GELU (Gemma's `gelu_pytorch_tanh`): out = gelu(gate) · up, in f64.
+pub fn geglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for i in 0..out.len() {
+        let g = gate[i] as f64;
+        let t = (GELU_C * (g + 0.044715 * g * g * g)).tanh();
+        out[i] = (0.5 * g * (1.0 + t) * up[i] as f64) as f32;
+    }
+}
+
+/// The backward of `geglu` (f64): dgate = da·up·gelu'(gate), dup = da·gelu(gate).
+pub fn geglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+    for i in 0..gate.len() {
+        let g = gate[i] as f64;
+        let t = (GELU_C * (g + 0.044715 * g * g * g)).tanh();
+        let d = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * 0.044715 * g * g);
+        dup[i] = (da[i] as f64 * 0.5 * g * (1.0 + t)) as f32;
+        dgate[i] = (da[i] as f64 * up[i] as f64 * d) as f32;
     }
 }
 
@@ -481,17 +525,35 @@ pub fn attention(
     head_dim: usize,
     scale: f32,
 ) {
+    attention_windowed(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale, None)
+}
+
+/// `attention` where a query at position p sees only keys p − window + 1 ..= p when `window`
+/// is given (a sliding-window layer).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_windowed(
+    q: &[f32],
+    out: &mut [f32],
+    seqs: &[AttnSeq],
+    kv: PagedKv,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    window: Option<usize>,
+) {
     let qdim = n_heads * head_dim;
     let group = n_heads / n_kv_heads;
     for s in seqs {
         for i in 0..s.q_len {
             let t = s.q_start + i;
             let n_ctx = s.first_pos + i + 1;
+            let lo = n_ctx.saturating_sub(window.unwrap_or(usize::MAX));
             for h in 0..n_heads {
                 let kvh = h / group;
                 let qh = &q[t * qdim + h * head_dim..][..head_dim];
-                let mut scores = vec![0.0f32; n_ctx];
-                for (p, sc) in scores.iter_mut().enumerate() {
+                let mut scores = vec![0.0f32; n_ctx - lo];
+                for (p, sc) in (lo..).zip(scores.iter_mut()) {
                     let dot: f64 = (0..head_dim)
                         .map(|d| {
                             qh[d] as f64
@@ -502,7 +564,7 @@ pub fn attention(
                 }
                 softmax(&mut scores);
                 let mut acc = vec![0.0f64; head_dim];
-                for (p, w) in scores.iter().enumerate() {
+                for (p, w) in (lo..).zip(scores.iter()) {
                     let off = kv.v_offset(s.block_table, p) + kvh * head_dim;
                     for d in 0..head_dim {
                         acc[d] += *w as f64 * kv.v[off + d] as f64;

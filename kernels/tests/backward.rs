@@ -261,6 +261,12 @@ fn block_outer_accumulates_like_the_reference() {
 
 #[test]
 fn attention_backward_matches_finite_differences() {
+    for window in [None, Some(1), Some(3)] {
+        attention_backward_fd(window);
+    }
+}
+
+fn attention_backward_fd(window: Option<usize>) {
     let mut rng = Rng(36);
     let (h, hkv, d, t) = (4, 2, 8, 6);
     let scale = 1.0 / (d as f32).sqrt();
@@ -271,16 +277,26 @@ fn attention_backward_matches_finite_differences() {
     );
     let dout = rng.vec(t * h * d, 1.0);
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    reference::attention_backward(
-        &q, &k, &v, &dout, h, hkv, d, scale, &mut dq, &mut dk, &mut dv,
+    reference::attention_backward_windowed(
+        &q,
+        &k,
+        &v,
+        &dout,
+        (h, hkv, d),
+        scale,
+        window,
+        &mut dq,
+        &mut dk,
+        &mut dv,
     );
-    // The forward in f64: out (t, h·d), causal softmax attention with GQA.
+    // The forward in f64: out (t, h·d), causal softmax attention with GQA, over the window.
+    let lo = |i: usize| (i + 1).saturating_sub(window.unwrap_or(usize::MAX));
     let fwd = |q: &[f64], k: &[f64], v: &[f64]| -> Vec<f64> {
         let mut out = vec![0.0; t * h * d];
         for hh in 0..h {
             let g = hh / (h / hkv);
             for i in 0..t {
-                let s: Vec<f64> = (0..=i)
+                let s: Vec<f64> = (lo(i)..=i)
                     .map(|j| {
                         (0..d)
                             .map(|c| q[i * h * d + hh * d + c] * k[j * hkv * d + g * d + c])
@@ -290,8 +306,8 @@ fn attention_backward_matches_finite_differences() {
                     .collect();
                 let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
-                for j in 0..=i {
-                    let p = (s[j] - mx).exp() / z;
+                for j in lo(i)..=i {
+                    let p = (s[j - lo(i)] - mx).exp() / z;
                     for c in 0..d {
                         out[i * h * d + hh * d + c] += p * v[j * hkv * d + g * d + c];
                     }
@@ -322,7 +338,9 @@ fn attention_backward_matches_finite_differences() {
     );
     for c in cpus() {
         let (mut a, mut b, mut e) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        c.attention_backward(&q, &k, &v, &dout, h, hkv, d, scale, &mut a, &mut b, &mut e);
+        c.attention_backward_windowed(
+            &q, &k, &v, &dout, h, hkv, d, scale, window, &mut a, &mut b, &mut e,
+        );
         close(&a, &f64s(&dq), 1e-5, "dq fast");
         close(&b, &f64s(&dk), 1e-5, "dk fast");
         close(&e, &f64s(&dv), 1e-5, "dv fast");
@@ -384,19 +402,76 @@ fn attention_backward_tiled_matches_the_twin_at_model_sizes() {
         let q = rng.vec(t * h * d, 1.5);
         let (k, v) = (rng.vec(n * hkv * d, 1.5), rng.vec(n * hkv * d, 1.0));
         let dout = rng.vec(t * h * d, 1.0);
-        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        reference::attention_backward(
-            &q, &k, &v, &dout, h, hkv, d, scale, &mut dq, &mut dk, &mut dv,
-        );
-        let f64s = |x: &[f32]| x.iter().map(|v| *v as f64).collect::<Vec<f64>>();
-        for c in cpus() {
-            let (mut a, mut b, mut e) =
-                (vec![7.0; q.len()], vec![7.0; k.len()], vec![7.0; v.len()]);
-            c.attention_backward(&q, &k, &v, &dout, h, hkv, d, scale, &mut a, &mut b, &mut e);
-            let what = format!("{:?} h={h} d={d} n={n} off={off}", c.isa);
-            close(&a, &f64s(&dq), 2e-5, &format!("dq {what}"));
-            close(&b, &f64s(&dk), 2e-5, &format!("dk {what}"));
-            close(&e, &f64s(&dv), 2e-5, &format!("dv {what}"));
+        for window in [None, Some(5), Some(17)] {
+            let (mut dq, mut dk, mut dv) =
+                (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+            reference::attention_backward_windowed(
+                &q,
+                &k,
+                &v,
+                &dout,
+                (h, hkv, d),
+                scale,
+                window,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            );
+            let f64s = |x: &[f32]| x.iter().map(|v| *v as f64).collect::<Vec<f64>>();
+            for c in cpus() {
+                let (mut a, mut b, mut e) =
+                    (vec![7.0; q.len()], vec![7.0; k.len()], vec![7.0; v.len()]);
+                c.attention_backward_windowed(
+                    &q, &k, &v, &dout, h, hkv, d, scale, window, &mut a, &mut b, &mut e,
+                );
+                let what = format!("{:?} h={h} d={d} n={n} off={off} window {window:?}", c.isa);
+                close(&a, &f64s(&dq), 2e-5, &format!("dq {what}"));
+                close(&b, &f64s(&dk), 2e-5, &format!("dk {what}"));
+                close(&e, &f64s(&dv), 2e-5, &format!("dv {what}"));
+            }
         }
+    }
+}
+
+#[test]
+fn geglu_forward_and_backward_match_the_reference_and_finite_differences() {
+    let mut rng = Rng(36);
+    let n = 40;
+    let (gate, up, da) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+    let gelu =
+        |g: f64| 0.5 * g * (1.0 + (0.797_884_560_802_865_4 * (g + 0.044715 * g * g * g)).tanh());
+    let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+    reference::geglu_backward(&gate, &up, &da, &mut dg, &mut du);
+    let fg = |gs: &[f64]| -> Vec<f64> {
+        gs.iter()
+            .zip(&up)
+            .map(|(g, u)| gelu(*g) * *u as f64)
+            .collect()
+    };
+    let fu = |us: &[f64]| -> Vec<f64> {
+        us.iter()
+            .zip(&gate)
+            .map(|(u, g)| gelu(*g as f64) * u)
+            .collect()
+    };
+    close(&dg, &numeric(&gate, &da, &fg), 1e-5, "geglu dgate twin");
+    close(&du, &numeric(&up, &da, &fu), 1e-5, "geglu dup twin");
+    let mut want = vec![0.0; n];
+    reference::geglu(&gate, &up, &mut want);
+    let want64: Vec<f64> = gate
+        .iter()
+        .zip(&up)
+        .map(|(g, u)| gelu(*g as f64) * *u as f64)
+        .collect();
+    close(&want, &want64, 1e-6, "geglu twin");
+    for c in cpus() {
+        let mut got = vec![0.0; n];
+        c.geglu(&gate, &up, &mut got);
+        close(&got, &want64, 1e-5, "geglu fast");
+        let (mut g2, mut u2) = (vec![0.0; n], vec![0.0; n]);
+        c.geglu_backward(&gate, &up, &da, &mut g2, &mut u2);
+        let f64s = |v: &[f32]| v.iter().map(|x| *x as f64).collect::<Vec<_>>();
+        close(&g2, &f64s(&dg), 1e-5, "geglu fast dg");
+        close(&u2, &f64s(&du), 1e-5, "geglu fast du");
     }
 }

@@ -343,12 +343,16 @@ fn paged_attention_matches_reference() {
             (4, 2, 48),
             (4, 1, 128),
         ] {
-            paged_attention_case(bs, n_heads, n_kv, hd);
+            // Full causal attention, and sliding windows (one key; a window inside a block; one
+            // spanning blocks).
+            for window in [None, Some(1), Some(3), Some(19)] {
+                paged_attention_case(bs, n_heads, n_kv, hd, window);
+            }
         }
     }
 }
 
-fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize) {
+fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize, window: Option<usize>) {
     let mut rng = Rng(6 + bs as u64);
     let kv_dim = n_kv * hd;
     let num_blocks = 160 / bs + 8;
@@ -393,16 +397,37 @@ fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize) {
     let num_tokens = 27;
     let q = rng.vec(num_tokens * n_heads * hd, 1.0);
     let mut want = vec![0.0; q.len()];
-    reference::attention(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125);
+    reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125, window);
+    if let Some(w) = window {
+        // The windowed reference is the full one over the window's keys alone: a sequence
+        // whose block table starts at its window (positions shifted by whole blocks).
+        let i = 20; // the prefill's last query, position 20
+        let skip = (i + 1 - w.min(i + 1)) / bs;
+        let shifted = [AttnSeq {
+            q_start: i,
+            q_len: 1,
+            first_pos: i - skip * bs,
+            block_table: &t1[skip..],
+        }];
+        let mut full = vec![0.0; q.len()];
+        if (i + 1 - w.min(i + 1)).is_multiple_of(bs) {
+            reference::attention(&q, &mut full, &shifted, kv, n_heads, n_kv, hd, 0.125);
+            let qdim = n_heads * hd;
+            assert_eq!(
+                &full[i * qdim..(i + 1) * qdim],
+                &want[i * qdim..(i + 1) * qdim]
+            );
+        }
+    }
     for isa in fast_isas() {
         for threads in [1, 2] {
             let c = cpu(isa, threads);
             let mut got = vec![f32::NAN; q.len()];
-            c.attention(&q, &mut got, &seqs, kv, n_heads, n_kv, hd, 0.125);
+            c.attention_windowed(&q, &mut got, &seqs, kv, n_heads, n_kv, hd, 0.125, window);
             for i in 0..q.len() {
                 assert!(
                     (got[i] - want[i]).abs() < 2e-6,
-                    "bs={bs} heads={n_heads}/{n_kv} hd={hd} {isa:?} t={threads} i={i}: {} vs {}",
+                    "bs={bs} heads={n_heads}/{n_kv} hd={hd} {isa:?} t={threads} window {window:?} i={i}: {} vs {}",
                     got[i],
                     want[i]
                 );
@@ -418,7 +443,7 @@ fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize) {
                     block_table: &t1,
                 }];
                 let mut alone = vec![f32::NAN; qdim];
-                c.attention(
+                c.attention_windowed(
                     &q[i * qdim..(i + 1) * qdim],
                     &mut alone,
                     &one,
@@ -427,6 +452,7 @@ fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize) {
                     n_kv,
                     hd,
                     0.125,
+                    window,
                 );
                 let chunk = &got[i * qdim..(i + 1) * qdim];
                 assert!(

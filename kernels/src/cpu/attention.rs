@@ -23,10 +23,19 @@ struct AttnArgs<'a> {
     group: usize,
     head_dim: usize,
     scale: f32,
+    /// Keys a query sees: its own position and the `window − 1` before it (usize::MAX: all).
+    window: usize,
 }
 unsafe impl Sync for AttnArgs<'_> {}
 
+/// The first key position a query at `pos` sees through a sliding window of `window` keys.
+#[inline(always)]
+fn first_key(pos: usize, window: usize) -> usize {
+    (pos + 1).saturating_sub(window)
+}
+
 /// Causal grouped-query attention over paged KV; q and out are (num_tokens, n_heads * head_dim).
+/// With `window`, a query at position p sees keys p − window + 1 ..= p (a sliding-window layer).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     isa: Isa,
@@ -39,8 +48,10 @@ pub fn attention(
     n_kv_heads: usize,
     head_dim: usize,
     scale: f32,
+    window: Option<usize>,
 ) {
     assert_eq!(q.len(), out.len());
+    assert!(window != Some(0), "a window holds at least one key");
     assert_eq!(n_heads % n_kv_heads, 0);
     let qdim = n_heads * head_dim;
     for s in seqs {
@@ -55,7 +66,9 @@ pub fn attention(
         );
     }
     if isa == Isa::Reference {
-        reference::attention(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale);
+        reference::attention_windowed(
+            q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale, window,
+        );
         return;
     }
     let args = AttnArgs {
@@ -66,6 +79,7 @@ pub fn attention(
         group: n_heads / n_kv_heads,
         head_dim,
         scale,
+        window: window.unwrap_or(usize::MAX),
     };
     let l = isa.lanes();
     let grouped = kv.block_size.is_multiple_of(l)
@@ -217,7 +231,11 @@ unsafe fn score_queries<S: Simd, const G: usize, const QT: usize>(
     let qh: [[*const f32; G]; QT] = std::array::from_fn(|q| {
         std::array::from_fn(|g| a.q.add((s.q_start + i + q) * qdim + (h0 + g) * hd))
     });
-    for (bi, &blk) in s.block_table[..n_max.div_ceil(bs)].iter().enumerate() {
+    // Blocks wholly before the first query's window are not scored (the later queries' windows
+    // start no earlier).
+    let first_block = first_key(s.first_pos + i, a.window) / bs;
+    let blocks = s.block_table[..n_max.div_ceil(bs)].iter().enumerate();
+    for (bi, &blk) in blocks.skip(first_block) {
         let kb = kp.add(blk as usize * bs * kvd + kv_off * bs);
         let mut c = 0;
         while c < bs && bi * bs + c < n_max {
@@ -264,24 +282,26 @@ unsafe fn finish_query<S: Simd, const G: usize, const NV: usize>(
     let vp = a.kv.v.as_ptr();
     let t = s.q_start + i;
     let n_ctx = s.first_pos + i + 1;
-    // Lanes past n_ctx hold garbage and are skipped.
+    let lo = first_key(s.first_pos + i, a.window);
+    // Lanes before lo (outside the window) and past n_ctx hold garbage and are skipped.
     let mut inv_sum = [0.0f32; G];
     for (g, inv) in inv_sum.iter_mut().enumerate() {
-        let sg = sc.add(g * stride);
-        let max = max_of::<S>(sg, n_ctx);
-        *inv = 1.0 / exp_shifted::<S>(sg, n_ctx, max);
+        let sg = sc.add(g * stride + lo);
+        let max = max_of::<S>(sg, n_ctx - lo);
+        *inv = 1.0 / exp_shifted::<S>(sg, n_ctx - lo, max);
     }
     // Weighted sums of V rows, block by block.
     let mut acc = [[S::zero(); NV]; G];
-    let mut p = 0;
-    for &blk in &s.block_table[..n_ctx.div_ceil(bs)] {
-        let base = vp.add(blk as usize * bs * kvd + kv_off);
-        let len = (n_ctx - p).min(bs);
-        for c in 0..len {
+    let mut p = lo;
+    while p < n_ctx {
+        let (bi, c0) = (p / bs, p % bs);
+        let base = vp.add(s.block_table[bi] as usize * bs * kvd + kv_off);
+        let len = (n_ctx - p).min(bs - c0);
+        for c in c0..c0 + len {
             let row = base.add(c * kvd);
             let vv: [S::V; NV] = std::array::from_fn(|j| S::load(row.add(j * l)));
             for (g, ag) in acc.iter_mut().enumerate() {
-                let w = S::splat(*sc.add(g * stride + p + c));
+                let w = S::splat(*sc.add(g * stride + bi * bs + c));
                 for (x, v) in ag.iter_mut().zip(vv.iter()) {
                     *x = S::fma(w, *v, *x);
                 }
@@ -319,9 +339,10 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
     for i in i0..i1 {
         let t = s.q_start + i;
         let n_ctx = s.first_pos + i + 1;
+        let lo = first_key(s.first_pos + i, a.window);
         let qh = a.q.add(t * qdim + h * hd);
         let mut max = f32::NEG_INFINITY;
-        for p in 0..n_ctx {
+        for p in lo..n_ctx {
             let mut acc = 0.0f32;
             for d in 0..hd {
                 acc += *qh.add(d) * *kp.add(a.kv.k_index(s.block_table, p, kv_off + d));
@@ -330,10 +351,10 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
             *sc.add(p) = v;
             max = max.max(v);
         }
-        let inv = 1.0 / exp_shifted::<S>(sc, n_ctx, max);
+        let inv = 1.0 / exp_shifted::<S>(sc.add(lo), n_ctx - lo, max);
         let oh = a.out.add(t * qdim + h * hd);
         std::ptr::write_bytes(oh, 0, hd);
-        for p in 0..n_ctx {
+        for p in lo..n_ctx {
             let off = a.kv.v_offset(s.block_table, p) + kv_off;
             for d in 0..hd {
                 *oh.add(d) += *sc.add(p) * *vp.add(off + d);

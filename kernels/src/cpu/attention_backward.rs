@@ -27,20 +27,17 @@ const BQ: usize = 8;
 /// dq = scale·Σ dS_j k_j, dk_j += scale·dS_j q, dv_j += P_j dout. Query heads sharing a KV head sum
 /// into its dk, dv.
 #[allow(clippy::too_many_arguments)]
+///
+/// With `window`, the row at position p sees only keys p − window + 1 ..= p (a sliding-window
+/// layer): P is zero outside, so nothing flows to the keys it does not see.
 pub fn attention_backward(
     isa: Isa,
     pool: Tasks,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    dout: &[f32],
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
+    (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
+    (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
     scale: f32,
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    window: Option<usize>,
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
     let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
     let t = q.len() / qd;
@@ -76,7 +73,9 @@ pub fn attention_backward(
         qd,
         kvd,
         scale,
+        window: window.unwrap_or(usize::MAX),
     };
+    assert!(window != Some(0), "a window holds at least one key");
     let task = |g: usize| {
         // SAFETY: a tiled task h writes only query head h's columns of dq and its own partials;
         // a row task g only KV head g's columns of dk, dv and its query heads' of dq. The ISA is
@@ -132,6 +131,8 @@ struct AttnJob {
     qd: usize,
     kvd: usize,
     scale: f32,
+    /// Keys a row sees: its own and the `window − 1` before it (usize::MAX: all).
+    window: usize,
 }
 // SAFETY: tasks write disjoint memory (see `attention_backward`).
 unsafe impl Sync for AttnJob {}
@@ -195,7 +196,9 @@ unsafe fn tiled<S: Simd>(j: &AttnJob, h: usize) {
         );
         for r in 0..bq {
             let (pr, dr) = (p.as_mut_ptr().add(r * nkp), ds.as_mut_ptr().add(r * nkp));
-            softmax_grad_row::<S>(pr, dr, off + i0 + r + 1, nkbp, j.scale);
+            let n = off + i0 + r + 1;
+            let lo = n.saturating_sub(j.window);
+            softmax_grad_row::<S>(pr, dr, lo, n, nkbp, j.scale);
         }
         let dqb = j.dq.add(i0 * qd + qc);
         gemm::<S>(
@@ -229,13 +232,20 @@ unsafe fn tiled<S: Simd>(j: &AttnJob, h: usize) {
     }
 }
 
-/// One query row: raw scores q·k in `p` and dP in `d` over `width` columns, of which the first
-/// `n` are keys the row sees → P (0 past n) in `p` and scale·P ⊙ (dP − Σ P dP) in `d`.
+/// One query row: raw scores q·k in `p` and dP in `d` over `width` columns, of which columns
+/// `lo..n` are keys the row sees → P (0 outside) in `p` and scale·P ⊙ (dP − Σ P dP) in `d`.
 #[inline(always)]
-unsafe fn softmax_grad_row<S: Simd>(p: *mut f32, d: *mut f32, n: usize, width: usize, scale: f32) {
+unsafe fn softmax_grad_row<S: Simd>(
+    p: *mut f32,
+    d: *mut f32,
+    lo: usize,
+    n: usize,
+    width: usize,
+    scale: f32,
+) {
     let l = S::LANES;
     let mut vmax = S::splat(f32::NEG_INFINITY);
-    let mut c = 0;
+    let mut c = lo;
     while c + l <= n {
         vmax = S::max(vmax, S::load(p.add(c)));
         c += l;
@@ -253,7 +263,7 @@ unsafe fn softmax_grad_row<S: Simd>(p: *mut f32, d: *mut f32, n: usize, width: u
         );
         c += l;
     }
-    for c in n..width {
+    for c in (0..lo).chain(n..width) {
         *p.add(c) = 0.0;
     }
     let mut vz = S::zero();
@@ -326,26 +336,27 @@ unsafe fn rows<S: Simd>(j: &AttnJob, g: usize) {
         for i in 0..t {
             let qi = j.q.add(i * qd + qc);
             let di = j.dout.add(i * qd + qc);
+            let lo = (off + i + 1).saturating_sub(j.window);
             let mut mx = f32::NEG_INFINITY;
-            for (jj, pj) in p.iter_mut().enumerate().take(off + i + 1) {
+            for (jj, pj) in p.iter_mut().enumerate().take(off + i + 1).skip(lo) {
                 *pj = j.scale * dot::<S>(qi, j.k.add(jj * kvd + kc), hd);
                 mx = mx.max(*pj);
             }
             let mut z = 0.0f32;
-            for pj in &mut p[..=off + i] {
+            for pj in &mut p[lo..=off + i] {
                 *pj = (*pj - mx).exp();
                 z += *pj;
             }
             o.fill(0.0);
             let inv = 1.0 / z;
-            for (jj, pj) in p.iter_mut().enumerate().take(off + i + 1) {
+            for (jj, pj) in p.iter_mut().enumerate().take(off + i + 1).skip(lo) {
                 *pj *= inv;
                 axpy::<S>(*pj, j.v.add(jj * kvd + kc), o.as_mut_ptr(), hd);
             }
             let dot_do = dot::<S>(di, o.as_ptr(), hd);
             let dqi = j.dq.add(i * qd + qc);
             std::ptr::write_bytes(dqi, 0, hd);
-            for (jj, pj) in p.iter().enumerate().take(off + i + 1) {
+            for (jj, pj) in p.iter().enumerate().take(off + i + 1).skip(lo) {
                 let dp = dot::<S>(di, j.v.add(jj * kvd + kc), hd);
                 let ds = pj * (dp - dot_do) * j.scale;
                 axpy::<S>(ds, j.k.add(jj * kvd + kc), dqi, hd);

@@ -272,6 +272,20 @@ pub fn rope_backward(
 }
 
 /// SwiGLU backward: a = silu(g) ⊙ u; du = da ⊙ silu(g); dg = da ⊙ u ⊙ σ(g)(1 + g(1 − σ(g))).
+/// GeGLU's backward (tanh GELU), f32: dgate = da·up·gelu'(gate), dup = da·gelu(gate).
+pub fn geglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+    use super::ops::GELU_C;
+    assert!(gate.len() == up.len() && up.len() == da.len());
+    assert!(da.len() == dgate.len() && da.len() == dup.len());
+    for i in 0..gate.len() {
+        let g = gate[i];
+        let t = (GELU_C * (g + 0.044715 * g * g * g)).tanh();
+        let d = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * 0.044715 * g * g);
+        dup[i] = da[i] * 0.5 * g * (1.0 + t);
+        dgate[i] = da[i] * up[i] * d;
+    }
+}
+
 pub fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
     assert!(gate.len() == up.len() && up.len() == da.len());
     assert!(da.len() == dgate.len() && da.len() == dup.len());

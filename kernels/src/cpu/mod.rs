@@ -246,24 +246,41 @@ impl Cpu {
         dk: &mut [f32],
         dv: &mut [f32],
     ) {
+        self.attention_backward_windowed(
+            q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, None, dq, dk, dv,
+        )
+    }
+
+    /// `attention_backward` through a sliding window of `window` keys (None: every earlier key).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward_windowed(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        dout: &[f32],
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        window: Option<usize>,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) {
+        let heads = (n_heads, n_kv_heads, head_dim);
         match self.isa {
-            Isa::Reference => crate::reference::attention_backward(
-                q, k, v, dout, n_heads, n_kv_heads, head_dim, scale, dq, dk, dv,
+            Isa::Reference => crate::reference::attention_backward_windowed(
+                q, k, v, dout, heads, scale, window, dq, dk, dv,
             ),
             _ => attention_backward::attention_backward(
                 self.isa,
                 self.tasks(),
-                q,
-                k,
-                v,
-                dout,
-                n_heads,
-                n_kv_heads,
-                head_dim,
+                (q, k, v, dout),
+                heads,
                 scale,
-                dq,
-                dk,
-                dv,
+                window,
+                (dq, dk, dv),
             ),
         }
     }
@@ -286,6 +303,28 @@ impl Cpu {
         layout: RopeLayout,
     ) {
         ops::rope(x, table, n_heads, head_dim, rope_dim, layout)
+    }
+
+    /// out = gelu_tanh(gate) · up (Gemma's MLP), f32.
+    pub fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        match self.isa {
+            Isa::Reference => crate::reference::geglu(gate, up, out),
+            _ => ops::geglu(gate, up, out),
+        }
+    }
+
+    pub fn geglu_backward(
+        &self,
+        gate: &[f32],
+        up: &[f32],
+        da: &[f32],
+        dgate: &mut [f32],
+        dup: &mut [f32],
+    ) {
+        match self.isa {
+            Isa::Reference => crate::reference::geglu_backward(gate, up, da, dgate, dup),
+            _ => backward::geglu_backward(gate, up, da, dgate, dup),
+        }
     }
 
     pub fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
@@ -313,6 +352,23 @@ impl Cpu {
         head_dim: usize,
         scale: f32,
     ) {
+        self.attention_windowed(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale, None)
+    }
+
+    /// `attention` through a sliding window of `window` keys (None: every earlier key).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_windowed(
+        &self,
+        q: &[f32],
+        out: &mut [f32],
+        seqs: &[AttnSeq],
+        kv: PagedKv,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        window: Option<usize>,
+    ) {
         attention::attention(
             self.isa,
             self.tasks(),
@@ -324,6 +380,7 @@ impl Cpu {
             n_kv_heads,
             head_dim,
             scale,
+            window,
         )
     }
 }
