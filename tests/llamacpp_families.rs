@@ -55,7 +55,16 @@ fn every_family_agrees_with_llama_cpp_on_the_same_file() {
             .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (*x as f64 - y).abs()))
             .fold(0.0, f64::max);
         eprintln!("{}: max |Δ log-prob| vs llama.cpp {d:.2e}", spec.arch);
-        assert!(d < 1e-4, "{}: max |Δ log-prob| vs llama.cpp {d}", spec.arch);
+        // ggml computes GELU through a table of f16 inputs and outputs (GGML_GELU_FP16): a
+        // relative error of about 5e-4 per activation, so Gemma's bound is looser (the naive f64
+        // forward with that table agrees with llama.cpp to about 1e-3; ours equals the exact
+        // naive one to 2e-6 in tests/model.rs). A wrong window or RoPE base costs far more.
+        let bound = if spec.arch == "gemma3" { 5e-3 } else { 1e-4 };
+        assert!(
+            d < bound,
+            "{}: max |Δ log-prob| vs llama.cpp {d}",
+            spec.arch
+        );
     }
 }
 

@@ -282,11 +282,13 @@ fn versions_publish_while_streams_run_and_no_request_fails() {
 }
 
 #[test]
-fn qwen2_qwen3_and_qwen3moe_models_serve_completions_and_learn() {
+fn every_new_family_serves_completions_and_learns() {
     for spec in [
+        common::TinySpec::llama3(),
         common::TinySpec::qwen2(),
         common::TinySpec::qwen3(),
         common::TinySpec::qwen3moe(),
+        common::TinySpec::gemma3(),
     ] {
         serves_and_learns(spec);
     }

@@ -54,6 +54,8 @@ pub struct TinySpec {
     pub chat_template: Option<&'static str>,
     /// A mixture of experts in place of the dense MLP: (experts, used per token, expert width).
     pub experts: Option<(usize, usize, usize)>,
+    /// Gemma 3's sliding window (`attention.sliding_window`; every 6th layer global).
+    pub window: Option<usize>,
 }
 
 impl TinySpec {
@@ -75,6 +77,7 @@ impl TinySpec {
             pre: "smollm",
             chat_template: None,
             experts: None,
+            window: None,
         }
     }
 
@@ -108,6 +111,21 @@ impl TinySpec {
         }
     }
 
+    /// A Gemma 3: √hidden-scaled embedding, pre- and post-norms, GeGLU, q/k norms, one KV head,
+    /// six layers (five with a sliding window of 5 keys and RoPE base 10⁴, the sixth global with
+    /// base 10⁶).
+    pub fn gemma3() -> TinySpec {
+        TinySpec {
+            arch: "gemma3",
+            kv_heads: 1,
+            head_dim: Some(32),
+            layers: 6,
+            window: Some(5),
+            seed: 29,
+            ..TinySpec::small()
+        }
+    }
+
     /// `small`, as a Qwen2 (biases on q, k and v; NeoX RoPE; untied output).
     pub fn qwen2() -> TinySpec {
         TinySpec {
@@ -135,6 +153,7 @@ impl TinySpec {
             pre: "smollm",
             chat_template: None,
             experts: None,
+            window: None,
         }
     }
 }
@@ -213,9 +232,15 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         .meta(&k("feed_forward_length"), Value::U32(s.ffn as u32))
         .meta(&k("attention.head_count"), Value::U32(s.heads as u32))
         .meta(&k("attention.head_count_kv"), Value::U32(s.kv_heads as u32))
-        .meta(&k("rope.freq_base"), Value::F32(10000.0))
+        .meta(
+            &k("rope.freq_base"),
+            Value::F32(if a == "gemma3" { 1e6 } else { 10000.0 }),
+        )
         .meta(&k("rope.dimension_count"), Value::U32(hd as u32))
         .meta(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+    if let Some(win) = s.window {
+        w.meta(&k("attention.sliding_window"), Value::U32(win as u32));
+    }
     if let Some((e, used, ef)) = s.experts {
         w.meta(&k("expert_count"), Value::U32(e as u32))
             .meta(&k("expert_used_count"), Value::U32(used as u32))
@@ -298,7 +323,19 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
                 }
             }
         }
-        if s.arch == "qwen3" || s.arch == "qwen3moe" {
+        if a == "gemma3" {
+            // As llama.cpp's converter writes Gemma's norms: 1 + w.
+            for t in ["post_attention_norm", "post_ffw_norm"] {
+                let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.3 * rng.uniform()).collect();
+                w.tensor(
+                    &n(t),
+                    &[s.hidden as u64],
+                    QuantType::F32,
+                    quantize(QuantType::F32, &norm),
+                );
+            }
+        }
+        if matches!(a, "qwen3" | "qwen3moe" | "gemma3") {
             for t in ["attn_q_norm", "attn_k_norm"] {
                 let norm: Vec<f32> = (0..hd).map(|_| 1.0 + 0.3 * rng.uniform()).collect();
                 w.tensor(
@@ -431,14 +468,16 @@ pub fn python_json<T: serde::de::DeserializeOwned>(script: &str, args: &[&str]) 
 }
 
 impl TinySpec {
-    /// One tiny model of each family: llama (SmolLM2's shape), Llama 3, Qwen2, Qwen3, Qwen3-MoE.
-    pub fn families() -> [TinySpec; 5] {
+    /// One tiny model of each family: llama (SmolLM2's shape), Llama 3, Qwen2, Qwen3, Qwen3-MoE,
+    /// Gemma 3.
+    pub fn families() -> [TinySpec; 6] {
         [
             TinySpec::small(),
             TinySpec::llama3(),
             TinySpec::qwen2(),
             TinySpec::qwen3(),
             TinySpec::qwen3moe(),
+            TinySpec::gemma3(),
         ]
     }
 }

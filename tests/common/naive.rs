@@ -86,11 +86,21 @@ pub fn naive_logprobs_with(
     } else {
         Vec::new()
     };
-    let emb = mat(&g, "token_embd.weight");
+    // Gemma 3: embeddings times √hidden, post-norms, GeGLU, and sliding-window layers (all but
+    // every 6th) with their own RoPE base.
+    let gemma = arch == "gemma3";
+    let window = g
+        .get(&format!("{arch}.attention.sliding_window"))
+        .map(|v| v.as_f64().unwrap() as usize);
+    let mut emb = mat(&g, "token_embd.weight");
+    if gemma {
+        let s = (hidden as f64).sqrt();
+        emb.iter_mut().flatten().for_each(|v| *v *= s);
+    }
     let out = if g.tensor("output.weight").is_some() {
         mat(&g, "output.weight")
     } else {
-        emb.clone()
+        mat(&g, "token_embd.weight")
     };
     let on = &mat(&g, "output_norm.weight")[0];
     let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| emb[t as usize].clone()).collect();
@@ -103,6 +113,18 @@ pub fn naive_logprobs_with(
         let dense = |n: &str| if moe.is_none() { m(n) } else { Vec::new() };
         let (wg, wu, wd) = (dense("ffn_gate"), dense("ffn_up"), dense("ffn_down"));
         let (an, fnorm) = (m("attn_norm")[0].clone(), m("ffn_norm")[0].clone());
+        let local = gemma && window.is_some() && (l + 1) % 6 != 0;
+        let (base, win) = if local {
+            (10000.0, window.unwrap())
+        } else {
+            (base, usize::MAX)
+        };
+        let post = |t: &str, y: Vec<f64>| -> Vec<f64> {
+            match g.tensor(&format!("blk.{l}.{t}.weight")) {
+                Some(_) => rmsnorm(&y, &m(t)[0], eps),
+                None => y,
+            }
+        };
         let mut ks = Vec::new();
         let mut vs = Vec::new();
         let mut qs = Vec::new();
@@ -136,9 +158,10 @@ pub fn naive_logprobs_with(
         }
         for p in 0..xs.len() {
             let mut att = vec![0.0; heads * hd];
+            let lo = (p + 1).saturating_sub(win);
             for h in 0..heads {
                 let kv = h / (heads / kvh);
-                let sc: Vec<f64> = (0..=p)
+                let sc: Vec<f64> = (lo..=p)
                     .map(|j| {
                         (0..hd)
                             .map(|d| qs[p][h * hd + d] * ks[j][kv * hd + d])
@@ -149,13 +172,13 @@ pub fn naive_logprobs_with(
                 let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
                 let z: f64 = e.iter().sum();
-                for j in 0..=p {
+                for j in lo..=p {
                     for d in 0..hd {
-                        att[h * hd + d] += e[j] / z * vs[j][kv * hd + d];
+                        att[h * hd + d] += e[j - lo] / z * vs[j][kv * hd + d];
                     }
                 }
             }
-            let o = project(l, 3, &wo, &att);
+            let o = post("post_attention_norm", project(l, 3, &wo, &att));
             for (a, b) in xs[p].iter_mut().zip(o) {
                 *a += b;
             }
@@ -163,7 +186,20 @@ pub fn naive_logprobs_with(
             let d = match &moe {
                 None => {
                     let (gt, up) = (project(l, 4, &wg, &n), project(l, 5, &wu, &n));
-                    project(l, 6, &wd, &swiglu(&gt, &up))
+                    let act = if gemma {
+                        gt.iter()
+                            .zip(&up)
+                            .map(|(g, u)| {
+                                let t = ((2.0 / std::f64::consts::PI).sqrt()
+                                    * (g + 0.044715 * g * g * g))
+                                    .tanh();
+                                0.5 * g * (1.0 + t) * u
+                            })
+                            .collect()
+                    } else {
+                        swiglu(&gt, &up)
+                    };
+                    post("post_ffw_norm", project(l, 6, &wd, &act))
                 }
                 Some(experts) => experts.forward(&n),
             };

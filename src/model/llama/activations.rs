@@ -18,6 +18,9 @@ pub(super) struct LayerActs {
     /// q and k before their per-head norms (families with q/k norms; empty otherwise).
     pub q_lin: Vec<f32>,
     pub k_lin: Vec<f32>,
+    /// The attention's and the MLP's outputs before their post-norms (Gemma 3; else empty).
+    pub o_out: Vec<f32>,
+    pub down_out: Vec<f32>,
     /// The mixture of experts' routing and products (MoE families, in place of gate and up).
     pub moe: Option<super::moe::MoeActs>,
 }
@@ -38,5 +41,6 @@ pub(super) fn layer_act_bytes(c: &super::LlamaConfig, t: usize) -> usize {
     let moe = c
         .moe
         .map_or(0, |m| super::moe::MoeActs::bytes(&m, c.hidden, t));
-    t * (2 * c.q_dim() + 2 * c.kv_dim() + c.hidden + 2 * c.ffn + qk_lin) * 4 + moe
+    let post = if c.post_norms { 2 * c.hidden } else { 0 };
+    t * (2 * c.q_dim() + 2 * c.kv_dim() + c.hidden + 2 * c.ffn + qk_lin + post) * 4 + moe
 }

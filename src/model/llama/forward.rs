@@ -16,10 +16,9 @@
 use super::activations::{ActStore, LayerActs};
 use super::buffers::{AdapterScratch, ForwardBuffers};
 use super::moe::MoeActs;
-use super::{Llama, Mlp, ModelError, Weight};
+use super::{Activation, Llama, Mlp, ModelError, Weight};
 use crate::adapter::{lora, AdapterBase, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
-use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::reference::AttnSeq;
 use flywheel_kernels::{Cpu, Matmul};
 use std::ops::Range;
@@ -57,8 +56,20 @@ pub(super) enum KvAccess<'c, 'b> {
 /// their positions, and the adapter groups of their rows.
 pub(super) struct LayerIo<'a> {
     pub attn: &'a [AttnSeq<'a>],
+    /// The global layers' RoPE table and the sliding-window layers' (`Llama::rope_tables`).
     pub rope: &'a [f32],
+    pub rope_local: &'a [f32],
     pub groups: &'a [AdapterGroup<'a>],
+}
+
+impl LayerIo<'_> {
+    /// Layer `l`'s RoPE table.
+    pub fn rope_of(&self, c: &super::LlamaConfig, l: usize) -> &[f32] {
+        match c.window(l) {
+            Some(_) => self.rope_local,
+            None => self.rope,
+        }
+    }
 }
 
 /// The rows of the batch that run through one adapter version.
@@ -168,12 +179,7 @@ impl Llama {
         }
         let groups = adapter_groups(batch);
         let t = tokens.len();
-        let rope = rope_table(
-            &positions,
-            c.rope_dim,
-            c.rope_base,
-            self.rope_freqs.as_deref(),
-        );
+        let (rope, rope_local) = self.rope_tables(&positions);
         let m = logit_rows.len();
         bufs.size(t, m, c);
         self.embed(cpu, &tokens, &mut bufs.x);
@@ -190,6 +196,7 @@ impl Llama {
             let io = LayerIo {
                 attn: &attn,
                 rope: &rope,
+                rope_local: &rope_local,
                 groups: &groups,
             };
             let kv = KvAccess::Write(&mut *cache, batch);
@@ -282,17 +289,11 @@ impl Llama {
             head_norm(cpu, q, qn, c.eps, att);
             head_norm(cpu, k, kn, c.eps, att);
         }
-        cpu.rope(
-            q,
-            io.rope,
-            c.num_heads,
-            c.head_dim,
-            c.rope_dim,
-            c.rope_layout,
-        );
+        let rope = io.rope_of(c, l);
+        cpu.rope(q, rope, c.num_heads, c.head_dim, c.rope_dim, c.rope_layout);
         cpu.rope(
             k,
-            io.rope,
+            rope,
             c.num_kv_heads,
             c.head_dim,
             c.rope_dim,
@@ -319,7 +320,7 @@ impl Llama {
             }
             KvAccess::Read(cache) => cache,
         };
-        cpu.attention(
+        cpu.attention_windowed(
             q,
             att,
             io.attn,
@@ -327,7 +328,8 @@ impl Llama {
             c.num_heads,
             c.num_kv_heads,
             c.head_dim,
-            1.0 / (c.head_dim as f32).sqrt(),
+            c.attn_scale,
+            c.window(l),
         );
         let mut o = [Projection {
             target: Target::O,
@@ -335,7 +337,17 @@ impl Llama {
             y: &mut *proj,
         }];
         self.project(cpu, l, att, &mut o, groups, adapter);
-        add_in_place(x, proj);
+        match &layer.post_attn_norm {
+            // n is free until the MLP's norm: the post-norm's output.
+            Some(w) => {
+                if let Some(a) = keep.as_deref_mut() {
+                    a.o_out = proj.to_vec();
+                }
+                cpu.rmsnorm(proj, w, c.eps, n);
+                add_in_place(x, n);
+            }
+            None => add_in_place(x, proj),
+        }
         if let Some(a) = keep.as_deref_mut() {
             (a.att, a.hx) = (att.to_vec(), x.to_vec());
         }
@@ -376,20 +388,33 @@ impl Llama {
             },
         ];
         self.project(cpu, l, n, &mut mlp, groups, adapter);
-        if let Some(a) = keep {
+        if let Some(a) = keep.as_deref_mut() {
             (a.gate, a.up) = (gate.to_vec(), up.to_vec());
         }
-        if !whole {
+        // A recompute stops here unless the backward needs the MLP's output (its post-norm).
+        if !whole && layer.post_ffn_norm.is_none() {
             return;
         }
-        cpu.swiglu(gate, up, act);
+        match c.activation {
+            Activation::Silu => cpu.swiglu(gate, up, act),
+            Activation::GeluTanh => cpu.geglu(gate, up, act),
+        }
         let mut down = [Projection {
             target: Target::Down,
             weight: w_down,
             y: &mut *proj,
         }];
         self.project(cpu, l, act, &mut down, groups, adapter);
-        add_in_place(x, proj);
+        match &layer.post_ffn_norm {
+            Some(w) => {
+                if let Some(a) = keep {
+                    a.down_out = proj.to_vec();
+                }
+                cpu.rmsnorm(proj, w, c.eps, n);
+                add_in_place(x, n);
+            }
+            None => add_in_place(x, proj),
+        }
     }
 
     /// Layer `l`'s activations recomputed from its input `x0` by the forward's own block
@@ -452,11 +477,11 @@ impl Llama {
         let embd = self.bytes(&self.token_embd);
         for (i, &tok) in tokens.iter().enumerate() {
             let tok = tok as usize;
-            cpu.dequantize_row(
-                self.token_embd.ty,
-                &embd[tok * erb..(tok + 1) * erb],
-                &mut x[i * hidden..(i + 1) * hidden],
-            );
+            let row = &mut x[i * hidden..(i + 1) * hidden];
+            cpu.dequantize_row(self.token_embd.ty, &embd[tok * erb..(tok + 1) * erb], row);
+            if let Some(s) = self.config.embed_scale {
+                row.iter_mut().for_each(|v| *v *= s);
+            }
         }
     }
 

@@ -13,6 +13,7 @@ pub use forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Projection};
 pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, TRAIN_BLOCK};
 
 use super::gguf::{Gguf, GgufError, TensorInfo};
+use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::{QuantType, RopeLayout};
 use std::path::Path;
 
@@ -49,6 +50,29 @@ pub struct LlamaConfig {
     pub vocab_size: usize,
     /// A mixture of experts in place of the dense MLP (Qwen3-MoE); `ffn` is then 0.
     pub moe: Option<MoeConfig>,
+    /// RMSNorms of the attention's and the MLP's outputs before their residual adds (Gemma 3).
+    pub post_norms: bool,
+    /// The MLP's gate activation: SiLU (SwiGLU) or the tanh GELU (Gemma's GeGLU).
+    pub activation: Activation,
+    /// Scores are q·k times this (1/√head_dim, or Gemma's query_pre_attn_scalar^-½).
+    pub attn_scale: f32,
+    /// The embedding rows are multiplied by this (Gemma: √hidden).
+    pub embed_scale: Option<f32>,
+    /// Gemma 3's local layers: a sliding window of this many keys, and their own RoPE base;
+    /// every `global_every`-th layer attends globally with `rope_base` (and `rope_scale`).
+    pub sliding_window: Option<usize>,
+    pub global_every: usize,
+    pub rope_local_base: f32,
+    /// Linear RoPE scaling of the global layers (positions divided by it; 1: none).
+    pub rope_scale: f32,
+}
+
+/// The MLP's gate activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    Silu,
+    GeluTanh,
 }
 
 /// A mixture-of-experts MLP: a router picks `used` of `experts` SwiGLU experts per token.
@@ -69,6 +93,12 @@ impl LlamaConfig {
     }
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// The sliding window of layer `l` (None: a global layer, or no windows in this family).
+    pub fn window(&self, l: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| !(l + 1).is_multiple_of(self.global_every))
     }
 }
 
@@ -105,12 +135,16 @@ pub struct Layer {
     pub bq: Option<Vec<f32>>,
     pub bk: Option<Vec<f32>>,
     pub bv: Option<Vec<f32>>,
-    /// RMSNorm weights (head_dim) of each head's q and k, before RoPE (Qwen3).
+    /// RMSNorm weights (head_dim) of each head's q and k, before RoPE (Qwen3, Gemma 3).
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub wo: Weight,
+    /// RMSNorm of the attention's output before the residual add (Gemma 3).
+    pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     pub mlp: Mlp,
+    /// RMSNorm of the MLP's output before the residual add (Gemma 3).
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// A layer's MLP: dense SwiGLU, or a routed mixture of SwiGLU experts.
@@ -133,7 +167,7 @@ pub struct Experts {
 }
 
 /// The `general.architecture` values this build reads.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"];
 
 pub struct Llama {
     pub config: LlamaConfig,
@@ -159,7 +193,7 @@ impl Llama {
         // Qwen2's q/k/v biases and Qwen3's per-head q/k norms (read below when the file has them).
         let rope_layout = match arch.as_str() {
             "llama" => RopeLayout::Adjacent,
-            "qwen2" | "qwen3" | "qwen3moe" => RopeLayout::Neox,
+            "qwen2" | "qwen3" | "qwen3moe" | "gemma3" => RopeLayout::Neox,
             _ => {
                 return Err(ModelError::Unsupported(format!(
                     "general.architecture = '{arch}': supported are {}",
@@ -223,8 +257,60 @@ impl Llama {
                 })
             }
         };
+        let gemma = arch == "gemma3";
+        let opt_f32 = |key: &str| -> Result<Option<f32>, ModelError> {
+            match g.get(&k(key)) {
+                Some(_) => Ok(Some(g.get_f32(&k(key))?)),
+                None => Ok(None),
+            }
+        };
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if opt_f32(key)?.is_some_and(|v| v != 0.0) {
+                return Err(ModelError::Unsupported(format!(
+                    "{arch}.{key}: logit soft-capping (Gemma 2) is not supported"
+                )));
+            }
+        }
+        let num_layers = g.get_usize(&k("block_count"))?;
+        // Gemma 3 scales q by query_pre_attn_scalar^-½, which its GGUF does not carry: llama.cpp's
+        // rule (head_dim, but hidden / heads for the 62-layer 27B) unless the file says.
+        let attn_scale = match opt_f32("attention.scale")? {
+            Some(s) => s,
+            None if gemma && num_layers == 62 => 1.0 / ((hidden / num_heads) as f32).sqrt(),
+            None => 1.0 / (head_dim as f32).sqrt(),
+        };
+        let sliding_window = match (gemma, g.get(&k("attention.sliding_window"))) {
+            (true, Some(_)) => {
+                Some(g.get_usize(&k("attention.sliding_window"))?).filter(|&w| w > 0)
+            }
+            _ => None,
+        };
+        let rope_scale = match g.get(&k("rope.scaling.type")).and_then(|v| v.as_str()) {
+            None | Some("none") => 1.0,
+            Some("linear") => opt_f32("rope.scaling.factor")?.unwrap_or(1.0),
+            Some(other) => {
+                return Err(ModelError::Unsupported(format!(
+                    "{arch}.rope.scaling.type = '{other}' (linear, or Llama 3's rope_freqs)"
+                )))
+            }
+        };
         let config = LlamaConfig {
-            num_layers: g.get_usize(&k("block_count"))?,
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            attn_scale,
+            post_norms: gemma,
+            embed_scale: gemma.then(|| (hidden as f32).sqrt()),
+            sliding_window,
+            global_every: match g.get(&k("attention.sliding_window_pattern")) {
+                Some(v) => v.as_i64().filter(|&p| p > 0).unwrap_or(6) as usize,
+                None => 6,
+            },
+            rope_local_base: 10000.0,
+            rope_scale,
+            num_layers,
             hidden,
             ffn: match moe {
                 Some(_) => 0,
@@ -264,6 +350,12 @@ impl Llama {
                     false => Ok(None),
                 }
             };
+            let post_norm = |s: &str| -> Result<Option<Vec<f32>>, ModelError> {
+                match c.post_norms {
+                    true => vector(&g, &n(s), c.hidden).map(Some),
+                    false => Ok(None),
+                }
+            };
             layers.push(Layer {
                 q_norm: head_norm("attn_q_norm")?,
                 k_norm: head_norm("attn_k_norm")?,
@@ -275,6 +367,8 @@ impl Llama {
                 wk: weight(&g, &n("attn_k"), c.kv_dim(), c.hidden)?,
                 wv: weight(&g, &n("attn_v"), c.kv_dim(), c.hidden)?,
                 wo: weight(&g, &n("attn_output"), c.hidden, c.q_dim())?,
+                post_attn_norm: post_norm("post_attention_norm")?,
+                post_ffn_norm: post_norm("post_ffw_norm")?,
                 ffn_norm: vector(&g, &n("ffn_norm"), c.hidden)?,
                 mlp: match &c.moe {
                     None => Mlp::Dense {
@@ -312,6 +406,27 @@ impl Llama {
             output_norm,
             output,
         })
+    }
+
+    /// RoPE tables of `positions`: the global layers' (with Llama 3's factors or linear scaling),
+    /// and the sliding-window layers' (their own base; empty without such layers).
+    pub fn rope_tables(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let linear: Vec<f32>;
+        let factors = match &self.rope_freqs {
+            Some(f) => Some(f.as_slice()),
+            None if c.rope_scale != 1.0 => {
+                linear = vec![c.rope_scale; c.rope_dim / 2];
+                Some(linear.as_slice())
+            }
+            None => None,
+        };
+        let global = rope_table(positions, c.rope_dim, c.rope_base, factors);
+        let local = match c.sliding_window {
+            Some(_) => rope_table(positions, c.rope_dim, c.rope_local_base, None),
+            None => Vec::new(),
+        };
+        (global, local)
     }
 
     /// The bytes of a weight.

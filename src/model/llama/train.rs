@@ -18,11 +18,10 @@
 use super::activations::{layer_act_bytes, ActStore};
 use super::buffers::ForwardBuffers;
 use super::forward::{adapter_groups, add_in_place, LayerIo};
-use super::{BatchSeq, Llama, Logits, Mlp, ModelError, Weight};
+use super::{Activation, BatchSeq, Llama, Logits, Mlp, ModelError, Weight};
 use crate::adapter::{lora, oft, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
 use crate::policy::scale_and_normalize;
-use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::reference::AttnSeq;
 use flywheel_kernels::Cpu;
 
@@ -366,16 +365,12 @@ impl Llama {
             positions.extend((p..p + s.tokens.len()).map(|p| p as u32));
             start += s.tokens.len();
         }
-        let rope = rope_table(
-            &positions,
-            c.rope_dim,
-            c.rope_base,
-            self.rope_freqs.as_deref(),
-        );
+        let (rope, rope_local) = self.rope_tables(&positions);
         let mut bufs = ForwardBuffers::default();
         let io = LayerIo {
             attn: &attn,
             rope: &rope,
+            rope_local: &rope_local,
             groups: &groups,
         };
         let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.ffn);
@@ -398,7 +393,19 @@ impl Llama {
                 } => {
                     let (mut m, mut act) = (z(t * h), z(t * f));
                     cpu.rmsnorm(&a.hx, &layer.ffn_norm, c.eps, &mut m);
-                    cpu.swiglu(&a.gate, &a.up, &mut act);
+                    match c.activation {
+                        Activation::Silu => cpu.swiglu(&a.gate, &a.up, &mut act),
+                        Activation::GeluTanh => cpu.geglu(&a.gate, &a.up, &mut act),
+                    }
+                    // Through the MLP's post-norm (Gemma 3), from the output it normed.
+                    let dy = match &layer.post_ffn_norm {
+                        Some(w) => {
+                            let mut d = z(t * h);
+                            cpu.rmsnorm_backward(&a.down_out, w, c.eps, &dx, &mut d);
+                            d
+                        }
+                        None => dx.clone(),
+                    };
                     let dact = self.linear_backward_adapted(
                         cpu,
                         adapter,
@@ -406,12 +413,19 @@ impl Llama {
                         Target::Down,
                         w_down,
                         &act,
-                        &dx,
+                        &dy,
                         grads,
                     );
-                    drop(act);
+                    drop((act, dy));
                     let (mut dgate, mut dup) = (z(t * f), z(t * f));
-                    cpu.swiglu_backward(&a.gate, &a.up, &dact, &mut dgate, &mut dup);
+                    match c.activation {
+                        Activation::Silu => {
+                            cpu.swiglu_backward(&a.gate, &a.up, &dact, &mut dgate, &mut dup)
+                        }
+                        Activation::GeluTanh => {
+                            cpu.geglu_backward(&a.gate, &a.up, &dact, &mut dgate, &mut dup)
+                        }
+                    }
                     drop(dact);
                     let mut dm = self.linear_backward_adapted(
                         cpu,
@@ -448,6 +462,12 @@ impl Llama {
             let mut dh = z(t * h);
             cpu.rmsnorm_backward(&a.hx, &layer.ffn_norm, c.eps, &dm, &mut dh);
             add_in_place(&mut dh, &dx);
+            // Through the attention's post-norm (Gemma 3).
+            let mut d_o = Vec::new();
+            if let Some(w) = &layer.post_attn_norm {
+                d_o = z(t * h);
+                cpu.rmsnorm_backward(&a.o_out, w, c.eps, &dh, &mut d_o);
+            }
             let datt = self.linear_backward_adapted(
                 cpu,
                 adapter,
@@ -455,14 +475,16 @@ impl Llama {
                 Target::O,
                 &layer.wo,
                 &a.att,
-                &dh,
+                if d_o.is_empty() { &dh } else { &d_o },
                 grads,
             );
+            drop(d_o);
             let (mut dq, mut dk, mut dv) = (z(t * qd), z(t * kvd), z(t * kvd));
             for (i, s) in seqs.iter().enumerate() {
                 attention_backward_seq(
                     cpu,
                     &self.config,
+                    c.window(l),
                     &attn,
                     i,
                     s.prefix,
@@ -473,10 +495,11 @@ impl Llama {
             let (q_lin, k_lin) = (a.q_lin, a.k_lin);
             drop((a.q, a.k, a.v, a.att));
             let layout = c.rope_layout;
-            cpu.rope_backward(&mut dq, &rope, c.num_heads, c.head_dim, c.rope_dim, layout);
+            let rope = io.rope_of(c, l);
+            cpu.rope_backward(&mut dq, rope, c.num_heads, c.head_dim, c.rope_dim, layout);
             cpu.rope_backward(
                 &mut dk,
-                &rope,
+                rope,
                 c.num_kv_heads,
                 c.head_dim,
                 c.rope_dim,
@@ -562,9 +585,11 @@ impl Llama {
 
 /// Attention backward of sequence `i` of the packed rows (its queries; its keys and values and
 /// those of its prefix, if any), adding into the packed dq, dk, dv.
+#[allow(clippy::too_many_arguments)]
 fn attention_backward_seq(
     cpu: &Cpu,
     c: &super::LlamaConfig,
+    window: Option<usize>,
     attn: &[AttnSeq],
     i: usize,
     prefix: Option<usize>,
@@ -587,7 +612,7 @@ fn attention_backward_seq(
     let (kk, vv) = (gather(k), gather(v));
     let (mut dkk, mut dvv) = (vec![0.0f32; kk.len()], vec![0.0f32; vv.len()]);
     let qr = own.start * qd..own.end * qd;
-    cpu.attention_backward(
+    cpu.attention_backward_windowed(
         &q[qr.clone()],
         &kk,
         &vv,
@@ -595,7 +620,8 @@ fn attention_backward_seq(
         c.num_heads,
         c.num_kv_heads,
         c.head_dim,
-        1.0 / (c.head_dim as f32).sqrt(),
+        c.attn_scale,
+        window,
         &mut dq[qr],
         &mut dkk,
         &mut dvv,
