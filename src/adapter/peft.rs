@@ -87,7 +87,9 @@ pub fn parse_config(v: &Value) -> Result<AdapterConfig, AdapterError> {
         "layer_replication",
         "target_parameters",
     ] {
-        refuse_if(get(k).is_some(), k, "a non-null value")?;
+        // PEFT writes an empty list for "none" in some fields (target_parameters since 0.17).
+        let set = get(k).is_some_and(|v| !v.as_array().is_some_and(|a| a.is_empty()));
+        refuse_if(set, k, "a non-null value")?;
     }
     let method = match peft_type {
         "LORA" => {
