@@ -112,3 +112,89 @@ fn qwen2_and_llama3_pre_tokenizers_split_like_llama_cpp() {
         }
     }
 }
+
+/// SentencePiece vocabularies (Gemma's kind): llama.cpp's ids on awkward texts (ties between
+/// pieces, runs of spaces, byte fallback, control and user-defined tokens in the text), with and
+/// without the leading space, and decoding gives the text back.
+#[test]
+fn sentencepiece_vocabularies_tokenize_like_llama_cpp() {
+    let texts = [
+        "hello world",
+        " hello  world   the",
+        "abc abcabc bcab",
+        "hello\n\nworld\n\n\n",
+        "12345 123 1212",
+        "it's the héllo wörld 日本 😀",
+        "<start_of_turn>user hello<|im_end|> the<|im_start|>",
+        "    indented\tand\ttabs   ",
+        "",
+        "é é",
+    ];
+    for prefix in [false, true] {
+        let spec = TinySpec {
+            spm: Some(prefix),
+            ..TinySpec::small()
+        };
+        let (_dir, path) = write_tiny(&spec);
+        let Some(want) = llamacpp_tokenize_special(&path, &texts) else {
+            eprintln!("skipped: llama_cpp (llama-cpp-python) is not installed");
+            return;
+        };
+        let model = Llama::open(&path).unwrap();
+        let tok = flywheel::model::tokenizer::Tokenizer::from_gguf(&model.gguf).unwrap();
+        for (t, w) in texts.iter().zip(&want) {
+            let got = tok.encode(t).unwrap();
+            assert_eq!(&got, w, "add_space_prefix {prefix}: {t:?}");
+            // Decoding gives the text back, with the space the prefix added before each run of
+            // text that starts the input or follows a special token.
+            let back = tok.decode(&got);
+            let want_back = match prefix {
+                false => t.to_string(),
+                true => {
+                    let mut w = String::new();
+                    let mut rest = *t;
+                    let specials = ["<start_of_turn>", "<|im_end|>", "<|im_start|>"];
+                    while !rest.is_empty() {
+                        match specials.iter().find(|s| rest.starts_with(**s)) {
+                            Some(s) => {
+                                w.push_str(s);
+                                rest = &rest[s.len()..];
+                            }
+                            None => {
+                                let end = specials
+                                    .iter()
+                                    .filter_map(|s| rest.find(s))
+                                    .min()
+                                    .unwrap_or(rest.len());
+                                w.push(' ');
+                                w.push_str(&rest[..end]);
+                                rest = &rest[end..];
+                            }
+                        }
+                    }
+                    w
+                }
+            };
+            assert_eq!(
+                back, want_back,
+                "add_space_prefix {prefix}: decode of {t:?}"
+            );
+        }
+    }
+}
+
+/// llama.cpp's ids with control tokens recognised in the text (as the server tokenizes prompts).
+fn llamacpp_tokenize_special(path: &std::path::Path, texts: &[&str]) -> Option<Vec<Vec<u32>>> {
+    let script = r#"
+import json, sys
+try:
+    import llama_cpp
+except ImportError:
+    print("null"); sys.exit(0)
+llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+texts = json.loads(sys.argv[2])
+print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]))
+"#;
+    let texts = serde_json::to_string(texts).unwrap();
+    python_json(script, &[path.to_str().unwrap(), &texts])
+}

@@ -4,4 +4,5 @@ pub mod gguf;
 pub mod gguf_writer;
 pub mod kv_cache;
 pub mod llama;
+pub mod spm;
 pub mod tokenizer;

@@ -1,8 +1,10 @@
-//! The tokenizer and chat template, both built from GGUF metadata: a `tokenizers::Tokenizer` for
+//! The tokenizer and chat template, both built from GGUF metadata: SentencePiece vocabularies
+//! (`model::spm`) or a `tokenizers::Tokenizer` for
 //! byte-level BPE (vocab, merges, pre-tokenizer by `tokenizer.ggml.pre`, control tokens as special),
 //! a byte table for exact incremental detokenization, and `tokenizer.chat_template` via minijinja.
 
 use super::gguf::{Gguf, GgufError, Value};
+use super::spm::{Spm, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
 use std::collections::HashMap;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -47,12 +49,83 @@ fn split_then_bytes(pattern: &str) -> Result<PreTokenizerWrapper, TokenizerError
     .into())
 }
 
-/// GGUF token types (llama.cpp's `llama_token_type`).
-const TOKEN_TYPE_CONTROL: i64 = 3;
-const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+/// The vocabulary's kind: byte-level BPE (`gpt2`) or SentencePiece (`llama`).
+enum Model {
+    Bpe(tokenizers::Tokenizer),
+    Spm(Spm),
+}
+
+/// Byte-level BPE from the GGUF's vocab and merges, its pre-tokenizer named by
+/// `tokenizer.ggml.pre`, control tokens as special and user-defined ones as added.
+fn bpe(
+    g: &Gguf,
+    tokens: &[String],
+    types: &[i64],
+) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let pre_tok: PreTokenizerWrapper = match pre {
+        "default" | "gpt2" => ByteLevel::new(false, true, true).into(),
+        "smollm" => Sequence::new(vec![
+            Digits::new(true).into(),
+            ByteLevel::new(false, true, true).into(),
+        ])
+        .into(),
+        // The regexes of the models' own tokenizer.json (llama.cpp rewrites them by hand for its
+        // engine; onig reads them as written), then bytes to characters.
+        "qwen2" => split_then_bytes(QWEN2_PATTERN)?,
+        "llama-bpe" => split_then_bytes(LLAMA3_PATTERN)?,
+        other => {
+            return Err(TokenizerError::Unsupported(format!(
+                "tokenizer.ggml.pre = '{other}'"
+            )))
+        }
+    };
+    let merges = string_array(g, "tokenizer.ggml.merges")?;
+    let vocab: HashMap<String, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let merges: Vec<(String, String)> = merges
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| TokenizerError::Build(format!("merge {i} '{m}' has no space")))
+        })
+        .collect::<Result<_, _>>()?;
+    let model = BPE::builder()
+        .vocab_and_merges(
+            vocab
+                .into_iter()
+                .collect::<tokenizers::models::bpe::Vocab>(),
+            merges,
+        )
+        .build()
+        .map_err(|e| TokenizerError::Build(e.to_string()))?;
+    let mut inner = tokenizers::Tokenizer::new(model);
+    inner.with_pre_tokenizer(Some(pre_tok));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    let mut special = Vec::new();
+    let mut added = Vec::new();
+    for (t, &ty) in tokens.iter().zip(types) {
+        match ty {
+            TOKEN_TYPE_CONTROL => special.push(AddedToken::from(t.clone(), true)),
+            TOKEN_TYPE_USER_DEFINED => added.push(AddedToken::from(t.clone(), false)),
+            _ => {}
+        }
+    }
+    inner.add_special_tokens(&special);
+    inner.add_tokens(&added);
+    Ok(inner)
+}
 
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Model,
     /// The bytes each token stands for (control tokens: their text).
     token_bytes: Vec<Vec<u8>>,
     is_control: Vec<bool>,
@@ -91,34 +164,7 @@ fn bytes_to_unicode() -> [char; 256] {
 impl Tokenizer {
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
         let model = g.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(TokenizerError::Unsupported(format!(
-                "tokenizer.ggml.model = '{model}' (only byte-level BPE, 'gpt2', is supported)"
-            )));
-        }
-        let pre = g
-            .get("tokenizer.ggml.pre")
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        let pre_tok: PreTokenizerWrapper = match pre {
-            "default" | "gpt2" => ByteLevel::new(false, true, true).into(),
-            "smollm" => Sequence::new(vec![
-                Digits::new(true).into(),
-                ByteLevel::new(false, true, true).into(),
-            ])
-            .into(),
-            // The regexes of the models' own tokenizer.json (llama.cpp rewrites them by hand for
-            // its engine; onig reads them as written), then bytes to characters.
-            "qwen2" => split_then_bytes(QWEN2_PATTERN)?,
-            "llama-bpe" => split_then_bytes(LLAMA3_PATTERN)?,
-            other => {
-                return Err(TokenizerError::Unsupported(format!(
-                    "tokenizer.ggml.pre = '{other}'"
-                )))
-            }
-        };
         let tokens = string_array(g, "tokenizer.ggml.tokens")?;
-        let merges = string_array(g, "tokenizer.ggml.merges")?;
         let types: Vec<i64> = match g.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
             Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
@@ -130,67 +176,71 @@ impl Tokenizer {
                 tokens.len()
             )));
         }
-        let vocab: HashMap<String, u32> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let merges: Vec<(String, String)> = merges
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| TokenizerError::Build(format!("merge {i} '{m}' has no space")))
-            })
-            .collect::<Result<_, _>>()?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(
-                vocab
-                    .into_iter()
-                    .collect::<tokenizers::models::bpe::Vocab>(),
-                merges,
-            )
-            .build()
-            .map_err(|e| TokenizerError::Build(e.to_string()))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        inner.with_pre_tokenizer(Some(pre_tok));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
-        let mut special = Vec::new();
-        let mut added = Vec::new();
-        for (i, t) in tokens.iter().enumerate() {
-            match types[i] {
-                TOKEN_TYPE_CONTROL => special.push(AddedToken::from(t.clone(), true)),
-                TOKEN_TYPE_USER_DEFINED => added.push(AddedToken::from(t.clone(), false)),
-                _ => {}
-            }
-        }
-        inner.add_special_tokens(&special);
-        inner.add_tokens(&added);
-
-        let rev: HashMap<char, u8> = bytes_to_unicode()
-            .iter()
-            .enumerate()
-            .map(|(b, c)| (*c, b as u8))
-            .collect();
-        let token_bytes = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                if types[i] == TOKEN_TYPE_CONTROL || types[i] == TOKEN_TYPE_USER_DEFINED {
-                    t.as_bytes().to_vec()
-                } else {
-                    t.chars()
-                        .map(|c| rev.get(&c).copied().unwrap_or(b'?'))
-                        .collect()
-                }
-            })
-            .collect();
         let id = |k: &str| {
             g.get(k)
                 .and_then(Value::as_i64)
                 .map(|v| v as u32)
                 .filter(|&v| (v as usize) < tokens.len())
+        };
+        let (inner, token_bytes) = match model {
+            "gpt2" => {
+                let rev: HashMap<char, u8> = bytes_to_unicode()
+                    .iter()
+                    .enumerate()
+                    .map(|(b, c)| (*c, b as u8))
+                    .collect();
+                let bytes = tokens
+                    .iter()
+                    .zip(&types)
+                    .map(|(t, &ty)| {
+                        if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+                            t.as_bytes().to_vec()
+                        } else {
+                            t.chars()
+                                .map(|c| rev.get(&c).copied().unwrap_or(b'?'))
+                                .collect()
+                        }
+                    })
+                    .collect();
+                (Model::Bpe(bpe(g, &tokens, &types)?), bytes)
+            }
+            "llama" => {
+                let scores: Vec<f32> =
+                    match g.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                        Some(a) => a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect(),
+                        None => vec![0.0; tokens.len()],
+                    };
+                if scores.len() != tokens.len() {
+                    return Err(TokenizerError::Build(format!(
+                        "{} scores for {} tokens",
+                        scores.len(),
+                        tokens.len()
+                    )));
+                }
+                let add_space_prefix = g
+                    .get("tokenizer.ggml.add_space_prefix")
+                    .and_then(Value::as_i64)
+                    .is_none_or(|v| v != 0);
+                let spm = Spm::new(
+                    &tokens,
+                    &scores,
+                    &types,
+                    add_space_prefix,
+                    id("tokenizer.ggml.unknown_token_id"),
+                );
+                let bytes = tokens
+                    .iter()
+                    .zip(&types)
+                    .map(|(t, &ty)| Spm::token_bytes(t, ty))
+                    .collect();
+                (Model::Spm(spm), bytes)
+            }
+            other => {
+                return Err(TokenizerError::Unsupported(format!(
+                    "tokenizer.ggml.model = '{other}' (supported: 'gpt2', byte-level BPE; \
+                     'llama', SentencePiece)"
+                )))
+            }
         };
         let bos_id = id("tokenizer.ggml.bos_token_id");
         let eos_id = id("tokenizer.ggml.eos_token_id");
@@ -222,15 +272,19 @@ impl Tokenizer {
     /// Token ids of `text`; control tokens written in the text are recognised (as llama.cpp's
     /// server does for prompts). Adds BOS when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .inner
-            .encode_fast(text, false)
-            .map_err(|e| TokenizerError::Build(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.add_bos {
             ids.extend(self.bos_id);
         }
-        ids.extend_from_slice(enc.get_ids());
+        match &self.inner {
+            Model::Bpe(t) => {
+                let enc = t
+                    .encode_fast(text, false)
+                    .map_err(|e| TokenizerError::Build(e.to_string()))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Model::Spm(s) => s.encode(text, &mut ids),
+        }
         Ok(ids)
     }
 

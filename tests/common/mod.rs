@@ -56,6 +56,9 @@ pub struct TinySpec {
     pub experts: Option<(usize, usize, usize)>,
     /// Gemma 3's sliding window (`attention.sliding_window`; every 6th layer global).
     pub window: Option<usize>,
+    /// A SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`, `spm_vocab`) in place of the
+    /// byte-level BPE one, with this `add_space_prefix`.
+    pub spm: Option<bool>,
 }
 
 impl TinySpec {
@@ -78,6 +81,7 @@ impl TinySpec {
             chat_template: None,
             experts: None,
             window: None,
+            spm: None,
         }
     }
 
@@ -113,7 +117,7 @@ impl TinySpec {
 
     /// A Gemma 3: √hidden-scaled embedding, pre- and post-norms, GeGLU, q/k norms, one KV head,
     /// six layers (five with a sliding window of 5 keys and RoPE base 10⁴, the sixth global with
-    /// base 10⁶).
+    /// base 10⁶), a SentencePiece vocabulary without the leading space (as Gemma's).
     pub fn gemma3() -> TinySpec {
         TinySpec {
             arch: "gemma3",
@@ -121,6 +125,7 @@ impl TinySpec {
             head_dim: Some(32),
             layers: 6,
             window: Some(5),
+            spm: Some(false),
             seed: 29,
             ..TinySpec::small()
         }
@@ -154,6 +159,7 @@ impl TinySpec {
             chat_template: None,
             experts: None,
             window: None,
+            spm: None,
         }
     }
 }
@@ -200,6 +206,67 @@ pub fn vocab() -> (Vec<String>, Vec<i32>, Vec<String>) {
     (tokens, types, merges)
 }
 
+/// A SentencePiece vocabulary: the three control tokens of `vocab`, `<unk>`, 256 byte tokens, a
+/// user-defined token, then scored pieces (characters and merges, ties included, U+2581 for
+/// spaces; no piece for most non-ASCII characters, which fall back to bytes).
+pub fn spm_vocab() -> (Vec<String>, Vec<i32>, Vec<f32>) {
+    let mut tokens: Vec<String> = vec![
+        "<|endoftext|>".into(),
+        "<|im_start|>".into(),
+        "<|im_end|>".into(),
+        "<unk>".into(),
+    ];
+    let mut types = vec![3, 3, 3, 2];
+    let mut scores = vec![0.0f32; 4];
+    for b in 0..256 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+        scores.push(0.0);
+    }
+    tokens.push("<start_of_turn>".into());
+    types.push(4);
+    scores.push(0.0);
+    let mut piece = |t: &str, score: f32| {
+        tokens.push(t.replace(' ', "\u{2581}"));
+        types.push(1);
+        scores.push(score);
+    };
+    for c in (b'!'..=b'~').map(|b| b as char) {
+        piece(&c.to_string(), -10.0);
+    }
+    for c in [" ", "\n", "é", "日"] {
+        piece(c, -10.0);
+    }
+    for (t, s) in [
+        (" t", -2.0),
+        ("he", -3.0),
+        (" the", -1.0),
+        ("ll", -3.0),
+        ("hell", -2.5),
+        ("hello", -1.5),
+        (" hello", -1.0),
+        ("  ", -4.0),
+        ("    ", -3.5),
+        ("wor", -4.0),
+        ("ld", -4.0),
+        ("world", -2.0),
+        (" world", -1.2),
+        ("\n\n", -3.0),
+        ("12", -5.0),
+        ("123", -4.5),
+        ("ab", -6.0),
+        ("bc", -6.0),
+        ("abc", -5.5),
+        ("it", -4.0),
+        ("'s", -4.0),
+        (" it", -3.0),
+        (" é", -2.0),
+    ] {
+        piece(t, s);
+    }
+    (tokens, types, scores)
+}
+
 pub struct TinyModel {
     pub spec: TinySpec,
     pub vocab_size: usize,
@@ -208,7 +275,11 @@ pub struct TinyModel {
 
 pub fn tiny_model(spec: &TinySpec) -> TinyModel {
     let (mut tokens, mut types, mut merges) = vocab();
-    if spec.pre != "smollm" {
+    let mut scores = Vec::new();
+    if spec.spm.is_some() {
+        (tokens, types, scores) = spm_vocab();
+        merges.clear();
+    } else if spec.pre != "smollm" {
         for m in ["1 2", "12 3", "Ċ Ċ", "Ġ Ġ", "' s", "Ġ 1", "ĠĠ Ġ", "! Ċ"] {
             tokens.push(m.replace(' ', ""));
             types.push(1);
@@ -250,11 +321,22 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         w.meta(&k("attention.key_length"), Value::U32(d as u32))
             .meta(&k("attention.value_length"), Value::U32(d as u32));
     }
-    w.meta("tokenizer.ggml.model", Value::String("gpt2".into()))
-        .meta("tokenizer.ggml.pre", Value::String(s.pre.into()))
-        .meta("tokenizer.ggml.tokens", str_arr(&tokens))
+    match s.spm {
+        None => w
+            .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
+            .meta("tokenizer.ggml.pre", Value::String(s.pre.into()))
+            .meta("tokenizer.ggml.merges", str_arr(&merges)),
+        Some(prefix) => w
+            .meta("tokenizer.ggml.model", Value::String("llama".into()))
+            .meta(
+                "tokenizer.ggml.scores",
+                Value::Array(scores.iter().map(|s| Value::F32(*s)).collect()),
+            )
+            .meta("tokenizer.ggml.add_space_prefix", Value::Bool(prefix))
+            .meta("tokenizer.ggml.unknown_token_id", Value::U32(3)),
+    };
+    w.meta("tokenizer.ggml.tokens", str_arr(&tokens))
         .meta("tokenizer.ggml.token_type", Value::Array(types.iter().map(|t| Value::I32(*t)).collect()))
-        .meta("tokenizer.ggml.merges", str_arr(&merges))
         .meta("tokenizer.ggml.bos_token_id", Value::U32(1))
         .meta("tokenizer.ggml.eos_token_id", Value::U32(2))
         .meta("tokenizer.ggml.add_bos_token", Value::Bool(false))
