@@ -51,8 +51,8 @@ fn split_then_bytes(pattern: &str) -> Result<PreTokenizerWrapper, TokenizerError
 
 /// The vocabulary's kind: byte-level BPE (`gpt2`) or SentencePiece (`llama`).
 enum Model {
-    Bpe(tokenizers::Tokenizer),
-    Spm(Spm),
+    Bpe(Box<tokenizers::Tokenizer>),
+    Spm(Box<Spm>),
 }
 
 /// Byte-level BPE from the GGUF's vocab and merges, its pre-tokenizer named by
@@ -202,7 +202,7 @@ impl Tokenizer {
                         }
                     })
                     .collect();
-                (Model::Bpe(bpe(g, &tokens, &types)?), bytes)
+                (Model::Bpe(Box::new(bpe(g, &tokens, &types)?)), bytes)
             }
             "llama" => {
                 let scores: Vec<f32> =
@@ -233,7 +233,7 @@ impl Tokenizer {
                     .zip(&types)
                     .map(|(t, &ty)| Spm::token_bytes(t, ty))
                     .collect();
-                (Model::Spm(spm), bytes)
+                (Model::Spm(Box::new(spm)), bytes)
             }
             other => {
                 return Err(TokenizerError::Unsupported(format!(
