@@ -82,3 +82,112 @@ fn multi_line_templates_render_as_transformers_renders_them() {
     let e = tok.apply_chat_template(&bad, true).unwrap_err().to_string();
     assert!(e.contains("roles must be user or assistant"), "{e}");
 }
+
+/// Python's jinja2 rendering in transformers' environment (its `tojson`, `raise_exception`,
+/// `strftime_now`), as `apply_chat_template(messages, tools=...)` renders: the text, or
+/// {"error": message}; None without jinja2.
+fn transformers_render(
+    template: &str,
+    messages: &str,
+    tools: &str,
+    add_generation_prompt: bool,
+) -> Option<serde_json::Value> {
+    let script = r#"
+import datetime, json, sys
+try:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.ext import loopcontrols
+except ImportError:
+    print("null"); sys.exit(0)
+def raise_exception(m): raise jinja2.exceptions.TemplateError(m)
+def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def strftime_now(f): return datetime.datetime.now(datetime.timezone.utc).strftime(f)
+env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+env.filters["tojson"] = tojson
+env.globals["raise_exception"] = raise_exception
+env.globals["strftime_now"] = strftime_now
+try:
+    t = env.from_string(sys.argv[1])
+    out = t.render(messages=json.loads(sys.argv[2]), tools=json.loads(sys.argv[3]),
+                   bos_token="<|im_start|>", eos_token="<|im_end|>",
+                   add_generation_prompt=sys.argv[4] == "1")
+    print(json.dumps(out))
+except jinja2.exceptions.TemplateError as e:
+    print(json.dumps({"error": str(e)}))
+"#;
+    let gen = if add_generation_prompt { "1" } else { "0" };
+    python_json(script, &[template, messages, tools, gen])
+}
+
+/// The real templates of the families (tests/fixtures/templates): plain conversations, a system
+/// prompt, and tool use (definitions with awkward characters and numbers, an assistant's tool
+/// call, the tool's result, the answer), with and without the generation prompt, render as
+/// transformers renders them; where the template refuses a conversation, so does Flywheel.
+#[test]
+fn the_families_own_templates_render_as_transformers_renders_them_tools_included() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
+    let tools = r#"[{"type": "function", "function": {"name": "get_weather",
+        "description": "Weather «now» for <city> & \"region\"\n(uses the API)",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "City name, e.g. Zürich"},
+            "days": {"type": "integer", "minimum": 1, "maximum": 10.5, "default": 1e-05}},
+            "required": ["city"]}}},
+        {"type": "function", "function": {"name": "now", "description": "The time",
+         "parameters": {"type": "object", "properties": {}}}}]"#;
+    let plain = r#"[{"role": "user", "content": "What's 2+2?"}]"#;
+    let multi = r#"[{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "  hi there\n"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "more"}]"#;
+    let tool_use = r#"[{"role": "system", "content": "You help."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+          "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
+         "content": "{\"temp\": 21.5, \"sky\": \"clear\"}"},
+        {"role": "assistant", "content": "It is 21.5 °C and clear."},
+        {"role": "user", "content": "Thanks"}]"#;
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("jinja") {
+            continue;
+        }
+        let template = std::fs::read_to_string(&path).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let leaked: &'static str = Box::leak(template.clone().into_boxed_str());
+        let (_d, gguf) = write_tiny(&TinySpec {
+            chat_template: Some(leaked),
+            ..TinySpec::small()
+        });
+        let model = Llama::open(&gguf).unwrap();
+        let tok = Tokenizer::from_gguf(&model.gguf).unwrap();
+        for (msgs, tools) in [
+            (plain, "null"),
+            (multi, "null"),
+            (plain, tools),
+            (tool_use, tools),
+        ] {
+            for gen in [true, false] {
+                let Some(want) = transformers_render(&template, msgs, tools, gen) else {
+                    eprintln!("skipped: Python's jinja2 is not installed");
+                    return;
+                };
+                let m: serde_json::Value = serde_json::from_str(msgs).unwrap();
+                let t: serde_json::Value = serde_json::from_str(tools).unwrap();
+                let got = tok.render_chat(&m, (!t.is_null()).then_some(&t), gen);
+                match (want.as_str(), got) {
+                    (Some(w), Ok(g)) => assert_eq!(g, w, "{name}: {msgs} tools {tools}"),
+                    (None, Err(e)) => {
+                        let w = want["error"].as_str().unwrap();
+                        assert!(e.to_string().contains(w), "{name}: {e} vs {w}");
+                    }
+                    (w, g) => panic!("{name}: transformers {w:?}, Flywheel {g:?}"),
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 5 * 4 * 2);
+}

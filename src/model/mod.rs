@@ -1,5 +1,6 @@
 //! The model: GGUF reading and writing, the tokenizer and chat template, the Llama-family forward.
 
+pub mod chat_template;
 pub mod gguf;
 pub mod gguf_writer;
 pub mod kv_cache;

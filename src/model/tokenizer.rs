@@ -317,110 +317,32 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
+        let messages =
+            serde_json::to_value(messages).map_err(|e| TokenizerError::Template(e.to_string()))?;
+        self.render_chat(&messages, None, add_generation_prompt)
+    }
+
+    /// Render the chat template with messages as OpenAI's API gives them (any fields: tool calls,
+    /// tool results, names) and the tool definitions, as transformers' `apply_chat_template`
+    /// renders them.
+    pub fn render_chat(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
         let tmpl = self.chat_template.as_deref().ok_or_else(|| {
             TokenizerError::Template("the model has no tokenizer.chat_template".into())
         })?;
-        // As transformers renders chat templates: blocks trim their newline and strip the
-        // indentation before them; `raise_exception` and `strftime_now` are there to call.
-        let mut env = minijinja::Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        minijinja_contrib::add_to_environment(&mut env);
-        env.add_function("strftime_now", |fmt: String| {
-            strftime(&fmt, crate::util::unix_now())
-        });
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", tmpl)
-            .map_err(|e| TokenizerError::Template(e.to_string()))?;
-        let t = env
-            .get_template("chat")
-            .map_err(|e| TokenizerError::Template(e.to_string()))?;
-        t.render(minijinja::context! {
-            messages => messages,
+        let ctx = minijinja::context! {
+            messages => minijinja::Value::from_serialize(messages),
+            tools => tools.map(minijinja::Value::from_serialize),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_text,
             eos_token => self.eos_text,
-        })
-        .map_err(|e| TokenizerError::Template(e.to_string()))
+        };
+        super::chat_template::render(tmpl, ctx).map_err(|e| TokenizerError::Template(e.to_string()))
     }
-}
-
-/// `fmt` at Unix second `t` (UTC), for the codes chat templates use: %d %m %Y %y %b %B %a %A
-/// %H %M %S %%. Other codes are kept as written.
-fn strftime(fmt: &str, t: u64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-    ];
-    let days = (t / 86400) as i64;
-    let secs = t % 86400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    let (month, weekday) = (MONTHS[(m - 1) as usize], DAYS[days.rem_euclid(7) as usize]);
-    let mut out = String::new();
-    let mut chars = fmt.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('d') => out.push_str(&format!("{d:02}")),
-            Some('m') => out.push_str(&format!("{m:02}")),
-            Some('Y') => out.push_str(&y.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", y.rem_euclid(100))),
-            Some('b') => out.push_str(&month[..3]),
-            Some('B') => out.push_str(month),
-            Some('a') => out.push_str(&weekday[..3]),
-            Some('A') => out.push_str(weekday),
-            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
-            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
 }
 
 fn string_array(g: &Gguf, key: &str) -> Result<Vec<String>, TokenizerError> {
@@ -486,33 +408,5 @@ impl Detokenizer {
         let out = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         out
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::strftime;
-
-    #[test]
-    fn strftime_writes_the_dates_python_writes() {
-        // Python's datetime.fromtimestamp(t, utc).strftime(...) for each t.
-        let fmt = "%d %m %Y %y %b %B %a %A %H %M %S %%";
-        for (t, want) in [
-            (0, "01 01 1970 70 Jan January Thu Thursday 00 00 00 %"),
-            (
-                951_782_400,
-                "29 02 2000 00 Feb February Tue Tuesday 00 00 00 %",
-            ),
-            (
-                1_732_410_123,
-                "24 11 2024 24 Nov November Sun Sunday 01 02 03 %",
-            ),
-            (
-                4_102_444_799,
-                "31 12 2099 99 Dec December Thu Thursday 23 59 59 %",
-            ),
-        ] {
-            assert_eq!(strftime(fmt, t), want, "{t}");
-        }
     }
 }
