@@ -3,7 +3,8 @@
 
 Alternates the two, ROUNDS times: llama.cpp pp512 (one 512-token eval) and tg128 (128 single-token
 evals after a short prompt, like llama-bench's tg128), then `flywheel bench`. Prints the medians and
-the ratios. Usage: python3 scripts/bench_vs_llamacpp.py [ROUNDS]
+the ratios. Usage: python3 scripts/bench_vs_llamacpp.py [ROUNDS] [--model PATH.gguf] (default: the
+default model; scripts/hf_families_fixture.py --bench writes one of each family to time).
 """
 import json
 import os
@@ -41,7 +42,13 @@ def flywheel_round():
 
 
 def main():
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    global MODEL
+    args = sys.argv[1:]
+    if "--model" in args:
+        i = args.index("--model")
+        MODEL = os.path.abspath(args[i + 1])
+        del args[i:i + 2]
+    rounds = int(args[0]) if args else 3
     from llama_cpp import Llama
     llm = Llama(model_path=MODEL, n_ctx=1024, n_batch=512, n_threads=2, logits_all=False, verbose=False)
     lp, lt, fp, f1, f16 = [], [], [], [], []
@@ -58,7 +65,7 @@ def main():
     print(f"{'pp512':<14}{m(lp):>12.1f}{m(fp):>12.1f}{m(fp) / m(lp):>8.2f}")
     print(f"{'tg128 b=1':<14}{m(lt):>12.1f}{m(f1):>12.1f}{m(f1) / m(lt):>8.2f}")
     print(f"{'tg128 b=16':<14}{'':>12}{m(f16):>12.1f}{m(f16) / m(lt):>8.2f}  (vs llama.cpp b=1)")
-    print(json.dumps({"rounds": rounds, "llama_cpp": {"pp512": m(lp), "tg128": m(lt)},
+    print(json.dumps({"model": os.path.basename(MODEL), "rounds": rounds, "llama_cpp": {"pp512": m(lp), "tg128": m(lt)},
                       "flywheel": {"pp512": m(fp), "tg128_b1": m(f1), "tg128_b16": m(f16)},
                       "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())}}))
 

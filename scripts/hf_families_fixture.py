@@ -15,7 +15,8 @@ experts), and writes to tests/fixtures/hf/<family>/:
                         and each adapter's log-probs of the completion tokens
   lora/, oft/           PEFT adapters (random values) saved by PEFT's save_pretrained
   grads_<name>.safetensors   dJ/dθ (J = Σ completion log-probs) by autograd, PEFT's tensor names
-tests/hf_families.rs reads them.
+tests/hf_families.rs reads them. With `--bench FAMILY OUT.gguf` it writes one bigger model of the
+family (Q8_0) to time instead.
 """
 
 import json
@@ -80,23 +81,31 @@ def init_weights(model, gemma):
             p.copy_(p.half().float())  # exact in the f16 GGUF
 
 
-def build(family):
+def build(family, bench=False):
+    """A tiny model of `family`; with `bench`, one big enough to time (hidden 512, 8 layers, the
+    MoE with 32 experts of width 256, 4 per token; the dense MLPs 1536 wide)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   max_position_embeddings=64, rms_norm_eps=1e-6)
+    if bench:
+        common.update(hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                      max_position_embeddings=2048)
+    layers = 8 if bench else 2
     if family == "qwen2":
-        cfg = tf.Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, rope_theta=1e6,
+        cfg = tf.Qwen2Config(num_hidden_layers=layers, num_key_value_heads=2, rope_theta=1e6,
                              tie_word_embeddings=False, **common)
         return tf.Qwen2ForCausalLM(cfg), ALL
     if family == "qwen3":
-        cfg = tf.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=32,
+        cfg = tf.Qwen3Config(num_hidden_layers=layers, num_key_value_heads=2, head_dim=32 + 32 * bench,
                              rope_theta=1e6, tie_word_embeddings=True, **common)
         return tf.Qwen3ForCausalLM(cfg), ALL
     if family == "qwen3moe":
-        cfg = tf.Qwen3MoeConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=32,
-                                rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
-                                moe_intermediate_size=32, norm_topk_prob=True,
+        cfg = tf.Qwen3MoeConfig(num_hidden_layers=layers, num_key_value_heads=2,
+                                head_dim=32 + 32 * bench, rope_theta=1e6,
+                                num_experts=32 if bench else 8,
+                                num_experts_per_tok=4 if bench else 2,
+                                moe_intermediate_size=256 if bench else 32, norm_topk_prob=True,
                                 decoder_sparse_step=1, mlp_only_layers=[],
                                 tie_word_embeddings=False, **common)
         cfg._experts_implementation = "eager"  # a loop over experts (any dtype, f64 included)
@@ -105,12 +114,15 @@ def build(family):
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16}
-        cfg = tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=1, rope_parameters=rope,
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, num_key_value_heads=1 + bench,
+                             rope_parameters=rope,
                              tie_word_embeddings=True, **common)
         return tf.LlamaForCausalLM(cfg), ALL
     if family == "gemma3":
-        cfg = tf.Gemma3TextConfig(num_hidden_layers=6, num_key_value_heads=1, head_dim=32,
-                                  sliding_window=5, query_pre_attn_scalar=32,
+        hd = 64 if bench else 32
+        cfg = tf.Gemma3TextConfig(num_hidden_layers=12 if bench else 6, num_key_value_heads=1,
+                                  head_dim=hd, sliding_window=512 if bench else 5,
+                                  query_pre_attn_scalar=hd,
                                   final_logit_softcapping=None, attn_logit_softcapping=None,
                                   tie_word_embeddings=True, **common)
         cfg._attn_implementation = "eager"
@@ -118,7 +130,7 @@ def build(family):
     raise SystemExit(family)
 
 
-def convert(model_dir, out):
+def convert(model_dir, out, ftype=None):
     """llama.cpp's converter on the HF folder, f16; the vocab read as a GPT-2-style BPE (the
     converter's check of the pre-tokenizer's hash is for real vocabularies)."""
     import gguf
@@ -132,7 +144,7 @@ def convert(model_dir, out):
     cls = conv.get_model_class(arch, mmproj=False)
     cls.set_vocab = lambda self: self._set_vocab_gpt2()
     with torch.inference_mode():
-        m = cls(model_dir, gguf.LlamaFileType.MOSTLY_F16, out)
+        m = cls(model_dir, ftype or gguf.LlamaFileType.MOSTLY_F16, out)
         m.write()
 
 
@@ -178,9 +190,27 @@ def completion_logps_and_grads(m):
     return picked.detach().tolist(), grads
 
 
+def bench_model(family, out):
+    """`--bench FAMILY OUT.gguf`: a model of `family` big enough to time, Q8_0 (scripts/
+    bench_vs_llamacpp.py --model OUT.gguf times it against llama.cpp)."""
+    import gguf
+
+    model, _ = build(family, bench=True)
+    model = model.float().eval()
+    init_weights(model, family == "gemma3")
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        write_tokenizer(d)
+        convert(pathlib.Path(d), pathlib.Path(out), gguf.LlamaFileType.MOSTLY_Q8_0)
+    print(f"wrote {out}")
+
+
 def main():
     from safetensors.torch import save_file
 
+    if sys.argv[1:2] == ["--bench"]:
+        bench_model(sys.argv[2], sys.argv[3])
+        return
     families = sys.argv[1:] or ["qwen2", "qwen3", "qwen3moe", "llama3", "gemma3"]
     for family in families:
         out = ROOT / "tests" / "fixtures" / "hf" / family

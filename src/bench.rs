@@ -24,7 +24,8 @@ pub struct BenchOptions {
     pub adapter: Option<AdapterWeights>,
 }
 
-/// `oft` (b=32) or `lora` (r=16, α=32) on all seven projections with random values, or a PEFT folder.
+/// `oft` (b=32) or `lora` (r=16, α=32) on every projection the model adapts (all seven, or a
+/// MoE's attention) with random values, or a PEFT folder.
 pub fn adapter_for(model: &Llama, spec: &str) -> anyhow::Result<AdapterWeights> {
     let method = match spec {
         "oft" => Method::Oft(OftConfig::default()),

@@ -382,11 +382,21 @@ fn train_runs_on_every_family() {
             "{}",
             spec.arch
         );
-        let seq = [flywheel::model::llama::TrainSeq::whole(&[5, 6, 7, 40, 41, 42], 3)];
+        let seq = [flywheel::model::llama::TrainSeq::whole(
+            &[5, 6, 7, 40, 41, 42],
+            3,
+        )];
         let cpu = flywheel::kernels::Cpu::detect();
-        let before: f32 = model.logprobs(&cpu, &seq, None, 1.0).unwrap()[0].iter().sum();
-        let after: f32 = model.logprobs(&cpu, &seq, Some(&w), 1.0).unwrap()[0].iter().sum();
-        eprintln!("{}: rewarded completion log-prob {before:.3} -> {after:.3}", spec.arch);
+        let before: f32 = model.logprobs(&cpu, &seq, None, 1.0).unwrap()[0]
+            .iter()
+            .sum();
+        let after: f32 = model.logprobs(&cpu, &seq, Some(&w), 1.0).unwrap()[0]
+            .iter()
+            .sum();
+        eprintln!(
+            "{}: rewarded completion log-prob {before:.3} -> {after:.3}",
+            spec.arch
+        );
         assert!(after > before, "{}: {before} -> {after}", spec.arch);
     }
 }

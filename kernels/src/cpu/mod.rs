@@ -309,7 +309,7 @@ impl Cpu {
     pub fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
         match self.isa {
             Isa::Reference => crate::reference::geglu(gate, up, out),
-            _ => ops::geglu(gate, up, out),
+            isa => ops::geglu(isa, gate, up, out),
         }
     }
 
