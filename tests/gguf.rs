@@ -214,5 +214,12 @@ fn model_loading_names_missing_and_misshapen_tensors() {
         .unwrap()
         .to_string();
     // The error names what is supported.
-    assert!(e.contains("mamba") && e.contains("llama, qwen2"), "{e}");
+    assert!(e.contains("mamba"), "{e}");
+    for arch in flywheel::model::llama::SUPPORTED_ARCHITECTURES {
+        assert!(e.contains(arch), "{arch}: {e}");
+    }
+    assert_eq!(
+        flywheel::model::llama::SUPPORTED_ARCHITECTURES,
+        ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"]
+    );
 }

@@ -312,6 +312,37 @@ fn serves_and_learns(spec: common::TinySpec) {
             .len(),
         4
     );
+    // Chat through the model's template, and prompt scoring (echo with log-probs).
+    let r = call(
+        &s,
+        "POST",
+        "/v1/chat/completions",
+        Some(
+            &json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                     "max_tokens": 3, "logprobs": true}),
+        ),
+        USER,
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    // Up to 3 tokens (a random model may end its turn sooner).
+    let n = r.json()["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!((1..=3).contains(&n), "{}", r.body_text());
+    let r = call(
+        &s,
+        "POST",
+        "/v1/completions",
+        Some(
+            &json!({"model": "tiny", "prompt": "hello world", "max_tokens": 0, "echo": true,
+                     "logprobs": 0}),
+        ),
+        USER,
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let lps = &r.json()["choices"][0]["logprobs"]["token_logprobs"];
+    assert!(lps.as_array().unwrap().len() >= 2, "{lps}");
     let id = sample(&s, "l", 2, 3, USER)["id"]
         .as_str()
         .unwrap()
