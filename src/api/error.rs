@@ -35,6 +35,14 @@ impl ApiError {
         }
     }
 
+    /// The same error about a field nested in `parent` (its `param` becomes `parent.param`).
+    pub fn within(mut self, parent: &str) -> ApiError {
+        if let Some(p) = &self.param {
+            self.param = Some(format!("{parent}.{p}"));
+        }
+        self
+    }
+
     /// An error of the request as a whole with this status (413, 415, 408, 405).
     pub fn status(status: StatusCode, message: impl Into<String>) -> ApiError {
         ApiError::new(status, "invalid_request_error", message)

@@ -3,7 +3,7 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::openai::{parse_messages, Fields};
+use super::openai::{parse_messages, parse_tools, Fields};
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -12,6 +12,25 @@ use axum::Json;
 use serde_json::{json, Value};
 
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(
+        json!({"object": "list", "data": model_cards(&state)?}),
+    ))
+}
+
+/// `GET /v1/models/{id}`: one card (adapter names may hold '/'), 404 in OpenAI's shape.
+pub async fn model(
+    State(state): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    model_cards(&state)?
+        .into_iter()
+        .find(|c| c["id"] == id.as_str())
+        .map(Json)
+        .ok_or_else(|| ApiError::model_not_found(&id))
+}
+
+/// The base model's card and every adapter's (vLLM's shape, with `max_model_len`).
+fn model_cards(state: &AppState) -> Result<Vec<Value>, ApiError> {
     let r = state.ready()?;
     let mut data = vec![json!({
         "id": r.model_name,
@@ -37,7 +56,30 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
             "adapter_kind": cur.weights.layout.config.method.kind(),
         }));
     }
-    Ok(Json(json!({"object": "list", "data": data})))
+    Ok(data)
+}
+
+/// `GET /tokenizer_info` (vLLM's): the special tokens, the chat template and the context length,
+/// all a remote tokenizer needs next to `/tokenize` and `/detokenize` (lm-eval's
+/// `tokenizer_backend=remote`).
+pub async fn tokenizer_info(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let r = state.ready()?;
+    let t = &r.tokenizer;
+    let text = |id: Option<u32>| id.map(|i| String::from_utf8_lossy(t.token_bytes(i)).into_owned());
+    Ok(Json(json!({
+        "tokenizer_class": t.kind_name(),
+        "bos_token": text(t.bos_id),
+        "eos_token": text(t.eos_id),
+        "pad_token": text(t.eos_id),
+        "unk_token": Value::Null,
+        "bos_token_id": t.bos_id,
+        "eos_token_id": t.eos_id,
+        "add_bos_token": t.add_bos,
+        "chat_template": t.chat_template(),
+        "model_max_length": r.max_model_len,
+        "max_model_len": r.max_model_len,
+        "vocab_size": r.vocab_size,
+    })))
 }
 
 /// `{"model"?, "prompt": str}` or `{"model"?, "messages": [...], "add_generation_prompt"?}` ->
@@ -52,14 +94,19 @@ pub async fn tokenize(
         state.check_model(m)?;
     }
     let tok = r.tokenizer.clone();
-    let tokens = if f.get("messages").is_some() {
+    // vLLM's defaults: special tokens (BOS) added to a prompt, not to a rendered chat (whose
+    // template writes its own).
+    let chat = f.get("messages").is_some();
+    let special = f.bool("add_special_tokens")?.unwrap_or(!chat);
+    let tokens = if chat {
         let msgs = parse_messages(&f)?;
+        let tools = parse_tools(&f)?;
         let add = f.bool("add_generation_prompt")?.unwrap_or(true);
         blocking(move || {
             let text = tok
-                .apply_chat_template(&msgs, add)
+                .render_chat(&msgs, tools.as_ref(), add)
                 .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
-            tok.encode(&text)
+            tok.encode_with(&text, special)
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))
         })
         .await?
@@ -69,7 +116,7 @@ pub async fn tokenize(
             .ok_or_else(|| ApiError::invalid("prompt", "give 'prompt' or 'messages'"))?
             .to_string();
         blocking(move || {
-            tok.encode(&prompt)
+            tok.encode_with(&prompt, special)
                 .map_err(|e| ApiError::invalid("prompt", e.to_string()))
         })
         .await?

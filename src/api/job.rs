@@ -8,6 +8,8 @@ use crate::adapter::registry::Pinned;
 pub enum Flavor {
     Chat,
     Completion,
+    /// vLLM's token-in, token-out `/inference/v1/generate` (never streamed).
+    Generate,
 }
 
 /// One request: its parameters, prompt tokens, pinned adapter version and caller.

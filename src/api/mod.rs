@@ -7,6 +7,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod feedback;
+pub mod generate;
 pub mod info;
 pub mod job;
 pub mod openai;
@@ -190,7 +191,10 @@ pub fn router(state: AppState) -> Router {
     let protected = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/inference/v1/generate", post(generate::generate))
         .route("/v1/models", get(info::models))
+        .route("/v1/models/{*id}", get(info::model))
+        .route("/tokenizer_info", get(info::tokenizer_info))
         .route("/tokenize", post(info::tokenize))
         .route("/detokenize", post(info::detokenize))
         .route("/v1/adapters", get(adapters::list))

@@ -3,7 +3,6 @@
 
 use super::error::ApiError;
 use crate::engine::sampler::SamplingParams;
-use crate::model::tokenizer::ChatMessage;
 use crate::policy::is_greedy;
 use serde_json::{Map, Value};
 
@@ -163,7 +162,73 @@ pub const MAX_N: i64 = 128;
 pub const MAX_TOP_LOGPROBS: i64 = 20;
 pub const MAX_STOP_STRINGS: usize = 16;
 
+/// Request parameters that OpenAI's or vLLM's API defines and this server does not implement
+/// (yet): a 400 naming the field whenever one is set to anything but its neutral value, never a
+/// silent 200. (Fields no API defines stay ignored, as OpenAI's are.)
+pub fn refuse_unimplemented(f: &Fields) -> Result<(), ApiError> {
+    let neutral = |name: &str, ok: &dyn Fn(&Value) -> bool| -> Result<(), ApiError> {
+        match f.get(name) {
+            Some(v) if !ok(v) => Err(ApiError::invalid(
+                name,
+                format!("'{name}' = {v} is not supported by this server"),
+            )),
+            _ => Ok(()),
+        }
+    };
+    let number = |x: f64| move |v: &Value| v.as_f64() == Some(x);
+    let is_false = |v: &Value| *v == Value::Bool(false);
+    let never = |_: &Value| false;
+    neutral("repetition_penalty", &number(1.0))?;
+    neutral("length_penalty", &number(1.0))?;
+    neutral("min_tokens", &number(0.0))?;
+    neutral("best_of", &number(1.0))?;
+    neutral("use_beam_search", &is_false)?;
+    neutral("include_stop_str_in_output", &is_false)?;
+    neutral("suffix", &|v: &Value| v.as_str() == Some(""))?;
+    neutral("modalities", &|v: &Value| *v == serde_json::json!(["text"]))?;
+    for name in [
+        "truncate_prompt_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "audio",
+        "prediction",
+        // Structured outputs need constrained decoding (not built yet).
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    ] {
+        neutral(name, &never)?;
+    }
+    match f.get("response_format") {
+        None => {}
+        Some(v) => match v.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some(t @ ("json_object" | "json_schema" | "structural_tag")) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "'response_format' of type '{t}' is not supported by this server yet \
+                         (it needs constrained decoding)"
+                    ),
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                ))
+            }
+        },
+    }
+    Ok(())
+}
+
 pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> {
+    refuse_unimplemented(f)?;
     let model = f
         .str("model")?
         .ok_or_else(|| ApiError::invalid("model", "'model' is required"))?
@@ -344,10 +409,12 @@ pub fn parse_completion_logprobs(f: &Fields, p: &mut CommonParams) -> Result<(),
     Ok(())
 }
 
-/// `messages`: roles system, developer, user, assistant, tool; content a string or a list of text
-/// parts.
-pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
-    let bad = |i: usize, what: &str| ApiError::invalid(&format!("messages[{i}]"), what.to_string());
+/// `messages` as the chat template reads them: roles system (developer is read as system), user,
+/// assistant, tool; content a string, a list of text parts (joined) or, for an assistant turn
+/// with tool calls, null; assistant `tool_calls` (each `{id?, type: "function", function: {name,
+/// arguments}}`, string arguments parsed as JSON as vLLM does, since templates print them with
+/// `tojson`); a tool result's `tool_call_id` and `name`. Other fields are dropped.
+pub fn parse_messages(f: &Fields) -> Result<Value, ApiError> {
     let list = f
         .get("messages")
         .ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?
@@ -358,41 +425,162 @@ pub fn parse_messages(f: &Fields) -> Result<Vec<ChatMessage>, ApiError> {
     }
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
-        let o = m
-            .as_object()
-            .ok_or_else(|| bad(i, "a message must be an object"))?;
-        let role = o
-            .get("role")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad(i, "'role' must be a string"))?;
-        if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
-            return Err(bad(i, &format!("unknown role '{role}'")));
-        }
-        let content = match o.get("content") {
-            None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(parts)) => {
-                let mut text = String::new();
-                for p in parts {
-                    match (
-                        p.get("type").and_then(Value::as_str),
-                        p.get("text").and_then(Value::as_str),
-                    ) {
-                        (Some("text"), Some(t)) => text.push_str(t),
-                        _ => return Err(bad(i, "only text content parts are supported")),
-                    }
-                }
-                text
-            }
-            Some(_) => return Err(bad(i, "'content' must be a string or a list of parts")),
-        };
-        let role = if role == "developer" { "system" } else { role };
-        out.push(ChatMessage {
-            role: role.to_string(),
-            content,
-        });
+        out.push(parse_message(i, m)?);
     }
-    Ok(out)
+    Ok(Value::Array(out))
+}
+
+fn parse_message(i: usize, m: &Value) -> Result<Value, ApiError> {
+    let bad = |what: &str| ApiError::invalid(&format!("messages[{i}]"), what.to_string());
+    let o = m
+        .as_object()
+        .ok_or_else(|| bad("a message must be an object"))?;
+    let role = o
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("'role' must be a string"))?;
+    if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
+        return Err(bad(&format!("unknown role '{role}'")));
+    }
+    let content = match o.get("content") {
+        None | Some(Value::Null) => Value::Null,
+        Some(Value::String(s)) => Value::String(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    _ => return Err(bad("only text content parts are supported")),
+                }
+            }
+            Value::String(text)
+        }
+        Some(_) => return Err(bad("'content' must be a string or a list of parts")),
+    };
+    let role = if role == "developer" { "system" } else { role };
+    let mut msg = Map::new();
+    msg.insert("role".into(), Value::String(role.into()));
+    let calls = o.get("tool_calls").filter(|v| !v.is_null());
+    // A missing content is an empty string, except beside tool calls (templates test for it).
+    let content = match (&content, calls) {
+        (Value::Null, None) => Value::String(String::new()),
+        _ => content,
+    };
+    msg.insert("content".into(), content);
+    if let Some(calls) = calls {
+        if role != "assistant" {
+            return Err(bad("only assistant messages carry 'tool_calls'"));
+        }
+        let list = calls
+            .as_array()
+            .ok_or_else(|| bad("'tool_calls' must be a list"))?;
+        let mut parsed = Vec::with_capacity(list.len());
+        for c in list {
+            let func = c
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad("each tool call needs a 'function' object"))?;
+            let name = func
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("each tool call needs 'function.name'"))?;
+            let arguments = match func.get("arguments") {
+                None | Some(Value::Null) => Value::Object(Map::new()),
+                Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                    .ok()
+                    .filter(Value::is_object)
+                    .unwrap_or_else(|| Value::String(s.clone())),
+                Some(v @ Value::Object(_)) => v.clone(),
+                Some(_) => return Err(bad("'function.arguments' must be a JSON string")),
+            };
+            let mut call = Map::new();
+            if let Some(id) = c.get("id").and_then(Value::as_str) {
+                call.insert("id".into(), Value::String(id.into()));
+            }
+            call.insert("type".into(), Value::String("function".into()));
+            call.insert(
+                "function".into(),
+                serde_json::json!({"name": name, "arguments": arguments}),
+            );
+            parsed.push(Value::Object(call));
+        }
+        msg.insert("tool_calls".into(), Value::Array(parsed));
+    }
+    for k in ["tool_call_id", "name"] {
+        match o.get(k) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => {
+                msg.insert(k.into(), Value::String(s.clone()));
+            }
+            Some(_) => return Err(bad(&format!("'{k}' must be a string"))),
+        }
+    }
+    Ok(Value::Object(msg))
+}
+
+/// The tool definitions (`tools`, or the legacy `functions`) as the chat template reads them:
+/// `[{"type": "function", "function": {"name", "description"?, "parameters"?}}]`.
+pub fn parse_tools(f: &Fields) -> Result<Option<Value>, ApiError> {
+    let (name, list, legacy) = match (f.get("tools"), f.get("functions")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "functions",
+                "give 'tools' or the legacy 'functions', not both",
+            ))
+        }
+        (Some(t), None) => ("tools", t, false),
+        (None, Some(t)) => ("functions", t, true),
+        (None, None) => return Ok(None),
+    };
+    let list = list
+        .as_array()
+        .ok_or_else(|| type_error(name, "a list of tools"))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let bad = |what: &str| ApiError::invalid(&format!("{name}[{i}]"), what.to_string());
+        let func = if legacy {
+            t
+        } else {
+            match t.get("type").and_then(Value::as_str) {
+                Some("function") => {}
+                _ => return Err(bad("only tools of type 'function' are supported")),
+            }
+            t.get("function")
+                .ok_or_else(|| bad("a tool needs a 'function' object"))?
+        };
+        let o = func
+            .as_object()
+            .ok_or_else(|| bad("a function must be an object"))?;
+        let fname = o
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty() && n.len() <= 64)
+            .ok_or_else(|| bad("a function needs a 'name' of 1 to 64 characters"))?;
+        let mut fm = Map::new();
+        fm.insert("name".into(), Value::String(fname.into()));
+        match o.get("description") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(d)) => {
+                fm.insert("description".into(), Value::String(d.clone()));
+            }
+            Some(_) => return Err(bad("'description' must be a string")),
+        }
+        match o.get("parameters") {
+            None | Some(Value::Null) => {}
+            Some(p @ Value::Object(_)) => {
+                fm.insert("parameters".into(), p.clone());
+            }
+            Some(_) => return Err(bad("'parameters' must be a JSON Schema object")),
+        }
+        if let Some(s) = o.get("strict").filter(|v| !v.is_null()) {
+            fm.insert("strict".into(), s.clone());
+        }
+        out.push(serde_json::json!({"type": "function", "function": Value::Object(fm)}));
+    }
+    Ok(Some(Value::Array(out)))
 }
 
 /// The completions prompt: a string, a list of token ids, or a one-element list of either.

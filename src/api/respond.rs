@@ -81,6 +81,7 @@ pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
         id: random_id(match job.flavor {
             Flavor::Chat => "chatcmpl-",
             Flavor::Completion => "cmpl-",
+            Flavor::Generate => "gen-",
         }),
         created: unix_now(),
         model: job
@@ -193,7 +194,7 @@ impl Responder {
                 top_logprobs,
                 text,
             } => {
-                let lp_chat = (self.job.params.logprobs && self.job.flavor == Flavor::Chat)
+                let lp_chat = (self.job.params.logprobs && self.job.flavor != Flavor::Completion)
                     .then(|| self.chat_logprob(*token_id, *logprob, top_logprobs));
                 let lp_cmpl = (self.job.params.logprobs && self.job.flavor == Flavor::Completion)
                     .then(|| {
@@ -271,8 +272,9 @@ impl Responder {
     fn object(&self, chunk: bool) -> &'static str {
         match (self.job.flavor, chunk) {
             (Flavor::Chat, false) => "chat.completion",
-            (Flavor::Chat, true) => "chat.completion.chunk",
+            (Flavor::Chat | Flavor::Generate, true) => "chat.completion.chunk",
             (Flavor::Completion, _) => "text_completion",
+            (Flavor::Generate, false) => "generate",
         }
     }
 
@@ -306,6 +308,7 @@ impl Responder {
             .map(|(i, c)| {
                 let (reason, stop) = c.finish.clone().unwrap_or((FinishReason::Length, None));
                 match self.job.flavor {
+                    Flavor::Generate => unreachable!("generate_body"),
                     Flavor::Chat => wire::Choice::Chat(ChatChoice {
                         index: i,
                         message: AssistantMessage {
@@ -344,6 +347,44 @@ impl Responder {
         body
     }
 
+    /// vLLM's `/inference/v1/generate` response: token ids and per-token log-probs, no text.
+    fn generate_body(&self) -> Value {
+        let p = &self.job.params;
+        let a = self.job.adapter.as_ref();
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (reason, stop) = c.finish.clone().unwrap_or((FinishReason::Length, None));
+                json!({
+                    "index": i,
+                    "token_ids": c.token_ids,
+                    "logprobs": p.logprobs.then(|| json!({"content": c.logprobs})),
+                    "finish_reason": reason.as_str(),
+                    "stop_reason": stop_reason_json(&stop),
+                })
+            })
+            .collect();
+        let mut body = json!({
+            "request_id": self.id,
+            "id": self.id,
+            "object": "generate",
+            "created": self.created,
+            "model": self.model,
+            "adapter": a.map(|a| a.name.to_string()),
+            "adapter_version": a.map_or(0, |a| a.version),
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+            "usage": self.usage(),
+            "prompt_logprobs": self.prompt_logprobs_value(),
+        });
+        if p.return_token_ids {
+            body["prompt_token_ids"] = json!(self.job.prompt_ids);
+        }
+        body
+    }
+
     fn completion_logprobs(&self, c: &Choice) -> Option<TextLogprobs> {
         if !self.job.params.logprobs {
             return None;
@@ -370,17 +411,19 @@ impl Responder {
             for j in 0..self.choices.len() {
                 self.choices[j].started = true;
                 let first = match self.job.flavor {
-                    Flavor::Chat => Some(wire::Choice::ChatChunk(ChatChunkChoice {
-                        index: j,
-                        delta: Delta {
-                            role: Some("assistant"),
-                            content: Some(String::new()),
-                        },
-                        logprobs: None,
-                        finish_reason: None,
-                        stop_reason: None,
-                        token_ids: None,
-                    })),
+                    Flavor::Chat | Flavor::Generate => {
+                        Some(wire::Choice::ChatChunk(ChatChunkChoice {
+                            index: j,
+                            delta: Delta {
+                                role: Some("assistant"),
+                                content: Some(String::new()),
+                            },
+                            logprobs: None,
+                            finish_reason: None,
+                            stop_reason: None,
+                            token_ids: None,
+                        }))
+                    }
                     Flavor::Completion => self.job.echo.as_ref().map(|e| {
                         wire::Choice::Text(TextChoice {
                             index: j,
@@ -410,7 +453,7 @@ impl Responder {
                 let c = &self.choices[i];
                 let ids = token_ids.then(|| vec![*token_id]);
                 let choice = match self.job.flavor {
-                    Flavor::Chat => wire::Choice::ChatChunk(ChatChunkChoice {
+                    Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
                         index: i,
                         delta: Delta {
                             role: None,
@@ -448,7 +491,7 @@ impl Responder {
             } => {
                 let (reason, stop) = (Some(reason.as_str()), Some(stop_reason_json(stop_reason)));
                 let choice = match self.job.flavor {
-                    Flavor::Chat => wire::Choice::ChatChunk(ChatChunkChoice {
+                    Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
                         index: i,
                         delta: Delta::default(),
                         logprobs: None,
@@ -511,6 +554,9 @@ async fn collect_response(
         }
     }
     r.log_rollouts().await?;
+    if r.job.flavor == Flavor::Generate {
+        return Ok((StatusCode::OK, axum::Json(r.generate_body())).into_response());
+    }
     Ok((StatusCode::OK, axum::Json(r.final_body())).into_response())
 }
 

@@ -272,8 +272,26 @@ impl Tokenizer {
     /// Token ids of `text`; control tokens written in the text are recognised (as llama.cpp's
     /// server does for prompts). Adds BOS when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_with(text, true)
+    }
+
+    /// The vocabulary's kind, as `/tokenizer_info` names it.
+    pub fn kind_name(&self) -> &'static str {
+        match self.inner {
+            Model::Bpe(_) => "gguf-bpe",
+            Model::Spm(_) => "gguf-sentencepiece",
+        }
+    }
+
+    /// The GGUF's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// `encode`, adding BOS (when the model asks for it) only with `add_special`.
+    pub fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
-        if self.add_bos {
+        if self.add_bos && add_special {
             ids.extend(self.bos_id);
         }
         match &self.inner {

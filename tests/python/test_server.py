@@ -220,6 +220,31 @@ def test_small_endpoints_follow_the_contract():
     check("GET", "/health", key=None)
     _, _, text = check("GET", "/metrics", key=None)
     assert "flywheel_time_to_first_token_seconds_bucket" in text
+    _, _, card = check("GET", f"/v1/models/{m}", route="/v1/models/{id}")
+    assert card["id"] == m and card["max_model_len"] > 0
+    check("GET", "/v1/models/org/nope", route="/v1/models/{id}", expect=404)
+    check("GET", f"/v1/models/{m}", route="/v1/models/{id}", key="wrong", expect=401)
+    _, _, info = check("GET", "/tokenizer_info")
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    check("GET", "/tokenizer_info", key="wrong", expect=401)
+    # The token-in route: the tokens of "Hello world" in, token ids and log-probs out.
+    _, _, g = check("POST", "/inference/v1/generate", {
+        "model": m, "token_ids": t["tokens"], "return_token_ids": True,
+        "sampling_params": {"max_tokens": 3, "temperature": 0.7, "logprobs": 2, "seed": 1}})
+    c = g["choices"][0]
+    assert len(c["token_ids"]) == len(c["logprobs"]["content"]) == g["usage"]["completion_tokens"]
+    assert g["prompt_token_ids"] == t["tokens"]
+    for path, body, status in [
+            ("/inference/v1/generate", {"model": m, "token_ids": []}, 400),
+            ("/inference/v1/generate", {"model": m, "token_ids": [1],
+                                        "sampling_params": {"repetition_penalty": 1.5}}, 400),
+            ("/inference/v1/generate", {"model": "nope", "token_ids": [1]}, 404),
+            ("/inference/v1/generate", {"model": m, "token_ids": [1]}, 401)]:
+        check("POST", path, body, key="wrong" if status == 401 else KEY, expect=status)
+    big = json.dumps({"model": m, "token_ids": [1] * (1 << 20)}).encode()
+    check("POST", "/inference/v1/generate", raw=big, expect=413)
+    check("POST", "/inference/v1/generate", raw=json.dumps({"model": m, "token_ids": [1]}).encode(),
+          content_type="text/plain", expect=415)
 
 
 def test_errors_follow_both_schemas():
@@ -264,6 +289,19 @@ def test_overload_and_starting_states_follow_the_contract(tmp_path):
         with cf.ThreadPoolExecutor(8) as ex:
             results = list(ex.map(lambda _: http("POST", base + "/v1/completions", body, key=None),
                                   range(8)))
+        # The token-in route shares the queue.
+        gen = {"model": m, "token_ids": [1, 2, 3],
+               "sampling_params": {"max_tokens": 64, "ignore_eos": True}}
+        with cf.ThreadPoolExecutor(8) as ex:
+            gen_results = list(ex.map(
+                lambda _: http("POST", base + "/inference/v1/generate", gen, key=None), range(8)))
+        assert any(r[0] == 429 for r in gen_results)
+        for status, headers, data in gen_results:
+            if status == 429:
+                doc = json.loads(data)
+                validate_ours(doc, our_pointer("/inference/v1/generate", "POST", 429,
+                                               "application/json"))
+        exercised.add(("/inference/v1/generate", "429"))
         limited = [r for r in results if r[0] == 429]
         assert limited and any(r[0] == 200 for r in results)
         for status, headers, data in limited:

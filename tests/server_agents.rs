@@ -1,0 +1,261 @@
+//! The routes RL orchestrators and evaluation harnesses call, over real HTTP on tiny models:
+//! vLLM's token-in `/inference/v1/generate` (the `verifiers` train client's shape), one model's
+//! card, `/tokenizer_info` and `/tokenize` as lm-eval's remote tokenizer uses them.
+
+mod common;
+
+use common::server::*;
+use serde_json::{json, Value};
+
+#[test]
+fn generate_takes_token_ids_and_returns_token_ids_with_their_logprobs() {
+    let (_d, s) = start(CONFIG, &[]);
+    let prompt = [5u32, 6, 7, 8, 9];
+    // As verifiers' renderer client sends it.
+    let r = s.post(
+        "/inference/v1/generate",
+        &json!({"model": "tiny", "token_ids": prompt, "sampling_params": {
+            "max_tokens": 6, "temperature": 1.0, "seed": 3, "logprobs": 1, "ignore_eos": true,
+            "stop_token_ids": [2], "skip_special_tokens": false, "n": 2,
+            "extra_args": {"prl_compact_logprobs": true}, "flat_logprobs": true}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let v = r.json();
+    assert!(v["request_id"].as_str().unwrap().starts_with("gen-"));
+    assert_eq!(v["usage"]["prompt_tokens"], 5);
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let ids = c["token_ids"].as_array().unwrap();
+        assert_eq!(ids.len(), 6);
+        let content = c["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(content.len(), ids.len());
+        for (id, lp) in ids.iter().zip(content) {
+            assert_eq!(lp["token"], format!("token_id:{id}"));
+            let x = lp["logprob"].as_f64().unwrap();
+            assert!(x.is_finite() && x <= 0.0);
+            let top = lp["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 1);
+            assert!(top[0]["token"].as_str().unwrap().starts_with("token_id:"));
+        }
+        assert_eq!(c["finish_reason"], "length");
+    }
+    // The same request through chat-free completions with the same seed samples the same tokens
+    // with the same log-probs (one engine, one sampler).
+    let r2 = s.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 1.0,
+                "seed": 3, "logprobs": 0, "ignore_eos": true, "n": 2, "return_token_ids": true}),
+    );
+    assert_eq!(r2.status, 200, "{}", r2.body_text());
+    let c2 = &r2.json()["choices"][0];
+    assert_eq!(c2["token_ids"], choices[0]["token_ids"]);
+    let lp2: Vec<f64> = c2["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let lp1: Vec<f64> = choices[0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["logprob"].as_f64().unwrap())
+        .collect();
+    assert_eq!(lp1, lp2);
+    // Without logprobs: none; prompt_token_ids when asked.
+    let r = s.post(
+        "/inference/v1/generate",
+        &json!({"model": "tiny", "token_ids": prompt, "return_token_ids": true,
+                "sampling_params": {"max_tokens": 2, "temperature": 0}}),
+    );
+    let v = r.json();
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+    assert_eq!(v["prompt_token_ids"], json!(prompt));
+}
+
+#[test]
+fn generate_refuses_what_it_does_not_implement_by_name() {
+    let (_d, s) = start(CONFIG, &[]);
+    let bad = |body: Value, param: &str| {
+        let r = s.post("/inference/v1/generate", &body);
+        assert_error(&r, 400, Some(param));
+    };
+    let tp = |sp: Value| json!({"model": "tiny", "token_ids": [5, 6], "sampling_params": sp});
+    bad(
+        tp(json!({"repetition_penalty": 1.3})),
+        "sampling_params.repetition_penalty",
+    );
+    bad(tp(json!({"min_tokens": 4})), "sampling_params.min_tokens");
+    bad(
+        tp(json!({"structured_outputs": {"json": {}}})),
+        "sampling_params.structured_outputs",
+    );
+    bad(
+        tp(json!({"extra_args": {"my_processor": 1}})),
+        "sampling_params.extra_args",
+    );
+    bad(
+        tp(json!({"temperature": -1})),
+        "sampling_params.temperature",
+    );
+    bad(tp(json!({"logprobs": 50})), "sampling_params.logprobs");
+    bad(
+        json!({"model": "tiny", "token_ids": [5, 6], "stream": true}),
+        "stream",
+    );
+    bad(
+        json!({"model": "tiny", "token_ids": [5, 6], "priority": 3}),
+        "priority",
+    );
+    bad(
+        json!({"model": "tiny", "token_ids": [5, 6], "cache_salt": "x"}),
+        "cache_salt",
+    );
+    bad(json!({"model": "tiny", "token_ids": []}), "token_ids");
+    bad(
+        json!({"model": "tiny", "token_ids": [5, 999999]}),
+        "token_ids",
+    );
+    bad(json!({"model": "tiny"}), "token_ids");
+    // Neutral values of unimplemented parameters are fine.
+    let r = s.post(
+        "/inference/v1/generate",
+        &tp(json!({"repetition_penalty": 1.0, "min_tokens": 0, "max_tokens": 1})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+}
+
+#[test]
+fn one_models_card_and_the_tokenizer_info_a_remote_tokenizer_needs() {
+    let (_d, s) = start(CONFIG, &[]);
+    let r = s.get("/v1/models/tiny");
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let card = r.json();
+    assert_eq!(card["id"], "tiny");
+    assert_eq!(card["object"], "model");
+    assert_eq!(card["max_model_len"], 512);
+    assert_eq!(card, s.get("/v1/models").json()["data"][0]);
+    let e = assert_error(&s.get("/v1/models/org/nope"), 404, Some("model"));
+    assert_eq!(e["error"]["code"], "model_not_found");
+    // lm-eval's remote tokenizer: /tokenizer_info for the special tokens and the template, then
+    // the EOS id as the first id of tokenizing the EOS text without special tokens.
+    let info = s.get("/tokenizer_info").json();
+    assert_eq!(info["eos_token"], "<|im_end|>");
+    assert_eq!(info["max_model_len"], 512);
+    assert!(info["chat_template"].as_str().unwrap().contains("im_start"));
+    let r = s.post(
+        "/tokenize",
+        &json!({"prompt": info["eos_token"], "add_special_tokens": false}),
+    );
+    assert_eq!(r.json()["tokens"], json!([info["eos_token_id"]]));
+}
+
+/// The Qwen2.5 template: its tools branch is rendered (the prompt grows by the tools' schemas),
+/// an assistant's tool calls and the tool's result come back through the template, and what the
+/// server does not implement is refused by name.
+#[test]
+fn tools_reach_the_prompt_through_the_models_template() {
+    let template = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/templates/Qwen-Qwen2.5-7B-Instruct.jinja"),
+    )
+    .unwrap();
+    let (dir, path) = common::write_tiny(&common::TinySpec {
+        chat_template: Some(Box::leak(template.into_boxed_str())),
+        // A byte-level tiny vocabulary makes the Qwen system prompt with tools long.
+        ctx: 2048,
+        ..spec()
+    });
+    let s = common::server::Server::start(&path, CONFIG, &[]);
+    let tools = json!([{"type": "function", "function": {"name": "add",
+        "description": "Add two numbers", "parameters": {"type": "object",
+        "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]);
+    let msgs = json!([{"role": "user", "content": "2+3?"}]);
+    let count = |body: Value| {
+        let r = s.post("/tokenize", &body);
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        r.json()["count"].as_u64().unwrap()
+    };
+    let plain = count(json!({"messages": msgs}));
+    let with_tools = count(json!({"messages": msgs, "tools": tools}));
+    assert!(with_tools > plain + 20, "{plain} -> {with_tools}");
+    // The legacy `functions` render the same.
+    let legacy = count(json!({"messages": msgs, "functions": [tools[0]["function"]]}));
+    assert_eq!(legacy, with_tools);
+    // A tool-use history: the call (arguments as OpenAI sends them, a JSON string) and the result.
+    let history = json!([
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]);
+    let r = s.post(
+        "/tokenize",
+        &json!({"messages": history, "tools": tools, "add_special_tokens": false}),
+    );
+    let ids: Vec<u32> = serde_json::from_value(r.json()["tokens"].clone()).unwrap();
+    let text = s.post("/detokenize", &json!({"tokens": ids})).json()["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        text.contains(
+            "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}\n</tool_call>"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("<tool_response>\n5\n</tool_response>"),
+        "{text}"
+    );
+    // A chat with tools is served (tool_choice auto); forcing a call is refused by name until
+    // constrained decoding exists, as are structured outputs and unimplemented sampling knobs.
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat(
+            "2+3?",
+            json!({"tools": tools, "tool_choice": "auto", "max_tokens": 3}),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    for (extra, param) in [
+        (
+            json!({"tools": tools, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "add"}}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "auto"}), "tool_choice"),
+        (json!({"tools": [{"type": "retrieval"}]}), "tools[0]"),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "bogus"}}),
+            "response_format",
+        ),
+        (json!({"guided_json": {"type": "object"}}), "guided_json"),
+        (
+            json!({"structured_outputs": {"regex": "a+"}}),
+            "structured_outputs",
+        ),
+        (json!({"repetition_penalty": 1.2}), "repetition_penalty"),
+        (json!({"min_tokens": 3}), "min_tokens"),
+    ] {
+        let r = s.post("/v1/chat/completions", &chat("hi", extra.clone()));
+        assert_error(&r, 400, Some(param));
+    }
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat(
+            "hi",
+            json!({"response_format": {"type": "text"}, "repetition_penalty": 1.0}),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    drop(dir);
+}
