@@ -500,3 +500,68 @@ fn a_16_stream_learning_run_counts_no_server_error() {
     assert!(errors.is_empty(), "{errors:?}");
     assert!(!text.contains("route=\"/health\""), "probes counted");
 }
+
+/// Names as orchestrators write them (ART's `agent-001@3`, `org/model` paths): created, served,
+/// trained online, checkpointed under one percent-encoded directory (never a raw path), and
+/// reached by admin routes with the '/' percent-encoded; names that could escape stay refused.
+#[test]
+fn orchestrator_style_names_are_served_and_never_become_raw_paths() {
+    let (dir, path) = write_tiny(&spec());
+    let data = dir.path().join("data");
+    let s = start_learning(&path, &data, &learning_config(), &["agent-001@3"]);
+    // Serving and learning under the '@' name.
+    let id = sample_and_reward(&s, "agent-001@3", 2);
+    assert!(
+        id.starts_with("cmpl-") || id.starts_with("chatcmpl-"),
+        "{id}"
+    );
+    let st = wait_status(&s, "agent-001@3", 60, |st| st["steps"].as_u64() >= Some(1));
+    let v = st["version"].as_u64().unwrap();
+    assert!(data
+        .join(format!("adapters/agent-001%403/v-{v:08}"))
+        .is_dir());
+    assert!(!data.join("adapters/agent-001@3").exists());
+    // A '/' name through the admin API: one encoded directory component, never nested folders.
+    let r = call(
+        &s,
+        "POST",
+        "/v1/adapters",
+        Some(&json!({"name": "org/tiny-lora", "kind": "lora"})),
+        ADMIN,
+    );
+    assert_eq!(r.status / 100, 2, "{}", r.body_text());
+    let r = call(
+        &s,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat(
+            "hi",
+            json!({"model": "org/tiny-lora", "max_tokens": 2}),
+        )),
+        USER,
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    assert_eq!(r.json()["adapter"], "org/tiny-lora");
+    let r = call(&s, "GET", "/v1/adapters/org%2Ftiny-lora", None, USER);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let r = call(&s, "GET", "/v1/models/org/tiny-lora", None, USER);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    for name in [
+        "/abs",
+        "a//b",
+        "a/",
+        "../x",
+        "a b",
+        "a\\b",
+        &"x".repeat(129),
+    ] {
+        let r = call(
+            &s,
+            "POST",
+            "/v1/adapters",
+            Some(&json!({"name": name, "kind": "oft"})),
+            ADMIN,
+        );
+        assert_error(&r, 400, Some("name"));
+    }
+}

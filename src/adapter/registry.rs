@@ -150,22 +150,38 @@ pub enum Publisher {
     Owner(u64),
 }
 
-/// A name an adapter may take (it also names a folder of the data directory): 1–64 letters,
-/// digits, `-`, `_` or `.`, not starting with `.` (so never `.` or `..`).
+/// A name an adapter may take: 1–128 letters, digits, `-`, `_`, `.`, `@`, `/` or `:` (the names
+/// orchestrators write: `agent-001@3`, `org/model-lora`), not starting with `.` or `/`, no empty
+/// path segment. Its files live under `adapter_file_name`, never under the name itself.
 pub fn check_adapter_name(name: &str) -> Result<(), &'static str> {
-    if name.is_empty() || name.len() > 64 {
-        return Err("must have 1 to 64 characters");
+    if name.is_empty() || name.len() > 128 {
+        return Err("must have 1 to 128 characters");
     }
     if !name
         .chars()
-        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@' | '/' | ':'))
     {
-        return Err("may hold only letters, digits, '-', '_' and '.'");
+        return Err("may hold only letters, digits, '-', '_', '.', '@', '/' and ':'");
     }
-    if name.starts_with('.') {
-        return Err("must not start with '.'");
+    if name.starts_with(['.', '/']) || name.ends_with('/') || name.contains("//") {
+        return Err("must not start with '.' or '/', end with '/' or hold '//'");
     }
     Ok(())
+}
+
+/// The one file-name component an adapter's files live under: the name with every character
+/// but letters, digits, '-', '_' and '.' written as %XX (so `Qwen/x@3` is `Qwen%2Fx%403`). Names
+/// are never joined to a path raw; this is one component, and two names never share one.
+pub fn adapter_file_name(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// Every named adapter of the server.
@@ -204,8 +220,9 @@ impl Registry {
         self
     }
 
-    /// 1–64 characters of letters, digits, `-`, `_`, `.`, not starting with `.`; not the base
-    /// model's name.
+    /// 1–128 characters of letters, digits, `-`, `_`, `.`, `@`, `/`, `:` (as orchestrators write
+    /// them: `agent-001@3`, `org/model-lora`), not starting with `.` or `/`; not the base model's
+    /// name.
     pub fn check_name(&self, name: &str) -> Result<(), RegistryError> {
         if let Err(why) = check_adapter_name(name) {
             return Err(RegistryError::BadName(name.to_string(), why));

@@ -8,7 +8,8 @@ use std::path::Path;
 
 /// A learning adapter's checkpoint folder, relative to the data directory.
 pub fn checkpoint_rel(name: &str, version: u64) -> String {
-    format!("adapters/{name}/v-{version:08}")
+    let dir = crate::adapter::registry::adapter_file_name(name);
+    format!("adapters/{dir}/v-{version:08}")
 }
 
 /// Adapter and optimizer of a checkpoint folder, checked against each other.

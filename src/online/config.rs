@@ -122,19 +122,9 @@ impl RawLearn {
     }
 
     pub fn validate(self) -> Result<LearnConfig, (&'static str, String)> {
-        // The name is also a folder name under data_dir/adapters: no leading dot.
-        let ok_chars = self
-            .name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-        if self.name.is_empty() || self.name.len() > 64 || !ok_chars || self.name.starts_with('.') {
-            return Err((
-                "name",
-                format!(
-                    "'{}': 1 to 64 letters, digits, '-', '_' or '.', not starting with '.'",
-                    self.name
-                ),
-            ));
+        // The adapter's rules (its files live under one encoded component, never a raw path).
+        if let Err(why) = crate::adapter::registry::check_adapter_name(&self.name) {
+            return Err(("name", format!("'{}' {why}", self.name)));
         }
         let method = self.method.unwrap_or_else(|| "oft".into());
         if !matches!(method.as_str(), "oft" | "lora") {
