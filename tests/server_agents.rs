@@ -259,3 +259,75 @@ fn tools_reach_the_prompt_through_the_models_template() {
     assert_eq!(r.status, 200, "{}", r.body_text());
     drop(dir);
 }
+
+/// A batch of prompts in one completions request (lm-eval with --batch_size, LangChain's
+/// .batch(), TRL's client): strings and token-id lists, choices numbered prompt × n + i, each
+/// equal to the same prompt sent alone with the same seed, each with its own prompt ids.
+#[test]
+fn completions_take_a_batch_of_prompts() {
+    let (_d, s) = start(CONFIG, &[]);
+    let body = |prompt: Value| {
+        json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "n": 2, "seed": 9,
+               "temperature": 0.8, "ignore_eos": true, "logprobs": 1, "return_token_ids": true})
+    };
+    let r = s.post(
+        "/v1/completions",
+        &body(json!(["hello", "the world", [5, 6, 7]])),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let v = r.json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    let mut prompt_tokens = 0;
+    for (p, prompt) in [json!("hello"), json!("the world"), json!([5, 6, 7])]
+        .into_iter()
+        .enumerate()
+    {
+        let alone = s.post("/v1/completions", &body(prompt)).json();
+        prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().unwrap();
+        for i in 0..2 {
+            let c = &choices[p * 2 + i];
+            assert_eq!(c["index"], p * 2 + i);
+            let a = &alone["choices"][i];
+            assert_eq!(c["text"], a["text"]);
+            assert_eq!(c["token_ids"], a["token_ids"]);
+            assert_eq!(
+                c["logprobs"]["token_logprobs"],
+                a["logprobs"]["token_logprobs"]
+            );
+            assert_eq!(c["prompt_token_ids"], alone["prompt_token_ids"]);
+        }
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 6 * 4);
+    // Scoring a batch (lm-eval's log-likelihoods): echo with max_tokens 0.
+    let r = s.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": ["hello there", "the world"], "max_tokens": 0,
+                "echo": true, "logprobs": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let v = r.json();
+    assert_eq!(v["choices"][1]["text"], "the world");
+    assert!(v["choices"][0]["logprobs"]["token_logprobs"][0].is_null());
+    // What a batch cannot do is refused by name.
+    let r = s.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": ["a", "b"], "stream": true}),
+    );
+    assert_error(&r, 400, Some("stream"));
+    let many: Vec<&str> = vec!["x"; 300];
+    assert_error(
+        &s.post("/v1/completions", &json!({"model": "tiny", "prompt": many})),
+        400,
+        Some("prompt"),
+    );
+    assert_error(
+        &s.post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": ["a", []]}),
+        ),
+        400,
+        Some("prompt"),
+    );
+}

@@ -358,3 +358,42 @@ fn serves_and_learns(spec: common::TinySpec) {
     // The step's log-probs of its own samples equal the served ones.
     assert_eq!(st["last"]["logprob_diff_max"], 0.0, "{st}");
 }
+
+/// A batch of prompts through a learning adapter: every choice is logged under the response's
+/// id and index (prompt × n + i), each prompt's choices form their own group, and rewarding
+/// them trains.
+#[test]
+fn a_batch_of_prompts_is_logged_and_rewarded_by_index() {
+    let (dir, path) = write_tiny(&common::TinySpec {
+        ctx: 512,
+        ..common::TinySpec::small()
+    });
+    let s = start_learning(&path, &dir.path().join("data"), &online(1000), &["l"]);
+    let r = call(
+        &s,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"model": "l", "prompt": ["hello", "world"], "n": 2, "max_tokens": 3})),
+        USER,
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let v = r.json();
+    let id = v["id"].as_str().unwrap().to_string();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 4);
+    let items: Vec<Value> = (0..4)
+        .map(|i| json!({"id": id, "choice": i, "reward": (i % 2) as f64}))
+        .collect();
+    let r = call(&s, "POST", "/v1/feedback", Some(&Value::Array(items)), USER);
+    assert_eq!(r.status, 202, "{}", r.body_text());
+    // Two groups of two: the trainer steps on them.
+    let st = wait_status(&s, "l", 60, |st| st["steps"].as_u64() >= Some(1));
+    assert_eq!(st["state"], "running", "{st}");
+    let r = call(
+        &s,
+        "POST",
+        "/v1/feedback",
+        Some(&json!({"id": id, "choice": 4, "reward": 1.0})),
+        USER,
+    );
+    assert_eq!(r.status, 404, "{}", r.body_text());
+}

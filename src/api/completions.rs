@@ -1,12 +1,12 @@
-//! `POST /v1/completions`: a raw prompt (text or token ids), optionally echoed.
+//! `POST /v1/completions`: raw prompts (text or token ids, one or a batch), optionally echoed.
 
 use super::body::JsonBody;
 use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::openai::{
-    check_scoring, parse_common, parse_completion_logprobs, parse_prompt, Fields, Prompt,
+    check_scoring, parse_common, parse_completion_logprobs, parse_prompts, Fields, Prompt,
 };
-use super::respond::respond;
+use super::respond::{respond, respond_many};
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
@@ -20,35 +20,57 @@ pub async fn completions(
     let f = Fields::parse(&body)?;
     let mut params = parse_common(&f, ready.vocab_size)?;
     parse_completion_logprobs(&f, &mut params)?;
-    let prompt = parse_prompt(&f, ready.vocab_size)?;
+    let prompts = parse_prompts(&f, ready.vocab_size)?;
     let echo = f.bool("echo")?.unwrap_or(false);
     check_scoring(&f, &mut params, echo)?;
+    if prompts.len() > 1 && params.stream {
+        return Err(ApiError::invalid(
+            "stream",
+            "'stream' with several prompts is not supported: send them one per request, or \
+             without 'stream'",
+        ));
+    }
     let (_, adapter) = state.resolve_model(&params.model)?;
     let tok = ready.tokenizer.clone();
-    let (prompt_ids, text) = blocking(move || match prompt {
-        Prompt::Text(t) => {
-            let ids = tok
-                .encode(&t)
-                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
-            if ids.is_empty() {
-                return Err(ApiError::invalid("prompt", "the prompt is empty"));
-            }
-            Ok((ids, t))
-        }
-        Prompt::Ids(ids) => {
-            let t = tok.decode(&ids);
-            Ok((ids, t))
-        }
+    let encoded = blocking(move || {
+        prompts
+            .into_iter()
+            .map(|prompt| match prompt {
+                Prompt::Text(t) => {
+                    let ids = tok
+                        .encode(&t)
+                        .map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
+                    if ids.is_empty() {
+                        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+                    }
+                    Ok((ids, t))
+                }
+                Prompt::Ids(ids) => {
+                    let t = tok.decode(&ids);
+                    Ok((ids, t))
+                }
+            })
+            .collect::<Result<Vec<_>, ApiError>>()
     })
     .await?;
-    let job = Job {
-        flavor: Flavor::Completion,
-        params,
-        prompt_ids,
-        echo: echo.then_some(text),
-        adapter,
-        prompt_param: "prompt",
-        key: super::bearer_of(&headers).to_string(),
-    };
-    respond(&state, job).await
+    let key = super::bearer_of(&headers).to_string();
+    let several = encoded.len() > 1;
+    let mut jobs = Vec::with_capacity(encoded.len());
+    for (prompt_ids, text) in encoded {
+        jobs.push(Job {
+            flavor: Flavor::Completion,
+            params: params.clone(),
+            prompt_ids,
+            echo: echo.then_some(text),
+            // Each prompt holds its own pin of the same version.
+            adapter: adapter.clone(),
+            prompt_param: "prompt",
+            key: key.clone(),
+        });
+    }
+    if several {
+        respond_many(&state, jobs).await
+    } else {
+        respond(&state, jobs.pop().expect("one prompt")).await
+    }
 }

@@ -583,39 +583,53 @@ pub fn parse_tools(f: &Fields) -> Result<Option<Value>, ApiError> {
     Ok(Some(Value::Array(out)))
 }
 
-/// The completions prompt: a string, a list of token ids, or a one-element list of either.
+/// One completions prompt: text or token ids.
 pub enum Prompt {
     Text(String),
     Ids(Vec<u32>),
 }
 
-pub fn parse_prompt(f: &Fields, vocab: usize) -> Result<Prompt, ApiError> {
+/// Prompts of one completions request at most.
+pub const MAX_PROMPTS: usize = 256;
+
+/// The completions `prompt`: a string, a list of token ids, or a list of either (a batch).
+pub fn parse_prompts(f: &Fields, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
     let v = f
         .get("prompt")
         .ok_or_else(|| ApiError::invalid("prompt", "'prompt' is required"))?;
-    let one = match v {
-        Value::Array(a) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => &a[0],
-        Value::Array(a) if a.iter().any(|x| x.is_string() || x.is_array()) => {
-            return Err(ApiError::invalid(
-                "prompt",
-                "one prompt per request: send several requests (or use n)",
-            ))
-        }
-        v => v,
+    let items: Vec<&Value> = match v {
+        Value::Array(a) if a.iter().any(|x| x.is_string() || x.is_array()) => a.iter().collect(),
+        v => vec![v],
     };
-    let p = match one {
-        Value::String(s) => Prompt::Text(s.clone()),
-        v => Prompt::Ids(token_id_list(v, vocab).ok_or_else(|| {
-            type_error(
-                "prompt",
-                &format!("a string or a list of token ids below {vocab}"),
-            )
-        })?),
-    };
-    match &p {
-        Prompt::Ids(ids) if ids.is_empty() => {
-            Err(ApiError::invalid("prompt", "the prompt is empty"))
-        }
-        _ => Ok(p),
+    if items.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
+    if items.len() > MAX_PROMPTS {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("{} prompts; at most {MAX_PROMPTS} per request", items.len()),
+        ));
+    }
+    items
+        .into_iter()
+        .map(|one| {
+            let p = match one {
+                Value::String(s) => Prompt::Text(s.clone()),
+                v => Prompt::Ids(token_id_list(v, vocab).ok_or_else(|| {
+                    type_error(
+                        "prompt",
+                        &format!(
+                            "a string, a list of token ids below {vocab}, or a list of either"
+                        ),
+                    )
+                })?),
+            };
+            match &p {
+                Prompt::Ids(ids) if ids.is_empty() => {
+                    Err(ApiError::invalid("prompt", "the prompt is empty"))
+                }
+                _ => Ok(p),
+            }
+        })
+        .collect()
 }

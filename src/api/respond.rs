@@ -67,17 +67,75 @@ fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, Ap
 pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let req = engine_request(&job, ready.max_model_len)?;
+    let stream = submit(state, &job, req)?;
+    let r = responder(ready, job);
+    if r.job.params.stream {
+        Ok(stream_response(r, stream))
+    } else {
+        collect_response(r, stream).await
+    }
+}
+
+/// Several prompts of one completions request (never streamed): all submitted first, so the
+/// engine batches them, then collected into one response whose choice `index` is prompt × n +
+/// i (as OpenAI and vLLM number them) under one id; through a learning adapter each prompt's
+/// choices are their own group.
+pub async fn respond_many(state: &AppState, jobs: Vec<Job>) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let reqs = jobs
+        .iter()
+        .map(|j| engine_request(j, ready.max_model_len))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut running = Vec::with_capacity(jobs.len());
+    let mut id = None;
+    for (p, (job, req)) in jobs.into_iter().zip(reqs).enumerate() {
+        let stream = submit(state, &job, req)?;
+        let mut r = responder(ready, job);
+        let shared = id.get_or_insert_with(|| r.id.clone());
+        r.id = shared.clone();
+        r.first_choice = p * r.job.params.n;
+        r.part = Some(p);
+        running.push((r, stream));
+    }
+    let mut merged: Option<Completion> = None;
+    for (r, stream) in running {
+        let r = collect(r, stream).await?;
+        let body = r.final_body();
+        match &mut merged {
+            None => merged = Some(body),
+            Some(m) => {
+                m.choices.extend(body.choices);
+                if let (Some(a), Some(b)) = (&mut m.usage, body.usage) {
+                    a.prompt_tokens += b.prompt_tokens;
+                    a.completion_tokens += b.completion_tokens;
+                    a.total_tokens += b.total_tokens;
+                    a.prompt_tokens_details.cached_tokens += b.prompt_tokens_details.cached_tokens;
+                }
+            }
+        }
+    }
+    let mut body = merged.ok_or_else(|| ApiError::invalid("prompt", "no prompt"))?;
+    // Each choice carries its own prompt's ids; there is no one prompt.
+    body.prompt_token_ids = None;
+    Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+fn submit(state: &AppState, job: &Job, req: GenerateRequest) -> Result<RequestStream, ApiError> {
+    let ready = state.ready()?;
     let label = job.adapter.as_ref().map_or("", |a| &a.name);
     state
         .metrics
         .adapter_requests
         .with_label_values(&[label])
         .inc();
-    let stream = ready.engine.submit(req).map_err(|e| match e {
+    ready.engine.submit(req).map_err(|e| match e {
         SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string(), state.retry_after_secs),
         SubmitError::NotRunning => ApiError::unavailable(e.to_string()),
-    })?;
-    let r = Responder {
+    })
+}
+
+fn responder(ready: &super::Ready, job: Job) -> Responder {
+    Responder {
         id: random_id(match job.flavor {
             Flavor::Chat => "chatcmpl-",
             Flavor::Completion => "cmpl-",
@@ -100,12 +158,9 @@ pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
             .as_ref()
             .and_then(|a| ready.learning(&a.name))
             .cloned(),
+        first_choice: 0,
+        part: None,
         job,
-    };
-    if r.job.params.stream {
-        Ok(stream_response(r, stream))
-    } else {
-        collect_response(r, stream).await
     }
 }
 
@@ -138,6 +193,10 @@ struct Responder {
     prompt_scores: Option<Vec<PromptLogprob>>,
     /// Set when the adapter is learning: the choices go to the rollout log.
     online: Option<TrainerHandle>,
+    /// The index of this prompt's first choice in the response (several prompts: prompt × n).
+    first_choice: usize,
+    /// Which prompt of a several-prompt request this is (its choices are their own group).
+    part: Option<usize>,
 }
 
 fn stop_reason_json(s: &Option<StopReason>) -> Value {
@@ -310,7 +369,7 @@ impl Responder {
                 match self.job.flavor {
                     Flavor::Generate => unreachable!("generate_body"),
                     Flavor::Chat => wire::Choice::Chat(ChatChoice {
-                        index: i,
+                        index: self.first_choice + i,
                         message: AssistantMessage {
                             role: "assistant",
                             content: c.text.clone(),
@@ -325,13 +384,14 @@ impl Responder {
                         token_ids: token_ids(c),
                     }),
                     Flavor::Completion => wire::Choice::Text(TextChoice {
-                        index: i,
+                        index: self.first_choice + i,
                         text: format!("{}{}", self.job.echo.as_deref().unwrap_or(""), c.text),
                         logprobs: self.completion_logprobs(c),
                         finish_reason: Some(reason.as_str()),
                         stop_reason: Some(stop_reason_json(&stop)),
                         token_ids: token_ids(c),
                         prompt_logprobs: prompt_logprobs.clone(),
+                        prompt_token_ids: p.return_token_ids.then(|| self.job.prompt_ids.clone()),
                     }),
                 }
             })
@@ -433,6 +493,7 @@ impl Responder {
                             stop_reason: None,
                             token_ids: None,
                             prompt_logprobs: None,
+                            prompt_token_ids: None,
                         })
                     }),
                 };
@@ -480,6 +541,7 @@ impl Responder {
                         stop_reason: None,
                         token_ids: ids,
                         prompt_logprobs: None,
+                        prompt_token_ids: None,
                     }),
                 };
                 out.push(self.envelope(true, vec![choice]));
@@ -507,6 +569,7 @@ impl Responder {
                         stop_reason: stop,
                         token_ids: None,
                         prompt_logprobs: None,
+                        prompt_token_ids: None,
                     }),
                 };
                 out.push(self.envelope(true, vec![choice]));
@@ -536,14 +599,20 @@ impl Responder {
                 finish_reason: c.finish.as_ref().map_or("length", |f| f.0.as_str()),
             })
             .collect();
-        log_choices(online, &self.job, &self.id, &served).await
+        log_choices(
+            online,
+            &self.job,
+            &self.id,
+            &served,
+            self.first_choice,
+            self.part,
+        )
+        .await
     }
 }
 
-async fn collect_response(
-    mut r: Responder,
-    mut stream: RequestStream,
-) -> Result<Response, ApiError> {
+/// Every event of the request folded in, and the choices logged (learning adapters).
+async fn collect(mut r: Responder, mut stream: RequestStream) -> Result<Responder, ApiError> {
     while !r.is_done() {
         match stream.rx.recv().await {
             Some(EngineEvent::Error(e)) => return Err(ApiError::internal(e)),
@@ -554,6 +623,11 @@ async fn collect_response(
         }
     }
     r.log_rollouts().await?;
+    Ok(r)
+}
+
+async fn collect_response(r: Responder, stream: RequestStream) -> Result<Response, ApiError> {
+    let r = collect(r, stream).await?;
     if r.job.flavor == Flavor::Generate {
         return Ok((StatusCode::OK, axum::Json(r.generate_body())).into_response());
     }

@@ -19,11 +19,16 @@ pub struct Served<'a> {
 }
 
 /// Log the choices of request `id` (one transaction, committed before this returns).
+///
+/// `first_choice` numbers the choices as the response does (a request of several prompts: prompt
+/// × n + i); each such prompt's choices are a group of their own (`part`).
 pub async fn log_choices(
     online: &TrainerHandle,
     job: &Job,
     id: &str,
     choices: &[Served<'_>],
+    first_choice: usize,
+    part: Option<usize>,
 ) -> Result<(), ApiError> {
     let Some(a) = &job.adapter else {
         return Ok(());
@@ -31,7 +36,10 @@ pub async fn log_choices(
     let p = &job.params;
     let (group_id, group_size) = match &p.group {
         Some(g) => (format!("key:{}:{g}", online.log.key_hash(&job.key)), 0),
-        None => (format!("req:{id}"), p.n as u32),
+        None => match part {
+            None => (format!("req:{id}"), p.n as u32),
+            Some(k) => (format!("req:{id}/{k}"), p.n as u32),
+        },
     };
     let sp = &p.sampling;
     let params = json!({
@@ -48,7 +56,7 @@ pub async fn log_choices(
         .enumerate()
         .map(|(i, c)| CompletionRecord {
             id: id.to_string(),
-            choice: i as u32,
+            choice: (first_choice + i) as u32,
             adapter: a.name.to_string(),
             version: a.version,
             group_id: group_id.clone(),

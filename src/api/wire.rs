@@ -120,6 +120,9 @@ pub struct TextChoice {
     pub token_ids: Option<Vec<u32>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Value>,
+    /// The choice's prompt as token ids (`return_token_ids`; vLLM's, one per prompt of a batch).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 /// Legacy completions log-probs, column by column (an echoed prompt's first token has null).

@@ -220,6 +220,12 @@ def test_small_endpoints_follow_the_contract():
     check("GET", "/health", key=None)
     _, _, text = check("GET", "/metrics", key=None)
     assert "flywheel_time_to_first_token_seconds_bucket" in text
+    # A batch of prompts (lm-eval with --batch_size): one choice per prompt, in order.
+    _, _, b = check("POST", "/v1/completions", {
+        "model": m, "prompt": ["The capital of France is", [504, 3575]], "max_tokens": 2,
+        "temperature": 0, "return_token_ids": True})
+    assert [c["index"] for c in b["choices"]] == [0, 1]
+    assert b["choices"][1]["prompt_token_ids"] == [504, 3575]
     _, _, card = check("GET", f"/v1/models/{m}", route="/v1/models/{id}")
     assert card["id"] == m and card["max_model_len"] > 0
     check("GET", "/v1/models/org/nope", route="/v1/models/{id}", expect=404)
