@@ -331,3 +331,139 @@ fn completions_take_a_batch_of_prompts() {
         Some("prompt"),
     );
 }
+
+const HERMES_CALL: &str =
+    "I will add.<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}\n</tool_call>";
+const LLAMA_CALL: &str = "{\"name\": \"add\", \"parameters\": {\"a\": 2, \"b\": 3}}\n#";
+
+/// A tiny model with the family's template whose vocabulary holds `call` as one token: a logit
+/// bias makes it answer with that call (the model is random; the format is what is tested).
+fn tool_model(template_file: &str, call: &'static str) -> (tempfile::TempDir, Server, u32) {
+    let template = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/templates")
+            .join(template_file),
+    )
+    .unwrap();
+    let spec = common::TinySpec {
+        chat_template: Some(Box::leak(template.into_boxed_str())),
+        ctx: 2048,
+        extra_tokens: Box::leak(vec![call].into_boxed_slice()),
+        ..spec()
+    };
+    let vocab = common::tiny_model(&spec).vocab_size as u32;
+    let (dir, path) = common::write_tiny(&spec);
+    let s = Server::start(&path, CONFIG, &[]);
+    (dir, s, vocab - 1)
+}
+
+fn add_tool() -> Value {
+    json!([{"type": "function", "function": {"name": "add", "description": "Add",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+        "b": {"type": "number"}}}}}])
+}
+
+/// The streamed chunks of a chat, assembled as the openai SDK does: content appended,
+/// tool-call deltas merged by index (id, name, arguments concatenated).
+fn assemble(chunks: &[Value]) -> (String, Vec<(String, String, String)>, String) {
+    let (mut content, mut calls, mut finish) = (String::new(), Vec::new(), String::new());
+    for c in chunks {
+        let ch = &c["choices"][0];
+        let d = &ch["delta"];
+        if let Some(t) = d["content"].as_str() {
+            content.push_str(t);
+        }
+        for tc in d["tool_calls"].as_array().into_iter().flatten() {
+            let i = tc["index"].as_u64().unwrap() as usize;
+            if calls.len() <= i {
+                calls.resize(i + 1, (String::new(), String::new(), String::new()));
+            }
+            let e = &mut calls[i];
+            e.0.push_str(tc["id"].as_str().unwrap_or(""));
+            e.1.push_str(tc["function"]["name"].as_str().unwrap_or(""));
+            e.2.push_str(tc["function"]["arguments"].as_str().unwrap_or(""));
+        }
+        if let Some(f) = ch["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    (content, calls, finish)
+}
+
+#[test]
+fn tool_calls_come_back_in_openai_shape_streamed_or_not() {
+    for (template, call, stop, content) in [
+        (
+            "Qwen-Qwen2.5-7B-Instruct.jinja",
+            HERMES_CALL,
+            json!(["</tool_call>"]),
+            Some("I will add."),
+        ),
+        (
+            "meta-llama-Llama-3.2-3B-Instruct.jinja",
+            LLAMA_CALL,
+            json!(["#"]),
+            None,
+        ),
+    ] {
+        let (_d, s, call_token) = tool_model(template, call);
+        let body = |stream: bool| {
+            chat(
+                "2+3?",
+                json!({"tools": add_tool(), "logit_bias": {call_token.to_string(): 100},
+                       "stop": stop, "max_tokens": 3, "stream": stream, "temperature": 0}),
+            )
+        };
+        let r = s.post("/v1/chat/completions", &body(false));
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        let c = &r.json()["choices"][0];
+        let m = &c["message"];
+        let calls = m["tool_calls"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{template}: {m}"));
+        assert_eq!(calls.len(), 1, "{template}: {m}");
+        assert_eq!(calls[0]["type"], "function");
+        assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+        assert_eq!(calls[0]["function"]["name"], "add");
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({"a": 2, "b": 3}));
+        assert_eq!(c["finish_reason"], "tool_calls", "{template}");
+        assert_eq!(m["content"].as_str(), content, "{template}: {m}");
+        // Streamed: the content passes, the call arrives as deltas the SDK assembles.
+        let r = s.post("/v1/chat/completions", &body(true));
+        assert_eq!(r.status, 200);
+        let (text, scalls, finish) = assemble(&r.sse_chunks());
+        assert_eq!(text, content.unwrap_or(""), "{template}");
+        assert_eq!(scalls.len(), 1, "{template}");
+        assert_eq!(scalls[0].1, "add");
+        assert_eq!(
+            scalls[0].2,
+            calls[0]["function"]["arguments"].as_str().unwrap()
+        );
+        assert_eq!(finish, c["finish_reason"].as_str().unwrap());
+        // tool_choice "none": the same answer is text.
+        let mut b = body(false);
+        b["tool_choice"] = json!("none");
+        let m = s.post("/v1/chat/completions", &b).json()["choices"][0]["message"].clone();
+        assert!(m.get("tool_calls").is_none(), "{m}");
+        assert!(m["content"].as_str().unwrap().contains("add"), "{m}");
+    }
+}
+
+/// A template that renders no tools (Gemma 3's, SmolLM2's) cannot take them: a 400 naming the
+/// field, not a silently tool-less answer.
+#[test]
+fn tools_on_a_template_without_tool_support_are_refused_by_name() {
+    let (_d, s) = start(CONFIG, &[]);
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat("hi", json!({"tools": add_tool()})),
+    );
+    assert_error(&r, 400, Some("tools"));
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat("hi", json!({"functions": [add_tool()[0]["function"]]})),
+    );
+    assert_error(&r, 400, Some("functions"));
+}

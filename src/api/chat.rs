@@ -7,6 +7,7 @@ use super::openai::{
     check_scoring, parse_chat_logprobs, parse_common, parse_messages, parse_tools, Fields,
 };
 use super::respond::respond;
+use super::tools::ToolFormat;
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
@@ -24,6 +25,34 @@ pub async fn chat_completions(
     let messages = parse_messages(&f)?;
     let tools = parse_tools(&f)?;
     check_tool_choice(&f, tools.is_some())?;
+    // The model's own template renders the tools and teaches the calls' format, which the
+    // answer is parsed in; a template without tool support cannot take them.
+    let tool_format =
+        match &tools {
+            None => None,
+            Some(_) => {
+                Some(
+                    ready
+                        .tokenizer
+                        .chat_template()
+                        .and_then(ToolFormat::of_template)
+                        .ok_or_else(|| {
+                            ApiError::invalid(
+                        if f.get("tools").is_some() { "tools" } else { "functions" },
+                        "this model's chat template does not render tools in a format this \
+                         server parses (Hermes <tool_call> or Llama 3 JSON); the generic format \
+                         needs constrained decoding, not built yet",
+                    )
+                        })?,
+                )
+            }
+        };
+    let choice_none = f
+        .get("tool_choice")
+        .or_else(|| f.get("function_call"))
+        .and_then(|v| v.as_str())
+        == Some("none");
+    let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
     let (_, adapter) = state.resolve_model(&params.model)?;
     let tok = ready.tokenizer.clone();
     let prompt_ids = blocking(move || {
@@ -43,6 +72,7 @@ pub async fn chat_completions(
         adapter,
         prompt_param: "messages",
         key: super::bearer_of(&headers).to_string(),
+        tools: tool_format.filter(|_| !choice_none).map(|t| (t, parallel)),
     };
     respond(&state, job).await
 }

@@ -66,6 +66,7 @@ pub async fn completions(
             adapter: adapter.clone(),
             prompt_param: "prompt",
             key: key.clone(),
+            tools: None,
         });
     }
     if several {

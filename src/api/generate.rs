@@ -102,6 +102,7 @@ pub async fn generate(
         adapter,
         prompt_param: "token_ids",
         key: super::bearer_of(&headers).to_string(),
+        tools: None,
     };
     respond(&state, job).await
 }

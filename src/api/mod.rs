@@ -15,6 +15,7 @@ pub mod respond;
 pub mod rollout;
 pub mod scoring;
 pub mod serve;
+pub mod tools;
 pub mod wire;
 
 pub use serve::run;

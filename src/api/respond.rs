@@ -6,6 +6,7 @@ use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::rollout::{log_choices, Served};
 use super::scoring::{legacy_prompt, vllm_prompt_logprobs};
+use super::tools::{self, ToolCall, ToolCallDelta, ToolStream};
 use super::wire::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Completion, Delta,
     PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, Usage,
@@ -179,6 +180,16 @@ struct Choice {
     finish: Option<(FinishReason, Option<StopReason>)>,
     num_cached_tokens: usize,
     started: bool,
+    /// Chat with tools, streamed: the text held while a call may be starting.
+    tool_stream: ToolStream,
+}
+
+/// OpenAI's finish reason: "tool_calls" when a finished answer is tool calls.
+fn finish_with_calls(reason: FinishReason, calls: bool) -> &'static str {
+    match (reason, calls) {
+        (FinishReason::Stop, true) => "tool_calls",
+        (r, _) => r.as_str(),
+    }
 }
 
 struct Responder {
@@ -368,21 +379,26 @@ impl Responder {
                 let (reason, stop) = c.finish.clone().unwrap_or((FinishReason::Length, None));
                 match self.job.flavor {
                     Flavor::Generate => unreachable!("generate_body"),
-                    Flavor::Chat => wire::Choice::Chat(ChatChoice {
-                        index: self.first_choice + i,
-                        message: AssistantMessage {
-                            role: "assistant",
-                            content: c.text.clone(),
-                            refusal: None,
-                        },
-                        logprobs: p.logprobs.then(|| ChatLogprobs {
-                            content: c.logprobs.clone(),
-                            refusal: None,
-                        }),
-                        finish_reason: reason.as_str(),
-                        stop_reason: stop_reason_json(&stop),
-                        token_ids: token_ids(c),
-                    }),
+                    Flavor::Chat => {
+                        let (content, calls) = self.split_tool_calls(&c.text);
+                        let finish = finish_with_calls(reason, calls.is_some());
+                        wire::Choice::Chat(ChatChoice {
+                            index: self.first_choice + i,
+                            message: AssistantMessage {
+                                role: "assistant",
+                                content,
+                                refusal: None,
+                                tool_calls: calls,
+                            },
+                            logprobs: p.logprobs.then(|| ChatLogprobs {
+                                content: c.logprobs.clone(),
+                                refusal: None,
+                            }),
+                            finish_reason: finish,
+                            stop_reason: stop_reason_json(&stop),
+                            token_ids: token_ids(c),
+                        })
+                    }
                     Flavor::Completion => wire::Choice::Text(TextChoice {
                         index: self.first_choice + i,
                         text: format!("{}{}", self.job.echo.as_deref().unwrap_or(""), c.text),
@@ -405,6 +421,23 @@ impl Responder {
             body.prompt_token_ids = Some(self.job.prompt_ids.clone());
         }
         body
+    }
+
+    /// A chat answer's content and tool calls (when the request has tools and the text holds
+    /// well-formed calls in the model's format).
+    fn split_tool_calls(&self, text: &str) -> (Option<String>, Option<Vec<ToolCall>>) {
+        let Some((format, parallel)) = self.job.tools else {
+            return (Some(text.to_string()), None);
+        };
+        match tools::parse(format, text, || random_id("call_")) {
+            Some((content, mut calls)) => {
+                if !parallel {
+                    calls.truncate(1);
+                }
+                ((!content.is_empty()).then_some(content), Some(calls))
+            }
+            None => (Some(text.to_string()), None),
+        }
     }
 
     /// vLLM's `/inference/v1/generate` response: token ids and per-token log-probs, no text.
@@ -477,6 +510,7 @@ impl Responder {
                             delta: Delta {
                                 role: Some("assistant"),
                                 content: Some(String::new()),
+                                tool_calls: None,
                             },
                             logprobs: None,
                             finish_reason: None,
@@ -508,6 +542,11 @@ impl Responder {
         }
         match ev {
             EngineEvent::Token { token_id, text, .. } => {
+                // With tools, text that may begin a call is held until the end.
+                let text = match self.job.tools {
+                    Some((format, _)) => self.choices[i].tool_stream.push(format, text),
+                    None => text.clone(),
+                };
                 if text.is_empty() && !logprobs && !token_ids {
                     return out;
                 }
@@ -519,6 +558,7 @@ impl Responder {
                         delta: Delta {
                             role: None,
                             content: Some(text.clone()),
+                            tool_calls: None,
                         },
                         logprobs: logprobs.then(|| ChatLogprobs {
                             content: c.logprobs.last().cloned().into_iter().collect(),
@@ -551,7 +591,52 @@ impl Responder {
                 stop_reason,
                 ..
             } => {
-                let (reason, stop) = (Some(reason.as_str()), Some(stop_reason_json(stop_reason)));
+                // With tools: what was held becomes content, or the calls, each in a chunk.
+                let mut with_calls = false;
+                if let Some((format, parallel)) = self.job.tools {
+                    let (rest, mut calls) = self.choices[i]
+                        .tool_stream
+                        .finish(format, || random_id("call_"));
+                    if !parallel {
+                        calls.truncate(1);
+                    }
+                    with_calls = !calls.is_empty();
+                    let mut deltas = Vec::new();
+                    if !rest.is_empty() {
+                        deltas.push(Delta {
+                            role: None,
+                            content: Some(rest),
+                            tool_calls: None,
+                        });
+                    }
+                    for (k, c) in calls.into_iter().enumerate() {
+                        deltas.push(Delta {
+                            role: None,
+                            content: None,
+                            tool_calls: Some(vec![ToolCallDelta {
+                                index: k,
+                                id: c.id,
+                                kind: c.kind,
+                                function: c.function,
+                            }]),
+                        });
+                    }
+                    for delta in deltas {
+                        let choice = wire::Choice::ChatChunk(ChatChunkChoice {
+                            index: i,
+                            delta,
+                            logprobs: None,
+                            finish_reason: None,
+                            stop_reason: None,
+                            token_ids: None,
+                        });
+                        out.push(self.envelope(true, vec![choice]));
+                    }
+                }
+                let (reason, stop) = (
+                    Some(finish_with_calls(*reason, with_calls)),
+                    Some(stop_reason_json(stop_reason)),
+                );
                 let choice = match self.job.flavor {
                     Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
                         index: i,

@@ -57,8 +57,11 @@ pub struct ChatChoice {
 #[derive(Clone, Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// Null when the answer is tool calls only.
+    pub content: Option<String>,
     pub refusal: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<super::tools::ToolCall>>,
 }
 
 /// A chat chunk's choice: a delta, and on the last one the finish reason.
@@ -81,6 +84,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<super::tools::ToolCallDelta>>,
 }
 
 /// Chat log-probs: one entry per token.

@@ -59,6 +59,9 @@ pub struct TinySpec {
     /// A SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`, `spm_vocab`) in place of the
     /// byte-level BPE one, with this `add_space_prefix`.
     pub spm: Option<bool>,
+    /// Extra tokens (byte-level BPE vocabularies), each one token of this text, appended at the
+    /// end of the vocabulary: a test can make the model say a whole phrase with one logit bias.
+    pub extra_tokens: &'static [&'static str],
 }
 
 impl TinySpec {
@@ -82,6 +85,7 @@ impl TinySpec {
             experts: None,
             window: None,
             spm: None,
+            extra_tokens: &[],
         }
     }
 
@@ -160,6 +164,7 @@ impl TinySpec {
             experts: None,
             window: None,
             spm: None,
+            extra_tokens: &[],
         }
     }
 }
@@ -284,6 +289,13 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
             tokens.push(m.replace(' ', ""));
             types.push(1);
             merges.push(m.to_string());
+        }
+    }
+    if spec.spm.is_none() {
+        let chars = byte_chars();
+        for t in spec.extra_tokens {
+            tokens.push(t.bytes().map(|b| chars[b as usize]).collect());
+            types.push(1);
         }
     }
     let v = tokens.len();
