@@ -84,7 +84,7 @@ fn generate_refuses_what_it_does_not_implement_by_name() {
     };
     let tp = |sp: Value| json!({"model": "tiny", "token_ids": [5, 6], "sampling_params": sp});
     bad(
-        tp(json!({"repetition_penalty": 1.3})),
+        tp(json!({"repetition_penalty": 0})),
         "sampling_params.repetition_penalty",
     );
     bad(tp(json!({"min_tokens": 4})), "sampling_params.min_tokens");
@@ -243,7 +243,8 @@ fn tools_reach_the_prompt_through_the_models_template() {
             json!({"structured_outputs": {"regex": "a+"}}),
             "structured_outputs",
         ),
-        (json!({"repetition_penalty": 1.2}), "repetition_penalty"),
+        (json!({"repetition_penalty": -1}), "repetition_penalty"),
+        (json!({"best_of": 3}), "best_of"),
         (json!({"min_tokens": 3}), "min_tokens"),
     ] {
         let r = s.post("/v1/chat/completions", &chat("hi", extra.clone()));

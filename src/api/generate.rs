@@ -115,7 +115,7 @@ fn sampling_fields(sp: &Map<String, Value>) -> Result<Map<String, Value>, ApiErr
         let neutral = |n: Value| v.is_null() || *v == n;
         let ok = match k.as_str() {
             k if TEXT_ONLY.contains(&k) => continue,
-            "repetition_penalty" | "length_penalty" => neutral(Value::from(1.0)),
+            "length_penalty" => neutral(Value::from(1.0)),
             "min_tokens" | "truncate_prompt_tokens" => neutral(Value::from(0)),
             "include_stop_str_in_output" | "use_beam_search" => neutral(Value::from(false)),
             "allowed_token_ids" | "bad_words" | "structured_outputs" | "guided_decoding"

@@ -178,7 +178,6 @@ pub fn refuse_unimplemented(f: &Fields) -> Result<(), ApiError> {
     let number = |x: f64| move |v: &Value| v.as_f64() == Some(x);
     let is_false = |v: &Value| *v == Value::Bool(false);
     let never = |_: &Value| false;
-    neutral("repetition_penalty", &number(1.0))?;
     neutral("length_penalty", &number(1.0))?;
     neutral("min_tokens", &number(0.0))?;
     neutral("best_of", &number(1.0))?;
@@ -253,6 +252,9 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         frequency_penalty: f
             .f32_in("frequency_penalty", -2.0, 2.0, false)?
             .unwrap_or(0.0),
+        repetition_penalty: f
+            .f32_in("repetition_penalty", 0.0, 10.0, true)?
+            .unwrap_or(1.0),
         top_logprobs: 0,
         logit_bias: parse_logit_bias(f, vocab)?,
     };

@@ -45,7 +45,8 @@ pub async fn log_choices(
     let params = json!({
         "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
         "min_p": sp.min_p, "presence_penalty": sp.presence_penalty,
-        "frequency_penalty": sp.frequency_penalty, "logit_bias": sp.logit_bias.len(),
+        "frequency_penalty": sp.frequency_penalty,
+        "repetition_penalty": sp.repetition_penalty, "logit_bias": sp.logit_bias.len(),
         "seed": p.seed, "max_tokens": p.max_tokens, "n": p.n,
     })
     .to_string();

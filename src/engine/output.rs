@@ -54,6 +54,8 @@ pub struct SeqOutput {
     pub choice: usize,
     rng: Rng,
     counts: HashMap<u32, u32>,
+    /// The prompt's distinct tokens, sorted (only with a repetition penalty).
+    prompt_seen: Vec<u32>,
     detok: Detokenizer,
     held: String,
     /// Sibling choices to fork off when this (first) choice samples its first token.
@@ -73,11 +75,20 @@ pub fn choice_seed(seed: u64, choice: usize) -> u64 {
 
 impl SeqOutput {
     pub fn new(req: Rc<RequestState>, choice: usize) -> SeqOutput {
+        let prompt_seen = if req.req.sampling.repetition_penalty != 1.0 {
+            let mut v = req.req.prompt.clone();
+            v.sort_unstable();
+            v.dedup();
+            v
+        } else {
+            Vec::new()
+        };
         SeqOutput {
             rng: Rng::new(choice_seed(req.seed, choice)),
             req,
             choice,
             counts: HashMap::new(),
+            prompt_seen,
             detok: Detokenizer::default(),
             held: String::new(),
             pending_forks: 0,
@@ -91,7 +102,14 @@ impl SeqOutput {
 
     pub fn sample(&mut self, cpu: &Cpu, logits: &mut [f32]) -> Sampled {
         let p = &self.req.req.sampling;
-        sampler::sample(cpu, logits, p, &self.counts, &mut self.rng)
+        sampler::sample_seen(
+            cpu,
+            logits,
+            p,
+            &self.counts,
+            &self.prompt_seen,
+            &mut self.rng,
+        )
     }
 
     /// End choice `choice` of this request without a token (`max_tokens` 0: prompt scoring).

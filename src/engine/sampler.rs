@@ -22,6 +22,9 @@ pub struct SamplingParams {
     /// if it occurred (presence) and once per occurrence (frequency).
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// vLLM's (and transformers'): a token seen in the prompt or the output so far has a positive
+    /// logit divided by it, a negative one multiplied; 1 disables.
+    pub repetition_penalty: f32,
     /// How many top alternatives to report per token (0..=20).
     pub top_logprobs: usize,
     /// OpenAI's logit_bias: (token, bias in [-100, 100]) added to the logits before sampling.
@@ -31,7 +34,10 @@ pub struct SamplingParams {
 impl SamplingParams {
     /// Whether the distribution drawn from is changed by logit edits (penalties or biases).
     pub fn edits_logits(&self) -> bool {
-        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
     }
 
     /// Whether a completion is drawn from exactly log-softmax(logits / T), the distribution the
@@ -51,6 +57,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
             top_logprobs: 0,
             logit_bias: Vec::new(),
         }
@@ -79,12 +86,42 @@ pub fn sample(
     counts: &HashMap<u32, u32>,
     rng: &mut Rng,
 ) -> Sampled {
+    sample_seen(cpu, logits, p, counts, &[], rng)
+}
+
+/// `sample`, with the prompt's distinct tokens (sorted) for the repetition penalty.
+pub fn sample_seen(
+    cpu: &Cpu,
+    logits: &mut [f32],
+    p: &SamplingParams,
+    counts: &HashMap<u32, u32>,
+    prompt_seen: &[u32],
+    rng: &mut Rng,
+) -> Sampled {
     // The distribution drawn from differs from the reported one only when penalties or biases
     // apply (the reported log-probs are the model's: what a trainer recomputes).
     let penalties = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-    let edited = (penalties && !counts.is_empty()) || !p.logit_bias.is_empty();
+    let repetition = p.repetition_penalty != 1.0 && !(counts.is_empty() && prompt_seen.is_empty());
+    let edited = (penalties && !counts.is_empty()) || repetition || !p.logit_bias.is_empty();
     let penalized = edited.then(|| {
         let mut l = logits.to_vec();
+        if repetition {
+            // Each seen token once (vLLM's order: repetition first, then the OpenAI penalties).
+            let rp = p.repetition_penalty;
+            let mut penalize = |t: u32| {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v = if *v > 0.0 { *v / rp } else { *v * rp };
+                }
+            };
+            prompt_seen.iter().for_each(|&t| penalize(t));
+            let mut out: Vec<u32> = counts
+                .keys()
+                .copied()
+                .filter(|t| prompt_seen.binary_search(t).is_err())
+                .collect();
+            out.sort_unstable();
+            out.into_iter().for_each(penalize);
+        }
         if penalties {
             for (&t, &c) in counts {
                 if let Some(v) = l.get_mut(t as usize) {
@@ -413,5 +450,40 @@ mod tests {
             ..Default::default()
         };
         assert!(!truncated.samples_the_policy());
+    }
+
+    #[test]
+    fn the_repetition_penalty_scales_seen_tokens_logits_and_reports_the_models() {
+        let p = SamplingParams {
+            temperature: 0.0,
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut rng = Rng::new(1);
+        // Token 0 (logit 2) seen in the prompt: 2 / 2 = 1 < 1.5, so token 1 is drawn; a seen
+        // negative logit is multiplied (token 2: -1 -> -2), an unseen one kept.
+        let mut l = vec![2.0f32, 1.5, -1.0];
+        let s = sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[0, 2], &mut rng);
+        assert_eq!(s.token, 1);
+        // The reported log-prob is the model's own (unpenalized) distribution's.
+        let z = (2.0f32.exp() + 1.5f32.exp() + (-1.0f32).exp()).ln();
+        assert!((s.logprob - (1.5 - z)).abs() < 1e-6, "{}", s.logprob);
+        // Generated tokens count too; without any seen token nothing changes.
+        let mut l = vec![2.0f32, 1.5, -1.0];
+        let s = sample_seen(
+            &cpu(),
+            &mut l,
+            &p,
+            &HashMap::from([(0u32, 1u32)]),
+            &[],
+            &mut rng,
+        );
+        assert_eq!(s.token, 1);
+        let mut l = vec![2.0f32, 1.5, -1.0];
+        assert_eq!(
+            sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[], &mut rng).token,
+            0
+        );
+        assert!(!p.samples_the_policy());
     }
 }
