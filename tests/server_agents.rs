@@ -254,7 +254,7 @@ fn tools_reach_the_prompt_through_the_models_template() {
         "/v1/chat/completions",
         &chat(
             "hi",
-            json!({"response_format": {"type": "text"}, "repetition_penalty": 1.0}),
+            json!({"response_format": {"type": "text"}, "repetition_penalty": 1.3}),
         ),
     );
     assert_eq!(r.status, 200, "{}", r.body_text());
