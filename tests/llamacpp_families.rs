@@ -68,8 +68,13 @@ fn every_family_agrees_with_llama_cpp_on_the_same_file() {
     }
 }
 
-/// llama.cpp's token ids for each text (None: no llama_cpp).
-fn llamacpp_tokenize(path: &std::path::Path, texts: &[&str]) -> Option<Vec<Vec<u32>>> {
+/// llama.cpp's token ids for each text (None: no llama_cpp); with `special`, control tokens
+/// written in the text are recognised (as the server tokenizes prompts).
+fn llamacpp_tokenize_with(
+    path: &std::path::Path,
+    texts: &[&str],
+    special: bool,
+) -> Option<Vec<Vec<u32>>> {
     let script = r#"
 import json, sys
 try:
@@ -77,11 +82,16 @@ try:
 except ImportError:
     print("null"); sys.exit(0)
 llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
-texts = json.loads(sys.argv[2])
-print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=False) for t in texts]))
+texts, special = json.loads(sys.argv[2]), sys.argv[3] == "1"
+print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=special) for t in texts]))
 "#;
     let texts = serde_json::to_string(texts).unwrap();
-    python_json(script, &[path.to_str().unwrap(), &texts])
+    let special = if special { "1" } else { "0" };
+    python_json(script, &[path.to_str().unwrap(), &texts, special])
+}
+
+fn llamacpp_tokenize(path: &std::path::Path, texts: &[&str]) -> Option<Vec<Vec<u32>>> {
+    llamacpp_tokenize_with(path, texts, false)
 }
 
 #[test]
@@ -136,7 +146,7 @@ fn sentencepiece_vocabularies_tokenize_like_llama_cpp() {
             ..TinySpec::small()
         };
         let (_dir, path) = write_tiny(&spec);
-        let Some(want) = llamacpp_tokenize_special(&path, &texts) else {
+        let Some(want) = llamacpp_tokenize_with(&path, &texts, true) else {
             eprintln!("skipped: llama_cpp (llama-cpp-python) is not installed");
             return;
         };
@@ -181,20 +191,4 @@ fn sentencepiece_vocabularies_tokenize_like_llama_cpp() {
             );
         }
     }
-}
-
-/// llama.cpp's ids with control tokens recognised in the text (as the server tokenizes prompts).
-fn llamacpp_tokenize_special(path: &std::path::Path, texts: &[&str]) -> Option<Vec<Vec<u32>>> {
-    let script = r#"
-import json, sys
-try:
-    import llama_cpp
-except ImportError:
-    print("null"); sys.exit(0)
-llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
-texts = json.loads(sys.argv[2])
-print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]))
-"#;
-    let texts = serde_json::to_string(texts).unwrap();
-    python_json(script, &[path.to_str().unwrap(), &texts])
 }

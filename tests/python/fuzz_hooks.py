@@ -23,6 +23,16 @@ def map_body(ctx, body):
         # Absent, a completion may run to the end of the context (8192 tokens): cap it too.
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = CAPS["max_tokens"]
+        # The token-in route (/inference/v1/generate) takes them in `sampling_params`.
+        if "token_ids" in body:
+            sp = body.get("sampling_params")
+            if not isinstance(sp, dict):
+                sp = body["sampling_params"] = {}
+            for k in ("max_tokens", "n"):
+                v = sp.get(k)
+                if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                 and v > CAPS[k]):
+                    sp[k] = CAPS[k]
         if body.get("stream") is not None:
             body["stream"] = False
     return body

@@ -250,7 +250,7 @@ impl Llama {
         let mut dr = vec![0.0f32; t * h];
         let rw = &x.router;
         cpu.linear_backward(rw.ty, self.bytes(rw), ne, h, &dz, &mut dr);
-        super::forward::add_in_place(&mut dm, &dr);
+        dm.iter_mut().zip(&dr).for_each(|(a, b)| *a += b);
         dm
     }
 }
