@@ -463,6 +463,11 @@ fn tools_on_a_template_without_tool_support_are_refused_by_name() {
     );
     assert_error(&r, 400, Some("tools"));
     let r = s.post(
+        "/tokenize",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "tools": add_tool()}),
+    );
+    assert_error(&r, 400, Some("tools"));
+    let r = s.post(
         "/v1/chat/completions",
         &chat("hi", json!({"functions": [add_tool()[0]["function"]]})),
     );
