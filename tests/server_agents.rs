@@ -473,3 +473,49 @@ fn tools_on_a_template_without_tool_support_are_refused_by_name() {
     );
     assert_error(&r, 400, Some("functions"));
 }
+
+/// Through the official openai SDK (a test dependency; skipped without it): a tool call comes
+/// back parsed, and a streamed one assembles in the SDK's own stream helper.
+#[test]
+fn the_openai_sdk_reads_tool_calls_streamed_or_not() {
+    let (_d, s, call_token) = tool_model("Qwen-Qwen2.5-7B-Instruct.jinja", HERMES_CALL);
+    let script = r#"
+import json, sys
+try:
+    import openai
+except ImportError:
+    print("null"); sys.exit(0)
+base, token = sys.argv[1], sys.argv[2]
+c = openai.OpenAI(base_url=f"http://{base}/v1", api_key="none")
+tools = [{"type": "function", "function": {"name": "add", "description": "Add",
+          "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                         "b": {"type": "number"}}}}}]
+kw = dict(model="tiny", messages=[{"role": "user", "content": "2+3?"}], tools=tools,
+          logit_bias={token: 100}, stop=["</tool_call>"], max_tokens=3, temperature=0)
+r = c.chat.completions.create(**kw)
+m = r.choices[0].message
+out = {"finish": r.choices[0].finish_reason, "content": m.content,
+       "calls": [[t.function.name, json.loads(t.function.arguments)] for t in m.tool_calls]}
+with c.chat.completions.stream(**kw) as st:
+    final = st.get_final_completion()
+fm = final.choices[0].message
+out["stream_calls"] = [[t.function.name, json.loads(t.function.arguments)] for t in fm.tool_calls]
+out["stream_content"] = fm.content
+# The call goes back into the conversation, with the tool's result, as an agent loop does.
+msgs = kw["messages"] + [m.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "5"}]
+r2 = c.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=2)
+out["second_turn"] = r2.choices[0].finish_reason is not None
+print(json.dumps(out))
+"#;
+    let Some(v) = common::python_json::<Value>(script, &[&s.addr, &call_token.to_string()]) else {
+        eprintln!("skipped: the openai SDK is not installed");
+        return;
+    };
+    assert_eq!(v["finish"], "tool_calls", "{v}");
+    assert_eq!(v["content"], "I will add.", "{v}");
+    assert_eq!(v["calls"], json!([["add", {"a": 2, "b": 3}]]), "{v}");
+    assert_eq!(v["stream_calls"], v["calls"], "{v}");
+    assert_eq!(v["stream_content"], "I will add.", "{v}");
+    assert_eq!(v["second_turn"], true, "{v}");
+}

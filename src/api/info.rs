@@ -103,8 +103,17 @@ pub async fn tokenize(
         let msgs = parse_messages(&f)?;
         let tools = parse_tools(&f)?;
         // As chat: tools need a template that renders them.
-        if tools.is_some() && tok.chat_template().and_then(ToolFormat::of_template).is_none() {
-            let name = if f.get("tools").is_some() { "tools" } else { "functions" };
+        if tools.is_some()
+            && tok
+                .chat_template()
+                .and_then(ToolFormat::of_template)
+                .is_none()
+        {
+            let name = if f.get("tools").is_some() {
+                "tools"
+            } else {
+                "functions"
+            };
             return Err(ApiError::invalid(
                 name,
                 "this model's chat template does not render tools",
