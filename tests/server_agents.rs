@@ -443,6 +443,22 @@ fn tool_calls_come_back_in_openai_shape_streamed_or_not() {
             calls[0]["function"]["arguments"].as_str().unwrap()
         );
         assert_eq!(finish, c["finish_reason"].as_str().unwrap());
+        // The legacy `functions` API: one `function_call`, finish_reason "function_call".
+        let mut b = body(false);
+        b["functions"] = json!([add_tool()[0]["function"]]);
+        b.as_object_mut().unwrap().remove("tools");
+        let c = s.post("/v1/chat/completions", &b).json()["choices"][0].clone();
+        assert_eq!(c["finish_reason"], "function_call", "{c}");
+        assert_eq!(c["message"]["function_call"]["name"], "add", "{c}");
+        assert!(c["message"].get("tool_calls").is_none(), "{c}");
+        b["stream"] = json!(true);
+        let chunks = s.post("/v1/chat/completions", &b).sse_chunks();
+        let fc: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"].get("function_call"))
+            .collect();
+        assert_eq!(fc.len(), 1, "{chunks:?}");
+        assert_eq!(fc[0]["arguments"], c["message"]["function_call"]["arguments"]);
         // tool_choice "none": the same answer is text.
         let mut b = body(false);
         b["tool_choice"] = json!("none");

@@ -7,7 +7,7 @@ use super::openai::{
     check_scoring, parse_chat_logprobs, parse_common, parse_messages, parse_tools, Fields,
 };
 use super::respond::respond;
-use super::tools::ToolFormat;
+use super::tools::{ToolFormat, ToolMode};
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
@@ -72,7 +72,11 @@ pub async fn chat_completions(
         adapter,
         prompt_param: "messages",
         key: super::bearer_of(&headers).to_string(),
-        tools: tool_format.filter(|_| !choice_none).map(|t| (t, parallel)),
+        tools: tool_format.filter(|_| !choice_none).map(|format| ToolMode {
+            format,
+            parallel,
+            legacy: f.get("functions").is_some(),
+        }),
     };
     respond(&state, job).await
 }

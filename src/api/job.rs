@@ -26,7 +26,6 @@ pub struct Job {
     pub adapter: Option<Pinned>,
     /// The caller's bearer key ("" without one): who may reward the completion.
     pub key: String,
-    /// Chat with tools: the format the answer's tool calls are parsed in, and whether several
-    /// calls may be returned (`parallel_tool_calls`, default true).
-    pub tools: Option<(super::tools::ToolFormat, bool)>,
+    /// Chat with tools: how the answer's calls are parsed and returned.
+    pub tools: Option<super::tools::ToolMode>,
 }

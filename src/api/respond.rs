@@ -6,7 +6,7 @@ use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::rollout::{log_choices, Served};
 use super::scoring::{legacy_prompt, vllm_prompt_logprobs};
-use super::tools::{self, ToolCall, ToolCallDelta, ToolStream};
+use super::tools::{self, ToolCall, ToolCallDelta, ToolMode, ToolStream};
 use super::wire::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Completion, Delta,
     PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, Usage,
@@ -184,11 +184,12 @@ struct Choice {
     tool_stream: ToolStream,
 }
 
-/// OpenAI's finish reason: "tool_calls" when a finished answer is tool calls.
-fn finish_with_calls(reason: FinishReason, calls: bool) -> &'static str {
-    match (reason, calls) {
-        (FinishReason::Stop, true) => "tool_calls",
-        (r, _) => r.as_str(),
+/// OpenAI's finish reason: "tool_calls" ("function_call" for the legacy API) when a finished
+/// answer is calls.
+fn finish_with_calls(reason: FinishReason, calls: bool, mode: Option<ToolMode>) -> &'static str {
+    match (reason, calls, mode) {
+        (FinishReason::Stop, true, Some(m)) => m.finish_reason(),
+        (r, _, _) => r.as_str(),
     }
 }
 
@@ -381,7 +382,12 @@ impl Responder {
                     Flavor::Generate => unreachable!("generate_body"),
                     Flavor::Chat => {
                         let (content, calls) = self.split_tool_calls(&c.text);
-                        let finish = finish_with_calls(reason, calls.is_some());
+                        let finish = finish_with_calls(reason, calls.is_some(), self.job.tools);
+                        let legacy = self.job.tools.is_some_and(|t| t.legacy);
+                        let (calls, function_call) = match calls {
+                            Some(mut c) if legacy => (None, c.pop().map(|c| c.function)),
+                            calls => (calls, None),
+                        };
                         wire::Choice::Chat(ChatChoice {
                             index: self.first_choice + i,
                             message: AssistantMessage {
@@ -389,6 +395,7 @@ impl Responder {
                                 content,
                                 refusal: None,
                                 tool_calls: calls,
+                                function_call,
                             },
                             logprobs: p.logprobs.then(|| ChatLogprobs {
                                 content: c.logprobs.clone(),
@@ -426,14 +433,12 @@ impl Responder {
     /// A chat answer's content and tool calls (when the request has tools and the text holds
     /// well-formed calls in the model's format).
     fn split_tool_calls(&self, text: &str) -> (Option<String>, Option<Vec<ToolCall>>) {
-        let Some((format, parallel)) = self.job.tools else {
+        let Some(mode) = self.job.tools else {
             return (Some(text.to_string()), None);
         };
-        match tools::parse(format, text, || random_id("call_")) {
+        match tools::parse(mode.format, text, || random_id("call_")) {
             Some((content, mut calls)) => {
-                if !parallel {
-                    calls.truncate(1);
-                }
+                mode.keep(&mut calls);
                 ((!content.is_empty()).then_some(content), Some(calls))
             }
             None => (Some(text.to_string()), None),
@@ -511,6 +516,7 @@ impl Responder {
                                 role: Some("assistant"),
                                 content: Some(String::new()),
                                 tool_calls: None,
+                                function_call: None,
                             },
                             logprobs: None,
                             finish_reason: None,
@@ -544,7 +550,7 @@ impl Responder {
             EngineEvent::Token { token_id, text, .. } => {
                 // With tools, text that may begin a call is held until the end.
                 let text = match self.job.tools {
-                    Some((format, _)) => self.choices[i].tool_stream.push(format, text),
+                    Some(t) => self.choices[i].tool_stream.push(t.format, text),
                     None => text.clone(),
                 };
                 if text.is_empty() && !logprobs && !token_ids {
@@ -559,6 +565,7 @@ impl Responder {
                             role: None,
                             content: Some(text.clone()),
                             tool_calls: None,
+                            function_call: None,
                         },
                         logprobs: logprobs.then(|| ChatLogprobs {
                             content: c.logprobs.last().cloned().into_iter().collect(),
@@ -593,32 +600,34 @@ impl Responder {
             } => {
                 // With tools: what was held becomes content, or the calls, each in a chunk.
                 let mut with_calls = false;
-                if let Some((format, parallel)) = self.job.tools {
+                if let Some(mode) = self.job.tools {
                     let (rest, mut calls) = self.choices[i]
                         .tool_stream
-                        .finish(format, || random_id("call_"));
-                    if !parallel {
-                        calls.truncate(1);
-                    }
+                        .finish(mode.format, || random_id("call_"));
+                    mode.keep(&mut calls);
                     with_calls = !calls.is_empty();
                     let mut deltas = Vec::new();
                     if !rest.is_empty() {
                         deltas.push(Delta {
-                            role: None,
                             content: Some(rest),
-                            tool_calls: None,
+                            ..Delta::default()
                         });
                     }
                     for (k, c) in calls.into_iter().enumerate() {
-                        deltas.push(Delta {
-                            role: None,
-                            content: None,
-                            tool_calls: Some(vec![ToolCallDelta {
-                                index: k,
-                                id: c.id,
-                                kind: c.kind,
-                                function: c.function,
-                            }]),
+                        deltas.push(match mode.legacy {
+                            true => Delta {
+                                function_call: Some(c.function),
+                                ..Delta::default()
+                            },
+                            false => Delta {
+                                tool_calls: Some(vec![ToolCallDelta {
+                                    index: k,
+                                    id: c.id,
+                                    kind: c.kind,
+                                    function: c.function,
+                                }]),
+                                ..Delta::default()
+                            },
                         });
                     }
                     for delta in deltas {
@@ -634,7 +643,7 @@ impl Responder {
                     }
                 }
                 let (reason, stop) = (
-                    Some(finish_with_calls(*reason, with_calls)),
+                    Some(finish_with_calls(*reason, with_calls, self.job.tools)),
                     Some(stop_reason_json(stop_reason)),
                 );
                 let choice = match self.job.flavor {

@@ -39,6 +39,34 @@ impl ToolFormat {
     }
 }
 
+/// A chat request's tools: the format its answer's calls are parsed in, whether several may be
+/// returned (`parallel_tool_calls`, default true), and whether they came as the legacy
+/// `functions` (then the answer is OpenAI's legacy `function_call`, one call).
+#[derive(Clone, Copy, Debug)]
+pub struct ToolMode {
+    pub format: ToolFormat,
+    pub parallel: bool,
+    pub legacy: bool,
+}
+
+impl ToolMode {
+    /// The calls this mode returns: one unless parallel (and legacy `function_call` is one).
+    pub fn keep(&self, calls: &mut Vec<ToolCall>) {
+        if !self.parallel || self.legacy {
+            calls.truncate(1);
+        }
+    }
+
+    /// The finish reason of an answer that is calls.
+    pub fn finish_reason(&self) -> &'static str {
+        if self.legacy {
+            "function_call"
+        } else {
+            "tool_calls"
+        }
+    }
+}
+
 /// One parsed call, as OpenAI's `tool_calls` entries.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ToolCall {

@@ -62,6 +62,9 @@ pub struct AssistantMessage {
     pub refusal: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<super::tools::ToolCall>>,
+    /// The legacy `functions` API's one call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub function_call: Option<super::tools::FunctionCall>,
 }
 
 /// A chat chunk's choice: a delta, and on the last one the finish reason.
@@ -86,6 +89,8 @@ pub struct Delta {
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<super::tools::ToolCallDelta>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub function_call: Option<super::tools::FunctionCall>,
 }
 
 /// Chat log-probs: one entry per token.
