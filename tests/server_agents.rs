@@ -458,7 +458,10 @@ fn tool_calls_come_back_in_openai_shape_streamed_or_not() {
             .filter_map(|c| c["choices"][0]["delta"].get("function_call"))
             .collect();
         assert_eq!(fc.len(), 1, "{chunks:?}");
-        assert_eq!(fc[0]["arguments"], c["message"]["function_call"]["arguments"]);
+        assert_eq!(
+            fc[0]["arguments"],
+            c["message"]["function_call"]["arguments"]
+        );
         // tool_choice "none": the same answer is text.
         let mut b = body(false);
         b["tool_choice"] = json!("none");

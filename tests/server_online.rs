@@ -397,3 +397,98 @@ fn a_batch_of_prompts_is_logged_and_rewarded_by_index() {
     );
     assert_eq!(r.status, 404, "{}", r.body_text());
 }
+
+/// Multi-turn episodes with one reward: two episodes of a task (the same `group`), two turns
+/// each; one reward per episode trains all four turns (each with its episode's advantage);
+/// `GET /v1/feedback?episode=` shows them; a turn is not rewarded alone, `n` > 1 is refused
+/// with `episode`, and another key's episode is not found.
+#[test]
+fn an_episodes_one_reward_trains_every_turn() {
+    let (dir, path) = write_tiny(&common::TinySpec {
+        ctx: 512,
+        ..common::TinySpec::small()
+    });
+    // A task's episodes are a client group: it trains once its rewards are quiet this long.
+    let cfg = config(
+        "reward_min = -1.0\nreward_max = 1.0\nmax_off_policy_steps = 1000\ngroup_timeout_secs = 0.5",
+    );
+    let s = start_learning(&path, &dir.path().join("data"), &cfg, &["l"]);
+    let turn = |episode: &str, content: &str| {
+        let r = call(
+            &s,
+            "POST",
+            "/v1/chat/completions",
+            Some(
+                &json!({"model": "l", "messages": [{"role": "user", "content": content}],
+                         "max_tokens": 3, "episode": episode, "group": "task"}),
+            ),
+            USER,
+        );
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        r.json()["id"].as_str().unwrap().to_string()
+    };
+    let a1 = turn("ep-a", "first");
+    turn("ep-a", "second");
+    turn("ep-b", "first");
+    turn("ep-b", "second");
+    // A turn is rewarded through its episode.
+    let r = call(
+        &s,
+        "POST",
+        "/v1/feedback",
+        Some(&json!({"id": a1, "reward": 1.0})),
+        USER,
+    );
+    assert_eq!(r.status, 400, "{}", r.body_text());
+    for (ep, reward) in [("ep-a", 1.0), ("ep-b", 0.0)] {
+        let body = json!({"episode": ep, "reward": reward});
+        let r = call(&s, "POST", "/v1/feedback", Some(&body), USER);
+        assert_eq!(r.status, 202, "{}", r.body_text());
+        // The same again is a no-op; another value a conflict.
+        assert_eq!(
+            call(&s, "POST", "/v1/feedback", Some(&body), USER).status,
+            200
+        );
+    }
+    let r = call(
+        &s,
+        "POST",
+        "/v1/feedback",
+        Some(&json!({"episode": "ep-a", "reward": 0.5})),
+        USER,
+    );
+    assert_eq!(r.status, 409, "{}", r.body_text());
+    let r = call(
+        &s,
+        "POST",
+        "/v1/feedback",
+        Some(&json!({"episode": "ep-a", "reward": 1.0})),
+        ADMIN,
+    );
+    assert_eq!(r.status, 404, "another key's episode: {}", r.body_text());
+    // Two episodes, two units: the trainer steps on all four turns.
+    let st = wait_status(&s, "l", 60, |st| st["steps"].as_u64() >= Some(1));
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(st["last"]["sequences"], 4, "{st}");
+    // Every turn is trained on exactly what was served: the log-probs recomputed equal them.
+    assert_eq!(st["last"]["logprob_diff_max"], 0.0, "{st}");
+    let r = call(&s, "GET", "/v1/feedback?episode=ep-a", None, USER);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let v = r.json();
+    assert_eq!(v["reward"], 1.0);
+    let turns = v["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 2);
+    assert!(turns.iter().all(|t| t["reward"] == 1.0));
+    assert_eq!(turns[0]["id"], a1.as_str());
+    let r = call(
+        &s,
+        "POST",
+        "/v1/chat/completions",
+        Some(
+            &json!({"model": "l", "messages": [{"role": "user", "content": "x"}],
+                     "max_tokens": 2, "n": 2, "episode": "ep-c"}),
+        ),
+        USER,
+    );
+    assert_eq!(r.status, 400, "{}", r.body_text());
+}

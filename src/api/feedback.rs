@@ -47,28 +47,34 @@ fn parse_item(v: &Value, at: Option<usize>, lo: f64, hi: f64) -> Result<Reward, 
         .int_in("choice", 0, u32::MAX as i128)
         .map_err(|e| ApiError::invalid(&name("choice"), e.message))?
         .unwrap_or(0) as u32;
+    let reward = parse_reward(o, &name("reward"), lo, hi)?;
+    Ok(Reward { id, choice, reward })
+}
+
+/// A reward: a finite number in [lo, hi] (`param` names it in errors).
+fn parse_reward(
+    o: &serde_json::Map<String, Value>,
+    param: &str,
+    lo: f64,
+    hi: f64,
+) -> Result<f64, ApiError> {
     // NaN and infinities are not JSON numbers (the body is refused); huge ones are, and are
     // out of range.
     let reward = match o.get("reward") {
         Some(Value::Number(n)) => n.as_f64().unwrap_or(f64::NAN),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                &name("reward"),
-                "'reward' must be a number",
-            ))
-        }
-        None => return Err(ApiError::invalid(&name("reward"), "'reward' is required")),
+        Some(_) => return Err(ApiError::invalid(param, "'reward' must be a number")),
+        None => return Err(ApiError::invalid(param, "'reward' is required")),
     };
     if !(reward.is_finite() && (lo..=hi).contains(&reward)) {
         return Err(ApiError::invalid(
-            &name("reward"),
+            param,
             format!(
                 "'reward' is {}; it must be a finite number in [{lo}, {hi}]",
                 o["reward"]
             ),
         ));
     }
-    Ok(Reward { id, choice, reward })
+    Ok(reward)
 }
 
 /// `POST /v1/feedback`: `{"id", "choice"?, "reward"}` or a list of them, recorded all or none.
@@ -81,6 +87,9 @@ pub async fn post(
     let ready = state.ready()?;
     let cfg = &ready.online_cfg;
     let (lo, hi) = (cfg.reward_min, cfg.reward_max);
+    if let Some(o) = body.as_object().filter(|o| o.contains_key("episode")) {
+        return post_episode(&state, &headers, o, lo, hi).await;
+    }
     let items: Vec<Reward> = match &body {
         Value::Array(a) if a.is_empty() => {
             return Err(ApiError::bad_body("the list of rewards is empty"))
@@ -191,8 +200,156 @@ pub async fn post(
             &field(index, "reward"),
             format!("completion '{id}' choice {choice} already has the reward {old}"),
         )),
+        Err(FeedbackError::EpisodeTurn { index, id }) => Err(ApiError::invalid(
+            &field(index, "id"),
+            format!(
+                "completion '{}' is a turn of an episode: reward the episode \
+                 ({{\"episode\", \"reward\"}})",
+                clip(&id)
+            ),
+        )),
+        Err(e @ (FeedbackError::EpisodeNotFound { .. } | FeedbackError::EpisodeConflict { .. })) => {
+            Err(ApiError::internal(e.to_string()))
+        }
         Err(FeedbackError::Log(e)) => Err(ApiError::from(e)),
     }
+}
+
+/// `{"episode", "reward"}`: one reward for every turn of an episode (the completions a client
+/// tagged with that `episode`, under its key), recorded at once; turns logged later take it
+/// too. 202 when new, 200 when it repeats the stored reward.
+async fn post_episode(
+    state: &AppState,
+    headers: &HeaderMap,
+    o: &serde_json::Map<String, Value>,
+    lo: f64,
+    hi: f64,
+) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let f = Fields(o);
+    let episode = f
+        .str("episode")?
+        .filter(|e| !e.is_empty() && e.len() <= 256)
+        .ok_or_else(|| ApiError::invalid("episode", "'episode' must have 1 to 256 characters"))?
+        .to_string();
+    let reward = parse_reward(o, "reward", lo, hi)?;
+    let not_found = |e: &str| ApiError {
+        param: Some("episode".into()),
+        code: Some("episode_not_found"),
+        ..ApiError::not_found(format!(
+            "no episode '{}' of this key (its completions are recorded once they finish)",
+            clip(e)
+        ))
+    };
+    let Some(online) = ready.online.get().cloned() else {
+        return Err(not_found(&episode));
+    };
+    let key = bearer_of(headers).to_string();
+    let (o2, ep) = (online.clone(), episode.clone());
+    let r = blocking(move || {
+        Ok(o2
+            .log
+            .post_episode_reward(&ep, reward, &key, &|a| o2.accepts(a)))
+    })
+    .await?;
+    match r {
+        Ok(new) => {
+            let outcome = if new { "new" } else { "repeat" };
+            online
+                .metrics
+                .feedback_rewards
+                .with_label_values(&[outcome])
+                .inc();
+            if new {
+                online.notify();
+            }
+            let status = if new {
+                StatusCode::ACCEPTED
+            } else {
+                StatusCode::OK
+            };
+            Ok((
+                status,
+                Json(
+                    json!({"object": "feedback", "episode": episode, "rewards": 1,
+                            "status": if new { "accepted" } else { "unchanged" }}),
+                ),
+            )
+                .into_response())
+        }
+        Err(FeedbackError::EpisodeNotFound { episode }) => Err(not_found(&episode)),
+        Err(FeedbackError::EpisodeConflict { episode, old }) => Err(ApiError::conflict(
+            "reward",
+            format!("episode '{}' already has the reward {old}", clip(&episode)),
+        )),
+        Err(FeedbackError::Refused {
+            adapter,
+            why: Refusal::Failed(why),
+            ..
+        }) => Err(ApiError {
+            param: Some("episode".into()),
+            code: Some("trainer_failed"),
+            ..ApiError::unavailable(format!(
+                "episode '{}' belongs to '{adapter}', whose trainer has failed ({why}); the \
+                 reward was not recorded",
+                clip(&episode)
+            ))
+        }),
+        Err(FeedbackError::Refused { adapter, .. }) => Err(ApiError {
+            code: Some("adapter_not_learning"),
+            ..ApiError::conflict(
+                "episode",
+                format!(
+                    "episode '{}' belongs to '{adapter}', which no longer learns",
+                    clip(&episode)
+                ),
+            )
+        }),
+        Err(FeedbackError::Log(e)) => Err(ApiError::from(e)),
+        Err(e) => Err(ApiError::internal(e.to_string())),
+    }
+}
+
+/// `GET /v1/feedback?episode=ID`: an episode's turns (of the caller's key) and its reward.
+pub async fn get_episode(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let episode = q
+        .get("episode")
+        .filter(|e| !e.is_empty())
+        .ok_or_else(|| ApiError::invalid("episode", "give ?episode=ID"))?
+        .clone();
+    let not_found = || ApiError {
+        param: Some("episode".into()),
+        code: Some("episode_not_found"),
+        ..ApiError::not_found(format!("no episode '{}' of this key", clip(&episode)))
+    };
+    let online = ready.online.get().cloned().ok_or_else(not_found)?;
+    let (log, key, ep) = (
+        online.log.clone(),
+        bearer_of(&headers).to_string(),
+        episode.clone(),
+    );
+    let (turns, reward) =
+        blocking(move || log.episode_feedback(&ep, &key).map_err(ApiError::from)).await?;
+    if turns.is_empty() {
+        return Err(not_found());
+    }
+    let turns: Vec<Value> = turns
+        .into_iter()
+        .map(|(id, c)| {
+            let mut v = json!(c);
+            v["id"] = json!(id);
+            v
+        })
+        .collect();
+    Ok(Json(
+        json!({"object": "feedback.episode", "episode": episode, "reward": reward,
+                   "turns": turns}),
+    ))
 }
 
 /// `GET /v1/feedback/{id}`: what is stored for each choice (owner or admin only).

@@ -200,7 +200,10 @@ pub fn router(state: AppState) -> Router {
         .route("/detokenize", post(info::detokenize))
         .route("/v1/adapters", get(adapters::list))
         .route("/v1/adapters/{name}", get(adapters::show))
-        .route("/v1/feedback", post(feedback::post))
+        .route(
+            "/v1/feedback",
+            post(feedback::post).get(feedback::get_episode),
+        )
         .route("/v1/feedback/{id}", get(feedback::get))
         .route("/v1/train/status", get(feedback::status))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));

@@ -156,6 +156,8 @@ pub struct CommonParams {
     /// Extension: the training group of a completion served through a learning adapter (its
     /// choices are otherwise the group).
     pub group: Option<String>,
+    /// Extension: the episode (a multi-turn task, rewarded once) the completion is a turn of.
+    pub episode: Option<String>,
 }
 
 pub const MAX_N: i64 = 128;
@@ -283,7 +285,7 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
             .unwrap_or(false),
         Some(_) => return Err(type_error("stream_options", "an object")),
     };
-    Ok(CommonParams {
+    let params = CommonParams {
         model,
         max_tokens: max_tokens.map(|m| m as usize),
         n: f.int_in("n", 1, MAX_N as i128)?.unwrap_or(1) as usize,
@@ -312,7 +314,24 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
             }
             g => g.map(str::to_string),
         },
-    })
+        episode: match f.str("episode")? {
+            Some(e) if e.is_empty() || e.len() > 256 => {
+                return Err(ApiError::invalid(
+                    "episode",
+                    "'episode' must have 1 to 256 characters",
+                ))
+            }
+            e => e.map(str::to_string),
+        },
+    };
+    // An episode's turns are one completion each: its reward is the one answer's.
+    if params.episode.is_some() && params.n > 1 {
+        return Err(ApiError::invalid(
+            "episode",
+            "an episode's turn is one completion: 'n' must be 1 with 'episode'",
+        ));
+    }
+    Ok(params)
 }
 
 /// Prompt scoring rules, after the logprobs fields are read: `echo` with legacy `logprobs: k`

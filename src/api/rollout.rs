@@ -34,9 +34,11 @@ pub async fn log_choices(
         return Ok(());
     };
     let p = &job.params;
-    let (group_id, group_size) = match &p.group {
-        Some(g) => (format!("key:{}:{g}", online.log.key_hash(&job.key)), 0),
-        None => match part {
+    let (group_id, group_size) = match (&p.group, &p.episode) {
+        (Some(g), _) => (format!("key:{}:{g}", online.log.key_hash(&job.key)), 0),
+        // An episode without a group is a group of its own (no baseline: it waits for one).
+        (None, Some(e)) => (format!("ep:{}:{e}", online.log.key_hash(&job.key)), 0),
+        (None, None) => match part {
             None => (format!("req:{id}"), p.n as u32),
             Some(k) => (format!("req:{id}/{k}"), p.n as u32),
         },
@@ -70,6 +72,7 @@ pub async fn log_choices(
             params: params.clone(),
             finish_reason: c.finish_reason.into(),
             key: job.key.clone(),
+            episode: p.episode.clone(),
         })
         .collect();
     let (log, n, name) = (online.log.clone(), recs.len(), a.name.to_string());

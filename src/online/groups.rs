@@ -4,7 +4,7 @@
 //! no database: unit-tested on values.
 
 use super::log::{Member, PendingGroup};
-use crate::train::loss::{group_advantages, LossConfig};
+use crate::train::loss::{unit_advantages, LossConfig};
 use std::collections::BTreeMap;
 
 /// The rules a group is judged by (from `[online]`).
@@ -104,7 +104,9 @@ pub fn form(
             drop(&mut plan, DropReason::Stale, &g.members);
             continue;
         }
-        let num_rewarded = g.members.iter().filter(|m| m.reward.is_some()).count();
+        // An episode's turns count once (a group's units are its episodes and its other
+        // completions).
+        let num_rewarded = units(g.members.iter().filter(|m| m.reward.is_some()));
         let oldest = g
             .members
             .iter()
@@ -121,7 +123,7 @@ pub fn form(
             g.members.into_iter().partition(|m| m.reward.is_some());
         drop(&mut plan, DropReason::Timeout, &late);
         g.members = keep;
-        if g.members.len() < 2 {
+        if units(g.members.iter()) < 2 {
             drop(&mut plan, DropReason::Single, &g.members);
             continue;
         }
@@ -134,15 +136,31 @@ pub fn form(
     plan
 }
 
-/// Whether the group's advantages, computed as the step computes them (f32 rewards), carry a
-/// signal.
+/// How many units (episodes, and completions outside any) `members` hold.
+fn units<'a>(members: impl Iterator<Item = &'a Member>) -> usize {
+    let mut episodes = std::collections::BTreeSet::new();
+    let mut others = 0;
+    for m in members {
+        match &m.episode {
+            Some(e) => {
+                episodes.insert(e.as_str());
+            }
+            None => others += 1,
+        }
+    }
+    episodes.len() + others
+}
+
+/// Whether the group's advantages, computed as the step computes them (f32 rewards, an
+/// episode's turns as one unit), carry a signal.
 fn has_signal(g: &PendingGroup, loss: &str) -> bool {
     let rewards: Vec<f32> = g
         .members
         .iter()
         .map(|m| m.reward.unwrap_or(0.0) as f32)
         .collect();
-    group_advantages(&rewards, LossConfig::advantage_kind(loss))
+    let names: Vec<Option<&str>> = g.members.iter().map(|m| m.episode.as_deref()).collect();
+    unit_advantages(&names, &rewards, LossConfig::advantage_kind(loss))
         .is_some_and(|a| a.iter().any(|x| *x != 0.0))
 }
 
@@ -163,6 +181,7 @@ mod tests {
             reward,
             rewarded_at: reward.map(|_| at),
             created: 0.0,
+            episode: None,
         }
     }
 
@@ -311,5 +330,37 @@ mod tests {
         let p = form(vec![g], 5, 1, 1.0, &rules(), "grpo");
         assert!(p.ready.is_empty());
         assert_eq!(reasons(&p), vec![("no_variance", 2)]);
+    }
+
+    #[test]
+    fn episodes_count_once_and_their_turns_train_together() {
+        let turn = |id: &str, ep: &str, r: f64| Member {
+            episode: Some(ep.into()),
+            ..member(id, 0, 5, Some(r), 0.0)
+        };
+        // Two turns of one episode are one unit: alone, no baseline, so the group waits for
+        // another episode however long it takes (two rewarded completions would have trained).
+        let one = vec![group(
+            "g",
+            0,
+            vec![turn("a", "e1", 1.0), turn("b", "e1", 0.0)],
+        )];
+        let p = form(one, 5, 1, 100.0, &rules(), "grpo");
+        assert_eq!((p.ready.len(), p.waiting), (0, 1));
+        assert!(p.dropped.is_empty());
+        // Two episodes with different rewards (3 turns and 1): all four turns train.
+        let two = vec![group(
+            "g",
+            0,
+            vec![
+                turn("a", "e1", 1.0),
+                turn("b", "e1", 1.0),
+                turn("c", "e2", 0.0),
+                turn("d", "e1", 1.0),
+            ],
+        )];
+        let p = form(two, 5, 1, 100.0, &rules(), "grpo");
+        assert_eq!(p.ready.len(), 1);
+        assert_eq!(p.ready[0].members.len(), 4);
     }
 }

@@ -341,6 +341,7 @@ impl Learner {
                     group: g.group_id.clone(),
                     behavior: Some(m.logprobs.clone()),
                     sampled_by_current: m.version == cur.version,
+                    episode: m.episode.clone(),
                 })
             })
             .collect();

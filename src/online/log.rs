@@ -54,6 +54,12 @@ const MIGRATIONS: &[&str] = &[
         FROM checkpoints c JOIN lineages l ON l.adapter = c.adapter;
      DROP TABLE checkpoints;
      ALTER TABLE checkpoints2 RENAME TO checkpoints;",
+    // 3: episodes (multi-turn tasks rewarded once): each completion's episode (scoped to the
+    // key that made it), and each episode's reward.
+    "ALTER TABLE completions ADD COLUMN episode TEXT;
+     CREATE INDEX completions_episode ON completions (episode);
+     CREATE TABLE episode_rewards (
+        episode TEXT PRIMARY KEY, reward REAL NOT NULL, rewarded_at REAL NOT NULL);",
 ];
 
 /// Why the log cannot be used.
@@ -98,6 +104,8 @@ pub struct CompletionRecord {
     pub finish_reason: String,
     /// The bearer key that made it ("" without one), stored hashed.
     pub key: String,
+    /// The client's episode (a multi-turn task rewarded once), scoped to `key` when stored.
+    pub episode: Option<String>,
 }
 
 /// A stored choice, as `GET /v1/feedback/{id}` shows it.
@@ -145,6 +153,13 @@ pub enum FeedbackError {
         adapter: String,
         why: Refusal,
     },
+    /// A turn of an episode is rewarded through its episode.
+    #[error("completion '{id}' is a turn of an episode: reward the episode")]
+    EpisodeTurn { index: usize, id: String },
+    #[error("no episode '{episode}' of this key")]
+    EpisodeNotFound { episode: String },
+    #[error("episode '{episode}' already has reward {old}")]
+    EpisodeConflict { episode: String, old: f64 },
     #[error(transparent)]
     Log(#[from] LogError),
 }
@@ -154,6 +169,9 @@ impl From<rusqlite::Error> for FeedbackError {
         FeedbackError::Log(LogError::Db(e))
     }
 }
+
+/// An episode's turns (completion id, what is stored) and its reward (None: not yet).
+pub type EpisodeFeedback = (Vec<(String, ChoiceInfo)>, Option<f64>);
 
 /// A pending (unconsumed) member of a group, for the trainer.
 #[derive(Clone, Debug)]
@@ -169,6 +187,8 @@ pub struct Member {
     pub reward: Option<f64>,
     pub rewarded_at: Option<f64>,
     pub created: f64,
+    /// The episode it is a turn of (its turns share one reward and advantage).
+    pub episode: Option<String>,
 }
 
 /// A group's pending members.
@@ -318,11 +338,13 @@ impl RolloutLog {
             let mut st = tx.prepare_cached(
                 "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
                    prompt, completion, logprobs, temperature, policy_sampled, params,
-                   finish_reason, key_hash, created)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+                   finish_reason, key_hash, created, episode)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
             )?;
             let now = now_secs();
             for r in recs {
+                let kh = self.key_hash(&r.key);
+                let episode = r.episode.as_ref().map(|e| self.episode_key(&kh, e));
                 st.execute(params![
                     r.id,
                     r.choice,
@@ -337,12 +359,135 @@ impl RolloutLog {
                     r.policy_sampled,
                     r.params,
                     r.finish_reason,
-                    self.key_hash(&r.key),
+                    kh,
                     now,
+                    episode,
                 ])?;
             }
+            // A turn logged after its episode was rewarded takes the episode's reward.
+            tx.execute(
+                "UPDATE completions SET
+                    reward = (SELECT reward FROM episode_rewards e
+                              WHERE e.episode = completions.episode),
+                    rewarded_at = (SELECT rewarded_at FROM episode_rewards e
+                                   WHERE e.episode = completions.episode)
+                 WHERE reward IS NULL AND episode IS NOT NULL
+                   AND episode IN (SELECT episode FROM episode_rewards)
+                   AND id = ?1",
+                params![recs.first().map(|r| r.id.clone()).unwrap_or_default()],
+            )?;
         }
         Ok(tx.commit()?)
+    }
+
+    /// An episode as stored: the client's name scoped to the key that made it.
+    fn episode_key(&self, key_hash: &str, episode: &str) -> String {
+        format!("{key_hash}:{episode}")
+    }
+
+    /// Reward episode `episode` of `key` (every turn, and any turn logged later): Ok(true) when
+    /// new, Ok(false) when it repeats the stored reward; one transaction.
+    pub fn post_episode_reward(
+        &self,
+        episode: &str,
+        reward: f64,
+        key: &str,
+        accepts: &dyn Fn(&str) -> Result<(), Refusal>,
+    ) -> Result<bool, FeedbackError> {
+        let ep = self.episode_key(&self.key_hash(key), episode);
+        let mut c = self.conn()?;
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let adapters: Vec<String> = {
+            let mut st = tx.prepare_cached(
+                "SELECT DISTINCT adapter FROM completions WHERE episode = ?1 ORDER BY adapter",
+            )?;
+            let rows = st.query_map(params![ep], |r| r.get(0))?;
+            rows.collect::<Result<_, _>>()?
+        };
+        if adapters.is_empty() {
+            return Err(FeedbackError::EpisodeNotFound {
+                episode: episode.to_string(),
+            });
+        }
+        let old: Option<f64> = tx
+            .query_row(
+                "SELECT reward FROM episode_rewards WHERE episode = ?1",
+                params![ep],
+                |r| r.get(0),
+            )
+            .optional()?;
+        match old {
+            Some(o) if o == reward => return Ok(false),
+            Some(o) => {
+                return Err(FeedbackError::EpisodeConflict {
+                    episode: episode.to_string(),
+                    old: o,
+                })
+            }
+            None => {}
+        }
+        for adapter in adapters {
+            if let Err(why) = accepts(&adapter) {
+                return Err(FeedbackError::Refused {
+                    index: 0,
+                    id: episode.to_string(),
+                    adapter,
+                    why,
+                });
+            }
+        }
+        let now = now_secs();
+        tx.execute(
+            "INSERT INTO episode_rewards (episode, reward, rewarded_at) VALUES (?1, ?2, ?3)",
+            params![ep, reward, now],
+        )?;
+        tx.execute(
+            "UPDATE completions SET reward = ?2, rewarded_at = ?3
+             WHERE episode = ?1 AND reward IS NULL",
+            params![ep, reward, now],
+        )?;
+        tx.commit()?;
+        Ok(true)
+    }
+
+    /// The turns of episode `episode` of `key`: (completion id, what is stored for it), in the
+    /// order they were logged, and the episode's reward (None: not rewarded yet).
+    pub fn episode_feedback(
+        &self,
+        episode: &str,
+        key: &str,
+    ) -> Result<EpisodeFeedback, LogError> {
+        let ep = self.episode_key(&self.key_hash(key), episode);
+        let c = self.conn()?;
+        let mut st = c.prepare_cached(
+            "SELECT id, choice, adapter, version, group_id, finish_reason, reward, consumed_step,
+                    dropped
+             FROM completions WHERE episode = ?1 ORDER BY created, id, choice",
+        )?;
+        let rows = st.query_map(params![ep], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                ChoiceInfo {
+                    choice: r.get(1)?,
+                    adapter: r.get(2)?,
+                    adapter_version: r.get::<_, i64>(3)? as u64,
+                    group: r.get(4)?,
+                    finish_reason: r.get(5)?,
+                    reward: r.get(6)?,
+                    trained_step: r.get::<_, Option<i64>>(7)?.map(|s| s as u64),
+                    dropped: r.get(8)?,
+                },
+            ))
+        })?;
+        let turns = rows.collect::<Result<_, _>>()?;
+        let reward = c
+            .query_row(
+                "SELECT reward FROM episode_rewards WHERE episode = ?1",
+                params![ep],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok((turns, reward))
     }
 
     /// Record rewards, all or none (one transaction, committed before this returns). `key` is
@@ -362,15 +507,15 @@ impl RolloutLog {
         let mut any_new = false;
         let now = now_secs();
         for (index, it) in items.iter().enumerate() {
-            let row: Option<(String, Option<f64>, String)> = tx
+            let row: Option<(String, Option<f64>, String, Option<String>)> = tx
                 .query_row(
-                    "SELECT key_hash, reward, adapter FROM completions
+                    "SELECT key_hash, reward, adapter, episode FROM completions
                      WHERE id = ?1 AND choice = ?2",
                     params![it.id, it.choice],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
                 )
                 .optional()?;
-            let Some((owner, old, adapter)) = row else {
+            let Some((owner, old, adapter, episode)) = row else {
                 return Err(FeedbackError::NotFound {
                     index,
                     id: it.id.clone(),
@@ -379,6 +524,12 @@ impl RolloutLog {
             };
             if !admin && owner != kh {
                 return Err(FeedbackError::Forbidden {
+                    index,
+                    id: it.id.clone(),
+                });
+            }
+            if episode.is_some() {
+                return Err(FeedbackError::EpisodeTurn {
                     index,
                     id: it.id.clone(),
                 });
@@ -448,7 +599,7 @@ impl RolloutLog {
         let c = self.conn()?;
         let mut st = c.prepare_cached(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
-                    temperature, policy_sampled, reward, rewarded_at, created
+                    temperature, policy_sampled, reward, rewarded_at, created, episode
              FROM completions
              WHERE adapter = ?1 AND consumed_step IS NULL AND dropped IS NULL
                AND group_id IN (SELECT group_id FROM completions
@@ -473,6 +624,7 @@ impl RolloutLog {
                     reward: r.get(10)?,
                     rewarded_at: r.get(11)?,
                     created: r.get(12)?,
+                    episode: r.get(13)?,
                 },
             ))
         })?;

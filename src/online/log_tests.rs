@@ -23,6 +23,7 @@ fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
         params: "{}".into(),
         finish_reason: "stop".into(),
         key: key.into(),
+        episode: None,
     }
 }
 
@@ -196,4 +197,49 @@ fn a_database_of_the_first_schema_migrates_to_lineages_and_relative_paths() {
     );
     assert_eq!(log.max_version("a").unwrap(), 3);
     assert!(log.active_lineage("b").unwrap().is_none());
+}
+
+/// An episode's turns (completions tagged with it) take one reward at once, idempotently; a
+/// turn logged after it takes it too; another key's episode of the same name is not found; a
+/// turn is not rewarded on its own.
+#[test]
+fn an_episode_is_rewarded_once_for_all_its_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = RolloutLog::open(&dir.path().join("f.db")).unwrap();
+    let turn = |id: &str, key: &str| CompletionRecord {
+        episode: Some("task-1".into()),
+        group_id: "key:x:g".into(),
+        group_size: 0,
+        ..rec(id, 0, key)
+    };
+    log.log_completions(&[turn("t1", "k")]).unwrap();
+    log.log_completions(&[turn("t2", "k")]).unwrap();
+    log.log_completions(&[turn("o1", "other")]).unwrap();
+    assert!(matches!(
+        log.post_rewards(&[reward("t1", 0, 1.0)], "k", false, &open),
+        Err(FeedbackError::EpisodeTurn { .. })
+    ));
+    assert!(log.post_episode_reward("task-1", 0.5, "k", &open).unwrap());
+    assert!(!log.post_episode_reward("task-1", 0.5, "k", &open).unwrap());
+    assert!(matches!(
+        log.post_episode_reward("task-1", 1.0, "k", &open),
+        Err(FeedbackError::EpisodeConflict { .. })
+    ));
+    assert!(matches!(
+        log.post_episode_reward("nope", 1.0, "k", &open),
+        Err(FeedbackError::EpisodeNotFound { .. })
+    ));
+    // A late turn takes the stored reward.
+    log.log_completions(&[turn("t3", "k")]).unwrap();
+    let (turns, r) = log.episode_feedback("task-1", "k").unwrap();
+    assert_eq!(r, Some(0.5));
+    let ids: Vec<&str> = turns.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(ids, ["t1", "t2", "t3"]);
+    assert!(turns.iter().all(|(_, c)| c.reward == Some(0.5)));
+    // The other key's same-named episode is its own and still unrewarded.
+    let (theirs, r) = log.episode_feedback("task-1", "other").unwrap();
+    assert_eq!((theirs.len(), r), (1, None));
+    let g = log.pending_groups("a").unwrap();
+    let members: Vec<_> = g.iter().flat_map(|g| g.members.iter()).collect();
+    assert!(members.iter().all(|m| m.episode.is_some()));
 }

@@ -44,6 +44,39 @@ pub fn group_advantages(rewards: &[f32], kind: AdvantageKind) -> Option<Vec<f32>
     })
 }
 
+/// Advantages of a group whose members may be turns of episodes: members with the same
+/// `unit` (an episode) share one reward and count once in the group's statistics; each member
+/// gets its unit's advantage (members with `None` are units of their own). None: no signal.
+pub fn unit_advantages(
+    units: &[Option<&str>],
+    rewards: &[f32],
+    kind: AdvantageKind,
+) -> Option<Vec<f32>> {
+    let mut names: Vec<Option<&str>> = Vec::new();
+    let mut unit_rewards: Vec<f32> = Vec::new();
+    let mut of_member = Vec::with_capacity(units.len());
+    for (u, &r) in units.iter().zip(rewards) {
+        let i = match u {
+            Some(name) => match names.iter().position(|n| *n == Some(*name)) {
+                Some(i) => i,
+                None => {
+                    names.push(Some(name));
+                    unit_rewards.push(r);
+                    names.len() - 1
+                }
+            },
+            None => {
+                names.push(None);
+                unit_rewards.push(r);
+                names.len() - 1
+            }
+        };
+        of_member.push(i);
+    }
+    let a = group_advantages(&unit_rewards, kind)?;
+    Some(of_member.into_iter().map(|i| a[i]).collect())
+}
+
 /// How the per-token terms are summed into one loss.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Normalization {
@@ -332,6 +365,25 @@ mod tests {
         assert_eq!(d, vec![1.0, -1.0]);
         assert!(group_advantages(&[0.7, 0.7, 0.7], AdvantageKind::DrGrpo).is_none());
         assert!(group_advantages(&[1.0], AdvantageKind::DrGrpo).is_none());
+    }
+
+    #[test]
+    fn an_episodes_turns_share_its_advantage_and_count_once() {
+        // Episode e1 (3 turns, reward 1) and e2 (1 turn, reward 0): the group is {1, 0}, not
+        // {1, 1, 1, 0}.
+        let units = [Some("e1"), Some("e2"), Some("e1"), Some("e1")];
+        let a = unit_advantages(&units, &[1.0, 0.0, 1.0, 1.0], AdvantageKind::DrGrpo).unwrap();
+        assert_eq!(a, vec![0.5, -0.5, 0.5, 0.5]);
+        // Without episodes it is the plain group.
+        let plain = unit_advantages(&[None, None], &[3.0, 1.0], AdvantageKind::DrGrpo).unwrap();
+        assert_eq!(
+            plain,
+            group_advantages(&[3.0, 1.0], AdvantageKind::DrGrpo).unwrap()
+        );
+        // One episode alone has no baseline.
+        assert!(
+            unit_advantages(&[Some("e"), Some("e")], &[1.0, 1.0], AdvantageKind::DrGrpo).is_none()
+        );
     }
 
     /// Every loss variant whose coefficients are not detached by definition: the analytic gradient

@@ -2,7 +2,7 @@
 //! SFT) → group advantages → the loss → train forward/backward → AdamW, one step per batch of
 //! groups, one JSON line of statistics per step. The online trainer will call the same `step`.
 
-use super::loss::{group_advantages, policy_loss, LossConfig, SeqInput};
+use super::loss::{policy_loss, unit_advantages, LossConfig, SeqInput};
 use super::optim::AdamW;
 use super::pack::Packed;
 use crate::adapter::AdapterWeights;
@@ -25,6 +25,9 @@ pub struct Sample {
     /// Sampled by the very weights being trained (then the training forward must reproduce
     /// `behavior` to the bit: the step reports the largest difference).
     pub sampled_by_current: bool,
+    /// The episode the sample is a turn of: its turns share one reward and advantage and count
+    /// once in their group (None: a sample of its own).
+    pub episode: Option<String>,
 }
 
 /// A batch's samples with their advantages.
@@ -52,7 +55,9 @@ pub fn grouped<'a>(samples: &'a [Sample], loss_name: &str) -> Vec<Batch<'a>> {
                 vec![1.0; members.len()]
             } else {
                 let rewards: Vec<f32> = members.iter().map(|s| s.reward).collect();
-                group_advantages(&rewards, kind)?
+                let units: Vec<Option<&str>> =
+                    members.iter().map(|s| s.episode.as_deref()).collect();
+                unit_advantages(&units, &rewards, kind)?
             };
             Some(Batch {
                 samples: members,
@@ -268,6 +273,8 @@ pub fn parse_jsonl(text: &str, tok: Option<&Tokenizer>) -> anyhow::Result<Vec<Sa
             group,
             behavior,
             sampled_by_current: false,
+            // The turns of one episode (a multi-turn task) share its reward and advantage.
+            episode: v.get("episode").and_then(Value::as_str).map(str::to_string),
         });
     }
     Ok(out)
