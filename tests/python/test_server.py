@@ -392,6 +392,19 @@ def test_feedback_and_training_follow_the_contract():
     assert [c["reward"] for c in fb["choices"]] == [1.0, 0.0]
     check("GET", "/v1/feedback/chatcmpl-none", route=F, expect=404)
     check("GET", f"/v1/feedback/{cid}", route=F, key="wrong", expect=401)
+    # An episode: two turns, one reward for both.
+    for content in ["Say hi", "Again"]:
+        check("POST", "/v1/chat/completions", {
+            "model": LEARN, "messages": [{"role": "user", "content": content}], "max_tokens": 3,
+            "episode": "contract-ep", "group": "contract-task"})
+    check("POST", "/v1/feedback", {"episode": "contract-ep", "reward": 1.0}, expect=202)
+    check("POST", "/v1/feedback", {"episode": "contract-ep", "reward": 1.0}, expect=200)
+    check("POST", "/v1/feedback", {"episode": "contract-ep", "reward": 0.0}, expect=409)
+    _, _, ep = check("GET", "/v1/feedback?episode=contract-ep", route="/v1/feedback")
+    assert ep["reward"] == 1.0 and len(ep["turns"]) == 2
+    check("GET", "/v1/feedback?episode=nope", route="/v1/feedback", expect=404)
+    check("GET", "/v1/feedback", expect=400)
+    check("GET", "/v1/feedback?episode=contract-ep", route="/v1/feedback", key="wrong", expect=401)
     _, _, st = check("GET", "/v1/train/status")
     assert LEARN in st["adapters"]
     check("GET", "/v1/train/status", key="wrong", expect=401)
