@@ -492,3 +492,63 @@ fn an_episodes_one_reward_trains_every_turn() {
     );
     assert_eq!(r.status, 400, "{}", r.body_text());
 }
+
+/// Token in, token out across an episode's turns: the next turn's prompt is the last turn's
+/// prompt and sampled tokens, exactly, then the new messages' tokens — not a re-tokenization of
+/// the text the client sent back.
+#[test]
+fn an_episodes_next_turn_continues_with_the_sampled_tokens() {
+    let (dir, path) = write_tiny(&common::TinySpec {
+        ctx: 512,
+        ..common::TinySpec::small()
+    });
+    let s = start_learning(&path, &dir.path().join("data"), &online(1000), &["l"]);
+    let ask = |messages: Value, episode: &str| {
+        let r = call(
+            &s,
+            "POST",
+            "/v1/chat/completions",
+            Some(&json!({"model": "l", "messages": messages, "max_tokens": 6,
+                         "ignore_eos": true, "episode": episode, "return_token_ids": true})),
+            USER,
+        );
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        r.json()
+    };
+    let first = json!([{"role": "user", "content": "hello there"}]);
+    let t1 = ask(first.clone(), "ep-1");
+    let p1: Vec<u32> = serde_json::from_value(t1["prompt_token_ids"].clone()).unwrap();
+    let c1: Vec<u32> = serde_json::from_value(t1["choices"][0]["token_ids"].clone()).unwrap();
+    let said = t1["choices"][0]["message"]["content"].as_str().unwrap();
+    let second = json!([{"role": "user", "content": "hello there"},
+                        {"role": "assistant", "content": said},
+                        {"role": "user", "content": "more"}]);
+    let t2 = ask(second.clone(), "ep-1");
+    let p2: Vec<u32> = serde_json::from_value(t2["prompt_token_ids"].clone()).unwrap();
+    assert_eq!(
+        &p2[..p1.len() + c1.len()],
+        [p1.clone(), c1.clone()].concat()
+    );
+    assert!(p2.len() > p1.len() + c1.len());
+    // Another episode (or none) renders the same conversation from its text.
+    let t3 = ask(second, "ep-2");
+    let p3: Vec<u32> = serde_json::from_value(t3["prompt_token_ids"].clone()).unwrap();
+    let text = |ids: &[u32]| {
+        call(
+            &s,
+            "POST",
+            "/detokenize",
+            Some(&json!({"tokens": ids})),
+            USER,
+        )
+        .json()["prompt"]
+            .clone()
+    };
+    assert_eq!(text(&p3), text(&p2));
+    eprintln!(
+        "spliced {} tokens, re-tokenized {}: equal {}",
+        p2.len(),
+        p3.len(),
+        p2 == p3
+    );
+}

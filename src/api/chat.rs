@@ -55,10 +55,34 @@ pub async fn chat_completions(
     let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
     let (_, adapter) = state.resolve_model(&params.model)?;
     let tok = ready.tokenizer.clone();
+    // A turn of an episode through a learning adapter continues the episode's last turn with
+    // the very tokens it sampled where the conversation re-renders them (token in, token out).
+    let last_turn = match (&params.episode, &adapter) {
+        (Some(ep), Some(a)) => ready.learning(&a.name).map(|o| {
+            (
+                o.log.clone(),
+                ep.clone(),
+                super::bearer_of(&headers).to_string(),
+            )
+        }),
+        _ => None,
+    };
     let prompt_ids = blocking(move || {
         let text = tok
             .render_chat(&messages, tools.as_ref(), true)
             .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
+        if let Some((log, ep, key)) = last_turn {
+            if let Some((prompt, completion)) = log.last_turn(&ep, &key).map_err(ApiError::from)? {
+                let before = [prompt, completion].concat();
+                let said = tok.decode(&before);
+                if let Some(rest) = text.strip_prefix(said.as_str()) {
+                    let more = tok
+                        .encode_with(rest, false)
+                        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+                    return Ok([before, more].concat());
+                }
+            }
+        }
         // The template writes its own BOS.
         tok.encode_with(&text, false)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))

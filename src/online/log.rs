@@ -450,13 +450,31 @@ impl RolloutLog {
         Ok(true)
     }
 
-    /// The turns of episode `episode` of `key`: (completion id, what is stored for it), in the
-    /// order they were logged, and the episode's reward (None: not rewarded yet).
-    pub fn episode_feedback(
+    /// The last turn logged of episode `episode` of `key`: its prompt and completion token ids.
+    pub fn last_turn(
         &self,
         episode: &str,
         key: &str,
-    ) -> Result<EpisodeFeedback, LogError> {
+    ) -> Result<Option<(Vec<u32>, Vec<u32>)>, LogError> {
+        let ep = self.episode_key(&self.key_hash(key), episode);
+        let c = self.conn()?;
+        Ok(c.query_row(
+            "SELECT prompt, completion FROM completions WHERE episode = ?1
+             ORDER BY created DESC, id DESC, choice DESC LIMIT 1",
+            params![ep],
+            |r| {
+                Ok((
+                    u32s(&r.get::<_, Vec<u8>>(0)?),
+                    u32s(&r.get::<_, Vec<u8>>(1)?),
+                ))
+            },
+        )
+        .optional()?)
+    }
+
+    /// The turns of episode `episode` of `key`: (completion id, what is stored for it), in the
+    /// order they were logged, and the episode's reward (None: not rewarded yet).
+    pub fn episode_feedback(&self, episode: &str, key: &str) -> Result<EpisodeFeedback, LogError> {
         let ep = self.episode_key(&self.key_hash(key), episode);
         let c = self.conn()?;
         let mut st = c.prepare_cached(
