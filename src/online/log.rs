@@ -170,6 +170,9 @@ impl From<rusqlite::Error> for FeedbackError {
     }
 }
 
+/// A served turn: its prompt and completion token ids.
+pub type Turn = (Vec<u32>, Vec<u32>);
+
 /// An episode's turns (completion id, what is stored) and its reward (None: not yet).
 pub type EpisodeFeedback = (Vec<(String, ChoiceInfo)>, Option<f64>);
 
@@ -455,7 +458,7 @@ impl RolloutLog {
         &self,
         episode: &str,
         key: &str,
-    ) -> Result<Option<(Vec<u32>, Vec<u32>)>, LogError> {
+    ) -> Result<Option<Turn>, LogError> {
         let ep = self.episode_key(&self.key_hash(key), episode);
         let c = self.conn()?;
         Ok(c.query_row(
