@@ -9,7 +9,7 @@ use super::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
 use crate::online::learner::{self, ErrorKind};
 use crate::online::log::{FeedbackError, Refusal, Reward};
-use crate::online::trainer::CommandError;
+use crate::online::trainer::{CommandError, TrainerHandle};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -126,27 +126,8 @@ pub async fn post(
             f.to_string()
         }
     };
-    let m = &online.metrics;
     match r {
-        Ok(new) => {
-            let outcome = if new { "new" } else { "repeat" };
-            m.feedback_rewards
-                .with_label_values(&[outcome])
-                .inc_by(n as u64);
-            if new {
-                online.notify();
-            }
-            let status = if new {
-                StatusCode::ACCEPTED
-            } else {
-                StatusCode::OK
-            };
-            Ok((
-                status,
-                Json(json!({"object": "feedback", "rewards": n, "status": if new { "accepted" } else { "unchanged" }})),
-            )
-                .into_response())
-        }
+        Ok(new) => Ok(acknowledge(&online, new, n, json!({}))),
         Err(FeedbackError::NotFound { index, id, choice }) => Err(ApiError {
             param: Some(field(index, "id")),
             code: Some("completion_not_found"),
@@ -215,6 +196,31 @@ pub async fn post(
     }
 }
 
+/// The answer to recorded rewards: 202 when one is new (the trainer is woken), 200 when every
+/// one repeats a stored reward; counted in `flywheel_feedback_rewards_total`.
+fn acknowledge(online: &TrainerHandle, new: bool, n: usize, extra: Value) -> Response {
+    let outcome = if new { "new" } else { "repeat" };
+    online
+        .metrics
+        .feedback_rewards
+        .with_label_values(&[outcome])
+        .inc_by(n as u64);
+    if new {
+        online.notify();
+    }
+    let status = if new {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::OK
+    };
+    let mut body = json!({"object": "feedback", "rewards": n,
+                          "status": if new { "accepted" } else { "unchanged" }});
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    (status, Json(body)).into_response()
+}
+
 /// `{"episode", "reward"}`: one reward for every turn of an episode (the completions a client
 /// tagged with that `episode`, under its key), recorded at once; turns logged later take it
 /// too. 202 when new, 200 when it repeats the stored reward.
@@ -253,30 +259,7 @@ async fn post_episode(
     })
     .await?;
     match r {
-        Ok(new) => {
-            let outcome = if new { "new" } else { "repeat" };
-            online
-                .metrics
-                .feedback_rewards
-                .with_label_values(&[outcome])
-                .inc();
-            if new {
-                online.notify();
-            }
-            let status = if new {
-                StatusCode::ACCEPTED
-            } else {
-                StatusCode::OK
-            };
-            Ok((
-                status,
-                Json(
-                    json!({"object": "feedback", "episode": episode, "rewards": 1,
-                            "status": if new { "accepted" } else { "unchanged" }}),
-                ),
-            )
-                .into_response())
-        }
+        Ok(new) => Ok(acknowledge(&online, new, 1, json!({"episode": episode}))),
         Err(FeedbackError::EpisodeNotFound { episode }) => Err(not_found(&episode)),
         Err(FeedbackError::EpisodeConflict { episode, old }) => Err(ApiError::conflict(
             "reward",

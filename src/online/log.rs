@@ -454,11 +454,7 @@ impl RolloutLog {
     }
 
     /// The last turn logged of episode `episode` of `key`: its prompt and completion token ids.
-    pub fn last_turn(
-        &self,
-        episode: &str,
-        key: &str,
-    ) -> Result<Option<Turn>, LogError> {
+    pub fn last_turn(&self, episode: &str, key: &str) -> Result<Option<Turn>, LogError> {
         let ep = self.episode_key(&self.key_hash(key), episode);
         let c = self.conn()?;
         Ok(c.query_row(
