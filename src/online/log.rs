@@ -211,6 +211,24 @@ pub struct RolloutLog {
     broken: OnceLock<String>,
 }
 
+/// The columns a `ChoiceInfo` is read from (`choice_info`), in order.
+const CHOICE_INFO: &str =
+    "choice, adapter, version, group_id, finish_reason, reward, consumed_step, dropped";
+
+/// A `ChoiceInfo` from the `CHOICE_INFO` columns of `r`, the first at index `at`.
+fn choice_info(r: &rusqlite::Row, at: usize) -> rusqlite::Result<ChoiceInfo> {
+    Ok(ChoiceInfo {
+        choice: r.get(at)?,
+        adapter: r.get(at + 1)?,
+        adapter_version: r.get::<_, i64>(at + 2)? as u64,
+        group: r.get(at + 3)?,
+        finish_reason: r.get(at + 4)?,
+        reward: r.get(at + 5)?,
+        trained_step: r.get::<_, Option<i64>>(at + 6)?.map(|s| s as u64),
+        dropped: r.get(at + 7)?,
+    })
+}
+
 fn u32s(b: &[u8]) -> Vec<u32> {
     b.chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -367,7 +385,12 @@ impl RolloutLog {
                     episode,
                 ])?;
             }
-            // A turn logged after its episode was rewarded takes the episode's reward.
+        }
+        // A turn logged after its episode was rewarded takes the episode's reward.
+        if let Some(first) = recs
+            .first()
+            .filter(|_| recs.iter().any(|r| r.episode.is_some()))
+        {
             tx.execute(
                 "UPDATE completions SET
                     reward = (SELECT reward FROM episode_rewards e
@@ -377,134 +400,10 @@ impl RolloutLog {
                  WHERE reward IS NULL AND episode IS NOT NULL
                    AND episode IN (SELECT episode FROM episode_rewards)
                    AND id = ?1",
-                params![recs.first().map(|r| r.id.clone()).unwrap_or_default()],
+                params![first.id],
             )?;
         }
         Ok(tx.commit()?)
-    }
-
-    /// An episode as stored: the client's name scoped to the key that made it.
-    fn episode_key(&self, key_hash: &str, episode: &str) -> String {
-        format!("{key_hash}:{episode}")
-    }
-
-    /// Reward episode `episode` of `key` (every turn, and any turn logged later): Ok(true) when
-    /// new, Ok(false) when it repeats the stored reward; one transaction.
-    pub fn post_episode_reward(
-        &self,
-        episode: &str,
-        reward: f64,
-        key: &str,
-        accepts: &dyn Fn(&str) -> Result<(), Refusal>,
-    ) -> Result<bool, FeedbackError> {
-        let ep = self.episode_key(&self.key_hash(key), episode);
-        let mut c = self.conn()?;
-        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let adapters: Vec<String> = {
-            let mut st = tx.prepare_cached(
-                "SELECT DISTINCT adapter FROM completions WHERE episode = ?1 ORDER BY adapter",
-            )?;
-            let rows = st.query_map(params![ep], |r| r.get(0))?;
-            rows.collect::<Result<_, _>>()?
-        };
-        if adapters.is_empty() {
-            return Err(FeedbackError::EpisodeNotFound {
-                episode: episode.to_string(),
-            });
-        }
-        let old: Option<f64> = tx
-            .query_row(
-                "SELECT reward FROM episode_rewards WHERE episode = ?1",
-                params![ep],
-                |r| r.get(0),
-            )
-            .optional()?;
-        match old {
-            Some(o) if o == reward => return Ok(false),
-            Some(o) => {
-                return Err(FeedbackError::EpisodeConflict {
-                    episode: episode.to_string(),
-                    old: o,
-                })
-            }
-            None => {}
-        }
-        for adapter in adapters {
-            if let Err(why) = accepts(&adapter) {
-                return Err(FeedbackError::Refused {
-                    index: 0,
-                    id: episode.to_string(),
-                    adapter,
-                    why,
-                });
-            }
-        }
-        let now = now_secs();
-        tx.execute(
-            "INSERT INTO episode_rewards (episode, reward, rewarded_at) VALUES (?1, ?2, ?3)",
-            params![ep, reward, now],
-        )?;
-        tx.execute(
-            "UPDATE completions SET reward = ?2, rewarded_at = ?3
-             WHERE episode = ?1 AND reward IS NULL",
-            params![ep, reward, now],
-        )?;
-        tx.commit()?;
-        Ok(true)
-    }
-
-    /// The last turn logged of episode `episode` of `key`: its prompt and completion token ids.
-    pub fn last_turn(&self, episode: &str, key: &str) -> Result<Option<Turn>, LogError> {
-        let ep = self.episode_key(&self.key_hash(key), episode);
-        let c = self.conn()?;
-        Ok(c.query_row(
-            "SELECT prompt, completion FROM completions WHERE episode = ?1
-             ORDER BY created DESC, id DESC, choice DESC LIMIT 1",
-            params![ep],
-            |r| {
-                Ok((
-                    u32s(&r.get::<_, Vec<u8>>(0)?),
-                    u32s(&r.get::<_, Vec<u8>>(1)?),
-                ))
-            },
-        )
-        .optional()?)
-    }
-
-    /// The turns of episode `episode` of `key`: (completion id, what is stored for it), in the
-    /// order they were logged, and the episode's reward (None: not rewarded yet).
-    pub fn episode_feedback(&self, episode: &str, key: &str) -> Result<EpisodeFeedback, LogError> {
-        let ep = self.episode_key(&self.key_hash(key), episode);
-        let c = self.conn()?;
-        let mut st = c.prepare_cached(
-            "SELECT id, choice, adapter, version, group_id, finish_reason, reward, consumed_step,
-                    dropped
-             FROM completions WHERE episode = ?1 ORDER BY created, id, choice",
-        )?;
-        let rows = st.query_map(params![ep], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                ChoiceInfo {
-                    choice: r.get(1)?,
-                    adapter: r.get(2)?,
-                    adapter_version: r.get::<_, i64>(3)? as u64,
-                    group: r.get(4)?,
-                    finish_reason: r.get(5)?,
-                    reward: r.get(6)?,
-                    trained_step: r.get::<_, Option<i64>>(7)?.map(|s| s as u64),
-                    dropped: r.get(8)?,
-                },
-            ))
-        })?;
-        let turns = rows.collect::<Result<_, _>>()?;
-        let reward = c
-            .query_row(
-                "SELECT reward FROM episode_rewards WHERE episode = ?1",
-                params![ep],
-                |r| r.get(0),
-            )
-            .optional()?;
-        Ok((turns, reward))
     }
 
     /// Record rewards, all or none (one transaction, committed before this returns). `key` is
@@ -588,25 +487,11 @@ impl RolloutLog {
     /// What is stored for each choice of completion `id` (empty: unknown id).
     pub fn feedback(&self, id: &str) -> Result<Vec<(String, ChoiceInfo)>, LogError> {
         let c = self.conn()?;
-        let mut st = c.prepare_cached(
-            "SELECT choice, adapter, version, group_id, finish_reason, reward, consumed_step,
-                    dropped, key_hash
-             FROM completions WHERE id = ?1 ORDER BY choice",
-        )?;
+        let mut st = c.prepare_cached(&format!(
+            "SELECT key_hash, {CHOICE_INFO} FROM completions WHERE id = ?1 ORDER BY choice"
+        ))?;
         let rows = st.query_map(params![id], |r| {
-            Ok((
-                r.get::<_, String>(8)?,
-                ChoiceInfo {
-                    choice: r.get(0)?,
-                    adapter: r.get(1)?,
-                    adapter_version: r.get::<_, i64>(2)? as u64,
-                    group: r.get(3)?,
-                    finish_reason: r.get(4)?,
-                    reward: r.get(5)?,
-                    trained_step: r.get::<_, Option<i64>>(6)?.map(|s| s as u64),
-                    dropped: r.get(7)?,
-                },
-            ))
+            Ok((r.get::<_, String>(0)?, choice_info(r, 1)?))
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
@@ -694,6 +579,9 @@ impl RolloutLog {
         Ok(n)
     }
 }
+
+#[path = "log_episodes.rs"]
+mod episodes;
 
 #[cfg(test)]
 #[path = "log_tests.rs"]

@@ -156,15 +156,7 @@ impl TinySpec {
             tied: false,
             formats: [Q4K, Q6K, Q4K, Q6K, Q4K, Q6K, Q4K, F32],
             seed: 12,
-            arch: "llama",
-            head_dim: None,
-            rope_freqs: false,
-            pre: "smollm",
-            chat_template: None,
-            experts: None,
-            window: None,
-            spm: None,
-            extra_tokens: &[],
+            ..TinySpec::small()
         }
     }
 }

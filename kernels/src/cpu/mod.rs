@@ -307,10 +307,7 @@ impl Cpu {
 
     /// out = gelu_tanh(gate) · up (Gemma's MLP), f32.
     pub fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        match self.isa {
-            Isa::Reference => crate::reference::geglu(gate, up, out),
-            isa => ops::geglu(isa, gate, up, out),
-        }
+        ops::geglu(self.isa, gate, up, out)
     }
 
     pub fn geglu_backward(

@@ -106,8 +106,8 @@ pub fn rope(
 
 /// out = silu(gate) * up.
 /// GeGLU with the tanh GELU: out = gelu(gate) · up, through ½(1 + tanh(v)) = 1/(1 + e^(−2v)) so
-/// that it is SwiGLU's vector code with a cubic inside (a scalar tanh per element made Gemma's
-/// prefill a third slower).
+/// that it is SwiGLU's vector code with a cubic inside (with a scalar tanh per element, the
+/// Gemma 3 bench model's pp512 was 1220 tok/s; vectorised, 2035 — README, Model families).
 pub fn geglu(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert!(gate.len() == out.len() && up.len() == out.len());
     match isa {
