@@ -43,12 +43,14 @@ pub(super) struct MoeActs {
     pub act: Vec<f32>,
     /// Expert rows × hidden: each expert's output for the row.
     pub out: Vec<f32>,
+    /// The grouped row of each (token, slot): the inverse of `rows`.
+    pub row_of: Vec<usize>,
 }
 
 impl MoeActs {
     pub fn bytes(c: &MoeConfig, hidden: usize, t: usize) -> usize {
         let rows = t * c.used;
-        (t * c.experts + rows * (3 + 2 * hidden + 3 * c.expert_ffn)) * 4
+        (t * c.experts + rows * (5 + 2 * hidden + 3 * c.expert_ffn)) * 4
     }
 }
 
@@ -110,16 +112,31 @@ impl Llama {
         for ch in &a.choices {
             a.counts[ch.expert as usize] += 1;
         }
-        let mut next: Vec<usize> = ranges(&a.counts).fold(vec![0; ne], |mut v, (e, r)| {
-            v[e] = r.start;
-            v
-        });
+        // Each choice's grouped row: its expert's first row plus the choices before it there
+        // (no allocation: the buffers are reused from call to call, as on the serving path).
         a.rows.clear();
         a.rows.resize(t * k, (0, 0));
+        a.row_of.clear();
+        a.row_of.resize(t * k, 0);
+        let mut first = 0;
+        for e in 0..ne {
+            let n = a.counts[e];
+            a.counts[e] = first;
+            first += n;
+        }
         for (i, ch) in a.choices.iter().enumerate() {
             let e = ch.expert as usize;
-            a.rows[next[e]] = ((i / k) as u32, (i % k) as u32);
-            next[e] += 1;
+            let r = a.counts[e];
+            a.rows[r] = ((i / k) as u32, (i % k) as u32);
+            a.row_of[i] = r;
+            a.counts[e] += 1;
+        }
+        // `counts[e]` is now the end of expert e's rows: back to the counts.
+        let mut start = 0;
+        for e in 0..ne {
+            let end = a.counts[e];
+            a.counts[e] = end - start;
+            start = end;
         }
         let n = t * k;
         a.xs.resize(n * h, 0.0);
@@ -157,15 +174,11 @@ impl Llama {
             cpu.matmul_many(&mut jobs);
         }
         // Each token's output: its experts' outputs weighted, summed in the order of its choices.
-        let mut at = vec![0usize; t * k];
-        for (r, &(tok, slot)) in a.rows.iter().enumerate() {
-            at[tok as usize * k + slot as usize] = r;
-        }
         for (tok, yt) in y.chunks_mut(h).enumerate().take(t) {
             yt.fill(0.0);
             for s in 0..k {
                 let w = a.choices[tok * k + s].weight;
-                let r = at[tok * k + s];
+                let r = a.row_of[tok * k + s];
                 for (o, v) in yt.iter_mut().zip(&a.out[r * h..(r + 1) * h]) {
                     *o += w * v;
                 }
