@@ -3,8 +3,8 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::openai::{parse_messages, parse_tools, Fields};
-use super::tools::ToolFormat;
+use super::messages::{parse_messages, request_tools};
+use super::openai::Fields;
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -101,24 +101,8 @@ pub async fn tokenize(
     let special = f.bool("add_special_tokens")?.unwrap_or(!chat);
     let tokens = if chat {
         let msgs = parse_messages(&f)?;
-        let tools = parse_tools(&f)?;
         // As chat: tools need a template that renders them.
-        if tools.is_some()
-            && tok
-                .chat_template()
-                .and_then(ToolFormat::of_template)
-                .is_none()
-        {
-            let name = if f.get("tools").is_some() {
-                "tools"
-            } else {
-                "functions"
-            };
-            return Err(ApiError::invalid(
-                name,
-                "this model's chat template does not render tools",
-            ));
-        }
+        let tools = request_tools(&f, tok.chat_template())?.map(|t| t.defs);
         let add = f.bool("add_generation_prompt")?.unwrap_or(true);
         blocking(move || {
             let text = tok

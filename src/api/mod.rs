@@ -10,6 +10,7 @@ pub mod feedback;
 pub mod generate;
 pub mod info;
 pub mod job;
+pub mod messages;
 pub mod openai;
 pub mod respond;
 pub mod rollout;

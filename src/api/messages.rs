@@ -1,0 +1,253 @@
+//! A chat request's conversation as its template reads it: `messages` (with tool calls and tool
+//! results) and the tool definitions, checked field by field; and how the answer's tool calls
+//! are to be read (`tool_choice`, `parallel_tool_calls`, the template's call format).
+
+use super::error::ApiError;
+use super::openai::{type_error, Fields};
+use super::tools::{ToolFormat, ToolMode};
+use serde_json::{Map, Value};
+
+/// `messages` as the chat template reads them: roles system (developer is read as system), user,
+/// assistant, tool; content a string, a list of text parts (joined) or, for an assistant turn
+/// with tool calls, null; assistant `tool_calls` (each `{id?, type: "function", function: {name,
+/// arguments}}`, string arguments parsed as JSON as vLLM does, since templates print them with
+/// `tojson`); a tool result's `tool_call_id` and `name`. Other fields are dropped.
+pub fn parse_messages(f: &Fields) -> Result<Value, ApiError> {
+    let list = f
+        .get("messages")
+        .ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?
+        .as_array()
+        .ok_or_else(|| type_error("messages", "a list of messages"))?;
+    if list.is_empty() {
+        return Err(ApiError::invalid("messages", "'messages' is empty"));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        out.push(parse_message(i, m)?);
+    }
+    Ok(Value::Array(out))
+}
+
+fn parse_message(i: usize, m: &Value) -> Result<Value, ApiError> {
+    let bad = |what: &str| ApiError::invalid(&format!("messages[{i}]"), what.to_string());
+    let o = m
+        .as_object()
+        .ok_or_else(|| bad("a message must be an object"))?;
+    let role = o
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("'role' must be a string"))?;
+    if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
+        return Err(bad(&format!("unknown role '{role}'")));
+    }
+    let content = match o.get("content") {
+        None | Some(Value::Null) => Value::Null,
+        Some(Value::String(s)) => Value::String(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    _ => return Err(bad("only text content parts are supported")),
+                }
+            }
+            Value::String(text)
+        }
+        Some(_) => return Err(bad("'content' must be a string or a list of parts")),
+    };
+    let role = if role == "developer" { "system" } else { role };
+    let mut msg = Map::new();
+    msg.insert("role".into(), Value::String(role.into()));
+    let calls = o.get("tool_calls").filter(|v| !v.is_null());
+    // A missing content is an empty string, except beside tool calls (templates test for it).
+    let content = match (&content, calls) {
+        (Value::Null, None) => Value::String(String::new()),
+        _ => content,
+    };
+    msg.insert("content".into(), content);
+    if let Some(calls) = calls {
+        if role != "assistant" {
+            return Err(bad("only assistant messages carry 'tool_calls'"));
+        }
+        let list = calls
+            .as_array()
+            .ok_or_else(|| bad("'tool_calls' must be a list"))?;
+        let mut parsed = Vec::with_capacity(list.len());
+        for c in list {
+            let func = c
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad("each tool call needs a 'function' object"))?;
+            let name = func
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("each tool call needs 'function.name'"))?;
+            let arguments = match func.get("arguments") {
+                None | Some(Value::Null) => Value::Object(Map::new()),
+                Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                    .ok()
+                    .filter(Value::is_object)
+                    .unwrap_or_else(|| Value::String(s.clone())),
+                Some(v @ Value::Object(_)) => v.clone(),
+                Some(_) => return Err(bad("'function.arguments' must be a JSON string")),
+            };
+            let mut call = Map::new();
+            if let Some(id) = c.get("id").and_then(Value::as_str) {
+                call.insert("id".into(), Value::String(id.into()));
+            }
+            call.insert("type".into(), Value::String("function".into()));
+            call.insert(
+                "function".into(),
+                serde_json::json!({"name": name, "arguments": arguments}),
+            );
+            parsed.push(Value::Object(call));
+        }
+        msg.insert("tool_calls".into(), Value::Array(parsed));
+    }
+    for k in ["tool_call_id", "name"] {
+        match o.get(k) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => {
+                msg.insert(k.into(), Value::String(s.clone()));
+            }
+            Some(_) => return Err(bad(&format!("'{k}' must be a string"))),
+        }
+    }
+    Ok(Value::Object(msg))
+}
+
+/// The tool definitions (`tools`, or the legacy `functions`) as the chat template reads them:
+/// `[{"type": "function", "function": {"name", "description"?, "parameters"?}}]`.
+pub fn parse_tools(f: &Fields) -> Result<Option<Value>, ApiError> {
+    let (name, list, legacy) = match (f.get("tools"), f.get("functions")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "functions",
+                "give 'tools' or the legacy 'functions', not both",
+            ))
+        }
+        (Some(t), None) => ("tools", t, false),
+        (None, Some(t)) => ("functions", t, true),
+        (None, None) => return Ok(None),
+    };
+    let list = list
+        .as_array()
+        .ok_or_else(|| type_error(name, "a list of tools"))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let bad = |what: &str| ApiError::invalid(&format!("{name}[{i}]"), what.to_string());
+        let func = if legacy {
+            t
+        } else {
+            match t.get("type").and_then(Value::as_str) {
+                Some("function") => {}
+                _ => return Err(bad("only tools of type 'function' are supported")),
+            }
+            t.get("function")
+                .ok_or_else(|| bad("a tool needs a 'function' object"))?
+        };
+        let o = func
+            .as_object()
+            .ok_or_else(|| bad("a function must be an object"))?;
+        let fname = o
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty() && n.len() <= 64)
+            .ok_or_else(|| bad("a function needs a 'name' of 1 to 64 characters"))?;
+        let mut fm = Map::new();
+        fm.insert("name".into(), Value::String(fname.into()));
+        match o.get("description") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(d)) => {
+                fm.insert("description".into(), Value::String(d.clone()));
+            }
+            Some(_) => return Err(bad("'description' must be a string")),
+        }
+        match o.get("parameters") {
+            None | Some(Value::Null) => {}
+            Some(p @ Value::Object(_)) => {
+                fm.insert("parameters".into(), p.clone());
+            }
+            Some(_) => return Err(bad("'parameters' must be a JSON Schema object")),
+        }
+        if let Some(s) = o.get("strict").filter(|v| !v.is_null()) {
+            fm.insert("strict".into(), s.clone());
+        }
+        out.push(serde_json::json!({"type": "function", "function": Value::Object(fm)}));
+    }
+    Ok(Some(Value::Array(out)))
+}
+
+/// A request's tools: their definitions for the template, and how the answer's calls are read
+/// (None with `tool_choice: "none"`).
+pub struct RequestTools {
+    pub defs: Value,
+    pub mode: Option<ToolMode>,
+}
+
+/// The request's `tools` (or legacy `functions`) on a model with chat template `template`: a 400
+/// naming the field when the template renders no tools in a format parsed here (the generic
+/// format needs constrained decoding), or when `tool_choice` asks for a forced call.
+pub fn request_tools(f: &Fields, template: Option<&str>) -> Result<Option<RequestTools>, ApiError> {
+    let defs = parse_tools(f)?;
+    check_tool_choice(f, defs.is_some())?;
+    let Some(defs) = defs else {
+        return Ok(None);
+    };
+    let legacy = f.get("functions").is_some();
+    let format = template.and_then(ToolFormat::of_template).ok_or_else(|| {
+        ApiError::invalid(
+            if legacy { "functions" } else { "tools" },
+            "this model's chat template does not render tools in a format this server parses \
+             (Hermes <tool_call> or Llama 3 JSON); the generic format needs constrained \
+             decoding, not built yet",
+        )
+    })?;
+    let choice = f.get("tool_choice").or_else(|| f.get("function_call"));
+    let none = choice.and_then(Value::as_str) == Some("none");
+    let mode = (!none).then(|| ToolMode {
+        format,
+        parallel: f.bool("parallel_tool_calls").ok().flatten().unwrap_or(true),
+        legacy,
+    });
+    Ok(Some(RequestTools { defs, mode }))
+}
+
+/// `tool_choice` (`function_call`, legacy): "none" and "auto" (the default) are served — the
+/// tools are in the prompt through the model's template; a required or named call needs
+/// constrained decoding, not built yet: a 400 naming the field. `parallel_tool_calls` must be a
+/// boolean.
+fn check_tool_choice(f: &Fields, has_tools: bool) -> Result<(), ApiError> {
+    f.bool("parallel_tool_calls")?;
+    for name in ["tool_choice", "function_call"] {
+        let Some(v) = f.get(name) else { continue };
+        let forced = v.is_object() || v.as_str() == Some("required");
+        match v.as_str() {
+            Some("none" | "auto") => {}
+            _ if forced => {
+                return Err(ApiError::invalid(
+                    name,
+                    format!(
+                        "'{name}' = {v}: forcing a tool call needs constrained decoding, which \
+                         this server does not have yet; use \"auto\""
+                    ),
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    name,
+                    format!(
+                        "'{name}' must be \"none\", \"auto\", \"required\" or a named function"
+                    ),
+                ))
+            }
+        }
+        if !has_tools && v.as_str() != Some("none") {
+            return Err(ApiError::invalid(name, format!("'{name}' needs 'tools'")));
+        }
+    }
+    Ok(())
+}
