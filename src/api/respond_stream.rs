@@ -1,0 +1,244 @@
+//! Streaming a response: each engine event becomes OpenAI chunks (the first event opens every
+//! choice; with tools, text that may begin a call is held and the calls follow as deltas), sent
+//! as server-sent events, the rollout logged before the chunk that finishes the last choice.
+
+use super::*;
+
+impl Responder {
+    /// The chunks one event turns into (possibly none).
+    fn chunks_for(&mut self, ev: &EngineEvent) -> Vec<Completion> {
+        let Some(i) = self.apply(ev) else {
+            return Vec::new();
+        };
+        // Two flags, copied out: `self` is borrowed mutably below.
+        let (logprobs, token_ids) = (self.job.params.logprobs, self.job.params.return_token_ids);
+        let mut out = Vec::new();
+        if !self.choices[i].started {
+            // The first event of the request opens every choice, in index order.
+            for j in 0..self.choices.len() {
+                self.choices[j].started = true;
+                let first = match self.job.flavor {
+                    Flavor::Chat | Flavor::Generate => {
+                        Some(wire::Choice::ChatChunk(ChatChunkChoice {
+                            index: j,
+                            delta: Delta {
+                                role: Some("assistant"),
+                                content: Some(String::new()),
+                                tool_calls: None,
+                                function_call: None,
+                            },
+                            logprobs: None,
+                            finish_reason: None,
+                            stop_reason: None,
+                            token_ids: None,
+                        }))
+                    }
+                    Flavor::Completion => self.job.echo.as_ref().map(|e| {
+                        wire::Choice::Text(TextChoice {
+                            index: j,
+                            text: e.clone(),
+                            logprobs: self.echo_logprobs(),
+                            finish_reason: None,
+                            stop_reason: None,
+                            token_ids: None,
+                            prompt_logprobs: None,
+                            prompt_token_ids: None,
+                        })
+                    }),
+                };
+                if let Some(c) = first {
+                    let mut chunk = self.envelope(true, vec![c]);
+                    if token_ids && j == 0 {
+                        chunk.prompt_token_ids = Some(self.job.prompt_ids.clone());
+                    }
+                    out.push(chunk);
+                }
+            }
+        }
+        match ev {
+            EngineEvent::Token { token_id, text, .. } => {
+                // With tools, text that may begin a call is held until the end.
+                let text = match self.job.tools {
+                    Some(t) => self.choices[i].tool_stream.push(t.format, text),
+                    None => text.clone(),
+                };
+                if text.is_empty() && !logprobs && !token_ids {
+                    return out;
+                }
+                let c = &self.choices[i];
+                let ids = token_ids.then(|| vec![*token_id]);
+                let choice = match self.job.flavor {
+                    Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
+                        index: i,
+                        delta: Delta {
+                            role: None,
+                            content: Some(text.clone()),
+                            tool_calls: None,
+                            function_call: None,
+                        },
+                        logprobs: logprobs.then(|| ChatLogprobs {
+                            content: c.logprobs.last().cloned().into_iter().collect(),
+                            refusal: None,
+                        }),
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: ids,
+                    }),
+                    Flavor::Completion => wire::Choice::Text(TextChoice {
+                        index: i,
+                        text: text.clone(),
+                        logprobs: logprobs.then(|| TextLogprobs {
+                            tokens: c.tokens.last().cloned().into_iter().collect(),
+                            token_logprobs: vec![c.behavior.last().map(|v| *v as f64)],
+                            top_logprobs: vec![c.top.last().cloned()],
+                            text_offset: c.text_offset.last().copied().into_iter().collect(),
+                        }),
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: ids,
+                        prompt_logprobs: None,
+                        prompt_token_ids: None,
+                    }),
+                };
+                out.push(self.envelope(true, vec![choice]));
+            }
+            EngineEvent::Finished {
+                reason,
+                stop_reason,
+                ..
+            } => {
+                // With tools: what was held becomes content, or the calls, each in a chunk.
+                let mut with_calls = false;
+                if let Some(mode) = self.job.tools {
+                    let (rest, mut calls) = self.choices[i]
+                        .tool_stream
+                        .finish(mode.format, || random_id("call_"));
+                    mode.keep(&mut calls);
+                    with_calls = !calls.is_empty();
+                    let mut deltas = Vec::new();
+                    if !rest.is_empty() {
+                        deltas.push(Delta {
+                            content: Some(rest),
+                            ..Delta::default()
+                        });
+                    }
+                    for (k, c) in calls.into_iter().enumerate() {
+                        deltas.push(match mode.legacy {
+                            true => Delta {
+                                function_call: Some(c.function),
+                                ..Delta::default()
+                            },
+                            false => Delta {
+                                tool_calls: Some(vec![ToolCallDelta {
+                                    index: k,
+                                    id: c.id,
+                                    kind: c.kind,
+                                    function: c.function,
+                                }]),
+                                ..Delta::default()
+                            },
+                        });
+                    }
+                    for delta in deltas {
+                        let choice = wire::Choice::ChatChunk(ChatChunkChoice {
+                            index: i,
+                            delta,
+                            logprobs: None,
+                            finish_reason: None,
+                            stop_reason: None,
+                            token_ids: None,
+                        });
+                        out.push(self.envelope(true, vec![choice]));
+                    }
+                }
+                let (reason, stop) = (
+                    Some(finish_with_calls(*reason, with_calls, self.job.tools)),
+                    Some(stop_reason_json(stop_reason)),
+                );
+                let choice = match self.job.flavor {
+                    Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
+                        index: i,
+                        delta: Delta::default(),
+                        logprobs: None,
+                        finish_reason: reason,
+                        stop_reason: stop,
+                        token_ids: None,
+                    }),
+                    Flavor::Completion => wire::Choice::Text(TextChoice {
+                        index: i,
+                        text: String::new(),
+                        logprobs: None,
+                        finish_reason: reason,
+                        stop_reason: stop,
+                        token_ids: None,
+                        prompt_logprobs: None,
+                        prompt_token_ids: None,
+                    }),
+                };
+                out.push(self.envelope(true, vec![choice]));
+            }
+            EngineEvent::PromptLogprobs(_) | EngineEvent::Error(_) => {}
+        }
+        out
+    }
+}
+
+fn sse(v: &impl serde::Serialize) -> String {
+    let text = serde_json::to_string(v).expect("response shapes serialize");
+    format!("data: {text}\n\n")
+}
+
+pub(super) fn stream_response(r: Responder, stream: RequestStream) -> Response {
+    let body = futures_util::stream::unfold(Some((r, stream)), |state| async move {
+        let (mut r, mut stream) = state?;
+        if r.is_done() {
+            let mut out = String::new();
+            if r.job.params.include_usage {
+                let mut u = r.envelope(true, Vec::new());
+                u.usage = Some(r.usage());
+                out.push_str(&sse(&u));
+            }
+            out.push_str("data: [DONE]\n\n");
+            return Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), None));
+        }
+        let mut out = String::new();
+        // Take whatever is ready, so that a burst of events becomes one write.
+        let first = stream.rx.recv().await;
+        let mut evs = vec![first];
+        while let Ok(ev) = stream.rx.try_recv() {
+            evs.push(Some(ev));
+        }
+        for ev in evs {
+            match ev {
+                Some(EngineEvent::Error(e)) => {
+                    out.push_str(&sse(&ApiError::internal(e).body()));
+                    return Some((Ok(Bytes::from(out)), None));
+                }
+                Some(ev) => {
+                    for c in r.chunks_for(&ev) {
+                        out.push_str(&sse(&c));
+                    }
+                }
+                None => {
+                    out.push_str(&sse(&ApiError::internal("the engine stopped").body()));
+                    return Some((Ok(Bytes::from(out)), None));
+                }
+            }
+        }
+        // The chunk that finishes the last choice leaves only once the rollout log has the
+        // completion: a reward posted when it arrives finds it.
+        if r.is_done() {
+            if let Err(e) = r.log_rollouts().await {
+                out.push_str(&sse(&e.body()));
+                return Some((Ok(Bytes::from(out)), None));
+            }
+        }
+        Some((Ok(Bytes::from(out)), Some((r, stream))))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("valid response")
+}
