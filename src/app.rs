@@ -208,5 +208,6 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         online,
         online_cfg: cfg.online.clone(),
         metrics,
+        grammars: Default::default(),
     })
 }

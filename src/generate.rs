@@ -74,6 +74,7 @@ pub fn generate(
         ignore_eos: false,
         adapter: opts.adapter.clone(),
         prompt_logprobs: None,
+        constraint: None,
     })?;
     drop(engine);
     let mut out = Vec::new();

@@ -6,6 +6,7 @@ use super::job::{Flavor, Job};
 use super::messages::{parse_messages, request_tools};
 use super::openai::{check_scoring, parse_chat_logprobs, parse_common, Fields};
 use super::respond::respond;
+use super::structured::output_grammar;
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
@@ -21,13 +22,31 @@ pub async fn chat_completions(
     parse_chat_logprobs(&f, &mut params)?;
     check_scoring(&f, &mut params, false)?;
     let messages = parse_messages(&f)?;
-    // The model's own template renders the tools and teaches the calls' format.
-    let tools = request_tools(&f, ready.tokenizer.chat_template())?;
-    let (tool_defs, tool_mode) = match tools {
-        Some(t) => (Some(t.defs), t.mode),
-        None => (None, None),
+    // The model's own template renders the tools and teaches the calls' format (else the
+    // generic format).
+    let template = ready.tokenizer.chat_template();
+    let tools = request_tools(&f, template)?;
+    let (messages, tool_defs, tool_mode, tool_grammar) = match &tools {
+        Some(t) => {
+            let (m, defs) = t.render_inputs(messages, template);
+            (m, defs, t.mode, t.grammar()?)
+        }
+        None => (messages, None, None, None),
     };
+    let tools_field = if f.get("functions").is_some() {
+        "functions"
+    } else {
+        "tools"
+    };
+    let grammar = output_grammar(&f, tool_grammar, tools_field)?;
     let (_, adapter) = state.resolve_model(&params.model)?;
+    let constraint = match grammar {
+        Some(g) => {
+            params.sampling.constrained = true;
+            Some(ready.compile(g.field, g.spec).await?)
+        }
+        None => None,
+    };
     let tok = ready.tokenizer.clone();
     // A turn of an episode through a learning adapter continues the episode's last turn with
     // the very tokens it sampled where the conversation re-renders them (token in, token out).
@@ -71,6 +90,7 @@ pub async fn chat_completions(
         prompt_param: "messages",
         key: super::bearer_of(&headers).to_string(),
         tools: tool_mode,
+        constraint,
     };
     respond(&state, job).await
 }

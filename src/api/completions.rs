@@ -7,6 +7,7 @@ use super::openai::{
     check_scoring, parse_common, parse_completion_logprobs, parse_prompts, Fields, Prompt,
 };
 use super::respond::{respond, respond_many};
+use super::structured::output_grammar;
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
@@ -31,6 +32,13 @@ pub async fn completions(
         ));
     }
     let (_, adapter) = state.resolve_model(&params.model)?;
+    let constraint = match output_grammar(&f, None, "")? {
+        Some(g) => {
+            params.sampling.constrained = true;
+            Some(ready.compile(g.field, g.spec).await?)
+        }
+        None => None,
+    };
     let tok = ready.tokenizer.clone();
     let encoded = blocking(move || {
         prompts
@@ -67,6 +75,7 @@ pub async fn completions(
             prompt_param: "prompt",
             key: key.clone(),
             tools: None,
+            constraint: constraint.clone(),
         });
     }
     if several {

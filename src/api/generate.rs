@@ -11,6 +11,7 @@ use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::openai::{parse_common, Fields, MAX_TOP_LOGPROBS};
 use super::respond::respond;
+use super::structured::output_grammar;
 use super::AppState;
 use axum::extract::State;
 use axum::response::Response;
@@ -94,6 +95,15 @@ pub async fn generate(
     }
     params.return_tokens_as_token_ids = true;
     let (_, adapter) = state.resolve_model(&params.model)?;
+    // vLLM's sampling_params.structured_outputs (json, regex, choice, grammar).
+    let constraint = match output_grammar(&sf, None, "").map_err(in_sampling_params)? {
+        Some(g) => {
+            params.sampling.constrained = true;
+            let field = format!("sampling_params.{}", g.field);
+            Some(ready.compile(field, g.spec).await?)
+        }
+        None => None,
+    };
     let job = Job {
         flavor: Flavor::Generate,
         params,
@@ -103,6 +113,7 @@ pub async fn generate(
         prompt_param: "token_ids",
         key: super::bearer_of(&headers).to_string(),
         tools: None,
+        constraint,
     };
     respond(&state, job).await
 }
@@ -118,8 +129,9 @@ fn sampling_fields(sp: &Map<String, Value>) -> Result<Map<String, Value>, ApiErr
             "length_penalty" => neutral(Value::from(1.0)),
             "min_tokens" | "truncate_prompt_tokens" => neutral(Value::from(0)),
             "include_stop_str_in_output" | "use_beam_search" => neutral(Value::from(false)),
-            "allowed_token_ids" | "bad_words" | "structured_outputs" | "guided_decoding"
-            | "logits_processors" => v.is_null(),
+            "allowed_token_ids" | "bad_words" | "guided_decoding" | "logits_processors" => {
+                v.is_null()
+            }
             "extra_args" => match v {
                 Value::Null => true,
                 // prime-rl's hint for a compact logprob encoding; the JSON one is its fallback.

@@ -101,8 +101,11 @@ pub async fn tokenize(
     let special = f.bool("add_special_tokens")?.unwrap_or(!chat);
     let tokens = if chat {
         let msgs = parse_messages(&f)?;
-        // As chat: tools need a template that renders them.
-        let tools = request_tools(&f, tok.chat_template())?.map(|t| t.defs);
+        // As chat: the template's tools, or the generic format's conversation.
+        let (msgs, tools) = match request_tools(&f, tok.chat_template())? {
+            Some(t) => t.render_inputs(msgs, tok.chat_template()),
+            None => (msgs, None),
+        };
         let add = f.bool("add_generation_prompt")?.unwrap_or(true);
         blocking(move || {
             let text = tok

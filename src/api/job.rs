@@ -28,4 +28,7 @@ pub struct Job {
     pub key: String,
     /// Chat with tools: how the answer's calls are parsed and returned.
     pub tools: Option<super::tools::ToolMode>,
+    /// Constrained decoding (structured outputs, forced or generic tool calls): the compiled
+    /// grammar each choice starts from.
+    pub constraint: Option<crate::engine::constraint::Constraint>,
 }

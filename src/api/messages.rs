@@ -4,7 +4,9 @@
 
 use super::error::ApiError;
 use super::openai::{type_error, Fields};
+use super::tool_grammar::{generic_messages, tool_grammar, Forced};
 use super::tools::{ToolFormat, ToolMode};
+use crate::engine::constraint::GrammarSpec;
 use serde_json::{Map, Value};
 
 /// `messages` as the chat template reads them: roles system (developer is read as system), user,
@@ -181,73 +183,119 @@ pub fn parse_tools(f: &Fields) -> Result<Option<Value>, ApiError> {
     Ok(Some(Value::Array(out)))
 }
 
-/// A request's tools: their definitions for the template, and how the answer's calls are read
-/// (None with `tool_choice: "none"`).
+/// A request's tools: their definitions, how the answer's calls are read (None with
+/// `tool_choice: "none"`), and what `tool_choice` forces.
 pub struct RequestTools {
     pub defs: Value,
     pub mode: Option<ToolMode>,
+    pub forced: Forced,
 }
 
-/// The request's `tools` (or legacy `functions`) on a model with chat template `template`: a 400
-/// naming the field when the template renders no tools in a format parsed here (the generic
-/// format needs constrained decoding), or when `tool_choice` asks for a forced call.
+impl RequestTools {
+    /// Whether the tools are described in a system message (generic format) rather than by the
+    /// template.
+    pub fn generic(&self) -> bool {
+        self.mode.is_some_and(|m| m.format == ToolFormat::Generic)
+    }
+
+    /// The conversation and tool definitions the template renders: the generic format rewrites
+    /// the conversation and hands the template no tools; with "none" and no template support,
+    /// the tools are left out.
+    pub fn render_inputs(&self, messages: Value, template: Option<&str>) -> (Value, Option<Value>) {
+        match self.mode {
+            Some(m) if m.format == ToolFormat::Generic => {
+                (generic_messages(&messages, &self.defs, m.parallel), None)
+            }
+            None if template.and_then(ToolFormat::of_template).is_none() => (messages, None),
+            _ => (messages, Some(self.defs.clone())),
+        }
+    }
+
+    /// The grammar the answer follows (forced calls, or the generic format).
+    pub fn grammar(&self) -> Result<Option<GrammarSpec>, ApiError> {
+        let Some(m) = self.mode else { return Ok(None) };
+        tool_grammar(m.format, &self.defs, &self.forced, m.parallel)
+            .map_err(|e| ApiError::invalid(if m.legacy { "functions" } else { "tools" }, e))
+    }
+}
+
+/// The request's `tools` (or legacy `functions`) on a model with chat template `template`: calls
+/// in the template's own format, or the generic format when it renders no tools.
 pub fn request_tools(f: &Fields, template: Option<&str>) -> Result<Option<RequestTools>, ApiError> {
     let defs = parse_tools(f)?;
-    check_tool_choice(f, defs.is_some())?;
+    let forced = parse_tool_choice(f, defs.as_ref())?;
     let Some(defs) = defs else {
         return Ok(None);
     };
     let legacy = f.get("functions").is_some();
-    let format = template.and_then(ToolFormat::of_template).ok_or_else(|| {
-        ApiError::invalid(
-            if legacy { "functions" } else { "tools" },
-            "this model's chat template does not render tools in a format this server parses \
-             (Hermes <tool_call> or Llama 3 JSON); the generic format needs constrained \
-             decoding, not built yet",
-        )
-    })?;
-    let choice = f.get("tool_choice").or_else(|| f.get("function_call"));
-    let none = choice.and_then(Value::as_str) == Some("none");
-    let mode = (!none).then(|| ToolMode {
+    let format = template
+        .and_then(ToolFormat::of_template)
+        .unwrap_or(ToolFormat::Generic);
+    let mode = forced.as_ref().map(|_| ToolMode {
         format,
-        parallel: f.bool("parallel_tool_calls").ok().flatten().unwrap_or(true),
+        // Several calls by default (OpenAI's default), except in the generic format, whose
+        // small models repeat a call list endlessly: there, as in llama.cpp's server, only
+        // when asked.
+        parallel: f
+            .bool("parallel_tool_calls")
+            .ok()
+            .flatten()
+            .unwrap_or(format != ToolFormat::Generic),
         legacy,
     });
-    Ok(Some(RequestTools { defs, mode }))
+    Ok(Some(RequestTools {
+        defs,
+        mode,
+        forced: forced.unwrap_or(Forced::Auto),
+    }))
 }
 
-/// `tool_choice` (`function_call`, legacy): "none" and "auto" (the default) are served — the
-/// tools are in the prompt through the model's template; a required or named call needs
-/// constrained decoding, not built yet: a 400 naming the field. `parallel_tool_calls` must be a
-/// boolean.
-fn check_tool_choice(f: &Fields, has_tools: bool) -> Result<(), ApiError> {
+/// `tool_choice` (`function_call`, legacy): "none" (None), "auto" (the default), "required", or
+/// a named function (`{"type": "function", "function": {"name"}}`; legacy `{"name"}`) that must
+/// be one of the tools. `parallel_tool_calls` must be a boolean.
+fn parse_tool_choice(f: &Fields, defs: Option<&Value>) -> Result<Option<Forced>, ApiError> {
     f.bool("parallel_tool_calls")?;
+    let mut forced = Some(Forced::Auto);
     for name in ["tool_choice", "function_call"] {
         let Some(v) = f.get(name) else { continue };
-        let forced = v.is_object() || v.as_str() == Some("required");
-        match v.as_str() {
-            Some("none" | "auto") => {}
-            _ if forced => {
-                return Err(ApiError::invalid(
-                    name,
-                    format!(
-                        "'{name}' = {v}: forcing a tool call needs constrained decoding, which \
-                         this server does not have yet; use \"auto\""
-                    ),
-                ))
+        let bad = || {
+            ApiError::invalid(
+                name,
+                format!("'{name}' must be \"none\", \"auto\", \"required\" or a named function"),
+            )
+        };
+        forced = match v {
+            Value::String(s) => match s.as_str() {
+                "none" => None,
+                "auto" => Some(Forced::Auto),
+                "required" if name == "tool_choice" => Some(Forced::Required),
+                _ => return Err(bad()),
+            },
+            Value::Object(o) => {
+                let fname = o
+                    .get("function")
+                    .and_then(|x| x.get("name"))
+                    .or_else(|| o.get("name"))
+                    .and_then(Value::as_str)
+                    .ok_or_else(bad)?;
+                let known = defs
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .any(|t| t["function"]["name"].as_str() == Some(fname));
+                if !known {
+                    return Err(ApiError::invalid(
+                        name,
+                        format!("'{name}' names function '{fname}', which is not among the tools"),
+                    ));
+                }
+                Some(Forced::Named(fname.to_string()))
             }
-            _ => {
-                return Err(ApiError::invalid(
-                    name,
-                    format!(
-                        "'{name}' must be \"none\", \"auto\", \"required\" or a named function"
-                    ),
-                ))
-            }
-        }
-        if !has_tools && v.as_str() != Some("none") {
+            _ => return Err(bad()),
+        };
+        if defs.is_none() && forced.is_some() {
             return Err(ApiError::invalid(name, format!("'{name}' needs 'tools'")));
         }
     }
-    Ok(())
+    Ok(forced)
 }

@@ -16,12 +16,15 @@ pub mod respond;
 pub mod rollout;
 pub mod scoring;
 pub mod serve;
+pub mod structured;
+pub mod tool_grammar;
 pub mod tools;
 pub mod wire;
 
 pub use serve::run;
 
 use crate::adapter::registry::{Pinned, Registry};
+use crate::engine::constraint::{Constraint, GrammarSpec, Grammars};
 use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
@@ -60,9 +63,33 @@ pub struct Ready {
     pub online: OnceLock<TrainerHandle>,
     pub online_cfg: OnlineConfig,
     pub metrics: Arc<Metrics>,
+    /// Constrained decoding's compiler for this vocabulary, built on first use.
+    pub grammars: Arc<OnceLock<Result<Arc<Grammars>, String>>>,
 }
 
 impl Ready {
+    /// Compile a request's output constraint (off the async threads: building the vocabulary's
+    /// trie the first time and compiling a schema take a moment); a 400 naming `field` when the
+    /// grammar library rejects it.
+    pub async fn compile(&self, field: String, spec: GrammarSpec) -> Result<Constraint, ApiError> {
+        let (cell, tok, vocab) = (
+            self.grammars.clone(),
+            self.tokenizer.clone(),
+            self.vocab_size,
+        );
+        blocking(move || {
+            let g = cell
+                .get_or_init(|| Grammars::new(tok, vocab).map(Arc::new))
+                .as_ref()
+                .map_err(|e| {
+                    ApiError::internal(format!("constrained decoding is unavailable: {e}"))
+                })?;
+            g.compile(&spec)
+                .map_err(|e| ApiError::invalid(&field, format!("'{field}': {e}")))
+        })
+        .await
+    }
+
     /// The online side, started now if it was not.
     pub fn online_or_start(&self) -> anyhow::Result<&TrainerHandle> {
         if let Some(o) = self.online.get() {

@@ -193,37 +193,8 @@ pub fn refuse_unimplemented(f: &Fields) -> Result<(), ApiError> {
         "bad_words",
         "audio",
         "prediction",
-        // Structured outputs need constrained decoding (not built yet).
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
     ] {
         neutral(name, &never)?;
-    }
-    match f.get("response_format") {
-        None => {}
-        Some(v) => match v.get("type").and_then(Value::as_str) {
-            Some("text") => {}
-            Some(t @ ("json_object" | "json_schema" | "structural_tag")) => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!(
-                        "'response_format' of type '{t}' is not supported by this server yet \
-                         (it needs constrained decoding)"
-                    ),
-                ))
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
-                ))
-            }
-        },
     }
     Ok(())
 }
@@ -259,6 +230,7 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
             .unwrap_or(1.0),
         top_logprobs: 0,
         logit_bias: parse_logit_bias(f, vocab)?,
+        constrained: false,
     };
     let stop = match f.get("stop") {
         None => Vec::new(),

@@ -63,6 +63,7 @@ fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, Ap
         ignore_eos: p.ignore_eos,
         adapter: job.adapter.as_ref().map(|a| a.version().clone()),
         prompt_logprobs: p.prompt_logprobs,
+        constraint: job.constraint.clone(),
     })
 }
 
@@ -440,7 +441,11 @@ impl Responder {
         match tools::parse(mode.format, text, || random_id("call_")) {
             Some((content, mut calls)) => {
                 mode.keep(&mut calls);
-                ((!content.is_empty()).then_some(content), Some(calls))
+                let calls = (!calls.is_empty()).then_some(calls);
+                (
+                    (!content.is_empty() || calls.is_none()).then_some(content),
+                    calls,
+                )
             }
             None => (Some(text.to_string()), None),
         }

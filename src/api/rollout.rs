@@ -49,6 +49,7 @@ pub async fn log_choices(
         "min_p": sp.min_p, "presence_penalty": sp.presence_penalty,
         "frequency_penalty": sp.frequency_penalty,
         "repetition_penalty": sp.repetition_penalty, "logit_bias": sp.logit_bias.len(),
+        "constrained": sp.constrained,
         "seed": p.seed, "max_tokens": p.max_tokens, "n": p.n,
     })
     .to_string();

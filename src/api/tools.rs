@@ -3,7 +3,11 @@
 //! - **Hermes** (Qwen2.5, Qwen3, Hermes, SmolLM3): `<tool_call>{"name": ..., "arguments": {...}}
 //!   </tool_call>` blocks after optional text;
 //! - **Llama 3.x JSON**: the whole answer is `{"name": ..., "parameters": {...}}` (optionally
-//!   after `<|python_tag|>`; several separated by `;`).
+//!   after `<|python_tag|>`; several separated by `;`);
+//! - **generic** (templates that render no tools, as llama.cpp's server does for them): the
+//!   answer is one JSON object, `{"tool_call": {"name", "arguments"}}` (or `{"tool_calls":
+//!   [...]}` when several are allowed) or `{"response": "..."}`; constrained decoding keeps it
+//!   so (see `tool_grammar`).
 //!
 //! Non-streaming, the final text is split into content and calls. Streaming, `ToolStream` passes
 //! text through until a call could be starting, holds it from there, and hands the calls over at
@@ -17,6 +21,7 @@ use serde_json::Value;
 pub enum ToolFormat {
     Hermes,
     Llama3Json,
+    Generic,
 }
 
 const HERMES_OPEN: &str = "<tool_call>";
@@ -94,7 +99,8 @@ pub struct ToolCallDelta {
 }
 
 /// Split `text` into content and calls; `None` when it holds no well-formed call (then it is
-/// all content). `new_id` names each call.
+/// all content; a generic answer's `response` is its content, with no calls). `new_id` names
+/// each call.
 pub fn parse(
     format: ToolFormat,
     text: &str,
@@ -140,6 +146,22 @@ pub fn parse(
                     return None;
                 }
             }
+            (String::new(), calls)
+        }
+        ToolFormat::Generic => {
+            let v: Value = serde_json::from_str(text.trim()).ok()?;
+            if let Some(r) = v.get("response").and_then(Value::as_str) {
+                return Some((r.to_string(), Vec::new()));
+            }
+            let list = match (v.get("tool_call"), v.get("tool_calls")) {
+                (Some(c), None) => vec![c.clone()],
+                (None, Some(Value::Array(l))) => l.clone(),
+                _ => return None,
+            };
+            let calls = list
+                .iter()
+                .map(|c| call_of_value(c, "arguments"))
+                .collect::<Option<Vec<_>>>()?;
             (String::new(), calls)
         }
     };
@@ -225,6 +247,11 @@ impl ToolStream {
                     out
                 }
             },
+            // The whole answer is one JSON object: held to the end.
+            ToolFormat::Generic => {
+                self.in_call = true;
+                String::new()
+            }
             ToolFormat::Llama3Json => {
                 if self.started {
                     return std::mem::take(&mut self.held);
@@ -332,6 +359,35 @@ mod tests {
             "{\"name\": \"a\"} trailing",
         ] {
             assert!(parse(ToolFormat::Llama3Json, t, ids()).is_none(), "{t}");
+        }
+    }
+
+    #[test]
+    fn generic_answers_are_a_call_or_a_response() {
+        let (c, calls) = parse(
+            ToolFormat::Generic,
+            r#"{"tool_call": {"name": "add", "arguments": {"a": 1}}}"#,
+            ids(),
+        )
+        .unwrap();
+        assert_eq!((c.as_str(), calls.len()), ("", 1));
+        assert_eq!(calls[0].function.arguments, r#"{"a":1}"#);
+        let (_, calls) = parse(
+            ToolFormat::Generic,
+            r#"{"tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]}"#,
+            ids(),
+        )
+        .unwrap();
+        assert_eq!(calls.len(), 2);
+        let (c, calls) = parse(ToolFormat::Generic, r#"{"response": "It is 4."}"#, ids()).unwrap();
+        assert_eq!((c.as_str(), calls.len()), ("It is 4.", 0));
+        for t in [
+            "4",
+            r#"{"tool_call": {"arguments": {}}}"#,
+            r#"{"other": 1}"#,
+            "{\"response\"",
+        ] {
+            assert!(parse(ToolFormat::Generic, t, ids()).is_none(), "{t}");
         }
     }
 

@@ -3,6 +3,7 @@
 //! the ones whose client left, schedule, run one packed forward, sample, send events.
 
 pub mod block_manager;
+pub mod constraint;
 pub mod output;
 pub mod sampler;
 pub mod scheduler;
@@ -14,6 +15,7 @@ use crate::model::kv_cache::KvCache;
 use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
 use crate::model::tokenizer::Tokenizer;
 use block_manager::BlockManager;
+use constraint::Constraint;
 use flywheel_kernels::Cpu;
 use output::{RequestState, SeqOutput};
 use sampler::{PromptLogprob, SamplingParams, TopLogprob};
@@ -59,6 +61,8 @@ pub struct GenerateRequest {
     /// alternatives (one `PromptLogprobs` event before the first token). `max_tokens` may then
     /// be 0 (the prompt scored, nothing generated).
     pub prompt_logprobs: Option<usize>,
+    /// Constrained decoding: each choice follows its own copy of this grammar (fresh).
+    pub constraint: Option<constraint::Constraint>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -298,7 +302,14 @@ impl Engine {
         let adapter = req.adapter.clone();
         let n = req.n;
         let score = req.prompt_logprobs.is_some();
-        let state = Rc::new(RequestState::new(req, tx, arrival, seed, &self.metrics));
+        let state = Rc::new(RequestState::new(
+            req,
+            tx,
+            arrival,
+            seed,
+            self.tokenizer.eos_id,
+            &self.metrics,
+        ));
         let mut out = SeqOutput::new(state, 0);
         out.pending_forks = n - 1;
         self.outputs.insert(id, out);
@@ -391,11 +402,52 @@ impl Engine {
             .iter()
             .map(|b| matches!(b.logits, Logits::All))
             .collect();
+        // Constrained choices about to sample: their masks are computed beside the forward pass
+        // (on a scoped thread), off the batch's critical path.
+        let ahead: Vec<(SeqId, Vec<u32>, Constraint)> = plan
+            .chunks
+            .iter()
+            .filter(|c| c.wants_logits)
+            .filter_map(|c| {
+                let o = self.outputs.get_mut(&c.seq)?;
+                if o.next_mask.is_some() {
+                    return None;
+                }
+                let ends = o.end_tokens();
+                o.constraint.take().map(|k| (c.seq, ends, k))
+            })
+            .collect();
         let (model, cpu, cache, bufs) = (&self.model, &*self.cpu, &mut self.cache, &mut self.bufs);
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            model.forward_into(cpu, cache, &batch, bufs)
-        }));
+        let (result, ahead) = std::thread::scope(|scope| {
+            let masks = (!ahead.is_empty()).then(|| {
+                scope.spawn(move || {
+                    ahead
+                        .into_iter()
+                        .map(|(id, ends, mut k)| {
+                            // A grammar that panics fails its own request (at sampling), no other.
+                            let m = std::panic::catch_unwind(AssertUnwindSafe(|| k.mask(&ends)))
+                                .unwrap_or_else(|p| {
+                                    Err(format!("grammar panicked: {}", panic_text(&p)))
+                                });
+                            (id, k, m)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            });
+            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                model.forward_into(cpu, cache, &batch, bufs)
+            }));
+            // The thread catches its panics, so joining it does not fail.
+            let ahead = masks.and_then(|h| h.join().ok()).unwrap_or_default();
+            (result, ahead)
+        });
         drop(batch);
+        for (id, k, m) in ahead {
+            if let Some(o) = self.outputs.get_mut(&id) {
+                o.constraint = Some(k);
+                o.next_mask = Some(m);
+            }
+        }
         match result {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -492,7 +544,15 @@ impl Engine {
             let mut child = SeqOutput::new(req.clone(), choice);
             child.scheduled_at = Some(Instant::now());
             child.num_cached_tokens = num_cached;
-            let s = child.sample(&self.cpu, &mut row);
+            let s = match child.sample(&self.cpu, &mut row) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = req
+                        .tx
+                        .send(EngineEvent::Error(format!("constrained decoding: {e}")));
+                    continue;
+                }
+            };
             let child_id = self.new_seq_id();
             let parent = self.sched.get(id).expect("running");
             let mut tokens = parent.tokens[..parent.prompt_len].to_vec();
@@ -510,7 +570,10 @@ impl Engine {
             }
         }
         let out = self.outputs.get_mut(&id).expect("present");
-        let s = out.sample(&self.cpu, logits);
+        let s = match out.sample(&self.cpu, logits) {
+            Ok(s) => s,
+            Err(e) => return self.fail(&[id], &format!("constrained decoding: {e}")),
+        };
         let seq = self.sched.get_mut(id).expect("running");
         seq.tokens.push(s.token);
         let (num_generated, at_end) = (seq.num_generated(), seq.tokens.len() >= ctx);

@@ -2,6 +2,7 @@
 //! incremental detokenization, stop-string matching (text that could begin a stop string is held
 //! back until it cannot), timings, and the channel its events go to.
 
+use super::constraint::{Constraint, TokenMask};
 use super::sampler::{self, PromptLogprob, Sampled};
 use super::{EngineEvent, FinishReason, GenerateRequest, StopReason};
 use crate::metrics::Metrics;
@@ -22,6 +23,8 @@ pub struct RequestState {
     pub seed: u64,
     /// This request's series of `adapter_generation_tokens_total` (looked up once, not per token).
     pub adapter_tokens: prometheus::IntCounter,
+    /// The tokenizer's EOS (an end token unless `ignore_eos`).
+    pub eos: Option<u32>,
     choices_left: Cell<usize>,
 }
 
@@ -31,6 +34,7 @@ impl RequestState {
         tx: UnboundedSender<EngineEvent>,
         arrival: Instant,
         seed: u64,
+        eos: Option<u32>,
         metrics: &Metrics,
     ) -> RequestState {
         let n = req.n;
@@ -44,6 +48,7 @@ impl RequestState {
             arrival,
             seed,
             adapter_tokens,
+            eos,
             choices_left: Cell::new(n),
         }
     }
@@ -66,6 +71,10 @@ pub struct SeqOutput {
     /// Prompt scores computed so far (requests with prompt log-probs), and whether they were sent.
     pub prompt_scores: Vec<PromptLogprob>,
     pub prompt_scores_sent: bool,
+    /// Constrained decoding: where this choice stands in its grammar, and the mask for its next
+    /// token when it was computed ahead (beside the forward pass that makes the logits).
+    pub constraint: Option<Constraint>,
+    pub next_mask: Option<Result<TokenMask, String>>,
 }
 
 /// The seed of choice `choice`: choice 0 uses the request's seed itself.
@@ -83,6 +92,7 @@ impl SeqOutput {
         } else {
             Vec::new()
         };
+        let constraint = req.req.constraint.clone();
         SeqOutput {
             rng: Rng::new(choice_seed(req.seed, choice)),
             req,
@@ -97,19 +107,53 @@ impl SeqOutput {
             num_cached_tokens: 0,
             prompt_scores: Vec::new(),
             prompt_scores_sent: false,
+            constraint,
+            next_mask: None,
         }
     }
 
-    pub fn sample(&mut self, cpu: &Cpu, logits: &mut [f32]) -> Sampled {
+    /// The tokens that end this choice (the grammar's end maps onto them).
+    pub fn end_tokens(&self) -> Vec<u32> {
+        let r = &self.req.req;
+        let eos = self.req.eos.filter(|_| !r.ignore_eos);
+        eos.into_iter()
+            .chain(r.stop_token_ids.iter().copied())
+            .collect()
+    }
+
+    /// Compute the mask for the next token now (a constrained choice whose mask was not
+    /// computed ahead).
+    pub fn prepare_mask(&mut self) {
+        if self.next_mask.is_none() {
+            let ends = self.end_tokens();
+            if let Some(c) = &mut self.constraint {
+                self.next_mask = Some(c.mask(&ends));
+            }
+        }
+    }
+
+    /// Draw the next token; under a grammar, only from what it allows (and the grammar follows
+    /// the token). Err: the grammar failed.
+    pub fn sample(&mut self, cpu: &Cpu, logits: &mut [f32]) -> Result<Sampled, String> {
+        self.prepare_mask();
+        let mask = self.next_mask.take().transpose()?;
         let p = &self.req.req.sampling;
-        sampler::sample_seen(
+        let s = sampler::sample_seen(
             cpu,
             logits,
             p,
             &self.counts,
             &self.prompt_seen,
+            mask.as_ref(),
             &mut self.rng,
-        )
+        );
+        let ends = self.end_tokens();
+        if let Some(c) = &mut self.constraint {
+            if !ends.contains(&s.token) {
+                c.advance(s.token)?;
+            }
+        }
+        Ok(s)
     }
 
     /// End choice `choice` of this request without a token (`max_tokens` 0: prompt scoring).

@@ -3,6 +3,7 @@
 //! logits at temperature 0), before penalties and truncation, so that a trainer can recompute them
 //! exactly. Penalties and truncation change only which token is drawn.
 
+use super::constraint::TokenMask;
 use crate::policy::{is_greedy, scale_and_normalize};
 use crate::util::Rng;
 use flywheel_kernels::Cpu;
@@ -29,6 +30,9 @@ pub struct SamplingParams {
     pub top_logprobs: usize,
     /// OpenAI's logit_bias: (token, bias in [-100, 100]) added to the logits before sampling.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Drawn under a grammar (constrained decoding): the draw is restricted to the tokens the
+    /// grammar allows, so it is not a draw from the policy.
+    pub constrained: bool,
 }
 
 impl SamplingParams {
@@ -38,6 +42,7 @@ impl SamplingParams {
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
             || !self.logit_bias.is_empty()
+            || self.constrained
     }
 
     /// Whether a completion is drawn from exactly log-softmax(logits / T), the distribution the
@@ -60,6 +65,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             top_logprobs: 0,
             logit_bias: Vec::new(),
+            constrained: false,
         }
     }
 }
@@ -86,25 +92,40 @@ pub fn sample(
     counts: &HashMap<u32, u32>,
     rng: &mut Rng,
 ) -> Sampled {
-    sample_seen(cpu, logits, p, counts, &[], rng)
+    sample_seen(cpu, logits, p, counts, &[], None, rng)
 }
 
-/// `sample`, with the prompt's distinct tokens (sorted) for the repetition penalty.
+/// `sample`, with the prompt's distinct tokens (sorted) for the repetition penalty, and the
+/// tokens a grammar allows (constrained decoding: only they can be drawn).
 pub fn sample_seen(
     cpu: &Cpu,
     logits: &mut [f32],
     p: &SamplingParams,
     counts: &HashMap<u32, u32>,
     prompt_seen: &[u32],
+    allowed: Option<&TokenMask>,
     rng: &mut Rng,
 ) -> Sampled {
     // The distribution drawn from differs from the reported one only when penalties or biases
     // apply (the reported log-probs are the model's: what a trainer recomputes).
     let penalties = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
     let repetition = p.repetition_penalty != 1.0 && !(counts.is_empty() && prompt_seen.is_empty());
-    let edited = (penalties && !counts.is_empty()) || repetition || !p.logit_bias.is_empty();
+    let edited = (penalties && !counts.is_empty())
+        || repetition
+        || !p.logit_bias.is_empty()
+        || allowed.is_some();
     let penalized = edited.then(|| {
         let mut l = logits.to_vec();
+        if let Some(mask) = allowed {
+            let n = mask.len().min(l.len());
+            mask.iter_unset_entries(|i| {
+                if i < n {
+                    l[i] = f32::NEG_INFINITY;
+                }
+            });
+            // Logits past the mask's width (none: it spans the logits) are never allowed.
+            l[n..].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+        }
         if repetition {
             // Each seen token once (vLLM's order: repetition first, then the OpenAI penalties).
             let rp = p.repetition_penalty;
@@ -463,7 +484,7 @@ mod tests {
         // Token 0 (logit 2) seen in the prompt: 2 / 2 = 1 < 1.5, so token 1 is drawn; a seen
         // negative logit is multiplied (token 2: -1 -> -2), an unseen one kept.
         let mut l = vec![2.0f32, 1.5, -1.0];
-        let s = sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[0, 2], &mut rng);
+        let s = sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[0, 2], None, &mut rng);
         assert_eq!(s.token, 1);
         // The reported log-prob is the model's own (unpenalized) distribution's.
         let z = (2.0f32.exp() + 1.5f32.exp() + (-1.0f32).exp()).ln();
@@ -476,14 +497,60 @@ mod tests {
             &p,
             &HashMap::from([(0u32, 1u32)]),
             &[],
+            None,
             &mut rng,
         );
         assert_eq!(s.token, 1);
         let mut l = vec![2.0f32, 1.5, -1.0];
         assert_eq!(
-            sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[], &mut rng).token,
+            sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[], None, &mut rng).token,
             0
         );
         assert!(!p.samples_the_policy());
+    }
+
+    #[test]
+    fn a_mask_limits_the_draw_and_leaves_the_reported_logprobs_the_models() {
+        let logits = [3.0f32, 1.0, 0.5, -2.0];
+        let mut mask = TokenMask::alloc(4);
+        mask.allow_token(2);
+        mask.allow_token(3);
+        let p = SamplingParams::default();
+        let mut rng = Rng::new(7);
+        let mut seen = [0usize; 4];
+        for _ in 0..200 {
+            let mut l = logits.to_vec();
+            let s = sample_seen(
+                &cpu(),
+                &mut l,
+                &p,
+                &HashMap::new(),
+                &[],
+                Some(&mask),
+                &mut rng,
+            );
+            seen[s.token as usize] += 1;
+            // The model's log-softmax, not the masked one.
+            let z = logits.iter().map(|v| v.exp()).sum::<f32>().ln();
+            assert!((s.logprob - (logits[s.token as usize] - z)).abs() < 1e-5);
+        }
+        assert_eq!(seen[0] + seen[1], 0, "{seen:?}");
+        assert!(seen[2] > seen[3] && seen[3] > 0, "{seen:?}");
+        // Greedy: the best allowed token.
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        let mut l = logits.to_vec();
+        let s = sample_seen(
+            &cpu(),
+            &mut l,
+            &greedy,
+            &HashMap::new(),
+            &[],
+            Some(&mask),
+            &mut rng,
+        );
+        assert_eq!(s.token, 2);
     }
 }

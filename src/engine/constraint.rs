@@ -1,0 +1,192 @@
+//! Constrained decoding: a request's grammar (a JSON Schema, a regex, a choice of strings, a Lark
+//! grammar) compiled by llguidance against the model's own vocabulary, and per choice a matcher
+//! that says which tokens may come next and follows the tokens drawn.
+//!
+//! The engine asks a choice's matcher for its next mask while the forward pass that produces the
+//! logits runs (on another thread, see `Engine::step`), so a constrained request costs the batch
+//! it shares little. A constrained token is not a draw from the policy: such completions are
+//! logged off-policy (`SamplingParams::constrained`).
+
+use crate::model::tokenizer::Tokenizer;
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+use std::sync::Arc;
+
+/// The tokens allowed next (a bit per vocabulary entry).
+pub use llguidance::toktrie::SimpleVob as TokenMask;
+
+/// What a request constrains its output to.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GrammarSpec {
+    /// A JSON Schema (an object); generated JSON is compact: no newlines or indentation, one
+    /// space after `,` and `:` (as Python's `json.dumps`), so a model cannot spend its budget on
+    /// whitespace inside a valid value.
+    Json(Value),
+    /// A regular expression the whole output matches.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A grammar in llguidance's Lark syntax (which may embed JSON Schemas with `%json {...}`).
+    Lark(String),
+}
+
+/// llguidance's JSON options for compact output.
+fn compact_json() -> Value {
+    serde_json::json!({
+        "whitespace_flexible": false,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    })
+}
+
+/// `schema` with the compact-JSON options attached (replacing any the caller set).
+pub fn compact_schema(schema: &Value) -> Result<Value, String> {
+    let mut s = schema.clone();
+    let o = s
+        .as_object_mut()
+        .ok_or_else(|| "a JSON Schema must be an object".to_string())?;
+    o.insert("x-guidance".into(), compact_json());
+    Ok(s)
+}
+
+/// A regex matching `s` literally.
+pub fn regex_literal(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~/\"".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The vocabulary as llguidance sees it: each token's bytes (control tokens marked as special,
+/// so no grammar spells them out of text), ids padded to the logits' width.
+struct Vocab {
+    trie: TokTrie,
+    tok: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for Vocab {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.tok
+            .encode_with(&String::from_utf8_lossy(s), false)
+            .unwrap_or_default()
+    }
+}
+
+/// Compiles grammars for one model (built once: the vocabulary's token trie and llguidance's
+/// precomputed slices take a moment).
+pub struct Grammars {
+    factory: ParserFactory,
+    eos: u32,
+}
+
+impl Grammars {
+    /// `vocab_size`: the logits' width (at least the tokenizer's vocabulary).
+    pub fn new(tok: Arc<Tokenizer>, vocab_size: usize) -> Result<Grammars, String> {
+        let n = vocab_size.max(tok.vocab_size());
+        let words: Vec<Vec<u8>> = (0..n as u32)
+            .map(|i| {
+                let b = tok.token_bytes(i);
+                if tok.is_control(i) {
+                    [&[TokTrie::SPECIAL_TOKEN_MARKER], b].concat()
+                } else {
+                    b.to_vec()
+                }
+            })
+            .collect();
+        // A grammar's end is "EOS" to llguidance; the engine maps it onto the request's end
+        // tokens (EOS and its stop tokens).
+        let eos = tok.eos_id.unwrap_or(0);
+        let trie = TokTrie::from(&TokRxInfo::new(n as u32, eos), &words);
+        let env: llguidance::toktrie::TokEnv = Arc::new(Vocab { trie, tok });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.quiet();
+        Ok(Grammars { factory, eos })
+    }
+
+    /// Compile `spec` into a fresh constraint; the library's message when it rejects it.
+    pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, String> {
+        let grammar = match spec {
+            GrammarSpec::Json(schema) => TopLevelGrammar::from_json_schema(compact_schema(schema)?),
+            GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            GrammarSpec::Choice(list) => {
+                if list.is_empty() {
+                    return Err("the choice list is empty".into());
+                }
+                let alts: Vec<String> = list.iter().map(|s| regex_literal(s)).collect();
+                TopLevelGrammar::from_regex(&format!("({})", alts.join("|")))
+            }
+            GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        };
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| e.to_string())?;
+        let mut m = Matcher::new(Ok(parser));
+        if let Some(e) = m.get_error() {
+            return Err(e);
+        }
+        // A grammar that allows nothing at all is refused now rather than failing mid-request.
+        m.compute_mask().map_err(|e| e.to_string())?;
+        Ok(Constraint { m, eos: self.eos })
+    }
+}
+
+/// One choice's position in its grammar.
+pub struct Constraint {
+    m: Matcher,
+    eos: u32,
+}
+
+impl Clone for Constraint {
+    fn clone(&self) -> Self {
+        Constraint {
+            m: self.m.deep_clone(),
+            eos: self.eos,
+        }
+    }
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraint")
+    }
+}
+
+impl Constraint {
+    /// The tokens allowed next; where the grammar may end, `end_tokens` are allowed too (only
+    /// they, once it must end).
+    pub fn mask(&mut self, end_tokens: &[u32]) -> Result<TokenMask, String> {
+        let mut mask = self.m.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        if mask.is_allowed(self.eos) {
+            for &t in end_tokens {
+                if (t as usize) < mask.len() {
+                    mask.allow_token(t);
+                }
+            }
+        }
+        if mask.is_zero() {
+            return Err("the grammar allows no token here".into());
+        }
+        Ok(mask)
+    }
+
+    /// Follow token `t` (drawn from the last mask).
+    pub fn advance(&mut self, t: u32) -> Result<(), String> {
+        self.m.consume_token(t).map_err(|e| e.to_string())
+    }
+
+    /// Whether the grammar is complete where it stands.
+    pub fn is_accepting(&mut self) -> bool {
+        self.m.is_accepting().unwrap_or(false)
+    }
+}
