@@ -30,5 +30,12 @@ pub struct Job {
     pub tools: Option<super::tools::ToolMode>,
     /// Constrained decoding (structured outputs, forced or generic tool calls): the compiled
     /// grammar each choice starts from.
-    pub constraint: Option<crate::engine::constraint::Constraint>,
+    pub constraint: Option<OutputConstraint>,
+}
+
+/// A compiled output constraint and the request field it came from (named if it fails).
+#[derive(Clone)]
+pub struct OutputConstraint {
+    pub field: String,
+    pub grammar: crate::engine::constraint::Constraint,
 }

@@ -24,7 +24,7 @@ pub mod wire;
 pub use serve::run;
 
 use crate::adapter::registry::{Pinned, Registry};
-use crate::engine::constraint::{Constraint, GrammarSpec, Grammars};
+use crate::engine::constraint::{GrammarSpec, Grammars};
 use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
@@ -71,7 +71,11 @@ impl Ready {
     /// Compile a request's output constraint (off the async threads: building the vocabulary's
     /// trie the first time and compiling a schema take a moment); a 400 naming `field` when the
     /// grammar library rejects it.
-    pub async fn compile(&self, field: String, spec: GrammarSpec) -> Result<Constraint, ApiError> {
+    pub async fn compile(
+        &self,
+        field: String,
+        spec: GrammarSpec,
+    ) -> Result<job::OutputConstraint, ApiError> {
         let (cell, tok, vocab) = (
             self.grammars.clone(),
             self.tokenizer.clone(),
@@ -84,8 +88,10 @@ impl Ready {
                 .map_err(|e| {
                     ApiError::internal(format!("constrained decoding is unavailable: {e}"))
                 })?;
-            g.compile(&spec)
-                .map_err(|e| ApiError::invalid(&field, format!("'{field}': {e}")))
+            match g.compile(&spec) {
+                Ok(grammar) => Ok(job::OutputConstraint { field, grammar }),
+                Err(e) => Err(ApiError::invalid(&field, format!("'{field}': {e}"))),
+            }
         })
         .await
     }

@@ -63,8 +63,20 @@ fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, Ap
         ignore_eos: p.ignore_eos,
         adapter: job.adapter.as_ref().map(|a| a.version().clone()),
         prompt_logprobs: p.prompt_logprobs,
-        constraint: job.constraint.clone(),
+        constraint: job.constraint.as_ref().map(|c| c.grammar.clone()),
     })
+}
+
+/// A 400 for a constraint the model's vocabulary cannot follow to its end (found while
+/// generating): the request asked for what this model cannot write.
+pub(super) fn grammar_failed(job: &Job, e: &str) -> ApiError {
+    let field = job.constraint.as_ref().map_or("", |c| c.field.as_str());
+    ApiError::invalid(
+        field,
+        format!(
+            "'{field}': the output cannot follow this constraint with this model's vocabulary: {e}"
+        ),
+    )
 }
 
 pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
@@ -306,7 +318,7 @@ impl Responder {
                 self.prompt_scores = Some(v.clone());
                 None
             }
-            EngineEvent::Error(_) => None,
+            EngineEvent::Error(_) | EngineEvent::GrammarFailed(_) => None,
         }
     }
 
@@ -539,6 +551,7 @@ async fn collect(mut r: Responder, mut stream: RequestStream) -> Result<Responde
     while !r.is_done() {
         match stream.rx.recv().await {
             Some(EngineEvent::Error(e)) => return Err(ApiError::internal(e)),
+            Some(EngineEvent::GrammarFailed(e)) => return Err(grammar_failed(&r.job, &e)),
             Some(ev) => {
                 r.apply(&ev);
             }

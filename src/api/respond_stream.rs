@@ -177,7 +177,9 @@ impl Responder {
                 };
                 out.push(self.envelope(true, vec![choice]));
             }
-            EngineEvent::PromptLogprobs(_) | EngineEvent::Error(_) => {}
+            EngineEvent::PromptLogprobs(_)
+            | EngineEvent::Error(_)
+            | EngineEvent::GrammarFailed(_) => {}
         }
         out
     }
@@ -212,6 +214,10 @@ pub(super) fn stream_response(r: Responder, stream: RequestStream) -> Response {
             match ev {
                 Some(EngineEvent::Error(e)) => {
                     out.push_str(&sse(&ApiError::internal(e).body()));
+                    return Some((Ok(Bytes::from(out)), None));
+                }
+                Some(EngineEvent::GrammarFailed(e)) => {
+                    out.push_str(&sse(&super::grammar_failed(&r.job, &e).body()));
                     return Some((Ok(Bytes::from(out)), None));
                 }
                 Some(ev) => {

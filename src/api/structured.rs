@@ -213,12 +213,14 @@ fn structured_outputs(name: &str, v: &Value) -> Result<Option<Structured>, ApiEr
                 }
             }
             "whitespace_pattern" => return Err(whitespace_refused(&field)),
-            _ => return Err(ApiError::invalid(
-                &field,
-                format!(
+            _ => {
+                return Err(ApiError::invalid(
+                    &field,
+                    format!(
                     "'{field}' is not supported (one of json, regex, choice, grammar, json_object)"
                 ),
-            )),
+                ))
+            }
         }
     }
     if found.len() > 1 {

@@ -17,6 +17,16 @@ use std::sync::Arc;
 /// The tokens allowed next (a bit per vocabulary entry).
 pub use llguidance::toktrie::SimpleVob as TokenMask;
 
+/// llguidance's message without the parser state it appends.
+fn message(e: impl std::fmt::Display) -> String {
+    let e = e.to_string();
+    let first = e.split("\n<state>").next().unwrap_or(&e).trim();
+    match first {
+        "NoExtensionBias" => "no token of the vocabulary can continue it (NoExtensionBias)".into(),
+        _ => first.to_string(),
+    }
+}
+
 /// What a request constrains its output to.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GrammarSpec {
@@ -76,9 +86,18 @@ impl TokenizerEnv for Vocab {
     }
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        self.tok
-            .encode_with(&String::from_utf8_lossy(s), false)
-            .unwrap_or_default()
+        match std::str::from_utf8(s) {
+            Ok(text) => self.tok.encode_with(text, false).unwrap_or_default(),
+            // Part of a character: the trie spells it (the tokenizer reads only text).
+            Err(_) => self.trie.greedy_tokenize(s),
+        }
+    }
+
+    /// Not canonical for llguidance: grammars never force tokens (which would be tokenized here,
+    /// possibly from part of a character, and not drawn by the model); every token is sampled
+    /// under the mask.
+    fn tokenize_is_canonical(&self) -> bool {
+        false
     }
 }
 
@@ -108,7 +127,7 @@ impl Grammars {
         let eos = tok.eos_id.unwrap_or(0);
         let trie = TokTrie::from(&TokRxInfo::new(n as u32, eos), &words);
         let env: llguidance::toktrie::TokEnv = Arc::new(Vocab { trie, tok });
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(message)?;
         factory.quiet();
         Ok(Grammars { factory, eos })
     }
@@ -127,16 +146,13 @@ impl Grammars {
             }
             GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         };
-        let parser = self
-            .factory
-            .create_parser(grammar)
-            .map_err(|e| e.to_string())?;
+        let parser = self.factory.create_parser(grammar).map_err(message)?;
         let mut m = Matcher::new(Ok(parser));
         if let Some(e) = m.get_error() {
-            return Err(e);
+            return Err(message(e));
         }
         // A grammar that allows nothing at all is refused now rather than failing mid-request.
-        m.compute_mask().map_err(|e| e.to_string())?;
+        m.compute_mask().map_err(message)?;
         Ok(Constraint { m, eos: self.eos })
     }
 }
@@ -166,7 +182,7 @@ impl Constraint {
     /// The tokens allowed next; where the grammar may end, `end_tokens` are allowed too (only
     /// they, once it must end).
     pub fn mask(&mut self, end_tokens: &[u32]) -> Result<TokenMask, String> {
-        let mut mask = self.m.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        let mut mask = self.m.compute_mask_or_eos().map_err(message)?;
         if mask.is_allowed(self.eos) {
             for &t in end_tokens {
                 if (t as usize) < mask.len() {
@@ -182,7 +198,7 @@ impl Constraint {
 
     /// Follow token `t` (drawn from the last mask).
     pub fn advance(&mut self, t: u32) -> Result<(), String> {
-        self.m.consume_token(t).map_err(|e| e.to_string())
+        self.m.consume_token(t).map_err(message)
     }
 
     /// Whether the grammar is complete where it stands.

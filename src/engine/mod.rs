@@ -106,6 +106,9 @@ pub enum EngineEvent {
     PromptLogprobs(Vec<PromptLogprob>),
     /// The request failed inside the engine; no more events follow.
     Error(String),
+    /// A choice's grammar cannot go on (the vocabulary cannot spell what it requires, or the
+    /// grammar library failed): the request ends; no more events follow.
+    GrammarFailed(String),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -547,9 +550,7 @@ impl Engine {
             let s = match child.sample(&self.cpu, &mut row) {
                 Ok(s) => s,
                 Err(e) => {
-                    let _ = req
-                        .tx
-                        .send(EngineEvent::Error(format!("constrained decoding: {e}")));
+                    let _ = req.tx.send(EngineEvent::GrammarFailed(e));
                     continue;
                 }
             };
@@ -572,7 +573,14 @@ impl Engine {
         let out = self.outputs.get_mut(&id).expect("present");
         let s = match out.sample(&self.cpu, logits) {
             Ok(s) => s,
-            Err(e) => return self.fail(&[id], &format!("constrained decoding: {e}")),
+            Err(e) => {
+                // Its siblings end with it: one event ends the request.
+                if let Some(o) = self.outputs.remove(&id) {
+                    let _ = o.req.tx.send(EngineEvent::GrammarFailed(e));
+                }
+                self.sched.remove(id);
+                return;
+            }
         };
         let seq = self.sched.get_mut(id).expect("running");
         seq.tokens.push(s.token);
