@@ -4,7 +4,7 @@ Start the server with a learning adapter that trains on constrained samples (the
 format constrains every answer of a template without tool support, such as SmolLM2's), then run
 this client:
 
-    flywheel serve --learn calc --config examples/calculator.toml
+    flywheel serve --config examples/calculator.toml      # learning adapter "calc"
     python3 examples/calculator_agent.py --model calc [--url http://127.0.0.1:8080] [--steps 30]
 
 Each step poses one arithmetic question ("What is 47 * 86?") to `--group` episodes at once.
@@ -17,6 +17,10 @@ the final answer contains the right number, is posted once per episode with
 `POST /v1/feedback {"episode", "reward"}`; the client then waits for the trainer to publish the
 next version. It prints the mean reward and tool-use rate per step and saves them as CSV and a
 PNG plot (with matplotlib).
+
+Status: the loop, the episodes and the training run end to end, but on SmolLM2 the policy does
+not improve yet (see README, "Learning online"): its answers are constrained by the generic tool
+format, and training them with unconstrained log-probs pushes on tokens the grammar forced.
 """
 
 import argparse
@@ -60,7 +64,7 @@ def status(url, model, key):
 
 def episode(client, a, question, answer, episode_id, group_id):
     """One agent loop; returns (reward, used the tool, the final text, the versions served)."""
-    msgs = [{"role": "user", "content": question}]
+    msgs = [{"role": "system", "content": a.system}, {"role": "user", "content": question}]
     used, versions, text = False, [], ""
     for _ in range(a.turns):
         r = client.chat.completions.create(
@@ -94,6 +98,8 @@ def main():
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system", default="Use the calculator tool for arithmetic, then give the "
+                    "user its result.")
     ap.add_argument("--out", default="calculator")
     a = ap.parse_args()
     rng = random.Random(a.seed)
