@@ -15,12 +15,11 @@ the raw numbers (CSV).
 """
 
 import argparse
-import csv
-import json
 import time
-import urllib.request
 
 from openai import OpenAI
+
+from flywheel_client import post, pyplot, save_csv, status, wait_trained
 
 PROMPTS = [
     "What is the capital of France?", "Describe the ocean.", "Why is the sky blue?",
@@ -29,23 +28,6 @@ PROMPTS = [
     "What is music?", "How does rain form?", "What is the moon?", "Tell me about dogs.",
     "What is a volcano?", "Why do we sleep?",
 ]
-
-
-def post(url, path, body, key):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
-    req.add_header("Content-Type", "application/json")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return r.status, json.loads(r.read())
-
-
-def status(url, model, key):
-    req = urllib.request.Request(url + "/v1/train/status")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["adapters"][model]
 
 
 def main():
@@ -80,32 +62,16 @@ def main():
                        [{"id": r.id, "choice": c.index, "reward": w} for c, w in zip(r.choices, rewards)],
                        a.key)
         # Wait until this group is trained (a new version) or dropped (no reward variance).
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            st = status(a.url, a.model, a.key)
-            if st["steps"] > before["steps"] or sum(st["dropped"].values()) > sum(before["dropped"].values()):
-                break
-            time.sleep(0.05)
+        wait_trained(a.url, a.model, a.key, before)
         mean = sum(rewards) / len(rewards)
         words = sum(len((c.message.content or "").split()) for c in r.choices) / len(r.choices)
         rows.append({"step": step, "version": version, "mean_reward": mean, "mean_words": words,
                      "seconds": time.time() - t0, "step_seconds": time.time() - t_step})
         print(f"step {step:3d}  version {version:3d}  mean reward {mean:.2f}  mean words {words:5.1f}"
               f"  step {time.time() - t_step:5.1f} s  total {time.time() - t0:6.1f} s", flush=True)
-    with open(a.out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
-    k = max(1, len(rows) // 3)
-    first = sum(r["mean_reward"] for r in rows[:k]) / k
-    last = sum(r["mean_reward"] for r in rows[-k:]) / k
-    print(f"mean reward: first {k} steps {first:.2f}, last {k} steps {last:.2f}; "
-          f"{rows[-1]['seconds']:.0f} s, {rows[-1]['seconds'] / len(rows):.1f} s per step")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    save_csv(rows, a.out)
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed: wrote only", a.out + ".csv")
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))

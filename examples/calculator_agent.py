@@ -25,14 +25,14 @@ format, and training them with unconstrained log-probs pushes on tokens the gram
 
 import argparse
 import concurrent.futures as cf
-import csv
 import json
 import random
 import re
 import time
-import urllib.request
 
 from openai import OpenAI
+
+from flywheel_client import post, pyplot, save_csv, status, wait_trained
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator",
@@ -45,21 +45,6 @@ TOOLS = [{"type": "function", "function": {
 def calculate(args):
     a, op, b = int(args["a"]), args["op"], int(args["b"])
     return {"+": a + b, "-": a - b, "*": a * b}[op]
-
-
-def post(url, path, body, key):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return r.status, json.loads(r.read())
-
-
-def status(url, model, key):
-    req = urllib.request.Request(url + "/v1/train/status")
-    req.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["adapters"][model]
 
 
 def episode(client, a, question, answer, episode_id, group_id):
@@ -119,13 +104,7 @@ def main():
         for i, (reward, _, _, _) in enumerate(runs):
             post(a.url, "/v1/feedback", {"episode": f"{tag}-e{i}", "reward": reward}, a.key)
         # Wait until this group is trained (a new version) or dropped (no reward variance).
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            st = status(a.url, a.model, a.key)
-            if (st["steps"] > before["steps"]
-                    or sum(st["dropped"].values()) > sum(before["dropped"].values())):
-                break
-            time.sleep(0.05)
+        wait_trained(a.url, a.model, a.key, before)
         rewards = [r[0] for r in runs]
         mean = sum(rewards) / len(rewards)
         tool_rate = sum(r[1] for r in runs) / len(runs)
@@ -136,20 +115,9 @@ def main():
         print(f"step {step:3d}  version {version:3d}  {question:<16} reward {mean:.2f}  "
               f"tool use {tool_rate:.2f}  e.g. {runs[0][2][:40]!r}  "
               f"step {time.time() - t_step:5.1f} s  total {time.time() - t0:6.1f} s", flush=True)
-    with open(a.out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
-    k = max(1, len(rows) // 3)
-    first = sum(r["mean_reward"] for r in rows[:k]) / k
-    last = sum(r["mean_reward"] for r in rows[-k:]) / k
-    print(f"mean reward: first {k} steps {first:.2f}, last {k} steps {last:.2f}; "
-          f"{rows[-1]['seconds']:.0f} s, {rows[-1]['seconds'] / len(rows):.1f} s per step")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    save_csv(rows, a.out)
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed: wrote only", a.out + ".csv")
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
