@@ -552,3 +552,49 @@ fn an_episodes_next_turn_continues_with_the_sampled_tokens() {
         p2 == p3
     );
 }
+
+/// The same across a tool call in the generic format (a template without tools): the call the
+/// client sends back re-renders, JSON spelled as the grammar spelled it, to the very tokens
+/// sampled, so the next turn continues them.
+#[test]
+fn an_episodes_tool_call_in_the_generic_format_continues_with_the_sampled_tokens() {
+    let (dir, path) = write_tiny(&common::TinySpec {
+        ctx: 2048,
+        ..common::TinySpec::small()
+    });
+    let s = start_learning(&path, &dir.path().join("data"), &online(1000), &["l"]);
+    let tools = json!([{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+        "b": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a", "b"],
+        "additionalProperties": false}}}]);
+    let ask = |messages: Value| {
+        let r = call(
+            &s,
+            "POST",
+            "/v1/chat/completions",
+            Some(
+                &json!({"model": "l", "messages": messages, "max_tokens": 200, "seed": 3,
+                         "tools": tools, "tool_choice": "required", "episode": "ep-t",
+                         "return_token_ids": true}),
+            ),
+            USER,
+        );
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        r.json()
+    };
+    let first = json!([{"role": "user", "content": "2+3?"}]);
+    let t1 = ask(first);
+    let p1: Vec<u32> = serde_json::from_value(t1["prompt_token_ids"].clone()).unwrap();
+    let c1: Vec<u32> = serde_json::from_value(t1["choices"][0]["token_ids"].clone()).unwrap();
+    let m = &t1["choices"][0]["message"];
+    assert_eq!(t1["choices"][0]["finish_reason"], "tool_calls", "{t1}");
+    let second = json!([{"role": "user", "content": "2+3?"}, m,
+                        {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "5"}]);
+    let t2 = ask(second);
+    let p2: Vec<u32> = serde_json::from_value(t2["prompt_token_ids"].clone()).unwrap();
+    assert_eq!(
+        &p2[..p1.len() + c1.len()],
+        [p1.clone(), c1.clone()].concat()
+    );
+    assert!(p2.len() > p1.len() + c1.len());
+}
