@@ -20,7 +20,8 @@ PNG plot (with matplotlib).
 
 Status: the loop, the episodes and the training run end to end, but on SmolLM2 the policy does
 not improve yet (see README, "Learning online"): its answers are constrained by the generic tool
-format, and training them with unconstrained log-probs pushes on tokens the grammar forced.
+format (trained with the model's unconstrained log-probs; forced tokens are left out), and
+rewards are too rare for a 135M model to find the right answers.
 """
 
 import argparse

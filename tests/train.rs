@@ -516,6 +516,34 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
             "{name}: GRPO did not favour the rewarded completion"
         );
     }
+    // Tokens a grammar forced carry no choice: a batch of only those leaves the adapter as it is.
+    let mut forced = samples.clone();
+    for s in &mut forced {
+        s.forced = (0..s.completion.len() as u32).collect();
+    }
+    let batches = grouped(&forced, "grpo");
+    let w = identity(&model, oft16());
+    let mut opt = AdamW::new(
+        AdamWConfig {
+            lr: 1e-2,
+            weight_decay: 0.0,
+            ..Default::default()
+        },
+        w.layout.num_params,
+    );
+    let loss = LossConfig::named("grpo", 3, 4).unwrap();
+    let (next, _) = step(
+        &model,
+        &Cpu::detect(),
+        &w,
+        &mut opt,
+        &loss,
+        &[&batches[0]],
+        1.0,
+        ACTIVATION_BUDGET,
+    )
+    .unwrap();
+    assert_eq!(next.params, w.params, "forced tokens trained");
     // A group whose rewards are all equal carries no signal.
     let flat = parse_jsonl(&data.replace("\"reward\": 1", "\"reward\": 0"), None).unwrap();
     assert!(grouped(&flat, "grpo").is_empty());

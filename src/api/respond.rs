@@ -191,6 +191,8 @@ struct Choice {
     /// The sampler's log-prob of each token, always kept (the behaviour policy's, for the
     /// rollout log; also the completions `token_logprobs` column).
     behavior: Vec<f32>,
+    /// Positions of the tokens a grammar forced (constrained decoding).
+    forced: Vec<u32>,
     finish: Option<(FinishReason, Option<StopReason>)>,
     num_cached_tokens: usize,
     started: bool,
@@ -278,6 +280,7 @@ impl Responder {
                 logprob,
                 top_logprobs,
                 text,
+                forced,
             } => {
                 let lp_chat = (self.job.params.logprobs && self.job.flavor != Flavor::Completion)
                     .then(|| self.chat_logprob(*token_id, *logprob, top_logprobs));
@@ -291,6 +294,9 @@ impl Responder {
                 let echo_len = self.job.echo.as_ref().map_or(0, String::len);
                 let c = &mut self.choices[*choice];
                 c.token_ids.push(*token_id);
+                if *forced {
+                    c.forced.push(c.behavior.len() as u32);
+                }
                 c.behavior.push(*logprob);
                 if let Some(v) = lp_chat {
                     c.logprobs.push(v);
@@ -531,6 +537,7 @@ impl Responder {
             .map(|c| Served {
                 tokens: &c.token_ids,
                 behavior: &c.behavior,
+                forced: &c.forced,
                 finish_reason: c.finish.as_ref().map_or("length", |f| f.0.as_str()),
             })
             .collect();

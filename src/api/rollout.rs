@@ -15,6 +15,8 @@ pub struct Served<'a> {
     pub tokens: &'a [u32],
     /// The sampler's log-prob of each token.
     pub behavior: &'a [f32],
+    /// Positions of the tokens a grammar forced: not trained (the model chose nothing there).
+    pub forced: &'a [u32],
     pub finish_reason: &'static str,
 }
 
@@ -68,6 +70,7 @@ pub async fn log_choices(
             prompt: job.prompt_ids.clone(),
             completion: c.tokens.to_vec(),
             logprobs: c.behavior.to_vec(),
+            forced: c.forced.to_vec(),
             temperature: sp.temperature,
             policy_sampled,
             params: params.clone(),

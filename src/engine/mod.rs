@@ -89,6 +89,8 @@ pub enum EngineEvent {
     Token {
         choice: usize,
         token_id: u32,
+        /// The grammar allowed only this token (constrained decoding).
+        forced: bool,
         logprob: f32,
         top_logprobs: Vec<TopLogprob>,
         text: String,

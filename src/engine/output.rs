@@ -245,6 +245,7 @@ impl SeqOutput {
         let _ = self.req.tx.send(EngineEvent::Token {
             choice: self.choice,
             token_id: s.token,
+            forced: s.forced,
             logprob: s.logprob,
             top_logprobs: s.top.clone(),
             text,

@@ -79,6 +79,8 @@ pub struct TopLogprob {
 #[derive(Clone, Debug)]
 pub struct Sampled {
     pub token: u32,
+    /// The grammar allowed this token only (constrained decoding): the model chose nothing.
+    pub forced: bool,
     pub logprob: f32,
     pub top: Vec<TopLogprob>,
 }
@@ -168,6 +170,7 @@ pub fn sample_seen(
     };
     Sampled {
         token,
+        forced: allowed.is_some_and(|m| m.num_set() == 1),
         logprob: lp[token as usize],
         top: top_k(lp, p.top_logprobs),
     }
@@ -535,6 +538,19 @@ mod tests {
             assert!((s.logprob - (logits[s.token as usize] - z)).abs() < 1e-5);
         }
         assert_eq!(seen[0] + seen[1], 0, "{seen:?}");
+        let mut one = TokenMask::alloc(4);
+        one.allow_token(1);
+        let mut l = logits.to_vec();
+        let s = sample_seen(
+            &cpu(),
+            &mut l,
+            &p,
+            &HashMap::new(),
+            &[],
+            Some(&one),
+            &mut rng,
+        );
+        assert!(s.token == 1 && s.forced);
         assert!(seen[2] > seen[3] && seen[3] > 0, "{seen:?}");
         // Greedy: the best allowed token.
         let greedy = SamplingParams {

@@ -182,6 +182,7 @@ mod tests {
             rewarded_at: reward.map(|_| at),
             created: 0.0,
             episode: None,
+            forced: Vec::new(),
         }
     }
 

@@ -342,6 +342,7 @@ impl Learner {
                     behavior: Some(m.logprobs.clone()),
                     sampled_by_current: m.version == cur.version,
                     episode: m.episode.clone(),
+                    forced: m.forced.clone(),
                 })
             })
             .collect();

@@ -60,6 +60,8 @@ const MIGRATIONS: &[&str] = &[
      CREATE INDEX completions_episode ON completions (episode);
      CREATE TABLE episode_rewards (
         episode TEXT PRIMARY KEY, reward REAL NOT NULL, rewarded_at REAL NOT NULL);",
+    // 4: constrained decoding: the completion positions a grammar forced (u32 LE; empty: none).
+    "ALTER TABLE completions ADD COLUMN forced BLOB NOT NULL DEFAULT x'';",
 ];
 
 /// Why the log cannot be used.
@@ -106,6 +108,8 @@ pub struct CompletionRecord {
     pub key: String,
     /// The client's episode (a multi-turn task rewarded once), scoped to `key` when stored.
     pub episode: Option<String>,
+    /// Completion positions a grammar forced (constrained decoding): left out of the loss.
+    pub forced: Vec<u32>,
 }
 
 /// A stored choice, as `GET /v1/feedback/{id}` shows it.
@@ -192,6 +196,8 @@ pub struct Member {
     pub created: f64,
     /// The episode it is a turn of (its turns share one reward and advantage).
     pub episode: Option<String>,
+    /// Completion positions a grammar forced: left out of the loss.
+    pub forced: Vec<u32>,
 }
 
 /// A group's pending members.
@@ -359,8 +365,9 @@ impl RolloutLog {
             let mut st = tx.prepare_cached(
                 "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
                    prompt, completion, logprobs, temperature, policy_sampled, params,
-                   finish_reason, key_hash, created, episode)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                   finish_reason, key_hash, created, episode, forced)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
+                         ?17)",
             )?;
             let now = now_secs();
             for r in recs {
@@ -383,6 +390,7 @@ impl RolloutLog {
                     kh,
                     now,
                     episode,
+                    bytes_u32(&r.forced),
                 ])?;
             }
         }
@@ -501,7 +509,7 @@ impl RolloutLog {
         let c = self.conn()?;
         let mut st = c.prepare_cached(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
-                    temperature, policy_sampled, reward, rewarded_at, created, episode
+                    temperature, policy_sampled, reward, rewarded_at, created, episode, forced
              FROM completions
              WHERE adapter = ?1 AND consumed_step IS NULL AND dropped IS NULL
                AND group_id IN (SELECT group_id FROM completions
@@ -527,6 +535,7 @@ impl RolloutLog {
                     rewarded_at: r.get(11)?,
                     created: r.get(12)?,
                     episode: r.get(13)?,
+                    forced: u32s(&r.get::<_, Vec<u8>>(14)?),
                 },
             ))
         })?;

@@ -24,6 +24,7 @@ fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
         finish_reason: "stop".into(),
         key: key.into(),
         episode: None,
+        forced: vec![1],
     }
 }
 
@@ -77,6 +78,7 @@ fn rewards_are_checked_recorded_once_and_survive_a_reopen() {
     assert_eq!((g.group_id.as_str(), g.group_size), ("req:c1", 2));
     assert_eq!(g.members[1].completion, vec![4, 5]);
     assert_eq!(g.members[1].logprobs, vec![-0.5, -1.25]);
+    assert_eq!(g.members[1].forced, vec![1]);
     let l = log.begin_lineage("a", 3).unwrap();
     let cp = Checkpoint {
         step: 1,

@@ -28,6 +28,9 @@ pub struct Sample {
     /// The episode the sample is a turn of: its turns share one reward and advantage and count
     /// once in their group (None: a sample of its own).
     pub episode: Option<String>,
+    /// Completion positions a grammar forced (constrained decoding): left out of the loss (the
+    /// model chose nothing there; its unconstrained log-prob would push on the scaffolding).
+    pub forced: Vec<u32>,
 }
 
 /// A batch's samples with their advantages.
@@ -161,7 +164,13 @@ pub fn step(
         }
     }
     let mut grad_logp = vec![Vec::new(); seqs.len()];
-    for (i, g) in per_sample.into_iter().enumerate() {
+    for (i, mut g) in per_sample.into_iter().enumerate() {
+        // Tokens a grammar forced carry no choice of the model's: no gradient through them.
+        for &t in &samples[i].forced {
+            if let Some(x) = g.get_mut(t as usize) {
+                *x = 0.0;
+            }
+        }
         grad_logp[packed.of_sample[i]] = g;
     }
     let entropy = st.mean_entropy;
@@ -275,6 +284,7 @@ pub fn parse_jsonl(text: &str, tok: Option<&Tokenizer>) -> anyhow::Result<Vec<Sa
             sampled_by_current: false,
             // The turns of one episode (a multi-turn task) share its reward and advantage.
             episode: v.get("episode").and_then(Value::as_str).map(str::to_string),
+            forced: Vec::new(),
         });
     }
     Ok(out)
