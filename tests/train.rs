@@ -459,10 +459,32 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
     }
 }
 
+/// One GRPO step of `batch` from `w`.
+fn grpo_step(
+    model: &Llama,
+    w: &AdapterWeights,
+    opt: &mut flywheel::train::optim::AdamW,
+    batch: &flywheel::train::offline::Batch,
+) -> AdapterWeights {
+    let loss = flywheel::train::loss::LossConfig::named("grpo", 3, 4).unwrap();
+    let cpu = Cpu::detect();
+    let (next, _) = flywheel::train::offline::step(
+        model,
+        &cpu,
+        w,
+        opt,
+        &loss,
+        &[batch],
+        1.0,
+        ACTIVATION_BUDGET,
+    )
+    .unwrap();
+    next
+}
+
 #[test]
 fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
-    use flywheel::train::loss::LossConfig;
-    use flywheel::train::offline::{grouped, parse_jsonl, step};
+    use flywheel::train::offline::{grouped, parse_jsonl};
     use flywheel::train::optim::{AdamW, AdamWConfig};
     let (_dir, path) = write_tiny(&TinySpec::small());
     let model = Llama::open(&path).unwrap();
@@ -485,7 +507,6 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
             m[0] - (m[1] + m[2] + m[3]) / 3.0
         };
         let before = gap(&w);
-        let loss = LossConfig::named("grpo", 3, 4).unwrap();
         let mut opt = AdamW::new(
             AdamWConfig {
                 lr: 1e-2,
@@ -496,18 +517,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
         let batches = grouped(&samples, "grpo");
         assert_eq!(batches.len(), 1);
         for _ in 0..6 {
-            let (next, _) = step(
-                &model,
-                &Cpu::detect(),
-                &w,
-                &mut opt,
-                &loss,
-                &[&batches[0]],
-                1.0,
-                ACTIVATION_BUDGET,
-            )
-            .unwrap();
-            w = next;
+            w = grpo_step(&model, &w, &mut opt, &batches[0]);
         }
         let after = gap(&w);
         eprintln!("{name}: log-prob gap of the rewarded completion {before:.3} -> {after:.3}");
@@ -531,18 +541,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
         },
         w.layout.num_params,
     );
-    let loss = LossConfig::named("grpo", 3, 4).unwrap();
-    let (next, _) = step(
-        &model,
-        &Cpu::detect(),
-        &w,
-        &mut opt,
-        &loss,
-        &[&batches[0]],
-        1.0,
-        ACTIVATION_BUDGET,
-    )
-    .unwrap();
+    let next = grpo_step(&model, &w, &mut opt, &batches[0]);
     assert_eq!(next.params, w.params, "forced tokens trained");
     // A group whose rewards are all equal carries no signal.
     let flat = parse_jsonl(&data.replace("\"reward\": 1", "\"reward\": 0"), None).unwrap();
