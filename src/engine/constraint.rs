@@ -200,9 +200,4 @@ impl Constraint {
     pub fn advance(&mut self, t: u32) -> Result<(), String> {
         self.m.consume_token(t).map_err(message)
     }
-
-    /// Whether the grammar is complete where it stands.
-    pub fn is_accepting(&mut self) -> bool {
-        self.m.is_accepting().unwrap_or(false)
-    }
 }

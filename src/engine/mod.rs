@@ -253,7 +253,7 @@ impl Engine {
             .collect();
         // Constrained choices about to sample: their masks are computed beside the forward pass
         // (on a scoped thread), off the batch's critical path.
-        let ahead: Vec<(SeqId, Vec<u32>, Constraint)> = plan
+        let ahead: Vec<(SeqId, Arc<[u32]>, Constraint)> = plan
             .chunks
             .iter()
             .filter(|c| c.wants_logits)
@@ -262,7 +262,7 @@ impl Engine {
                 if o.next_mask.is_some() {
                     return None;
                 }
-                let ends = o.end_tokens();
+                let ends = o.req.end_tokens.clone();
                 o.constraint.take().map(|k| (c.seq, ends, k))
             })
             .collect();

@@ -12,6 +12,7 @@ use flywheel_kernels::Cpu;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -23,8 +24,9 @@ pub struct RequestState {
     pub seed: u64,
     /// This request's series of `adapter_generation_tokens_total` (looked up once, not per token).
     pub adapter_tokens: prometheus::IntCounter,
-    /// The tokenizer's EOS (an end token unless `ignore_eos`).
-    pub eos: Option<u32>,
+    /// The tokens that end a choice: the tokenizer's EOS (unless `ignore_eos`) and the stop
+    /// tokens; a grammar's end maps onto them. Decided once (shared with the mask thread).
+    pub end_tokens: Arc<[u32]>,
     choices_left: Cell<usize>,
 }
 
@@ -42,13 +44,18 @@ impl RequestState {
         let adapter_tokens = metrics
             .adapter_generation_tokens
             .with_label_values(&[adapter]);
+        let eos = eos.filter(|_| !req.ignore_eos);
+        let end_tokens = eos
+            .into_iter()
+            .chain(req.stop_token_ids.iter().copied())
+            .collect();
         RequestState {
             req,
             tx,
             arrival,
             seed,
             adapter_tokens,
-            eos,
+            end_tokens,
             choices_left: Cell::new(n),
         }
     }
@@ -112,22 +119,12 @@ impl SeqOutput {
         }
     }
 
-    /// The tokens that end this choice (the grammar's end maps onto them).
-    pub fn end_tokens(&self) -> Vec<u32> {
-        let r = &self.req.req;
-        let eos = self.req.eos.filter(|_| !r.ignore_eos);
-        eos.into_iter()
-            .chain(r.stop_token_ids.iter().copied())
-            .collect()
-    }
-
     /// Compute the mask for the next token now (a constrained choice whose mask was not
     /// computed ahead).
     pub fn prepare_mask(&mut self) {
         if self.next_mask.is_none() {
-            let ends = self.end_tokens();
             if let Some(c) = &mut self.constraint {
-                self.next_mask = Some(c.mask(&ends));
+                self.next_mask = Some(c.mask(&self.req.end_tokens));
             }
         }
     }
@@ -147,9 +144,8 @@ impl SeqOutput {
             mask.as_ref(),
             &mut self.rng,
         );
-        let ends = self.end_tokens();
         if let Some(c) = &mut self.constraint {
-            if !ends.contains(&s.token) {
+            if !self.req.end_tokens.contains(&s.token) {
                 c.advance(s.token)?;
             }
         }
