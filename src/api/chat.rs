@@ -33,12 +33,7 @@ pub async fn chat_completions(
         }
         None => (messages, None, None, None),
     };
-    let tools_field = if f.get("functions").is_some() {
-        "functions"
-    } else {
-        "tools"
-    };
-    let grammar = output_grammar(&f, tool_grammar, tools_field)?;
+    let grammar = output_grammar(&f, tool_grammar)?;
     let (_, adapter) = state.resolve_model(&params.model)?;
     let constraint = match grammar {
         Some(g) => {

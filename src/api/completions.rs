@@ -32,7 +32,7 @@ pub async fn completions(
         ));
     }
     let (_, adapter) = state.resolve_model(&params.model)?;
-    let constraint = match output_grammar(&f, None, "")? {
+    let constraint = match output_grammar(&f, None)? {
         Some(g) => {
             params.sampling.constrained = true;
             Some(ready.compile(g.field, g.spec).await?)

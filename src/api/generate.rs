@@ -96,7 +96,7 @@ pub async fn generate(
     params.return_tokens_as_token_ids = true;
     let (_, adapter) = state.resolve_model(&params.model)?;
     // vLLM's sampling_params.structured_outputs (json, regex, choice, grammar).
-    let constraint = match output_grammar(&sf, None, "").map_err(in_sampling_params)? {
+    let constraint = match output_grammar(&sf, None).map_err(in_sampling_params)? {
         Some(g) => {
             params.sampling.constrained = true;
             let field = format!("sampling_params.{}", g.field);

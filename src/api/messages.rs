@@ -4,9 +4,9 @@
 
 use super::error::ApiError;
 use super::openai::{type_error, Fields};
+use super::structured::Structured;
 use super::tool_grammar::{generic_messages, tool_grammar, Forced};
 use super::tools::{ToolFormat, ToolMode};
-use crate::engine::constraint::GrammarSpec;
 use serde_json::{Map, Value};
 
 /// `messages` as the chat template reads them: roles system (developer is read as system), user,
@@ -212,10 +212,15 @@ impl RequestTools {
     }
 
     /// The grammar the answer follows (forced calls, or the generic format).
-    pub fn grammar(&self) -> Result<Option<GrammarSpec>, ApiError> {
+    pub fn grammar(&self) -> Result<Option<Structured>, ApiError> {
         let Some(m) = self.mode else { return Ok(None) };
-        tool_grammar(m.format, &self.defs, &self.forced, m.parallel)
-            .map_err(|e| ApiError::invalid(if m.legacy { "functions" } else { "tools" }, e))
+        let field = if m.legacy { "functions" } else { "tools" };
+        let spec = tool_grammar(m.format, &self.defs, &self.forced, m.parallel)
+            .map_err(|e| ApiError::invalid(field, e))?;
+        Ok(spec.map(|spec| Structured {
+            field: field.into(),
+            spec,
+        }))
     }
 }
 
@@ -233,9 +238,9 @@ pub fn request_tools(f: &Fields, template: Option<&str>) -> Result<Option<Reques
         .unwrap_or(ToolFormat::Generic);
     let mode = forced.as_ref().map(|_| ToolMode {
         format,
-        // Several calls by default (OpenAI's default), except in the generic format, whose
-        // small models repeat a call list endlessly: there, as in llama.cpp's server, only
-        // when asked.
+        // Several calls by default (OpenAI's default), except in the generic format: there
+        // (SmolLM2 at temperature 0 repeated one call in the list until max_tokens), as in
+        // llama.cpp's server, only when asked.
         parallel: f
             .bool("parallel_tool_calls")
             .ok()

@@ -83,7 +83,16 @@ impl Ready {
         );
         blocking(move || {
             let g = cell
-                .get_or_init(|| Grammars::new(tok, vocab).map(Arc::new))
+                .get_or_init(|| {
+                    let t0 = std::time::Instant::now();
+                    let g = Grammars::new(tok, vocab).map(Arc::new);
+                    tracing::info!(
+                        ms = t0.elapsed().as_millis() as u64,
+                        ok = g.is_ok(),
+                        "constrained decoding: the vocabulary's grammar tables built"
+                    );
+                    g
+                })
                 .as_ref()
                 .map_err(|e| {
                     ApiError::internal(format!("constrained decoding is unavailable: {e}"))

@@ -21,14 +21,9 @@ pub struct Structured {
 /// grammar (a grammar that is complete ends the answer).
 pub fn output_grammar(
     f: &Fields,
-    tools: Option<GrammarSpec>,
-    tools_field: &str,
+    tools: Option<Structured>,
 ) -> Result<Option<Structured>, ApiError> {
     let structured = parse_structured(f)?;
-    let tools = tools.map(|spec| Structured {
-        field: tools_field.to_string(),
-        spec,
-    });
     let out = match (structured, tools) {
         (Some(s), Some(t)) => {
             return Err(ApiError::invalid(

@@ -123,28 +123,27 @@ pub fn tool_grammar(
 /// text that was generated.
 pub fn spaced_json(v: &Value) -> String {
     struct Spaced;
+    fn item<W: ?Sized + std::io::Write>(w: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
     impl serde_json::ser::Formatter for Spaced {
         fn begin_array_value<W: ?Sized + std::io::Write>(
             &mut self,
             w: &mut W,
             first: bool,
         ) -> std::io::Result<()> {
-            if first {
-                Ok(())
-            } else {
-                w.write_all(b", ")
-            }
+            item(w, first)
         }
         fn begin_object_key<W: ?Sized + std::io::Write>(
             &mut self,
             w: &mut W,
             first: bool,
         ) -> std::io::Result<()> {
-            if first {
-                Ok(())
-            } else {
-                w.write_all(b", ")
-            }
+            item(w, first)
         }
         fn begin_object_value<W: ?Sized + std::io::Write>(
             &mut self,
