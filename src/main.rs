@@ -163,6 +163,14 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Write the model's tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json
+    /// with the chat template) into DIR, for clients that tokenize themselves (verifiers, TRL).
+    ExportTokenizer {
+        #[arg(long, default_value = DEFAULT_MODEL)]
+        model: PathBuf,
+        /// Output folder (created if missing).
+        out: PathBuf,
+    },
     /// Prompt-processing and decode throughput (median of several runs).
     Bench {
         #[command(flatten)]
@@ -364,6 +372,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         .join(" ")
                 );
             }
+            Ok(())
+        }
+        Cmd::ExportTokenizer { model, out } => {
+            let path = ensure_model(&model)?;
+            let g = flywheel::model::gguf::Gguf::open(&path)?;
+            let (json, config) = Tokenizer::from_gguf(&g)?.hf_files()?;
+            std::fs::create_dir_all(&out)
+                .with_context(|| format!("creating {}", out.display()))?;
+            for (name, text) in [
+                ("tokenizer.json", json),
+                ("tokenizer_config.json", serde_json::to_string_pretty(&config)?),
+            ] {
+                let p = out.join(name);
+                std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;
+            }
+            println!("{}", out.display());
             Ok(())
         }
         Cmd::Generate {

@@ -191,3 +191,26 @@ fn the_families_own_templates_render_as_transformers_renders_them_tools_included
     }
     assert_eq!(checked, 5 * 4 * 2);
 }
+
+/// `flywheel export-tokenizer`'s files, read back by the `tokenizers` library as a Hugging Face
+/// client would, encode every text as the server does; the config carries the chat template.
+#[test]
+fn exported_tokenizer_encodes_as_the_server() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let model = Llama::open(&path).unwrap();
+    let tok = Tokenizer::from_gguf(&model.gguf).unwrap();
+    let (json, config) = tok.hf_files().unwrap();
+    let hf: tokenizers::Tokenizer = json.parse().unwrap();
+    for text in [
+        "hello world",
+        "  spaces  and\nnew lines\t",
+        "<|im_start|>user\nhi<|im_end|>",
+        "digits 12345 and ünïcode ✓",
+    ] {
+        let want = tok.encode_with(text, true).unwrap();
+        let got = hf.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!(got, want, "{text:?}");
+    }
+    assert_eq!(config["chat_template"].as_str(), tok.chat_template());
+    assert_eq!(config["add_bos_token"], serde_json::json!(tok.add_bos));
+}

@@ -306,6 +306,46 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The tokenizer as Hugging Face files (`tokenizer.json`, `tokenizer_config.json`), for
+    /// clients that tokenize themselves (the `verifiers` renderers, TRL) and cannot fetch the
+    /// model's own from a hub: the same vocabulary, merges and pre-tokenizer this server encodes
+    /// with, BOS added by a post-processor when the model asks for it, and the GGUF's chat
+    /// template. Byte-level BPE only (SentencePiece vocabularies are encoded by `model::spm`,
+    /// which has no `tokenizers` form).
+    pub fn hf_files(&self) -> Result<(String, serde_json::Value), TokenizerError> {
+        let Model::Bpe(t) = &self.inner else {
+            return Err(TokenizerError::Unsupported(
+                "exporting a SentencePiece tokenizer (only byte-level BPE has a tokenizer.json)"
+                    .into(),
+            ));
+        };
+        let mut t = (**t).clone();
+        if let (true, Some(bos)) = (self.add_bos, self.bos_id) {
+            let post = tokenizers::processors::template::TemplateProcessing::builder()
+                .try_single(format!("{} $A", self.bos_text))
+                .and_then(|b| b.try_pair(format!("{} $A {} $B", self.bos_text, self.bos_text)))
+                .map_err(|e| TokenizerError::Build(e.to_string()))?
+                .special_tokens(vec![(self.bos_text.clone(), bos)])
+                .build()
+                .map_err(|e| TokenizerError::Build(e.to_string()))?;
+            t.with_post_processor(Some(post));
+        }
+        let json = t
+            .to_string(true)
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_id.map(|_| self.bos_text.clone()),
+            "eos_token": self.eos_id.map(|_| self.eos_text.clone()),
+            "pad_token": self.eos_id.map(|_| self.eos_text.clone()),
+            "add_bos_token": self.add_bos,
+            "add_eos_token": false,
+            "clean_up_tokenization_spaces": false,
+            "chat_template": self.chat_template,
+        });
+        Ok((json, config))
+    }
+
     /// The bytes a token stands for.
     pub fn token_bytes(&self, id: u32) -> &[u8] {
         self.token_bytes
