@@ -398,6 +398,35 @@ fn the_generic_format_serves_templates_without_tools() {
             {"role": "tool", "tool_call_id": "c1", "content": "cold"}]}),
     );
     assert_eq!(r.status, 200, "{}", r.body_text());
+    // tool_choice "none" (an agent loop's last turn): the same conversation, rendered as for
+    // the turns that could call (an episode's prompts keep extending each other), and the
+    // answer is always a response, given as text.
+    let auto_prompt = r.json()["usage"]["prompt_tokens"].clone();
+    let convo = json!([
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"}]);
+    for seed in 0..6 {
+        let r = s.post(
+            "/v1/chat/completions",
+            &json!({"model": "tiny", "max_tokens": 200, "tools": weather_tools(),
+                    "tool_choice": "none", "temperature": 1.0, "seed": seed,
+                    "messages": convo}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        let v = r.json();
+        let c = &v["choices"][0];
+        assert!(c["message"].get("tool_calls").is_none(), "{c}");
+        assert_ne!(c["finish_reason"], "tool_calls", "{c}");
+        let t = c["message"]["content"].as_str().unwrap();
+        if c["finish_reason"] == "stop" {
+            assert!(!t.starts_with("{\"response\""), "{c}");
+        } else {
+            assert!(t.starts_with("{\"response\": \""), "{c}");
+        }
+        assert_eq!(v["usage"]["prompt_tokens"], auto_prompt, "{v}");
+    }
     let r = s.post(
         "/v1/chat/completions",
         &chat("x", json!({"tools": weather_tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}})),

@@ -28,7 +28,7 @@ pub async fn chat_completions(
     let tools = request_tools(&f, template)?;
     let (messages, tool_defs, tool_mode, tool_grammar) = match &tools {
         Some(t) => {
-            let (m, defs) = t.render_inputs(messages, template);
+            let (m, defs) = t.render_inputs(messages);
             (m, defs, t.mode, t.grammar()?)
         }
         None => (messages, None, None, None),

@@ -103,7 +103,7 @@ pub async fn tokenize(
         let msgs = parse_messages(&f)?;
         // As chat: the template's tools, or the generic format's conversation.
         let (msgs, tools) = match request_tools(&f, tok.chat_template())? {
-            Some(t) => t.render_inputs(msgs, tok.chat_template()),
+            Some(t) => t.render_inputs(msgs),
             None => (msgs, None),
         };
         let add = f.bool("add_generation_prompt")?.unwrap_or(true);

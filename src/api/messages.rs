@@ -199,14 +199,12 @@ impl RequestTools {
     }
 
     /// The conversation and tool definitions the template renders: the generic format rewrites
-    /// the conversation and hands the template no tools; with "none" and no template support,
-    /// the tools are left out.
-    pub fn render_inputs(&self, messages: Value, template: Option<&str>) -> (Value, Option<Value>) {
+    /// the conversation (with "none" too) and hands the template no tools.
+    pub fn render_inputs(&self, messages: Value) -> (Value, Option<Value>) {
         match self.mode {
             Some(m) if m.format == ToolFormat::Generic => {
                 (generic_messages(&messages, &self.defs, m.parallel), None)
             }
-            None if template.and_then(ToolFormat::of_template).is_none() => (messages, None),
             _ => (messages, Some(self.defs.clone())),
         }
     }
@@ -236,7 +234,9 @@ pub fn request_tools(f: &Fields, template: Option<&str>) -> Result<Option<Reques
     let format = template
         .and_then(ToolFormat::of_template)
         .unwrap_or(ToolFormat::Generic);
-    let mode = forced.as_ref().map(|_| ToolMode {
+    // "none" leaves a template with tool support to render the tools and parses nothing; the
+    // generic format keeps its conversation and constrains the answer to a response.
+    let mode = (forced.is_some() || format == ToolFormat::Generic).then_some(ToolMode {
         format,
         // Several calls by default (OpenAI's default), except in the generic format: there
         // (SmolLM2 at temperature 0 repeated one call in the list until max_tokens), as in
@@ -251,7 +251,7 @@ pub fn request_tools(f: &Fields, template: Option<&str>) -> Result<Option<Reques
     Ok(Some(RequestTools {
         defs,
         mode,
-        forced: forced.unwrap_or(Forced::Auto),
+        forced: forced.unwrap_or(Forced::None),
     }))
 }
 

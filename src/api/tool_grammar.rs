@@ -19,6 +19,10 @@ pub enum Forced {
     Required,
     /// Exactly one call of this function.
     Named(String),
+    /// No call (`tool_choice: "none"`): in the generic format the answer is a response object,
+    /// the conversation rendered as in the turns that could call (so an episode's prompts still
+    /// extend each other); templates with tool support render the tools and nothing is parsed.
+    None,
 }
 
 /// The functions of `defs` (`[{"type": "function", "function": {...}}]`): (name, parameters
@@ -88,18 +92,20 @@ pub fn tool_grammar(
                     "additionalProperties": false,
                 })
             };
+            let response = json!({
+                "type": "object",
+                "properties": {"response": {"type": "string"}},
+                "required": ["response"],
+                "additionalProperties": false,
+            });
             let schema = match forced {
-                Forced::Auto => json!({"anyOf": [calls, {
-                    "type": "object",
-                    "properties": {"response": {"type": "string"}},
-                    "required": ["response"],
-                    "additionalProperties": false,
-                }]}),
+                Forced::Auto => json!({"anyOf": [calls, response]}),
+                Forced::None => response,
                 _ => calls,
             };
             Some(GrammarSpec::Json(schema))
         }
-        (_, Forced::Auto) => None,
+        (_, Forced::Auto | Forced::None) => None,
         (ToolFormat::Hermes, _) => {
             let call = compact_schema(&call_schema(&funcs, forced, "arguments"))?;
             let body = if several {
