@@ -88,6 +88,8 @@ pub struct CliOverrides {
     pub learn: Vec<String>,
     /// `--data-dir`: overrides online.data_dir.
     pub data_dir: Option<PathBuf>,
+    /// `--rollout-store`: overrides online.rollout_store.
+    pub rollout_store: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -174,6 +176,9 @@ impl RawConfig {
             .online
             .validate()
             .map_err(|msg| invalid("online", msg))?;
+        if let Some(s) = &cli.rollout_store {
+            online.rollout_store = Some(s.clone()).filter(|s| !s.is_empty());
+        }
         if let Some(d) = &cli.data_dir {
             online.data_dir = d.clone();
         }

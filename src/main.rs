@@ -69,6 +69,10 @@ enum Cmd {
         /// Where the rollout log and checkpoints live (overrides online.data_dir; default data).
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// Where the rollout log lives (overrides online.rollout_store): a postgres:// URL shared
+        /// by several servers; default SQLite in the data directory.
+        #[arg(long, env = "FLYWHEEL_ROLLOUT_STORE")]
+        rollout_store: Option<String>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -253,6 +257,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             adapters,
             learn,
             data_dir,
+            rollout_store,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -274,6 +279,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 adapters,
                 learn,
                 data_dir,
+                rollout_store,
             };
             flywheel::app::serve(raw.validate(&cli)?)
         }
@@ -378,11 +384,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let path = ensure_model(&model)?;
             let g = flywheel::model::gguf::Gguf::open(&path)?;
             let (json, config) = Tokenizer::from_gguf(&g)?.hf_files()?;
-            std::fs::create_dir_all(&out)
-                .with_context(|| format!("creating {}", out.display()))?;
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
             for (name, text) in [
                 ("tokenizer.json", json),
-                ("tokenizer_config.json", serde_json::to_string_pretty(&config)?),
+                (
+                    "tokenizer_config.json",
+                    serde_json::to_string_pretty(&config)?,
+                ),
             ] {
                 let p = out.join(name);
                 std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;

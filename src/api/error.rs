@@ -167,6 +167,14 @@ impl From<crate::online::log::LogError> for ApiError {
                 }
             }
             LogError::Db(e) => ApiError::internal(format!("the rollout log failed: {e}")),
+            // PostgreSQL unreachable, restarted or timed out: nothing was recorded; retry.
+            LogError::Pg(ref pg) if pg.as_db_error().is_none() || pg.is_closed() => ApiError {
+                code: Some("rollout_log_unavailable"),
+                ..ApiError::unavailable(format!("{e}; nothing was recorded"))
+            },
+            LogError::Pg(_) | LogError::Conflict(_) => {
+                ApiError::internal(format!("the rollout log failed: {e}"))
+            }
         }
     }
 }

@@ -497,7 +497,9 @@ pub async fn status(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
         .get()
         .map(|o| json!(o.status()))
         .unwrap_or_else(|| json!({}));
-    let log_ok = ready.online.get().map(|o| o.health().is_ok());
+    let log_ok = super::info::learning_health(&state)
+        .await
+        .map(|h| h.is_ok());
     Ok(Json(
         json!({"object": "train.status", "adapters": adapters, "rollout_log_ok": log_ok}),
     ))

@@ -150,6 +150,15 @@ pub async fn detokenize(
 }
 
 /// 200 when the model is loaded and the engine thread alive; 503 otherwise.
+/// The learning side's health (None: not learning), asked on the blocking pool: a rollout log
+/// on PostgreSQL answers over the network.
+pub async fn learning_health(state: &AppState) -> Option<Result<(), String>> {
+    let st = state.clone();
+    tokio::task::spawn_blocking(move || st.ready().ok()?.online.get().map(|o| o.health()))
+        .await
+        .unwrap_or_else(|_| Some(Err("the health check failed".into())))
+}
+
 pub async fn health(State(state): State<AppState>) -> Response {
     let r = match state.ready() {
         Ok(r) => r,
@@ -159,7 +168,7 @@ pub async fn health(State(state): State<AppState>) -> Response {
         return ApiError::unavailable("the engine stopped").into_response();
     }
     // Learning: the rollout log must be usable and the trainer running.
-    if let Some(Err(why)) = r.online.get().map(|o| o.health()) {
+    if let Some(Err(why)) = learning_health(&state).await {
         return ApiError::unavailable(format!("learning is unavailable: {why}")).into_response();
     }
     (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()

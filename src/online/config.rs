@@ -9,6 +9,7 @@ use std::path::PathBuf;
 #[serde(deny_unknown_fields)]
 pub struct RawOnline {
     pub data_dir: Option<PathBuf>,
+    pub rollout_store: Option<String>,
     pub reward_min: Option<f64>,
     pub reward_max: Option<f64>,
     pub max_off_policy_steps: Option<u64>,
@@ -43,8 +44,12 @@ pub struct RawLearn {
 /// The validated `[online]` settings.
 #[derive(Clone, Debug)]
 pub struct OnlineConfig {
-    /// Holds `flywheel.db` (the rollout log) and `adapters/NAME/step-N` checkpoints.
+    /// Holds `flywheel.db` (the rollout log, unless `rollout_store` names another) and
+    /// `adapters/NAME/step-N` checkpoints.
     pub data_dir: PathBuf,
+    /// Where the rollout log lives: None, SQLite in `data_dir`; `postgres://...`, PostgreSQL
+    /// (shared by several serving replicas and a trainer).
+    pub rollout_store: Option<String>,
     pub reward_min: f64,
     pub reward_max: f64,
     /// Groups sampled more than this many versions before the current one are dropped.
@@ -84,6 +89,7 @@ impl RawOnline {
     pub fn validate(self) -> Result<OnlineConfig, String> {
         let c = OnlineConfig {
             data_dir: self.data_dir.unwrap_or_else(|| PathBuf::from("data")),
+            rollout_store: self.rollout_store.filter(|s| !s.is_empty()),
             reward_min: self.reward_min.unwrap_or(-1e6),
             reward_max: self.reward_max.unwrap_or(1e6),
             max_off_policy_steps: self.max_off_policy_steps.unwrap_or(4),

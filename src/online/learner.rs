@@ -9,7 +9,8 @@ use super::checkpoint::{checkpoint_rel, load_checkpoint, remove_dir, write_check
 use super::config::{LearnConfig, OnlineConfig};
 use super::groups::{self, Rules};
 use super::lineage::{Checkpoint, Lineage};
-use super::log::{LogError, PendingGroup, RolloutLog};
+use super::log::{LogError, PendingGroup};
+use super::store::RolloutStore;
 use crate::adapter::registry::{Publisher, Registry};
 use crate::adapter::{AdapterBase, OftConfig};
 use crate::adapter::{AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method};
@@ -28,7 +29,7 @@ use std::sync::Arc;
 /// Everything a learner works with (shared with the engine: model, compute, registry).
 pub struct Env {
     pub cfg: OnlineConfig,
-    pub log: Arc<RolloutLog>,
+    pub log: Arc<dyn RolloutStore>,
     pub model: Arc<Llama>,
     pub cpu: Arc<Cpu>,
     pub registry: Arc<Registry>,

@@ -7,7 +7,7 @@
 //! that directory (a copied data directory is self-contained) in the same transaction as the
 //! completions the step consumed.
 
-use super::log::{LogError, RolloutLog};
+use super::log::{LogError, SqliteLog};
 use crate::util::now_secs;
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
 
@@ -29,7 +29,14 @@ pub struct Checkpoint {
     pub path: String,
 }
 
-impl RolloutLog {
+/// A step that would consume a member twice (or one that is gone): the whole step is refused.
+pub(super) fn already_consumed(id: &str, choice: u32) -> LogError {
+    LogError::Conflict(format!(
+        "completion '{id}' choice {choice} is consumed already (or gone): the step is not recorded"
+    ))
+}
+
+impl SqliteLog {
     /// The lineage `adapter` learns in now, if any.
     pub fn active_lineage(&self, adapter: &str) -> Result<Option<Lineage>, LogError> {
         let c = self.conn()?;
@@ -134,10 +141,14 @@ impl RolloutLog {
             ],
         )?;
         for (id, choice) in consumed {
-            tx.execute(
-                "UPDATE completions SET consumed_step = ?3 WHERE id = ?1 AND choice = ?2",
+            let n = tx.execute(
+                "UPDATE completions SET consumed_step = ?3
+                 WHERE id = ?1 AND choice = ?2 AND consumed_step IS NULL",
                 params![id, choice, cp.step as i64],
             )?;
+            if n != 1 {
+                return Err(already_consumed(id, *choice));
+            }
         }
         Ok(tx.commit()?)
     }

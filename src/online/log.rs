@@ -73,6 +73,12 @@ pub enum LogError {
     Broken(String),
     #[error("rollout log: {0}")]
     Db(#[from] rusqlite::Error),
+    /// PostgreSQL: connection-level failures (unreachable, restarted, timed out) are transient.
+    #[error("rollout log (PostgreSQL): {0}")]
+    Pg(#[from] postgres::Error),
+    /// The write contradicts what is stored (a member another trainer consumed already).
+    #[error("rollout log: {0}")]
+    Conflict(String),
 }
 
 /// Why a reward for a completion of `adapter` is not taken (the caller decides per adapter).
@@ -174,6 +180,12 @@ impl From<rusqlite::Error> for FeedbackError {
     }
 }
 
+impl From<postgres::Error> for FeedbackError {
+    fn from(e: postgres::Error) -> FeedbackError {
+        FeedbackError::Log(LogError::Pg(e))
+    }
+}
+
 /// A served turn: its prompt and completion token ids.
 pub type Turn = (Vec<u32>, Vec<u32>);
 
@@ -208,7 +220,7 @@ pub struct PendingGroup {
     pub members: Vec<Member>,
 }
 
-pub struct RolloutLog {
+pub struct SqliteLog {
     conn: Mutex<Connection>,
     salt: String,
     path: PathBuf,
@@ -218,7 +230,7 @@ pub struct RolloutLog {
 }
 
 /// The columns a `ChoiceInfo` is read from (`choice_info`), in order.
-const CHOICE_INFO: &str =
+pub(super) const CHOICE_INFO: &str =
     "choice, adapter, version, group_id, finish_reason, reward, consumed_step, dropped";
 
 /// A `ChoiceInfo` from the `CHOICE_INFO` columns of `r`, the first at index `at`.
@@ -235,29 +247,39 @@ fn choice_info(r: &rusqlite::Row, at: usize) -> rusqlite::Result<ChoiceInfo> {
     })
 }
 
-fn u32s(b: &[u8]) -> Vec<u32> {
+/// A 128-bit FNV-1a of `salt`, a zero byte and `key`.
+pub(super) fn salted_key_hash(salt: &str, key: &str) -> String {
+    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+    for b in salt.bytes().chain([0u8]).chain(key.bytes()) {
+        h ^= b as u128;
+        h = h.wrapping_mul(0x0000000001000000000000000000013B);
+    }
+    format!("{h:032x}")
+}
+
+pub(super) fn u32s(b: &[u8]) -> Vec<u32> {
     b.chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
 
-fn f32s(b: &[u8]) -> Vec<f32> {
+pub(super) fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
 
-fn bytes_u32(v: &[u32]) -> Vec<u8> {
+pub(super) fn bytes_u32(v: &[u32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-fn bytes_f32(v: &[f32]) -> Vec<u8> {
+pub(super) fn bytes_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-impl RolloutLog {
+impl SqliteLog {
     /// Open (creating it and its folder if needed) and migrate.
-    pub fn open(path: &Path) -> anyhow::Result<RolloutLog> {
+    pub fn open(path: &Path) -> anyhow::Result<SqliteLog> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
                 .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
@@ -301,7 +323,7 @@ impl RolloutLog {
             }
         };
         let meta = std::fs::metadata(path)?;
-        Ok(RolloutLog {
+        Ok(SqliteLog {
             conn: Mutex::new(conn),
             salt,
             path: path.to_path_buf(),
@@ -349,12 +371,7 @@ impl RolloutLog {
     /// A key's stored form: a 128-bit FNV-1a of a secret per-database salt and the key (keys are
     /// compared, never shown; the salt keeps equal keys of two databases apart).
     pub fn key_hash(&self, key: &str) -> String {
-        let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-        for b in self.salt.bytes().chain([0u8]).chain(key.bytes()) {
-            h ^= b as u128;
-            h = h.wrapping_mul(0x0000000001000000000000000000013B);
-        }
-        format!("{h:032x}")
+        salted_key_hash(&self.salt, key)
     }
 
     /// Log the choices of one request (one transaction).

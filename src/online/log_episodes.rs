@@ -4,7 +4,7 @@
 
 use super::*;
 
-impl RolloutLog {
+impl SqliteLog {
     /// An episode as stored: the client's name scoped to the key that made it.
     pub(super) fn episode_key(&self, key_hash: &str, episode: &str) -> String {
         format!("{key_hash}:{episode}")

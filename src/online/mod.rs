@@ -1,5 +1,6 @@
-//! Serving while learning. `log` is the rollout log (completions, rewards) and `lineage` its
-//! record of training (lineages, checkpoints); `groups` decides which rewarded groups train
+//! Serving while learning. `store` is the rollout store's trait (completions, rewards,
+//! episodes, and the record of training: lineages, checkpoints), implemented on SQLite by `log`
+//! (with `lineage`) and on PostgreSQL by `log_pg`; `groups` decides which rewarded groups train
 //! (pure); `learner` is one learning adapter and its step, `checkpoint` its folders on disk; `trainer` is the thread that owns the
 //! learners and the `TrainerHandle` the server talks to it with.
 
@@ -9,4 +10,6 @@ pub mod groups;
 pub mod learner;
 pub mod lineage;
 pub mod log;
+pub mod log_pg;
+pub mod store;
 pub mod trainer;

@@ -17,7 +17,8 @@
 use super::checkpoint::sweep_temporaries;
 use super::config::{LearnConfig, OnlineConfig};
 use super::learner::{Env, ErrorKind, Learner, State, Status, TrainError};
-use super::log::{Refusal, RolloutLog};
+use super::log::Refusal;
+use super::store::{open_store, RolloutStore};
 use crate::adapter::registry::Registry;
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
@@ -69,7 +70,7 @@ struct Shared {
 pub struct TrainerHandle {
     tx: mpsc::Sender<Command>,
     shared: Arc<Shared>,
-    pub log: Arc<RolloutLog>,
+    pub log: Arc<dyn RolloutStore>,
     pub cfg: OnlineConfig,
     pub metrics: Arc<Metrics>,
 }
@@ -131,7 +132,7 @@ impl TrainerHandle {
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<TrainerHandle> {
         check_writable(&cfg.data_dir)?;
-        let log = Arc::new(RolloutLog::open(&cfg.data_dir.join("flywheel.db"))?);
+        let log = open_store(cfg.rollout_store.as_deref(), &cfg.data_dir)?;
         metrics.rollout_log_ok.set(1);
         sweep_temporaries(&cfg.data_dir);
         let (tx, rx) = mpsc::channel();

@@ -4,6 +4,7 @@
 pub mod adapters;
 pub mod naive;
 pub mod online;
+pub mod pg;
 pub mod server;
 
 use flywheel::kernels::quant::quantize::quantize;

@@ -17,6 +17,17 @@ pub const ADMIN: &str = "admin-key";
 
 /// A server on `model` learning `learn` (names), its rollout log and checkpoints in `data`.
 pub fn start_learning(model: &Path, data: &Path, config: &str, learn: &[&str]) -> Server {
+    start_learning_with(model, data, config, learn, &[])
+}
+
+/// `start_learning` with more flags (`--rollout-store URL`).
+pub fn start_learning_with(
+    model: &Path,
+    data: &Path,
+    config: &str,
+    learn: &[&str],
+    extra: &[&str],
+) -> Server {
     let mut args = vec![
         "--data-dir".to_string(),
         data.to_str().unwrap().to_string(),
@@ -29,6 +40,7 @@ pub fn start_learning(model: &Path, data: &Path, config: &str, learn: &[&str]) -
         args.push("--learn".into());
         args.push(l.to_string());
     }
+    args.extend(extra.iter().map(|a| a.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     Server::start(model, config, &args)
 }

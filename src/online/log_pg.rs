@@ -1,0 +1,678 @@
+//! The rollout store on PostgreSQL (`--rollout-store postgres://...`): the SQLite log's schema
+//! and promises (`online::store`), for several serving replicas and a trainer sharing one log.
+//!
+//! - Schema: versioned migrations in `flywheel_meta`, applied under a transaction-scoped
+//!   advisory lock, so replicas starting together apply each exactly once.
+//! - Concurrency (READ COMMITTED): a reward locks its completion row (`FOR UPDATE`), so two
+//!   replicas posting for one completion serialize (the second sees the first's reward:
+//!   idempotent or a 409); an episode's reward and the logging of its turns take the episode's
+//!   advisory lock, so a turn logged while its episode is rewarded gets the reward either way;
+//!   a step consumes its members only where `consumed_step IS NULL` and fails whole otherwise,
+//!   so no group trains twice even with two trainers racing.
+//! - Connections: a few pooled blocking clients (rust-postgres); a broken one is dropped and the
+//!   next call reconnects, so a restarted database costs the calls made while it was down
+//!   (their errors are 503s: nothing was acknowledged). Called from blocking threads only.
+
+use super::lineage::{already_consumed, Checkpoint, Lineage};
+use super::log::{
+    bytes_f32, bytes_u32, f32s, u32s, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError,
+    LogError, Member, PendingGroup, Reward, Turn, CHOICE_INFO,
+};
+use super::store::{redact, Accepts, RolloutStore};
+use crate::util::now_secs;
+use postgres::{Client, NoTls, Row, Transaction};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Schema migrations, applied in order; `flywheel_meta.schema_version` is how many ran. The
+/// first is the SQLite log's schema after its four migrations.
+const MIGRATIONS: &[&str] = &["
+    CREATE TABLE completions (
+        id TEXT NOT NULL, choice INTEGER NOT NULL,
+        adapter TEXT NOT NULL, version BIGINT NOT NULL,
+        group_id TEXT NOT NULL, group_size BIGINT NOT NULL,
+        prompt BYTEA NOT NULL, completion BYTEA NOT NULL, logprobs BYTEA NOT NULL,
+        temperature DOUBLE PRECISION NOT NULL, policy_sampled BOOLEAN NOT NULL,
+        params TEXT NOT NULL, finish_reason TEXT NOT NULL, key_hash TEXT NOT NULL,
+        created DOUBLE PRECISION NOT NULL,
+        reward DOUBLE PRECISION, rewarded_at DOUBLE PRECISION, consumed_step BIGINT,
+        dropped TEXT, episode TEXT, forced BYTEA NOT NULL DEFAULT '\\x',
+        PRIMARY KEY (id, choice));
+    CREATE INDEX completions_pending ON completions (adapter, consumed_step, dropped, group_id);
+    CREATE INDEX completions_created ON completions (created);
+    CREATE INDEX completions_episode ON completions (episode);
+    CREATE TABLE lineages (
+        id BIGSERIAL PRIMARY KEY, adapter TEXT NOT NULL,
+        first_version BIGINT NOT NULL, created DOUBLE PRECISION NOT NULL,
+        ended DOUBLE PRECISION);
+    CREATE INDEX lineages_adapter ON lineages (adapter, ended);
+    CREATE TABLE checkpoints (
+        adapter TEXT NOT NULL, version BIGINT NOT NULL, lineage BIGINT NOT NULL,
+        step BIGINT NOT NULL, path TEXT NOT NULL, created DOUBLE PRECISION NOT NULL,
+        stats TEXT NOT NULL,
+        PRIMARY KEY (adapter, version));
+    CREATE TABLE episode_rewards (
+        episode TEXT PRIMARY KEY, reward DOUBLE PRECISION NOT NULL,
+        rewarded_at DOUBLE PRECISION NOT NULL);
+"];
+
+/// The advisory lock key of schema migrations (any constant of our own).
+const MIGRATION_LOCK: i64 = 0x666c_7977_6865_656c; // "flywheel"
+
+/// Idle connections kept for reuse.
+const POOL_IDLE: usize = 4;
+
+/// How long a pooled connection has to answer before it is replaced.
+const VALIDATE_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub struct PgLog {
+    config: postgres::Config,
+    /// The URL without its password, for messages.
+    shown: String,
+    idle: Mutex<Vec<Client>>,
+    salt: String,
+}
+
+/// A pooled connection: back to the pool when dropped, unless it broke.
+struct Conn<'a> {
+    log: &'a PgLog,
+    client: Option<Client>,
+}
+
+impl std::ops::Deref for Conn<'_> {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        self.client.as_ref().expect("a live connection")
+    }
+}
+
+impl std::ops::DerefMut for Conn<'_> {
+    fn deref_mut(&mut self) -> &mut Client {
+        self.client.as_mut().expect("a live connection")
+    }
+}
+
+impl Drop for Conn<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.client.take().filter(|c| !c.is_closed()) {
+            let mut idle = self.log.idle.lock().unwrap_or_else(|e| e.into_inner());
+            if idle.len() < POOL_IDLE {
+                idle.push(c);
+            }
+        }
+    }
+}
+
+fn choice_info(r: &Row, at: usize) -> ChoiceInfo {
+    ChoiceInfo {
+        choice: r.get::<_, i32>(at) as u32,
+        adapter: r.get(at + 1),
+        adapter_version: r.get::<_, i64>(at + 2) as u64,
+        group: r.get(at + 3),
+        finish_reason: r.get(at + 4),
+        reward: r.get(at + 5),
+        trained_step: r.get::<_, Option<i64>>(at + 6).map(|s| s as u64),
+        dropped: r.get(at + 7),
+    }
+}
+
+/// Take the advisory lock of each episode key (sorted, so two transactions never deadlock).
+fn lock_episodes(tx: &mut Transaction, keys: &mut Vec<String>) -> Result<(), postgres::Error> {
+    keys.sort();
+    keys.dedup();
+    for k in keys.iter() {
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+            &[k],
+        )?;
+    }
+    Ok(())
+}
+
+impl PgLog {
+    /// Connect, migrate (once, whoever starts first) and read the key salt.
+    pub fn connect(url: &str) -> anyhow::Result<PgLog> {
+        let shown = redact(url);
+        let mut config: postgres::Config = url
+            .parse()
+            .map_err(|e| anyhow::anyhow!("rollout store {shown}: {e}"))?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_secs(10));
+        }
+        config.application_name("flywheel");
+        let log = PgLog {
+            config,
+            shown,
+            idle: Mutex::new(Vec::new()),
+            salt: String::new(),
+        };
+        let salt = log
+            .migrate()
+            .map_err(|e| anyhow::anyhow!("rollout store {}: {e}", log.shown))?;
+        tracing::info!(store = %log.shown, "rollout log on PostgreSQL");
+        Ok(PgLog { salt, ..log })
+    }
+
+    fn migrate(&self) -> Result<String, LogError> {
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS flywheel_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        )?;
+        let done: usize = tx
+            .query_opt(
+                "SELECT value FROM flywheel_meta WHERE key = 'schema_version'",
+                &[],
+            )?
+            .map(|r| r.get::<_, String>(0).parse().unwrap_or(usize::MAX))
+            .unwrap_or(0);
+        if done > MIGRATIONS.len() {
+            return Err(LogError::Conflict(format!(
+                "schema version {done} is newer than this build ({})",
+                MIGRATIONS.len()
+            )));
+        }
+        for m in &MIGRATIONS[done..] {
+            tx.batch_execute(m)?;
+        }
+        tx.execute(
+            "INSERT INTO flywheel_meta (key, value) VALUES ('schema_version', $1)
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            &[&MIGRATIONS.len().to_string()],
+        )?;
+        let fresh = format!(
+            "{:016x}{:016x}",
+            crate::util::random_u64(),
+            crate::util::random_u64()
+        );
+        tx.execute(
+            "INSERT INTO flywheel_meta (key, value) VALUES ('key_salt', $1)
+             ON CONFLICT (key) DO NOTHING",
+            &[&fresh],
+        )?;
+        let salt: String = tx
+            .query_one(
+                "SELECT value FROM flywheel_meta WHERE key = 'key_salt'",
+                &[],
+            )?
+            .get(0);
+        tx.commit()?;
+        Ok(salt)
+    }
+
+    /// A pooled connection that still answers (one round trip: a database restarted since it
+    /// was pooled must cost no call a spurious failure), or a new one.
+    fn conn(&self) -> Result<Conn<'_>, LogError> {
+        let pooled = loop {
+            let c = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            match c {
+                Some(mut c) => {
+                    if !c.is_closed() && c.is_valid(VALIDATE_TIMEOUT).is_ok() {
+                        break Some(c);
+                    }
+                }
+                None => break None,
+            }
+        };
+        let client = match pooled {
+            Some(c) => c,
+            None => self.config.connect(NoTls)?,
+        };
+        Ok(Conn {
+            log: self,
+            client: Some(client),
+        })
+    }
+
+    fn episode_key(&self, key_hash: &str, episode: &str) -> String {
+        format!("{key_hash}:{episode}")
+    }
+}
+
+impl RolloutStore for PgLog {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn check(&self) -> Result<(), LogError> {
+        self.conn()?.batch_execute("SELECT 1")?;
+        Ok(())
+    }
+
+    fn key_hash(&self, key: &str) -> String {
+        super::log::salted_key_hash(&self.salt, key)
+    }
+
+    fn log_completions(&self, recs: &[CompletionRecord]) -> Result<(), LogError> {
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        let now = now_secs();
+        let mut episodes = Vec::new();
+        let rows: Vec<_> = recs
+            .iter()
+            .map(|r| {
+                let kh = self.key_hash(&r.key);
+                let ep = r.episode.as_ref().map(|e| self.episode_key(&kh, e));
+                episodes.extend(ep.clone());
+                (kh, ep)
+            })
+            .collect();
+        lock_episodes(&mut tx, &mut episodes)?;
+        let st = tx.prepare(
+            "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
+               prompt, completion, logprobs, temperature, policy_sampled, params,
+               finish_reason, key_hash, created, episode, forced)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
+        )?;
+        for (r, (kh, ep)) in recs.iter().zip(&rows) {
+            tx.execute(
+                &st,
+                &[
+                    &r.id,
+                    &(r.choice as i32),
+                    &r.adapter,
+                    &(r.version as i64),
+                    &r.group_id,
+                    &(r.group_size as i64),
+                    &bytes_u32(&r.prompt),
+                    &bytes_u32(&r.completion),
+                    &bytes_f32(&r.logprobs),
+                    &(r.temperature as f64),
+                    &r.policy_sampled,
+                    &r.params,
+                    &r.finish_reason,
+                    kh,
+                    &now,
+                    ep,
+                    &bytes_u32(&r.forced),
+                ],
+            )?;
+        }
+        // A turn logged after its episode was rewarded takes the episode's reward.
+        if !episodes.is_empty() {
+            tx.execute(
+                "UPDATE completions c SET reward = e.reward, rewarded_at = e.rewarded_at
+                 FROM episode_rewards e
+                 WHERE c.episode = e.episode AND c.reward IS NULL AND c.id = $1",
+                &[&recs[0].id],
+            )?;
+        }
+        Ok(tx.commit()?)
+    }
+
+    fn post_rewards(
+        &self,
+        items: &[Reward],
+        key: &str,
+        admin: bool,
+        accepts: Accepts,
+    ) -> Result<bool, FeedbackError> {
+        let kh = self.key_hash(key);
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        let mut any_new = false;
+        let now = now_secs();
+        for (index, it) in items.iter().enumerate() {
+            let row = tx.query_opt(
+                "SELECT key_hash, reward, adapter, episode FROM completions
+                 WHERE id = $1 AND choice = $2 FOR UPDATE",
+                &[&it.id, &(it.choice as i32)],
+            )?;
+            let Some(row) = row else {
+                return Err(FeedbackError::NotFound {
+                    index,
+                    id: it.id.clone(),
+                    choice: it.choice,
+                });
+            };
+            let (owner, old, adapter, episode): (String, Option<f64>, String, Option<String>) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            if !admin && owner != kh {
+                return Err(FeedbackError::Forbidden {
+                    index,
+                    id: it.id.clone(),
+                });
+            }
+            if episode.is_some() {
+                return Err(FeedbackError::EpisodeTurn {
+                    index,
+                    id: it.id.clone(),
+                });
+            }
+            match old {
+                Some(o) if o == it.reward => {}
+                Some(o) => {
+                    return Err(FeedbackError::Conflict {
+                        index,
+                        id: it.id.clone(),
+                        choice: it.choice,
+                        old: o,
+                    })
+                }
+                None => {
+                    if let Err(why) = accepts(&adapter) {
+                        return Err(FeedbackError::Refused {
+                            index,
+                            id: it.id.clone(),
+                            adapter,
+                            why,
+                        });
+                    }
+                    tx.execute(
+                        "UPDATE completions SET reward = $3, rewarded_at = $4
+                         WHERE id = $1 AND choice = $2",
+                        &[&it.id, &(it.choice as i32), &it.reward, &now],
+                    )?;
+                    any_new = true;
+                }
+            }
+        }
+        tx.commit()?;
+        Ok(any_new)
+    }
+
+    fn feedback(&self, id: &str) -> Result<Vec<(String, ChoiceInfo)>, LogError> {
+        let rows = self.conn()?.query(
+            &format!(
+                "SELECT key_hash, {CHOICE_INFO} FROM completions WHERE id = $1 ORDER BY choice"
+            ),
+            &[&id],
+        )?;
+        Ok(rows.iter().map(|r| (r.get(0), choice_info(r, 1))).collect())
+    }
+
+    fn pending_groups(&self, adapter: &str) -> Result<Vec<PendingGroup>, LogError> {
+        let rows = self.conn()?.query(
+            "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
+                    temperature, policy_sampled, reward, rewarded_at, created, episode, forced
+             FROM completions
+             WHERE adapter = $1 AND consumed_step IS NULL AND dropped IS NULL
+               AND group_id IN (SELECT group_id FROM completions
+                                WHERE adapter = $1 AND consumed_step IS NULL
+                                  AND dropped IS NULL AND reward IS NOT NULL)
+             ORDER BY created, id, choice",
+            &[&adapter],
+        )?;
+        let mut out: Vec<PendingGroup> = Vec::new();
+        for r in &rows {
+            let g: String = r.get(0);
+            let m = Member {
+                id: r.get(2),
+                choice: r.get::<_, i32>(3) as u32,
+                version: r.get::<_, i64>(4) as u64,
+                prompt: u32s(r.get(5)),
+                completion: u32s(r.get(6)),
+                logprobs: f32s(r.get(7)),
+                temperature: r.get::<_, f64>(8) as f32,
+                policy_sampled: r.get(9),
+                reward: r.get(10),
+                rewarded_at: r.get(11),
+                created: r.get(12),
+                episode: r.get(13),
+                forced: u32s(r.get(14)),
+            };
+            match out.iter_mut().find(|p| p.group_id == g) {
+                Some(p) => p.members.push(m),
+                None => out.push(PendingGroup {
+                    group_id: g,
+                    group_size: r.get::<_, i64>(1) as u32,
+                    members: vec![m],
+                }),
+            }
+        }
+        Ok(out)
+    }
+
+    fn drop_members(&self, members: &[(String, u32)], reason: &str) -> Result<(), LogError> {
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        for (id, choice) in members {
+            tx.execute(
+                "UPDATE completions SET dropped = $3 WHERE id = $1 AND choice = $2",
+                &[id, &(*choice as i32), &reason],
+            )?;
+        }
+        Ok(tx.commit()?)
+    }
+
+    fn prune(&self, max_age_secs: f64, max_rows: usize) -> Result<usize, LogError> {
+        let mut c = self.conn()?;
+        let settled = "(consumed_step IS NOT NULL OR dropped IS NOT NULL)";
+        let mut n = c.execute(
+            &format!("DELETE FROM completions WHERE created < $1 AND {settled}"),
+            &[&(now_secs() - max_age_secs)],
+        )?;
+        let total: i64 = c.query_one("SELECT count(*) FROM completions", &[])?.get(0);
+        if total as usize > max_rows {
+            n += c.execute(
+                &format!(
+                    "DELETE FROM completions WHERE (id, choice) IN (SELECT id, choice
+                     FROM completions WHERE {settled} ORDER BY created LIMIT $1)"
+                ),
+                &[&(total - max_rows as i64)],
+            )?;
+        }
+        Ok(n as usize)
+    }
+
+    fn post_episode_reward(
+        &self,
+        episode: &str,
+        reward: f64,
+        key: &str,
+        accepts: Accepts,
+    ) -> Result<bool, FeedbackError> {
+        let ep = self.episode_key(&self.key_hash(key), episode);
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        lock_episodes(&mut tx, &mut vec![ep.clone()])?;
+        let adapters: Vec<String> = tx
+            .query(
+                "SELECT DISTINCT adapter FROM completions WHERE episode = $1 ORDER BY adapter",
+                &[&ep],
+            )?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if adapters.is_empty() {
+            return Err(FeedbackError::EpisodeNotFound {
+                episode: episode.to_string(),
+            });
+        }
+        let old: Option<f64> = tx
+            .query_opt(
+                "SELECT reward FROM episode_rewards WHERE episode = $1",
+                &[&ep],
+            )?
+            .map(|r| r.get(0));
+        match old {
+            Some(o) if o == reward => return Ok(false),
+            Some(o) => {
+                return Err(FeedbackError::EpisodeConflict {
+                    episode: episode.to_string(),
+                    old: o,
+                })
+            }
+            None => {}
+        }
+        for adapter in adapters {
+            if let Err(why) = accepts(&adapter) {
+                return Err(FeedbackError::Refused {
+                    index: 0,
+                    id: episode.to_string(),
+                    adapter,
+                    why,
+                });
+            }
+        }
+        let now = now_secs();
+        tx.execute(
+            "INSERT INTO episode_rewards (episode, reward, rewarded_at) VALUES ($1, $2, $3)",
+            &[&ep, &reward, &now],
+        )?;
+        tx.execute(
+            "UPDATE completions SET reward = $2, rewarded_at = $3
+             WHERE episode = $1 AND reward IS NULL",
+            &[&ep, &reward, &now],
+        )?;
+        tx.commit()?;
+        Ok(true)
+    }
+
+    fn last_turn(&self, episode: &str, key: &str) -> Result<Option<Turn>, LogError> {
+        let ep = self.episode_key(&self.key_hash(key), episode);
+        let row = self.conn()?.query_opt(
+            "SELECT prompt, completion FROM completions WHERE episode = $1
+             ORDER BY created DESC, id DESC, choice DESC LIMIT 1",
+            &[&ep],
+        )?;
+        Ok(row.map(|r| (u32s(r.get(0)), u32s(r.get(1)))))
+    }
+
+    fn episode_feedback(&self, episode: &str, key: &str) -> Result<EpisodeFeedback, LogError> {
+        let ep = self.episode_key(&self.key_hash(key), episode);
+        let mut c = self.conn()?;
+        let turns = c
+            .query(
+                &format!(
+                    "SELECT id, {CHOICE_INFO} FROM completions WHERE episode = $1
+                     ORDER BY created, id, choice"
+                ),
+                &[&ep],
+            )?
+            .iter()
+            .map(|r| (r.get(0), choice_info(r, 1)))
+            .collect();
+        let reward = c
+            .query_opt(
+                "SELECT reward FROM episode_rewards WHERE episode = $1",
+                &[&ep],
+            )?
+            .map(|r| r.get(0));
+        Ok((turns, reward))
+    }
+
+    fn active_lineage(&self, adapter: &str) -> Result<Option<Lineage>, LogError> {
+        let row = self.conn()?.query_opt(
+            "SELECT id, first_version FROM lineages WHERE adapter = $1 AND ended IS NULL
+             ORDER BY id DESC LIMIT 1",
+            &[&adapter],
+        )?;
+        Ok(row.map(|r| Lineage {
+            id: r.get::<_, i64>(0) as u64,
+            first_version: r.get::<_, i64>(1) as u64,
+        }))
+    }
+
+    fn max_version(&self, adapter: &str) -> Result<u64, LogError> {
+        let v: i64 = self
+            .conn()?
+            .query_one(
+                "SELECT GREATEST(
+                    (SELECT coalesce(max(version), 0) FROM completions WHERE adapter = $1),
+                    (SELECT coalesce(max(version), 0) FROM checkpoints WHERE adapter = $1),
+                    (SELECT coalesce(max(first_version), 0) FROM lineages WHERE adapter = $1))",
+                &[&adapter],
+            )?
+            .get(0);
+        Ok(v as u64)
+    }
+
+    fn begin_lineage(&self, adapter: &str, first_version: u64) -> Result<Lineage, LogError> {
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        let now = now_secs();
+        tx.execute(
+            "UPDATE lineages SET ended = $2 WHERE adapter = $1 AND ended IS NULL",
+            &[&adapter, &now],
+        )?;
+        let id: i64 = tx
+            .query_one(
+                "INSERT INTO lineages (adapter, first_version, created) VALUES ($1, $2, $3)
+                 RETURNING id",
+                &[&adapter, &(first_version as i64), &now],
+            )?
+            .get(0);
+        tx.commit()?;
+        Ok(Lineage {
+            id: id as u64,
+            first_version,
+        })
+    }
+
+    fn end_lineage(&self, adapter: &str) -> Result<(), LogError> {
+        self.conn()?.execute(
+            "UPDATE lineages SET ended = $2 WHERE adapter = $1 AND ended IS NULL",
+            &[&adapter, &now_secs()],
+        )?;
+        Ok(())
+    }
+
+    fn checkpoints(&self, lineage: u64) -> Result<Vec<Checkpoint>, LogError> {
+        let rows = self.conn()?.query(
+            "SELECT version, step, path FROM checkpoints WHERE lineage = $1
+             ORDER BY version DESC",
+            &[&(lineage as i64)],
+        )?;
+        Ok(rows
+            .iter()
+            .map(|r| Checkpoint {
+                version: r.get::<_, i64>(0) as u64,
+                step: r.get::<_, i64>(1) as u64,
+                path: r.get(2),
+            })
+            .collect())
+    }
+
+    fn commit_step(
+        &self,
+        adapter: &str,
+        lineage: u64,
+        cp: &Checkpoint,
+        stats: &str,
+        consumed: &[(String, u32)],
+    ) -> Result<(), LogError> {
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        tx.execute(
+            "INSERT INTO checkpoints (adapter, version, lineage, step, path, created, stats)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            &[
+                &adapter,
+                &(cp.version as i64),
+                &(lineage as i64),
+                &(cp.step as i64),
+                &cp.path,
+                &now_secs(),
+                &stats,
+            ],
+        )?;
+        for (id, choice) in consumed {
+            let n = tx.execute(
+                "UPDATE completions SET consumed_step = $3
+                 WHERE id = $1 AND choice = $2 AND consumed_step IS NULL",
+                &[id, &(*choice as i32), &(cp.step as i64)],
+            )?;
+            if n != 1 {
+                return Err(already_consumed(id, *choice));
+            }
+        }
+        Ok(tx.commit()?)
+    }
+
+    fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError> {
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        let rows = tx.query(
+            "DELETE FROM checkpoints c USING lineages l
+             WHERE l.id = c.lineage AND c.adapter = $1 AND (l.ended IS NOT NULL OR c.version
+                NOT IN (SELECT version FROM checkpoints WHERE adapter = $1 AND lineage = l.id
+                        ORDER BY version DESC LIMIT $2))
+             RETURNING c.path",
+            &[&adapter, &(keep as i64)],
+        )?;
+        tx.commit()?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+}

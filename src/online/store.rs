@@ -1,0 +1,207 @@
+//! The rollout store: what the server and the trainer keep durably (completions served through a
+//! learning adapter, their rewards, episodes, lineages and checkpoints), behind one trait with
+//! two implementations and one test suite (`tests/rollout_store.rs`):
+//! - `SqliteLog` (`online::log`): one process, one file in the data directory; the default.
+//! - `PgLog` (`online::log_pg`): PostgreSQL, shared by serving replicas and a trainer on other
+//!   machines (`--rollout-store postgres://...`).
+//!
+//! The promises are the same: a method that returns Ok has committed; a batch of rewards is all
+//! or none; a completion is rewarded only by the key that made it (or an admin); a repeated
+//! reward is idempotent and a different one a conflict; a step's checkpoint and the members it
+//! consumed commit together, and a member is consumed at most once.
+
+use super::lineage::{Checkpoint, Lineage};
+use super::log::{
+    ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, PendingGroup, Refusal,
+    Reward, SqliteLog, Turn,
+};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Whether a completion's adapter takes rewards now (the caller's rule, per adapter).
+pub type Accepts<'a> = &'a dyn Fn(&str) -> Result<(), Refusal>;
+
+pub trait RolloutStore: Send + Sync {
+    /// "sqlite" or "postgres", for logs and `/v1/train/status`.
+    fn kind(&self) -> &'static str;
+    /// Ok while the store can be written (SQLite: the file is the one opened; PostgreSQL: the
+    /// server answers).
+    fn check(&self) -> Result<(), LogError>;
+    /// A key's stored form (a salted hash; the salt is the store's own).
+    fn key_hash(&self, key: &str) -> String;
+    /// Log the choices of one request (one transaction).
+    fn log_completions(&self, recs: &[CompletionRecord]) -> Result<(), LogError>;
+    /// Record rewards, all or none; Ok(true) when at least one is new.
+    fn post_rewards(
+        &self,
+        items: &[Reward],
+        key: &str,
+        admin: bool,
+        accepts: Accepts,
+    ) -> Result<bool, FeedbackError>;
+    /// What is stored for each choice of completion `id` (with its owner's key hash).
+    fn feedback(&self, id: &str) -> Result<Vec<(String, ChoiceInfo)>, LogError>;
+    /// Every group of `adapter` with unconsumed, undropped members and at least one reward.
+    fn pending_groups(&self, adapter: &str) -> Result<Vec<PendingGroup>, LogError>;
+    /// Mark members as not to be trained on, with the reason.
+    fn drop_members(&self, members: &[(String, u32)], reason: &str) -> Result<(), LogError>;
+    /// Delete settled completions older than `max_age_secs`, and keep at most `max_rows`.
+    fn prune(&self, max_age_secs: f64, max_rows: usize) -> Result<usize, LogError>;
+    /// Reward every turn of episode `episode` of `key`; Ok(true) when new.
+    fn post_episode_reward(
+        &self,
+        episode: &str,
+        reward: f64,
+        key: &str,
+        accepts: Accepts,
+    ) -> Result<bool, FeedbackError>;
+    /// The last turn logged of an episode of `key`.
+    fn last_turn(&self, episode: &str, key: &str) -> Result<Option<Turn>, LogError>;
+    /// An episode's turns, in order, and its reward.
+    fn episode_feedback(&self, episode: &str, key: &str) -> Result<EpisodeFeedback, LogError>;
+    /// The lineage `adapter` learns in now, if any.
+    fn active_lineage(&self, adapter: &str) -> Result<Option<Lineage>, LogError>;
+    /// The highest version `adapter` ever had in this store; 0 if none.
+    fn max_version(&self, adapter: &str) -> Result<u64, LogError>;
+    /// Start a lineage of `adapter` at `first_version`, ending any still active.
+    fn begin_lineage(&self, adapter: &str, first_version: u64) -> Result<Lineage, LogError>;
+    /// End the active lineage of `adapter`.
+    fn end_lineage(&self, adapter: &str) -> Result<(), LogError>;
+    /// The checkpoints of `lineage`, newest first.
+    fn checkpoints(&self, lineage: u64) -> Result<Vec<Checkpoint>, LogError>;
+    /// Record a checkpoint and the members its step consumed, in one transaction; a member
+    /// consumed already (by another trainer) fails it whole with `LogError::Conflict`.
+    fn commit_step(
+        &self,
+        adapter: &str,
+        lineage: u64,
+        cp: &Checkpoint,
+        stats: &str,
+        consumed: &[(String, u32)],
+    ) -> Result<(), LogError>;
+    /// Forget the checkpoints no longer needed; returns their relative paths.
+    fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError>;
+}
+
+/// The store `spec` names: a `postgres://` or `postgresql://` URL, or None for SQLite at
+/// `data_dir/flywheel.db`.
+pub fn open_store(spec: Option<&str>, data_dir: &Path) -> anyhow::Result<Arc<dyn RolloutStore>> {
+    match spec {
+        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+            Ok(Arc::new(super::log_pg::PgLog::connect(url)?))
+        }
+        Some(other) => anyhow::bail!(
+            "rollout store '{}': expected a postgres:// URL (or none, for SQLite in the data \
+             directory)",
+            redact(other)
+        ),
+        None => Ok(Arc::new(SqliteLog::open(&data_dir.join("flywheel.db"))?)),
+    }
+}
+
+/// A store URL with its password hidden, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let cred = &url[s + 3..at];
+            match cred.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &cred[..c], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// SQLite's implementation: the methods of `SqliteLog` (spread over `log`, `log_episodes` and
+/// `lineage` by subject).
+impl RolloutStore for SqliteLog {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+    fn check(&self) -> Result<(), LogError> {
+        SqliteLog::check(self)
+    }
+    fn key_hash(&self, key: &str) -> String {
+        SqliteLog::key_hash(self, key)
+    }
+    fn log_completions(&self, recs: &[CompletionRecord]) -> Result<(), LogError> {
+        SqliteLog::log_completions(self, recs)
+    }
+    fn post_rewards(
+        &self,
+        items: &[Reward],
+        key: &str,
+        admin: bool,
+        accepts: Accepts,
+    ) -> Result<bool, FeedbackError> {
+        SqliteLog::post_rewards(self, items, key, admin, accepts)
+    }
+    fn feedback(&self, id: &str) -> Result<Vec<(String, ChoiceInfo)>, LogError> {
+        SqliteLog::feedback(self, id)
+    }
+    fn pending_groups(&self, adapter: &str) -> Result<Vec<PendingGroup>, LogError> {
+        SqliteLog::pending_groups(self, adapter)
+    }
+    fn drop_members(&self, members: &[(String, u32)], reason: &str) -> Result<(), LogError> {
+        SqliteLog::drop_members(self, members, reason)
+    }
+    fn prune(&self, max_age_secs: f64, max_rows: usize) -> Result<usize, LogError> {
+        SqliteLog::prune(self, max_age_secs, max_rows)
+    }
+    fn post_episode_reward(
+        &self,
+        episode: &str,
+        reward: f64,
+        key: &str,
+        accepts: Accepts,
+    ) -> Result<bool, FeedbackError> {
+        SqliteLog::post_episode_reward(self, episode, reward, key, accepts)
+    }
+    fn last_turn(&self, episode: &str, key: &str) -> Result<Option<Turn>, LogError> {
+        SqliteLog::last_turn(self, episode, key)
+    }
+    fn episode_feedback(&self, episode: &str, key: &str) -> Result<EpisodeFeedback, LogError> {
+        SqliteLog::episode_feedback(self, episode, key)
+    }
+    fn active_lineage(&self, adapter: &str) -> Result<Option<Lineage>, LogError> {
+        SqliteLog::active_lineage(self, adapter)
+    }
+    fn max_version(&self, adapter: &str) -> Result<u64, LogError> {
+        SqliteLog::max_version(self, adapter)
+    }
+    fn begin_lineage(&self, adapter: &str, first_version: u64) -> Result<Lineage, LogError> {
+        SqliteLog::begin_lineage(self, adapter, first_version)
+    }
+    fn end_lineage(&self, adapter: &str) -> Result<(), LogError> {
+        SqliteLog::end_lineage(self, adapter)
+    }
+    fn checkpoints(&self, lineage: u64) -> Result<Vec<Checkpoint>, LogError> {
+        SqliteLog::checkpoints(self, lineage)
+    }
+    fn commit_step(
+        &self,
+        adapter: &str,
+        lineage: u64,
+        cp: &Checkpoint,
+        stats: &str,
+        consumed: &[(String, u32)],
+    ) -> Result<(), LogError> {
+        SqliteLog::commit_step(self, adapter, lineage, cp, stats, consumed)
+    }
+    fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError> {
+        SqliteLog::retire_checkpoints(self, adapter, keep)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn urls_are_shown_without_their_password() {
+        assert_eq!(
+            super::redact("postgres://fly:secret@db:5432/x"),
+            "postgres://fly:***@db:5432/x"
+        );
+        assert_eq!(super::redact("postgres://db/x"), "postgres://db/x");
+    }
+}

@@ -1,0 +1,456 @@
+//! The rollout store's promises, run against both implementations: SQLite (the default, one
+//! file) and PostgreSQL (several replicas and a trainer; a throwaway server per test, skipped with
+//! a message where PostgreSQL is not installed). Rewards checked, recorded once, all or none;
+//! episodes; lineages and checkpoints; racing writers; and, on PostgreSQL, replicas migrating
+//! together and a database restart.
+
+mod common;
+
+use common::pg::Pg;
+use flywheel::online::lineage::Checkpoint;
+use flywheel::online::log::{
+    CompletionRecord, FeedbackError, LogError, Refusal, Reward, SqliteLog,
+};
+use flywheel::online::log_pg::PgLog;
+use flywheel::online::store::RolloutStore;
+use std::sync::Arc;
+
+fn open(_: &str) -> Result<(), Refusal> {
+    Ok(())
+}
+
+fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
+    CompletionRecord {
+        id: id.into(),
+        choice,
+        adapter: "a".into(),
+        version: 3,
+        group_id: format!("req:{id}"),
+        group_size: 2,
+        prompt: vec![1, 2, 3],
+        completion: vec![4, 5],
+        logprobs: vec![-0.5, -1.25],
+        temperature: 1.0,
+        policy_sampled: true,
+        params: "{}".into(),
+        finish_reason: "stop".into(),
+        key: key.into(),
+        episode: None,
+        forced: vec![1],
+    }
+}
+
+fn reward(id: &str, choice: u32, r: f64) -> Reward {
+    Reward {
+        id: id.into(),
+        choice,
+        reward: r,
+    }
+}
+
+/// Where a store lives: `open()` opens it again (a restart of the process that holds it).
+enum Place {
+    Sqlite(tempfile::TempDir),
+    Postgres(String),
+}
+
+impl Place {
+    fn open(&self) -> Arc<dyn RolloutStore> {
+        match self {
+            Place::Sqlite(d) => Arc::new(SqliteLog::open(&d.path().join("flywheel.db")).unwrap()),
+            Place::Postgres(url) => Arc::new(PgLog::connect(url).unwrap()),
+        }
+    }
+}
+
+/// Run `test` on a fresh SQLite store and on a fresh PostgreSQL database (when installed).
+fn on_both(test: impl Fn(&str, &Place)) {
+    test("sqlite", &Place::Sqlite(tempfile::tempdir().unwrap()));
+    if let Some(pg) = Pg::start() {
+        test("postgres", &Place::Postgres(pg.fresh_db()));
+    }
+}
+
+#[test]
+fn rewards_are_checked_recorded_once_and_survive_a_reopen() {
+    on_both(|kind, place| {
+        let log = place.open();
+        assert_eq!(log.kind(), kind);
+        log.log_completions(&[rec("c1", 0, "k1"), rec("c1", 1, "k1")])
+            .unwrap();
+        assert!(log
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
+            .unwrap());
+        // A repeat of the same reward is not new; another value conflicts.
+        assert!(!log
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
+            .unwrap());
+        assert!(matches!(
+            log.post_rewards(&[reward("c1", 0, 0.5)], "k1", false, &open),
+            Err(FeedbackError::Conflict { .. })
+        ));
+        assert!(matches!(
+            log.post_rewards(&[reward("c1", 1, 0.0)], "k2", false, &open),
+            Err(FeedbackError::Forbidden { .. })
+        ));
+        // All or none: the unknown second item leaves the first unrecorded.
+        assert!(matches!(
+            log.post_rewards(
+                &[reward("c1", 1, 0.0), reward("c9", 0, 1.0)],
+                "k1",
+                false,
+                &open
+            ),
+            Err(FeedbackError::NotFound { index: 1, .. })
+        ));
+        assert_eq!(log.feedback("c1").unwrap()[1].1.reward, None);
+        assert!(log
+            .post_rewards(&[reward("c1", 1, 0.0)], "k2", true, &open)
+            .unwrap());
+        let groups = log.pending_groups("a").unwrap();
+        assert_eq!(groups.len(), 1, "{kind}");
+        let g = &groups[0];
+        assert_eq!((g.group_id.as_str(), g.group_size), ("req:c1", 2));
+        assert_eq!(g.members[1].prompt, vec![1, 2, 3]);
+        assert_eq!(g.members[1].completion, vec![4, 5]);
+        assert_eq!(g.members[1].logprobs, vec![-0.5, -1.25]);
+        assert_eq!(g.members[1].forced, vec![1]);
+        assert_eq!(g.members[0].reward, Some(1.0));
+        let l = log.begin_lineage("a", 3).unwrap();
+        let cp = Checkpoint {
+            step: 1,
+            version: 4,
+            path: "adapters/a/v-00000004".into(),
+        };
+        log.commit_step("a", l.id, &cp, "{}", &[("c1".into(), 0), ("c1".into(), 1)])
+            .unwrap();
+        drop(log);
+        let log = place.open();
+        assert!(log.pending_groups("a").unwrap().is_empty(), "{kind}");
+        assert_eq!(log.active_lineage("a").unwrap(), Some(l));
+        assert_eq!(log.checkpoints(l.id).unwrap(), vec![cp.clone()]);
+        assert_eq!(log.max_version("a").unwrap(), 4);
+        let info = log.feedback("c1").unwrap();
+        assert_eq!(info[0].1.reward, Some(1.0));
+        assert_eq!(info[0].1.trained_step, Some(1));
+        // The key is stored hashed, and the same key still owns its completions.
+        assert_ne!(info[0].0, "k1");
+        assert!(!log
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
+            .unwrap());
+        // A step that would consume a member twice is refused whole: no checkpoint recorded.
+        let cp2 = Checkpoint {
+            step: 2,
+            version: 5,
+            path: "adapters/a/v-00000005".into(),
+        };
+        let r = log.commit_step("a", l.id, &cp2, "{}", &[("c1".into(), 0)]);
+        assert!(matches!(r, Err(LogError::Conflict(_))), "{kind}: {r:?}");
+        assert_eq!(log.checkpoints(l.id).unwrap(), vec![cp]);
+        // Lineages: a new one ends the old, whose checkpoints retire.
+        let l2 = log.begin_lineage("a", 10).unwrap();
+        assert_ne!(l2.id, l.id);
+        assert_eq!(log.active_lineage("a").unwrap(), Some(l2));
+        assert_eq!(log.max_version("a").unwrap(), 10);
+        assert_eq!(
+            log.retire_checkpoints("a", 2).unwrap(),
+            vec!["adapters/a/v-00000004".to_string()]
+        );
+        log.end_lineage("a").unwrap();
+        assert_eq!(log.active_lineage("a").unwrap(), None);
+        // Settled rows are pruned; unsettled ones stay.
+        log.log_completions(&[rec("c2", 0, "k1")]).unwrap();
+        assert_eq!(log.prune(-1.0, 1_000).unwrap(), 2, "{kind}");
+        assert_eq!(log.feedback("c2").unwrap().len(), 1);
+        assert!(log.check().is_ok());
+    });
+}
+
+#[test]
+fn a_refused_adapter_records_nothing_of_the_request() {
+    on_both(|kind, place| {
+        let log = place.open();
+        let mut other = rec("c2", 0, "k");
+        other.adapter = "b".into();
+        log.log_completions(&[rec("c1", 0, "k"), other]).unwrap();
+        let only_a = |a: &str| {
+            if a == "a" {
+                Ok(())
+            } else {
+                Err(Refusal::Failed("broken".into()))
+            }
+        };
+        let r = log.post_rewards(
+            &[reward("c1", 0, 1.0), reward("c2", 0, 1.0)],
+            "k",
+            false,
+            &only_a,
+        );
+        assert!(
+            matches!(r, Err(FeedbackError::Refused { index: 1, .. })),
+            "{kind}: {r:?}"
+        );
+        assert_eq!(log.feedback("c1").unwrap()[0].1.reward, None);
+        // Dropped members are not pending.
+        log.post_rewards(&[reward("c1", 0, 1.0)], "k", false, &open)
+            .unwrap();
+        assert_eq!(log.pending_groups("a").unwrap().len(), 1);
+        log.drop_members(&[("c1".into(), 0)], "stale").unwrap();
+        assert!(log.pending_groups("a").unwrap().is_empty());
+        assert_eq!(
+            log.feedback("c1").unwrap()[0].1.dropped.as_deref(),
+            Some("stale")
+        );
+    });
+}
+
+/// An episode's turns (completions tagged with it) take one reward at once, idempotently; a
+/// turn logged after it takes it too; another key's episode of the same name is not found; a
+/// turn is not rewarded on its own.
+#[test]
+fn an_episode_is_rewarded_once_for_all_its_turns() {
+    on_both(|kind, place| {
+        let log = place.open();
+        let turn = |id: &str, key: &str| CompletionRecord {
+            episode: Some("task-1".into()),
+            group_id: "key:x:g".into(),
+            group_size: 0,
+            ..rec(id, 0, key)
+        };
+        log.log_completions(&[turn("t1", "k")]).unwrap();
+        log.log_completions(&[turn("t2", "k")]).unwrap();
+        log.log_completions(&[turn("o1", "other")]).unwrap();
+        assert!(matches!(
+            log.post_rewards(&[reward("t1", 0, 1.0)], "k", false, &open),
+            Err(FeedbackError::EpisodeTurn { .. })
+        ));
+        assert!(log.post_episode_reward("task-1", 0.5, "k", &open).unwrap());
+        assert!(!log.post_episode_reward("task-1", 0.5, "k", &open).unwrap());
+        assert!(matches!(
+            log.post_episode_reward("task-1", 1.0, "k", &open),
+            Err(FeedbackError::EpisodeConflict { .. })
+        ));
+        assert!(matches!(
+            log.post_episode_reward("nope", 1.0, "k", &open),
+            Err(FeedbackError::EpisodeNotFound { .. })
+        ));
+        // A late turn takes the stored reward.
+        log.log_completions(&[turn("t3", "k")]).unwrap();
+        let (turns, r) = log.episode_feedback("task-1", "k").unwrap();
+        assert_eq!(r, Some(0.5));
+        let ids: Vec<&str> = turns.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["t1", "t2", "t3"], "{kind}");
+        assert!(turns.iter().all(|(_, c)| c.reward == Some(0.5)));
+        assert_eq!(
+            log.last_turn("task-1", "k").unwrap(),
+            Some((vec![1, 2, 3], vec![4, 5]))
+        );
+        // The other key's same-named episode is its own and still unrewarded.
+        let (theirs, r) = log.episode_feedback("task-1", "other").unwrap();
+        assert_eq!((theirs.len(), r), (1, None));
+        let g = log.pending_groups("a").unwrap();
+        let members: Vec<_> = g.iter().flat_map(|g| g.members.iter()).collect();
+        // The group (one client group of both keys) holds every turn.
+        assert_eq!(members.len(), 4, "{kind}");
+        assert!(members.iter().all(|m| m.episode.is_some()));
+    });
+}
+
+/// Writers racing through separate handles (two replicas; two trainers): for each completion
+/// exactly one of two different rewards wins and the other is a conflict; of two steps consuming
+/// the same members exactly one is recorded; turns logged while their episode is rewarded all
+/// end up rewarded.
+#[test]
+fn racing_writers_record_each_thing_once() {
+    on_both(|kind, place| {
+        let (a, b) = (place.open(), place.open());
+        let n = 24;
+        let recs: Vec<_> = (0..n).map(|i| rec(&format!("r{i}"), 0, "k")).collect();
+        a.log_completions(&recs).unwrap();
+        let post = |log: Arc<dyn RolloutStore>, value: f64| {
+            std::thread::spawn(move || {
+                (0..n)
+                    .map(|i| {
+                        log.post_rewards(&[reward(&format!("r{i}"), 0, value)], "k", false, &open)
+                    })
+                    .map(|r| match r {
+                        Ok(new) => Ok(new),
+                        Err(FeedbackError::Conflict { .. }) => Err(()),
+                        Err(e) => panic!("{e}"),
+                    })
+                    .collect::<Vec<_>>()
+            })
+        };
+        let (ra, rb) = (post(a.clone(), 1.0), post(b.clone(), 0.0));
+        let (ra, rb) = (ra.join().unwrap(), rb.join().unwrap());
+        for i in 0..n {
+            assert!(
+                matches!((&ra[i], &rb[i]), (Ok(true), Err(())) | (Err(()), Ok(true))),
+                "{kind}: r{i}: {:?} {:?}",
+                ra[i],
+                rb[i]
+            );
+            let stored = a.feedback(&format!("r{i}")).unwrap()[0].1.reward;
+            assert_eq!(stored, Some(if ra[i].is_ok() { 1.0 } else { 0.0 }));
+        }
+        // Two trainers commit steps consuming the same members: one is recorded.
+        let l = a.begin_lineage("a", 3).unwrap();
+        let members: Vec<(String, u32)> = (0..n).map(|i| (format!("r{i}"), 0)).collect();
+        let commit = |log: Arc<dyn RolloutStore>, version: u64, members: Vec<(String, u32)>| {
+            std::thread::spawn(move || {
+                let cp = Checkpoint {
+                    step: version,
+                    version,
+                    path: format!("adapters/a/v-{version}"),
+                };
+                log.commit_step("a", l.id, &cp, "{}", &members)
+            })
+        };
+        let (ca, cb) = (
+            commit(a.clone(), 4, members.clone()),
+            commit(b.clone(), 5, members.into_iter().rev().collect()),
+        );
+        let (ca, cb) = (ca.join().unwrap(), cb.join().unwrap());
+        assert!(
+            ca.is_ok() != cb.is_ok(),
+            "{kind}: exactly one step records: {ca:?} {cb:?}"
+        );
+        assert_eq!(a.checkpoints(l.id).unwrap().len(), 1);
+        // Turns logged while their episode is rewarded: every one ends up with the reward.
+        let turns = |log: Arc<dyn RolloutStore>| {
+            std::thread::spawn(move || {
+                for i in 0..n {
+                    log.log_completions(&[CompletionRecord {
+                        episode: Some("race".into()),
+                        ..rec(&format!("e{i}"), 0, "k")
+                    }])
+                    .unwrap();
+                }
+            })
+        };
+        a.log_completions(&[CompletionRecord {
+            episode: Some("race".into()),
+            ..rec("e-first", 0, "k")
+        }])
+        .unwrap();
+        let t = turns(a.clone());
+        assert!(b.post_episode_reward("race", 0.25, "k", &open).unwrap());
+        t.join().unwrap();
+        let (all, r) = a.episode_feedback("race", "k").unwrap();
+        assert_eq!((all.len(), r), (n + 1, Some(0.25)), "{kind}");
+        assert!(all.iter().all(|(_, c)| c.reward == Some(0.25)), "{kind}");
+    });
+}
+
+/// Replicas starting together on an empty database migrate it once and share its key salt; a
+/// restart of PostgreSQL fails the calls made while it is down (nothing acknowledged) and the
+/// next ones reconnect.
+#[test]
+fn postgres_replicas_migrate_together_and_survive_a_restart() {
+    let Some(mut pg) = Pg::start() else { return };
+    let url = pg.fresh_db();
+    let opened: Vec<_> = (0..6)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || PgLog::connect(&url).map_err(|e| e.to_string()))
+        })
+        .collect();
+    let logs: Vec<PgLog> = opened
+        .into_iter()
+        .map(|t| t.join().unwrap().unwrap())
+        .collect();
+    let h = logs[0].key_hash("k");
+    assert!(logs.iter().all(|l| l.key_hash("k") == h));
+    let log = &logs[0];
+    log.log_completions(&[rec("c1", 0, "k"), rec("c1", 1, "k")])
+        .unwrap();
+    assert!(log
+        .post_rewards(&[reward("c1", 0, 1.0)], "k", false, &open)
+        .unwrap());
+    pg.stop();
+    let r = log.post_rewards(&[reward("c1", 1, 0.0)], "k", false, &open);
+    assert!(
+        matches!(r, Err(FeedbackError::Log(LogError::Pg(_)))),
+        "{r:?}"
+    );
+    assert!(log.check().is_err());
+    pg.restart();
+    // The pooled connections died with the server: the next calls reconnect.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while log.check().is_err() {
+        assert!(std::time::Instant::now() < deadline, "no reconnect");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(log
+        .post_rewards(&[reward("c1", 1, 0.0)], "k", false, &open)
+        .unwrap());
+    let info = logs[1].feedback("c1").unwrap();
+    assert_eq!(
+        info.iter().map(|(_, c)| c.reward).collect::<Vec<_>>(),
+        vec![Some(1.0), Some(0.0)]
+    );
+}
+
+/// A learning server on PostgreSQL (`--rollout-store`), through its HTTP API: completions are
+/// logged there, a reward is acknowledged once committed there, the trainer consumes the group
+/// and records its checkpoint there; a restart resumes the lineage (versions never reused); with
+/// the database down a reward is a 503 naming the log (nothing acknowledged), and once it is
+/// back the same reward is taken.
+#[test]
+fn a_learning_server_keeps_its_log_on_postgres() {
+    use common::online::*;
+    use serde_json::{json, Value};
+    let Some(mut pg) = Pg::start() else { return };
+    let url = pg.fresh_db();
+    let (dir, model) = common::write_tiny(&common::server::spec());
+    let data = dir.path().join("data");
+    let cfg = config(
+        "reward_min = -1.0\nreward_max = 1.0\n\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\n\
+         lr = 0.01\nlora_r = 4\n",
+    );
+    let start = || start_learning_with(&model, &data, &cfg, &[], &["--rollout-store", &url]);
+    let s = start();
+    let r = sample(&s, "l", 2, 3, USER);
+    let id = r["id"].as_str().unwrap().to_string();
+    let items = json!([{"id": id, "choice": 0, "reward": 1}, {"id": id, "choice": 1, "reward": 0}]);
+    let post = |s: &common::server::Server, body: &Value| {
+        call(s, "POST", "/v1/feedback", Some(body), USER)
+    };
+    assert_eq!(post(&s, &items).status, 202);
+    wait_status(&s, "l", 60, |st| st["steps"] == 1 && st["version"] == 2);
+    let got = call(&s, "GET", &format!("/v1/feedback/{id}"), None, USER).json();
+    assert_eq!(got["choices"][0]["trained_step"], 1, "{got}");
+    let mut db = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let n: i64 = db
+        .query_one(
+            "SELECT count(*) FROM completions WHERE consumed_step = 1",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 2);
+    let v: i64 = db
+        .query_one(
+            "SELECT max(version) FROM checkpoints WHERE adapter = 'l'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(v, 2);
+    drop(s);
+    // A restart resumes from the lineage in PostgreSQL and the checkpoint on disk.
+    let s = start();
+    assert_eq!(status(&s, "l")["version"], 2);
+    let r = sample(&s, "l", 2, 3, USER);
+    assert_eq!(r["adapter_version"], 2);
+    let id2 = r["id"].as_str().unwrap().to_string();
+    drop(db);
+    pg.stop();
+    let one = json!({"id": id2, "choice": 0, "reward": 1});
+    let r = post(&s, &one);
+    assert_eq!(r.status, 503, "{}", r.body_text());
+    assert_eq!(r.json()["error"]["code"], "rollout_log_unavailable");
+    pg.restart();
+    assert_eq!(post(&s, &one).status, 202);
+    assert_eq!(post(&s, &one).status, 200);
+}
