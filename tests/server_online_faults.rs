@@ -290,6 +290,27 @@ fn start_up_falls_back_to_the_newest_intact_checkpoint_and_names_bad_data_dirs()
         let err = refused_start(&path, &["--data-dir", ro.to_str().unwrap(), "--learn", "l"]);
         assert!(err.contains(ro.to_str().unwrap()), "{err}");
     }
+    // A rollout store that is not one (its password never shown), or a PostgreSQL that does not
+    // answer: refused at start, naming it.
+    let data = dir.path().join("data3");
+    let d = data.to_str().unwrap();
+    let err = refused_start(
+        &path,
+        &["--data-dir", d, "--learn", "l", "--rollout-store", "mysql://u:secret@h/db"],
+    );
+    assert!(err.contains("mysql://u:***@h/db") && !err.contains("secret"), "{err}");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://u:secret@127.0.0.1:{port}/db");
+    let err = refused_start(
+        &path,
+        &["--data-dir", d, "--learn", "l", "--rollout-store", &url],
+    );
+    assert!(err.contains(&format!("postgres://u:***@127.0.0.1:{port}/db")), "{err}");
+    assert!(!err.contains("secret"), "{err}");
 }
 
 #[test]

@@ -11,5 +11,6 @@ pub mod learner;
 pub mod lineage;
 pub mod log;
 pub mod log_pg;
+pub mod open_store;
 pub mod store;
 pub mod trainer;

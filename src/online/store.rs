@@ -5,6 +5,8 @@
 //! - `PgLog` (`online::log_pg`): PostgreSQL, shared by serving replicas and a trainer on other
 //!   machines (`--rollout-store postgres://...`).
 //!
+//! `online::open_store` picks one from the configuration.
+//!
 //! The promises are the same: a method that returns Ok has committed; a batch of rewards is all
 //! or none; a completion is rewarded only by the key that made it (or an admin); a repeated
 //! reward is idempotent and a different one a conflict; a step's checkpoint and the members it
@@ -15,8 +17,6 @@ use super::log::{
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, PendingGroup, Refusal,
     Reward, SqliteLog, Turn,
 };
-use std::path::Path;
-use std::sync::Arc;
 
 /// Whether a completion's adapter takes rewards now (the caller's rule, per adapter).
 pub type Accepts<'a> = &'a dyn Fn(&str) -> Result<(), Refusal>;
@@ -81,22 +81,6 @@ pub trait RolloutStore: Send + Sync {
     ) -> Result<(), LogError>;
     /// Forget the checkpoints no longer needed; returns their relative paths.
     fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError>;
-}
-
-/// The store `spec` names: a `postgres://` or `postgresql://` URL, or None for SQLite at
-/// `data_dir/flywheel.db`.
-pub fn open_store(spec: Option<&str>, data_dir: &Path) -> anyhow::Result<Arc<dyn RolloutStore>> {
-    match spec {
-        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
-            Ok(Arc::new(super::log_pg::PgLog::connect(url)?))
-        }
-        Some(other) => anyhow::bail!(
-            "rollout store '{}': expected a postgres:// URL (or none, for SQLite in the data \
-             directory)",
-            redact(other)
-        ),
-        None => Ok(Arc::new(SqliteLog::open(&data_dir.join("flywheel.db"))?)),
-    }
 }
 
 /// A store URL with its password hidden, for messages.
