@@ -90,6 +90,8 @@ pub struct CliOverrides {
     pub data_dir: Option<PathBuf>,
     /// `--rollout-store`: overrides online.rollout_store.
     pub rollout_store: Option<String>,
+    /// `--role`: overrides online.role.
+    pub role: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -172,13 +174,16 @@ impl RawConfig {
     /// Apply the CLI flags and defaults, and check every value.
     pub fn validate(self, cli: &CliOverrides) -> Result<Config, ConfigError> {
         let (s, m, e) = (self.server, self.model, self.engine);
-        let mut online = self
-            .online
+        let mut raw_online = self.online;
+        if let Some(s) = &cli.rollout_store {
+            raw_online.rollout_store = Some(s.clone());
+        }
+        if let Some(r) = &cli.role {
+            raw_online.role = Some(r.clone());
+        }
+        let mut online = raw_online
             .validate()
             .map_err(|msg| invalid("online", msg))?;
-        if let Some(s) = &cli.rollout_store {
-            online.rollout_store = Some(s.clone()).filter(|s| !s.is_empty());
-        }
         if let Some(d) = &cli.data_dir {
             online.data_dir = d.clone();
         }

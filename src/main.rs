@@ -73,6 +73,10 @@ enum Cmd {
         /// by several servers; default SQLite in the data directory.
         #[arg(long, env = "FLYWHEEL_ROLLOUT_STORE")]
         rollout_store: Option<String>,
+        /// all (serve and train, the default) | train | serve (follow the trainer's versions
+        /// through the shared rollout store; never train). Overrides online.role.
+        #[arg(long, env = "FLYWHEEL_ROLE")]
+        role: Option<String>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -258,6 +262,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             learn,
             data_dir,
             rollout_store,
+            role,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -280,6 +285,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 learn,
                 data_dir,
                 rollout_store,
+                role,
             };
             flywheel::app::serve(raw.validate(&cli)?)
         }

@@ -454,3 +454,75 @@ fn a_learning_server_keeps_its_log_on_postgres() {
     assert_eq!(post(&s, &one).status, 202);
     assert_eq!(post(&s, &one).status, 200);
 }
+
+/// Two serving replicas and one trainer (separate processes, one PostgreSQL, one shared data
+/// directory): a completion served by replica A is rewarded through replica B; the trainer
+/// trains it and publishes; both replicas follow to the new version (reported: the delay from
+/// the trainer's status to each replica's) and serve it; no replica trains.
+#[test]
+fn two_replicas_and_a_trainer_share_one_postgres() {
+    use common::online::*;
+    use serde_json::json;
+    let Some(pg) = Pg::start() else { return };
+    let url = pg.fresh_db();
+    let (dir, model) = common::write_tiny(&common::server::spec());
+    let data = dir.path().join("shared");
+    let cfg = config(
+        "reward_min = -1.0\nreward_max = 1.0\n\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\n\
+         lr = 0.01\nlora_r = 4\n",
+    );
+    let start = |role: &str| {
+        start_learning_with(
+            &model,
+            &data,
+            &cfg,
+            &[],
+            &["--rollout-store", &url, "--role", role],
+        )
+    };
+    let trainer = start("train");
+    let (a, b) = (start("serve"), start("serve"));
+    for s in [&trainer, &a, &b] {
+        assert_eq!(status(s, "l")["version"], 1);
+    }
+    let r = sample(&a, "l", 2, 3, USER);
+    assert_eq!(r["adapter_version"], 1);
+    let id = r["id"].as_str().unwrap();
+    let items = json!([{"id": id, "choice": 0, "reward": 1}, {"id": id, "choice": 1, "reward": 0}]);
+    assert_eq!(
+        call(&b, "POST", "/v1/feedback", Some(&items), USER).status,
+        202
+    );
+    wait_status(&trainer, "l", 60, |st| st["version"] == 2);
+    let t0 = std::time::Instant::now();
+    for (name, s) in [("A", &a), ("B", &b)] {
+        wait_status(s, "l", 10, |st| st["version"] == 2);
+        eprintln!(
+            "replica {name} serves version 2 {:.0} ms after the trainer's status did",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        assert_eq!(sample(s, "l", 1, 2, USER)["adapter_version"], 2);
+    }
+    let got = call(&b, "GET", &format!("/v1/feedback/{id}"), None, USER).json();
+    assert_eq!(got["choices"][0]["trained_step"], 1, "{got}");
+    // The replicas never trained: one step in all, the trainer's.
+    assert_eq!(status(&trainer, "l")["steps"], 1);
+    let mut db = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let n: i64 = db
+        .query_one("SELECT count(*) FROM checkpoints", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    // A replica refuses to start without a shared store, naming it.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .args(["--learn", "l", "--role", "serve"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("rollout_store"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

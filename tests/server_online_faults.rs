@@ -296,9 +296,19 @@ fn start_up_falls_back_to_the_newest_intact_checkpoint_and_names_bad_data_dirs()
     let d = data.to_str().unwrap();
     let err = refused_start(
         &path,
-        &["--data-dir", d, "--learn", "l", "--rollout-store", "mysql://u:secret@h/db"],
+        &[
+            "--data-dir",
+            d,
+            "--learn",
+            "l",
+            "--rollout-store",
+            "mysql://u:secret@h/db",
+        ],
     );
-    assert!(err.contains("mysql://u:***@h/db") && !err.contains("secret"), "{err}");
+    assert!(
+        err.contains("mysql://u:***@h/db") && !err.contains("secret"),
+        "{err}"
+    );
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -309,7 +319,10 @@ fn start_up_falls_back_to_the_newest_intact_checkpoint_and_names_bad_data_dirs()
         &path,
         &["--data-dir", d, "--learn", "l", "--rollout-store", &url],
     );
-    assert!(err.contains(&format!("postgres://u:***@127.0.0.1:{port}/db")), "{err}");
+    assert!(
+        err.contains(&format!("postgres://u:***@127.0.0.1:{port}/db")),
+        "{err}"
+    );
     assert!(!err.contains("secret"), "{err}");
 }
 

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 pub struct RawOnline {
     pub data_dir: Option<PathBuf>,
     pub rollout_store: Option<String>,
+    pub role: Option<String>,
     pub reward_min: Option<f64>,
     pub reward_max: Option<f64>,
     pub max_off_policy_steps: Option<u64>,
@@ -50,6 +51,8 @@ pub struct OnlineConfig {
     /// Where the rollout log lives: None, SQLite in `data_dir`; `postgres://...`, PostgreSQL
     /// (shared by several serving replicas and a trainer).
     pub rollout_store: Option<String>,
+    /// What this process does for its learning adapters.
+    pub role: Role,
     pub reward_min: f64,
     pub reward_max: f64,
     /// Groups sampled more than this many versions before the current one are dropped.
@@ -68,6 +71,36 @@ pub struct OnlineConfig {
     pub train_share: f64,
     /// Memory a step's kept activations may take (beyond it, layers are recomputed).
     pub activation_mb: usize,
+}
+
+/// What a process does for its learning adapters (`--role`, `online.role`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Serve, log, take rewards and train: one process (the default).
+    All,
+    /// Train and publish (it serves too; a deployment sends its clients to the replicas).
+    Train,
+    /// Serve, log and take rewards; follow the trainer's versions (published in the shared
+    /// rollout store, their checkpoints in the shared data directory); never train.
+    Serve,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Result<Role, String> {
+        match s {
+            "all" => Ok(Role::All),
+            "train" => Ok(Role::Train),
+            "serve" => Ok(Role::Serve),
+            other => Err(format!(
+                "online.role must be \"all\", \"train\" or \"serve\", not \"{other}\""
+            )),
+        }
+    }
+
+    /// Whether this process trains (else it follows a trainer).
+    pub fn trains(self) -> bool {
+        self != Role::Serve
+    }
 }
 
 /// A learning adapter's validated settings.
@@ -90,6 +123,7 @@ impl RawOnline {
         let c = OnlineConfig {
             data_dir: self.data_dir.unwrap_or_else(|| PathBuf::from("data")),
             rollout_store: self.rollout_store.filter(|s| !s.is_empty()),
+            role: Role::parse(self.role.as_deref().unwrap_or("all"))?,
             reward_min: self.reward_min.unwrap_or(-1e6),
             reward_max: self.reward_max.unwrap_or(1e6),
             max_off_policy_steps: self.max_off_policy_steps.unwrap_or(4),
@@ -111,6 +145,13 @@ impl RawOnline {
         }
         if !(c.group_timeout_secs > 0.0 && c.retention_days > 0.0) {
             return Err("online.group_timeout_secs and online.retention_days must be > 0".into());
+        }
+        if c.role == Role::Serve && c.rollout_store.is_none() {
+            return Err(
+                "online.role \"serve\" follows a trainer through a shared rollout store: \
+                        give online.rollout_store (postgres://...)"
+                    .into(),
+            );
         }
         if c.max_step_tokens < 64 {
             return Err("online.max_step_tokens must be at least 64".into());

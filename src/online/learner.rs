@@ -174,6 +174,44 @@ fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
 }
 
 impl Learner {
+    /// A serving replica's turn: publish the trainer's newest checkpoint (its lineage's, in the
+    /// shared store; its files in the shared data directory) under the trainer's version number,
+    /// if newer than the one served. Polled by the trainer thread's loop (at most 500 ms apart).
+    fn follow(&mut self, env: &Env) -> Result<(), TrainError> {
+        let name = self.cfg.name.clone();
+        let Some(l) = env.log.active_lineage(&name)? else {
+            return Ok(());
+        };
+        let Some(cp) = env.log.checkpoints(l.id)?.into_iter().next() else {
+            return Ok(());
+        };
+        if l.id == self.lineage.id && cp.version <= self.status.version {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        let dir = env.cfg.data_dir.join(&cp.path);
+        let (w, _) = load_checkpoint(&dir, &env.model.config, &env.registry.limits)
+            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        let who = Publisher::Claim {
+            id: l.id,
+            min_version: cp.version,
+        };
+        let (v, _) = env
+            .registry
+            .publish_as(&name, w, who)
+            .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
+        tracing::info!(
+            adapter = %name, version = v.version, step = cp.step,
+            load_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "followed the trainer to a new version"
+        );
+        self.lineage = l;
+        self.status.lineage = l.id;
+        self.status.version = v.version;
+        self.status.steps = cp.step;
+        Ok(())
+    }
+
     /// Resume `cfg.name`'s lineage from its newest intact checkpoint, or begin a lineage with the
     /// identity adapter; publish it either way. A broken newest checkpoint is skipped with a
     /// warning. Versions continue above every version the name ever had.
@@ -186,6 +224,13 @@ impl Learner {
             .max_version(name)?
             .max(env.registry.last_version(name));
         let lineage = env.log.active_lineage(name)?;
+        let follow = !env.cfg.role.trains();
+        if follow && lineage.is_none() {
+            return Err(start_err(&format!(
+                "no lineage of '{name}' in the rollout store yet: a serving replica follows the \
+                 trainer's, so start the trainer (--role train) first"
+            )));
+        }
         let mut resumed = None;
         let mut num_checkpoints = 0;
         if let Some(l) = lineage {
@@ -220,7 +265,7 @@ impl Learner {
                 }
                 // The same number only if no later version was ever seen (then it is the same
                 // weights); else a new number for these older weights.
-                let v = if cp.version >= max_seen {
+                let v = if cp.version >= max_seen || follow {
                     cp.version
                 } else {
                     max_seen + 1
@@ -238,8 +283,9 @@ impl Learner {
                 let w = identity(&cfg, env).map_err(|e| start_err(&e))?;
                 let opt = adamw(&cfg, w.layout.num_params);
                 let (l, v) = match l {
-                    // Never trained: the identity it started with, under the same number.
-                    Some(l) if num_checkpoints == 0 && max_seen <= l.first_version => {
+                    // Never trained: the identity it started with, under the same number (a
+                    // follower: the trainer's number, whatever it served).
+                    Some(l) if num_checkpoints == 0 && (max_seen <= l.first_version || follow) => {
                         (l, l.first_version)
                     }
                     Some(l) => {
@@ -290,6 +336,10 @@ impl Learner {
     /// Form groups (recording drops), and take one step if a batch is ready: Ok(None) when none
     /// was. On any error, optimizer and adapter are as before.
     pub fn step(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError> {
+        if !env.cfg.role.trains() {
+            self.follow(env)?;
+            return Ok(None);
+        }
         let name = self.cfg.name.clone();
         let slot = env.registry.get(&name).ok_or_else(|| {
             TrainError::new(ErrorKind::Publish, format!("the adapter '{name}' is gone"))

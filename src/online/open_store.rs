@@ -21,4 +21,3 @@ pub fn open_store(spec: Option<&str>, data_dir: &Path) -> anyhow::Result<Arc<dyn
         None => Ok(Arc::new(SqliteLog::open(&data_dir.join("flywheel.db"))?)),
     }
 }
-

@@ -473,7 +473,8 @@ impl Trainer {
 
     fn prune(&mut self) {
         let now = now_secs();
-        if now - self.last_prune < 600.0 || !self.log_ok {
+        // One process prunes a shared store: the trainer.
+        if now - self.last_prune < 600.0 || !self.log_ok || !self.env.cfg.role.trains() {
             return;
         }
         self.last_prune = now;
