@@ -458,7 +458,8 @@ fn a_learning_server_keeps_its_log_on_postgres() {
 /// Two serving replicas and one trainer (separate processes, one PostgreSQL, one shared data
 /// directory): a completion served by replica A is rewarded through replica B; the trainer
 /// trains it and publishes; both replicas follow to the new version (reported: the delay from
-/// the trainer's status to each replica's) and serve it; no replica trains.
+/// the trainer's status to each replica's) and serve it; no replica trains. Then kill -9 of a
+/// replica and of the trainer loses no acknowledged reward and trains no group twice.
 #[test]
 fn two_replicas_and_a_trainer_share_one_postgres() {
     use common::online::*;
@@ -513,6 +514,43 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
         .unwrap()
         .get(0);
     assert_eq!(n, 1);
+    // kill -9 of the replica that served a completion and of the trainer: the reward posted
+    // through the other replica meanwhile is acknowledged, kept, and trained once by the
+    // restarted trainer, which resumes the lineage; the surviving replica follows.
+    let r = sample(&a, "l", 2, 3, USER);
+    let id2 = r["id"].as_str().unwrap().to_string();
+    drop(a);
+    drop(trainer);
+    let items =
+        json!([{"id": id2, "choice": 0, "reward": 0}, {"id": id2, "choice": 1, "reward": 1}]);
+    assert_eq!(
+        call(&b, "POST", "/v1/feedback", Some(&items), USER).status,
+        202
+    );
+    let trainer = start("train");
+    wait_status(&trainer, "l", 60, |st| st["version"] == 3);
+    wait_status(&b, "l", 10, |st| st["version"] == 3);
+    let rows: Vec<(String, Option<i64>)> = db
+        .query(
+            "SELECT id, consumed_step FROM completions ORDER BY id, choice",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let steps: Vec<Option<i64>> = rows
+        .iter()
+        .filter(|(i, _)| i == id || i == &id2)
+        .map(|r| r.1)
+        .collect();
+    let want = if id < id2.as_str() {
+        [Some(1), Some(1), Some(2), Some(2)]
+    } else {
+        [Some(2), Some(2), Some(1), Some(1)]
+    };
+    assert_eq!(steps, want, "{rows:?}");
+    assert_eq!(status(&trainer, "l")["steps"], 2);
     // A replica refuses to start without a shared store, naming it.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
         .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
