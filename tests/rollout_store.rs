@@ -343,8 +343,9 @@ fn racing_writers_record_each_thing_once() {
 }
 
 /// Replicas starting together on an empty database migrate it once and share its key salt; a
-/// restart of PostgreSQL fails the calls made while it is down (nothing acknowledged) and the
-/// next ones reconnect.
+/// committed step is heard by a listener; a restart of PostgreSQL fails the calls made while it
+/// is down (nothing acknowledged), the next ones reconnect, and the listener reconnects and
+/// catches up.
 #[test]
 fn postgres_replicas_migrate_together_and_survive_a_restart() {
     let Some(mut pg) = Pg::start() else { return };
@@ -361,6 +362,33 @@ fn postgres_replicas_migrate_together_and_survive_a_restart() {
         .collect();
     let h = logs[0].key_hash("k");
     assert!(logs.iter().all(|l| l.key_hash("k") == h));
+    // A listener hears a step committed through another handle (LISTEN/NOTIFY).
+    let heard = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let h2 = heard.clone();
+    logs[1].subscribe(Box::new(move || {
+        h2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }));
+    let heard_now = || heard.load(std::sync::atomic::Ordering::SeqCst);
+    let wait_heard = |more_than: usize| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while heard_now() <= more_than {
+            assert!(std::time::Instant::now() < deadline, "not heard");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    };
+    wait_heard(0); // the catch-up call once listening
+    let before = heard_now();
+    let l = logs[2].begin_lineage("a", 1).unwrap();
+    logs[2].log_completions(&[rec("s1", 0, "k")]).unwrap();
+    let cp = Checkpoint {
+        step: 1,
+        version: 2,
+        path: "adapters/a/v2".into(),
+    };
+    logs[2]
+        .commit_step("a", l.id, &cp, "{}", &[("s1".into(), 0)])
+        .unwrap();
+    wait_heard(before);
     let log = &logs[0];
     log.log_completions(&[rec("c1", 0, "k"), rec("c1", 1, "k")])
         .unwrap();
@@ -374,7 +402,10 @@ fn postgres_replicas_migrate_together_and_survive_a_restart() {
         "{r:?}"
     );
     assert!(log.check().is_err());
+    let before_restart = heard_now();
     pg.restart();
+    // The listener reconnects and calls once to catch up on what it may have missed.
+    wait_heard(before_restart);
     // The pooled connections died with the server: the next calls reconnect.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while log.check().is_err() {

@@ -20,6 +20,7 @@ use super::log::{
 };
 use super::store::{redact, Accepts, RolloutStore};
 use crate::util::now_secs;
+use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, NoTls, Row, Transaction};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -58,6 +59,9 @@ const MIGRATIONS: &[&str] = &["
 
 /// The advisory lock key of schema migrations (any constant of our own).
 const MIGRATION_LOCK: i64 = 0x666c_7977_6865_656c; // "flywheel"
+
+/// The channel a committed step is announced on (payload `adapter:version`).
+const NOTIFY_CHANNEL: &str = "flywheel_versions";
 
 /// Idle connections kept for reuse.
 const POOL_IDLE: usize = 4;
@@ -658,6 +662,11 @@ impl RolloutStore for PgLog {
                 return Err(already_consumed(id, *choice));
             }
         }
+        // Delivered to the listeners when (and only if) the step commits.
+        tx.execute(
+            "SELECT pg_notify($1, $2)",
+            &[&NOTIFY_CHANNEL, &format!("{adapter}:{}", cp.version)],
+        )?;
         Ok(tx.commit()?)
     }
 
@@ -674,5 +683,35 @@ impl RolloutStore for PgLog {
         )?;
         tx.commit()?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    fn subscribe(&self, wake: Box<dyn Fn() + Send + Sync>) {
+        let config = self.config.clone();
+        let shown = self.shown.clone();
+        let listen = move || loop {
+            match config.connect(NoTls) {
+                Ok(mut c) => match c.batch_execute(&format!("LISTEN {NOTIFY_CHANNEL}")) {
+                    Ok(()) => {
+                        // Catch up on whatever was announced while not listening.
+                        wake();
+                        let mut n = c.notifications();
+                        let mut it = n.blocking_iter();
+                        while let Ok(Some(_)) = it.next() {
+                            wake();
+                        }
+                        tracing::warn!(store = %shown, "lost the LISTEN connection: reconnecting");
+                    }
+                    Err(e) => tracing::warn!(store = %shown, error = %e, "LISTEN failed"),
+                },
+                Err(e) => tracing::warn!(store = %shown, error = %e, "cannot connect to LISTEN"),
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("flywheel-pg-listen".into())
+            .spawn(listen)
+        {
+            tracing::error!(error = %e, "no LISTEN thread: new versions are found by polling");
+        }
     }
 }

@@ -81,6 +81,10 @@ pub trait RolloutStore: Send + Sync {
     ) -> Result<(), LogError>;
     /// Forget the checkpoints no longer needed; returns their relative paths.
     fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError>;
+    /// Call `wake` soon after any process commits a step (PostgreSQL: LISTEN/NOTIFY, also once
+    /// after each (re)connection, so a notification missed while disconnected only delays).
+    /// SQLite has one process: nothing to hear.
+    fn subscribe(&self, _wake: Box<dyn Fn() + Send + Sync>) {}
 }
 
 /// A store URL with its password hidden, for messages.

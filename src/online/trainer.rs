@@ -137,6 +137,13 @@ impl TrainerHandle {
         metrics.rollout_log_ok.set(1);
         sweep_temporaries(&cfg.data_dir);
         let (tx, rx) = mpsc::channel();
+        if !cfg.role.trains() {
+            // A replica hears of the trainer's steps at once (polling stays the catch-up).
+            let wake = tx.clone();
+            log.subscribe(Box::new(move || {
+                let _ = wake.send(Command::Wake);
+            }));
+        }
         let shared = Arc::new(Shared {
             status: RwLock::new(BTreeMap::new()),
             alive: AtomicBool::new(true),
