@@ -481,6 +481,19 @@ fn a_learning_server_keeps_its_log_on_postgres() {
     let r = post(&s, &one);
     assert_eq!(r.status, 503, "{}", r.body_text());
     assert_eq!(r.json()["error"]["code"], "rollout_log_unavailable");
+    // The base model still answers; a completion through the learning adapter, which could not
+    // be logged, is a 503 rather than an answer whose log is lost.
+    let chat = |model: &str| {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 2});
+        call(&s, "POST", "/v1/chat/completions", Some(&body), USER)
+    };
+    assert_eq!(chat("tiny").status, 200);
+    let r = chat("l");
+    assert_eq!(r.status, 503, "{}", r.body_text());
+    assert_eq!(r.json()["error"]["code"], "rollout_log_unavailable");
+    // One process (role all): not ready while it cannot learn.
+    assert_eq!(call(&s, "GET", "/health", None, USER).status, 503);
     pg.restart();
     assert_eq!(post(&s, &one).status, 202);
     assert_eq!(post(&s, &one).status, 200);
@@ -495,7 +508,7 @@ fn a_learning_server_keeps_its_log_on_postgres() {
 fn two_replicas_and_a_trainer_share_one_postgres() {
     use common::online::*;
     use serde_json::json;
-    let Some(pg) = Pg::start() else { return };
+    let Some(mut pg) = Pg::start() else { return };
     let url = pg.fresh_db();
     let (dir, model) = common::write_tiny(&common::server::spec());
     let data = dir.path().join("shared");
@@ -582,6 +595,22 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
     };
     assert_eq!(steps, want, "{rows:?}");
     assert_eq!(status(&trainer, "l")["steps"], 2);
+    // The database down: a replica stays ready (the base model answers) and says why it cannot
+    // learn; a completion through the learning adapter is a 503 (it could not be logged).
+    drop(db);
+    pg.stop();
+    let h = call(&b, "GET", "/health", None, USER);
+    assert_eq!(h.status, 200, "{}", h.body_text());
+    assert!(h.json()["learning"]
+        .as_str()
+        .unwrap()
+        .starts_with("unavailable"));
+    let chat = |model: &str| {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 2});
+        call(&b, "POST", "/v1/chat/completions", Some(&body), USER).status
+    };
+    assert_eq!((chat("tiny"), chat("l")), (200, 503));
     // A replica refuses to start without a shared store, naming it.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
         .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])

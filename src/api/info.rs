@@ -167,8 +167,22 @@ pub async fn health(State(state): State<AppState>) -> Response {
     if !r.engine.is_alive() {
         return ApiError::unavailable("the engine stopped").into_response();
     }
-    // Learning: the rollout log must be usable and the trainer running.
+    // Learning: the rollout log must be usable and the trainer running. A serving replica
+    // stays ready without them (its base model and adapters answer; completions through a
+    // learning adapter are refused with 503 while they cannot be logged): its learning state
+    // is in the body.
     if let Some(Err(why)) = learning_health(&state).await {
+        let replica = r
+            .online
+            .get()
+            .is_some_and(|o| o.cfg.role == crate::online::config::Role::Serve);
+        if replica {
+            return (
+                StatusCode::OK,
+                Json(json!({"status": "ok", "learning": format!("unavailable: {why}")})),
+            )
+                .into_response();
+        }
         return ApiError::unavailable(format!("learning is unavailable: {why}")).into_response();
     }
     (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
