@@ -52,6 +52,10 @@ pub struct Metrics {
     pub rollout_log_ok: IntGauge,
     pub feedback_rewards: IntCounterVec,
     pub rollouts_logged: IntCounterVec,
+    /// A serving replica: versions it is behind the trainer's newest checkpoint.
+    pub replica_version_lag: IntGaugeVec,
+    /// A serving replica: from the trainer's commit of a step to this replica serving it.
+    pub replica_propagation_seconds: Histogram,
 }
 
 fn buckets_seconds() -> Vec<f64> {
@@ -301,6 +305,23 @@ impl Metrics {
                     &["adapter"],
                 )
                 .expect("counter vec"),
+            ),
+            replica_version_lag: reg(
+                &registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "replica_version_lag",
+                        "A serving replica (--role serve): versions it is behind the trainer's \
+                         newest checkpoint (0 once it serves it).",
+                    ),
+                    &["adapter"],
+                )
+                .expect("gauge vec"),
+            ),
+            replica_propagation_seconds: hist(
+                "replica_propagation_seconds",
+                "A serving replica: from the trainer's commit of a step to this replica \
+                 serving its version (the two machines' clocks apart included).",
             ),
             registry,
         }

@@ -547,6 +547,13 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
             t0.elapsed().as_secs_f64() * 1e3
         );
         assert_eq!(sample(s, "l", 1, 2, USER)["adapter_version"], 2);
+        // Its metrics: no lag, one propagation observed (commit in PostgreSQL -> served).
+        assert_eq!(s.metric("flywheel_replica_version_lag{adapter=\"l\"}"), 0.0);
+        assert_eq!(s.metric("flywheel_replica_propagation_seconds_count"), 1.0);
+        eprintln!(
+            "replica {name}: commit -> served {:.1} ms",
+            s.metric("flywheel_replica_propagation_seconds_sum") * 1e3
+        );
     }
     let got = call(&b, "GET", &format!("/v1/feedback/{id}"), None, USER).json();
     assert_eq!(got["choices"][0]["trained_step"], 1, "{got}");

@@ -182,9 +182,11 @@ impl Learner {
         let Some(l) = env.log.active_lineage(&name)? else {
             return Ok(());
         };
-        let Some(cp) = env.log.checkpoints(l.id)?.into_iter().next() else {
+        let Some((cp, committed)) = env.log.newest_checkpoint(l.id)? else {
             return Ok(());
         };
+        let lag = env.metrics.replica_version_lag.with_label_values(&[&name]);
+        lag.set(cp.version.saturating_sub(self.status.version) as i64);
         if l.id == self.lineage.id && cp.version <= self.status.version {
             return Ok(());
         }
@@ -209,6 +211,10 @@ impl Learner {
         self.status.lineage = l.id;
         self.status.version = v.version;
         self.status.steps = cp.step;
+        lag.set(0);
+        env.metrics
+            .replica_propagation_seconds
+            .observe((crate::util::now_secs() - committed).max(0.0));
         Ok(())
     }
 

@@ -116,6 +116,27 @@ impl SqliteLog {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
+    /// The newest checkpoint of `lineage` and when it was committed.
+    pub fn newest_checkpoint(&self, lineage: u64) -> Result<Option<(Checkpoint, f64)>, LogError> {
+        let c = self.conn()?;
+        Ok(c.query_row(
+            "SELECT version, step, path, created FROM checkpoints WHERE lineage = ?1
+             ORDER BY version DESC LIMIT 1",
+            params![lineage as i64],
+            |r| {
+                Ok((
+                    Checkpoint {
+                        version: r.get::<_, i64>(0)? as u64,
+                        step: r.get::<_, i64>(1)? as u64,
+                        path: r.get(2)?,
+                    },
+                    r.get(3)?,
+                ))
+            },
+        )
+        .optional()?)
+    }
+
     /// Record a checkpoint of `lineage` and the members its step consumed, in one transaction.
     pub fn commit_step(
         &self,

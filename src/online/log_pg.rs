@@ -629,6 +629,24 @@ impl RolloutStore for PgLog {
             .collect())
     }
 
+    fn newest_checkpoint(&self, lineage: u64) -> Result<Option<(Checkpoint, f64)>, LogError> {
+        let row = self.conn()?.query_opt(
+            "SELECT version, step, path, created FROM checkpoints WHERE lineage = $1
+             ORDER BY version DESC LIMIT 1",
+            &[&(lineage as i64)],
+        )?;
+        Ok(row.map(|r| {
+            (
+                Checkpoint {
+                    version: r.get::<_, i64>(0) as u64,
+                    step: r.get::<_, i64>(1) as u64,
+                    path: r.get(2),
+                },
+                r.get(3),
+            )
+        }))
+    }
+
     fn commit_step(
         &self,
         adapter: &str,

@@ -69,6 +69,8 @@ pub trait RolloutStore: Send + Sync {
     fn end_lineage(&self, adapter: &str) -> Result<(), LogError>;
     /// The checkpoints of `lineage`, newest first.
     fn checkpoints(&self, lineage: u64) -> Result<Vec<Checkpoint>, LogError>;
+    /// The newest checkpoint of `lineage` and when it was committed (Unix seconds).
+    fn newest_checkpoint(&self, lineage: u64) -> Result<Option<(Checkpoint, f64)>, LogError>;
     /// Record a checkpoint and the members its step consumed, in one transaction; a member
     /// consumed already (by another trainer) fails it whole with `LogError::Conflict`.
     fn commit_step(
@@ -166,6 +168,9 @@ impl RolloutStore for SqliteLog {
     }
     fn checkpoints(&self, lineage: u64) -> Result<Vec<Checkpoint>, LogError> {
         SqliteLog::checkpoints(self, lineage)
+    }
+    fn newest_checkpoint(&self, lineage: u64) -> Result<Option<(Checkpoint, f64)>, LogError> {
+        SqliteLog::newest_checkpoint(self, lineage)
     }
     fn commit_step(
         &self,
