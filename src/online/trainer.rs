@@ -132,10 +132,22 @@ impl TrainerHandle {
         compute: Compute,
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<TrainerHandle> {
-        check_writable(&cfg.data_dir)?;
+        // A serving replica only reads the shared data directory (the trainer's checkpoints).
+        if cfg.role.trains() {
+            check_writable(&cfg.data_dir)?;
+        } else {
+            anyhow::ensure!(
+                cfg.data_dir.is_dir(),
+                "the shared data directory {} is not there (a serving replica reads the \
+                 trainer's checkpoints in it)",
+                cfg.data_dir.display()
+            );
+        }
         let log = open_store(cfg.rollout_store.as_deref(), &cfg.data_dir)?;
         metrics.rollout_log_ok.set(1);
-        sweep_temporaries(&cfg.data_dir);
+        if cfg.role.trains() {
+            sweep_temporaries(&cfg.data_dir);
+        }
         let (tx, rx) = mpsc::channel();
         if !cfg.role.trains() {
             // A replica hears of the trainer's steps at once (polling stays the catch-up).

@@ -1,0 +1,234 @@
+"""Scale-out on one machine: one PostgreSQL, one trainer and N serving replicas sharing a data
+directory (see README, "Scaling out").
+
+    python3 scripts/scale_out.py [--pg-url postgres://...] [--replicas 2] [--learn brief]
+        # starts the roles (and a throwaway PostgreSQL when no URL is given), prints their
+        # addresses, and waits for Ctrl-C
+    python3 scripts/scale_out.py --bench [--rounds 20] [--rewards 400]
+        # measures, then stops everything: version propagation (the trainer's commit -> each
+        # replica serving the version: p50/p99 from the replicas' own histogram and from
+        # polling), and rewards per second through the replicas into PostgreSQL
+
+Without --pg-url it needs PostgreSQL's binaries (Debian's postgresql package; run as root it
+starts the server as the postgres user). Everything binds 127.0.0.1."""
+
+import argparse
+import concurrent.futures as cf
+import glob
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BIN = ROOT / "target" / "release" / "flywheel"
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+KEY = "scale-out-key"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method, url, body=None, timeout=120):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+class Postgres:
+    """A throwaway server: initdb in a temporary folder, trust auth, loopback only."""
+
+    def __init__(self):
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
+        if not bins:
+            sys.exit("no PostgreSQL binaries: install postgresql or give --pg-url")
+        self.bin = pathlib.Path(bins[-1])
+        self.dir = tempfile.mkdtemp(prefix="flywheel-pg-")
+        self.user = "postgres" if os.geteuid() == 0 else None
+        if self.user:
+            shutil.chown(self.dir, self.user, self.user)
+        data = os.path.join(self.dir, "data")
+        subprocess.run([str(self.bin / "initdb"), "-D", data, "-U", "flywheel", "--auth=trust",
+                        "-E", "UTF8", "--no-sync"], check=True, user=self.user,
+                       stdout=subprocess.DEVNULL)
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [str(self.bin / "postgres"), "-D", data, "-p", str(self.port), "-k", self.dir,
+             "-c", "listen_addresses=127.0.0.1"],
+            user=self.user, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if subprocess.run([str(self.bin / "pg_isready"), "-h", "127.0.0.1", "-p",
+                               str(self.port)], stdout=subprocess.DEVNULL).returncode == 0:
+                break
+            time.sleep(0.1)
+        self.url = f"postgres://flywheel@127.0.0.1:{self.port}/postgres"
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_role(role, url, data, learn, config):
+    port = free_port()
+    log = open(os.path.join(data, f"{role}-{port}.log"), "w")
+    proc = subprocess.Popen(
+        [str(BIN), "serve", "--model", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
+         "--api-key", KEY, "--learn", learn, "--rollout-store", url, "--data-dir", data,
+         "--role", role, "--config", config],
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if http("GET", base + "/health", timeout=5)[0] == 200:
+                return proc, base
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            sys.exit(f"the {role} process exited: see {log.name}")
+        time.sleep(0.1)
+    sys.exit(f"the {role} process did not become ready: see {log.name}")
+
+
+def version(base, learn):
+    return http("GET", base + "/v1/train/status")[1]["adapters"][learn]["version"]
+
+
+def histogram(base, name):
+    """(bucket upper bounds, cumulative counts) of a Prometheus histogram in /metrics."""
+    req = urllib.request.Request(base + "/metrics")
+    text = urllib.request.urlopen(req, timeout=30).read().decode()
+    pairs = [(float(m.group(1).replace("+Inf", "inf")), float(m.group(2)))
+             for m in re.finditer(name + r'_bucket\{le="([^"]+)"\} (\S+)', text)]
+    return pairs
+
+
+def quantile(pairs, q):
+    total = pairs[-1][1]
+    for le, c in pairs:
+        if c >= q * total:
+            return le
+    return float("inf")
+
+
+def bench(trainer, replicas, learn, rounds, n_rewards):
+    prop = []
+    for r in range(rounds):
+        a, b = replicas[r % len(replicas)], replicas[(r + 1) % len(replicas)]
+        v0 = version(trainer, learn)
+        st, out = http("POST", a + "/v1/chat/completions", {
+            "model": learn, "messages": [{"role": "user", "content": f"Say a word ({r})."}],
+            "n": 4, "max_tokens": 8, "temperature": 1.0})
+        assert st == 200, out
+        items = [{"id": out["id"], "choice": i, "reward": float(i % 2)} for i in range(4)]
+        st, body = http("POST", b + "/v1/feedback", items)
+        assert st == 202, body
+        deadline = time.time() + 120
+        while version(trainer, learn) == v0:
+            assert time.time() < deadline, "the trainer did not publish"
+            time.sleep(0.005)
+        t0 = time.time()
+        for rep in replicas:
+            while version(rep, learn) == v0:
+                assert time.time() < deadline, "a replica did not follow"
+                time.sleep(0.001)
+            prop.append(time.time() - t0)
+    print(f"propagation over {rounds} versions x {len(replicas)} replicas, seen by polling "
+          f"(trainer's status -> replica's status): p50 {statistics.median(prop) * 1e3:.1f} ms, "
+          f"max {max(prop) * 1e3:.1f} ms")
+    for rep in replicas:
+        h = histogram(rep, "flywheel_replica_propagation_seconds")
+        print(f"  {rep}: commit -> served (its histogram, bucket bounds): "
+              f"p50 <= {quantile(h, 0.5) * 1e3:.0f} ms, p99 <= {quantile(h, 0.99) * 1e3:.0f} ms "
+              f"({int(h[-1][1])} versions)")
+    # Rewards per second: completions first (the base model, one token each, not logged...
+    # so through the learning adapter), then single rewards posted concurrently across replicas.
+    ids = []
+    while len(ids) < n_rewards:
+        st, out = http("POST", replicas[len(ids) % len(replicas)] + "/v1/completions", {
+            "model": learn, "prompt": "x", "n": 8, "max_tokens": 1, "temperature": 1.0})
+        assert st == 200, out
+        ids += [(out["id"], i) for i in range(8)]
+    ids = ids[:n_rewards]
+    random.shuffle(ids)
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(
+            lambda k: http("POST", replicas[k % len(replicas)] + "/v1/feedback",
+                           {"id": ids[k][0], "choice": ids[k][1], "reward": 0.5})[0],
+            range(len(ids))))
+    dt = time.time() - t0
+    assert all(c == 202 for c in codes), set(codes)
+    print(f"rewards: {len(ids)} single-reward posts, 16 clients across {len(replicas)} replicas: "
+          f"{len(ids) / dt:.0f} per second (each committed in PostgreSQL before its 202)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pg-url")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--learn", default="brief")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rewards", type=int, default=400)
+    a = ap.parse_args()
+    pg = None if a.pg_url else Postgres()
+    url = a.pg_url or pg.url
+    data = tempfile.mkdtemp(prefix="flywheel-shared-")
+    config = os.path.join(data, "serve.toml")
+    with open(config, "w") as f:
+        # Small steps (one group each) so that versions publish often.
+        f.write("[online]\nreward_min = 0.0\nreward_max = 1.0\ngroup_timeout_secs = 1.0\n"
+                f"[[learn]]\nname = \"{a.learn}\"\nlr = 0.0001\n")
+    procs = []
+    try:
+        p, trainer = start_role("train", url, data, a.learn, config)
+        procs.append(p)
+        replicas = []
+        for _ in range(a.replicas):
+            p, base = start_role("serve", url, data, a.learn, config)
+            procs.append(p)
+            replicas.append(base)
+        print(f"PostgreSQL {url}\nshared data {data}\ntrainer {trainer}\nreplicas "
+              + " ".join(replicas), flush=True)
+        if a.bench:
+            bench(trainer, replicas, a.learn, a.rounds, a.rewards)
+        else:
+            print("Ctrl-C stops them all.")
+            while all(p.poll() is None for p in procs):
+                time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+        if pg:
+            pg.stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
