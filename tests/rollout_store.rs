@@ -631,3 +631,103 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Load through both replicas while the trainer publishes versions: streams round-robin over
+/// the replicas all complete (no error chunk), each reports one version from its first chunk
+/// to its last, and the versions the replicas serve rise with the trainer's.
+#[test]
+fn streams_through_both_replicas_while_versions_publish_never_fail() {
+    use common::online::*;
+    use serde_json::{json, Value};
+    let Some(pg) = Pg::start() else { return };
+    let url = pg.fresh_db();
+    let (dir, model) = common::write_tiny(&common::server::spec());
+    let data = dir.path().join("shared");
+    let cfg = config(
+        "reward_min = -1.0\nreward_max = 1.0\nmax_off_policy_steps = 1000\n\n[[learn]]\n\
+         name = \"l\"\nmethod = \"lora\"\nlr = 0.01\nlora_r = 4\n",
+    );
+    let start = |role: &str| {
+        start_learning_with(
+            &model,
+            &data,
+            &cfg,
+            &[],
+            &["--rollout-store", &url, "--role", role],
+        )
+    };
+    let trainer = start("train");
+    let replicas = [start("serve"), start("serve")];
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let streams: Vec<_> = (0..2)
+        .map(|t| {
+            let c = replicas[t % 2].client.clone();
+            let done = done.clone();
+            std::thread::spawn(move || {
+                let mut versions = Vec::new();
+                // Until the trainer is done (bounded).
+                for i in 0..1000 {
+                    if done.load(std::sync::atomic::Ordering::Acquire) {
+                        break;
+                    }
+                    // Leave the trainer some of the two cores.
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    let body = json!({
+                        "model": "l", "stream": true, "max_tokens": 24, "ignore_eos": true,
+                        "messages": [{"role": "user", "content": format!("stream {t} {i}")}],
+                    });
+                    let r = call(&c, "POST", "/v1/chat/completions", Some(&body), USER);
+                    assert_eq!(r.status, 200, "{}", r.body_text());
+                    let chunks = r.sse_chunks();
+                    assert!(
+                        chunks.iter().all(|c| c.get("error").is_none()),
+                        "{chunks:?}"
+                    );
+                    let v = chunks[0]["adapter_version"].as_u64().unwrap();
+                    assert!(
+                        chunks.iter().all(|c| c["adapter_version"] == v),
+                        "{chunks:?}"
+                    );
+                    versions.push(v);
+                }
+                versions
+            })
+        })
+        .collect();
+    // Meanwhile: groups sampled on one replica, rewarded through the other, trained.
+    for k in 0..4 {
+        let (a, b) = (&replicas[k % 2], &replicas[(k + 1) % 2]);
+        let r = sample(a, "l", 4, 2, USER);
+        let id = r["id"].as_str().unwrap();
+        let items: Vec<Value> = (0..4)
+            .map(|i| json!({"id": id, "choice": i, "reward": (i % 2) as f64}))
+            .collect();
+        let before = status(&trainer, "l")["steps"].as_u64().unwrap();
+        assert_eq!(
+            call(b, "POST", "/v1/feedback", Some(&Value::Array(items)), USER).status,
+            202
+        );
+        wait_status(&trainer, "l", 60, |st| {
+            st["steps"].as_u64().unwrap() > before
+        });
+    }
+    done.store(true, std::sync::atomic::Ordering::Release);
+    let mut seen = Vec::new();
+    for t in streams {
+        seen.extend(t.join().unwrap());
+    }
+    let newest = status(&trainer, "l")["version"].as_u64().unwrap();
+    assert_eq!(newest, 5);
+    for r in &replicas {
+        wait_status(r, "l", 10, |st| st["version"] == newest);
+    }
+    assert!(seen.iter().all(|&v| (1..=newest).contains(&v)), "{seen:?}");
+    let mut distinct = seen.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert!(
+        distinct.len() >= 3,
+        "the streams overlapped the publishing: {distinct:?}"
+    );
+    eprintln!("{} streams, versions seen: {distinct:?}", seen.len());
+}
