@@ -63,6 +63,23 @@ impl Place {
     }
 }
 
+/// A learning server in `role` on the PostgreSQL store `url`, its data directory `data`.
+fn start_role(
+    model: &std::path::Path,
+    data: &std::path::Path,
+    cfg: &str,
+    url: &str,
+    role: &str,
+) -> common::server::Server {
+    common::online::start_learning_with(
+        model,
+        data,
+        cfg,
+        &[],
+        &["--rollout-store", url, "--role", role],
+    )
+}
+
 /// Run `test` on a fresh SQLite store and on a fresh PostgreSQL database (when installed).
 fn on_both(test: impl Fn(&str, &Place)) {
     test("sqlite", &Place::Sqlite(tempfile::tempdir().unwrap()));
@@ -516,15 +533,7 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
         "reward_min = -1.0\nreward_max = 1.0\n\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\n\
          lr = 0.01\nlora_r = 4\n",
     );
-    let start = |role: &str| {
-        start_learning_with(
-            &model,
-            &data,
-            &cfg,
-            &[],
-            &["--rollout-store", &url, "--role", role],
-        )
-    };
+    let start = |role: &str| start_role(&model, &data, &cfg, &url, role);
     let trainer = start("train");
     let (a, b) = (start("serve"), start("serve"));
     for s in [&trainer, &a, &b] {
@@ -647,15 +656,7 @@ fn streams_through_both_replicas_while_versions_publish_never_fail() {
         "reward_min = -1.0\nreward_max = 1.0\nmax_off_policy_steps = 1000\n\n[[learn]]\n\
          name = \"l\"\nmethod = \"lora\"\nlr = 0.01\nlora_r = 4\n",
     );
-    let start = |role: &str| {
-        start_learning_with(
-            &model,
-            &data,
-            &cfg,
-            &[],
-            &["--rollout-store", &url, "--role", role],
-        )
-    };
+    let start = |role: &str| start_role(&model, &data, &cfg, &url, role);
     let trainer = start("train");
     let replicas = [start("serve"), start("serve")];
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -672,23 +673,7 @@ fn streams_through_both_replicas_while_versions_publish_never_fail() {
                     }
                     // Leave the trainer some of the two cores.
                     std::thread::sleep(std::time::Duration::from_millis(10));
-                    let body = json!({
-                        "model": "l", "stream": true, "max_tokens": 24, "ignore_eos": true,
-                        "messages": [{"role": "user", "content": format!("stream {t} {i}")}],
-                    });
-                    let r = call(&c, "POST", "/v1/chat/completions", Some(&body), USER);
-                    assert_eq!(r.status, 200, "{}", r.body_text());
-                    let chunks = r.sse_chunks();
-                    assert!(
-                        chunks.iter().all(|c| c.get("error").is_none()),
-                        "{chunks:?}"
-                    );
-                    let v = chunks[0]["adapter_version"].as_u64().unwrap();
-                    assert!(
-                        chunks.iter().all(|c| c["adapter_version"] == v),
-                        "{chunks:?}"
-                    );
-                    versions.push(v);
+                    versions.push(stream_one_version(&c, "l", &format!("stream {t} {i}")));
                 }
                 versions
             })

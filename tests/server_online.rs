@@ -237,23 +237,7 @@ fn versions_publish_while_streams_run_and_no_request_fails() {
             std::thread::spawn(move || {
                 let mut versions = Vec::new();
                 for i in 0..8 {
-                    let body = json!({
-                        "model": "l", "stream": true, "max_tokens": 24, "ignore_eos": true,
-                        "messages": [{"role": "user", "content": format!("stream {t} {i}")}],
-                    });
-                    let r = call(&c, "POST", "/v1/chat/completions", Some(&body), USER);
-                    assert_eq!(r.status, 200, "{}", r.body_text());
-                    let chunks = r.sse_chunks();
-                    assert!(
-                        chunks.iter().all(|c| c.get("error").is_none()),
-                        "{chunks:?}"
-                    );
-                    let v = chunks[0]["adapter_version"].as_u64().unwrap();
-                    assert!(
-                        chunks.iter().all(|c| c["adapter_version"] == v),
-                        "{chunks:?}"
-                    );
-                    versions.push(v);
+                    versions.push(stream_one_version(&c, "l", &format!("stream {t} {i}")));
                 }
                 versions
             })

@@ -186,6 +186,97 @@ impl From<postgres::Error> for FeedbackError {
     }
 }
 
+/// A completion's row as a reward meets it: (owner's key hash, stored reward, adapter, episode).
+pub type RewardRow = (String, Option<f64>, String, Option<String>);
+
+/// What every store decides for reward `it` (the `index`-th of its batch) against its stored
+/// `row` (None: no such completion), for the caller's key hash `kh`: Ok(true) to record it,
+/// Ok(false) a repeat of the stored reward, or why it is refused (the batch then records
+/// nothing).
+pub fn judge_reward(
+    index: usize,
+    it: &Reward,
+    row: Option<RewardRow>,
+    kh: &str,
+    admin: bool,
+    accepts: &dyn Fn(&str) -> Result<(), Refusal>,
+) -> Result<bool, FeedbackError> {
+    let Some((owner, old, adapter, episode)) = row else {
+        return Err(FeedbackError::NotFound {
+            index,
+            id: it.id.clone(),
+            choice: it.choice,
+        });
+    };
+    if !admin && owner != kh {
+        return Err(FeedbackError::Forbidden {
+            index,
+            id: it.id.clone(),
+        });
+    }
+    if episode.is_some() {
+        return Err(FeedbackError::EpisodeTurn {
+            index,
+            id: it.id.clone(),
+        });
+    }
+    match old {
+        Some(o) if o == it.reward => Ok(false),
+        Some(o) => Err(FeedbackError::Conflict {
+            index,
+            id: it.id.clone(),
+            choice: it.choice,
+            old: o,
+        }),
+        None => match accepts(&adapter) {
+            Ok(()) => Ok(true),
+            Err(why) => Err(FeedbackError::Refused {
+                index,
+                id: it.id.clone(),
+                adapter,
+                why,
+            }),
+        },
+    }
+}
+
+/// What every store decides for an episode's reward: `adapters` those of its turns (empty: no
+/// such episode of this key), `old` its stored reward. Ok(true) to record, Ok(false) a repeat.
+pub fn judge_episode_reward(
+    episode: &str,
+    reward: f64,
+    adapters: Vec<String>,
+    old: Option<f64>,
+    accepts: &dyn Fn(&str) -> Result<(), Refusal>,
+) -> Result<bool, FeedbackError> {
+    if adapters.is_empty() {
+        return Err(FeedbackError::EpisodeNotFound {
+            episode: episode.to_string(),
+        });
+    }
+    match old {
+        Some(o) if o == reward => return Ok(false),
+        Some(o) => {
+            return Err(FeedbackError::EpisodeConflict {
+                episode: episode.to_string(),
+                old: o,
+            })
+        }
+        None => {}
+    }
+    for adapter in adapters {
+        if let Err(why) = accepts(&adapter) {
+            return Err(FeedbackError::Refused {
+                index: 0,
+                id: episode.to_string(),
+                adapter,
+                why,
+            });
+        }
+    }
+    Ok(true)
+}
+
 /// A served turn: its prompt and completion token ids.
 pub type Turn = (Vec<u32>, Vec<u32>);
 
@@ -448,7 +539,7 @@ impl SqliteLog {
         let mut any_new = false;
         let now = now_secs();
         for (index, it) in items.iter().enumerate() {
-            let row: Option<(String, Option<f64>, String, Option<String>)> = tx
+            let row: Option<RewardRow> = tx
                 .query_row(
                     "SELECT key_hash, reward, adapter, episode FROM completions
                      WHERE id = ?1 AND choice = ?2",
@@ -456,53 +547,13 @@ impl SqliteLog {
                     |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
                 )
                 .optional()?;
-            let Some((owner, old, adapter, episode)) = row else {
-                return Err(FeedbackError::NotFound {
-                    index,
-                    id: it.id.clone(),
-                    choice: it.choice,
-                });
-            };
-            if !admin && owner != kh {
-                return Err(FeedbackError::Forbidden {
-                    index,
-                    id: it.id.clone(),
-                });
-            }
-            if episode.is_some() {
-                return Err(FeedbackError::EpisodeTurn {
-                    index,
-                    id: it.id.clone(),
-                });
-            }
-            if old.is_none() {
-                if let Err(why) = accepts(&adapter) {
-                    return Err(FeedbackError::Refused {
-                        index,
-                        id: it.id.clone(),
-                        adapter,
-                        why,
-                    });
-                }
-            }
-            match old {
-                Some(o) if o == it.reward => {}
-                Some(o) => {
-                    return Err(FeedbackError::Conflict {
-                        index,
-                        id: it.id.clone(),
-                        choice: it.choice,
-                        old: o,
-                    })
-                }
-                None => {
-                    tx.execute(
-                        "UPDATE completions SET reward = ?3, rewarded_at = ?4
-                         WHERE id = ?1 AND choice = ?2",
-                        params![it.id, it.choice, it.reward, now],
-                    )?;
-                    any_new = true;
-                }
+            if judge_reward(index, it, row, &kh, admin, accepts)? {
+                tx.execute(
+                    "UPDATE completions SET reward = ?3, rewarded_at = ?4
+                     WHERE id = ?1 AND choice = ?2",
+                    params![it.id, it.choice, it.reward, now],
+                )?;
+                any_new = true;
             }
         }
         tx.commit()?;

@@ -29,11 +29,6 @@ impl SqliteLog {
             let rows = st.query_map(params![ep], |r| r.get(0))?;
             rows.collect::<Result<_, _>>()?
         };
-        if adapters.is_empty() {
-            return Err(FeedbackError::EpisodeNotFound {
-                episode: episode.to_string(),
-            });
-        }
         let old: Option<f64> = tx
             .query_row(
                 "SELECT reward FROM episode_rewards WHERE episode = ?1",
@@ -41,25 +36,8 @@ impl SqliteLog {
                 |r| r.get(0),
             )
             .optional()?;
-        match old {
-            Some(o) if o == reward => return Ok(false),
-            Some(o) => {
-                return Err(FeedbackError::EpisodeConflict {
-                    episode: episode.to_string(),
-                    old: o,
-                })
-            }
-            None => {}
-        }
-        for adapter in adapters {
-            if let Err(why) = accepts(&adapter) {
-                return Err(FeedbackError::Refused {
-                    index: 0,
-                    id: episode.to_string(),
-                    adapter,
-                    why,
-                });
-            }
+        if !judge_episode_reward(episode, reward, adapters, old, accepts)? {
+            return Ok(false);
         }
         let now = now_secs();
         tx.execute(

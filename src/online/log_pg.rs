@@ -15,8 +15,9 @@
 
 use super::lineage::{already_consumed, Checkpoint, Lineage};
 use super::log::{
-    bytes_f32, bytes_u32, f32s, u32s, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError,
-    LogError, Member, PendingGroup, Reward, Turn, CHOICE_INFO,
+    bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, u32s, ChoiceInfo,
+    CompletionRecord, EpisodeFeedback, FeedbackError, LogError, Member, PendingGroup, Reward, Turn,
+    CHOICE_INFO,
 };
 use super::store::{redact, Accepts, RolloutStore};
 use crate::util::now_secs;
@@ -318,58 +319,20 @@ impl RolloutStore for PgLog {
         let mut any_new = false;
         let now = now_secs();
         for (index, it) in items.iter().enumerate() {
-            let row = tx.query_opt(
-                "SELECT key_hash, reward, adapter, episode FROM completions
-                 WHERE id = $1 AND choice = $2 FOR UPDATE",
-                &[&it.id, &(it.choice as i32)],
-            )?;
-            let Some(row) = row else {
-                return Err(FeedbackError::NotFound {
-                    index,
-                    id: it.id.clone(),
-                    choice: it.choice,
-                });
-            };
-            let (owner, old, adapter, episode): (String, Option<f64>, String, Option<String>) =
-                (row.get(0), row.get(1), row.get(2), row.get(3));
-            if !admin && owner != kh {
-                return Err(FeedbackError::Forbidden {
-                    index,
-                    id: it.id.clone(),
-                });
-            }
-            if episode.is_some() {
-                return Err(FeedbackError::EpisodeTurn {
-                    index,
-                    id: it.id.clone(),
-                });
-            }
-            match old {
-                Some(o) if o == it.reward => {}
-                Some(o) => {
-                    return Err(FeedbackError::Conflict {
-                        index,
-                        id: it.id.clone(),
-                        choice: it.choice,
-                        old: o,
-                    })
-                }
-                None => {
-                    if let Err(why) = accepts(&adapter) {
-                        return Err(FeedbackError::Refused {
-                            index,
-                            id: it.id.clone(),
-                            adapter,
-                            why,
-                        });
-                    }
-                    tx.execute(
-                        "UPDATE completions SET reward = $3, rewarded_at = $4
-                         WHERE id = $1 AND choice = $2",
-                        &[&it.id, &(it.choice as i32), &it.reward, &now],
-                    )?;
-                    any_new = true;
-                }
+            let row = tx
+                .query_opt(
+                    "SELECT key_hash, reward, adapter, episode FROM completions
+                     WHERE id = $1 AND choice = $2 FOR UPDATE",
+                    &[&it.id, &(it.choice as i32)],
+                )?
+                .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)));
+            if judge_reward(index, it, row, &kh, admin, accepts)? {
+                tx.execute(
+                    "UPDATE completions SET reward = $3, rewarded_at = $4
+                     WHERE id = $1 AND choice = $2",
+                    &[&it.id, &(it.choice as i32), &it.reward, &now],
+                )?;
+                any_new = true;
             }
         }
         tx.commit()?;
@@ -479,36 +442,14 @@ impl RolloutStore for PgLog {
             .iter()
             .map(|r| r.get(0))
             .collect();
-        if adapters.is_empty() {
-            return Err(FeedbackError::EpisodeNotFound {
-                episode: episode.to_string(),
-            });
-        }
         let old: Option<f64> = tx
             .query_opt(
                 "SELECT reward FROM episode_rewards WHERE episode = $1",
                 &[&ep],
             )?
             .map(|r| r.get(0));
-        match old {
-            Some(o) if o == reward => return Ok(false),
-            Some(o) => {
-                return Err(FeedbackError::EpisodeConflict {
-                    episode: episode.to_string(),
-                    old: o,
-                })
-            }
-            None => {}
-        }
-        for adapter in adapters {
-            if let Err(why) = accepts(&adapter) {
-                return Err(FeedbackError::Refused {
-                    index: 0,
-                    id: episode.to_string(),
-                    adapter,
-                    why,
-                });
-            }
+        if !judge_episode_reward(episode, reward, adapters, old, accepts)? {
+            return Ok(false);
         }
         let now = now_secs();
         tx.execute(

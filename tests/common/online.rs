@@ -83,3 +83,25 @@ pub fn wait_status(c: &Client, adapter: &str, secs: u64, pred: impl Fn(&Value) -
         std::thread::sleep(Duration::from_millis(25));
     }
 }
+
+/// One streamed chat through `model`: it completes (no error chunk) and reports one adapter
+/// version from its first chunk to its last; that version.
+pub fn stream_one_version(c: &Client, model: &str, content: &str) -> u64 {
+    let body = json!({
+        "model": model, "stream": true, "max_tokens": 24, "ignore_eos": true,
+        "messages": [{"role": "user", "content": content}],
+    });
+    let r = call(c, "POST", "/v1/chat/completions", Some(&body), USER);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let chunks = r.sse_chunks();
+    assert!(
+        chunks.iter().all(|c| c.get("error").is_none()),
+        "{chunks:?}"
+    );
+    let v = chunks[0]["adapter_version"].as_u64().unwrap();
+    assert!(
+        chunks.iter().all(|c| c["adapter_version"] == v),
+        "{chunks:?}"
+    );
+    v
+}
