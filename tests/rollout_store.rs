@@ -716,3 +716,66 @@ fn streams_through_both_replicas_while_versions_publish_never_fail() {
     );
     eprintln!("{} streams, versions seen: {distinct:?}", seen.len());
 }
+
+/// A replica serves only checkpoints it can verify: the trainer writes a manifest last (version,
+/// lineage, each file's SHA-256); a replica started on a checkpoint whose weights changed since
+/// refuses, naming the file, and starts once the file is whole again.
+#[test]
+fn a_replica_serves_only_verified_checkpoints() {
+    use common::online::*;
+    use serde_json::json;
+    let Some(pg) = Pg::start() else { return };
+    let url = pg.fresh_db();
+    let (dir, model) = common::write_tiny(&common::server::spec());
+    let data = dir.path().join("shared");
+    let cfg = config(
+        "reward_min = -1.0\nreward_max = 1.0\n\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\n\
+         lr = 0.01\nlora_r = 4\n",
+    );
+    let trainer = start_role(&model, &data, &cfg, &url, "train");
+    let r = sample(&trainer, "l", 2, 3, USER);
+    let id = r["id"].as_str().unwrap();
+    let items = json!([{"id": id, "choice": 0, "reward": 1}, {"id": id, "choice": 1, "reward": 0}]);
+    assert_eq!(
+        call(&trainer, "POST", "/v1/feedback", Some(&items), USER).status,
+        202
+    );
+    wait_status(&trainer, "l", 60, |st| st["version"] == 2);
+    let cp = data.join("adapters/l/v-00000002");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cp.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["version"], 2);
+    for f in [
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "optimizer.safetensors",
+    ] {
+        assert_eq!(
+            manifest["files"][f].as_str().unwrap().len(),
+            64,
+            "{manifest}"
+        );
+    }
+    let weights = cp.join("adapter_model.safetensors");
+    let good = std::fs::read(&weights).unwrap();
+    let mut bad = good.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 1;
+    std::fs::write(&weights, &bad).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .args(["--data-dir", data.to_str().unwrap(), "--learn", "l"])
+        .args(["--rollout-store", &url, "--role", "serve"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("SHA-256") && err.contains("could be verified"),
+        "{err}"
+    );
+    std::fs::write(&weights, &good).unwrap();
+    let replica = start_role(&model, &data, &cfg, &url, "serve");
+    assert_eq!(status(&replica, "l")["version"], 2);
+    assert_eq!(sample(&replica, "l", 1, 2, USER)["adapter_version"], 2);
+}

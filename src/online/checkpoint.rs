@@ -1,6 +1,8 @@
 //! A learning adapter's checkpoints on disk: folders `adapters/NAME/v-VERSION` under the data
-//! directory (adapter in PEFT's format + optimizer), written atomically (a temporary sibling,
-//! fsynced, renamed, the parent fsynced), read back checked, and their leftovers swept.
+//! directory (adapter in PEFT's format + optimizer + a manifest written last: version, lineage
+//! and each file's SHA-256), written atomically (a temporary sibling, fsynced, renamed, the
+//! parent fsynced), read back checked, and their leftovers swept. A serving replica verifies
+//! the manifest before it serves a checkpoint it did not write.
 
 use crate::adapter::{peft, AdapterBase, AdapterLimits, AdapterWeights};
 use crate::train::optim::{AdamW, OptimError};
@@ -29,6 +31,69 @@ pub fn load_checkpoint(
         ));
     }
     Ok((w, opt))
+}
+
+/// The manifest's file name in a checkpoint folder.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+fn sha256_hex(path: &Path) -> std::io::Result<String> {
+    use sha2::Digest;
+    let bytes = std::fs::read(path)?;
+    Ok(sha2::Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// Write `dir`'s manifest: `{"version", "lineage", "files": {name: sha256}}` over every file in
+/// it (written last, so its presence says the rest is complete).
+fn write_manifest(dir: &Path, version: u64, lineage: u64) -> anyhow::Result<()> {
+    let mut files = serde_json::Map::new();
+    let mut names: Vec<String> = std::fs::read_dir(dir)?
+        .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+        .filter(|n| n != MANIFEST_FILE)
+        .collect();
+    names.sort();
+    for n in names {
+        files.insert(n.clone(), sha256_hex(&dir.join(&n))?.into());
+    }
+    let m = serde_json::json!({"version": version, "lineage": lineage, "files": files});
+    crate::util::write_synced(&dir.join(MANIFEST_FILE), m.to_string().as_bytes())?;
+    Ok(())
+}
+
+/// Check that `dir` holds checkpoint `version` of `lineage` and that each of `needed` (file
+/// names) is there with the SHA-256 its manifest records.
+pub fn verify_checkpoint(
+    dir: &Path,
+    version: u64,
+    lineage: u64,
+    needed: &[&str],
+) -> Result<(), String> {
+    let shown = dir.display();
+    let text = std::fs::read_to_string(dir.join(MANIFEST_FILE))
+        .map_err(|e| format!("{shown}: no manifest ({e})"))?;
+    let m: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{shown}: unreadable manifest ({e})"))?;
+    if m["version"].as_u64() != Some(version) || m["lineage"].as_u64() != Some(lineage) {
+        return Err(format!(
+            "{shown}: the manifest is of version {} of lineage {}, not version {version} of \
+             lineage {lineage}",
+            m["version"], m["lineage"]
+        ));
+    }
+    for name in needed {
+        let want = m["files"][*name]
+            .as_str()
+            .ok_or_else(|| format!("{shown}: the manifest lists no {name}"))?;
+        let got = sha256_hex(&dir.join(name)).map_err(|e| format!("{shown}/{name}: {e}"))?;
+        if got != want {
+            return Err(format!(
+                "{shown}/{name}: SHA-256 {got}, the manifest says {want}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Remove `path` (a folder) if it exists.
@@ -68,6 +133,7 @@ pub fn sweep_temporaries(data_dir: &Path) {
 pub fn write_checkpoint(
     data_dir: &Path,
     rel: &str,
+    (version, lineage): (u64, u64),
     w: &AdapterWeights,
     opt: &AdamW,
 ) -> anyhow::Result<()> {
@@ -83,6 +149,7 @@ pub fn write_checkpoint(
     let write = || -> anyhow::Result<()> {
         peft::save(w, &tmp)?;
         opt.save(&tmp)?;
+        write_manifest(&tmp, version, lineage)?;
         crate::util::sync_dir(&tmp)?;
         std::fs::rename(&tmp, &dir)?;
         crate::util::sync_dir(parent)?;

@@ -5,14 +5,16 @@
 //! only once the checkpoint and its consumed groups are committed, so a step that fails at any
 //! point leaves optimizer and adapter exactly as before.
 
-use super::checkpoint::{checkpoint_rel, load_checkpoint, remove_dir, write_checkpoint};
+use super::checkpoint::{
+    checkpoint_rel, load_checkpoint, remove_dir, verify_checkpoint, write_checkpoint,
+};
 use super::config::{LearnConfig, OnlineConfig};
 use super::groups::{self, Rules};
 use super::lineage::{Checkpoint, Lineage};
 use super::log::{LogError, PendingGroup};
 use super::store::RolloutStore;
 use crate::adapter::registry::{Publisher, Registry};
-use crate::adapter::{AdapterBase, OftConfig};
+use crate::adapter::{peft, AdapterBase, OftConfig};
 use crate::adapter::{AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method};
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
@@ -173,6 +175,9 @@ fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
     AdamW::new(c, num_params)
 }
 
+/// The files of a checkpoint a serving replica loads (and so verifies).
+const FOLLOWED: [&str; 2] = [peft::CONFIG_FILE, peft::WEIGHTS_FILE];
+
 impl Learner {
     /// A serving replica's turn: publish the trainer's newest checkpoint (its lineage's, in the
     /// shared store; its files in the shared data directory) under the trainer's version number,
@@ -192,7 +197,11 @@ impl Learner {
         }
         let t0 = std::time::Instant::now();
         let dir = env.cfg.data_dir.join(&cp.path);
-        let (w, _) = load_checkpoint(&dir, &env.model.config, &env.registry.limits)
+        // Never serve what cannot be verified: the files loaded, against the manifest the
+        // trainer wrote last.
+        verify_checkpoint(&dir, cp.version, l.id, &FOLLOWED)
+            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        let w = peft::load_within(&dir, &env.model.config, &env.registry.limits)
             .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
         let who = Publisher::Claim {
             id: l.id,
@@ -244,7 +253,14 @@ impl Learner {
             num_checkpoints = cps.len();
             for cp in cps {
                 let dir = env.cfg.data_dir.join(&cp.path);
-                match load_checkpoint(&dir, &env.model.config, &env.registry.limits) {
+                // A replica serves only what it can verify against the trainer's manifest.
+                let verified = match follow {
+                    true => verify_checkpoint(&dir, cp.version, l.id, &FOLLOWED),
+                    false => Ok(()),
+                };
+                match verified
+                    .and_then(|()| load_checkpoint(&dir, &env.model.config, &env.registry.limits))
+                {
                     Ok(x) => {
                         resumed = Some((l, cp, x));
                         break;
@@ -255,6 +271,12 @@ impl Learner {
                     ),
                 }
             }
+        }
+        if follow && resumed.is_none() && num_checkpoints > 0 {
+            return Err(start_err(&format!(
+                "none of the {num_checkpoints} checkpoints of '{name}' could be verified (see \
+                 the warnings): a serving replica does not serve unverified versions"
+            )));
         }
         let (lineage, weights, opt, min_version) = match (lineage, resumed) {
             (_, Some((l, cp, (w, opt)))) => {
@@ -424,8 +446,14 @@ impl Learner {
         .map_err(|e| TrainError::new(ErrorKind::Step, e))?;
         let version = cur.version + 1;
         let rel = checkpoint_rel(&name, version);
-        write_checkpoint(&env.cfg.data_dir, &rel, &next, &opt)
-            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        write_checkpoint(
+            &env.cfg.data_dir,
+            &rel,
+            (version, self.lineage.id),
+            &next,
+            &opt,
+        )
+        .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
         let staleness_max = batch
             .iter()
             .flat_map(|g| g.members.iter().map(|m| cur.version - m.version))
