@@ -520,7 +520,8 @@ fn a_learning_server_keeps_its_log_on_postgres() {
 /// directory): a completion served by replica A is rewarded through replica B; the trainer
 /// trains it and publishes; both replicas follow to the new version (reported: the delay from
 /// the trainer's status to each replica's) and serve it; no replica trains. Then kill -9 of a
-/// replica and of the trainer loses no acknowledged reward and trains no group twice.
+/// replica and of the trainer loses no acknowledged reward and trains no group twice; with
+/// PostgreSQL down a replica stays ready, and once it is back learning goes on.
 #[test]
 fn two_replicas_and_a_trainer_share_one_postgres() {
     use common::online::*;
@@ -627,6 +628,29 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
         call(&b, "POST", "/v1/chat/completions", Some(&body), USER).status
     };
     assert_eq!((chat("tiny"), chat("l")), (200, 503));
+    // PostgreSQL back: the processes reconnect (pooled connections replaced, the replica's
+    // LISTEN connection re-established) and learning goes on through both roles.
+    pg.restart();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let r = loop {
+        let body = json!({"model": "l", "messages": [{"role": "user", "content": "hi"}],
+                          "n": 2, "max_tokens": 3, "temperature": 1.0});
+        let r = call(&b, "POST", "/v1/chat/completions", Some(&body), USER);
+        if r.status == 200 {
+            break r.json();
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", r.body_text());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let id3 = r["id"].as_str().unwrap();
+    let items =
+        json!([{"id": id3, "choice": 0, "reward": 1}, {"id": id3, "choice": 1, "reward": 0}]);
+    assert_eq!(
+        call(&b, "POST", "/v1/feedback", Some(&items), USER).status,
+        202
+    );
+    wait_status(&trainer, "l", 60, |st| st["version"] == 4);
+    wait_status(&b, "l", 10, |st| st["version"] == 4);
     // A replica refuses to start without a shared store, naming it.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
         .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
