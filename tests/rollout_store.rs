@@ -536,6 +536,18 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
     );
     let start = |role: &str| start_role(&model, &data, &cfg, &url, role);
     let trainer = start("train");
+    // One trainer per adapter: a second one waits for the claim, then refuses to start.
+    let t0 = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+        .args(["--data-dir", data.to_str().unwrap(), "--learn", "l"])
+        .args(["--rollout-store", &url, "--role", "train"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("another trainer holds 'l'"), "{err}");
+    assert!(t0.elapsed().as_secs_f64() >= 9.0);
     let (a, b) = (start("serve"), start("serve"));
     for s in [&trainer, &a, &b] {
         assert_eq!(status(s, "l")["version"], 1);

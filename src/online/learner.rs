@@ -175,6 +175,9 @@ fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
     AdamW::new(c, num_params)
 }
 
+/// How long a starting trainer waits for another's claim on its adapter before refusing.
+const CLAIM_WAIT_SECS: f64 = 10.0;
+
 /// The files of a checkpoint a serving replica loads (and so verifies).
 const FOLLOWED: [&str; 2] = [peft::CONFIG_FILE, peft::WEIGHTS_FILE];
 
@@ -240,6 +243,20 @@ impl Learner {
             .max(env.registry.last_version(name));
         let lineage = env.log.active_lineage(name)?;
         let follow = !env.cfg.role.trains();
+        if !follow {
+            // A trainer restarted right after a crash may find the claim still held while the
+            // database notices the dead connection: wait a little, then refuse.
+            let deadline = now_secs() + CLAIM_WAIT_SECS;
+            loop {
+                match env.log.claim_trainer(name) {
+                    Ok(()) => break,
+                    Err(LogError::Conflict(_)) if now_secs() < deadline => {
+                        std::thread::sleep(std::time::Duration::from_millis(200))
+                    }
+                    Err(e) => return Err(start_err(&e)),
+                }
+            }
+        }
         if follow && lineage.is_none() {
             return Err(start_err(&format!(
                 "no lineage of '{name}' in the rollout store yet: a serving replica follows the \
@@ -369,6 +386,7 @@ impl Learner {
             return Ok(None);
         }
         let name = self.cfg.name.clone();
+        env.log.claim_trainer(&name)?;
         let slot = env.registry.get(&name).ok_or_else(|| {
             TrainError::new(ErrorKind::Publish, format!("the adapter '{name}' is gone"))
         })?;

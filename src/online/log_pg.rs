@@ -76,6 +76,9 @@ pub struct PgLog {
     shown: String,
     idle: Mutex<Vec<Client>>,
     salt: String,
+    /// The connections holding this process's trainer claims (session advisory locks), by
+    /// adapter.
+    claims: Mutex<std::collections::BTreeMap<String, Client>>,
 }
 
 /// A pooled connection: back to the pool when dropped, unless it broke.
@@ -150,6 +153,7 @@ impl PgLog {
             shown,
             idle: Mutex::new(Vec::new()),
             salt: String::new(),
+            claims: Mutex::new(std::collections::BTreeMap::new()),
         };
         let salt = log
             .migrate()
@@ -642,6 +646,32 @@ impl RolloutStore for PgLog {
         )?;
         tx.commit()?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    fn claim_trainer(&self, adapter: &str) -> Result<(), LogError> {
+        let mut claims = self.claims.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = claims.get_mut(adapter) {
+            if !c.is_closed() && c.is_valid(VALIDATE_TIMEOUT).is_ok() {
+                return Ok(());
+            }
+            // The connection (and with it the lock) is gone: take it again, if still free.
+            claims.remove(adapter);
+        }
+        let mut c = self.config.connect(NoTls)?;
+        let got: bool = c
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+                &[&format!("flywheel-trainer:{adapter}")],
+            )?
+            .get(0);
+        if !got {
+            return Err(LogError::Conflict(format!(
+                "another trainer holds '{adapter}' in {} (one trainer per adapter)",
+                self.shown
+            )));
+        }
+        claims.insert(adapter.to_string(), c);
+        Ok(())
     }
 
     fn subscribe(&self, wake: Box<dyn Fn() + Send + Sync>) {

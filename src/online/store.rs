@@ -87,6 +87,14 @@ pub trait RolloutStore: Send + Sync {
     /// after each (re)connection, so a notification missed while disconnected only delays).
     /// SQLite has one process: nothing to hear.
     fn subscribe(&self, _wake: Box<dyn Fn() + Send + Sync>) {}
+    /// Hold the right to train `adapter` (one trainer per adapter): taken at a learner's start
+    /// and checked before each step; `LogError::Conflict` while another process holds it.
+    /// PostgreSQL: a session advisory lock on a connection of its own, re-taken if that
+    /// connection was lost (released when the process dies). SQLite: one process, nothing to
+    /// hold.
+    fn claim_trainer(&self, _adapter: &str) -> Result<(), LogError> {
+        Ok(())
+    }
 }
 
 /// A store URL with its password hidden, for messages.
