@@ -7,7 +7,9 @@ directory (see README, "Scaling out").
     python3 scripts/scale_out.py --bench [--rounds 20] [--rewards 400]
         # measures, then stops everything: version propagation (the trainer's commit -> each
         # replica serving the version: p50/p99 from the replicas' own histogram and from
-        # polling), and rewards per second through the replicas into PostgreSQL
+        # polling), rewards per second through the replicas into PostgreSQL, and the tokens per
+        # second of 16 concurrent streams through one replica vs round-robin over all of them
+        # (alternating, medians of 3)
 
 Without --pg-url it needs PostgreSQL's binaries (Debian's postgresql package; run as root it
 starts the server as the postgres user). Everything binds 127.0.0.1."""
@@ -184,6 +186,28 @@ def bench(trainer, replicas, learn, rounds, n_rewards):
           f"{len(ids) / dt:.0f} per second (each committed in PostgreSQL before its 202)")
 
 
+def throughput(replicas, learn, streams=16, tokens=64, runs=3):
+    def one(bases):
+        t0 = time.time()
+        with cf.ThreadPoolExecutor(streams) as pool:
+            outs = list(pool.map(lambda k: http("POST", bases[k % len(bases)] +
+                                                "/v1/chat/completions", {
+                "model": learn, "messages": [{"role": "user", "content": f"Tell a story {k}."}],
+                "max_tokens": tokens, "ignore_eos": True, "temperature": 1.0}), range(streams)))
+        assert all(st == 200 for st, _ in outs), [o for o in outs if o[0] != 200][:1]
+        n = sum(o["usage"]["completion_tokens"] for _, o in outs)
+        return n / (time.time() - t0)
+    single, spread = [], []
+    for _ in range(runs):
+        single.append(one(replicas[:1]))
+        spread.append(one(replicas))
+    a, b = statistics.median(single), statistics.median(spread)
+    print(f"throughput, {streams} streams x {tokens} tokens through '{learn}': one replica "
+          f"{a:.1f} tok/s, round-robin over {len(replicas)} {b:.1f} tok/s (ratio {b / a:.2f}; "
+          f"medians of {runs}, alternating; all processes share this machine's "
+          f"{os.cpu_count()} cores)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pg-url")
@@ -214,6 +238,7 @@ def main():
               + " ".join(replicas), flush=True)
         if a.bench:
             bench(trainer, replicas, a.learn, a.rounds, a.rewards)
+            throughput(replicas, a.learn)
         else:
             print("Ctrl-C stops them all.")
             while all(p.poll() is None for p in procs):
