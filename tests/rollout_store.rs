@@ -80,6 +80,63 @@ fn start_role(
     )
 }
 
+/// A PostgreSQL database, a tiny model and a shared data directory for learning servers (a
+/// fast LoRA adapter `l`; `online` adds `[online]` settings).
+struct Shared {
+    pg: Pg,
+    url: String,
+    _dir: tempfile::TempDir,
+    model: std::path::PathBuf,
+    data: std::path::PathBuf,
+    cfg: String,
+}
+
+impl Shared {
+    fn new(online: &str) -> Option<Shared> {
+        let pg = Pg::start()?;
+        let url = pg.fresh_db();
+        let (dir, model) = common::write_tiny(&common::server::spec());
+        let data = dir.path().join("shared");
+        let cfg = common::online::config(&format!(
+            "reward_min = -1.0\nreward_max = 1.0\n{online}\n\n[[learn]]\nname = \"l\"\n\
+             method = \"lora\"\nlr = 0.01\nlora_r = 4\n"
+        ));
+        Some(Shared {
+            pg,
+            url,
+            _dir: dir,
+            model,
+            data,
+            cfg,
+        })
+    }
+
+    fn start(&self, role: &str) -> common::server::Server {
+        start_role(&self.model, &self.data, &self.cfg, &self.url, role)
+    }
+
+    /// `flywheel serve` in `role` (learning `l`), expected to refuse to start: its stderr.
+    fn refused(&self, role: &str, store: Option<&str>) -> String {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"));
+        cmd.args([
+            "serve",
+            "--model",
+            self.model.to_str().unwrap(),
+            "--port",
+            "0",
+        ])
+        .args(["--data-dir", self.data.to_str().unwrap(), "--learn", "l"])
+        .args(["--role", role]);
+        if let Some(url) = store {
+            cmd.args(["--rollout-store", url]);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "it started: {err}");
+        err
+    }
+}
+
 /// Run `test` on a fresh SQLite store and on a fresh PostgreSQL database (when installed).
 fn on_both(test: impl Fn(&str, &Place)) {
     test("sqlite", &Place::Sqlite(tempfile::tempdir().unwrap()));
@@ -448,15 +505,19 @@ fn postgres_replicas_migrate_together_and_survive_a_restart() {
 fn a_learning_server_keeps_its_log_on_postgres() {
     use common::online::*;
     use serde_json::{json, Value};
-    let Some(mut pg) = Pg::start() else { return };
-    let url = pg.fresh_db();
-    let (dir, model) = common::write_tiny(&common::server::spec());
-    let data = dir.path().join("data");
-    let cfg = config(
-        "reward_min = -1.0\nreward_max = 1.0\n\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\n\
-         lr = 0.01\nlora_r = 4\n",
-    );
-    let start = || start_learning_with(&model, &data, &cfg, &[], &["--rollout-store", &url]);
+    let Some(mut sh) = Shared::new("") else {
+        return;
+    };
+    let url = sh.url.clone();
+    let start = || {
+        start_learning_with(
+            &sh.model,
+            &sh.data,
+            &sh.cfg,
+            &[],
+            &["--rollout-store", &url],
+        )
+    };
     let s = start();
     let r = sample(&s, "l", 2, 3, USER);
     let id = r["id"].as_str().unwrap().to_string();
@@ -493,7 +554,7 @@ fn a_learning_server_keeps_its_log_on_postgres() {
     assert_eq!(r["adapter_version"], 2);
     let id2 = r["id"].as_str().unwrap().to_string();
     drop(db);
-    pg.stop();
+    sh.pg.stop();
     let one = json!({"id": id2, "choice": 0, "reward": 1});
     let r = post(&s, &one);
     assert_eq!(r.status, 503, "{}", r.body_text());
@@ -511,7 +572,7 @@ fn a_learning_server_keeps_its_log_on_postgres() {
     assert_eq!(r.json()["error"]["code"], "rollout_log_unavailable");
     // One process (role all): not ready while it cannot learn.
     assert_eq!(call(&s, "GET", "/health", None, USER).status, 503);
-    pg.restart();
+    sh.pg.restart();
     assert_eq!(post(&s, &one).status, 202);
     assert_eq!(post(&s, &one).status, 200);
 }
@@ -526,26 +587,15 @@ fn a_learning_server_keeps_its_log_on_postgres() {
 fn two_replicas_and_a_trainer_share_one_postgres() {
     use common::online::*;
     use serde_json::json;
-    let Some(mut pg) = Pg::start() else { return };
-    let url = pg.fresh_db();
-    let (dir, model) = common::write_tiny(&common::server::spec());
-    let data = dir.path().join("shared");
-    let cfg = config(
-        "reward_min = -1.0\nreward_max = 1.0\n\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\n\
-         lr = 0.01\nlora_r = 4\n",
-    );
-    let start = |role: &str| start_role(&model, &data, &cfg, &url, role);
+    let Some(mut sh) = Shared::new("") else {
+        return;
+    };
+    let url = sh.url.clone();
+    let start = |role: &str| sh.start(role);
     let trainer = start("train");
     // One trainer per adapter: a second one waits for the claim, then refuses to start.
     let t0 = std::time::Instant::now();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
-        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
-        .args(["--data-dir", data.to_str().unwrap(), "--learn", "l"])
-        .args(["--rollout-store", &url, "--role", "train"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let err = sh.refused("train", Some(&url));
     assert!(err.contains("another trainer holds 'l'"), "{err}");
     assert!(t0.elapsed().as_secs_f64() >= 9.0);
     let (a, b) = (start("serve"), start("serve"));
@@ -627,7 +677,7 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
     // The database down: a replica stays ready (the base model answers) and says why it cannot
     // learn; a completion through the learning adapter is a 503 (it could not be logged).
     drop(db);
-    pg.stop();
+    sh.pg.stop();
     let h = call(&b, "GET", "/health", None, USER);
     assert_eq!(h.status, 200, "{}", h.body_text());
     assert!(h.json()["learning"]
@@ -642,7 +692,7 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
     assert_eq!((chat("tiny"), chat("l")), (200, 503));
     // PostgreSQL back: the processes reconnect (pooled connections replaced, the replica's
     // LISTEN connection re-established) and learning goes on through both roles.
-    pg.restart();
+    sh.pg.restart();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     let r = loop {
         let body = json!({"model": "l", "messages": [{"role": "user", "content": "hi"}],
@@ -664,17 +714,8 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
     wait_status(&trainer, "l", 60, |st| st["version"] == 4);
     wait_status(&b, "l", 10, |st| st["version"] == 4);
     // A replica refuses to start without a shared store, naming it.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
-        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
-        .args(["--learn", "l", "--role", "serve"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("rollout_store"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let err = sh.refused("serve", None);
+    assert!(err.contains("rollout_store"), "{err}");
 }
 
 /// Load through both replicas while the trainer publishes versions: streams round-robin over
@@ -684,15 +725,10 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
 fn streams_through_both_replicas_while_versions_publish_never_fail() {
     use common::online::*;
     use serde_json::{json, Value};
-    let Some(pg) = Pg::start() else { return };
-    let url = pg.fresh_db();
-    let (dir, model) = common::write_tiny(&common::server::spec());
-    let data = dir.path().join("shared");
-    let cfg = config(
-        "reward_min = -1.0\nreward_max = 1.0\nmax_off_policy_steps = 1000\n\n[[learn]]\n\
-         name = \"l\"\nmethod = \"lora\"\nlr = 0.01\nlora_r = 4\n",
-    );
-    let start = |role: &str| start_role(&model, &data, &cfg, &url, role);
+    let Some(sh) = Shared::new("max_off_policy_steps = 1000") else {
+        return;
+    };
+    let start = |role: &str| sh.start(role);
     let trainer = start("train");
     let replicas = [start("serve"), start("serve")];
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -760,15 +796,8 @@ fn streams_through_both_replicas_while_versions_publish_never_fail() {
 fn a_replica_serves_only_verified_checkpoints() {
     use common::online::*;
     use serde_json::json;
-    let Some(pg) = Pg::start() else { return };
-    let url = pg.fresh_db();
-    let (dir, model) = common::write_tiny(&common::server::spec());
-    let data = dir.path().join("shared");
-    let cfg = config(
-        "reward_min = -1.0\nreward_max = 1.0\n\n[[learn]]\nname = \"l\"\nmethod = \"lora\"\n\
-         lr = 0.01\nlora_r = 4\n",
-    );
-    let trainer = start_role(&model, &data, &cfg, &url, "train");
+    let Some(sh) = Shared::new("") else { return };
+    let trainer = sh.start("train");
     let r = sample(&trainer, "l", 2, 3, USER);
     let id = r["id"].as_str().unwrap();
     let items = json!([{"id": id, "choice": 0, "reward": 1}, {"id": id, "choice": 1, "reward": 0}]);
@@ -777,7 +806,7 @@ fn a_replica_serves_only_verified_checkpoints() {
         202
     );
     wait_status(&trainer, "l", 60, |st| st["version"] == 2);
-    let cp = data.join("adapters/l/v-00000002");
+    let cp = sh.data.join("adapters/l/v-00000002");
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(cp.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["version"], 2);
@@ -798,20 +827,13 @@ fn a_replica_serves_only_verified_checkpoints() {
     let last = bad.len() - 1;
     bad[last] ^= 1;
     std::fs::write(&weights, &bad).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flywheel"))
-        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
-        .args(["--data-dir", data.to_str().unwrap(), "--learn", "l"])
-        .args(["--rollout-store", &url, "--role", "serve"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let err = sh.refused("serve", Some(&sh.url));
     assert!(
         err.contains("SHA-256") && err.contains("could be verified"),
         "{err}"
     );
     std::fs::write(&weights, &good).unwrap();
-    let replica = start_role(&model, &data, &cfg, &url, "serve");
+    let replica = sh.start("serve");
     assert_eq!(status(&replica, "l")["version"], 2);
     assert_eq!(sample(&replica, "l", 1, 2, USER)["adapter_version"], 2);
 }
