@@ -156,9 +156,17 @@ fn a_deleted_and_recreated_learning_adapter_never_reuses_a_version() {
     sample_and_reward(&s, "l", 2);
     wait_status(&s, "l", 60, |st| st["steps"] == 1);
     assert_eq!(version_of(&s, "l"), 4);
-    // A restart resumes the new lineage where it was.
+    // SIGTERM: the HTTP side drains, then the trainer ends after its step; the process exits
+    // cleanly. A restart resumes the new lineage where it was.
     s.terminate();
-    let _ = s.child.wait();
+    let exit = s.child.wait().unwrap();
+    assert!(exit.success(), "{}", s.stderr());
+    assert!(
+        s.stderr()
+            .contains("the trainer finished its step and stopped"),
+        "{}",
+        s.stderr()
+    );
     let s = start_learning(&path, &data, &cfg, &["l"]);
     assert_eq!(version_of(&s, "l"), 4);
     assert_eq!(status(&s, "l")["steps"], 1);

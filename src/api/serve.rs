@@ -72,17 +72,22 @@ pub fn run(
             }
         };
         let graceful = GracefulShutdown::new();
-        let accept = accept_loop(listener, router(state), &cfg, &graceful, stop_rx);
+        let accept = accept_loop(listener, router(state.clone()), &cfg, &graceful, stop_rx);
         tokio::select! {
             r = accept => r?,
             e = load_failed => return Err(e),
         }
         let timeout = Duration::from_secs_f64(cfg.shutdown_timeout_secs);
+        let t0 = std::time::Instant::now();
         tokio::select! {
             _ = graceful.shutdown() => {},
             _ = tokio::time::sleep(timeout) => {
                 tracing::warn!("shutdown timeout reached with requests still running")
             }
+        }
+        // Then the trainer: its step in progress finishes within what is left of the timeout.
+        if let Some(online) = state.ready().ok().and_then(|r| r.online.get()) {
+            online.stop(timeout.saturating_sub(t0.elapsed())).await;
         }
         tracing::info!("stopped");
         Ok(())

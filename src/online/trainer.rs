@@ -57,6 +57,8 @@ enum Command {
     Remove(String, Reply<()>),
     /// A reward arrived.
     Wake,
+    /// Finish the step in progress, then end the thread (graceful shutdown).
+    Stop(Reply<()>),
 }
 
 /// What the handle reads without the thread.
@@ -97,6 +99,8 @@ struct Trainer {
     rx: mpsc::Receiver<Command>,
     last_prune: f64,
     log_ok: bool,
+    /// Set by `Command::Stop`: no further step; the thread ends.
+    stopping: bool,
 }
 
 /// Ends `alive` when the thread ends, however it ends.
@@ -174,6 +178,7 @@ impl TrainerHandle {
             rx,
             last_prune: now_secs(),
             log_ok: true,
+            stopping: false,
         };
         std::thread::Builder::new()
             .name("flywheel-trainer".into())
@@ -226,6 +231,16 @@ impl TrainerHandle {
     pub async fn remove(&self, name: &str) -> Result<(), CommandError> {
         let n = name.to_string();
         self.ask(|r| Command::Remove(n, r)).await
+    }
+
+    /// Let the step in progress finish (a step is committed whole or not at all, so this only
+    /// saves its work), then end the trainer thread: waits at most `timeout`.
+    pub async fn stop(&self, timeout: Duration) {
+        match tokio::time::timeout(timeout, self.ask(Command::Stop)).await {
+            Ok(Ok(())) => tracing::info!("the trainer finished its step and stopped"),
+            Ok(Err(_)) => {}
+            Err(_) => tracing::warn!("shutdown timeout reached with a training step running"),
+        }
     }
 
     /// Wake the trainer (a reward arrived).
@@ -297,6 +312,10 @@ impl Trainer {
             while let Ok(c) = self.rx.try_recv() {
                 self.supervised("", |t| t.handle(c));
             }
+            if self.stopping {
+                tracing::info!("the trainer stopped (no step in progress)");
+                return;
+            }
             self.supervised("", Trainer::check_log);
             let names: Vec<String> = self.learners.keys().cloned().collect();
             for name in names {
@@ -344,6 +363,10 @@ impl Trainer {
     fn handle(&mut self, c: Command) {
         match c {
             Command::Wake => {}
+            Command::Stop(reply) => {
+                self.stopping = true;
+                let _ = reply.send(Ok(()));
+            }
             Command::Add(cfg, reply) => {
                 let name = cfg.name.clone();
                 let r = match self.learners.get(&name) {
@@ -415,6 +438,9 @@ impl Trainer {
     /// Take the steps `name` has ready (while it runs and is not waiting out a backoff).
     fn train(&mut self, name: &str) {
         for _ in 0..MAX_STEPS_IN_A_ROW {
+            if self.stopping {
+                return;
+            }
             let Some(l) = self.learners.get_mut(name) else {
                 return;
             };
