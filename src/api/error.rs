@@ -141,9 +141,9 @@ impl IntoResponse for ApiError {
 }
 
 /// The rollout log's errors: 503 once its database became unusable, 500 otherwise.
-impl From<crate::online::log::LogError> for ApiError {
-    fn from(e: crate::online::log::LogError) -> ApiError {
-        use crate::online::log::LogError;
+impl From<crate::online::records::LogError> for ApiError {
+    fn from(e: crate::online::records::LogError) -> ApiError {
+        use crate::online::records::LogError;
         match e {
             LogError::Broken(_) => ApiError {
                 code: Some("rollout_log_unavailable"),

@@ -8,7 +8,7 @@ use super::openai::Fields;
 use super::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
 use crate::online::learner::{self, ErrorKind};
-use crate::online::log::{FeedbackError, Refusal, Reward};
+use crate::online::records::{FeedbackError, Refusal, Reward};
 use crate::online::trainer::{CommandError, TrainerHandle};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};

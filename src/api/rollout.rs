@@ -5,7 +5,7 @@
 
 use super::error::ApiError;
 use super::job::Job;
-use crate::online::log::CompletionRecord;
+use crate::online::records::CompletionRecord;
 use crate::online::trainer::TrainerHandle;
 use crate::policy::is_greedy;
 use serde_json::json;

@@ -7,7 +7,8 @@
 //! that directory (a copied data directory is self-contained) in the same transaction as the
 //! completions the step consumed.
 
-use super::log::{LogError, SqliteLog};
+use super::log::SqliteLog;
+use super::records::LogError;
 use crate::util::now_secs;
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
 

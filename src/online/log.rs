@@ -11,6 +11,14 @@
 //! the one opened (same device and inode, an SQLite header). A deleted, replaced or truncated
 //! file makes the log `Broken` for good: nothing more is acknowledged into an unlinked file.
 
+use super::records::{
+    bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
+    RewardRow, CHOICE_INFO,
+};
+use super::records::{
+    ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, Member, PendingGroup,
+    Refusal, Reward, Turn,
+};
 use crate::util::now_secs;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use std::os::unix::fs::MetadataExt;
@@ -64,253 +72,6 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE completions ADD COLUMN forced BLOB NOT NULL DEFAULT x'';",
 ];
 
-/// Why the log cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum LogError {
-    /// The database file was deleted, replaced or truncated under the server: permanent until a
-    /// restart (which then reads whatever is at the path).
-    #[error("the rollout log is unusable: {0}")]
-    Broken(String),
-    #[error("rollout log: {0}")]
-    Db(#[from] rusqlite::Error),
-    /// PostgreSQL: connection-level failures (unreachable, restarted, timed out) are transient.
-    #[error("rollout log (PostgreSQL): {0}")]
-    Pg(#[from] postgres::Error),
-    /// The write contradicts what is stored (a member another trainer consumed already).
-    #[error("rollout log: {0}")]
-    Conflict(String),
-}
-
-/// Why a reward for a completion of `adapter` is not taken (the caller decides per adapter).
-#[derive(Clone, Debug)]
-pub enum Refusal {
-    /// The adapter's trainer has failed: the reward would not be trained on.
-    Failed(String),
-    /// The adapter no longer learns (deleted, or its lineage ended).
-    NotLearning,
-}
-
-/// One served completion (a choice of a request) to log.
-#[derive(Clone, Debug)]
-pub struct CompletionRecord {
-    pub id: String,
-    pub choice: u32,
-    pub adapter: String,
-    pub version: u64,
-    pub group_id: String,
-    /// Members the group will have (the request's `n`); 0 when unknown (client groups).
-    pub group_size: u32,
-    pub prompt: Vec<u32>,
-    pub completion: Vec<u32>,
-    /// The sampler's log-softmax(logits / T) of each completion token.
-    pub logprobs: Vec<f32>,
-    pub temperature: f32,
-    /// Drawn from exactly that distribution (no truncation, penalty or bias).
-    pub policy_sampled: bool,
-    /// The sampling parameters as sent (JSON).
-    pub params: String,
-    pub finish_reason: String,
-    /// The bearer key that made it ("" without one), stored hashed.
-    pub key: String,
-    /// The client's episode (a multi-turn task rewarded once), scoped to `key` when stored.
-    pub episode: Option<String>,
-    /// Completion positions a grammar forced (constrained decoding): left out of the loss.
-    pub forced: Vec<u32>,
-}
-
-/// A stored choice, as `GET /v1/feedback/{id}` shows it.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct ChoiceInfo {
-    pub choice: u32,
-    pub adapter: String,
-    pub adapter_version: u64,
-    pub group: String,
-    pub finish_reason: String,
-    pub reward: Option<f64>,
-    pub trained_step: Option<u64>,
-    pub dropped: Option<String>,
-}
-
-/// One reward to record.
-#[derive(Clone, Debug)]
-pub struct Reward {
-    pub id: String,
-    pub choice: u32,
-    pub reward: f64,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum FeedbackError {
-    #[error("no completion '{id}' choice {choice}")]
-    NotFound {
-        index: usize,
-        id: String,
-        choice: u32,
-    },
-    #[error("completion '{id}' was made with another key")]
-    Forbidden { index: usize, id: String },
-    #[error("completion '{id}' choice {choice} already has reward {old}")]
-    Conflict {
-        index: usize,
-        id: String,
-        choice: u32,
-        old: f64,
-    },
-    #[error("completion '{id}' belongs to '{adapter}', which does not take rewards now")]
-    Refused {
-        index: usize,
-        id: String,
-        adapter: String,
-        why: Refusal,
-    },
-    /// A turn of an episode is rewarded through its episode.
-    #[error("completion '{id}' is a turn of an episode: reward the episode")]
-    EpisodeTurn { index: usize, id: String },
-    #[error("no episode '{episode}' of this key")]
-    EpisodeNotFound { episode: String },
-    #[error("episode '{episode}' already has reward {old}")]
-    EpisodeConflict { episode: String, old: f64 },
-    #[error(transparent)]
-    Log(#[from] LogError),
-}
-
-impl From<rusqlite::Error> for FeedbackError {
-    fn from(e: rusqlite::Error) -> FeedbackError {
-        FeedbackError::Log(LogError::Db(e))
-    }
-}
-
-impl From<postgres::Error> for FeedbackError {
-    fn from(e: postgres::Error) -> FeedbackError {
-        FeedbackError::Log(LogError::Pg(e))
-    }
-}
-
-/// A completion's row as a reward meets it: (owner's key hash, stored reward, adapter, episode).
-pub type RewardRow = (String, Option<f64>, String, Option<String>);
-
-/// What every store decides for reward `it` (the `index`-th of its batch) against its stored
-/// `row` (None: no such completion), for the caller's key hash `kh`: Ok(true) to record it,
-/// Ok(false) a repeat of the stored reward, or why it is refused (the batch then records
-/// nothing).
-pub fn judge_reward(
-    index: usize,
-    it: &Reward,
-    row: Option<RewardRow>,
-    kh: &str,
-    admin: bool,
-    accepts: &dyn Fn(&str) -> Result<(), Refusal>,
-) -> Result<bool, FeedbackError> {
-    let Some((owner, old, adapter, episode)) = row else {
-        return Err(FeedbackError::NotFound {
-            index,
-            id: it.id.clone(),
-            choice: it.choice,
-        });
-    };
-    if !admin && owner != kh {
-        return Err(FeedbackError::Forbidden {
-            index,
-            id: it.id.clone(),
-        });
-    }
-    if episode.is_some() {
-        return Err(FeedbackError::EpisodeTurn {
-            index,
-            id: it.id.clone(),
-        });
-    }
-    match old {
-        Some(o) if o == it.reward => Ok(false),
-        Some(o) => Err(FeedbackError::Conflict {
-            index,
-            id: it.id.clone(),
-            choice: it.choice,
-            old: o,
-        }),
-        None => match accepts(&adapter) {
-            Ok(()) => Ok(true),
-            Err(why) => Err(FeedbackError::Refused {
-                index,
-                id: it.id.clone(),
-                adapter,
-                why,
-            }),
-        },
-    }
-}
-
-/// What every store decides for an episode's reward: `adapters` those of its turns (empty: no
-/// such episode of this key), `old` its stored reward. Ok(true) to record, Ok(false) a repeat.
-pub fn judge_episode_reward(
-    episode: &str,
-    reward: f64,
-    adapters: Vec<String>,
-    old: Option<f64>,
-    accepts: &dyn Fn(&str) -> Result<(), Refusal>,
-) -> Result<bool, FeedbackError> {
-    if adapters.is_empty() {
-        return Err(FeedbackError::EpisodeNotFound {
-            episode: episode.to_string(),
-        });
-    }
-    match old {
-        Some(o) if o == reward => return Ok(false),
-        Some(o) => {
-            return Err(FeedbackError::EpisodeConflict {
-                episode: episode.to_string(),
-                old: o,
-            })
-        }
-        None => {}
-    }
-    for adapter in adapters {
-        if let Err(why) = accepts(&adapter) {
-            return Err(FeedbackError::Refused {
-                index: 0,
-                id: episode.to_string(),
-                adapter,
-                why,
-            });
-        }
-    }
-    Ok(true)
-}
-
-/// A served turn: its prompt and completion token ids.
-pub type Turn = (Vec<u32>, Vec<u32>);
-
-/// An episode's turns (completion id, what is stored) and its reward (None: not yet).
-pub type EpisodeFeedback = (Vec<(String, ChoiceInfo)>, Option<f64>);
-
-/// A pending (unconsumed) member of a group, for the trainer.
-#[derive(Clone, Debug)]
-pub struct Member {
-    pub id: String,
-    pub choice: u32,
-    pub version: u64,
-    pub prompt: Vec<u32>,
-    pub completion: Vec<u32>,
-    pub logprobs: Vec<f32>,
-    pub temperature: f32,
-    pub policy_sampled: bool,
-    pub reward: Option<f64>,
-    pub rewarded_at: Option<f64>,
-    pub created: f64,
-    /// The episode it is a turn of (its turns share one reward and advantage).
-    pub episode: Option<String>,
-    /// Completion positions a grammar forced: left out of the loss.
-    pub forced: Vec<u32>,
-}
-
-/// A group's pending members.
-#[derive(Clone, Debug)]
-pub struct PendingGroup {
-    pub group_id: String,
-    pub group_size: u32,
-    pub members: Vec<Member>,
-}
-
 pub struct SqliteLog {
     conn: Mutex<Connection>,
     salt: String,
@@ -319,10 +80,6 @@ pub struct SqliteLog {
     identity: (u64, u64),
     broken: OnceLock<String>,
 }
-
-/// The columns a `ChoiceInfo` is read from (`choice_info`), in order.
-pub(super) const CHOICE_INFO: &str =
-    "choice, adapter, version, group_id, finish_reason, reward, consumed_step, dropped";
 
 /// A `ChoiceInfo` from the `CHOICE_INFO` columns of `r`, the first at index `at`.
 fn choice_info(r: &rusqlite::Row, at: usize) -> rusqlite::Result<ChoiceInfo> {
@@ -336,36 +93,6 @@ fn choice_info(r: &rusqlite::Row, at: usize) -> rusqlite::Result<ChoiceInfo> {
         trained_step: r.get::<_, Option<i64>>(at + 6)?.map(|s| s as u64),
         dropped: r.get(at + 7)?,
     })
-}
-
-/// A 128-bit FNV-1a of `salt`, a zero byte and `key`.
-pub(super) fn salted_key_hash(salt: &str, key: &str) -> String {
-    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-    for b in salt.bytes().chain([0u8]).chain(key.bytes()) {
-        h ^= b as u128;
-        h = h.wrapping_mul(0x0000000001000000000000000000013B);
-    }
-    format!("{h:032x}")
-}
-
-pub(super) fn u32s(b: &[u8]) -> Vec<u32> {
-    b.chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-pub(super) fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-pub(super) fn bytes_u32(v: &[u32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-pub(super) fn bytes_f32(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 impl SqliteLog {

@@ -12,5 +12,6 @@ pub mod lineage;
 pub mod log;
 pub mod log_pg;
 pub mod open_store;
+pub mod records;
 pub mod store;
 pub mod trainer;

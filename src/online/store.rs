@@ -13,9 +13,10 @@
 //! consumed commit together, and a member is consumed at most once.
 
 use super::lineage::{Checkpoint, Lineage};
-use super::log::{
+use super::log::SqliteLog;
+use super::records::{
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, PendingGroup, Refusal,
-    Reward, SqliteLog, Turn,
+    Reward, Turn,
 };
 
 /// Whether a completion's adapter takes rewards now (the caller's rule, per adapter).

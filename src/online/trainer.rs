@@ -17,8 +17,8 @@
 use super::checkpoint::sweep_temporaries;
 use super::config::{LearnConfig, OnlineConfig};
 use super::learner::{Env, ErrorKind, Learner, State, Status, TrainError};
-use super::log::Refusal;
 use super::open_store::open_store;
+use super::records::Refusal;
 use super::store::RolloutStore;
 use crate::adapter::registry::Registry;
 use crate::metrics::Metrics;
