@@ -23,7 +23,8 @@ and saves them as CSV and a PNG plot (with matplotlib).
 SmolLM2's template renders no tools, so its calls and answers are in the generic tool format,
 constrained by a grammar: the adapter trains on them anyway (`train_off_policy_samples` in
 examples/calculator.toml; the tokens the grammar forced get no gradient). On SmolLM2 the right
-answer rate goes from about 0.25 to 1.0 in 10-20 steps (examples/results/calculator.*).
+answer rate went from 0.38 at version 1 to 1.0 in most steps after step 8 (one recorded run:
+examples/results/calculator.*; an earlier run, 0.25 to 1.0 by step 8).
 """
 
 import argparse
