@@ -90,6 +90,8 @@ pub struct CliOverrides {
     pub data_dir: Option<PathBuf>,
     /// `--rollout-store`: overrides online.rollout_store.
     pub rollout_store: Option<String>,
+    /// `--adapter-store`: overrides online.adapter_store.
+    pub adapter_store: Option<String>,
     /// `--role`: overrides online.role.
     pub role: Option<String>,
 }
@@ -177,6 +179,9 @@ impl RawConfig {
         let mut raw_online = self.online;
         if let Some(s) = &cli.rollout_store {
             raw_online.rollout_store = Some(s.clone());
+        }
+        if let Some(s) = &cli.adapter_store {
+            raw_online.adapter_store = Some(s.clone());
         }
         if let Some(r) = &cli.role {
             raw_online.role = Some(r.clone());
@@ -380,5 +385,42 @@ mod tests {
         let c = raw.validate(&CliOverrides::default()).unwrap();
         let e = c.num_kv_blocks(30, 192, 8192).unwrap_err();
         assert!(e.to_string().contains("kv_cache_mb"), "{e}");
+    }
+
+    #[test]
+    fn the_adapter_store_is_checked_and_the_flag_wins() {
+        let check = |toml: &str, cli: &CliOverrides| {
+            RawConfig::from_toml(toml)
+                .unwrap()
+                .validate(cli)
+                .map(|c| c.online.adapter_store)
+                .map_err(|e| e.to_string())
+        };
+        let none = CliOverrides::default();
+        let file = "[online]\nadapter_store = \"file:///srv/adapters\"\n";
+        assert_eq!(
+            check(file, &none).unwrap().as_deref(),
+            Some("file:///srv/adapters")
+        );
+        let flag = CliOverrides {
+            adapter_store: Some("s3://bucket/p".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            check(file, &flag).unwrap().as_deref(),
+            Some("s3://bucket/p")
+        );
+        for (toml, named) in [
+            ("[online]\nadapter_store = \"gs://b/p\"\n", "gs://b/p"),
+            ("[online]\nadapter_store = \"file://rel\"\n", "file://rel"),
+            ("[online.adapter_store_options]\naws_region = \"x\"\n", "aws_region"),
+            (
+                "[online]\nadapter_store = \"s3://b/p\"\n[online.adapter_store_options]\nregio = \"x\"\n",
+                "regio",
+            ),
+        ] {
+            let e = check(toml, &none).unwrap_err();
+            assert!(e.contains(named), "{toml}: {e}");
+        }
     }
 }

@@ -73,6 +73,11 @@ enum Cmd {
         /// by several servers; default SQLite in the data directory.
         #[arg(long, env = "FLYWHEEL_ROLLOUT_STORE")]
         rollout_store: Option<String>,
+        /// Where adapter versions are published (overrides online.adapter_store):
+        /// file:///shared/dir or s3://bucket/prefix (credentials and endpoint from AWS_* or
+        /// [online.adapter_store_options]); default only the data directory.
+        #[arg(long, env = "FLYWHEEL_ADAPTER_STORE")]
+        adapter_store: Option<String>,
         /// all (serve and train, the default) | train | serve (follow the trainer's versions
         /// through the shared rollout store; never train). Overrides online.role.
         #[arg(long, env = "FLYWHEEL_ROLE")]
@@ -262,6 +267,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             learn,
             data_dir,
             rollout_store,
+            adapter_store,
             role,
         } => {
             tracing_subscriber::fmt()
@@ -285,6 +291,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 learn,
                 data_dir,
                 rollout_store,
+                adapter_store,
                 role,
             };
             flywheel::app::serve(raw.validate(&cli)?)

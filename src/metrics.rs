@@ -56,6 +56,8 @@ pub struct Metrics {
     pub replica_version_lag: IntGaugeVec,
     /// A serving replica: from the trainer's commit of a step to this replica serving it.
     pub replica_propagation_seconds: Histogram,
+    /// Transfers of adapter versions to and from the adapter store (op: upload, fetch).
+    pub adapter_store_seconds: HistogramVec,
 }
 
 fn buckets_seconds() -> Vec<f64> {
@@ -322,6 +324,19 @@ impl Metrics {
                 "replica_propagation_seconds",
                 "A serving replica: from the trainer's commit of a step to this replica \
                  serving its version (the two machines' clocks apart included).",
+            ),
+            adapter_store_seconds: reg(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "adapter_store_seconds",
+                        "Adapter versions moved to (upload, by the trainer) and from (fetch, by a \
+                         replica) the adapter store (--adapter-store).",
+                    )
+                    .buckets(buckets_seconds()),
+                    &["op"],
+                )
+                .expect("histogram vec"),
             ),
             registry,
         }

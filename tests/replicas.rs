@@ -1,7 +1,8 @@
 //! Learning servers sharing one PostgreSQL rollout store, as separate processes through their
 //! HTTP API: one server (`all`) on PostgreSQL; a trainer and serving replicas (`--role`) with a
 //! shared data directory, through kill -9s and database restarts, under load, and with
-//! checkpoints they must verify. Each test starts a throwaway PostgreSQL (skipped with a message
+//! checkpoints they must verify; and with versions in an S3-compatible object store (moto)
+//! instead of a shared directory. Each test starts a throwaway PostgreSQL (skipped with a message
 //! where it is not installed).
 
 mod common;
@@ -423,4 +424,134 @@ fn a_replica_serves_only_verified_checkpoints() {
     let replica = sh.start("serve");
     assert_eq!(status(&replica, "l")["version"], 2);
     assert_eq!(sample(&replica, "l", 1, 2, USER)["adapter_version"], 2);
+}
+
+/// Reward one group sampled through `from` (2 choices), posting through `to`.
+fn reward_group(from: &common::server::Server, to: &common::server::Server) {
+    use common::online::*;
+    let r = sample(from, "l", 2, 3, USER);
+    let id = r["id"].as_str().unwrap();
+    let items = serde_json::json!([{"id": id, "choice": 0, "reward": 1},
+                                   {"id": id, "choice": 1, "reward": 0}]);
+    assert_eq!(
+        call(to, "POST", "/v1/feedback", Some(&items), USER).status,
+        202
+    );
+}
+
+/// The version folders of `l` in a data directory.
+fn local_versions(data: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(data.join("adapters/l"))
+        .map(|d| {
+            d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// A trainer and serving replicas with no shared directory: versions travel through an
+/// S3-compatible object store (moto). The trainer uploads each version (create-only, manifest
+/// last) before committing it; replicas fetch, verify and serve it and drop the copy of the one
+/// before; a trainer restarted on an empty data directory (a new machine) resumes from the
+/// store; a replica never serves an upload it cannot verify (it stays on the version before)
+/// and catches up once it can.
+#[test]
+fn replicas_follow_the_trainer_through_an_object_store() {
+    use common::online::*;
+    let Some(s3) = common::s3::S3::start() else {
+        return;
+    };
+    let Some(sh) = Shared::new(&s3.online_config("ckpt")) else {
+        return;
+    };
+    let root = tempfile::tempdir().unwrap();
+    let own = |n: &str| root.path().join(n);
+    let start = |role: &str, data: &str| start_role(&sh.model, &own(data), &sh.cfg, &sh.url, role);
+    let trainer = start("train", "t1");
+    let (a, b) = (start("serve", "a"), start("serve", "b"));
+    reward_group(&a, &b);
+    wait_status(&trainer, "l", 60, |st| st["version"] == 2);
+    for s in [&a, &b] {
+        wait_status(s, "l", 10, |st| st["version"] == 2);
+        assert_eq!(sample(s, "l", 1, 2, USER)["adapter_version"], 2);
+        assert_eq!(
+            s.metric("flywheel_adapter_store_seconds_count{op=\"fetch\"}"),
+            1.0
+        );
+    }
+    assert_eq!(
+        trainer.metric("flywheel_adapter_store_seconds_count{op=\"upload\"}"),
+        1.0
+    );
+    // Under the URL's prefix: the version's folder, a name of its own, the manifest included.
+    let keys = s3.keys();
+    let v2: Vec<&String> = keys
+        .iter()
+        .filter(|k| k.starts_with("ckpt/adapters/l/v-00000002-"))
+        .collect();
+    assert_eq!(v2.len(), 5, "{keys:?}");
+    assert!(v2.iter().any(|k| k.ends_with("/manifest.json")), "{keys:?}");
+    let folder = v2[0].rsplit_once('/').unwrap().0.to_string();
+    let leaf = folder.rsplit_once('/').unwrap().1.to_string();
+    assert_eq!(local_versions(&own("a")), vec![leaf.clone()]);
+    // kill -9 of the trainer; it comes back on an empty data directory and resumes from the
+    // store (same version, one step taken); the replicas follow its next step and drop their
+    // copy of version 2.
+    drop(trainer);
+    let trainer = start("train", "t2");
+    let st = status(&trainer, "l");
+    assert_eq!(
+        (st["version"].clone(), st["steps"].clone()),
+        (2.into(), 1.into())
+    );
+    reward_group(&b, &a);
+    wait_status(&trainer, "l", 60, |st| st["version"] == 3);
+    for (s, d) in [(&a, "a"), (&b, "b")] {
+        wait_status(s, "l", 10, |st| st["version"] == 3);
+        let v = local_versions(&own(d));
+        assert!(v.len() == 1 && v[0].starts_with("v-00000003-"), "{v:?}");
+    }
+    // Version 3's weights altered in the store: a new replica does not serve it; it serves
+    // version 2 (verified) and keeps trying; restored, it catches up.
+    let keys = s3.keys();
+    let weights = keys
+        .iter()
+        .find(|k| {
+            k.starts_with("ckpt/adapters/l/v-00000003-")
+                && k.ends_with("/adapter_model.safetensors")
+        })
+        .unwrap()
+        .clone();
+    let good = std::fs::read(own("t2").join(weights.strip_prefix("ckpt/").unwrap())).unwrap();
+    let mut bad = good.clone();
+    bad[good.len() - 1] ^= 1;
+    s3.overwrite(&weights, bad);
+    let c = start("serve", "c");
+    assert_eq!(status(&c, "l")["version"], 2);
+    assert_eq!(sample(&c, "l", 1, 2, USER)["adapter_version"], 2);
+    let st = wait_status(&c, "l", 20, |st| !st["last_error"].is_null());
+    assert!(
+        st["last_error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("SHA-256"),
+        "{st}"
+    );
+    assert_eq!(st["state"], "running", "{st}");
+    assert!(c.metric("flywheel_replica_version_lag{adapter=\"l\"}") >= 1.0);
+    s3.overwrite(&weights, good);
+    wait_status(&c, "l", 30, |st| st["version"] == 3);
+    assert_eq!(sample(&c, "l", 1, 2, USER)["adapter_version"], 3);
+    // Retention (the newest two versions) applies to the store too.
+    reward_group(&c, &trainer);
+    wait_status(&trainer, "l", 60, |st| st["version"] == 4);
+    let keys = s3.keys();
+    let has = |v: &str| keys.iter().any(|k| k.contains(&format!("/{v}-")));
+    assert_eq!(
+        (has("v-00000002"), has("v-00000003"), has("v-00000004")),
+        (false, true, true),
+        "{keys:?}"
+    );
 }

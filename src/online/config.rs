@@ -10,6 +10,9 @@ use std::path::PathBuf;
 pub struct RawOnline {
     pub data_dir: Option<PathBuf>,
     pub rollout_store: Option<String>,
+    pub adapter_store: Option<String>,
+    #[serde(default)]
+    pub adapter_store_options: std::collections::BTreeMap<String, String>,
     pub role: Option<String>,
     pub reward_min: Option<f64>,
     pub reward_max: Option<f64>,
@@ -51,6 +54,12 @@ pub struct OnlineConfig {
     /// Where the rollout log lives: None, SQLite in `data_dir`; `postgres://...`, PostgreSQL
     /// (shared by several serving replicas and a trainer).
     pub rollout_store: Option<String>,
+    /// Where adapter versions are published: None, the data directory only (a serving replica
+    /// reads them there, shared); `file:///dir` or `s3://bucket/prefix`, an object store the
+    /// trainer uploads each version to and replicas fetch it from (`online::adapter_store`).
+    pub adapter_store: Option<String>,
+    /// object_store's settings for an `s3://` adapter store (`aws_endpoint`, `aws_region`, ...).
+    pub adapter_store_options: std::collections::BTreeMap<String, String>,
     /// What this process does for its learning adapters.
     pub role: Role,
     pub reward_min: f64,
@@ -81,7 +90,8 @@ pub enum Role {
     /// Train and publish (it serves too; a deployment sends its clients to the replicas).
     Train,
     /// Serve, log and take rewards; follow the trainer's versions (published in the shared
-    /// rollout store, their checkpoints in the shared data directory); never train.
+    /// rollout store, their files in the adapter store or else the shared data directory);
+    /// never train.
     Serve,
 }
 
@@ -123,6 +133,8 @@ impl RawOnline {
         let c = OnlineConfig {
             data_dir: self.data_dir.unwrap_or_else(|| PathBuf::from("data")),
             rollout_store: self.rollout_store.filter(|s| !s.is_empty()),
+            adapter_store: self.adapter_store.filter(|s| !s.is_empty()),
+            adapter_store_options: self.adapter_store_options,
             role: Role::parse(self.role.as_deref().unwrap_or("all"))?,
             reward_min: self.reward_min.unwrap_or(-1e6),
             reward_max: self.reward_max.unwrap_or(1e6),
@@ -152,6 +164,13 @@ impl RawOnline {
                         give online.rollout_store (postgres://...)"
                     .into(),
             );
+        }
+        if let Some(url) = &c.adapter_store {
+            super::adapter_store::check_url(url, &c.adapter_store_options)?;
+        } else if let Some(k) = c.adapter_store_options.keys().next() {
+            return Err(format!(
+                "online.adapter_store_options.{k} is set but online.adapter_store is not"
+            ));
         }
         if c.max_step_tokens < 64 {
             return Err("online.max_step_tokens must be at least 64".into());

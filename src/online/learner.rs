@@ -5,6 +5,7 @@
 //! only once the checkpoint and its consumed groups are committed, so a step that fails at any
 //! point leaves optimizer and adapter exactly as before.
 
+use super::adapter_store::AdapterStore;
 use super::checkpoint::{
     checkpoint_rel, load_checkpoint, remove_dir, verify_checkpoint, write_checkpoint,
 };
@@ -36,6 +37,8 @@ pub struct Env {
     pub cpu: Arc<Cpu>,
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,
+    /// Where versions are published besides the data directory (`online.adapter_store`).
+    pub adapters: Option<Arc<AdapterStore>>,
 }
 
 /// running: trains when batches are ready; paused: by an operator; failed: stopped after an
@@ -138,6 +141,9 @@ pub struct Learner {
     pub lineage: Lineage,
     opt: AdamW,
     pub status: Status,
+    /// A replica's copy of the version it serves, fetched from the adapter store (removed
+    /// once it follows to the next).
+    fetched: Option<PathBuf>,
 }
 
 /// The adapter `cfg` learns on `base`: its method on every projection the base has to adapt.
@@ -180,6 +186,45 @@ const CLAIM_WAIT_SECS: f64 = 10.0;
 
 /// The files of a checkpoint a serving replica loads (and so verifies).
 const FOLLOWED: [&str; 2] = [peft::CONFIG_FILE, peft::WEIGHTS_FILE];
+/// The files of a checkpoint a trainer resumes from.
+const RESUMED: [&str; 4] = [
+    peft::CONFIG_FILE,
+    peft::WEIGHTS_FILE,
+    crate::train::optim::STATE_FILE,
+    crate::train::optim::CONFIG_FILE,
+];
+
+impl Env {
+    /// Checkpoint `cp` of `lineage` as a folder on local disk, and whether it was fetched now.
+    /// A replica uses the data directory's copy only if it matches its manifest, a trainer the
+    /// copy it wrote; otherwise it is fetched from the adapter store (if any) and verified: no
+    /// process loads an unverified upload.
+    fn local_checkpoint(&self, cp: &Checkpoint, lineage: u64) -> Result<(PathBuf, bool), String> {
+        let dir = self.cfg.data_dir.join(&cp.path);
+        let follow = !self.cfg.role.trains();
+        let needed: &[&str] = if follow { &FOLLOWED } else { &RESUMED };
+        let here = match follow {
+            true => verify_checkpoint(&dir, cp.version, lineage, needed),
+            false if dir.is_dir() => Ok(()),
+            false => Err(format!("{}: not in the data directory", dir.display())),
+        };
+        let (Err(missing), Some(store)) = (here, &self.adapters) else {
+            return Ok((dir, false));
+        };
+        let t0 = std::time::Instant::now();
+        store
+            .fetch(&cp.path, &dir)
+            .map_err(|e| format!("{missing}; fetching it: {e:#}"))?;
+        verify_checkpoint(&dir, cp.version, lineage, needed)?;
+        let secs = t0.elapsed().as_secs_f64();
+        self.metrics
+            .adapter_store_seconds
+            .with_label_values(&["fetch"])
+            .observe(secs);
+        tracing::info!(version = cp.version, path = %cp.path, fetch_ms = secs * 1e3, "fetched a version from the adapter store");
+        Ok((dir, true))
+    }
+}
 
 impl Learner {
     /// Resume `cfg.name`'s lineage from its newest intact checkpoint, or begin a lineage with the
@@ -216,20 +261,20 @@ impl Learner {
             )));
         }
         let mut resumed = None;
+        let mut fetched = None;
         let mut num_checkpoints = 0;
         if let Some(l) = lineage {
             let cps = env.log.checkpoints(l.id)?;
             num_checkpoints = cps.len();
             for cp in cps {
-                let dir = env.cfg.data_dir.join(&cp.path);
                 // A replica serves only what it can verify against the trainer's manifest.
-                let verified = match follow {
-                    true => verify_checkpoint(&dir, cp.version, l.id, &FOLLOWED),
-                    false => Ok(()),
-                };
-                match verified
-                    .and_then(|()| load_checkpoint(&dir, &env.model.config, &env.registry.limits))
-                {
+                match env
+                    .local_checkpoint(&cp, l.id)
+                    .and_then(|(dir, was_fetched)| {
+                        let x = load_checkpoint(&dir, &env.model.config, &env.registry.limits)?;
+                        fetched = was_fetched.then_some(dir);
+                        Ok(x)
+                    }) {
                     Ok(x) => {
                         resumed = Some((l, cp, x));
                         break;
@@ -327,6 +372,7 @@ impl Learner {
             cfg,
             lineage,
             opt,
+            fetched: fetched.filter(|_| follow),
         })
     }
 
@@ -415,7 +461,12 @@ impl Learner {
         )
         .map_err(|e| TrainError::new(ErrorKind::Step, e))?;
         let version = cur.version + 1;
-        let rel = checkpoint_rel(&name, version);
+        let mut rel = checkpoint_rel(&name, version);
+        if env.adapters.is_some() {
+            // In object storage a name is written once: a version number retried after a
+            // failed commit gets a folder of its own.
+            rel = format!("{rel}-{:016x}", crate::util::random_u64());
+        }
         write_checkpoint(
             &env.cfg.data_dir,
             &rel,
@@ -424,6 +475,20 @@ impl Learner {
             &opt,
         )
         .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        if let Some(store) = &env.adapters {
+            // Uploaded (manifest last) before the version's row is committed: a replica that
+            // hears of it finds it complete.
+            let t0 = std::time::Instant::now();
+            let dir = env.cfg.data_dir.join(&rel);
+            if let Err(e) = store.upload(&dir, &rel) {
+                let _ = remove_dir(&dir);
+                return Err(TrainError::new(ErrorKind::Checkpoint, format!("{e:#}")));
+            }
+            env.metrics
+                .adapter_store_seconds
+                .with_label_values(&["upload"])
+                .observe(t0.elapsed().as_secs_f64());
+        }
         let staleness_max = batch
             .iter()
             .flat_map(|g| g.members.iter().map(|m| cur.version - m.version))
@@ -556,6 +621,9 @@ impl Learner {
                     let dir: PathBuf = env.cfg.data_dir.join(&p);
                     if let Err(e) = remove_dir(&dir) {
                         tracing::warn!(path = %dir.display(), error = %e, "cannot remove an old checkpoint");
+                    }
+                    if let Some(Err(e)) = env.adapters.as_ref().map(|s| s.delete(&p)) {
+                        tracing::warn!(path = %p, error = %e, "cannot remove an old version from the adapter store");
                     }
                 }
             }

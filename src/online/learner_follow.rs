@@ -21,10 +21,10 @@ impl Learner {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
-        let dir = env.cfg.data_dir.join(&cp.path);
         // Never serve what cannot be verified: the files loaded, against the manifest the
-        // trainer wrote last.
-        verify_checkpoint(&dir, cp.version, l.id, &FOLLOWED)
+        // trainer wrote last (fetched from the adapter store first if there is one).
+        let (dir, fetched) = env
+            .local_checkpoint(&cp, l.id)
             .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
         let w = peft::load_within(&dir, &env.model.config, &env.registry.limits)
             .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
@@ -41,6 +41,14 @@ impl Learner {
             load_ms = t0.elapsed().as_secs_f64() * 1e3,
             "followed the trainer to a new version"
         );
+        // The copy fetched for the version served before is not needed any more.
+        if let Some(old) = std::mem::replace(&mut self.fetched, fetched.then(|| dir.clone())) {
+            if old != dir {
+                if let Err(e) = remove_dir(&old) {
+                    tracing::warn!(path = %old.display(), error = %e, "cannot remove a fetched version");
+                }
+            }
+        }
         self.lineage = l;
         self.status.lineage = l.id;
         self.status.version = v.version;

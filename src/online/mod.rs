@@ -1,9 +1,12 @@
 //! Serving while learning. `store` is the rollout store's trait (completions, rewards,
 //! episodes, and the record of training: lineages, checkpoints), implemented on SQLite by `log`
 //! (with `lineage`) and on PostgreSQL by `log_pg`; `groups` decides which rewarded groups train
-//! (pure); `learner` is one learning adapter and its step, `checkpoint` its folders on disk; `trainer` is the thread that owns the
-//! learners and the `TrainerHandle` the server talks to it with.
+//! (pure); `learner` is one learning adapter and its step, `checkpoint` its folders on disk,
+//! `adapter_store` their copies in object storage (shared by a trainer and serving replicas);
+//! `trainer` is the thread that owns the learners and the `TrainerHandle` the server talks to
+//! it with.
 
+pub mod adapter_store;
 pub mod checkpoint;
 pub mod config;
 pub mod groups;

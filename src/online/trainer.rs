@@ -7,13 +7,15 @@
 //! Nothing fails silently. A step's error is counted (`flywheel_train_errors_total{adapter,
 //! kind}`), shown in the status (`last_error`), and retried with backoff (1, 2, 4, ... 60 s); after
 //! `MAX_FAILURES` in a row, or a panic, the learner is `failed`: feedback for it gets 503 until an
-//! operator resumes it. A rollout log that became unusable fails every learner. The thread is
+//! operator resumes it. (A serving replica's learner only follows the trainer: it keeps serving
+//! the version it has and keeps trying, backing off, with its lag in `flywheel_replica_*`.) A rollout log that became unusable fails every learner. The thread is
 //! supervised: a panic is caught and reported the same way; if it ever ends, every learner counts
 //! as failed.
 //!
 //! Sharing the two cores: the trainer calls the same `Cpu` as the engine; its kernels run as
 //! background work (the pool's gate lets them run between engine steps, within `train_share`).
 
+use super::adapter_store::AdapterStore;
 use super::checkpoint::sweep_temporaries;
 use super::config::{LearnConfig, OnlineConfig};
 use super::learner::{Env, ErrorKind, Learner, State, Status, TrainError};
@@ -136,8 +138,17 @@ impl TrainerHandle {
         compute: Compute,
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<TrainerHandle> {
-        // A serving replica only reads the shared data directory (the trainer's checkpoints).
-        if cfg.role.trains() {
+        // A serving replica only reads the shared data directory (the trainer's checkpoints),
+        // unless it fetches them from an adapter store into it.
+        let adapters = match &cfg.adapter_store {
+            Some(url) => Some(Arc::new(AdapterStore::open(
+                url,
+                &cfg.adapter_store_options,
+            )?)),
+            None => None,
+        };
+        let writes = cfg.role.trains() || adapters.is_some();
+        if writes {
             check_writable(&cfg.data_dir)?;
         } else {
             anyhow::ensure!(
@@ -149,7 +160,7 @@ impl TrainerHandle {
         }
         let log = open_store(cfg.rollout_store.as_deref(), &cfg.data_dir)?;
         metrics.rollout_log_ok.set(1);
-        if cfg.role.trains() {
+        if writes {
             sweep_temporaries(&cfg.data_dir);
         }
         let (tx, rx) = mpsc::channel();
@@ -172,6 +183,7 @@ impl TrainerHandle {
                 cpu: Arc::new(compute.cpu.background()),
                 registry: compute.registry,
                 metrics: metrics.clone(),
+                adapters,
             },
             learners: BTreeMap::new(),
             shared: shared.clone(),
@@ -483,7 +495,11 @@ impl Trainer {
         };
         let s = &mut l.status;
         s.consecutive_failures += 1;
-        let failed = fatal || s.consecutive_failures >= MAX_FAILURES;
+        // A serving replica that cannot follow (a version it cannot fetch or verify, the store
+        // down) keeps serving the version it has and keeps trying, backing off: its lag metric
+        // and status say so.
+        let gives_up = self.env.cfg.role.trains() && s.consecutive_failures >= MAX_FAILURES;
+        let failed = fatal || gives_up;
         if failed {
             s.state = State::Failed;
             s.retry_at = None;

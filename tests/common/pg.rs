@@ -49,7 +49,7 @@ fn postgres_user() -> Option<(u32, u32)> {
     Some((id(&["-u", "postgres"])?, id(&["-g", "postgres"])?))
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
