@@ -1,10 +1,13 @@
-"""Scale-out on one machine: one PostgreSQL, one trainer and N serving replicas sharing a data
-directory (see README, "Scaling out").
+"""Scale-out on one machine: one PostgreSQL, one trainer and N serving replicas (see README,
+"Scaling out"). The replicas load the trainer's versions from a shared data directory, or, with
+--adapter-store / --moto, fetch them from an object store into data directories of their own.
 
     python3 scripts/scale_out.py [--pg-url postgres://...] [--replicas 2] [--learn brief]
-        # starts the roles (and a throwaway PostgreSQL when no URL is given), prints their
-        # addresses, and waits for Ctrl-C
-    python3 scripts/scale_out.py --bench [--rounds 20] [--rewards 400]
+        [--adapter-store file:///dir | s3://bucket/prefix | --moto]
+        # starts the roles (and a throwaway PostgreSQL when no URL is given; with --moto a
+        # throwaway S3-compatible server, PyPI's moto[server]), prints their addresses, and
+        # waits for Ctrl-C
+    python3 scripts/scale_out.py --bench [--rounds 20] [--rewards 400] [...]
         # measures, then stops everything: version propagation (the trainer's commit -> each
         # replica serving the version: p50/p99 from the replicas' own histogram and from
         # polling), rewards per second through the replicas into PostgreSQL, and the tokens per
@@ -12,7 +15,8 @@ directory (see README, "Scaling out").
         # (alternating, medians of 3)
 
 Without --pg-url it needs PostgreSQL's binaries (Debian's postgresql package; run as root it
-starts the server as the postgres user). Everything binds 127.0.0.1."""
+starts the server as the postgres user). An s3:// store takes its settings from AWS_* in the
+environment. Everything binds 127.0.0.1."""
 
 import argparse
 import concurrent.futures as cf
@@ -91,13 +95,47 @@ class Postgres:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_role(role, url, data, learn, config):
+class Moto:
+    """A throwaway S3-compatible server (moto's server mode) with one bucket; its settings go
+    into this process's environment, which the roles inherit."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1",
+             "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        endpoint = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 30
+        while True:
+            try:
+                req = urllib.request.Request(endpoint + "/flywheel", method="PUT")
+                if urllib.request.urlopen(req, timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline or self.proc.poll() is not None:
+                sys.exit("moto did not start: pip install 'moto[server]'")
+            time.sleep(0.1)
+        os.environ.update(AWS_ENDPOINT=endpoint, AWS_ALLOW_HTTP="true", AWS_REGION="us-east-1",
+                          AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test")
+        self.url = "s3://flywheel/team"
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def start_role(role, url, data, learn, config, store=None):
     port = free_port()
+    if store:
+        # Its own data directory: versions come through the adapter store.
+        data = os.path.join(data, f"{role}-{port}")
+        os.makedirs(data)
     log = open(os.path.join(data, f"{role}-{port}.log"), "w")
     proc = subprocess.Popen(
         [str(BIN), "serve", "--model", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
          "--api-key", KEY, "--learn", learn, "--rollout-store", url, "--data-dir", data,
-         "--role", role, "--config", config],
+         "--role", role, "--config", config] + (["--adapter-store", store] if store else []),
         stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -117,12 +155,13 @@ def version(base, learn):
     return http("GET", base + "/v1/train/status")[1]["adapters"][learn]["version"]
 
 
-def histogram(base, name):
-    """(bucket upper bounds, cumulative counts) of a Prometheus histogram in /metrics."""
+def histogram(base, name, labels=""):
+    """(bucket upper bounds, cumulative counts) of a Prometheus histogram in /metrics
+    (`labels`: its other labels as exposed, e.g. 'op="fetch",')."""
     req = urllib.request.Request(base + "/metrics")
     text = urllib.request.urlopen(req, timeout=30).read().decode()
     pairs = [(float(m.group(1).replace("+Inf", "inf")), float(m.group(2)))
-             for m in re.finditer(name + r'_bucket\{le="([^"]+)"\} (\S+)', text)]
+             for m in re.finditer(name + r'_bucket\{' + labels + r'le="([^"]+)"\} (\S+)', text)]
     return pairs
 
 
@@ -164,6 +203,14 @@ def bench(trainer, replicas, learn, rounds, n_rewards):
         print(f"  {rep}: commit -> served (its histogram, bucket bounds): "
               f"p50 <= {quantile(h, 0.5) * 1e3:.0f} ms, p99 <= {quantile(h, 0.99) * 1e3:.0f} ms "
               f"({int(h[-1][1])} versions)")
+        f = histogram(rep, "flywheel_adapter_store_seconds", 'op="fetch",')
+        if f and f[-1][1] > 0:
+            print(f"    of which fetching from the adapter store: p50 <= "
+                  f"{quantile(f, 0.5) * 1e3:.0f} ms, p99 <= {quantile(f, 0.99) * 1e3:.0f} ms")
+    u = histogram(trainer, "flywheel_adapter_store_seconds", 'op="upload",')
+    if u and u[-1][1] > 0:
+        print(f"  trainer: uploading a version (before its commit): p50 <= "
+              f"{quantile(u, 0.5) * 1e3:.0f} ms, p99 <= {quantile(u, 0.99) * 1e3:.0f} ms")
     # Rewards per second: completions first (the base model, one token each, not logged...
     # so through the learning adapter), then single rewards posted concurrently across replicas.
     ids = []
@@ -216,9 +263,14 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--rewards", type=int, default=400)
+    ap.add_argument("--adapter-store", help="file:///dir or s3://bucket/prefix")
+    ap.add_argument("--moto", action="store_true",
+                    help="an adapter store on a throwaway moto server (s3://)")
     a = ap.parse_args()
     pg = None if a.pg_url else Postgres()
     url = a.pg_url or pg.url
+    moto = Moto() if a.moto else None
+    store = moto.url if moto else a.adapter_store
     data = tempfile.mkdtemp(prefix="flywheel-shared-")
     config = os.path.join(data, "serve.toml")
     with open(config, "w") as f:
@@ -227,15 +279,15 @@ def main():
                 f"[[learn]]\nname = \"{a.learn}\"\nlr = 0.0001\n")
     procs = []
     try:
-        p, trainer = start_role("train", url, data, a.learn, config)
+        p, trainer = start_role("train", url, data, a.learn, config, store)
         procs.append(p)
         replicas = []
         for _ in range(a.replicas):
-            p, base = start_role("serve", url, data, a.learn, config)
+            p, base = start_role("serve", url, data, a.learn, config, store)
             procs.append(p)
             replicas.append(base)
-        print(f"PostgreSQL {url}\nshared data {data}\ntrainer {trainer}\nreplicas "
-              + " ".join(replicas), flush=True)
+        print(f"PostgreSQL {url}\nadapter store {store or '(the shared data directory)'}\n"
+              f"data {data}\ntrainer {trainer}\nreplicas " + " ".join(replicas), flush=True)
         if a.bench:
             bench(trainer, replicas, a.learn, a.rounds, a.rewards)
             throughput(replicas, a.learn)
@@ -252,6 +304,8 @@ def main():
             p.wait(timeout=30)
         if pg:
             pg.stop()
+        if moto:
+            moto.stop()
         shutil.rmtree(data, ignore_errors=True)
 
 

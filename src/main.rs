@@ -74,8 +74,9 @@ enum Cmd {
         #[arg(long, env = "FLYWHEEL_ROLLOUT_STORE")]
         rollout_store: Option<String>,
         /// Where adapter versions are published (overrides online.adapter_store):
-        /// file:///shared/dir or s3://bucket/prefix (credentials and endpoint from AWS_* or
-        /// [online.adapter_store_options]); default only the data directory.
+        /// file:///shared/dir or s3://bucket/prefix; default only the data directory. S3
+        /// settings from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+        /// AWS_REGION, AWS_ENDPOINT, AWS_ALLOW_HTTP or [online.adapter_store_options].
         #[arg(long, env = "FLYWHEEL_ADAPTER_STORE")]
         adapter_store: Option<String>,
         /// all (serve and train, the default) | train | serve (follow the trainer's versions

@@ -49,15 +49,24 @@ fn suite(store: &AdapterStore, remove_object: &dyn Fn(&str, &str)) {
     let rel = "adapters/l/v-00000002-00000000000000aa";
     store.upload(&src, rel).unwrap();
     let dst = tmp.path().join("cache").join(rel);
-    store.fetch(rel, &dst).unwrap();
+    store.fetch(rel, &dst, &[]).unwrap();
     assert_eq!(files(&dst), files(&src));
+    // Only what is asked for (and the manifest); a name the manifest does not list is refused.
+    let part = tmp.path().join("part");
+    store.fetch(rel, &part, &["adapter_config.json"]).unwrap();
+    let got: Vec<String> = files(&part).into_keys().collect();
+    assert_eq!(got, ["adapter_config.json", "manifest.json"]);
+    for bad in ["optimizer.safetensors", "../x", "manifest.json"] {
+        let e = store.fetch(rel, &part, &[bad]).unwrap_err().to_string();
+        assert!(e.contains(bad), "{e}");
+    }
     // Written once: a second upload under the name is refused, the first stays as it was.
     let other = tmp.path().join("other");
     version_folder(&other, "b");
     let e = store.upload(&other, rel).unwrap_err().to_string();
     assert!(e.to_lowercase().contains("exist"), "{e}");
     std::fs::remove_dir_all(&dst).unwrap();
-    store.fetch(rel, &dst).unwrap();
+    store.fetch(rel, &dst, &[]).unwrap();
     assert_eq!(files(&dst), files(&src));
     // A second version; both listed.
     let rel2 = "adapters/l/v-00000003-00000000000000bb";
@@ -66,14 +75,14 @@ fn suite(store: &AdapterStore, remove_object: &dyn Fn(&str, &str)) {
     // Without its manifest (an upload cut short) a version is not fetched, and the folder it
     // would replace stays.
     remove_object(rel2, "manifest.json");
-    let e = store.fetch(rel2, &dst).unwrap_err().to_string();
+    let e = store.fetch(rel2, &dst, &[]).unwrap_err().to_string();
     assert!(e.contains("manifest.json"), "{e}");
     assert_eq!(files(&dst), files(&src));
     // Deleted: gone from the listing and not fetched.
     store.delete(rel).unwrap();
     store.delete(rel2).unwrap();
     assert!(store.versions("adapters/l").unwrap().is_empty());
-    assert!(store.fetch(rel, &tmp.path().join("gone")).is_err());
+    assert!(store.fetch(rel, &tmp.path().join("gone"), &[]).is_err());
     assert!(!tmp.path().join("gone").exists());
 }
 
@@ -116,6 +125,27 @@ fn an_s3_store_keeps_its_promises() {
             .all(|k| k.starts_with("team/ckpt/adapters/m/v-00000001-")),
         "{keys:?}"
     );
+    // Settings from the environment (AWS_*, as object_store's own from_env reads them) work
+    // alike, AWS_ALLOW_HTTP included. (The other test of this file reads no environment.)
+    for (k, v) in s3.options() {
+        std::env::set_var(k.to_ascii_uppercase(), v);
+    }
+    let from_env = AdapterStore::open(&url, &BTreeMap::new()).unwrap();
+    for (k, _) in s3.options() {
+        std::env::remove_var(k.to_ascii_uppercase());
+    }
+    let got = tempfile::tempdir().unwrap();
+    from_env
+        .fetch(
+            "adapters/m/v-00000001-00000000000000cc",
+            &got.path().join("v"),
+            &[],
+        )
+        .unwrap();
+    assert_eq!(
+        std::fs::read(got.path().join("v/adapter_config.json")).unwrap(),
+        b"{\"tag\": \"c\"}"
+    );
     // A store that cannot be reached fails within its bounded retries, naming the URL.
     let mut bad = s3.options();
     bad.insert(
@@ -127,6 +157,7 @@ fn an_s3_store_keeps_its_promises() {
     let e = dead.fetch(
         "adapters/m/v-00000001-00000000000000cc",
         &std::env::temp_dir().join("never"),
+        &[],
     );
     let e = format!("{:#}", e.unwrap_err());
     assert!(e.contains(&url), "{e}");

@@ -77,9 +77,27 @@ impl Shared {
         if let Some(url) = store {
             cmd.args(["--rollout-store", url]);
         }
-        let out = cmd.output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(!out.status.success(), "it started: {err}");
+        // Bounded: a server that does start is killed and fails the test.
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let mut child = cmd
+            .stdout(std::process::Stdio::null())
+            .stderr(log.reopen().unwrap())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break Some(st);
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let err = std::fs::read_to_string(log.path()).unwrap();
+        assert!(status.is_some_and(|s| !s.success()), "it started: {err}");
         err
     }
 }

@@ -106,7 +106,7 @@ impl AdapterStore {
         } else {
             let rest = &url["s3://".len()..];
             let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-            let mut b = object_store::aws::AmazonS3Builder::from_env()
+            let mut b = object_store::aws::AmazonS3Builder::new()
                 .with_bucket_name(bucket)
                 .with_retry(retry)
                 .with_client_options(
@@ -114,6 +114,13 @@ impl AdapterStore {
                         .with_timeout(Duration::from_secs(30))
                         .with_connect_timeout(Duration::from_secs(5)),
                 );
+            // As `AmazonS3Builder::from_env`, but over these defaults (whose client options
+            // would otherwise replace the environment's, AWS_ALLOW_HTTP among them).
+            for (k, v) in std::env::vars().filter(|(k, _)| k.starts_with("AWS_")) {
+                if let Ok(key) = k.to_ascii_lowercase().parse() {
+                    b = b.with_config(key, v);
+                }
+            }
             for (k, v) in options {
                 let key = k.to_ascii_lowercase().parse().expect("checked above");
                 b = b.with_config(key, v.clone());
@@ -186,24 +193,43 @@ impl AdapterStore {
         format!("{} ({key})", self.url)
     }
 
-    /// Fetch version folder `rel` into `dir` (replacing what is there): a temporary sibling
-    /// holding every file its manifest lists, then the manifest, renamed into place. Fails
-    /// when the version has no manifest (not, or not completely, uploaded). The caller verifies
-    /// the checksums.
-    pub fn fetch(&self, rel: &str, dir: &Path) -> anyhow::Result<()> {
+    /// Fetch `names` (all the manifest lists when empty) of version folder `rel` into `dir`
+    /// (replacing what is there): a temporary sibling holding them (fetched concurrently) and
+    /// the manifest, renamed into place. Fails when the version has no manifest (not, or not
+    /// completely, uploaded) or it does not list a name. Not synced: a cache, which the caller
+    /// verifies against the manifest before each use.
+    pub fn fetch(&self, rel: &str, dir: &Path, names: &[&str]) -> anyhow::Result<()> {
         let base = self.key(rel);
-        let get = |name: &str| -> anyhow::Result<Vec<u8>> {
+        let get = async |name: &str| -> anyhow::Result<Vec<u8>> {
             let key = base.clone().join(PathPart::from(name));
-            let r = self.block_on(async { self.store.get(&key).await?.bytes().await });
+            let r = async { self.store.get(&key).await?.bytes().await }.await;
             r.map(|b| b.to_vec())
                 .map_err(|e| anyhow::anyhow!("{}: {e}", self.describe(&key)))
         };
-        let manifest = get(MANIFEST_FILE)?;
+        let manifest = self.block_on(get(MANIFEST_FILE))?;
         let m: serde_json::Value = serde_json::from_slice(&manifest)
             .map_err(|e| anyhow::anyhow!("{}: unreadable manifest ({e})", self.describe(&base)))?;
-        let files = m["files"].as_object().ok_or_else(|| {
+        let listed = m["files"].as_object().ok_or_else(|| {
             anyhow::anyhow!("{}: the manifest lists no files", self.describe(&base))
         })?;
+        let wanted: Vec<&str> = match names {
+            [] => listed.keys().map(String::as_str).collect(),
+            some => some.to_vec(),
+        };
+        for name in &wanted {
+            // Names from the store never become paths beyond the folder.
+            anyhow::ensure!(
+                listed.contains_key(*name)
+                    && !name.is_empty()
+                    && !name.contains(['/', '\\'])
+                    && !matches!(*name, "." | ".." | MANIFEST_FILE),
+                "{}: the manifest does not list a file '{name}'",
+                self.describe(&base)
+            );
+        }
+        let bodies = self.block_on(futures_util::future::try_join_all(
+            wanted.iter().map(|n| get(n)),
+        ))?;
         let parent = dir.parent().expect("a checkpoint path has a parent");
         std::fs::create_dir_all(parent)?;
         let leaf = dir.file_name().expect("named").to_string_lossy();
@@ -211,20 +237,12 @@ impl AdapterStore {
         remove_dir(&tmp)?;
         let write = || -> anyhow::Result<()> {
             std::fs::create_dir_all(&tmp)?;
-            for name in files.keys() {
-                // Names from the store never become paths beyond the folder.
-                anyhow::ensure!(
-                    !name.is_empty() && !name.contains(['/', '\\']) && name != ".." && name != ".",
-                    "{}: the manifest names a file '{name}'",
-                    self.describe(&base)
-                );
-                crate::util::write_synced(&tmp.join(name), &get(name)?)?;
+            for (name, body) in wanted.iter().zip(&bodies) {
+                std::fs::write(tmp.join(name), body)?;
             }
-            crate::util::write_synced(&tmp.join(MANIFEST_FILE), &manifest)?;
-            crate::util::sync_dir(&tmp)?;
+            std::fs::write(tmp.join(MANIFEST_FILE), &manifest)?;
             remove_dir(dir)?;
             std::fs::rename(&tmp, dir)?;
-            crate::util::sync_dir(parent)?;
             Ok(())
         };
         let r = write();

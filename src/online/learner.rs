@@ -7,7 +7,7 @@
 
 use super::adapter_store::AdapterStore;
 use super::checkpoint::{
-    checkpoint_rel, load_checkpoint, remove_dir, verify_checkpoint, write_checkpoint,
+    checkpoint_rel, load_checkpoint, remove_dir, verify_checkpoint, write_checkpoint, MANIFEST_FILE,
 };
 use super::config::{LearnConfig, OnlineConfig};
 use super::groups::{self, Rules};
@@ -196,24 +196,29 @@ const RESUMED: [&str; 4] = [
 
 impl Env {
     /// Checkpoint `cp` of `lineage` as a folder on local disk, and whether it was fetched now.
-    /// A replica uses the data directory's copy only if it matches its manifest, a trainer the
-    /// copy it wrote; otherwise it is fetched from the adapter store (if any) and verified: no
-    /// process loads an unverified upload.
+    /// The data directory's copy is used if it matches its manifest (a trainer's own copy from
+    /// before manifests, as it is); otherwise the files needed (a replica's: not the optimizer)
+    /// are fetched from the adapter store (if any) and verified: no process loads an
+    /// unverified upload.
     fn local_checkpoint(&self, cp: &Checkpoint, lineage: u64) -> Result<(PathBuf, bool), String> {
         let dir = self.cfg.data_dir.join(&cp.path);
         let follow = !self.cfg.role.trains();
         let needed: &[&str] = if follow { &FOLLOWED } else { &RESUMED };
         let here = match follow {
-            true => verify_checkpoint(&dir, cp.version, lineage, needed),
-            false if dir.is_dir() => Ok(()),
-            false => Err(format!("{}: not in the data directory", dir.display())),
+            _ if !dir.is_dir() => Err(format!("{}: not in the data directory", dir.display())),
+            false if !dir.join(MANIFEST_FILE).exists() => Ok(()), // written before manifests
+            _ => verify_checkpoint(&dir, cp.version, lineage, needed),
         };
-        let (Err(missing), Some(store)) = (here, &self.adapters) else {
-            return Ok((dir, false));
+        let missing = match here {
+            Ok(()) => return Ok((dir, false)),
+            Err(e) => e,
+        };
+        let Some(store) = &self.adapters else {
+            return Err(missing);
         };
         let t0 = std::time::Instant::now();
         store
-            .fetch(&cp.path, &dir)
+            .fetch(&cp.path, &dir, needed)
             .map_err(|e| format!("{missing}; fetching it: {e:#}"))?;
         verify_checkpoint(&dir, cp.version, lineage, needed)?;
         let secs = t0.elapsed().as_secs_f64();
@@ -271,7 +276,18 @@ impl Learner {
                 match env
                     .local_checkpoint(&cp, l.id)
                     .and_then(|(dir, was_fetched)| {
-                        let x = load_checkpoint(&dir, &env.model.config, &env.registry.limits)?;
+                        let (model, limits) = (&env.model.config, &env.registry.limits);
+                        let x = match follow {
+                            // A replica never steps: the adapter only, not the optimizer.
+                            true => {
+                                let w = peft::load_within(&dir, model, limits)
+                                    .map_err(|e| e.to_string())?;
+                                let mut opt = adamw(&cfg, w.layout.num_params);
+                                opt.step = cp.step;
+                                (w, opt)
+                            }
+                            false => load_checkpoint(&dir, model, limits)?,
+                        };
                         fetched = was_fetched.then_some(dir);
                         Ok(x)
                     }) {

@@ -1,5 +1,6 @@
 """deploy/kubernetes.yaml: it parses; every `flywheel serve` command line in it uses only flags
-`flywheel serve --help` lists, and only the environment variables it reads; its ConfigMap's
+`flywheel serve --help` lists, and only the environment variables it names (its own and the
+object store's); its ConfigMap's
 serve.toml passes the server's own configuration checks (the run then stops at the model file,
 which only exists in the cluster)."""
 
@@ -24,7 +25,7 @@ def containers():
 
 def test_the_manifest_has_one_trainer_and_replicas_behind_a_service():
     kinds = [d["kind"] for d in DOCS]
-    assert {"ConfigMap", "Deployment", "Service", "PersistentVolumeClaim"} <= set(kinds)
+    assert {"ConfigMap", "Deployment", "Service"} <= set(kinds)
     roles = {}
     for name, cs in containers():
         args = cs[0]["args"]
@@ -41,6 +42,8 @@ def test_every_command_line_is_one_flywheel_serve_accepts():
                                check=True).stdout
     flags = set(re.findall(r"--[a-z][a-z-]*", help_text))
     envs = set(re.findall(r"env: (FLYWHEEL_[A-Z_]+)", help_text))
+    envs |= set(re.findall(r"\b(AWS_[A-Z_]+)", help_text))
+    assert "FLYWHEEL_ADAPTER_STORE" in envs and "AWS_SECRET_ACCESS_KEY" in envs, envs
     checked = 0
     for _, cs in containers():
         for c in cs:
@@ -57,7 +60,9 @@ def test_every_command_line_is_one_flywheel_serve_accepts():
 def test_the_config_map_passes_the_servers_checks(tmp_path):
     cm = next(d for d in DOCS if d["kind"] == "ConfigMap")
     cfg = tmp_path / "serve.toml"
-    cfg.write_text(cm["data"]["serve.toml"].replace("/shared/data", str(tmp_path / "data")))
+    toml = cm["data"]["serve.toml"]
+    assert 'adapter_store = "s3://' in toml
+    cfg.write_text(toml.replace("/var/lib/flywheel", str(tmp_path / "data")))
     for role in ("train", "serve"):
         out = subprocess.run(
             [str(BIN), "serve", "--config", str(cfg), "--role", role, "--port", "0",
@@ -65,5 +70,5 @@ def test_the_config_map_passes_the_servers_checks(tmp_path):
             capture_output=True, text=True, timeout=60)
         assert out.returncode != 0
         # Past the configuration's checks: stopped at the cluster's model path.
-        assert "/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf does not exist" in out.stderr, \
+        assert "/models/SmolLM2-135M-Instruct.Q4_1.gguf does not exist" in out.stderr, \
             out.stderr[-2000:]
