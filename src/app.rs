@@ -164,6 +164,10 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         threads = cfg.threads,
         "model loaded"
     );
+    tracing::info!(
+        "cpu paths: {}",
+        flywheel_kernels::cpu::Features::get().report(cpu.isa)
+    );
     let name = model_name(cfg);
     let registry = Arc::new(
         Registry::new(c, vec![name.clone()], metrics.clone()).with_limits(cfg.adapter_limits),

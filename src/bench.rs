@@ -173,6 +173,8 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
         o.busy_peer,
         adapter_desc.as_deref().unwrap_or("none")
     );
+    let paths = flywheel_kernels::cpu::Features::get().report(cpu.isa);
+    println!("cpu paths: {paths}");
     if o.adapter.is_some() {
         println!(
             "{:<8} {:>6} {:>12} {:>12} {:>8}",
@@ -195,6 +197,7 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     let json = serde_json::json!({
         "model": o.model_path,
         "kernels": cpu.isa.name(),
+        "cpu_paths": paths,
         "threads": cpu.pool.num_threads(),
         "busy_peer": o.busy_peer,
         "runs": o.runs,
@@ -305,6 +308,8 @@ pub fn run_train(
         layout.config.method.kind(),
         layout.num_params
     );
+    let paths = flywheel_kernels::cpu::Features::get().report(cpu.isa);
+    println!("cpu paths: {paths}");
     println!(
         "{:<10} {:>8} {:>8} {:>8} {:>12} {:>14} {:>14}",
         "batch", "seq_len", "scored", "shared", "step s", "tokens/s", "peak RSS MB"
@@ -317,7 +322,7 @@ pub fn run_train(
     );
     println!(
         "{}",
-        serde_json::json!({"tokens_per_second": tps, "peak_rss_bytes": rss, "step_seconds": step, "batch": batch, "seq_len": seq_len, "prompt_len": prompt_len, "shared_prompt": shared_prompt, "forward_tokens": packed.num_tokens(), "adapter": layout.config.method.kind(), "kernels": cpu.isa.name(), "runs": runs})
+        serde_json::json!({"tokens_per_second": tps, "peak_rss_bytes": rss, "step_seconds": step, "batch": batch, "seq_len": seq_len, "prompt_len": prompt_len, "shared_prompt": shared_prompt, "forward_tokens": packed.num_tokens(), "adapter": layout.config.method.kind(), "kernels": cpu.isa.name(), "cpu_paths": paths, "runs": runs})
     );
     Ok(())
 }

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod attention_backward;
 pub mod backward;
 pub mod dequant;
+pub mod features;
 pub mod gate;
 pub mod matmul;
 pub mod ops;
@@ -14,6 +15,7 @@ pub mod simd;
 mod small_gemm;
 
 pub use crate::reference::RopeLayout;
+pub use features::Features;
 pub use matmul::Matmul;
 pub use pool::{Tasks, ThreadPool};
 
