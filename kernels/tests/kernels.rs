@@ -11,12 +11,7 @@ use flywheel_kernels::{Cpu, Isa, QuantType, RopeLayout, ThreadPool};
 use std::time::Duration;
 
 fn fast_isas() -> Vec<Isa> {
-    let v: Vec<Isa> = Isa::available()
-        .into_iter()
-        .filter(|i| *i != Isa::Reference)
-        .collect();
-    eprintln!("fast ISAs on this machine: {:?}", v);
-    v
+    Isa::tested()
 }
 
 fn cpu(isa: Isa, threads: usize) -> Cpu {

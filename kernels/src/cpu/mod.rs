@@ -32,6 +32,21 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// Every ISA the kernels are written for.
+    pub const ALL: [Isa; 3] = [Isa::Reference, Isa::Avx2, Isa::Avx512];
+
+    /// The fast ISAs this CPU supports, after saying on stderr which run and which are skipped
+    /// (for tests: a path the machine lacks is skipped with a message, never silently).
+    pub fn tested() -> Vec<Isa> {
+        let have = Isa::available();
+        let (run, skip): (Vec<Isa>, Vec<Isa>) =
+            Isa::ALL[1..].iter().partition(|i| have.contains(i));
+        eprintln!(
+            "kernel paths tested on this CPU: {run:?}; skipped (this CPU lacks them): {skip:?}"
+        );
+        run
+    }
+
     /// The best ISA this CPU supports.
     pub fn detect() -> Isa {
         Isa::available()
