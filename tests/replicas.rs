@@ -562,14 +562,28 @@ fn replicas_follow_the_trainer_through_an_object_store() {
     s3.overwrite(&weights, good);
     wait_status(&c, "l", 30, |st| st["version"] == 3);
     assert_eq!(sample(&c, "l", 1, 2, USER)["adapter_version"], 3);
-    // Retention (the newest two versions) applies to the store too.
+    // Retention (the newest two versions) applies to the store too, and uploads no version
+    // names (a step whose commit failed after its upload) go, in the store and on disk.
+    let orphan = "adapters/l/v-00000009-00000000deadbeef";
+    s3.overwrite(&format!("ckpt/{orphan}/manifest.json"), b"{}".to_vec());
+    std::fs::create_dir_all(own("t2").join(orphan)).unwrap();
     reward_group(&c, &trainer);
     wait_status(&trainer, "l", 60, |st| st["version"] == 4);
     let keys = s3.keys();
     let has = |v: &str| keys.iter().any(|k| k.contains(&format!("/{v}-")));
     assert_eq!(
-        (has("v-00000002"), has("v-00000003"), has("v-00000004")),
-        (false, true, true),
+        (
+            has("v-00000002"),
+            has("v-00000003"),
+            has("v-00000004"),
+            has("v-00000009")
+        ),
+        (false, true, true, false),
         "{keys:?}"
+    );
+    let local = local_versions(&own("t2"));
+    assert!(
+        local.len() == 2 && local[0].starts_with("v-00000003-"),
+        "{local:?}"
     );
 }

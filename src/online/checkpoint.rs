@@ -8,10 +8,17 @@ use crate::adapter::{peft, AdapterBase, AdapterLimits, AdapterWeights};
 use crate::train::optim::{AdamW, OptimError};
 use std::path::Path;
 
+/// The folder of a learning adapter's checkpoints, relative to the data directory.
+pub fn adapter_rel(name: &str) -> String {
+    format!(
+        "adapters/{}",
+        crate::adapter::registry::adapter_file_name(name)
+    )
+}
+
 /// A learning adapter's checkpoint folder, relative to the data directory.
 pub fn checkpoint_rel(name: &str, version: u64) -> String {
-    let dir = crate::adapter::registry::adapter_file_name(name);
-    format!("adapters/{dir}/v-{version:08}")
+    format!("{}/v-{version:08}", adapter_rel(name))
 }
 
 /// Adapter and optimizer of a checkpoint folder, checked against each other.

@@ -194,43 +194,6 @@ const RESUMED: [&str; 4] = [
     crate::train::optim::CONFIG_FILE,
 ];
 
-impl Env {
-    /// Checkpoint `cp` of `lineage` as a folder on local disk, and whether it was fetched now.
-    /// The data directory's copy is used if it matches its manifest (a trainer's own copy from
-    /// before manifests, as it is); otherwise the files needed (a replica's: not the optimizer)
-    /// are fetched from the adapter store (if any) and verified: no process loads an
-    /// unverified upload.
-    fn local_checkpoint(&self, cp: &Checkpoint, lineage: u64) -> Result<(PathBuf, bool), String> {
-        let dir = self.cfg.data_dir.join(&cp.path);
-        let follow = !self.cfg.role.trains();
-        let needed: &[&str] = if follow { &FOLLOWED } else { &RESUMED };
-        let here = match follow {
-            _ if !dir.is_dir() => Err(format!("{}: not in the data directory", dir.display())),
-            false if !dir.join(MANIFEST_FILE).exists() => Ok(()), // written before manifests
-            _ => verify_checkpoint(&dir, cp.version, lineage, needed),
-        };
-        let missing = match here {
-            Ok(()) => return Ok((dir, false)),
-            Err(e) => e,
-        };
-        let Some(store) = &self.adapters else {
-            return Err(missing);
-        };
-        let t0 = std::time::Instant::now();
-        store
-            .fetch(&cp.path, &dir, needed)
-            .map_err(|e| format!("{missing}; fetching it: {e:#}"))?;
-        verify_checkpoint(&dir, cp.version, lineage, needed)?;
-        let secs = t0.elapsed().as_secs_f64();
-        self.metrics
-            .adapter_store_seconds
-            .with_label_values(&["fetch"])
-            .observe(secs);
-        tracing::info!(version = cp.version, path = %cp.path, fetch_ms = secs * 1e3, "fetched a version from the adapter store");
-        Ok((dir, true))
-    }
-}
-
 impl Learner {
     /// Resume `cfg.name`'s lineage from its newest intact checkpoint, or begin a lineage with the
     /// identity adapter; publish it either way. A broken newest checkpoint is skipped with a
@@ -647,6 +610,9 @@ impl Learner {
                 tracing::warn!(adapter = %self.cfg.name, error = %e, "checkpoint retention failed")
             }
         }
+        if env.adapters.is_some() {
+            self.sweep_orphans(env);
+        }
     }
 
     /// Replace the settings (the adapter's shape stays: method, block size, rank).
@@ -668,3 +634,5 @@ impl Learner {
 
 #[path = "learner_follow.rs"]
 mod follow;
+#[path = "learner_store.rs"]
+mod store_copies;
