@@ -173,12 +173,14 @@ fn identity(cfg: &LearnConfig, env: &Env) -> Result<AdapterWeights, AdapterError
     Ok(AdapterWeights::identity(Arc::new(layout), 0))
 }
 
-fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
+/// A fresh optimizer for `num_params` parameters; for a serving replica (`follow`), which never
+/// steps, one without moment buffers.
+fn adamw(cfg: &LearnConfig, num_params: usize, follow: bool) -> AdamW {
     let c = AdamWConfig {
         lr: cfg.lr,
         ..AdamWConfig::default()
     };
-    AdamW::new(c, num_params)
+    AdamW::new(c, if follow { 0 } else { num_params })
 }
 
 /// How long a starting trainer waits for another's claim on its adapter before refusing.
@@ -245,7 +247,7 @@ impl Learner {
                             true => {
                                 let w = peft::load_within(&dir, model, limits)
                                     .map_err(|e| e.to_string())?;
-                                let mut opt = adamw(&cfg, w.layout.num_params);
+                                let mut opt = adamw(&cfg, w.layout.num_params, true);
                                 opt.step = cp.step;
                                 (w, opt)
                             }
@@ -302,7 +304,7 @@ impl Learner {
             }
             (l, None) => {
                 let w = identity(&cfg, env).map_err(|e| start_err(&e))?;
-                let opt = adamw(&cfg, w.layout.num_params);
+                let opt = adamw(&cfg, w.layout.num_params, follow);
                 let (l, v) = match l {
                     // Never trained: the identity it started with, under the same number (a
                     // follower: the trainer's number, whatever it served).
