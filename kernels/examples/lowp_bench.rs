@@ -1,0 +1,172 @@
+//! The arithmetic ceiling of each precision for the batched product's inner tile, one thread,
+//! in one invocation: 6 weight rows x 4 activation rows, 24 vector accumulators, operands
+//! already in the tile's format (no dequantization: that cost comes on top):
+//! - f32: `vfmadd231ps` (16 MACs per instruction), today's `dot_panel` tile;
+//! - bf16: `vdpbf16ps` (AVX512_BF16, 32 MACs), BF16 weights and activations, f32 sums;
+//! - int8: `vpdpbusd` (AVX512_VNNI, 64 MACs), u8 weights x i8 activations, i32 sums.
+//!
+//! Paths the CPU lacks are skipped with a message. Issue 17's measurement before writing the
+//! low-precision paths. `cargo run --release -p flywheel-kernels --example lowp_bench [-- N]`
+
+use std::time::Instant;
+
+const WR: usize = 6;
+const XR: usize = 4;
+
+fn main() {
+    let n: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
+    #[cfg(target_arch = "x86_64")]
+    x86::run(n);
+    #[cfg(not(target_arch = "x86_64"))]
+    println!("skipped: not x86_64 ({n} rows)");
+}
+
+/// Median seconds of `f` over 7 timings of enough repetitions for ~0.1 s.
+fn time(macs: usize, mut f: impl FnMut()) -> f64 {
+    let reps = (2e8 / macs as f64).ceil() as usize;
+    let mut t: Vec<f64> = (0..7)
+        .map(|_| {
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            t0.elapsed().as_secs_f64() / reps as f64
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[3]
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    pub fn run(n: usize) {
+        let f = flywheel_kernels::cpu::Features::get();
+        println!("batch {n}, one thread, GFLOP/s of the inner tile (2 flop per MAC)");
+        for (rows, k) in [(1536usize, 576usize), (576, 1536), (49152, 576)] {
+            let macs = rows * k * n;
+            let mut line = format!("{rows:>6}x{k:<5}");
+            if f.avx512f {
+                let w = vec![0.01f32; rows * k];
+                let x = vec![0.02f32; n * k];
+                let mut y = vec![0f32; n * rows];
+                // SAFETY: AVX-512F checked; shapes as allocated.
+                let s = time(macs, || unsafe { f32_tiles(&w, &x, &mut y, rows, k, n) });
+                line += &format!("  f32 {:7.1}", 2.0 * macs as f64 / s / 1e9);
+            } else {
+                line += "  f32 skipped (no AVX-512F)";
+            }
+            if f.avx512_bf16 {
+                let w = vec![0x3c23u16; rows * k];
+                let x = vec![0x3ca3u16; n * k];
+                let mut y = vec![0f32; n * rows];
+                // SAFETY: AVX512_BF16 checked; shapes as allocated.
+                let s = time(macs, || unsafe { bf16_tiles(&w, &x, &mut y, rows, k, n) });
+                line += &format!("  bf16 {:7.1}", 2.0 * macs as f64 / s / 1e9);
+            } else {
+                line += "  bf16 skipped (no AVX512_BF16)";
+            }
+            if f.avx512_vnni {
+                let w = vec![7u8; rows * k];
+                let x = vec![-3i8; n * k];
+                let mut y = vec![0i32; n * rows];
+                // SAFETY: AVX512_VNNI checked; shapes as allocated.
+                let s = time(macs, || unsafe {
+                    int8_tiles_i8(&w, &x, &mut y, rows, k, n)
+                });
+                line += &format!("  int8 {:7.1}", 2.0 * macs as f64 / s / 1e9);
+            } else {
+                line += "  int8 skipped (no AVX512_VNNI)";
+            }
+            println!("{line}");
+        }
+    }
+
+    /// One generic tile sweep: `step` values of K per vector, `mac` the tile's instruction.
+    macro_rules! tiles {
+        ($name:ident, $feat:literal, $t:ty, $acc:ty, $zero:expr, $load:expr, $mac:expr, $reduce:expr, $out:ty, $step:expr) => {
+            #[target_feature(enable = $feat)]
+            unsafe fn $name(w: &[$t], x: &[$t], y: &mut [$out], rows: usize, k: usize, n: usize) {
+                let mut r = 0;
+                while r + WR <= rows {
+                    let mut i = 0;
+                    while i + XR <= n {
+                        let mut acc: [[$acc; XR]; WR] = [[$zero; XR]; WR];
+                        let mut c = 0;
+                        while c + $step <= k {
+                            let wv: [_; WR] =
+                                std::array::from_fn(|a| $load(w.as_ptr().add((r + a) * k + c)));
+                            for (b, xrow) in (i..i + XR).enumerate() {
+                                let xv = $load(x.as_ptr().add(xrow * k + c));
+                                for a in 0..WR {
+                                    acc[a][b] = $mac(acc[a][b], wv[a], xv);
+                                }
+                            }
+                            c += $step;
+                        }
+                        for a in 0..WR {
+                            for b in 0..XR {
+                                y[(i + b) * rows + r + a] = $reduce(acc[a][b]);
+                            }
+                        }
+                        i += XR;
+                    }
+                    r += WR;
+                }
+            }
+        };
+    }
+
+    tiles!(
+        f32_tiles,
+        "avx512f",
+        f32,
+        __m512,
+        _mm512_setzero_ps(),
+        |p: *const f32| _mm512_loadu_ps(p),
+        |acc, a, b| _mm512_fmadd_ps(a, b, acc),
+        |v| _mm512_reduce_add_ps(v),
+        f32,
+        16
+    );
+    tiles!(
+        bf16_tiles,
+        "avx512f,avx512bf16",
+        u16,
+        __m512,
+        _mm512_setzero_ps(),
+        |p: *const u16| _mm512_loadu_si512(p as *const _),
+        |acc, a: __m512i, b: __m512i| _mm512_dpbf16_ps(
+            acc,
+            std::mem::transmute::<__m512i, __m512bh>(a),
+            std::mem::transmute::<__m512i, __m512bh>(b)
+        ),
+        |v| _mm512_reduce_add_ps(v),
+        f32,
+        32
+    );
+    tiles!(
+        int8_tiles,
+        "avx512f,avx512vnni",
+        u8,
+        __m512i,
+        _mm512_setzero_si512(),
+        |p: *const u8| _mm512_loadu_si512(p as *const _),
+        |acc, a, b| _mm512_dpbusd_epi32(acc, a, b),
+        |v| _mm512_reduce_add_epi32(v),
+        i32,
+        64
+    );
+
+    /// The int8 tile on i8 activations (read through the same byte loader).
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    unsafe fn int8_tiles_i8(w: &[u8], x: &[i8], y: &mut [i32], rows: usize, k: usize, n: usize) {
+        let x = std::slice::from_raw_parts(x.as_ptr() as *const u8, x.len());
+        int8_tiles(w, x, y, rows, k, n)
+    }
+}
