@@ -5,6 +5,9 @@
 //! - bf16: `vdpbf16ps` (AVX512_BF16, 32 MACs), BF16 weights and activations, f32 sums;
 //! - int8: `vpdpbusd` (AVX512_VNNI, 64 MACs), u8 weights x i8 activations, i32 sums.
 //!
+//! Then end to end from Q4_1 weights: today's product next to a first BF16 one (rows dequantized
+//! into a BF16 panel, activations rounded once), with the largest difference between them.
+//!
 //! Paths the CPU lacks are skipped with a message. Issue 17's measurement before writing the
 //! low-precision paths. `cargo run --release -p flywheel-kernels --example lowp_bench [-- N]`
 
@@ -84,6 +87,100 @@ mod x86 {
                 line += "  int8 skipped (no AVX512_VNNI)";
             }
             println!("{line}");
+        }
+        if !f.avx512_bf16 {
+            println!("end to end: skipped (no AVX512_BF16)");
+            return;
+        }
+        // End to end from Q4_1 weights: today's product vs a BF16 one (rows dequantized into a
+        // BF16 panel 24 at a time, activations rounded to BF16 once), one thread.
+        use flywheel_kernels::quant::quantize::quantize;
+        use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
+        let cpu = Cpu::new(
+            Isa::detect(),
+            ThreadPool::new(1, std::time::Duration::from_micros(50)),
+        );
+        println!("end to end from Q4_1 weights, batch {n}, one thread (GFLOP/s):");
+        for (rows, k) in [(1536usize, 576usize), (576, 1536)] {
+            let wf: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0)
+                .collect();
+            let wq = quantize(QuantType::Q4_1, &wf);
+            let x: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 / 13.0).collect();
+            let mut y = vec![0f32; n * rows];
+            let macs = rows * k * n;
+            let t_f32 = time(macs, || {
+                cpu.matmul(QuantType::Q4_1, &wq, rows, k, &x, &mut y)
+            });
+            let want = y.clone();
+            let mut yb = vec![0f32; n * rows];
+            // SAFETY: AVX512_BF16 checked above.
+            let t_bf16 = time(macs, || unsafe {
+                q4_1_bf16(&cpu, &wq, rows, k, &x, &mut yb)
+            });
+            // The largest difference relative to the largest output.
+            let scale = want.iter().fold(0f32, |m, a| m.max(a.abs()));
+            let err = want
+                .iter()
+                .zip(&yb)
+                .map(|(a, b)| (a - b).abs() / scale)
+                .fold(0f32, f32::max);
+            println!(
+                "{rows:>6}x{k:<5}  f32 (today) {:6.1}  bf16 {:6.1}  ratio {:.2}  max diff / max |y| {err:.1e}",
+                2.0 * macs as f64 / t_f32 / 1e9,
+                2.0 * macs as f64 / t_bf16 / 1e9,
+                t_f32 / t_bf16
+            );
+        }
+    }
+
+    /// f32 values to BF16 (round to nearest even), 16 at a time; `n` a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn to_bf16(src: *const f32, dst: *mut u16, n: usize) {
+        let mut c = 0;
+        while c < n {
+            let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src.add(c)));
+            _mm256_storeu_si256(
+                dst.add(c) as *mut __m256i,
+                std::mem::transmute::<__m256bh, __m256i>(v),
+            );
+            c += 16;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn q4_1_bf16(
+        cpu: &flywheel_kernels::Cpu,
+        wq: &[u8],
+        rows: usize,
+        k: usize,
+        x: &[f32],
+        y: &mut [f32],
+    ) {
+        use flywheel_kernels::QuantType;
+        const CHUNK: usize = 24;
+        let n = x.len() / k;
+        let mut xb = vec![0u16; n * k];
+        to_bf16(x.as_ptr(), xb.as_mut_ptr(), n * k);
+        let rb = QuantType::Q4_1.row_bytes(k).unwrap();
+        let mut row = vec![0f32; k];
+        let mut panel = vec![0u16; CHUNK * k];
+        let mut part = vec![0f32; n * CHUNK];
+        for r0 in (0..rows).step_by(CHUNK) {
+            for r in 0..CHUNK {
+                flywheel_kernels::cpu::matmul::dequantize_row(
+                    cpu.isa,
+                    QuantType::Q4_1,
+                    &wq[(r0 + r) * rb..(r0 + r + 1) * rb],
+                    &mut row,
+                );
+                to_bf16(row.as_ptr(), panel.as_mut_ptr().add(r * k), k);
+            }
+            bf16_tiles(&panel, &xb, &mut part, CHUNK, k, n);
+            for i in 0..n {
+                y[i * rows + r0..i * rows + r0 + CHUNK]
+                    .copy_from_slice(&part[i * CHUNK..(i + 1) * CHUNK]);
+            }
         }
     }
 
