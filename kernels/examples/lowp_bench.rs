@@ -52,40 +52,40 @@ mod x86 {
         let f = flywheel_kernels::cpu::Features::get();
         println!("batch {n}, one thread, GFLOP/s of the inner tile (2 flop per MAC)");
         for (rows, k) in [(1536usize, 576usize), (576, 1536), (49152, 576)] {
-            let macs = rows * k * n;
             let mut line = format!("{rows:>6}x{k:<5}");
-            if f.avx512f {
-                let w = vec![0.01f32; rows * k];
-                let x = vec![0.02f32; n * k];
-                let mut y = vec![0f32; n * rows];
-                // SAFETY: AVX-512F checked; shapes as allocated.
-                let s = time(macs, || unsafe { f32_tiles(&w, &x, &mut y, rows, k, n) });
-                line += &format!("  f32 {:7.1}", 2.0 * macs as f64 / s / 1e9);
-            } else {
-                line += "  f32 skipped (no AVX-512F)";
+            // One tile kind: its name, whether the CPU has it, what it lacks otherwise, and a
+            // run over operands of the tile's types (w: rows x k, x: n x k, y: n x rows).
+            fn measure<W: Copy, X: Copy, Y: Copy + Default>(
+                line: &mut String,
+                (name, has, lacks): (&str, bool, &str),
+                (w0, x0): (W, X),
+                (rows, k, n): (usize, usize, usize),
+                tiles: unsafe fn(&[W], &[X], &mut [Y], usize, usize, usize),
+            ) {
+                if !has {
+                    *line += &format!("  {name} skipped (no {lacks})");
+                    return;
+                }
+                let (w, x) = (vec![w0; rows * k], vec![x0; n * k]);
+                let mut y = vec![Y::default(); n * rows];
+                let macs = rows * k * n;
+                // SAFETY: the feature was checked; shapes as allocated.
+                let s = time(macs, || unsafe { tiles(&w, &x, &mut y, rows, k, n) });
+                *line += &format!("  {name} {:7.1}", 2.0 * macs as f64 / s / 1e9);
             }
-            if f.avx512_bf16 {
-                let w = vec![0x3c23u16; rows * k];
-                let x = vec![0x3ca3u16; n * k];
-                let mut y = vec![0f32; n * rows];
-                // SAFETY: AVX512_BF16 checked; shapes as allocated.
-                let s = time(macs, || unsafe { bf16_tiles(&w, &x, &mut y, rows, k, n) });
-                line += &format!("  bf16 {:7.1}", 2.0 * macs as f64 / s / 1e9);
-            } else {
-                line += "  bf16 skipped (no AVX512_BF16)";
-            }
-            if f.avx512_vnni {
-                let w = vec![7u8; rows * k];
-                let x = vec![-3i8; n * k];
-                let mut y = vec![0i32; n * rows];
-                // SAFETY: AVX512_VNNI checked; shapes as allocated.
-                let s = time(macs, || unsafe {
-                    int8_tiles_i8(&w, &x, &mut y, rows, k, n)
-                });
-                line += &format!("  int8 {:7.1}", 2.0 * macs as f64 / s / 1e9);
-            } else {
-                line += "  int8 skipped (no AVX512_VNNI)";
-            }
+            let shape = (rows, k, n);
+            let f32_tile = ("f32", f.avx512f, "AVX-512F");
+            measure(&mut line, f32_tile, (0.01f32, 0.02f32), shape, f32_tiles);
+            let bf16_tile = ("bf16", f.avx512_bf16, "AVX512_BF16");
+            measure(
+                &mut line,
+                bf16_tile,
+                (0x3c23u16, 0x3ca3u16),
+                shape,
+                bf16_tiles,
+            );
+            let int8_tile = ("int8", f.avx512_vnni, "AVX512_VNNI");
+            measure(&mut line, int8_tile, (7u8, -3i8), shape, int8_tiles_i8);
             println!("{line}");
         }
         if !f.avx512_bf16 {
