@@ -420,3 +420,33 @@ fn postgres_replicas_migrate_together_and_survive_a_restart() {
         vec![Some(1.0), Some(0.0)]
     );
 }
+
+/// SQLite only: its file deleted, truncated or replaced under the open log is noticed, and the
+/// log stays unusable (nothing acknowledged into a file nobody reads).
+#[test]
+fn a_deleted_or_truncated_database_is_noticed_and_stays_unusable() {
+    for how in ["delete", "truncate", "replace"] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.db");
+        let log = SqliteLog::open(&path).unwrap();
+        log.log_completions(&[rec("c1", 0, "k")]).unwrap();
+        match how {
+            "delete" => std::fs::remove_file(&path).unwrap(),
+            "truncate" => std::fs::File::create(&path).map(drop).unwrap(),
+            _ => {
+                std::fs::remove_file(&path).unwrap();
+                drop(SqliteLog::open(&path).unwrap());
+            }
+        }
+        let r = log.post_rewards(&[reward("c1", 0, 1.0)], "k", false, &open);
+        assert!(
+            matches!(r, Err(FeedbackError::Log(LogError::Broken(_)))),
+            "{how}: {r:?}"
+        );
+        assert!(matches!(
+            log.log_completions(&[rec("c3", 0, "k")]),
+            Err(LogError::Broken(_))
+        ));
+        assert!(log.check().is_err(), "{how}");
+    }
+}

@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::model::llama::Llama;
 use crate::policy::is_greedy;
 use crate::train::loss::{LossConfig, Objective};
-use crate::train::offline::{grouped, step, Sample, StepStats};
+use crate::train::offline::{grouped, step, Sample};
 use crate::train::optim::{AdamW, AdamWConfig};
 use crate::util::now_secs;
 use flywheel_kernels::Cpu;
@@ -39,101 +39,6 @@ pub struct Env {
     pub metrics: Arc<Metrics>,
     /// Where versions are published besides the data directory (`online.adapter_store`).
     pub adapters: Option<Arc<AdapterStore>>,
-}
-
-/// running: trains when batches are ready; paused: by an operator; failed: stopped after an
-/// error it could not recover from (feedback for it is refused until it is resumed).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum State {
-    Running,
-    Paused,
-    Failed,
-}
-
-/// What went wrong, by where.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorKind {
-    /// The rollout log (SQLite, or its file gone).
-    Database,
-    /// Writing the checkpoint (disk full, read-only, ...).
-    Checkpoint,
-    /// The forward, backward or optimizer.
-    Step,
-    /// Publishing the version.
-    Publish,
-    /// A panic in the trainer, caught.
-    Panic,
-    /// Starting the learner (reading its checkpoint, creating its lineage).
-    Start,
-}
-
-impl ErrorKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorKind::Database => "database",
-            ErrorKind::Checkpoint => "checkpoint",
-            ErrorKind::Step => "step",
-            ErrorKind::Publish => "publish",
-            ErrorKind::Panic => "panic",
-            ErrorKind::Start => "start",
-        }
-    }
-}
-
-/// A trainer error, as `/v1/train/status` shows it.
-#[derive(Clone, Debug, serde::Serialize, thiserror::Error)]
-#[error("{} error: {message}", kind.as_str())]
-pub struct TrainError {
-    pub kind: ErrorKind,
-    pub message: String,
-    /// Unix seconds.
-    pub at: f64,
-}
-
-impl TrainError {
-    pub fn new(kind: ErrorKind, message: impl std::fmt::Display) -> TrainError {
-        TrainError {
-            kind,
-            message: message.to_string(),
-            at: now_secs(),
-        }
-    }
-}
-
-impl From<LogError> for TrainError {
-    fn from(e: LogError) -> TrainError {
-        TrainError::new(ErrorKind::Database, e)
-    }
-}
-
-/// A published step: its statistics and where it sits.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct StepReport {
-    #[serde(flatten)]
-    pub stats: StepStats,
-    pub version: u64,
-    pub groups: usize,
-    pub staleness_max: u64,
-}
-
-/// What `GET /v1/train/status` shows of a learning adapter.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Status {
-    pub state: State,
-    pub version: u64,
-    pub lineage: u64,
-    pub steps: u64,
-    pub pending_groups: usize,
-    pub dropped: BTreeMap<String, u64>,
-    pub last: Option<StepReport>,
-    pub last_error: Option<TrainError>,
-    /// Failures since the last success (the learner fails after `MAX_FAILURES`).
-    pub consecutive_failures: u32,
-    /// Unix seconds of the next try after a failure.
-    pub retry_at: Option<f64>,
-    pub config: LearnConfig,
 }
 
 pub struct Learner {
@@ -603,15 +508,13 @@ impl Learner {
                     if let Err(e) = remove_dir(&dir) {
                         tracing::warn!(path = %dir.display(), error = %e, "cannot remove an old checkpoint");
                     }
-                    if let Some(Err(e)) = env.adapters.as_ref().map(|s| s.delete(&p)) {
-                        tracing::warn!(path = %p, error = %e, "cannot remove an old version from the adapter store");
-                    }
                 }
             }
             Err(e) => {
                 tracing::warn!(adapter = %self.cfg.name, error = %e, "checkpoint retention failed")
             }
         }
+        // In the adapter store: the retired versions, and uploads no row ever named.
         if env.adapters.is_some() {
             self.sweep_orphans(env);
         }
@@ -633,6 +536,10 @@ impl Learner {
         Ok(())
     }
 }
+
+#[path = "learner_status.rs"]
+mod status;
+pub use status::{ErrorKind, State, Status, StepReport, TrainError};
 
 #[path = "learner_follow.rs"]
 mod follow;

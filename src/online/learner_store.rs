@@ -48,9 +48,10 @@ impl Env {
 }
 
 impl Learner {
-    /// After a committed step (this trainer holds the adapter's claim, so no other uploads):
-    /// remove the version folders, in the adapter store and in the data directory, that no
-    /// checkpoint of the lineage names. Failures only warn (the next step tries again).
+    /// After a committed step and its retention (this trainer holds the adapter's claim, so no
+    /// other uploads): remove the version folders, in the adapter store and in the data
+    /// directory, that no checkpoint of the lineage names (retired ones, and uploads whose
+    /// commit failed). Failures only warn (the next step tries again).
     pub(super) fn sweep_orphans(&self, env: &Env) {
         let Some(store) = &env.adapters else { return };
         let keep: BTreeSet<String> = match env.log.checkpoints(self.lineage.id) {

@@ -1,68 +1,7 @@
-//! The SQLite log's own tests: a database gone under it, and migrations from older schemas (what
-//! every store promises is tested on both stores by tests/rollout_store.rs).
+//! The SQLite log's own tests: migrations from older schemas (what every store promises, and a
+//! SQLite file gone under the log, are tested by tests/rollout_store.rs).
 
 use super::*;
-
-fn open(_: &str) -> Result<(), Refusal> {
-    Ok(())
-}
-
-fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
-    CompletionRecord {
-        id: id.into(),
-        choice,
-        adapter: "a".into(),
-        version: 3,
-        group_id: format!("req:{id}"),
-        group_size: 2,
-        prompt: vec![1, 2, 3],
-        completion: vec![4, 5],
-        logprobs: vec![-0.5, -1.25],
-        temperature: 1.0,
-        policy_sampled: true,
-        params: "{}".into(),
-        finish_reason: "stop".into(),
-        key: key.into(),
-        episode: None,
-        forced: vec![1],
-    }
-}
-
-fn reward(id: &str, choice: u32, r: f64) -> Reward {
-    Reward {
-        id: id.into(),
-        choice,
-        reward: r,
-    }
-}
-
-#[test]
-fn a_deleted_or_truncated_database_is_noticed_and_stays_unusable() {
-    for how in ["delete", "truncate", "replace"] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("log.db");
-        let log = SqliteLog::open(&path).unwrap();
-        log.log_completions(&[rec("c1", 0, "k")]).unwrap();
-        match how {
-            "delete" => std::fs::remove_file(&path).unwrap(),
-            "truncate" => std::fs::File::create(&path).map(drop).unwrap(),
-            _ => {
-                std::fs::remove_file(&path).unwrap();
-                drop(SqliteLog::open(&path).unwrap());
-            }
-        }
-        let r = log.post_rewards(&[reward("c1", 0, 1.0)], "k", false, &open);
-        assert!(
-            matches!(r, Err(FeedbackError::Log(LogError::Broken(_)))),
-            "{how}: {r:?}"
-        );
-        assert!(matches!(
-            log.log_completions(&[rec("c3", 0, "k")]),
-            Err(LogError::Broken(_))
-        ));
-        assert!(log.check().is_err(), "{how}");
-    }
-}
 
 #[test]
 fn a_database_of_the_first_schema_migrates_to_lineages_and_relative_paths() {

@@ -8,9 +8,9 @@
 //! kind}`), shown in the status (`last_error`), and retried with backoff (1, 2, 4, ... 60 s); after
 //! `MAX_FAILURES` in a row, or a panic, the learner is `failed`: feedback for it gets 503 until an
 //! operator resumes it. (A serving replica's learner only follows the trainer: it keeps serving
-//! the version it has and keeps trying, backing off, with its lag in `flywheel_replica_*`.) A rollout log that became unusable fails every learner. The thread is
-//! supervised: a panic is caught and reported the same way; if it ever ends, every learner counts
-//! as failed.
+//! the version it has and keeps trying, backing off, with its lag in `flywheel_replica_*`.) A
+//! rollout log that became unusable fails every learner. The thread is supervised: a panic is
+//! caught and reported the same way; if it ever ends, every learner counts as failed.
 //!
 //! Sharing the two cores: the trainer calls the same `Cpu` as the engine; its kernels run as
 //! background work (the pool's gate lets them run between engine steps, within `train_share`).

@@ -105,3 +105,28 @@ pub fn stream_one_version(c: &Client, model: &str, content: &str) -> u64 {
     );
     v
 }
+
+/// Sample a group of `n` through `model` and reward its choices 0, 1, 0, 1, ...; the id.
+pub fn sample_and_reward(c: &Client, model: &str, n: usize) -> String {
+    let id = sample(c, model, n, 3, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    reward(c, &id, n, 202);
+    id
+}
+
+/// Reward the `n` choices of `id` 0, 1, 0, ...; assert the status.
+pub fn reward(c: &Client, id: &str, n: usize, status: u16) -> Response {
+    let items: Vec<Value> = (0..n)
+        .map(|i| json!({"id": id, "choice": i, "reward": (i % 2) as f64}))
+        .collect();
+    let r = call(c, "POST", "/v1/feedback", Some(&Value::Array(items)), USER);
+    assert_eq!(r.status, status, "{}", r.body_text());
+    r
+}
+
+/// `config` with no staleness limit to speak of (groups train whatever their version).
+pub fn learning_config() -> String {
+    config("max_off_policy_steps = 1000")
+}
