@@ -142,10 +142,6 @@ impl AdapterStore {
         })
     }
 
-    pub fn url(&self) -> &str {
-        &self.url
-    }
-
     fn block_on<T>(&self, f: impl std::future::Future<Output = T>) -> T {
         self.rt.as_ref().expect("open until dropped").block_on(f)
     }
