@@ -61,19 +61,19 @@ fn adapter_sizes_are_bounded_before_anything_is_allocated() {
     assert_eq!(s.get("/health").status, 200);
 }
 
+/// Creating an adapter named `name` is a 400 naming the parameter.
+fn refuses_adapter_name(s: &Server, name: &str) {
+    let body = json!({"name": name, "kind": "oft"});
+    let r = call(s, "POST", "/v1/adapters", Some(&body), ADMIN);
+    assert_error(&r, 400, Some("name"));
+}
+
 #[test]
 fn names_keys_ids_and_codes_at_the_edge() {
     let (dir, path) = write_tiny(&spec());
     let s = start_learning(&path, &dir.path().join("data"), &learning_config(), &["l"]);
     for name in [".", "..", ".hidden"] {
-        let r = call(
-            &s,
-            "POST",
-            "/v1/adapters",
-            Some(&json!({"name": name, "kind": "oft"})),
-            ADMIN,
-        );
-        assert_error(&r, 400, Some("name"));
+        refuses_adapter_name(&s, name);
     }
     let r = call(&s, "POST", "/v1/adapters/../train", Some(&json!({})), ADMIN);
     assert_ne!(r.status / 100, 2, "{}", r.body_text());
@@ -274,13 +274,6 @@ fn orchestrator_style_names_are_served_and_never_become_raw_paths() {
         "a\\b",
         &"x".repeat(129),
     ] {
-        let r = call(
-            &s,
-            "POST",
-            "/v1/adapters",
-            Some(&json!({"name": name, "kind": "oft"})),
-            ADMIN,
-        );
-        assert_error(&r, 400, Some("name"));
+        refuses_adapter_name(&s, name);
     }
 }
