@@ -13,6 +13,7 @@ use crate::model::tokenizer::Tokenizer;
 use crate::online::trainer::{Compute, TrainerHandle};
 use crate::train::job::OfflineJob;
 use anyhow::Context;
+use flywheel_kernels::cpu::Precision;
 use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -27,6 +28,33 @@ pub struct ModelSpec {
     pub threads: Option<usize>,
     /// The scalar reference kernels (slow; for checking).
     pub reference_kernels: bool,
+    /// The arithmetic of the base's products.
+    pub precision: PrecisionChoice,
+}
+
+/// `model.precision` / `--precision`: the arithmetic of the base's products, for serving and
+/// training alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrecisionChoice {
+    /// f32 products (the default; the exact path kept for checks).
+    #[default]
+    Exact,
+    /// BF16 products (`vdpbf16ps`); an error on a CPU without AVX512_BF16.
+    Bf16,
+    /// BF16 where the CPU has it, else exact (said in the start-up log).
+    Auto,
+}
+
+impl std::str::FromStr for PrecisionChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PrecisionChoice, String> {
+        match s {
+            "exact" => Ok(PrecisionChoice::Exact),
+            "bf16" => Ok(PrecisionChoice::Bf16),
+            "auto" => Ok(PrecisionChoice::Auto),
+            _ => Err(format!("'{s}': expected exact, bf16 or auto")),
+        }
+    }
 }
 
 /// A loaded model, its tokenizer and the compute pool.
@@ -37,8 +65,12 @@ pub struct Base {
 }
 
 /// The compute pool: `threads` (None: one per core) on the best kernels the CPU has, or the
-/// scalar reference.
-pub fn compute(threads: Option<usize>, reference: bool) -> Cpu {
+/// scalar reference, with products in `precision`.
+pub fn compute(
+    threads: Option<usize>,
+    reference: bool,
+    precision: PrecisionChoice,
+) -> anyhow::Result<Cpu> {
     let threads = threads.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -49,7 +81,21 @@ pub fn compute(threads: Option<usize>, reference: bool) -> Cpu {
     } else {
         Isa::detect()
     };
-    Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(100)))
+    let cpu = Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(100)));
+    match precision {
+        PrecisionChoice::Exact => Ok(cpu),
+        PrecisionChoice::Bf16 => cpu
+            .with_precision(Precision::Bf16)
+            .map_err(|e| anyhow::anyhow!("precision bf16: {e}; use exact or auto")),
+        PrecisionChoice::Auto => {
+            if Precision::Bf16.supported(isa) {
+                Ok(cpu.with_precision(Precision::Bf16).expect("supported"))
+            } else {
+                tracing::info!("precision auto: this CPU lacks AVX512_BF16; products stay exact");
+                Ok(cpu)
+            }
+        }
+    }
 }
 
 impl Base {
@@ -60,7 +106,11 @@ impl Base {
         Ok(Base {
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
-            cpu: Arc::new(compute(spec.threads, spec.reference_kernels)),
+            cpu: Arc::new(compute(
+                spec.threads,
+                spec.reference_kernels,
+                spec.precision,
+            )?),
         })
     }
 }
@@ -146,7 +196,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     let max_model_len = cfg.max_model_len(c.context_length);
     let num_kv_blocks = cfg.num_kv_blocks(c.num_layers, c.kv_dim(), max_model_len)?;
     let vocab_size = c.vocab_size;
-    let cpu = compute(Some(cfg.threads), false);
+    let cpu = compute(Some(cfg.threads), false, cfg.precision)?;
     let ecfg = EngineConfig {
         max_num_seqs: cfg.max_num_seqs,
         max_num_batched_tokens: cfg.max_num_batched_tokens,
@@ -164,10 +214,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         threads = cfg.threads,
         "model loaded"
     );
-    tracing::info!(
-        "cpu paths: {}",
-        flywheel_kernels::cpu::Features::get().report(cpu.isa)
-    );
+    tracing::info!("cpu paths: {}", cpu.paths());
     let name = model_name(cfg);
     let registry = Arc::new(
         Registry::new(c, vec![name.clone()], metrics.clone()).with_limits(cfg.adapter_limits),

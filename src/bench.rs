@@ -173,7 +173,7 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
         o.busy_peer,
         adapter_desc.as_deref().unwrap_or("none")
     );
-    let paths = flywheel_kernels::cpu::Features::get().report(cpu.isa);
+    let paths = cpu.paths();
     println!("cpu paths: {paths}");
     if o.adapter.is_some() {
         println!(
@@ -308,7 +308,7 @@ pub fn run_train(
         layout.config.method.kind(),
         layout.num_params
     );
-    let paths = flywheel_kernels::cpu::Features::get().report(cpu.isa);
+    let paths = cpu.paths();
     println!("cpu paths: {paths}");
     println!(
         "{:<10} {:>8} {:>8} {:>8} {:>12} {:>14} {:>14}",

@@ -61,6 +61,7 @@ pub struct RawModel {
     pub path: Option<PathBuf>,
     pub max_model_len: Option<usize>,
     pub threads: Option<usize>,
+    pub precision: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -94,6 +95,8 @@ pub struct CliOverrides {
     pub adapter_store: Option<String>,
     /// `--role`: overrides online.role.
     pub role: Option<String>,
+    /// `--precision`: overrides model.precision.
+    pub precision: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -127,6 +130,8 @@ pub struct Config {
     /// None: the model's own context length.
     pub max_model_len: Option<usize>,
     pub threads: usize,
+    /// The arithmetic of the base's products (model.precision: exact, bf16 or auto).
+    pub precision: crate::app::PrecisionChoice,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub kv_cache_bytes: usize,
@@ -208,7 +213,12 @@ impl RawConfig {
             }
             learn.push(c);
         }
+        let precision = match cli.precision.clone().or(m.precision) {
+            None => crate::app::PrecisionChoice::default(),
+            Some(p) => p.parse().map_err(|e| invalid("model.precision", e))?,
+        };
         let cfg = Config {
+            precision,
             host: cli.host.clone().or(s.host).unwrap_or("127.0.0.1".into()),
             port: cli.port.or(s.port).unwrap_or(8080),
             api_key: cli.api_key.clone().or(s.api_key).filter(|k| !k.is_empty()),

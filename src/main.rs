@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use flywheel::app::{Base, ModelSpec};
+use flywheel::app::{Base, ModelSpec, PrecisionChoice};
 use flywheel::config::{CliOverrides, RawConfig};
 use flywheel::engine::sampler::SamplingParams;
 use flywheel::fetch::{ensure_model, fetch_default, DEFAULT_MODEL};
@@ -35,6 +35,9 @@ struct ModelArgs {
     /// Run the scalar reference kernels (slow; for checking).
     #[arg(long)]
     reference_kernels: bool,
+    /// Arithmetic of the base's products: exact (f32), bf16 (AVX512_BF16) or auto.
+    #[arg(long, default_value = "exact")]
+    precision: PrecisionChoice,
 }
 
 #[derive(Subcommand)]
@@ -83,6 +86,10 @@ enum Cmd {
         /// through the shared rollout store; never train). Overrides online.role.
         #[arg(long, env = "FLYWHEEL_ROLE")]
         role: Option<String>,
+        /// Arithmetic of the base's products, serving and training alike: exact (f32, the
+        /// default), bf16 (AVX512_BF16) or auto. Overrides model.precision.
+        #[arg(long)]
+        precision: Option<String>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -244,6 +251,7 @@ impl ModelArgs {
             path: self.model.clone(),
             threads: self.threads,
             reference_kernels: self.reference_kernels,
+            precision: self.precision,
         }
     }
 }
@@ -270,6 +278,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             rollout_store,
             adapter_store,
             role,
+            precision,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -294,6 +303,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 rollout_store,
                 adapter_store,
                 role,
+                precision,
             };
             flywheel::app::serve(raw.validate(&cli)?)
         }

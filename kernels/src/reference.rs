@@ -142,6 +142,68 @@ pub fn matmul(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &
     }
 }
 
+/// `x` rounded to BF16 as AVX512_BF16 rounds (`vcvtne2ps2bf16`): to nearest even, denormals to
+/// signed zero, NaN quieted; returned as the f32 it stands for.
+pub fn bf16_round(x: f32) -> f32 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return f32::from_bits((b | 0x0040_0000) & 0xffff_0000);
+    }
+    if b & 0x7f80_0000 == 0 {
+        return f32::from_bits(b & 0x8000_0000);
+    }
+    let lsb = (b >> 16) & 1;
+    f32::from_bits(b.wrapping_add(0x7fff + lsb) & 0xffff_0000)
+}
+
+/// Denormal results flushed to signed zero (AVX512_BF16's dot products).
+fn ftz(x: f32) -> f32 {
+    if x != 0.0 && x.is_subnormal() {
+        f32::from_bits(x.to_bits() & 0x8000_0000)
+    } else {
+        x
+    }
+}
+
+/// The BF16 product (`Precision::Bf16`) emulated to the bit: weights dequantized then rounded,
+/// activations rounded (`bf16_round`); per 32 columns, lane j of 16 adds the products of columns
+/// 2j+1 then 2j (`vdpbf16ps`: f32 adds, denormals flushed), columns in order; then the lanes are
+/// summed in the AVX-512 `reduce_add` order (j + j+8, then + j+4, then + j+2, then + j+1).
+/// `cols` a multiple of 32.
+pub fn matmul_bf16(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    assert!(
+        cols.is_multiple_of(32),
+        "BF16 products take rows of 32k values"
+    );
+    let n = x.len() / cols;
+    let rb = ty
+        .row_bytes(cols)
+        .expect("cols must be a whole number of blocks");
+    let xb: Vec<f32> = x.iter().map(|&v| bf16_round(v)).collect();
+    let mut wrow = vec![0.0f32; cols];
+    for r in 0..rows {
+        dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut wrow);
+        for v in wrow.iter_mut() {
+            *v = bf16_round(*v);
+        }
+        for i in 0..n {
+            let xi = &xb[i * cols..(i + 1) * cols];
+            let mut lane = [0.0f32; 16];
+            for c in (0..cols).step_by(32) {
+                for (l, acc) in lane.iter_mut().enumerate() {
+                    for e in [2 * l + 1, 2 * l] {
+                        *acc = ftz(*acc + ftz(wrow[c + e] * xi[c + e]));
+                    }
+                }
+            }
+            let h: [f32; 8] = std::array::from_fn(|l| lane[l] + lane[l + 8]);
+            let q: [f32; 4] = std::array::from_fn(|l| h[l] + h[l + 4]);
+            let p: [f32; 2] = std::array::from_fn(|l| q[l] + q[l + 2]);
+            y[i * rows + r] = p[0] + p[1];
+        }
+    }
+}
+
 /// OFT's block-diagonal rotation: `out[t][k*b + j] = Σ_i x[t][k*b + i] · R_k[i][j]` with `r` holding
 /// the cols/b blocks of b×b row-major (R_k[i][j] at `r[(k*b + i)*b + j]`); sums in f64.
 pub fn oft_rotate(x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {

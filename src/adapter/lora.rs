@@ -30,7 +30,7 @@ pub fn delta(
     let n = x.len() / in_dim;
     h.resize(n * r, 0.0);
     d.resize(n * out_dim, 0.0);
-    cpu.matmul_many(&mut [Matmul {
+    cpu.matmul_many_exact(&mut [Matmul {
         ty: QuantType::F32,
         w: f32_bytes(a),
         rows: r,
@@ -65,7 +65,7 @@ pub fn module_backward(
     let n = x.len() / in_dim;
     // h = x·Aᵀ, as in the forward.
     let mut h = vec![0.0f32; n * r];
-    cpu.matmul_many(&mut [Matmul {
+    cpu.matmul_many_exact(&mut [Matmul {
         ty: QuantType::F32,
         w: f32_bytes(a),
         rows: r,

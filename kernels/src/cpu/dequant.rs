@@ -18,6 +18,9 @@ pub trait Format {
 
     /// Whether `decode32` is implemented (32-value blocks decoded straight into registers).
     const HAS_DECODE32: bool = false;
+    /// Whether the f32 product pairs weight rows for small batches (`matmul::paired_rows`,
+    /// through `decode32`); Q4_1 keeps its fused `dot_block` there.
+    const PAIRED: bool = Self::HAS_DECODE32;
 
     /// Decode a 32-value block into `32 / LANES` vectors, in value order.
     #[inline(always)]
@@ -164,6 +167,13 @@ impl Format for Q4_1 {
             x,
             acc,
         )
+    }
+    const HAS_DECODE32: bool = true;
+    const PAIRED: bool = false;
+    #[inline(always)]
+    unsafe fn decode32<S: Simd>(src: *const u8, out: &mut [S::V; 4]) {
+        let (d, m) = (S::splat(S::f16(src)), S::splat(S::f16(src.add(2))));
+        nibble_decode::<S>(src.add(4), d, m, out)
     }
 }
 

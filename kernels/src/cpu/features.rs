@@ -6,7 +6,7 @@
 //! `flywheel bench` print: the kernels in use and the instruction sets present but not used by
 //! any path yet.
 
-use super::Isa;
+use super::{Isa, Precision};
 use std::sync::OnceLock;
 
 /// The instruction-set extensions that matter to the kernels.
@@ -111,21 +111,25 @@ impl Features {
         ]
     }
 
-    /// The features an ISA's kernels use (all f32 arithmetic on dequantized weights).
-    fn used_by(isa: Isa) -> &'static [&'static str] {
-        match isa {
-            Isa::Reference => &[],
-            Isa::Avx2 => &["avx2", "fma", "f16c"],
-            Isa::Avx512 => &[
+    /// The features the kernels of an ISA use at a precision.
+    fn used_by(isa: Isa, precision: Precision) -> Vec<&'static str> {
+        let mut v = match isa {
+            Isa::Reference => vec![],
+            Isa::Avx2 => vec!["avx2", "fma", "f16c"],
+            Isa::Avx512 => vec![
                 "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
             ],
+        };
+        if precision == Precision::Bf16 && isa != Isa::Reference {
+            v.push("avx512_bf16");
         }
+        v
     }
 
-    /// What runs and what is left: `kernels=avx512 (f32 FMA on dequantized weights) uses
-    /// [...]; present, not used by any path yet: [...]`.
-    pub fn report(&self, isa: Isa) -> String {
-        let used = Features::used_by(isa);
+    /// What runs and what is left: `kernels=avx512 products=exact (f32 FMA on dequantized
+    /// weights) uses [...]; present, not used by any path yet: [...]`.
+    pub fn report(&self, isa: Isa, precision: Precision) -> String {
+        let used = Features::used_by(isa, precision);
         let present: Vec<&str> = self
             .named()
             .iter()
@@ -142,10 +146,15 @@ impl Features {
             Amx::Refused(e) => format!("; AMX tile state refused by Linux: {e}"),
             Amx::Absent => String::new(),
         };
+        let how = match precision {
+            Precision::Exact => "f32 FMA on dequantized weights",
+            Precision::Bf16 => "vdpbf16ps on BF16-rounded weights and activations, f32 sums",
+        };
         format!(
-            "kernels={} (f32 FMA on dequantized weights) uses [{}]; present, not used by any \
-             path yet: [{}]{amx}",
+            "kernels={} products={} ({how}) uses [{}]; present, not used by any path yet: \
+             [{}]{amx}",
             isa.name(),
+            precision.name(),
             used.join(" "),
             idle.join(" ")
         )
@@ -225,7 +234,7 @@ mod tests {
             );
         }
         assert_eq!(f.amx == Amx::Granted, f.amx_tile, "{:?}", f.amx);
-        eprintln!("{}", f.report(Isa::detect()));
+        eprintln!("{}", f.report(Isa::detect(), Precision::Exact));
     }
 
     #[test]
@@ -237,8 +246,8 @@ mod tests {
             avx512_bf16: true,
             ..Features::default()
         };
-        let r = f.report(Isa::Avx2);
-        assert!(r.starts_with("kernels=avx2 "), "{r}");
+        let r = f.report(Isa::Avx2, Precision::Exact);
+        assert!(r.starts_with("kernels=avx2 products=exact "), "{r}");
         assert!(r.contains("uses [avx2 fma f16c]"), "{r}");
         assert!(r.contains("not used by any path yet: [avx512_bf16]"), "{r}");
         assert!(!r.contains("AMX"), "{r}");
@@ -247,6 +256,15 @@ mod tests {
             amx: Amx::Refused("errno 22".into()),
             ..f
         };
-        assert!(amx.report(Isa::Avx2).contains("refused by Linux: errno 22"));
+        assert!(amx
+            .report(Isa::Avx2, Precision::Exact)
+            .contains("refused by Linux: errno 22"));
+        let b = Features {
+            avx512f: true,
+            ..amx
+        }
+        .report(Isa::Avx512, Precision::Bf16);
+        assert!(b.starts_with("kernels=avx512 products=bf16 "), "{b}");
+        assert!(b.contains(" avx512_bf16]; present"), "{b}");
     }
 }

@@ -30,7 +30,7 @@
 
 use super::dequant::{self, dequant_row, Format};
 use super::simd::{Avx2, Avx512, Simd};
-use super::{Isa, Tasks};
+use super::{Isa, Precision, Tasks};
 use crate::quant::QuantType;
 use crate::reference;
 use std::cell::RefCell;
@@ -65,51 +65,97 @@ impl Matmul<'_> {
 /// Batches of at least this many rows take the `dot_panel` path.
 pub const DOT_MIN_ROWS: usize = 8;
 /// Activation rows swept per weight panel before moving on (they stay in L2).
-const X_BLOCK: usize = 64;
+pub(crate) const X_BLOCK: usize = 64;
 const MAX_JOBS: usize = 8;
 
-struct JobRef {
-    ty: QuantType,
-    w: *const u8,
-    row_bytes: usize,
-    rows: usize,
-    cols: usize,
-    x: *const f32,
-    n: usize,
-    y: *mut f32,
+pub(crate) struct JobRef {
+    pub ty: QuantType,
+    pub w: *const u8,
+    pub row_bytes: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub x: *const f32,
+    /// The activations rounded to BF16 (`Precision::Bf16`), or null: the exact f32 path.
+    pub xb: *const u16,
+    pub n: usize,
+    pub y: *mut f32,
     /// Batches of DOT_MIN_ROWS rows or more: dequantized panel, dot-form tiles.
-    dot_panel: bool,
+    pub dot_panel: bool,
     rows_per_task: usize,
 }
 unsafe impl Sync for JobRef {}
 
 thread_local! {
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The rounded activations of a BF16 chunk (as u16 pairs), on the calling thread.
+    static XB: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether a product of rows of `cols` values takes the BF16 path under `Precision::Bf16` (the
+/// others stay exact f32: a choice by shape only, never by batch).
+pub fn bf16_applies(cols: usize) -> bool {
+    cols.is_multiple_of(32)
 }
 
 /// Run several independent products as one parallel region (e.g. q, k and v of a layer).
-pub fn matmul_many(isa: Isa, pool: Tasks, jobs: &mut [Matmul]) {
+/// `precision` is `Exact` or one the CPU supports (`Precision::supported`).
+pub fn matmul_many(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
     for j in jobs.iter() {
         j.check();
     }
+    let bf16 = precision == Precision::Bf16;
     if isa == Isa::Reference {
         for j in jobs.iter_mut() {
-            reference::matmul(j.ty, j.w, j.rows, j.cols, j.x, j.y);
+            if bf16 && bf16_applies(j.cols) {
+                reference::matmul_bf16(j.ty, j.w, j.rows, j.cols, j.x, j.y);
+            } else {
+                reference::matmul(j.ty, j.w, j.rows, j.cols, j.x, j.y);
+            }
         }
         return;
     }
+    assert!(
+        !bf16 || Precision::Bf16.supported(isa),
+        "BF16 products need AVX512_BF16"
+    );
     for chunk in jobs.chunks_mut(MAX_JOBS) {
-        run_chunk(isa, pool, chunk);
+        run_chunk(isa, bf16, pool, chunk);
     }
 }
 
-fn run_chunk(isa: Isa, pool: Tasks, jobs: &mut [Matmul]) {
+fn run_chunk(isa: Isa, bf16: bool, pool: Tasks, jobs: &mut [Matmul]) {
+    // BF16: every job's activations rounded once, into one buffer on this thread.
+    let rounded: usize = jobs
+        .iter()
+        .filter(|j| bf16 && bf16_applies(j.cols))
+        .map(|j| j.x.len())
+        .sum();
+    let xb_all = if rounded > 0 {
+        scratch(&XB, rounded.div_ceil(2) + 16) as *mut u16
+    } else {
+        std::ptr::null_mut()
+    };
+    let mut xb_used = 0;
     let wr = if isa.lanes() >= 16 { 6 } else { 3 };
     let mut refs: [Option<JobRef>; MAX_JOBS] = Default::default();
     let mut first_task = [0usize; MAX_JOBS + 1];
     for (k, j) in jobs.iter_mut().enumerate() {
         let n = j.x.len() / j.cols;
         let row_bytes = j.ty.row_bytes(j.cols).unwrap_or(0);
+        let xb = if bf16 && bf16_applies(j.cols) {
+            // SAFETY: the buffer holds `rounded` values; BF16 support was checked.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                let dst = xb_all.add(xb_used);
+                super::bf16::round_rows(j.x.as_ptr(), dst, j.x.len());
+                xb_used += j.x.len();
+                dst as *const u16
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            unreachable!("BF16 products are x86_64 only")
+        } else {
+            std::ptr::null()
+        };
         let dot_panel = n >= DOT_MIN_ROWS && j.cols.is_multiple_of(32);
         let rows_per_task = if dot_panel {
             // Small products (LoRA's A: r rows) in tiles of one panel height, so that both
@@ -129,6 +175,7 @@ fn run_chunk(isa: Isa, pool: Tasks, jobs: &mut [Matmul]) {
             rows: j.rows,
             cols: j.cols,
             x: j.x.as_ptr(),
+            xb,
             n,
             y: j.y.as_mut_ptr(),
             dot_panel,
@@ -146,6 +193,8 @@ fn run_chunk(isa: Isa, pool: Tasks, jobs: &mut [Matmul]) {
         // SAFETY: the ISA was detected at start-up; tasks write disjoint row ranges of y.
         unsafe {
             match isa {
+                #[cfg(target_arch = "x86_64")]
+                _ if !j.xb.is_null() => super::bf16::task(j, r0, r1),
                 Isa::Avx512 => task_avx512(j, r0, r1),
                 Isa::Avx2 => task_avx2(j, r0, r1),
                 Isa::Reference => unreachable!(),
@@ -229,7 +278,7 @@ unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize) {
         }
         return;
     }
-    if F::HAS_DECODE32 && j.n > 1 {
+    if F::PAIRED && j.n > 1 {
         // Two weight rows at a time against up to 4 activation rows: each activation load feeds
         // two FMAs (batched decode is bound by loads otherwise).
         let mut i0 = 0;

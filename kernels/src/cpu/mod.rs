@@ -5,6 +5,7 @@ pub mod adapter;
 pub mod attention;
 pub mod attention_backward;
 pub mod backward;
+mod bf16;
 pub mod dequant;
 pub mod features;
 pub mod gate;
@@ -94,12 +95,55 @@ impl Isa {
     }
 }
 
+/// The arithmetic of the base's products (`Matmul`): the only place the fast path may differ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 products of dequantized weights and f32 activations (the default; exact math within
+    /// f32 rounding).
+    #[default]
+    Exact,
+    /// Weights and activations rounded to BF16, products summed in f32 (`vdpbf16ps`): twice the
+    /// multiply-adds per instruction. Serving and training run it alike, so they stay equal.
+    Bf16,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Precision, String> {
+        match s {
+            "exact" => Ok(Precision::Exact),
+            "bf16" => Ok(Precision::Bf16),
+            _ => Err(format!("'{s}': expected exact or bf16")),
+        }
+    }
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Exact => "exact",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// Whether the kernels of `isa` can run this precision on this CPU (the reference emulates
+    /// every precision).
+    pub fn supported(self, isa: Isa) -> bool {
+        match (self, isa) {
+            (Precision::Exact, _) | (_, Isa::Reference) => true,
+            (Precision::Bf16, Isa::Avx512) => Features::get().avx512_bf16,
+            (Precision::Bf16, Isa::Avx2) => false,
+        }
+    }
+}
+
 /// The compute seam: an ISA plus the thread pool. Everything the model computes goes through here.
 /// A `Cpu` is foreground (serving) or background (training, from `Cpu::background`): its
 /// kernels then yield to foreground steps (`gate`). Both share one pool.
 pub struct Cpu {
     pub isa: Isa,
     pub pool: std::sync::Arc<ThreadPool>,
+    precision: Precision,
     background: bool,
 }
 
@@ -108,8 +152,33 @@ impl Cpu {
         Cpu {
             isa,
             pool: std::sync::Arc::new(pool),
+            precision: Precision::Exact,
             background: false,
         }
+    }
+
+    /// The same kernels with the base's products in `precision`; an error naming what the CPU
+    /// lacks where it cannot.
+    pub fn with_precision(mut self, precision: Precision) -> Result<Cpu, String> {
+        if !precision.supported(self.isa) {
+            return Err(format!(
+                "{} products need AVX512_BF16 (this CPU's kernels: {})",
+                precision.name(),
+                self.isa.name()
+            ));
+        }
+        self.precision = precision;
+        Ok(self)
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The line the start-up log and `flywheel bench` print: the kernels and instruction sets in
+    /// use, and those present but unused (`Features::report`).
+    pub fn paths(&self) -> String {
+        Features::get().report(self.isa, self.precision)
     }
 
     /// The same ISA and pool, for background work (training beside serving).
@@ -117,6 +186,7 @@ impl Cpu {
         Cpu {
             isa: self.isa,
             pool: self.pool.clone(),
+            precision: self.precision,
             background: true,
         }
     }
@@ -140,7 +210,13 @@ impl Cpu {
 
     /// Several independent products in one parallel region.
     pub fn matmul_many(&self, jobs: &mut [Matmul]) {
-        matmul::matmul_many(self.isa, self.tasks(), jobs)
+        matmul::matmul_many(self.isa, self.precision, self.tasks(), jobs)
+    }
+
+    /// Products in exact f32 whatever the precision (an adapter's own matrices: adapter math
+    /// stays f32).
+    pub fn matmul_many_exact(&self, jobs: &mut [Matmul]) {
+        matmul::matmul_many(self.isa, Precision::Exact, self.tasks(), jobs)
     }
 
     pub fn matmul(

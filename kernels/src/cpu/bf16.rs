@@ -1,0 +1,242 @@
+//! BF16 products (`Precision::Bf16`, AVX512_BF16's `vdpbf16ps`): y = x · Wᵀ with activations and
+//! dequantized weights rounded to BF16 (round to nearest even), products of pairs summed in f32.
+//! Twice the multiply-adds per instruction of the f32 path; the same canonical-order contract.
+//!
+//! One arithmetic for a value y[i][r], whatever the batch and whichever path runs: per 32
+//! columns, one `vdpbf16ps` into one accumulator (lane j takes columns 2j+1 then 2j, each an f32
+//! add), columns in order, then the AVX-512 `reduce_add`. The weights are rounded from the same
+//! f32 values the exact path dequantizes (`Format::dequant` / `decode32`, identical to the bit),
+//! the activations once per product. `reference::matmul_bf16` is the scalar twin, to the bit.
+//!
+//! Paths: `rows` (fewer than DOT_MIN_ROWS activation rows: each weight block decoded, rounded in
+//! registers and dotted with every row — decode stays one pass over the quantized weights) and
+//! `panel` (batches: a task's weight rows dequantized once into a BF16 panel, then 6 x 4 tiles of
+//! 24 accumulators, as the f32 `dot_panel`).
+//!
+//! Written by hand: no crate offers quantized-weight x BF16 products with a fixed summation order.
+
+// Safety of every `unsafe fn` here: the CPU has AVX-512F/BW/VL/DQ and AVX512_BF16, and pointers
+// are valid for the lengths and rows the `JobRef` states.
+#![allow(clippy::missing_safety_doc)]
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::{round_rows, task};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::dequant::{self, dequant_row, Format};
+    use super::super::matmul::{scratch, JobRef, X_BLOCK};
+    use super::super::simd::{Avx512, Simd};
+    use crate::quant::QuantType;
+    use std::arch::x86_64::*;
+    use std::cell::RefCell;
+
+    thread_local! {
+        static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// Round `n` values (a multiple of 32) to BF16, in order.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")]
+    pub unsafe fn round_rows(src: *const f32, dst: *mut u16, n: usize) {
+        let mut c = 0;
+        while c < n {
+            store(dst.add(c), pair(src.add(c)));
+            c += 32;
+        }
+    }
+
+    /// 32 f32 values at `p` as one vector of 32 BF16, value order.
+    #[inline(always)]
+    unsafe fn pair(p: *const f32) -> __m512bh {
+        // The second operand fills the low half.
+        _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p.add(16)), _mm512_loadu_ps(p))
+    }
+
+    #[inline(always)]
+    unsafe fn store(p: *mut u16, v: __m512bh) {
+        _mm512_storeu_si512(p as *mut _, std::mem::transmute::<__m512bh, __m512i>(v))
+    }
+
+    #[inline(always)]
+    unsafe fn load(p: *const u16) -> __m512bh {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _))
+    }
+
+    /// Rows `r0..r1` of the product whose activations `j.xb` are already rounded.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")]
+    pub unsafe fn task(j: &JobRef, r0: usize, r1: usize) {
+        match j.ty {
+            QuantType::F32 => task_fmt::<dequant::F32>(j, r0, r1),
+            QuantType::F16 => task_fmt::<dequant::F16>(j, r0, r1),
+            QuantType::BF16 => task_fmt::<dequant::BF16>(j, r0, r1),
+            QuantType::Q4_0 => task_fmt::<dequant::Q4_0>(j, r0, r1),
+            QuantType::Q4_1 => task_fmt::<dequant::Q4_1>(j, r0, r1),
+            QuantType::Q8_0 => task_fmt::<dequant::Q8_0>(j, r0, r1),
+            QuantType::Q4K => task_fmt::<dequant::Q4K>(j, r0, r1),
+            QuantType::Q6K => task_fmt::<dequant::Q6K>(j, r0, r1),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn task_fmt<F: Format>(j: &JobRef, r0: usize, r1: usize) {
+        if j.dot_panel {
+            panel::<F>(j, r0, r1);
+        } else {
+            let mut i0 = 0;
+            while i0 < j.n {
+                match (j.n - i0).min(4) {
+                    1 => rows::<F, 1>(j, r0, r1, i0),
+                    2 => rows::<F, 2>(j, r0, r1, i0),
+                    3 => rows::<F, 3>(j, r0, r1, i0),
+                    _ => rows::<F, 4>(j, r0, r1, i0),
+                }
+                i0 += 4;
+            }
+        }
+    }
+
+    /// Each weight block decoded (in registers where the format can), rounded, and dotted with
+    /// activation rows i0..i0+N; R weight rows at a time, so that R·N independent accumulator
+    /// chains hide `vdpbf16ps`'s latency (one chain per output keeps the canonical order).
+    #[inline(always)]
+    unsafe fn rows<F: Format, const N: usize>(j: &JobRef, r0: usize, r1: usize, i0: usize) {
+        let mut r = r0;
+        if N <= 2 {
+            while r + 4 <= r1 {
+                rows_r::<F, N, 4>(j, r, i0);
+                r += 4;
+            }
+        }
+        while r + 2 <= r1 {
+            rows_r::<F, N, 2>(j, r, i0);
+            r += 2;
+        }
+        if r < r1 {
+            rows_r::<F, N, 1>(j, r, i0);
+        }
+    }
+
+    // Index loops over the constant R and N unroll into registers; iterator chains here did
+    // not (stack-resident accumulators, half the speed).
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn rows_r<F: Format, const N: usize, const R: usize>(j: &JobRef, r: usize, i0: usize) {
+        let k = j.cols;
+        // Units of 32 values or one block, whichever is longer (element formats: 16-value blocks).
+        let unit = F::BS.max(32);
+        let blocks = unit / F::BS;
+        let x: [*const u16; N] = std::array::from_fn(|i| j.xb.add((i0 + i) * k));
+        let w: [*const u8; R] = std::array::from_fn(|a| j.w.add((r + a) * j.row_bytes));
+        // Written before read, block by block (formats without `decode32` only).
+        let mut buf = std::mem::MaybeUninit::<[[f32; 256]; R]>::uninit();
+        let buf = buf.as_mut_ptr() as *mut f32;
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        for u in 0..k / unit {
+            let off = u * blocks * F::BB;
+            // The R rows are one contiguous run: fetch the same place of the next run.
+            for wa in &w {
+                Avx512::prefetch(wa.add(off + R * j.row_bytes));
+            }
+            if F::HAS_DECODE32 {
+                for a in 0..R {
+                    let mut d = [Avx512::zero(); 4];
+                    F::decode32::<Avx512>(w[a].add(off), &mut d);
+                    let wv = _mm512_cvtne2ps_pbh(d[1], d[0]);
+                    for i in 0..N {
+                        acc[a][i] = _mm512_dpbf16_ps(acc[a][i], wv, load(x[i].add(u * 32)));
+                    }
+                }
+            } else {
+                for a in 0..R {
+                    for b in 0..blocks {
+                        F::dequant::<Avx512>(
+                            w[a].add(off + b * F::BB),
+                            buf.add(a * 256 + b * F::BS),
+                        );
+                    }
+                }
+                let mut c = 0;
+                while c < unit {
+                    for a in 0..R {
+                        let wv = pair(buf.add(a * 256 + c));
+                        for i in 0..N {
+                            let xv = load(x[i].add(u * unit + c));
+                            acc[a][i] = _mm512_dpbf16_ps(acc[a][i], wv, xv);
+                        }
+                    }
+                    c += 32;
+                }
+            }
+        }
+        for (a, acca) in acc.iter().enumerate() {
+            for (i, v) in acca.iter().enumerate() {
+                *j.y.add((i0 + i) * j.rows + r + a) = Avx512::reduce_add(*v);
+            }
+        }
+    }
+
+    /// Rows r0..r1 dequantized and rounded once into a BF16 panel, then 6 x 4 tiles over blocks
+    /// of X_BLOCK activation rows (they stay in L2 while the panel is swept).
+    #[inline(always)]
+    unsafe fn panel<F: Format>(j: &JobRef, r0: usize, r1: usize) {
+        const WR: usize = 6;
+        const XR: usize = 4;
+        let k = j.cols;
+        let row = scratch(&ROW, k + 16);
+        let panel = scratch(&PANEL, (k * (r1 - r0)).div_ceil(2) + 16) as *mut u16;
+        for r in r0..r1 {
+            dequant_row::<Avx512, F>(j.w.add(r * j.row_bytes), row, k);
+            round_rows(row, panel.add((r - r0) * k), k);
+        }
+        let mut ib = 0;
+        while ib < j.n {
+            let ie = (ib + X_BLOCK).min(j.n);
+            let mut w0 = 0;
+            while w0 < r1 - r0 {
+                let wr = (r1 - r0 - w0).min(WR);
+                let mut i0 = ib;
+                while i0 < ie {
+                    tile::<WR, XR>(j, panel, r0, w0, wr, i0, ie);
+                    i0 += XR;
+                }
+                w0 += WR;
+            }
+            ib = ie;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const WR: usize, const XR: usize>(
+        j: &JobRef,
+        panel: *const u16,
+        r0: usize,
+        w0: usize,
+        wr: usize,
+        i0: usize,
+        ie: usize,
+    ) {
+        let k = j.cols;
+        // Missing rows repeat the last valid one; their results are not stored.
+        let w: [*const u16; WR] = std::array::from_fn(|a| panel.add((w0 + a.min(wr - 1)) * k));
+        let x: [*const u16; XR] = std::array::from_fn(|i| j.xb.add((i0 + i).min(ie - 1) * k));
+        let mut acc = [[_mm512_setzero_ps(); XR]; WR];
+        let mut c = 0;
+        while c < k {
+            let wv: [__m512bh; WR] = std::array::from_fn(|a| load(w[a].add(c)));
+            for i in 0..XR {
+                let xv = load(x[i].add(c));
+                for a in 0..WR {
+                    acc[a][i] = _mm512_dpbf16_ps(acc[a][i], wv[a], xv);
+                }
+            }
+            c += 32;
+        }
+        let xr = (ie - i0).min(XR);
+        for (a, acca) in acc.iter().enumerate().take(wr) {
+            for (i, v) in acca.iter().enumerate().take(xr) {
+                *j.y.add((i0 + i) * j.rows + r0 + w0 + a) = Avx512::reduce_add(*v);
+            }
+        }
+    }
+}
