@@ -391,6 +391,21 @@ mod tests {
         let raw = RawConfig::from_toml("[engine]\nblock_size = 12\n").unwrap();
         let e = raw.validate(&CliOverrides::default()).unwrap_err();
         assert!(e.to_string().contains("engine.block_size"), "{e}");
+        let raw = RawConfig::from_toml("[model]\nprecision = \"fp8\"\n").unwrap();
+        let e = raw.validate(&CliOverrides::default()).unwrap_err();
+        assert!(e.to_string().contains("model.precision"), "{e}");
+        let raw = RawConfig::from_toml("[model]\nprecision = \"auto\"\n").unwrap();
+        let c = raw.validate(&CliOverrides::default()).unwrap();
+        assert_eq!(c.precision, crate::app::PrecisionChoice::Auto);
+        let cli = CliOverrides {
+            precision: Some("bf16".into()),
+            ..Default::default()
+        };
+        let raw = RawConfig::from_toml("[model]\nprecision = \"exact\"\n").unwrap();
+        assert_eq!(
+            raw.validate(&cli).unwrap().precision,
+            crate::app::PrecisionChoice::Bf16
+        );
         let raw = RawConfig::from_toml("[engine]\nkv_cache_mb = 1\n").unwrap();
         let c = raw.validate(&CliOverrides::default()).unwrap();
         let e = c.num_kv_blocks(30, 192, 8192).unwrap_err();

@@ -14,6 +14,7 @@ use flywheel::adapter::{
 use flywheel::app::Base;
 use flywheel::engine::sampler::SamplingParams;
 use flywheel::generate::GenerateOptions;
+use flywheel::kernels::cpu::Precision;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::metrics::Metrics;
 use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET};
@@ -61,18 +62,36 @@ fn lora4() -> Method {
 #[test]
 fn served_log_probs_equal_the_training_forward_bitwise() {
     for spec in TinySpec::families() {
-        served_equal_training(&spec);
+        served_equal_training(&spec, Precision::Exact);
     }
 }
 
-fn served_equal_training(spec: &TinySpec) {
+/// The same on the BF16 products (both sides take them), which really change the arithmetic.
+#[test]
+fn served_log_probs_equal_the_training_forward_bitwise_in_bf16() {
+    if let Err(e) = Cpu::detect().with_precision(Precision::Bf16) {
+        eprintln!("BF16 path skipped: {e}");
+        return;
+    }
+    for spec in TinySpec::families() {
+        let exact = served_equal_training(&spec, Precision::Exact);
+        let bf16 = served_equal_training(&spec, Precision::Bf16);
+        assert_ne!(exact, bf16, "{}: BF16 products changed nothing", spec.arch);
+    }
+}
+
+/// Serves three completions per adapter kind and checks the training forward's log-probs equal
+/// the served ones to the bit; returns the served log-probs.
+fn served_equal_training(spec: &TinySpec, precision: Precision) -> Vec<Vec<f32>> {
+    let detect = || Cpu::detect().with_precision(precision).unwrap();
+    let mut served_all = Vec::new();
     let (_dir, path) = write_tiny(spec);
     let model = Arc::new(Llama::open(&path).unwrap());
     let tok = Arc::new(Tokenizer::from_gguf(&model.gguf).unwrap());
     let base = Base {
         model: model.clone(),
         tokenizer: tok,
-        cpu: Arc::new(Cpu::detect()),
+        cpu: Arc::new(detect()),
     };
     let reg = Registry::new(&model.config, Vec::new(), Arc::new(Metrics::new()));
     for (kind, method) in [("oft", oft16()), ("lora", lora4())] {
@@ -99,6 +118,7 @@ fn served_equal_training(spec: &TinySpec) {
                 adapter: Some(v.clone()),
             };
             let out = flywheel::app::generate(&base, &prompt, &opts, None, |_| {}).unwrap();
+            served_all.push(out.logprobs.iter().map(|l| l.logprob).collect());
             seqs.push((prompt, out.token_ids, out.logprobs, temperature));
         }
         // Each temperature is its own training batch of all three sequences (packed together).
@@ -112,7 +132,7 @@ fn served_equal_training(spec: &TinySpec) {
                 .zip(&toks)
                 .map(|((p, _, _, _), t)| TrainSeq::whole(t, p.len()))
                 .collect();
-            let c = Cpu::detect();
+            let c = detect().background();
             let (logps, _) = model
                 .train_forward(&c, &batch, &v.weights, temperature, ACTIVATION_BUDGET)
                 .unwrap();
@@ -139,6 +159,7 @@ fn served_equal_training(spec: &TinySpec) {
             }
         }
     }
+    served_all
 }
 
 /// J = Σ completion log-probs; dJ/dθ from the backward against central differences of J (reference
