@@ -204,6 +204,52 @@ pub fn matmul_bf16(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32],
     }
 }
 
+/// The BF16 input gradient (`Precision::Bf16`) emulated to the bit: dx[i][c] sums, per pair of
+/// weight rows (2p, 2p+1) in order, W[2p+1][c]·dy[i][2p+1] then W[2p][c]·dy[i][2p] (f32 adds,
+/// denormals flushed), weights and dy rounded to BF16 (`bf16_round`); an odd last row pairs with
+/// zero. `cols` a multiple of 16.
+pub fn linear_backward_bf16(
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    dy: &[f32],
+    dx: &mut [f32],
+) {
+    let n = dy.len() / rows;
+    let rb = ty.row_bytes(cols).expect("whole blocks");
+    let mut wm = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        dequantize_row(
+            ty,
+            &w[r * rb..(r + 1) * rb],
+            &mut wm[r * cols..(r + 1) * cols],
+        );
+    }
+    for v in wm.iter_mut() {
+        *v = bf16_round(*v);
+    }
+    for i in 0..n {
+        let g: Vec<f32> = dy[i * rows..(i + 1) * rows]
+            .iter()
+            .map(|&v| bf16_round(v))
+            .collect();
+        for c in 0..cols {
+            let mut acc = 0.0f32;
+            for p in 0..rows.div_ceil(2) {
+                for r in [2 * p + 1, 2 * p] {
+                    if r < rows {
+                        acc = ftz(acc + ftz(wm[r * cols + c] * g[r]));
+                    } else {
+                        acc = ftz(acc + 0.0);
+                    }
+                }
+            }
+            dx[i * cols + c] = acc;
+        }
+    }
+}
+
 /// OFT's block-diagonal rotation: `out[t][k*b + j] = Σ_i x[t][k*b + i] · R_k[i][j]` with `r` holding
 /// the cols/b blocks of b×b row-major (R_k[i][j] at `r[(k*b + i)*b + j]`); sums in f64.
 pub fn oft_rotate(x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {

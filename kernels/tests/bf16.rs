@@ -171,3 +171,45 @@ fn bf16_rounding_is_to_nearest_even_with_denormals_flushed() {
     assert!(bf16_round(f32::NAN).is_nan());
     assert_eq!(bf16_round(f32::MAX), f32::INFINITY);
 }
+
+/// The BF16 input gradient dx = dy·W against its scalar twin, to the bit (odd row counts pair the
+/// last row with zero), and within BF16 rounding of the f64 reference.
+#[test]
+fn bf16_input_gradients_equal_their_scalar_twin_to_the_bit() {
+    let Some(cpu) = bf16_cpu(2) else { return };
+    let mut rng = Rng(21);
+    for ty in QuantType::ALL {
+        for cols in col_sizes(ty) {
+            for rows in [37usize, 64] {
+                let w = quantize(ty, &rng.vec(rows * cols, 1.0));
+                for n in [1usize, 3, 6] {
+                    let dy = rng.vec(n * rows, 1.0);
+                    let mut want = vec![0.0; n * cols];
+                    reference::linear_backward_bf16(ty, &w, rows, cols, &dy, &mut want);
+                    let mut got = vec![0.0; n * cols];
+                    cpu.linear_backward(ty, &w, rows, cols, &dy, &mut got);
+                    for k in 0..n * cols {
+                        assert_eq!(
+                            got[k].to_bits(),
+                            want[k].to_bits(),
+                            "{ty:?} rows={rows} cols={cols} n={n} [{k}]: {} vs {}",
+                            got[k],
+                            want[k]
+                        );
+                    }
+                    let mut exact = vec![0.0; n * cols];
+                    reference::linear_backward(ty, &w, rows, cols, &dy, &mut exact);
+                    let scale = exact.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for k in 0..n * cols {
+                        assert!(
+                            (got[k] - exact[k]).abs() <= 0.05 * scale,
+                            "{ty:?} [{k}]: bf16 {} vs exact {}",
+                            got[k],
+                            exact[k]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -15,7 +15,7 @@
 use super::dequant::{self, dequant_row, Format};
 use super::matmul::scratch;
 use super::simd::{Avx2, Avx512, Simd};
-use super::{Isa, Tasks};
+use super::{Isa, Precision, Tasks};
 use crate::quant::QuantType;
 use crate::reference;
 use std::cell::RefCell;
@@ -30,12 +30,15 @@ const I_BLOCK: usize = 64;
 
 thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// dy rounded to BF16 (`Precision::Bf16`), on the calling thread.
+    static DYB: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// dx (n, cols) = dy (n, rows) · W, W `rows` rows of `cols` values in format `ty`.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward(
     isa: Isa,
+    precision: Precision,
     pool: Tasks,
     ty: QuantType,
     w: &[u8],
@@ -54,8 +57,18 @@ pub fn linear_backward(
     );
     let n = dy.len() / rows;
     assert_eq!(dx.len(), n * cols, "dx has the wrong size");
+    let bf16 = precision == Precision::Bf16 && cols.is_multiple_of(32);
     if isa == Isa::Reference {
-        reference::linear_backward(ty, w, rows, cols, dy, dx);
+        if bf16 {
+            reference::linear_backward_bf16(ty, w, rows, cols, dy, dx);
+        } else {
+            reference::linear_backward(ty, w, rows, cols, dy, dx);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if bf16 {
+        linear_backward_bf16(pool, ty, w, rows, cols, dy, dx);
         return;
     }
     // Column chunks: whole blocks, at least 32 values; tiles of as many rows as fit TILE_VALUES.
@@ -88,6 +101,45 @@ pub fn linear_backward(
         }
     };
     pool.run(num_chunks, &task);
+}
+
+/// The BF16 input gradient: dy rounded once (on this thread), then column chunks as tasks.
+#[cfg(target_arch = "x86_64")]
+fn linear_backward_bf16(
+    pool: Tasks,
+    ty: QuantType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    dy: &[f32],
+    dx: &mut [f32],
+) {
+    use super::bf16::{backward_task, round_pairs, BackwardJob};
+    let n = dy.len() / rows;
+    let even = rows.next_multiple_of(2);
+    let dyb = scratch(&DYB, (n * even).div_ceil(2) + 16) as *mut u16;
+    // SAFETY: BF16 support was checked by the caller (`Precision::supported`); sizes as allocated.
+    unsafe { round_pairs(dy.as_ptr(), dyb, n, rows) };
+    // Chunks of 32 columns (256 for K-quants); tiles of an even number of rows.
+    let chunk = ty.block_size().max(32);
+    let tile_rows = (TILE_VALUES / chunk).clamp(16, 256) & !1;
+    let job = BackwardJob {
+        ty,
+        w: w.as_ptr(),
+        row_bytes: ty.row_bytes(cols).expect("whole blocks"),
+        rows,
+        cols,
+        dyb,
+        n,
+        dx: dx.as_mut_ptr(),
+        tile_rows,
+    };
+    let task = |t: usize| {
+        let c0 = t * chunk;
+        // SAFETY: as above; tasks write disjoint column ranges of dx.
+        unsafe { backward_task(&job, c0, (c0 + chunk).min(cols)) }
+    };
+    pool.run(cols.div_ceil(chunk), &task);
 }
 
 struct Job {

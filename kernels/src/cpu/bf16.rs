@@ -20,7 +20,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::{round_rows, task};
+pub(crate) use x86::{backward_task, round_pairs, round_rows, task, BackwardJob};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -34,6 +34,195 @@ mod x86 {
     thread_local! {
         static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
         static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// dx (n, cols) = dy (n, rows) · W on BF16 operands (`Precision::Bf16`'s input gradient):
+    /// `dyb` holds dy rounded, each row padded to an even length (`round_pairs`), so that the
+    /// u32 at (i, 2p) is the pair (dy[i][2p], dy[i][2p+1]).
+    pub struct BackwardJob {
+        pub ty: QuantType,
+        pub w: *const u8,
+        pub row_bytes: usize,
+        pub rows: usize,
+        pub cols: usize,
+        pub dyb: *const u16,
+        pub n: usize,
+        pub dx: *mut f32,
+        pub tile_rows: usize,
+    }
+    // SAFETY: tasks only write their own column range of `dx`.
+    unsafe impl Sync for BackwardJob {}
+
+    /// Rows of `rows` f32 values rounded to BF16, each padded with a zero to an even length.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")]
+    pub unsafe fn round_pairs(src: *const f32, dst: *mut u16, n: usize, rows: usize) {
+        let even = rows.next_multiple_of(2);
+        for i in 0..n {
+            let (s, d) = (src.add(i * rows), dst.add(i * even));
+            let mut c = 0;
+            while c + 16 <= rows {
+                let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(s.add(c)));
+                _mm256_storeu_si256(
+                    d.add(c) as *mut __m256i,
+                    std::mem::transmute::<__m256bh, __m256i>(v),
+                );
+                c += 16;
+            }
+            while c < rows {
+                let v = _mm512_cvtneps_pbh(_mm512_set1_ps(*s.add(c)));
+                *d.add(c) =
+                    _mm256_extract_epi16::<0>(std::mem::transmute::<__m256bh, __m256i>(v)) as u16;
+                c += 1;
+            }
+            if even > rows {
+                *d.add(rows) = 0;
+            }
+        }
+    }
+
+    /// Columns c0..c1 (a multiple of 16 wide) of the BF16 input gradient: per pair of weight rows
+    /// (2p, 2p+1), a tile of dwords holding both rows' rounded values column by column, and one
+    /// `vdpbf16ps` per 16 columns with the broadcast pair of dy: lane c adds W[2p+1][c]·dy[2p+1]
+    /// then W[2p][c]·dy[2p] (`reference::linear_backward_bf16`), pairs in row order.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")]
+    pub unsafe fn backward_task(j: &BackwardJob, c0: usize, c1: usize) {
+        match j.ty {
+            QuantType::F32 => backward_fmt::<dequant::F32>(j, c0, c1),
+            QuantType::F16 => backward_fmt::<dequant::F16>(j, c0, c1),
+            QuantType::BF16 => backward_fmt::<dequant::BF16>(j, c0, c1),
+            QuantType::Q4_0 => backward_fmt::<dequant::Q4_0>(j, c0, c1),
+            QuantType::Q4_1 => backward_fmt::<dequant::Q4_1>(j, c0, c1),
+            QuantType::Q8_0 => backward_fmt::<dequant::Q8_0>(j, c0, c1),
+            QuantType::Q4K => backward_fmt::<dequant::Q4K>(j, c0, c1),
+            QuantType::Q6K => backward_fmt::<dequant::Q6K>(j, c0, c1),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn backward_fmt<F: Format>(j: &BackwardJob, c0: usize, c1: usize) {
+        let width = c1 - c0;
+        let pairs_per_tile = j.tile_rows / 2;
+        // Two dequantized rows, then the tile: pairs_per_tile x width dwords.
+        let rows2 = scratch(&ROW, 2 * width + 16);
+        let tile = scratch(&TILE, pairs_per_tile * width + 16) as *mut u32;
+        let off = (c0 / F::BS) * F::BB;
+        let even = j.rows.next_multiple_of(2);
+        for i in 0..j.n {
+            std::ptr::write_bytes(j.dx.add(i * j.cols + c0), 0, width);
+        }
+        let num_pairs = even / 2;
+        let mut p0 = 0;
+        while p0 < num_pairs {
+            let tp = (num_pairs - p0).min(pairs_per_tile);
+            for p in 0..tp {
+                let r = 2 * (p0 + p);
+                dequant_row::<Avx512, F>(j.w.add(r * j.row_bytes + off), rows2, width);
+                if r + 1 < j.rows {
+                    dequant_row::<Avx512, F>(
+                        j.w.add((r + 1) * j.row_bytes + off),
+                        rows2.add(width),
+                        width,
+                    );
+                } else {
+                    std::ptr::write_bytes(rows2.add(width), 0, width);
+                }
+                let mut c = 0;
+                while c < width {
+                    let lo = _mm512_cvtneps_pbh(_mm512_loadu_ps(rows2.add(c)));
+                    let hi = _mm512_cvtneps_pbh(_mm512_loadu_ps(rows2.add(width + c)));
+                    let lo = _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(lo));
+                    let hi = _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(hi));
+                    let both = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
+                    _mm512_storeu_si512(tile.add(p * width + c) as *mut _, both);
+                    c += 16;
+                }
+            }
+            let mut i = 0;
+            while i < j.n {
+                // Up to 8 rows of dy: 16 accumulators, 2 tile loads and 8 broadcasts per 16
+                // `vdpbf16ps`.
+                match j.n - i {
+                    1 => backward_rows::<1>(j, tile, width, c0, p0, tp, i),
+                    2 => backward_rows::<2>(j, tile, width, c0, p0, tp, i),
+                    3 => backward_rows::<3>(j, tile, width, c0, p0, tp, i),
+                    4 => backward_rows::<4>(j, tile, width, c0, p0, tp, i),
+                    5 => backward_rows::<5>(j, tile, width, c0, p0, tp, i),
+                    6 => backward_rows::<6>(j, tile, width, c0, p0, tp, i),
+                    7 => backward_rows::<7>(j, tile, width, c0, p0, tp, i),
+                    _ => backward_rows::<8>(j, tile, width, c0, p0, tp, i),
+                }
+                i += 8;
+            }
+            p0 += tp;
+        }
+    }
+
+    /// dx rows i0..i0+N, columns c0..c0+width += the tile's pairs p0..p0+tp.
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn backward_rows<const N: usize>(
+        j: &BackwardJob,
+        tile: *const u32,
+        width: usize,
+        c0: usize,
+        p0: usize,
+        tp: usize,
+        i0: usize,
+    ) {
+        let even = j.rows.next_multiple_of(2);
+        let dys: [*const u32; N] =
+            std::array::from_fn(|i| j.dyb.add((i0 + i) * even + 2 * p0) as *const u32);
+        let outs: [*mut f32; N] = std::array::from_fn(|i| j.dx.add((i0 + i) * j.cols + c0));
+        let mut c = 0;
+        while c + 32 <= width {
+            let mut acc = [[_mm512_setzero_ps(); 2]; N];
+            for i in 0..N {
+                acc[i][0] = _mm512_loadu_ps(outs[i].add(c));
+                acc[i][1] = _mm512_loadu_ps(outs[i].add(c + 16));
+            }
+            for p in 0..tp {
+                let t = tile.add(p * width + c);
+                let w0 =
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(t as *const _));
+                let w1 = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    t.add(16) as *const _
+                ));
+                for i in 0..N {
+                    let g = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                        dys[i].add(p).read_unaligned() as i32,
+                    ));
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, g);
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, g);
+                }
+            }
+            for i in 0..N {
+                _mm512_storeu_ps(outs[i].add(c), acc[i][0]);
+                _mm512_storeu_ps(outs[i].add(c + 16), acc[i][1]);
+            }
+            c += 32;
+        }
+        while c < width {
+            let mut acc = [_mm512_setzero_ps(); N];
+            for i in 0..N {
+                acc[i] = _mm512_loadu_ps(outs[i].add(c));
+            }
+            for p in 0..tp {
+                let w0 = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    tile.add(p * width + c) as *const _,
+                ));
+                for i in 0..N {
+                    let g = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                        dys[i].add(p).read_unaligned() as i32,
+                    ));
+                    acc[i] = _mm512_dpbf16_ps(acc[i], w0, g);
+                }
+            }
+            for i in 0..N {
+                _mm512_storeu_ps(outs[i].add(c), acc[i]);
+            }
+            c += 16;
+        }
     }
 
     /// Round `n` values (a multiple of 32) to BF16, in order.

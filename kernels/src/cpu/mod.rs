@@ -268,7 +268,17 @@ impl Cpu {
         dy: &[f32],
         dx: &mut [f32],
     ) {
-        backward::linear_backward(self.isa, self.tasks(), ty, w, rows, cols, dy, dx)
+        backward::linear_backward(
+            self.isa,
+            self.precision,
+            self.tasks(),
+            ty,
+            w,
+            rows,
+            cols,
+            dy,
+            dx,
+        )
     }
 
     pub fn rmsnorm_backward(
