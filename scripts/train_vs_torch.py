@@ -4,6 +4,10 @@ is the measurement). One full step (forward, backward, AdamW) on BATCH x SEQ tok
 OFT b=32 on all seven projections; prints each round and the median ratio per adapter.
 
     python3 scripts/train_vs_torch.py [--rounds 2] [--batch 8] [--seq 256] [--torch-python PY]
+        [--precision exact,bf16] [--torch-modes f32,bf16]
+
+Each round runs flywheel once per precision and PyTorch once per mode; the ratios are against
+PyTorch's faster mode of that round (its f32 or its bf16 autocast).
 
 PY is a Python with torch, transformers, peft and gguf (default /tmp/peftenv/bin/python).
 """
@@ -19,18 +23,19 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def ours(kind, batch, seq):
+def ours(kind, batch, seq, precision):
     out = subprocess.run(
         [os.path.join(ROOT, "target/release/flywheel"), "bench", "--train", "--adapter", kind,
-         "--batch", str(batch), "--seq-len", str(seq), "--runs", "3"],
+         "--batch", str(batch), "--seq-len", str(seq), "--runs", "3", "--precision", precision],
         check=True, capture_output=True, text=True, cwd=ROOT).stdout
     j = json.loads(out.strip().splitlines()[-1])
     return j["tokens_per_second"], j["peak_rss_bytes"] / 1e9
 
 
-def torch(py, kind, batch, seq):
+def torch(py, kind, batch, seq, mode):
     out = subprocess.run(
-        [py, os.path.join(ROOT, "scripts/torch_train_bench.py"), kind, str(batch), str(seq), "3"],
+        [py, os.path.join(ROOT, "scripts/torch_train_bench.py"), kind, str(batch), str(seq), "3",
+         mode],
         check=True, capture_output=True, text=True, cwd=ROOT).stdout
     m = re.search(r"([\d.]+) tokens/s, peak RSS ([\d.]+) GB", out)
     return float(m.group(1)), float(m.group(2))
@@ -42,17 +47,24 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--torch-python", default="/tmp/peftenv/bin/python")
+    ap.add_argument("--precision", default="exact")
+    ap.add_argument("--torch-modes", default="f32")
     a = ap.parse_args()
+    precisions, modes = a.precision.split(","), a.torch_modes.split(",")
     for kind in ["lora", "oft"]:
-        ratios = []
+        ratios = {p: [] for p in precisions}
         for r in range(a.rounds):
-            f, frss = ours(kind, a.batch, a.seq)
-            t, trss = torch(a.torch_python, kind, a.batch, a.seq)
-            ratios.append(f / t)
-            print(f"{kind} round {r + 1}: flywheel {f:.1f} tok/s ({frss:.2f} GB), "
-                  f"torch {t:.1f} tok/s ({trss:.2f} GB), ratio {f / t:.2f}", flush=True)
-        print(f"{kind}: median ratio {statistics.median(ratios):.2f} over {a.rounds} rounds",
-              flush=True)
+            fw = {p: ours(kind, a.batch, a.seq, p) for p in precisions}
+            pt = {m: torch(a.torch_python, kind, a.batch, a.seq, m) for m in modes}
+            best = max(modes, key=lambda m: pt[m][0])
+            for p in precisions:
+                ratios[p].append(fw[p][0] / pt[best][0])
+            line = ", ".join(f"flywheel {p} {fw[p][0]:.1f} tok/s ({fw[p][1]:.2f} GB)" for p in precisions)
+            line += ", " + ", ".join(f"torch {m} {pt[m][0]:.1f} tok/s ({pt[m][1]:.2f} GB)" for m in modes)
+            print(f"{kind} round {r + 1}: {line}; peer: torch {best}", flush=True)
+        for p in precisions:
+            print(f"{kind}: flywheel {p} / PyTorch's faster mode: median ratio "
+                  f"{statistics.median(ratios[p]):.2f} over {a.rounds} rounds", flush=True)
 
 
 if __name__ == "__main__":

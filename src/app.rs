@@ -4,7 +4,7 @@
 
 use crate::adapter::registry::Registry;
 use crate::api::Ready;
-use crate::config::Config;
+use crate::config::{Config, PrecisionChoice};
 use crate::engine::{Engine, EngineConfig};
 use crate::generate::{GenerateOptions, GenerateOutput, BLOCK_SIZE};
 use crate::metrics::Metrics;
@@ -30,31 +30,6 @@ pub struct ModelSpec {
     pub reference_kernels: bool,
     /// The arithmetic of the base's products.
     pub precision: PrecisionChoice,
-}
-
-/// `model.precision` / `--precision`: the arithmetic of the base's products, for serving and
-/// training alike.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum PrecisionChoice {
-    /// f32 products (the default; the exact path kept for checks).
-    #[default]
-    Exact,
-    /// BF16 products (`vdpbf16ps`); an error on a CPU without AVX512_BF16.
-    Bf16,
-    /// BF16 where the CPU has it, else exact (said in the start-up log).
-    Auto,
-}
-
-impl std::str::FromStr for PrecisionChoice {
-    type Err = String;
-    fn from_str(s: &str) -> Result<PrecisionChoice, String> {
-        match s {
-            "exact" => Ok(PrecisionChoice::Exact),
-            "bf16" => Ok(PrecisionChoice::Bf16),
-            "auto" => Ok(PrecisionChoice::Auto),
-            _ => Err(format!("'{s}': expected exact, bf16 or auto")),
-        }
-    }
 }
 
 /// A loaded model, its tokenizer and the compute pool.

@@ -131,7 +131,7 @@ pub struct Config {
     pub max_model_len: Option<usize>,
     pub threads: usize,
     /// The arithmetic of the base's products (model.precision: exact, bf16 or auto).
-    pub precision: crate::app::PrecisionChoice,
+    pub precision: PrecisionChoice,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub kv_cache_bytes: usize,
@@ -214,7 +214,7 @@ impl RawConfig {
             learn.push(c);
         }
         let precision = match cli.precision.clone().or(m.precision) {
-            None => crate::app::PrecisionChoice::default(),
+            None => PrecisionChoice::default(),
             Some(p) => p.parse().map_err(|e| invalid("model.precision", e))?,
         };
         let cfg = Config {
@@ -366,6 +366,31 @@ impl Config {
     }
 }
 
+/// `model.precision` / `--precision`: the arithmetic of the base's products, for serving and
+/// training alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrecisionChoice {
+    /// f32 products (the default; the exact path kept for checks).
+    #[default]
+    Exact,
+    /// BF16 products (`vdpbf16ps`); an error on a CPU without AVX512_BF16.
+    Bf16,
+    /// BF16 where the CPU has it, else exact (said in the start-up log).
+    Auto,
+}
+
+impl std::str::FromStr for PrecisionChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PrecisionChoice, String> {
+        match s {
+            "exact" => Ok(PrecisionChoice::Exact),
+            "bf16" => Ok(PrecisionChoice::Bf16),
+            "auto" => Ok(PrecisionChoice::Auto),
+            _ => Err(format!("'{s}': expected exact, bf16 or auto")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -396,16 +421,13 @@ mod tests {
         assert!(e.to_string().contains("model.precision"), "{e}");
         let raw = RawConfig::from_toml("[model]\nprecision = \"auto\"\n").unwrap();
         let c = raw.validate(&CliOverrides::default()).unwrap();
-        assert_eq!(c.precision, crate::app::PrecisionChoice::Auto);
+        assert_eq!(c.precision, PrecisionChoice::Auto);
         let cli = CliOverrides {
             precision: Some("bf16".into()),
             ..Default::default()
         };
         let raw = RawConfig::from_toml("[model]\nprecision = \"exact\"\n").unwrap();
-        assert_eq!(
-            raw.validate(&cli).unwrap().precision,
-            crate::app::PrecisionChoice::Bf16
-        );
+        assert_eq!(raw.validate(&cli).unwrap().precision, PrecisionChoice::Bf16);
         let raw = RawConfig::from_toml("[engine]\nkv_cache_mb = 1\n").unwrap();
         let c = raw.validate(&CliOverrides::default()).unwrap();
         let e = c.num_kv_blocks(30, 192, 8192).unwrap_err();

@@ -2,8 +2,8 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use flywheel::app::{Base, ModelSpec, PrecisionChoice};
-use flywheel::config::{CliOverrides, RawConfig};
+use flywheel::app::{Base, ModelSpec};
+use flywheel::config::{CliOverrides, PrecisionChoice, RawConfig};
 use flywheel::engine::sampler::SamplingParams;
 use flywheel::fetch::{ensure_model, fetch_default, DEFAULT_MODEL};
 use flywheel::generate::GenerateOptions;

@@ -94,25 +94,29 @@ fn generate_json_has_the_promised_shape_and_is_seeded() {
     assert_ne!(v["token_ids"], o["token_ids"]);
 }
 
-#[test]
-fn greedy_generation_agrees_with_reference_kernels() {
-    let (_dir, path) = write_tiny(&TinySpec::small());
-    let p = path.to_str().unwrap();
-    let base = [
+/// `generate --json` of 16 greedy tokens after "the hello world" on `model`, with `extra` flags.
+fn generate16(model: &str, extra: &[&str]) -> (bool, String, String) {
+    let mut a = vec![
         "generate",
         "--model",
-        p,
+        model,
         "--prompt",
         "the hello world",
         "--max-tokens",
         "16",
         "--json",
     ];
-    let (ok, fast, err) = flywheel(&base, None);
+    a.extend_from_slice(extra);
+    flywheel(&a, None)
+}
+
+#[test]
+fn greedy_generation_agrees_with_reference_kernels() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let p = path.to_str().unwrap();
+    let (ok, fast, err) = generate16(p, &[]);
     assert!(ok, "{err}");
-    let mut r = base.to_vec();
-    r.push("--reference-kernels");
-    let (ok, refr, err) = flywheel(&r, None);
+    let (ok, refr, err) = generate16(p, &["--reference-kernels"]);
     assert!(ok, "{err}");
     let (a, b): (serde_json::Value, serde_json::Value) = (
         serde_json::from_str(&fast).unwrap(),
@@ -136,20 +140,7 @@ fn greedy_generation_agrees_with_reference_kernels() {
 fn bf16_generation_agrees_with_the_emulated_reference() {
     let (_dir, path) = write_tiny(&TinySpec::small());
     let p = path.to_str().unwrap();
-    let run = |extra: &[&str]| {
-        let mut a = vec![
-            "generate",
-            "--model",
-            p,
-            "--prompt",
-            "the hello world",
-            "--max-tokens",
-            "16",
-            "--json",
-        ];
-        a.extend_from_slice(extra);
-        flywheel(&a, None)
-    };
+    let run = |extra: &[&str]| generate16(p, extra);
     let has_bf16 =
         flywheel::kernels::cpu::Precision::Bf16.supported(flywheel::kernels::Isa::detect());
     let (ok, fast, err) = run(&["--precision", "bf16"]);

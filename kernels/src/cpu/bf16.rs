@@ -13,6 +13,10 @@
 //! `panel` (batches: a task's weight rows dequantized once into a BF16 panel, then 6 x 4 tiles of
 //! 24 accumulators, as the f32 `dot_panel`).
 //!
+//! The training backward's input gradient dx = dy·W (`backward_task`) takes the same operands:
+//! pairs of weight rows interleaved column by column, dy rounded once, one `vdpbf16ps` per 16
+//! columns (`reference::linear_backward_bf16` is its twin, to the bit).
+//!
 //! Written by hand: no crate offers quantized-weight x BF16 products with a fixed summation order.
 
 // Safety of every `unsafe fn` here: the CPU has AVX-512F/BW/VL/DQ and AVX512_BF16, and pointers
