@@ -34,6 +34,11 @@ pub struct Metrics {
     pub train_step_seconds: HistogramVec,
     pub train_tokens: IntCounterVec,
     pub train_tokens_per_second: GaugeVec,
+    /// Compute time by role (serve: engine steps; train: the trainer's kernels), from the pool's
+    /// gate, set at scrape time.
+    pub compute_busy_seconds: GaugeVec,
+    /// `online.train_share` in force: training time granted per unit of serving time under load.
+    pub train_share: prometheus::Gauge,
     pub train_loss: GaugeVec,
     pub train_reward_mean: GaugeVec,
     pub train_reward_std: GaugeVec,
@@ -218,6 +223,25 @@ impl Metrics {
                     &["adapter"],
                 )
                 .expect("counter vec"),
+            ),
+            compute_busy_seconds: reg(
+                &registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "compute_busy_seconds",
+                        "Compute time since start by role: serve (engine steps) and train (the trainer's kernels).",
+                    ),
+                    &["role"],
+                )
+                .expect("gauge vec"),
+            ),
+            train_share: reg(
+                &registry,
+                prometheus::Gauge::with_opts(Opts::new(
+                    "train_share",
+                    "online.train_share in force: training time granted per unit of serving time while serving is busy.",
+                ))
+                .expect("gauge"),
             ),
             train_tokens_per_second: gauge_vec(
                 "train_tokens_per_second",

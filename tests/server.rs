@@ -261,6 +261,13 @@ fn prefix_cache_hits_and_metrics_are_reported() {
         assert!(m.contains(name), "{name} missing from /metrics");
     }
     assert_eq!(s.metric("flywheel_generation_tokens_total"), 8.0);
+    // The split of compute between serving and training, seen: serving ran, nothing trained.
+    assert!(s.metric("flywheel_compute_busy_seconds{role=\"serve\"}") > 0.0);
+    assert_eq!(
+        s.metric("flywheel_compute_busy_seconds{role=\"train\"}"),
+        0.0
+    );
+    assert_eq!(s.metric("flywheel_train_share"), 0.25);
     assert_eq!(
         s.metric("flywheel_request_success_total{finished_reason=\"length\"}"),
         2.0

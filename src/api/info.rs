@@ -191,6 +191,16 @@ pub async fn health(State(state): State<AppState>) -> Response {
 pub async fn metrics(State(state): State<AppState>) -> Response {
     if let Ok(r) = state.ready() {
         r.registry.num_versions_alive();
+        let gate = &r.cpu.pool.gate;
+        let (serve, train) = gate.busy();
+        let m = &state.metrics;
+        m.compute_busy_seconds
+            .with_label_values(&["serve"])
+            .set(serve.as_secs_f64());
+        m.compute_busy_seconds
+            .with_label_values(&["train"])
+            .set(train.as_secs_f64());
+        m.train_share.set(r.online_cfg.train_share);
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

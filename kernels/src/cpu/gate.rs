@@ -26,6 +26,10 @@ pub struct Gate {
     /// Background kernels waiting or running, and when the last one ended (ns since `epoch`).
     bg_busy: AtomicU64,
     bg_last_end: AtomicU64,
+    /// Time spent in foreground steps and in background kernels since start (ns): the split
+    /// between serving and training a user sees (`Gate::busy`).
+    fg_total: AtomicU64,
+    bg_total: AtomicU64,
 }
 
 impl Default for Gate {
@@ -38,6 +42,8 @@ impl Default for Gate {
             share_ppm: AtomicU64::new(500_000),
             bg_busy: AtomicU64::new(0),
             bg_last_end: AtomicU64::new(0),
+            fg_total: AtomicU64::new(0),
+            bg_total: AtomicU64::new(0),
         }
     }
 }
@@ -51,6 +57,19 @@ impl Gate {
     pub fn set_share(&self, share: f64) {
         let s = (share.clamp(0.0, 10.0) * 1e6) as u64;
         self.share_ppm.store(s, Ordering::Relaxed);
+    }
+
+    /// The background share in force (`set_share`).
+    pub fn share(&self) -> f64 {
+        self.share_ppm.load(Ordering::Relaxed) as f64 / 1e6
+    }
+
+    /// Time spent so far in foreground steps and in background kernels.
+    pub fn busy(&self) -> (Duration, Duration) {
+        (
+            Duration::from_nanos(self.fg_total.load(Ordering::Relaxed)),
+            Duration::from_nanos(self.bg_total.load(Ordering::Relaxed)),
+        )
     }
 
     /// Run one foreground step (after the background's slice, if it is using it).
@@ -73,6 +92,7 @@ impl Gate {
         let t0 = Instant::now();
         let r = f();
         let d = t0.elapsed().as_nanos() as i64;
+        self.fg_total.fetch_add(d as u64, Ordering::Relaxed);
         let grant = d.saturating_mul(self.share_ppm.load(Ordering::Relaxed) as i64) / 1_000_000;
         // One slice per step: unused budget does not pile up.
         self.budget.store(grant, Ordering::SeqCst);
@@ -102,7 +122,27 @@ impl Gate {
     pub fn charge_background(&self, took: Duration) {
         self.budget
             .fetch_sub(took.as_nanos() as i64, Ordering::SeqCst);
+        self.bg_total
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
         self.bg_last_end.store(self.now_ns(), Ordering::SeqCst);
         self.bg_busy.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busy_time_is_counted_per_side() {
+        let g = Gate::default();
+        g.set_share(0.25);
+        assert_eq!(g.share(), 0.25);
+        g.foreground(|| std::thread::sleep(Duration::from_millis(3)));
+        g.admit_background();
+        g.charge_background(Duration::from_millis(1));
+        let (fg, bg) = g.busy();
+        assert!(fg >= Duration::from_millis(3), "{fg:?}");
+        assert_eq!(bg, Duration::from_millis(1));
     }
 }
