@@ -6,6 +6,13 @@
 
 use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, QK};
 
+// The backward ops' twins, and the BF16 products' emulation, in files of their own; their paths
+// stay `reference::*`.
+mod backward;
+mod bf16;
+pub use backward::*;
+pub use bf16::*;
+
 /// Which dims of a head RoPE turns together (pair `i` turns by frequency `i` either way).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeLayout {
@@ -142,114 +149,6 @@ pub fn matmul(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &
     }
 }
 
-/// `x` rounded to BF16 as AVX512_BF16 rounds (`vcvtne2ps2bf16`): to nearest even, denormals to
-/// signed zero, NaN quieted; returned as the f32 it stands for.
-pub fn bf16_round(x: f32) -> f32 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return f32::from_bits((b | 0x0040_0000) & 0xffff_0000);
-    }
-    if b & 0x7f80_0000 == 0 {
-        return f32::from_bits(b & 0x8000_0000);
-    }
-    let lsb = (b >> 16) & 1;
-    f32::from_bits(b.wrapping_add(0x7fff + lsb) & 0xffff_0000)
-}
-
-/// Denormal results flushed to signed zero (AVX512_BF16's dot products).
-fn ftz(x: f32) -> f32 {
-    if x != 0.0 && x.is_subnormal() {
-        f32::from_bits(x.to_bits() & 0x8000_0000)
-    } else {
-        x
-    }
-}
-
-/// The BF16 product (`Precision::Bf16`) emulated to the bit: weights dequantized then rounded,
-/// activations rounded (`bf16_round`); per 32 columns, lane j of 16 adds the products of columns
-/// 2j+1 then 2j (`vdpbf16ps`: f32 adds, denormals flushed), columns in order; then the lanes are
-/// summed in the AVX-512 `reduce_add` order (j + j+8, then + j+4, then + j+2, then + j+1).
-/// `cols` a multiple of 32.
-pub fn matmul_bf16(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
-    assert!(
-        cols.is_multiple_of(32),
-        "BF16 products take rows of 32k values"
-    );
-    let n = x.len() / cols;
-    let rb = ty
-        .row_bytes(cols)
-        .expect("cols must be a whole number of blocks");
-    let xb: Vec<f32> = x.iter().map(|&v| bf16_round(v)).collect();
-    let mut wrow = vec![0.0f32; cols];
-    for r in 0..rows {
-        dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut wrow);
-        for v in wrow.iter_mut() {
-            *v = bf16_round(*v);
-        }
-        for i in 0..n {
-            let xi = &xb[i * cols..(i + 1) * cols];
-            let mut lane = [0.0f32; 16];
-            for c in (0..cols).step_by(32) {
-                for (l, acc) in lane.iter_mut().enumerate() {
-                    for e in [2 * l + 1, 2 * l] {
-                        *acc = ftz(*acc + ftz(wrow[c + e] * xi[c + e]));
-                    }
-                }
-            }
-            let h: [f32; 8] = std::array::from_fn(|l| lane[l] + lane[l + 8]);
-            let q: [f32; 4] = std::array::from_fn(|l| h[l] + h[l + 4]);
-            let p: [f32; 2] = std::array::from_fn(|l| q[l] + q[l + 2]);
-            y[i * rows + r] = p[0] + p[1];
-        }
-    }
-}
-
-/// The BF16 input gradient (`Precision::Bf16`) emulated to the bit: dx[i][c] sums, per pair of
-/// weight rows (2p, 2p+1) in order, W[2p+1][c]·dy[i][2p+1] then W[2p][c]·dy[i][2p] (f32 adds,
-/// denormals flushed), weights and dy rounded to BF16 (`bf16_round`); an odd last row pairs with
-/// zero. `cols` a multiple of 16.
-pub fn linear_backward_bf16(
-    ty: QuantType,
-    w: &[u8],
-    rows: usize,
-    cols: usize,
-    dy: &[f32],
-    dx: &mut [f32],
-) {
-    let n = dy.len() / rows;
-    let rb = ty.row_bytes(cols).expect("whole blocks");
-    let mut wm = vec![0.0f32; rows * cols];
-    for r in 0..rows {
-        dequantize_row(
-            ty,
-            &w[r * rb..(r + 1) * rb],
-            &mut wm[r * cols..(r + 1) * cols],
-        );
-    }
-    for v in wm.iter_mut() {
-        *v = bf16_round(*v);
-    }
-    for i in 0..n {
-        let g: Vec<f32> = dy[i * rows..(i + 1) * rows]
-            .iter()
-            .map(|&v| bf16_round(v))
-            .collect();
-        for c in 0..cols {
-            let mut acc = 0.0f32;
-            for p in 0..rows.div_ceil(2) {
-                for r in [2 * p + 1, 2 * p] {
-                    if r < rows {
-                        acc = ftz(acc + ftz(wm[r * cols + c] * g[r]));
-                    } else {
-                        acc = ftz(acc + 0.0);
-                    }
-                }
-            }
-            dx[i * cols + c] = acc;
-        }
-    }
-}
-
 /// OFT's block-diagonal rotation: `out[t][k*b + j] = Σ_i x[t][k*b + i] · R_k[i][j]` with `r` holding
 /// the cols/b blocks of b×b row-major (R_k[i][j] at `r[(k*b + i)*b + j]`); sums in f64.
 pub fn oft_rotate(x: &[f32], r: &[f32], b: usize, out: &mut [f32]) {
@@ -280,197 +179,6 @@ pub fn block_matmul(x: &[f32], mats: &[f32], nb: usize, k: usize, m: usize, out:
                 or[q * m + j] = acc as f32;
             }
         }
-    }
-}
-
-/// dx (n, cols) = dy (n, rows) · W (the input gradient of a frozen linear), sums in f64.
-pub fn linear_backward(
-    ty: QuantType,
-    w: &[u8],
-    rows: usize,
-    cols: usize,
-    dy: &[f32],
-    dx: &mut [f32],
-) {
-    let n = dy.len() / rows;
-    let rb = ty.row_bytes(cols).expect("whole blocks");
-    let mut acc = vec![0.0f64; n * cols];
-    let mut wrow = vec![0.0f32; cols];
-    for r in 0..rows {
-        dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut wrow);
-        for i in 0..n {
-            let g = dy[i * rows + r] as f64;
-            for c in 0..cols {
-                acc[i * cols + c] += g * wrow[c] as f64;
-            }
-        }
-    }
-    for (d, a) in dx.iter_mut().zip(acc) {
-        *d = a as f32;
-    }
-}
-
-/// RMSNorm backward (g frozen), in f64: dx = u/r − x·(u·x)/(n·r³), u = g ⊙ dy.
-pub fn rmsnorm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32], dx: &mut [f32]) {
-    let d = weight.len();
-    for ((xr, gr), or) in x.chunks(d).zip(dy.chunks(d)).zip(dx.chunks_mut(d)) {
-        let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;
-        let inv = 1.0 / (ms + eps as f64).sqrt();
-        let ux: f64 = (0..d)
-            .map(|c| weight[c] as f64 * gr[c] as f64 * xr[c] as f64)
-            .sum();
-        for c in 0..d {
-            or[c] = (weight[c] as f64 * gr[c] as f64 * inv
-                - xr[c] as f64 * ux * inv.powi(3) / d as f64) as f32;
-        }
-    }
-}
-
-/// RoPE backward in place (each pair turned by −θ), in f64.
-pub fn rope_backward(
-    dy: &mut [f32],
-    table: &[f32],
-    n_heads: usize,
-    head_dim: usize,
-    rope_dim: usize,
-    layout: RopeLayout,
-) {
-    let row = n_heads * head_dim;
-    for (t, r) in dy.chunks_mut(row).enumerate() {
-        for h in r.chunks_mut(head_dim) {
-            for i in 0..rope_dim / 2 {
-                let (c, s) = (
-                    table[t * rope_dim + 2 * i] as f64,
-                    table[t * rope_dim + 2 * i + 1] as f64,
-                );
-                let (p, q) = layout.pair(i, rope_dim);
-                let (a, b) = (h[p] as f64, h[q] as f64);
-                h[p] = (a * c + b * s) as f32;
-                h[q] = (-a * s + b * c) as f32;
-            }
-        }
-    }
-}
-
-/// SwiGLU backward in f64: du = da·silu(g), dg = da·u·σ(g)(1 + g(1 − σ(g))).
-pub fn swiglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
-    for i in 0..gate.len() {
-        let g = gate[i] as f64;
-        let s = 1.0 / (1.0 + (-g).exp());
-        dup[i] = (da[i] as f64 * g * s) as f32;
-        dgate[i] = (da[i] as f64 * up[i] as f64 * s * (1.0 + g * (1.0 - s))) as f32;
-    }
-}
-
-/// `g[q][i][j] += Σ_t x[t][q*k + i] · dy[t][q*m + j]`, sums in f64.
-pub fn block_outer(x: &[f32], dy: &[f32], nb: usize, k: usize, m: usize, g: &mut [f32]) {
-    let n = x.len() / (nb * k);
-    for q in 0..nb {
-        for i in 0..k {
-            for j in 0..m {
-                let mut acc = g[(q * k + i) * m + j] as f64;
-                for t in 0..n {
-                    acc += x[t * nb * k + q * k + i] as f64 * dy[t * nb * m + q * m + j] as f64;
-                }
-                g[(q * k + i) * m + j] = acc as f32;
-            }
-        }
-    }
-}
-
-/// Causal GQA attention backward (queries at the last t of n positions), in f64; see
-/// `cpu::backward::attention_backward`.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    dout: &[f32],
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    scale: f32,
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
-) {
-    let heads = (n_heads, n_kv_heads, head_dim);
-    attention_backward_windowed(q, k, v, dout, heads, scale, None, dq, dk, dv)
-}
-
-/// `attention_backward` where query i sees only the `window` keys up to its own position.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward_windowed(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    dout: &[f32],
-    (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
-    scale: f32,
-    window: Option<usize>,
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
-) {
-    let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
-    let t = q.len() / qd;
-    let off = k.len() / kvd - t;
-    let group = n_heads / n_kv_heads;
-    let mut dk64 = vec![0.0f64; dk.len()];
-    let mut dv64 = vec![0.0f64; dv.len()];
-    let sc = scale as f64;
-    for h in 0..n_heads {
-        let (qc, kc) = (h * head_dim, (h / group) * head_dim);
-        for i in 0..t {
-            let qi = |c: usize| q[i * qd + qc + c] as f64;
-            let di = |c: usize| dout[i * qd + qc + c] as f64;
-            let lo = (off + i + 1).saturating_sub(window.unwrap_or(usize::MAX));
-            // Scores of keys lo..=off+i, indexed from 0.
-            let s: Vec<f64> = (lo..=off + i)
-                .map(|j| {
-                    sc * (0..head_dim)
-                        .map(|c| qi(c) * k[j * kvd + kc + c] as f64)
-                        .sum::<f64>()
-                })
-                .collect();
-            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
-            let z: f64 = e.iter().sum();
-            let p: Vec<f64> = e.iter().map(|x| x / z).collect();
-            let o: Vec<f64> = (0..head_dim)
-                .map(|c| {
-                    (lo..=off + i)
-                        .map(|j| p[j - lo] * v[j * kvd + kc + c] as f64)
-                        .sum()
-                })
-                .collect();
-            let dot_do: f64 = (0..head_dim).map(|c| di(c) * o[c]).sum();
-            for c in 0..head_dim {
-                dq[i * qd + qc + c] = 0.0;
-            }
-            let mut dqi = vec![0.0f64; head_dim];
-            for j in lo..=off + i {
-                let dp: f64 = (0..head_dim)
-                    .map(|c| di(c) * v[j * kvd + kc + c] as f64)
-                    .sum();
-                let pj = p[j - lo];
-                let ds = pj * (dp - dot_do) * sc;
-                for c in 0..head_dim {
-                    dqi[c] += ds * k[j * kvd + kc + c] as f64;
-                    dk64[j * kvd + kc + c] += ds * qi(c);
-                    dv64[j * kvd + kc + c] += pj * di(c);
-                }
-            }
-            for c in 0..head_dim {
-                dq[i * qd + qc + c] = dqi[c] as f32;
-            }
-        }
-    }
-    for (d, s) in dk.iter_mut().zip(dk64) {
-        *d = s as f32;
-    }
-    for (d, s) in dv.iter_mut().zip(dv64) {
-        *d = s as f32;
     }
 }
 
@@ -532,17 +240,6 @@ pub fn geglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
         let g = gate[i] as f64;
         let t = (GELU_C * (g + 0.044715 * g * g * g)).tanh();
         out[i] = (0.5 * g * (1.0 + t) * up[i] as f64) as f32;
-    }
-}
-
-/// The backward of `geglu` (f64): dgate = da·up·gelu'(gate), dup = da·gelu(gate).
-pub fn geglu_backward(gate: &[f32], up: &[f32], da: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
-    for i in 0..gate.len() {
-        let g = gate[i] as f64;
-        let t = (GELU_C * (g + 0.044715 * g * g * g)).tanh();
-        let d = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * 0.044715 * g * g);
-        dup[i] = (da[i] as f64 * 0.5 * g * (1.0 + t)) as f32;
-        dgate[i] = (da[i] as f64 * up[i] as f64 * d) as f32;
     }
 }
 
