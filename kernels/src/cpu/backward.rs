@@ -57,7 +57,7 @@ pub fn linear_backward(
     );
     let n = dy.len() / rows;
     assert_eq!(dx.len(), n * cols, "dx has the wrong size");
-    let bf16 = precision == Precision::Bf16 && cols.is_multiple_of(32);
+    let bf16 = precision == Precision::Bf16 && super::matmul::bf16_applies(cols);
     if isa == Isa::Reference {
         if bf16 {
             reference::linear_backward_bf16(ty, w, rows, cols, dy, dx);

@@ -29,7 +29,7 @@ pub(crate) use x86::{backward_task, round_pairs, round_rows, task, BackwardJob};
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::dequant::{self, dequant_row, Format};
-    use super::super::matmul::{scratch, JobRef, X_BLOCK};
+    use super::super::matmul::{scratch, store_tile, JobRef, X_BLOCK};
     use super::super::simd::{Avx512, Simd};
     use crate::quant::QuantType;
     use std::arch::x86_64::*;
@@ -425,11 +425,6 @@ mod x86 {
             }
             c += 32;
         }
-        let xr = (ie - i0).min(XR);
-        for (a, acca) in acc.iter().enumerate().take(wr) {
-            for (i, v) in acca.iter().enumerate().take(xr) {
-                *j.y.add((i0 + i) * j.rows + r0 + w0 + a) = Avx512::reduce_add(*v);
-            }
-        }
+        store_tile::<Avx512, WR, XR>(j, &acc, r0, w0, wr, i0, ie);
     }
 }

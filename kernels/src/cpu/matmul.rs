@@ -440,6 +440,22 @@ unsafe fn dot_tile<S: Simd, const WR: usize, const XR: usize>(
         }
         c += l;
     }
+    store_tile::<S, WR, XR>(j, &acc, r0, w0, wr, i0, ie);
+}
+
+/// A tile's sums into y: weight rows r0+w0.. (wr of them) x activation rows i0..ie (at most XR);
+/// the padding rows' sums are dropped. Shared by the f32 and BF16 tiles.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn store_tile<S: Simd, const WR: usize, const XR: usize>(
+    j: &JobRef,
+    acc: &[[S::V; XR]; WR],
+    r0: usize,
+    w0: usize,
+    wr: usize,
+    i0: usize,
+    ie: usize,
+) {
     let xr = (ie - i0).min(XR);
     for (a, acca) in acc.iter().enumerate().take(wr) {
         for (i, v) in acca.iter().enumerate().take(xr) {
