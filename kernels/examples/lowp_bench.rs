@@ -5,8 +5,8 @@
 //! - bf16: `vdpbf16ps` (AVX512_BF16, 32 MACs), BF16 weights and activations, f32 sums;
 //! - int8: `vpdpbusd` (AVX512_VNNI, 64 MACs), u8 weights x i8 activations, i32 sums.
 //!
-//! Then end to end from Q4_1 weights: today's product next to a first BF16 one (rows dequantized
-//! into a BF16 panel, activations rounded once), with the largest difference between them.
+//! Then end to end through the kernels: exact f32 vs `Precision::Bf16` products on Q4_1 and Q8_0
+//! weights, batch 1 and batch N, one and two threads.
 //!
 //! Paths the CPU lacks are skipped with a message. Issue 17's measurement before writing the
 //! low-precision paths. `cargo run --release -p flywheel-kernels --example lowp_bench [-- N]`
@@ -92,138 +92,61 @@ mod x86 {
             println!("end to end: skipped (no AVX512_BF16)");
             return;
         }
-        // End to end from Q4_1 weights: today's product vs a BF16 one (rows dequantized into a
-        // BF16 panel 24 at a time, activations rounded to BF16 once), one thread.
+        // End to end: the kernels themselves, exact f32 vs `Precision::Bf16`, on Q4_1 and Q8_0
+        // weights of the layers' shapes, at batch 1 (decode: GB/s of weights read) and batch n
+        // (GFLOP/s), one and two threads, alternating, medians.
+        use flywheel_kernels::cpu::Precision;
         use flywheel_kernels::quant::quantize::quantize;
         use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
-        let cpu = Cpu::new(
-            Isa::detect(),
-            ThreadPool::new(1, std::time::Duration::from_micros(50)),
-        );
-        println!("end to end from Q4_1 weights, batch {n}, one thread (GFLOP/s):");
-        for (rows, k) in [(1536usize, 576usize), (576, 1536)] {
-            let wf: Vec<f32> = (0..rows * k)
-                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0)
-                .collect();
-            let wq = quantize(QuantType::Q4_1, &wf);
-            let x: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 / 13.0).collect();
-            let mut y = vec![0f32; n * rows];
-            let macs = rows * k * n;
-            let t_f32 = time(macs, || {
-                cpu.matmul(QuantType::Q4_1, &wq, rows, k, &x, &mut y)
-            });
-            let want = y.clone();
-            let mut yb = vec![0f32; n * rows];
-            let mut yf = vec![0f32; n * rows];
-            // SAFETY: AVX512_BF16 (and so F16C, AVX512BW) checked above.
-            let t_bf16 = time(macs, || unsafe {
-                q4_1_bf16(&cpu, false, &wq, rows, k, &x, &mut yb)
-            });
-            let t_fused = time(macs, || unsafe {
-                q4_1_bf16(&cpu, true, &wq, rows, k, &x, &mut yf)
-            });
-            assert_eq!(yb, yf, "the fused decoder must round the same values");
-            // The largest difference relative to the largest output.
-            let scale = want.iter().fold(0f32, |m, a| m.max(a.abs()));
-            let err = want
-                .iter()
-                .zip(&yb)
-                .map(|(a, b)| (a - b).abs() / scale)
-                .fold(0f32, f32::max);
-            let gf = |t: f64| 2.0 * macs as f64 / t / 1e9;
-            println!(
-                "{rows:>6}x{k:<5}  f32 (today) {:6.1}  bf16 {:6.1} ({:.2}x)  bf16 decoded \
-                 straight from 4 bits {:6.1} ({:.2}x)  max diff / max |y| {err:.1e}",
-                gf(t_f32),
-                gf(t_bf16),
-                t_f32 / t_bf16,
-                gf(t_fused),
-                t_f32 / t_fused
-            );
-        }
-    }
-
-    #[target_feature(enable = "f16c")]
-    unsafe fn h2f(h: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(h as i16)))
-    }
-
-    /// A Q4_1 row (20-byte blocks: f16 d, f16 m, 16 bytes of nibbles) decoded straight into
-    /// BF16: x[j] = (qs[j] & 15)·d + m, x[j+16] = (qs[j] >> 4)·d + m, rounded once.
-    #[target_feature(enable = "avx512f,avx512bf16,avx512bw,f16c")]
-    unsafe fn q4_1_row_to_bf16(src: *const u8, dst: *mut u16, k: usize) {
-        let low = _mm_set1_epi8(0x0f);
-        for b in 0..k / 32 {
-            let blk = src.add(b * 20);
-            let d = _mm512_set1_ps(h2f((blk as *const u16).read_unaligned()));
-            let m = _mm512_set1_ps(h2f((blk.add(2) as *const u16).read_unaligned()));
-            let qs = _mm_loadu_si128(blk.add(4) as *const __m128i);
-            let lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, low)));
-            let hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(
-                _mm_srli_epi16(qs, 4),
-                low,
-            )));
-            // cvtne2ps: the second operand fills the low half.
-            let both = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d, m), _mm512_fmadd_ps(lo, d, m));
-            _mm512_storeu_si512(
-                dst.add(b * 32) as *mut _,
-                std::mem::transmute::<__m512bh, __m512i>(both),
-            );
-        }
-    }
-
-    /// f32 values to BF16 (round to nearest even), 16 at a time; `n` a multiple of 16.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn to_bf16(src: *const f32, dst: *mut u16, n: usize) {
-        let mut c = 0;
-        while c < n {
-            let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src.add(c)));
-            _mm256_storeu_si256(
-                dst.add(c) as *mut __m256i,
-                std::mem::transmute::<__m256bh, __m256i>(v),
-            );
-            c += 16;
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn q4_1_bf16(
-        cpu: &flywheel_kernels::Cpu,
-        fused: bool,
-        wq: &[u8],
-        rows: usize,
-        k: usize,
-        x: &[f32],
-        y: &mut [f32],
-    ) {
-        use flywheel_kernels::QuantType;
-        const CHUNK: usize = 24;
-        let n = x.len() / k;
-        let mut xb = vec![0u16; n * k];
-        to_bf16(x.as_ptr(), xb.as_mut_ptr(), n * k);
-        let rb = QuantType::Q4_1.row_bytes(k).unwrap();
-        let mut row = vec![0f32; k];
-        let mut panel = vec![0u16; CHUNK * k];
-        let mut part = vec![0f32; n * CHUNK];
-        for r0 in (0..rows).step_by(CHUNK) {
-            for r in 0..CHUNK {
-                let src = &wq[(r0 + r) * rb..(r0 + r + 1) * rb];
-                if fused {
-                    q4_1_row_to_bf16(src.as_ptr(), panel.as_mut_ptr().add(r * k), k);
-                } else {
-                    flywheel_kernels::cpu::matmul::dequantize_row(
-                        cpu.isa,
-                        QuantType::Q4_1,
-                        src,
-                        &mut row,
-                    );
-                    to_bf16(row.as_ptr(), panel.as_mut_ptr().add(r * k), k);
+        for threads in [1usize, 2] {
+            let pool = || ThreadPool::new(threads, std::time::Duration::from_micros(50));
+            let exact = Cpu::new(Isa::detect(), pool());
+            let bf16 = Cpu::new(Isa::detect(), pool())
+                .with_precision(Precision::Bf16)
+                .expect("AVX512_BF16 checked above");
+            println!("end to end, {threads} thread(s): exact f32 vs bf16 products");
+            for ty in [QuantType::Q4_1, QuantType::Q8_0] {
+                for (rows, k) in [(1536usize, 576usize), (576, 1536), (49152, 576)] {
+                    let wf: Vec<f32> = (0..rows * k)
+                        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 5000.0)
+                        .collect();
+                    let wq = quantize(ty, &wf);
+                    let mut line = format!("{ty:?} {rows:>6}x{k:<5}");
+                    for batch in [1, n] {
+                        let x: Vec<f32> = (0..batch * k).map(|i| (i % 13) as f32 / 13.0).collect();
+                        let mut y = vec![0f32; batch * rows];
+                        let macs = rows * k * batch;
+                        let mut t = [Vec::new(), Vec::new()];
+                        for _ in 0..5 {
+                            for (c, cpu) in [&exact, &bf16].iter().enumerate() {
+                                t[c].push(time(macs, || cpu.matmul(ty, &wq, rows, k, &x, &mut y)));
+                            }
+                        }
+                        let med = |v: &mut Vec<f64>| {
+                            v.sort_by(f64::total_cmp);
+                            v[v.len() / 2]
+                        };
+                        let (te, tb) = (med(&mut t[0]), med(&mut t[1]));
+                        if batch == 1 {
+                            let gb = |s: f64| wq.len() as f64 / s / 1e9;
+                            line += &format!(
+                                "  batch 1: {:5.1} vs {:5.1} GB/s ({:.2}x)",
+                                gb(te),
+                                gb(tb),
+                                te / tb
+                            );
+                        } else {
+                            let gf = |s: f64| 2.0 * macs as f64 / s / 1e9;
+                            line += &format!(
+                                "  batch {batch}: {:6.1} vs {:6.1} GFLOP/s ({:.2}x)",
+                                gf(te),
+                                gf(tb),
+                                te / tb
+                            );
+                        }
+                    }
+                    println!("{line}");
                 }
-            }
-            bf16_tiles(&panel, &xb, &mut part, CHUNK, k, n);
-            for i in 0..n {
-                y[i * rows + r0..i * rows + r0 + CHUNK]
-                    .copy_from_slice(&part[i * CHUNK..(i + 1) * CHUNK]);
             }
         }
     }

@@ -290,8 +290,8 @@ mod x86 {
     }
 
     /// Each weight block decoded (in registers where the format can), rounded, and dotted with
-    /// activation rows i0..i0+N; R weight rows at a time, so that R·N independent accumulator
-    /// chains hide `vdpbf16ps`'s latency (one chain per output keeps the canonical order).
+    /// activation rows i0..i0+N; R weight rows at a time, R·N independent accumulator chains
+    /// (one chain per output keeps the canonical order).
     #[inline(always)]
     unsafe fn rows<F: Format, const N: usize>(j: &JobRef, r0: usize, r1: usize, i0: usize) {
         let mut r = r0;
@@ -310,8 +310,8 @@ mod x86 {
         }
     }
 
-    // Index loops over the constant R and N unroll into registers; iterator chains here did
-    // not (stack-resident accumulators, half the speed).
+    // Index loops over the constant R and N: an earlier build with iterator chains over arrays
+    // kept its accumulators on the stack (seen in `perf annotate`).
     #[allow(clippy::needless_range_loop)]
     #[inline(always)]
     unsafe fn rows_r<F: Format, const N: usize, const R: usize>(j: &JobRef, r: usize, i0: usize) {
