@@ -5,7 +5,8 @@
 //! foreground step of duration d grants `share · d` of background kernel time, and the next
 //! step waits until a busy background has used it (or stopped asking), for at most that slice
 //! plus 2 ms. By construction a step is delayed by at most `share` of the previous step's time,
-//! 2 ms and one in-flight background kernel, and under full serving load the background's share is bounded by `share / (1 + share)` (all
+//! 2 ms and one in-flight background slice (about 2 ms: a background kernel runs in slices of its
+//! tasks, `ThreadPool::run_sliced`), and under full serving load the background's share is bounded by `share / (1 + share)` (all
 //! of the machine when serving is idle). Measured effect on serving: scripts/itl_while_training.py.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
