@@ -37,8 +37,13 @@ pub struct Metrics {
     /// Compute time by role (serve: engine steps; train: the trainer's kernels), from the pool's
     /// gate, set at scrape time.
     pub compute_busy_seconds: GaugeVec,
-    /// `online.train_share` in force: training time granted per unit of serving time under load.
+    /// The share in force (`online::share_policy`): training time granted per unit of serving
+    /// time under load; with the policy's measurements of the last period and minute.
     pub train_share: prometheus::Gauge,
+    pub train_itl_stretch: prometheus::Gauge,
+    pub train_steps_per_minute: prometheus::Gauge,
+    /// Completions trained on (beside `train_samples_dropped_total`).
+    pub train_samples_trained: IntCounterVec,
     pub train_loss: GaugeVec,
     pub train_reward_mean: GaugeVec,
     pub train_reward_std: GaugeVec,
@@ -239,9 +244,33 @@ impl Metrics {
                 &registry,
                 prometheus::Gauge::with_opts(Opts::new(
                     "train_share",
-                    "online.train_share in force: training time granted per unit of serving time while serving is busy.",
+                    "The training share in force (fixed or steered by the policy): training time granted per unit of serving time while serving is busy.",
                 ))
                 .expect("gauge"),
+            ),
+            train_itl_stretch: reg(
+                &registry,
+                prometheus::Gauge::with_opts(Opts::new(
+                    "train_itl_stretch",
+                    "Serving's steps with their waits for training over the same steps without them, last policy period (1 while serving is idle).",
+                ))
+                .expect("gauge"),
+            ),
+            train_steps_per_minute: reg(
+                &registry,
+                prometheus::Gauge::with_opts(Opts::new(
+                    "train_steps_per_minute",
+                    "Training steps per minute over the last minute (all learners).",
+                ))
+                .expect("gauge"),
+            ),
+            train_samples_trained: reg(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("train_samples_trained_total", "Completions trained on."),
+                    &["adapter"],
+                )
+                .expect("counter vec"),
             ),
             train_tokens_per_second: gauge_vec(
                 "train_tokens_per_second",

@@ -277,3 +277,77 @@ fn orchestrator_style_names_are_served_and_never_become_raw_paths() {
         refuses_adapter_name(&s, name);
     }
 }
+
+/// The split of the cores with serving is a policy a user sets and sees: configured, read back,
+/// replaced by the admin only (a bad field named), in force in the metrics, shown in the status;
+/// what it measures (steps per minute, the fraction of rewarded completions trained) follows a
+/// real step.
+#[test]
+fn the_share_policy_is_set_seen_and_measured() {
+    let (dir, path) = write_tiny(&spec());
+    let cfg = config(
+        "max_off_policy_steps = 1000\ntrain_target_steps_per_minute = 6\ntrain_itl_budget = 1.5",
+    );
+    let s = start_learning(&path, &dir.path().join("data"), &cfg, &["p"]);
+    let v = call(&s, "GET", "/v1/train/policy", None, USER).json();
+    assert_eq!(v["object"], "train.policy");
+    assert_eq!(v["policy"]["target_steps_per_minute"], 6.0);
+    assert_eq!(v["policy"]["itl_budget"], 1.5);
+    assert_eq!(
+        (v["steered"].clone(), v["train_share"].clone()),
+        (json!(true), json!(0.25))
+    );
+    // Only the admin replaces it; a bad or unknown field is named.
+    let body = json!({"train_share": 0.5, "max_stale_fraction": 0.2});
+    assert_eq!(
+        call(&s, "PUT", "/v1/train/policy", Some(&body), USER).status,
+        401
+    );
+    let bad = json!({"itl_budget": 0.5});
+    assert_error(
+        &call(&s, "PUT", "/v1/train/policy", Some(&bad), ADMIN),
+        400,
+        Some("itl_budget"),
+    );
+    let r = call(
+        &s,
+        "PUT",
+        "/v1/train/policy",
+        Some(&json!({"share": 1})),
+        ADMIN,
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.body_text().contains("share"), "{}", r.body_text());
+    let r = call(&s, "PUT", "/v1/train/policy", Some(&body), ADMIN);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let v = r.json();
+    assert_eq!(v["train_share"], 0.5);
+    assert_eq!(v["policy"]["max_stale_fraction"], 0.2);
+    // Replaced as a whole: the target and budget not given are gone.
+    assert_eq!(v["policy"]["target_steps_per_minute"], Value::Null);
+    assert_eq!(s.metric("flywheel_train_share"), 0.5);
+    let st = call(&s, "GET", "/v1/train/status", None, USER).json();
+    assert_eq!(st["policy"]["train_share"], 0.5);
+    // One group trains; the policy's next period counts its step and its two completions.
+    let id = sample(&s, "p", 2, 4, USER)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    reward(&s, &id, 2, 202);
+    wait_status(&s, "p", 60, |st| st["steps"].as_u64() >= Some(1));
+    assert_eq!(
+        s.metric("flywheel_train_samples_trained_total{adapter=\"p\"}"),
+        2.0
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let v = loop {
+        let v = call(&s, "GET", "/v1/train/policy", None, USER).json();
+        if v["trained_fraction"].is_number() || Instant::now() > deadline {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(v["trained_fraction"], 1.0, "{v}");
+    assert!(v["steps_per_minute"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(s.metric("flywheel_train_steps_per_minute") > 0.0);
+}

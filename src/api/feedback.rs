@@ -1,6 +1,7 @@
 //! `POST /v1/feedback` (rewards for completions served through learning adapters),
 //! `GET /v1/feedback/{id}`, and the training admin routes: `POST /v1/adapters/{name}/train`,
-//! `POST /v1/train/{name}/pause|resume`, `GET /v1/train/status`.
+//! `POST /v1/train/{name}/pause|resume`, `GET /v1/train/status` (with the share policy:
+//! `train_policy`).
 
 use super::body::JsonBody;
 use super::error::ApiError;
@@ -501,6 +502,7 @@ pub async fn status(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
         .await
         .map(|h| h.is_ok());
     Ok(Json(
-        json!({"object": "train.status", "adapters": adapters, "rollout_log_ok": log_ok}),
+        json!({"object": "train.status", "adapters": adapters, "rollout_log_ok": log_ok,
+               "policy": super::train_policy::view(&state).ok()}),
     ))
 }

@@ -200,7 +200,9 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         m.compute_busy_seconds
             .with_label_values(&["train"])
             .set(train.as_secs_f64());
-        m.train_share.set(r.online_cfg.train_share);
+        if r.online.get().is_none() {
+            m.train_share.set(r.online_cfg.share.train_share);
+        }
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

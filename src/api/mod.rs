@@ -19,6 +19,7 @@ pub mod serve;
 pub mod structured;
 pub mod tool_grammar;
 pub mod tools;
+pub mod train_policy;
 pub mod wire;
 
 pub use serve::run;
@@ -249,6 +250,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/feedback/{id}", get(feedback::get))
         .route("/v1/train/status", get(feedback::status))
+        .route("/v1/train/policy", get(train_policy::get))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let admin = Router::new()
         .route("/v1/adapters", post(adapters::create))
@@ -262,6 +264,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/adapters/{name}/train", post(feedback::train))
         .route("/v1/train/{name}/pause", post(feedback::pause))
         .route("/v1/train/{name}/resume", post(feedback::resume))
+        .route("/v1/train/policy", axum::routing::put(train_policy::put))
         .route_layer(middleware::from_fn_with_state(state.clone(), admin_auth));
     Router::new()
         .merge(protected)

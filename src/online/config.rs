@@ -1,6 +1,7 @@
 //! Learning configuration: `[online]` (the rollout log and the trainer's rules) and one `[[learn]]`
 //! table per learning adapter (also `serve --learn NAME` and `POST /v1/adapters/{name}/train`).
 
+use super::share_policy::SharePolicy;
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -23,6 +24,9 @@ pub struct RawOnline {
     pub retention_max_rows: Option<usize>,
     pub max_step_tokens: Option<usize>,
     pub train_share: Option<f64>,
+    pub train_target_steps_per_minute: Option<f64>,
+    pub train_max_stale_fraction: Option<f64>,
+    pub train_itl_budget: Option<f64>,
     pub activation_mb: Option<usize>,
 }
 
@@ -75,9 +79,10 @@ pub struct OnlineConfig {
     pub retention_max_rows: usize,
     /// Tokens (prompt + completion, summed over a step's sequences) one step takes at most.
     pub max_step_tokens: usize,
-    /// While serving is busy, the trainer gets this much compute time per unit of serving time
-    /// (between engine steps); all of it when serving is idle.
-    pub train_share: f64,
+    /// The split of the cores while serving is busy: the trainer's share of compute time per unit
+    /// of serving time (between engine steps), fixed or steered (`share_policy`); all of it when
+    /// serving is idle.
+    pub share: SharePolicy,
     /// Memory a step's kept activations may take (beyond it, layers are recomputed).
     pub activation_mb: usize,
 }
@@ -144,13 +149,25 @@ impl RawOnline {
             retention_days: self.retention_days.unwrap_or(30.0),
             retention_max_rows: self.retention_max_rows.unwrap_or(1_000_000),
             max_step_tokens: self.max_step_tokens.unwrap_or(8192),
-            train_share: self.train_share.unwrap_or(0.25),
+            share: SharePolicy {
+                train_share: self
+                    .train_share
+                    .unwrap_or(SharePolicy::default().train_share),
+                target_steps_per_minute: self.train_target_steps_per_minute,
+                max_stale_fraction: self.train_max_stale_fraction,
+                itl_budget: self.train_itl_budget,
+            },
             activation_mb: self
                 .activation_mb
                 .unwrap_or(crate::model::llama::ACTIVATION_BUDGET >> 20),
         };
-        if !(0.0..=10.0).contains(&c.train_share) {
-            return Err("online.train_share must be in [0, 10]".into());
+        if let Err((field, why)) = c.share.validate() {
+            let key = if field == "train_share" {
+                field.to_string()
+            } else {
+                format!("train_{field}")
+            };
+            return Err(format!("online.{key} {why}"));
         }
         if !(c.reward_min.is_finite() && c.reward_max.is_finite() && c.reward_min < c.reward_max) {
             return Err("online.reward_min must be below online.reward_max, both finite".into());

@@ -249,6 +249,7 @@ impl Learner {
                 steps: opt.step,
                 pending_groups: 0,
                 dropped: BTreeMap::new(),
+                trained: 0,
                 last: None,
                 last_error: None,
                 consecutive_failures: 0,
@@ -486,14 +487,20 @@ impl Learner {
         if let Some(d) = s.logprob_diff_max {
             m.train_logprob_diff.with_label_values(&[name]).set(d);
         }
+        let mut trained = 0;
         for g in batch {
             for mem in &g.members {
                 m.train_staleness
                     .with_label_values(&[name])
                     .observe((cur - mem.version) as f64);
+                trained += 1;
             }
         }
+        m.train_samples_trained
+            .with_label_values(&[name])
+            .inc_by(trained);
         let st = &mut self.status;
+        st.trained += trained;
         st.version = r.version;
         st.steps = s.step;
         st.last = Some(r.clone());

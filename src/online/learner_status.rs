@@ -93,6 +93,8 @@ pub struct Status {
     pub steps: u64,
     pub pending_groups: usize,
     pub dropped: BTreeMap<String, u64>,
+    /// Completions trained on (since this process started).
+    pub trained: u64,
     pub last: Option<StepReport>,
     pub last_error: Option<TrainError>,
     /// Failures since the last success (the learner fails after `MAX_FAILURES`).

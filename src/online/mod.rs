@@ -4,7 +4,7 @@
 //! (pure); `learner` is one learning adapter and its step, `checkpoint` its folders on disk,
 //! `adapter_store` their copies in object storage (shared by a trainer and serving replicas);
 //! `trainer` is the thread that owns the learners and the `TrainerHandle` the server talks to
-//! it with.
+//! it with; `share_policy` is how it splits the cores with serving (fixed or steered).
 
 pub mod adapter_store;
 pub mod checkpoint;
@@ -16,5 +16,6 @@ pub mod log;
 pub mod log_pg;
 pub mod open_store;
 pub mod records;
+pub mod share_policy;
 pub mod store;
 pub mod trainer;

@@ -13,7 +13,8 @@
 //! caught and reported the same way; if it ever ends, every learner counts as failed.
 //!
 //! Sharing the two cores: the trainer calls the same `Cpu` as the engine; its kernels run as
-//! background work (the pool's gate lets them run between engine steps, within `train_share`).
+//! background work (the pool's gate lets them run between engine steps, within the share its
+//! policy sets: `share_policy`, steered here after each step and each wake-up).
 
 use super::adapter_store::AdapterStore;
 use super::checkpoint::sweep_temporaries;
@@ -21,6 +22,7 @@ use super::config::{LearnConfig, OnlineConfig};
 use super::learner::{Env, ErrorKind, Learner, State, Status, TrainError};
 use super::open_store::open_store;
 use super::records::Refusal;
+use super::share_policy::{PolicyView, SharePolicy, Steering, Totals};
 use super::store::RolloutStore;
 use crate::adapter::registry::Registry;
 use crate::metrics::Metrics;
@@ -57,6 +59,8 @@ enum Command {
     Pause(String, bool, Reply<Status>),
     /// End a learner's lineage and remove its adapter.
     Remove(String, Reply<()>),
+    /// Replace the policy that splits the cores with serving.
+    Policy(SharePolicy, Reply<PolicyView>),
     /// A reward arrived.
     Wake,
     /// Finish the step in progress, then end the thread (graceful shutdown).
@@ -66,6 +70,7 @@ enum Command {
 /// What the handle reads without the thread.
 struct Shared {
     status: RwLock<BTreeMap<String, Status>>,
+    policy: RwLock<PolicyView>,
     /// False once the trainer thread has ended.
     alive: AtomicBool,
 }
@@ -103,6 +108,8 @@ struct Trainer {
     log_ok: bool,
     /// Set by `Command::Stop`: no further step; the thread ends.
     stopping: bool,
+    /// The split of the cores with serving (the gate's share).
+    steering: Steering,
 }
 
 /// Ends `alive` when the thread ends, however it ends.
@@ -171,8 +178,10 @@ impl TrainerHandle {
                 let _ = wake.send(Command::Wake);
             }));
         }
+        let steering = Steering::new(cfg.share.clone());
         let shared = Arc::new(Shared {
             status: RwLock::new(BTreeMap::new()),
+            policy: RwLock::new(steering.view().clone()),
             alive: AtomicBool::new(true),
         });
         let trainer = Trainer {
@@ -191,6 +200,7 @@ impl TrainerHandle {
             last_prune: now_secs(),
             log_ok: true,
             stopping: false,
+            steering,
         };
         std::thread::Builder::new()
             .name("flywheel-trainer".into())
@@ -240,6 +250,17 @@ impl TrainerHandle {
 
     /// Stop learning `name`: its lineage ends (never resumed, its versions never reused), its
     /// adapter is removed. Waits for a step in progress to end.
+    /// Replace the share policy (validated by the caller); the view after the change.
+    pub async fn set_policy(&self, p: SharePolicy) -> Result<PolicyView, CommandError> {
+        self.ask(|r| Command::Policy(p, r)).await
+    }
+
+    /// The share policy, the share in force and what it measured.
+    pub fn policy(&self) -> PolicyView {
+        let v = self.shared.policy.read().unwrap_or_else(|e| e.into_inner());
+        v.clone()
+    }
+
     pub async fn remove(&self, name: &str) -> Result<(), CommandError> {
         let n = name.to_string();
         self.ask(|r| Command::Remove(n, r)).await
@@ -312,8 +333,9 @@ impl Trainer {
     fn run(mut self) {
         let _alive = AliveGuard(self.shared.clone());
         // Serving first: the trainer's kernels (its `Cpu` is a background one) yield to engine
-        // steps, within `train_share` of their time (see kernels' `gate`).
-        self.env.cpu.pool.gate.set_share(self.env.cfg.train_share);
+        // steps, within the policy's share of their time (see kernels' `gate`).
+        self.env.cpu.pool.gate.set_share(self.steering.share());
+        self.env.metrics.train_share.set(self.steering.share());
         loop {
             let wait = self.next_wait();
             match self.rx.recv_timeout(wait) {
@@ -334,8 +356,41 @@ impl Trainer {
                 self.supervised(&name.clone(), |t| t.train(&name));
             }
             self.supervised("", Trainer::prune);
+            self.steer();
             self.publish_status();
         }
+    }
+
+    /// Let the policy measure and, each period, move the share (`share_policy`).
+    fn steer(&mut self) {
+        let mut t = Totals::default();
+        for l in self.learners.values() {
+            let st = &l.status;
+            t.steps += st.steps;
+            t.trained += st.trained;
+            t.stale += st.dropped.get("stale").copied().unwrap_or(0);
+            t.dropped += st.dropped.values().sum::<u64>();
+            t.pending += st.pending_groups as u64;
+        }
+        let gate = &self.env.cpu.pool.gate;
+        let (wall, waited) = gate.serving_time();
+        let serving = (wall.as_secs_f64(), waited.as_secs_f64());
+        let m = &self.env.metrics;
+        if let Some(share) = self.steering.tick(now_secs(), t, serving) {
+            gate.set_share(share);
+            m.train_share.set(share);
+            let why = self.steering.view().last_change.clone().unwrap_or_default();
+            tracing::info!(share, "training share: {why}");
+        }
+        let v = self.steering.view();
+        m.train_itl_stretch.set(v.itl_stretch.unwrap_or(1.0));
+        m.train_steps_per_minute
+            .set(v.steps_per_minute.unwrap_or(0.0));
+        *self
+            .shared
+            .policy
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = v.clone();
     }
 
     /// Run `f`, catching a panic. In a learner's turn (`name`) it fails that learner; elsewhere
@@ -375,6 +430,20 @@ impl Trainer {
     fn handle(&mut self, c: Command) {
         match c {
             Command::Wake => {}
+            Command::Policy(p, reply) => {
+                self.steering.set_policy(p);
+                let share = self.steering.share();
+                self.env.cpu.pool.gate.set_share(share);
+                self.env.metrics.train_share.set(share);
+                let v = self.steering.view().clone();
+                *self
+                    .shared
+                    .policy
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner()) = v.clone();
+                tracing::info!(policy = ?v.policy, "training share policy set");
+                let _ = reply.send(Ok(v));
+            }
             Command::Stop(reply) => {
                 self.stopping = true;
                 let _ = reply.send(Ok(()));
@@ -471,6 +540,7 @@ impl Trainer {
                     return;
                 }
             }
+            self.steer();
             self.publish_status();
             // Commands wait at most one step.
             while let Ok(c) = self.rx.try_recv() {

@@ -31,6 +31,11 @@ pub struct Gate {
     /// between serving and training a user sees (`Gate::busy`).
     fg_total: AtomicU64,
     bg_total: AtomicU64,
+    /// Serving's wall time (steps and the waits before them) and the part of it spent waiting
+    /// for background work (before a step, and inside it for the pool a background slice held),
+    /// ns: `Gate::serving_time`.
+    fg_wall: AtomicU64,
+    fg_waited: AtomicU64,
 }
 
 impl Default for Gate {
@@ -45,6 +50,8 @@ impl Default for Gate {
             bg_last_end: AtomicU64::new(0),
             fg_total: AtomicU64::new(0),
             bg_total: AtomicU64::new(0),
+            fg_wall: AtomicU64::new(0),
+            fg_waited: AtomicU64::new(0),
         }
     }
 }
@@ -73,6 +80,22 @@ impl Gate {
         )
     }
 
+    /// Serving's wall time and the part of it spent waiting for background work, since start:
+    /// over a span, wall / (wall - waited) is how far training stretched serving's steps (the
+    /// mean inter-token latency; the cache the two share is not counted).
+    pub fn serving_time(&self) -> (Duration, Duration) {
+        (
+            Duration::from_nanos(self.fg_wall.load(Ordering::Relaxed)),
+            Duration::from_nanos(self.fg_waited.load(Ordering::Relaxed)),
+        )
+    }
+
+    /// A foreground kernel waited this long for the pool (held by a background slice).
+    pub fn waited_inside(&self, d: Duration) {
+        self.fg_waited
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
     /// Run one foreground step (after the background's slice, if it is using it).
     pub fn foreground<R>(&self, f: impl FnOnce() -> R) -> R {
         let t_wait = Instant::now();
@@ -89,11 +112,14 @@ impl Gate {
             }
             std::thread::sleep(Duration::from_micros(100));
         }
+        let waited = t_wait.elapsed().as_nanos() as u64;
         self.fg_active.store(true, Ordering::SeqCst);
         let t0 = Instant::now();
         let r = f();
         let d = t0.elapsed().as_nanos() as i64;
         self.fg_total.fetch_add(d as u64, Ordering::Relaxed);
+        self.fg_wall.fetch_add(waited + d as u64, Ordering::Relaxed);
+        self.fg_waited.fetch_add(waited, Ordering::Relaxed);
         let grant = d.saturating_mul(self.share_ppm.load(Ordering::Relaxed) as i64) / 1_000_000;
         // One slice per step: unused budget does not pile up.
         self.budget.store(grant, Ordering::SeqCst);

@@ -105,7 +105,7 @@ impl ThreadPool {
         if background {
             self.run_sliced(num_tasks, f);
         } else {
-            self.run_now(num_tasks, f);
+            self.run_now(false, num_tasks, f);
         }
     }
 
@@ -122,7 +122,7 @@ impl ThreadPool {
             let end = (next + slice).min(num_tasks);
             self.gate.admit_background();
             let t0 = Instant::now();
-            self.run_now(end - next, &|i| f(next + i));
+            self.run_now(true, end - next, &|i| f(next + i));
             let took = t0.elapsed();
             self.gate.charge_background(took);
             // Size the next slice from this one's pace, in whole rounds of the pool's threads.
@@ -133,12 +133,25 @@ impl ThreadPool {
         }
     }
 
-    fn run_now(&self, num_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    fn run_now(&self, background: bool, num_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if self.num_threads == 1 || num_tasks == 1 {
             (0..num_tasks).for_each(f);
             return;
         }
-        let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = match self.run_lock.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                // Held by the other side (serving's steps are one thread's): a foreground step
+                // waiting here waits for a background slice.
+                let t0 = Instant::now();
+                let g = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+                if !background {
+                    self.gate.waited_inside(t0.elapsed());
+                }
+                g
+            }
+        };
         let s = &*self.shared;
         // SAFETY: we erase the lifetime; the pointer is only dereferenced by a thread that claimed a
         // task of this epoch, and we do not return before every claimed task has completed.
