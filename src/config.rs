@@ -429,9 +429,15 @@ mod tests {
         let raw = RawConfig::from_toml("[model]\nprecision = \"exact\"\n").unwrap();
         assert_eq!(raw.validate(&cli).unwrap().precision, PrecisionChoice::Bf16);
         for (toml, key) in [
-            ("[online]\ntrain_itl_budget = 0.9\n", "online.train_itl_budget"),
+            (
+                "[online]\ntrain_itl_budget = 0.9\n",
+                "online.train_itl_budget",
+            ),
             ("[online]\ntrain_share = 11\n", "online.train_share"),
-            ("[online]\ntrain_max_stale_fraction = 2\n", "online.train_max_stale_fraction"),
+            (
+                "[online]\ntrain_max_stale_fraction = 2\n",
+                "online.train_max_stale_fraction",
+            ),
         ] {
             let raw = RawConfig::from_toml(toml).unwrap();
             let e = raw.validate(&CliOverrides::default()).unwrap_err();

@@ -336,6 +336,9 @@ impl Learner {
         // The step works on a copy: the learner's optimizer changes only once all is durable.
         let mut opt = self.opt.clone();
         opt.config.lr = self.cfg.lr;
+        // The step's own work between its kernels counts as background work too: the grant
+        // serving's steps give training is not lost to those gaps (kernels' `gate`).
+        let work = env.cpu.pool.gate.background_work();
         let (next, stats) = step(
             &env.model,
             &env.cpu,
@@ -347,6 +350,7 @@ impl Learner {
             env.cfg.activation_mb << 20,
         )
         .map_err(|e| TrainError::new(ErrorKind::Step, e))?;
+        drop(work);
         let version = cur.version + 1;
         let mut rel = checkpoint_rel(&name, version);
         if env.adapters.is_some() {

@@ -26,6 +26,8 @@ pub struct Gate {
     share_ppm: AtomicU64,
     /// Background kernels waiting or running, and when the last one ended (ns since `epoch`).
     bg_busy: AtomicU64,
+    /// Background work in progress between its kernels (`Gate::background_work`).
+    bg_sessions: AtomicU64,
     bg_last_end: AtomicU64,
     /// Time spent in foreground steps and in background kernels since start (ns): the split
     /// between serving and training a user sees (`Gate::busy`).
@@ -47,6 +49,7 @@ impl Default for Gate {
             budget: AtomicI64::new(0),
             share_ppm: AtomicU64::new(500_000),
             bg_busy: AtomicU64::new(0),
+            bg_sessions: AtomicU64::new(0),
             bg_last_end: AtomicU64::new(0),
             fg_total: AtomicU64::new(0),
             bg_total: AtomicU64::new(0),
@@ -106,7 +109,9 @@ impl Gate {
                 .now_ns()
                 .saturating_sub(self.bg_last_end.load(Ordering::SeqCst))
                 < 1_000_000;
-            let wants = self.bg_busy.load(Ordering::SeqCst) > 0 || recent;
+            let wants = self.bg_busy.load(Ordering::SeqCst) > 0
+                || self.bg_sessions.load(Ordering::SeqCst) > 0
+                || recent;
             if self.budget.load(Ordering::SeqCst) <= 0 || !wants || t_wait.elapsed() > cap {
                 break;
             }
@@ -126,6 +131,16 @@ impl Gate {
         self.fg_last_end.store(self.now_ns(), Ordering::SeqCst);
         self.fg_active.store(false, Ordering::SeqCst);
         r
+    }
+
+    /// Mark background work that runs kernels with work of its own between them (a training
+    /// step): while the guard lives, a foreground step waits for the background's slice even when
+    /// the background is between kernels (still at most that slice plus 2 ms), so the grant is
+    /// not lost to the gaps. Measured without it: a training step under full serving load got a
+    /// fifth of its share.
+    pub fn background_work(&self) -> BackgroundWork<'_> {
+        self.bg_sessions.fetch_add(1, Ordering::SeqCst);
+        BackgroundWork(self)
     }
 
     /// Wait until a background kernel may start.
@@ -153,6 +168,15 @@ impl Gate {
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
         self.bg_last_end.store(self.now_ns(), Ordering::SeqCst);
         self.bg_busy.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// See `Gate::background_work`.
+pub struct BackgroundWork<'a>(&'a Gate);
+
+impl Drop for BackgroundWork<'_> {
+    fn drop(&mut self) {
+        self.0.bg_sessions.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -353,6 +353,42 @@ mod tests {
         assert!(waited < Duration::from_millis(20), "waited {waited:?}");
     }
 
+    /// Training under full serving load: kernels of 10 ms with 3 ms of the trainer's own work
+    /// between them, steps of 75 ms. Marked as background work, they get about the share (0.25 of
+    /// serving's time); unmarked, the grant is lost to the first gap (one kernel per step: 0.13).
+    fn share_with_gaps(marked: bool) -> f64 {
+        let pool = Arc::new(ThreadPool::new(2, Duration::from_micros(20)));
+        pool.gate.set_share(0.25);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, s) = (pool.clone(), stop.clone());
+        let bg = std::thread::spawn(move || {
+            let _work = marked.then(|| p.gate.background_work());
+            while !s.load(Ordering::Relaxed) {
+                p.run_as(true, 20, &|_| std::thread::sleep(Duration::from_millis(1)));
+                std::thread::sleep(Duration::from_millis(3));
+            }
+        });
+        for _ in 0..16 {
+            let step = || pool.run(2, &|_| std::thread::sleep(Duration::from_millis(75)));
+            pool.gate.foreground(step);
+        }
+        stop.store(true, Ordering::Relaxed);
+        bg.join().unwrap();
+        let (fg, b) = pool.gate.busy();
+        b.as_secs_f64() / fg.as_secs_f64()
+    }
+
+    #[test]
+    fn background_work_marked_between_its_kernels_gets_its_share() {
+        let marked = share_with_gaps(true);
+        let unmarked = share_with_gaps(false);
+        assert!(marked > 0.18 && marked < 0.35, "marked {marked}");
+        assert!(
+            marked > unmarked * 1.3,
+            "marked {marked} unmarked {unmarked}"
+        );
+    }
+
     #[test]
     fn many_small_jobs_in_a_row() {
         let pool = ThreadPool::new(2, Duration::from_micros(20));
