@@ -3,7 +3,8 @@ through a learning adapter (n=4, up to 48 tokens, temperature 1) and post a brev
 every completion, for --secs each run; the trainer learns meanwhile. Each policy runs on a fresh
 server, alternating, --rounds times. Prints per run and as medians: completions rewarded, trained
 and dropped as stale, steps, the share the policy ended on, serving's output tokens/s and its
-inter-token latency (mean and p99 from the server's histogram).
+inter-token latency (mean and p99 from the server's histogram). Completions neither trained nor
+dropped are still waiting when the run ends.
 
     cargo build --release -p flywheel
     python3 scripts/learn_under_load.py [--secs 120] [--rounds 1] \
@@ -97,7 +98,8 @@ def run(policy, secs, groups_per_step):
         mean, p99 = itl(metrics(base))
         return {"rewarded": sum(o[0] for o in out), "tokens_per_second": sum(o[1] for o in out) / took,
                 "steps": a["steps"], "trained": a["trained"], "stale": a["dropped"].get("stale", 0),
-                "dropped": sum(a["dropped"].values()), "pending_groups": a["pending_groups"],
+                "dropped": sum(a["dropped"].values()), "dropped_by_reason": a["dropped"],
+                "pending_groups": a["pending_groups"],
                 "share": pol["train_share"], "last_change": pol["last_change"],
                 "itl_mean": mean, "itl_p99": p99}
     finally:
@@ -120,12 +122,14 @@ def main():
             r = run(lines.replace("\\n", "\n"), a.secs, a.groups_per_step)
             rows[name].append(r)
             print(f"round {rnd} {name}: {json.dumps(r)}", flush=True)
-    med = lambda xs: sorted(xs)[len(xs) // 2]
+    def med(xs):
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
     for name, rs in rows.items():
         k = lambda key: med([r[key] for r in rs])
-        print(f"{name:10s} rewarded {k('rewarded'):6d}  trained {k('trained'):6d} "
-              f"({k('trained') / max(k('rewarded'), 1):.0%})  stale {k('stale'):6d}  "
-              f"steps {k('steps'):4d}  share {k('share'):.3f}  serving {k('tokens_per_second'):6.1f} tok/s  "
+        print(f"{name:10s} rewarded {k('rewarded'):6.0f}  trained {k('trained'):6.0f} "
+              f"({k('trained') / max(k('rewarded'), 1):.0%})  dropped {k('dropped'):6.0f} (stale {k('stale'):.0f})  "
+              f"steps {k('steps'):4.1f}  share {k('share'):.3f}  serving {k('tokens_per_second'):6.1f} tok/s  "
               f"ITL mean {k('itl_mean') * 1e3:5.1f} ms  p99 {k('itl_p99') * 1e3:5.1f} ms")
 
 
