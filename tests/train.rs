@@ -17,7 +17,7 @@ use flywheel::generate::GenerateOptions;
 use flywheel::kernels::cpu::Precision;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::metrics::Metrics;
-use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET};
+use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET, HEAD_CHUNK};
 use flywheel::model::tokenizer::Tokenizer;
 use flywheel::train::pack::Packed;
 use std::sync::Arc;
@@ -109,7 +109,8 @@ fn served_equal_training(spec: &TinySpec, precision: Precision) -> Vec<Vec<f32>>
                 .map(|t| (t * 17 + i as u32) % 250 + 3)
                 .collect();
             let opts = GenerateOptions {
-                max_tokens: 12,
+                // Enough tokens for the LM head's chunks to split the batch (asserted below).
+                max_tokens: 80,
                 sampling: SamplingParams {
                     temperature,
                     ..Default::default()
@@ -121,6 +122,11 @@ fn served_equal_training(spec: &TinySpec, precision: Precision) -> Vec<Vec<f32>>
             served_all.push(out.logprobs.iter().map(|l| l.logprob).collect());
             seqs.push((prompt, out.token_ids, out.logprobs, temperature));
         }
+        let scored: usize = seqs.iter().map(|s| s.1.len()).sum();
+        assert!(
+            scored > HEAD_CHUNK,
+            "{scored} scored tokens: one head chunk only"
+        );
         // Each temperature is its own training batch of all three sequences (packed together).
         for &(_, _, _, temperature) in &seqs {
             let toks: Vec<Vec<u32>> = seqs

@@ -10,7 +10,7 @@ mod train;
 
 pub use buffers::{AdapterScratch, ForwardBuffers};
 pub use forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Projection};
-pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, TRAIN_BLOCK};
+pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, HEAD_CHUNK, TRAIN_BLOCK};
 
 use super::gguf::{Gguf, GgufError, TensorInfo};
 use flywheel_kernels::cpu::ops::rope_table;
