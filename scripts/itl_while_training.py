@@ -47,11 +47,12 @@ def main():
     ap.add_argument("--backlog", type=int, default=12)
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--share", type=float, default=None, help="online.train_share")
+    ap.add_argument("--online", default="", help="more [online] lines (a share policy: train_itl_budget = 1.5)")
     a = ap.parse_args()
     data = tempfile.mkdtemp()
     cfg = pathlib.Path(data) / "serve.toml"
     share = "" if a.share is None else f"train_share = {a.share}\n"
-    cfg.write_text("[online]\nmax_off_policy_steps = 1000000\n" + share)
+    cfg.write_text("[online]\nmax_off_policy_steps = 1000000\n" + share + a.online.replace("\\n", "\n") + "\n")
     proc, base = start_server(["--learn", "busy", "--data-dir", data, "--config", str(cfg)])
     try:
         rows = []
@@ -75,7 +76,9 @@ def main():
             deadline = time.time() + 900
             while status(base)["pending_groups"] > 0 and time.time() < deadline:
                 time.sleep(1)
-        med = lambda xs: sorted(xs)[len(xs) // 2]
+        def med(xs):
+            xs = sorted(xs)
+            return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
         for k in ["itl_p50", "itl_p99", "ttft_p50", "ttft_p99", "output_tokens_per_second"]:
             i, b = med([r[0][k] for r in rows]), med([r[1][k] for r in rows])
             print(f"{k:26s} idle {i:9.4f}  busy {b:9.4f}  busy/idle {b / i:5.2f}")
