@@ -5,11 +5,11 @@
 
 mod common;
 
+use common::adapters::{lora, oft};
 use common::{write_tiny, Rng, TinySpec};
 use flywheel::adapter::registry::Registry;
 use flywheel::adapter::{
-    AdapterBase, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig,
-    Target,
+    AdapterBase, AdapterConfig, AdapterLayout, AdapterWeights, Method, Target,
 };
 use flywheel::app::Base;
 use flywheel::engine::sampler::SamplingParams;
@@ -42,21 +42,6 @@ fn adapter(
     let layout = Arc::new(AdapterLayout::new(cfg, &model.config).unwrap());
     let params = Rng(seed).vec(layout.num_params, scale);
     AdapterWeights::new(layout, params).unwrap()
-}
-
-fn oft16() -> Method {
-    Method::Oft(OftConfig {
-        block_size: 16,
-        ..OftConfig::default()
-    })
-}
-
-fn lora4() -> Method {
-    Method::Lora(LoraConfig {
-        r: 4,
-        alpha: 8.0,
-        use_rslora: false,
-    })
 }
 
 #[test]
@@ -94,7 +79,7 @@ fn served_equal_training(spec: &TinySpec, precision: Precision) -> Vec<Vec<f32>>
         cpu: Arc::new(detect()),
     };
     let reg = Registry::new(&model.config, Vec::new(), Arc::new(Metrics::new()));
-    for (kind, method) in [("oft", oft16()), ("lora", lora4())] {
+    for (kind, method) in [("oft", oft()), ("lora", lora())] {
         let w = adapter(
             &model,
             method,
@@ -184,7 +169,7 @@ fn gradients_equal_finite_differences(spec: &TinySpec) {
     let t1: Vec<u32> = (0..9).map(|t| (t * 29 + 4) % 250 + 3).collect();
     let t2: Vec<u32> = (0..7).map(|t| (t * 13 + 11) % 250 + 3).collect();
     let seqs = [TrainSeq::whole(&t1, 4), TrainSeq::whole(&t2, 2)];
-    for (name, method, scale) in [("oft", oft16(), 0.2f32), ("lora", lora4(), 0.3)] {
+    for (name, method, scale) in [("oft", oft(), 0.2f32), ("lora", lora(), 0.3)] {
         let w = adapter(
             &model,
             method,
@@ -295,7 +280,7 @@ fn kept_and_recomputed_case(spec: &TinySpec) {
     let weight = |i: usize, l: usize| (0..l).map(|j| 0.5 + (i + j) as f32 * 0.3).collect();
     for isa in [Isa::Reference, Isa::detect()] {
         let c = cpu(isa);
-        for (name, method) in [("oft", oft16()), ("lora", lora4())] {
+        for (name, method) in [("oft", oft()), ("lora", lora())] {
             let w = adapter(
                 &model,
                 method,
@@ -361,7 +346,7 @@ fn a_shared_prompt_equals_the_unshared_batch() {
     );
     for isa in [Isa::Reference, Isa::detect()] {
         let c = cpu(isa);
-        for (name, method) in [("oft", oft16()), ("lora", lora4())] {
+        for (name, method) in [("oft", oft()), ("lora", lora())] {
             let w = adapter(&model, method, &Target::ALL, 21, 0.2);
             let run = |k: &Packed| {
                 let seqs = k.seqs();
@@ -401,202 +386,4 @@ fn a_shared_prompt_equals_the_unshared_batch() {
             assert!(diff <= 3e-6 * norm, "{name} {isa:?}: {diff} vs {norm}");
         }
     }
-}
-
-fn mean_logp(
-    model: &Llama,
-    w: &AdapterWeights,
-    samples: &[flywheel::train::offline::Sample],
-) -> Vec<f64> {
-    let toks: Vec<Vec<u32>> = samples
-        .iter()
-        .map(|s| [s.prompt.clone(), s.completion.clone()].concat())
-        .collect();
-    let seqs: Vec<TrainSeq> = samples
-        .iter()
-        .zip(&toks)
-        .map(|(s, t)| TrainSeq::whole(t, s.prompt.len()))
-        .collect();
-    let lp = model.logprobs(&Cpu::detect(), &seqs, Some(w), 1.0).unwrap();
-    lp.iter()
-        .map(|l| l.iter().map(|v| *v as f64).sum::<f64>() / l.len() as f64)
-        .collect()
-}
-
-fn identity(model: &Llama, method: Method) -> AdapterWeights {
-    let cfg = AdapterConfig {
-        method,
-        targets: Target::ALL.to_vec(),
-        base_model: String::new(),
-    };
-    AdapterWeights::identity(Arc::new(AdapterLayout::new(cfg, &model.config).unwrap()), 1)
-}
-
-#[test]
-fn sft_steps_raise_the_log_prob_of_their_data() {
-    use flywheel::train::loss::LossConfig;
-    use flywheel::train::offline::{grouped, parse_jsonl, step};
-    use flywheel::train::optim::{AdamW, AdamWConfig};
-    let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
-    let data = "{\"prompt_token_ids\": [5, 6, 7], \"completion_token_ids\": [40, 41, 42, 43]}\n\
-                {\"prompt_token_ids\": [9, 8], \"completion_token_ids\": [100, 101, 102]}\n";
-    let samples = parse_jsonl(data, None).unwrap();
-    let mut w = identity(&model, oft16());
-    let before = mean_logp(&model, &w, &samples);
-    let loss = LossConfig::named("sft", 8, 1).unwrap();
-    let mut opt = AdamW::new(
-        AdamWConfig {
-            lr: 1e-2,
-            ..Default::default()
-        },
-        w.layout.num_params,
-    );
-    let batches = grouped(&samples, "sft");
-    assert_eq!(batches.len(), 2);
-    for _ in 0..6 {
-        let refs: Vec<_> = batches.iter().collect();
-        let (next, stats) = step(
-            &model,
-            &Cpu::detect(),
-            &w,
-            &mut opt,
-            &loss,
-            &refs,
-            1.0,
-            ACTIVATION_BUDGET,
-        )
-        .unwrap();
-        assert!(stats.loss.is_finite());
-        // Entropy of a distribution over the tiny vocabulary: in (0, ln V].
-        let h = stats.entropy;
-        assert!(
-            h > 0.0 && h <= (model.config.vocab_size as f64).ln() + 1e-6,
-            "{h}"
-        );
-        w = next;
-    }
-    let after = mean_logp(&model, &w, &samples);
-    eprintln!("SFT mean log-prob per sample: {before:?} -> {after:?}");
-    for (b, a) in before.iter().zip(&after) {
-        assert!(
-            a > &(b + 0.1),
-            "SFT did not raise the data's log-prob: {b} -> {a}"
-        );
-    }
-}
-
-/// One GRPO step of `batch` from `w`.
-fn grpo_step(
-    model: &Llama,
-    w: &AdapterWeights,
-    opt: &mut flywheel::train::optim::AdamW,
-    batch: &flywheel::train::offline::Batch,
-) -> AdapterWeights {
-    let loss = flywheel::train::loss::LossConfig::named("grpo", 3, 4).unwrap();
-    let cpu = Cpu::detect();
-    let (next, _) = flywheel::train::offline::step(
-        model,
-        &cpu,
-        w,
-        opt,
-        &loss,
-        &[batch],
-        1.0,
-        ACTIVATION_BUDGET,
-    )
-    .unwrap();
-    next
-}
-
-#[test]
-fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
-    use flywheel::train::offline::{grouped, parse_jsonl};
-    use flywheel::train::optim::{AdamW, AdamWConfig};
-    let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
-    let completions = [[30u32, 31, 32], [60, 61, 62], [90, 91, 92], [120, 121, 122]];
-    let data: String = completions
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            format!(
-                "{{\"prompt_token_ids\": [3, 4, 5, 6], \"completion_token_ids\": {c:?}, \"reward\": {}, \"group\": \"g\"}}\n",
-                if i == 0 { 1.0 } else { 0.0 }
-            )
-        })
-        .collect();
-    let samples = parse_jsonl(&data, None).unwrap();
-    for (name, method) in [("oft", oft16()), ("lora", lora4())] {
-        let mut w = identity(&model, method);
-        let gap = |w: &AdapterWeights| {
-            let m = mean_logp(&model, w, &samples);
-            m[0] - (m[1] + m[2] + m[3]) / 3.0
-        };
-        let before = gap(&w);
-        let mut opt = AdamW::new(
-            AdamWConfig {
-                lr: 1e-2,
-                ..Default::default()
-            },
-            w.layout.num_params,
-        );
-        let batches = grouped(&samples, "grpo");
-        assert_eq!(batches.len(), 1);
-        for _ in 0..6 {
-            w = grpo_step(&model, &w, &mut opt, &batches[0]);
-        }
-        let after = gap(&w);
-        eprintln!("{name}: log-prob gap of the rewarded completion {before:.3} -> {after:.3}");
-        assert!(
-            after > before + 0.2,
-            "{name}: GRPO did not favour the rewarded completion"
-        );
-    }
-    // Tokens a grammar forced carry no choice: a batch of only those leaves the adapter as it is.
-    let mut forced = samples.clone();
-    for s in &mut forced {
-        s.forced = (0..s.completion.len() as u32).collect();
-    }
-    let batches = grouped(&forced, "grpo");
-    let w = identity(&model, oft16());
-    let mut opt = AdamW::new(
-        AdamWConfig {
-            lr: 1e-2,
-            weight_decay: 0.0,
-            ..Default::default()
-        },
-        w.layout.num_params,
-    );
-    let next = grpo_step(&model, &w, &mut opt, &batches[0]);
-    assert_eq!(next.params, w.params, "forced tokens trained");
-    // A group whose rewards are all equal carries no signal.
-    let flat = parse_jsonl(&data.replace("\"reward\": 1", "\"reward\": 0"), None).unwrap();
-    assert!(grouped(&flat, "grpo").is_empty());
-}
-
-/// SFT data as text: `messages` split at the assistant's answer by the chat template (the answer
-/// with its end-of-turn token is the completion), and `prompt` + `completion`.
-#[test]
-fn text_and_messages_lines_tokenize_into_prompt_and_completion() {
-    use flywheel::train::offline::parse_jsonl;
-    let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
-    let tok = Tokenizer::from_gguf(&model.gguf).unwrap();
-    let data = r#"{"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]}
-{"prompt": "abc", "completion": " def", "group": "g"}
-{"messages": [{"role": "user", "content": "only a question"}]}"#;
-    let err = parse_jsonl(data, Some(&tok)).err().unwrap().to_string();
-    assert!(err.contains("line 3") && err.contains("assistant"), "{err}");
-    let two: String = data.lines().take(2).collect::<Vec<_>>().join("\n");
-    assert!(parse_jsonl(&two, None).is_err(), "text needs the tokenizer");
-    let s = parse_jsonl(&two, Some(&tok)).unwrap();
-    assert_eq!(
-        tok.decode(&s[0].prompt),
-        "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
-    );
-    assert_eq!(tok.decode(&s[0].completion), "hello<|im_end|>\n");
-    assert_eq!(tok.decode(&s[1].prompt), "abc");
-    assert_eq!(tok.decode(&s[1].completion), " def");
-    assert_eq!(s[1].group, "g");
 }
