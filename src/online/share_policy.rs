@@ -131,12 +131,9 @@ pub struct PolicyView {
     pub last_change: Option<String>,
 }
 
-/// The controller.
+/// The controller. Its settings and the share in force live in the view it shows.
 pub struct Steering {
-    policy: SharePolicy,
-    share: f64,
-    last_tick: Option<f64>,
-    /// (time, totals) samples over the window.
+    /// (time, totals) at each tick over the window; the last is the last tick.
     history: VecDeque<(f64, Totals)>,
     /// Serving's (wall, waited) seconds at the last tick.
     serving: (f64, f64),
@@ -145,22 +142,18 @@ pub struct Steering {
 
 impl Steering {
     pub fn new(policy: SharePolicy) -> Steering {
-        let share = policy.train_share;
         Steering {
             view: PolicyView {
                 object: "train.policy",
-                policy: policy.clone(),
-                train_share: share,
+                train_share: policy.train_share,
                 steered: policy.steered(),
+                policy,
                 steps_per_minute: None,
                 stale_fraction: None,
                 trained_fraction: None,
                 itl_stretch: None,
                 last_change: None,
             },
-            policy,
-            share,
-            last_tick: None,
             history: VecDeque::new(),
             serving: (0.0, 0.0),
         }
@@ -169,16 +162,15 @@ impl Steering {
     /// Replace the settings (the share restarts from the new `train_share`; the measurements go
     /// on).
     pub fn set_policy(&mut self, policy: SharePolicy) {
-        self.share = policy.train_share;
-        self.view.policy = policy.clone();
-        self.view.steered = policy.steered();
-        self.view.train_share = self.share;
-        self.view.last_change = Some(format!("set to {:.3} by a new policy", self.share));
-        self.policy = policy;
+        let v = &mut self.view;
+        v.train_share = policy.train_share;
+        v.steered = policy.steered();
+        v.last_change = Some(format!("set to {:.3} by a new policy", v.train_share));
+        v.policy = policy;
     }
 
     pub fn share(&self) -> f64 {
-        self.share
+        self.view.train_share
     }
 
     pub fn view(&self) -> &PolicyView {
@@ -189,8 +181,7 @@ impl Steering {
     /// trainer's counters, `serving` the gate's (wall, waited) seconds. Returns the new share when
     /// it changed.
     pub fn tick(&mut self, now: f64, totals: Totals, serving: (f64, f64)) -> Option<f64> {
-        let Some(last) = self.last_tick else {
-            self.last_tick = Some(now);
+        let Some(&(last, prev)) = self.history.back() else {
             self.history.push_back((now, totals));
             self.serving = serving;
             return None;
@@ -199,8 +190,6 @@ impl Steering {
         if dt < PERIOD_SECS {
             return None;
         }
-        let prev = self.history.back().map(|h| h.1).unwrap_or_default();
-        self.last_tick = Some(now);
         self.history.push_back((now, totals));
         // Keep one sample at or before the window's start as the base.
         while self.history.len() > 2 && self.history[1].0 <= now - WINDOW_SECS {
@@ -224,7 +213,7 @@ impl Steering {
         v.trained_fraction = trained;
         v.itl_stretch = stretch;
         // Fixed, or serving idle (the trainer has the machine: the share does not bind).
-        let p = &self.policy;
+        let (p, share) = (&self.view.policy, self.view.train_share);
         let stretch = stretch.filter(|_| p.steered())?;
         let demand = totals.pending > 0 || totals.steps > prev.steps;
         let stale_over = p
@@ -232,15 +221,15 @@ impl Steering {
             .is_some_and(|f| stale.is_some_and(|s| s > f));
         let (new, why) = match (p.itl_budget, p.target_steps_per_minute) {
             (Some(b), _) if stretch > b => (
-                self.share / 1.5,
+                share / 1.5,
                 format!("lowered: serving's steps stretched {stretch:.2}x, over the budget {b}"),
             ),
             (_, Some(t)) if demand && rate < t => (
-                (self.share * 1.5).max(0.05),
+                (share * 1.5).max(0.05),
                 format!("raised: {rate:.1} steps/min, below the target {t}"),
             ),
             _ if demand && stale_over => (
-                (self.share * 1.5).max(0.05),
+                (share * 1.5).max(0.05),
                 format!(
                     "raised: {:.2} of the completions dropped as stale, over the bound {}",
                     stale.unwrap_or(0.0),
@@ -248,20 +237,19 @@ impl Steering {
                 ),
             ),
             (Some(b), None) if demand && p.max_stale_fraction.is_none() => (
-                (self.share * 1.5).max(0.05),
+                (share * 1.5).max(0.05),
                 format!("raised: groups wait and serving's steps stretched {stretch:.2}x, within the budget {b}"),
             ),
             (_, Some(t)) if rate > 1.5 * t && !stale_over => (
-                self.share / 1.25,
+                share / 1.25,
                 format!("lowered: {rate:.1} steps/min, above the target {t}"),
             ),
             _ => return None,
         };
         let new = new.clamp(MIN_SHARE, p.cap());
-        if (new - self.share).abs() < 1e-9 {
+        if (new - share).abs() < 1e-9 {
             return None;
         }
-        self.share = new;
         self.view.train_share = new;
         self.view.last_change = Some(format!("{why}: share {new:.3}"));
         Some(new)

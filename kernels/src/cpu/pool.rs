@@ -355,7 +355,7 @@ mod tests {
 
     /// Training under full serving load: kernels of 10 ms with 3 ms of the trainer's own work
     /// between them, steps of 75 ms. Marked as background work, they get about the share (0.25 of
-    /// serving's time); unmarked, the grant is lost to the first gap (one kernel per step: 0.13).
+    /// serving's time); unmarked, the grant is lost to the first gap (one kernel per step: 0.15 seen).
     fn share_with_gaps(marked: bool) -> f64 {
         let pool = Arc::new(ThreadPool::new(2, Duration::from_micros(20)));
         pool.gate.set_share(0.25);
