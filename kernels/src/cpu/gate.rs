@@ -137,7 +137,7 @@ impl Gate {
     /// step): while the guard lives, a foreground step waits for the background's slice even when
     /// the background is between kernels (still at most that slice plus 2 ms), so the grant is
     /// not lost to the gaps. Measured without it (16 streams, share 0.25): training got 2.0 s of
-    /// kernel time in 40 s of serving's 37.8; with it, 6.2 s (README, learning under load).
+    /// kernel time in 40 s (serving 37.8 s); with it, 6.2 s (README, learning under load).
     pub fn background_work(&self) -> BackgroundWork<'_> {
         self.bg_sessions.fetch_add(1, Ordering::SeqCst);
         BackgroundWork(self)
