@@ -62,6 +62,9 @@ pub fn compute(
         PrecisionChoice::Bf16 => cpu
             .with_precision(Precision::Bf16)
             .map_err(|e| anyhow::anyhow!("precision bf16: {e}; use exact or auto")),
+        PrecisionChoice::Int8 => cpu
+            .with_precision(Precision::Int8)
+            .map_err(|e| anyhow::anyhow!("precision int8: {e}; use exact or auto")),
         PrecisionChoice::Auto => {
             if Precision::Bf16.supported(isa) {
                 Ok(cpu.with_precision(Precision::Bf16).expect("supported"))

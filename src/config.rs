@@ -130,7 +130,7 @@ pub struct Config {
     /// None: the model's own context length.
     pub max_model_len: Option<usize>,
     pub threads: usize,
-    /// The arithmetic of the base's products (model.precision: exact, bf16 or auto).
+    /// The arithmetic of the base's products (model.precision: exact, bf16, int8 or auto).
     pub precision: PrecisionChoice,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
@@ -375,6 +375,9 @@ pub enum PrecisionChoice {
     Exact,
     /// BF16 products (`vdpbf16ps`); an error on a CPU without AVX512_BF16.
     Bf16,
+    /// Int8 activations x the weights' codes (`vpdpbusd`); an error on a CPU without
+    /// AVX512_VNNI.
+    Int8,
     /// BF16 where the CPU has it, else exact (said in the start-up log).
     Auto,
 }
@@ -385,8 +388,9 @@ impl std::str::FromStr for PrecisionChoice {
         match s {
             "exact" => Ok(PrecisionChoice::Exact),
             "bf16" => Ok(PrecisionChoice::Bf16),
+            "int8" => Ok(PrecisionChoice::Int8),
             "auto" => Ok(PrecisionChoice::Auto),
-            _ => Err(format!("'{s}': expected exact, bf16 or auto")),
+            _ => Err(format!("'{s}': expected exact, bf16, int8 or auto")),
         }
     }
 }

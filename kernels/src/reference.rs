@@ -6,12 +6,14 @@
 
 use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, QK};
 
-// The backward ops' twins, and the BF16 products' emulation, in files of their own; their paths
+// The backward ops' twins, and the BF16 and int8 products' emulation, in files of their own; their paths
 // stay `reference::*`.
 mod backward;
 mod bf16;
+mod int8;
 pub use backward::*;
 pub use bf16::*;
+pub use int8::*;
 
 /// Which dims of a head RoPE turns together (pair `i` turns by frequency `i` either way).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -120,8 +120,13 @@ impl Features {
                 "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
             ],
         };
-        if precision == Precision::Bf16 && isa != Isa::Reference {
-            v.push("avx512_bf16");
+        if isa != Isa::Reference {
+            if precision == Precision::Int8 {
+                v.push("avx512_vnni");
+            }
+            if precision.backward() == Precision::Bf16 {
+                v.push("avx512_bf16");
+            }
         }
         v
     }
@@ -149,6 +154,10 @@ impl Features {
         let how = match precision {
             Precision::Exact => "f32 FMA on dequantized weights",
             Precision::Bf16 => "vdpbf16ps on BF16-rounded weights and activations, f32 sums",
+            Precision::Int8 => {
+                "vpdpbusd on int8 activations x the weights' 4/8-bit codes, f32 block scales; \
+                 input gradients in BF16 where present"
+            }
         };
         format!(
             "kernels={} products={} ({how}) uses [{}]; present, not used by any path yet: \

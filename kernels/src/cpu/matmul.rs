@@ -77,6 +77,11 @@ pub(crate) struct JobRef {
     pub x: *const f32,
     /// The activations rounded to BF16 (`Precision::Bf16`), or null: the exact f32 path.
     pub xb: *const u16,
+    /// The activations quantized to int8 (`Precision::Int8`; `reference::quantize_rows_q8`'s
+    /// layout: codes, per-lane scales and Q4_1 sums), or null.
+    pub xq: *const i8,
+    pub xd: *const f32,
+    pub xs: *const f32,
     pub n: usize,
     pub y: *mut f32,
     /// Batches of DOT_MIN_ROWS rows or more: dequantized panel, dot-form tiles.
@@ -89,6 +94,14 @@ thread_local! {
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The rounded activations of a BF16 chunk (as u16 pairs), on the calling thread.
     static XB: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The quantized activations of an int8 chunk, on the calling thread.
+    static XQ: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// f32 slots of one product's quantized activations: codes (as bytes), scales, sums.
+fn q8_slots(n: usize, cols: usize) -> (usize, usize) {
+    let np = reference::q8_pairs(cols);
+    (n * np * 16, n * np * 16)
 }
 
 /// Whether a product of rows of `cols` values takes the BF16 path under `Precision::Bf16` (the
@@ -104,9 +117,12 @@ pub fn matmul_many(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matm
         j.check();
     }
     let bf16 = precision == Precision::Bf16;
+    let int8 = precision == Precision::Int8;
     if isa == Isa::Reference {
         for j in jobs.iter_mut() {
-            if bf16 && bf16_applies(j.cols) {
+            if int8 && reference::int8_applies(j.ty, j.cols) {
+                reference::matmul_int8(j.ty, j.w, j.rows, j.cols, j.x, j.y);
+            } else if bf16 && bf16_applies(j.cols) {
                 reference::matmul_bf16(j.ty, j.w, j.rows, j.cols, j.x, j.y);
             } else {
                 reference::matmul(j.ty, j.w, j.rows, j.cols, j.x, j.y);
@@ -115,15 +131,34 @@ pub fn matmul_many(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matm
         return;
     }
     assert!(
-        !bf16 || Precision::Bf16.supported(isa),
-        "BF16 products need AVX512_BF16"
+        precision.supported(isa),
+        "{} products need {}",
+        precision.name(),
+        precision.needs()
     );
     for chunk in jobs.chunks_mut(MAX_JOBS) {
-        run_chunk(isa, bf16, pool, chunk);
+        run_chunk(isa, precision, pool, chunk);
     }
 }
 
-fn run_chunk(isa: Isa, bf16: bool, pool: Tasks, jobs: &mut [Matmul]) {
+fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
+    let bf16 = precision == Precision::Bf16;
+    let int8 = |j: &Matmul| precision == Precision::Int8 && reference::int8_applies(j.ty, j.cols);
+    // Int8: every job's activations quantized once, into one buffer on this thread.
+    let q8_total: usize = jobs
+        .iter()
+        .filter(|j| int8(j))
+        .map(|j| {
+            let (a, b) = q8_slots(j.x.len() / j.cols, j.cols);
+            a + 2 * b
+        })
+        .sum();
+    let xq_all = if q8_total > 0 {
+        scratch(&XQ, q8_total + 16)
+    } else {
+        std::ptr::null_mut()
+    };
+    let mut xq_used = 0;
     // BF16: every job's activations rounded once, into one buffer on this thread.
     let rounded: usize = jobs
         .iter()
@@ -156,7 +191,22 @@ fn run_chunk(isa: Isa, bf16: bool, pool: Tasks, jobs: &mut [Matmul]) {
         } else {
             std::ptr::null()
         };
-        let dot_panel = n >= DOT_MIN_ROWS && j.cols.is_multiple_of(32);
+        let (mut xq, mut xd, mut xs) = (std::ptr::null(), std::ptr::null(), std::ptr::null());
+        if int8(j) {
+            let (codes, lanes) = q8_slots(n, j.cols);
+            // SAFETY: the buffer holds q8_total slots; VNNI support was checked.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                let base = xq_all.add(xq_used);
+                xq_used += codes + 2 * lanes;
+                let (q, d, s) = (base as *mut i8, base.add(codes), base.add(codes + lanes));
+                super::int8::quantize_rows(j.x.as_ptr(), n, j.cols, q, d, s);
+                (xq, xd, xs) = (q as *const i8, d as *const f32, s as *const f32);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            unreachable!("int8 products are x86_64 only")
+        }
+        let dot_panel = xq.is_null() && n >= DOT_MIN_ROWS && j.cols.is_multiple_of(32);
         let rows_per_task = if dot_panel {
             // Small products (LoRA's A: r rows) in tiles of one panel height, so that both
             // threads get work; a row's result does not depend on the split.
@@ -176,6 +226,9 @@ fn run_chunk(isa: Isa, bf16: bool, pool: Tasks, jobs: &mut [Matmul]) {
             cols: j.cols,
             x: j.x.as_ptr(),
             xb,
+            xq,
+            xd,
+            xs,
             n,
             y: j.y.as_mut_ptr(),
             dot_panel,
@@ -193,6 +246,8 @@ fn run_chunk(isa: Isa, bf16: bool, pool: Tasks, jobs: &mut [Matmul]) {
         // SAFETY: the ISA was detected at start-up; tasks write disjoint row ranges of y.
         unsafe {
             match isa {
+                #[cfg(target_arch = "x86_64")]
+                _ if !j.xq.is_null() => super::int8::task(j, r0, r1),
                 #[cfg(target_arch = "x86_64")]
                 _ if !j.xb.is_null() => super::bf16::task(j, r0, r1),
                 Isa::Avx512 => task_avx512(j, r0, r1),

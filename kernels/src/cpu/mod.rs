@@ -9,6 +9,7 @@ mod bf16;
 pub mod dequant;
 pub mod features;
 pub mod gate;
+mod int8;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
@@ -105,6 +106,11 @@ pub enum Precision {
     /// Weights and activations rounded to BF16, products summed in f32 (`vdpbf16ps`): twice the
     /// multiply-adds per instruction. Serving and training run it alike, so they stay equal.
     Bf16,
+    /// Activations quantized per block of 32 to int8 and dotted with the weights' 4/8-bit codes
+    /// (`vpdpbusd`, AVX512_VNNI), block scales in f32: llama.cpp's arithmetic, for Q4_0, Q4_1
+    /// and Q8_0 weights (others stay exact). The input gradient runs in BF16 where the CPU has
+    /// it, else in f32.
+    Int8,
 }
 
 impl std::str::FromStr for Precision {
@@ -113,7 +119,8 @@ impl std::str::FromStr for Precision {
         match s {
             "exact" => Ok(Precision::Exact),
             "bf16" => Ok(Precision::Bf16),
-            _ => Err(format!("'{s}': expected exact or bf16")),
+            "int8" => Ok(Precision::Int8),
+            _ => Err(format!("'{s}': expected exact, bf16 or int8")),
         }
     }
 }
@@ -123,6 +130,27 @@ impl Precision {
         match self {
             Precision::Exact => "exact",
             Precision::Bf16 => "bf16",
+            Precision::Int8 => "int8",
+        }
+    }
+
+    /// The arithmetic of the input gradient dx = dy·W under this precision: int8 products
+    /// take BF16's where the CPU has AVX512_BF16 (dy is not quantized to 8 bits), whichever
+    /// kernels run (the reference emulates the same choice).
+    pub fn backward(self) -> Precision {
+        match self {
+            Precision::Int8 if Features::get().avx512_bf16 => Precision::Bf16,
+            Precision::Int8 => Precision::Exact,
+            p => p,
+        }
+    }
+
+    /// What the CPU must have for this precision (for error messages).
+    pub fn needs(self) -> &'static str {
+        match self {
+            Precision::Exact => "nothing",
+            Precision::Bf16 => "AVX512_BF16",
+            Precision::Int8 => "AVX512_VNNI",
         }
     }
 
@@ -132,7 +160,8 @@ impl Precision {
         match (self, isa) {
             (Precision::Exact, _) | (_, Isa::Reference) => true,
             (Precision::Bf16, Isa::Avx512) => Features::get().avx512_bf16,
-            (Precision::Bf16, Isa::Avx2) => false,
+            (Precision::Int8, Isa::Avx512) => Features::get().avx512_vnni,
+            (Precision::Bf16 | Precision::Int8, Isa::Avx2) => false,
         }
     }
 }
@@ -162,8 +191,9 @@ impl Cpu {
     pub fn with_precision(mut self, precision: Precision) -> Result<Cpu, String> {
         if !precision.supported(self.isa) {
             return Err(format!(
-                "{} products need AVX512_BF16 (this CPU's kernels: {})",
+                "{} products need {} (this CPU's kernels: {})",
                 precision.name(),
+                precision.needs(),
                 self.isa.name()
             ));
         }
@@ -270,7 +300,7 @@ impl Cpu {
     ) {
         backward::linear_backward(
             self.isa,
-            self.precision,
+            self.precision.backward(),
             self.tasks(),
             ty,
             w,

@@ -1,0 +1,189 @@
+//! The int8 products (`Precision::Int8`) against their scalar twin, to the bit, for every format
+//! they take, odd block counts, decode and batches; how far they sit from the exact f32 products;
+//! the quantizer against its scalar twin. Skipped, with a message, on a CPU without AVX512_VNNI
+//! (the scalar twin's own tests still run).
+
+mod common;
+
+use common::Rng;
+use flywheel_kernels::cpu::Precision;
+use flywheel_kernels::quant::quantize::quantize;
+use flywheel_kernels::reference::{self, int8_applies};
+use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
+use std::time::Duration;
+
+const FORMATS: [QuantType; 3] = [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0];
+
+/// The int8 `Cpu`, or None after saying why the path is skipped.
+fn int8_cpu(threads: usize) -> Option<Cpu> {
+    let cpu = Cpu::new(
+        Isa::detect(),
+        ThreadPool::new(threads, Duration::from_micros(50)),
+    );
+    match cpu.with_precision(Precision::Int8) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("int8 kernel path skipped: {e}");
+            None
+        }
+    }
+}
+
+fn exact_cpu() -> Cpu {
+    Cpu::new(Isa::detect(), ThreadPool::new(2, Duration::from_micros(50)))
+}
+
+#[test]
+fn int8_products_equal_their_scalar_twin_to_the_bit() {
+    let Some(cpu) = int8_cpu(2) else { return };
+    let mut rng = Rng(31);
+    let rows = 37;
+    for ty in FORMATS {
+        // 32 and 96: an odd number of blocks (the last pair has one).
+        for cols in [32usize, 96, 576, 1536] {
+            let w = quantize(ty, &rng.vec(rows * cols, 1.0));
+            // 1..8 rows in one group, 9 and 13 in two, 70 past one X_BLOCK.
+            for n in [1usize, 2, 3, 5, 8, 9, 13, 70] {
+                let mut x = rng.vec(n * cols, 2.0);
+                // A block of zeros (scale 0) and one with a single large value.
+                x[..32].fill(0.0);
+                if cols >= 64 {
+                    x[40] = 300.0;
+                }
+                let mut want = vec![0.0; n * rows];
+                reference::matmul_int8(ty, &w, rows, cols, &x, &mut want);
+                let mut got = vec![0.0; n * rows];
+                cpu.matmul(ty, &w, rows, cols, &x, &mut got);
+                for k in 0..n * rows {
+                    assert_eq!(
+                        got[k].to_bits(),
+                        want[k].to_bits(),
+                        "{ty:?} cols={cols} n={n} [{k}]: {} vs {}",
+                        got[k],
+                        want[k]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_rows_do_not_depend_on_the_batch() {
+    let Some(cpu) = int8_cpu(2) else { return };
+    let mut rng = Rng(32);
+    let (rows, cols, n) = (96, 576, 24);
+    for ty in FORMATS {
+        let w = quantize(ty, &rng.vec(rows * cols, 1.0));
+        let x = rng.vec(n * cols, 1.0);
+        let mut all = vec![0.0; n * rows];
+        cpu.matmul(ty, &w, rows, cols, &x, &mut all);
+        for i in 0..n {
+            let mut one = vec![0.0; rows];
+            cpu.matmul(ty, &w, rows, cols, &x[i * cols..(i + 1) * cols], &mut one);
+            assert_eq!(one, all[i * rows..(i + 1) * rows], "{ty:?} row {i}");
+        }
+    }
+}
+
+/// Each product within int8 quantization of its activations of the exact one: per block the
+/// error of x is at most d/2 = max|x_block|/254 per value, so |Δ| ≤ Σ_blocks Σ|w|·max|x|/254
+/// (plus f32 summation); and not equal to it (the path really quantizes).
+#[test]
+fn int8_products_stay_within_the_activations_quantization_of_exact() {
+    let Some(cpu) = int8_cpu(2) else { return };
+    let exact = exact_cpu();
+    let mut rng = Rng(33);
+    let (rows, cols, n) = (64, 576, 9);
+    for ty in FORMATS {
+        let w = quantize(ty, &rng.vec(rows * cols, 1.0));
+        let x = rng.vec(n * cols, 1.0);
+        let (mut a, mut b) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+        exact.matmul(ty, &w, rows, cols, &x, &mut a);
+        cpu.matmul(ty, &w, rows, cols, &x, &mut b);
+        let mut wrow = vec![0.0; cols];
+        let rb = ty.row_bytes(cols).unwrap();
+        let mut differ = 0;
+        for r in 0..rows {
+            reference::dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut wrow);
+            for i in 0..n {
+                let xi = &x[i * cols..(i + 1) * cols];
+                let bound: f32 = (0..cols / 32)
+                    .map(|blk| {
+                        let amax = xi[blk * 32..][..32].iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let wsum: f32 = wrow[blk * 32..][..32].iter().map(|v| v.abs()).sum();
+                        wsum * amax / 254.0
+                    })
+                    .sum();
+                let k = i * rows + r;
+                assert!(
+                    (a[k] - b[k]).abs() <= bound * 1.01 + 1e-4,
+                    "{ty:?} [{i}][{r}]: exact {} int8 {} (bound {bound})",
+                    a[k],
+                    b[k]
+                );
+                differ += (a[k] != b[k]) as usize;
+            }
+        }
+        assert!(differ > n * rows / 2, "{ty:?}: only {differ} products changed");
+    }
+}
+
+/// Formats and shapes outside the int8 path stay exact under `Precision::Int8`.
+#[test]
+fn other_formats_stay_exact_under_int8() {
+    let Some(cpu) = int8_cpu(2) else { return };
+    let exact = exact_cpu();
+    let mut rng = Rng(34);
+    for (ty, cols) in [(QuantType::Q4K, 512), (QuantType::F32, 64), (QuantType::F16, 48)] {
+        assert!(!int8_applies(ty, cols));
+        let w = quantize(ty, &rng.vec(8 * cols, 1.0));
+        let x = rng.vec(3 * cols, 1.0);
+        let (mut a, mut b) = (vec![0.0; 24], vec![0.0; 24]);
+        exact.matmul(ty, &w, 8, cols, &x, &mut a);
+        cpu.matmul(ty, &w, 8, cols, &x, &mut b);
+        assert_eq!(a, b, "{ty:?}");
+    }
+}
+
+/// The reference path emulates int8 too (every CPU can check against it), and the quantizer's
+/// layout is the documented one.
+#[test]
+fn the_reference_cpu_runs_int8_products() {
+    let cpu = Cpu::new(Isa::Reference, ThreadPool::new(1, Duration::ZERO))
+        .with_precision(Precision::Int8)
+        .expect("the reference emulates int8");
+    let mut rng = Rng(35);
+    let (rows, cols) = (5, 96);
+    let w = quantize(QuantType::Q4_1, &rng.vec(rows * cols, 1.0));
+    let x = rng.vec(2 * cols, 1.0);
+    let (mut got, mut want) = (vec![0.0; 2 * rows], vec![0.0; 2 * rows]);
+    cpu.matmul(QuantType::Q4_1, &w, rows, cols, &x, &mut got);
+    reference::matmul_int8(QuantType::Q4_1, &w, rows, cols, &x, &mut want);
+    assert_eq!(got, want);
+
+    // One row of 96 values: pairs (0, 1) and (2, absent).
+    let x: Vec<f32> = (0..96).map(|v| v as f32 - 40.0).collect();
+    let np = reference::q8_pairs(96);
+    let (mut q, mut d, mut s) = (vec![0i8; np * 64], vec![0.0; np * 16], vec![0.0; np * 16]);
+    reference::quantize_rows_q8(&x, 96, &mut q, &mut d, &mut s);
+    // Block 0 spans -40..-9: d = 40/127, x = -40 -> -127.
+    assert_eq!(d[0], 40.0 / 127.0);
+    assert_eq!(q[0], -127);
+    // Byte 16 of pair 0 is value 0 of block 1 (-8, block max 23): round(-8·127/23) = -44.
+    assert_eq!(q[16], (-8.0f32 * (1.0 / (23.0 / 127.0))).round_ties_even() as i8);
+    // Byte 32 is value 16 of block 0 (-24).
+    assert_eq!(q[32], (-24.0f32 * (1.0 / (40.0 / 127.0))).round_ties_even() as i8);
+    // The absent block 3 is zeros; lane 4 sums block 1's first four codes, times its scale.
+    assert!(q[64 + 16..64 + 32].iter().all(|&c| c == 0) && d[16 + 4] == 0.0);
+    let sum4: i32 = q[16..20].iter().map(|&c| c as i32).sum();
+    assert_eq!(s[4], d[4] * sum4 as f32);
+}
+
+#[test]
+fn int8_needs_vnni_and_names_it() {
+    let cpu = Cpu::new(Isa::Avx2, ThreadPool::new(1, Duration::ZERO));
+    let err = cpu.with_precision(Precision::Int8).err().expect("AVX2 has no int8 path");
+    assert!(err.contains("AVX512_VNNI"), "{err}");
+    assert_eq!("int8".parse::<Precision>(), Ok(Precision::Int8));
+}
