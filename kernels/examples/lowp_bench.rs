@@ -5,8 +5,8 @@
 //! - bf16: `vdpbf16ps` (AVX512_BF16, 32 MACs), BF16 weights and activations, f32 sums;
 //! - int8: `vpdpbusd` (AVX512_VNNI, 64 MACs), u8 weights x i8 activations, i32 sums.
 //!
-//! Then end to end through the kernels: exact f32 vs `Precision::Bf16` products on Q4_1 and Q8_0
-//! weights, batch 1 and batch N, one and two threads.
+//! Then end to end through the kernels: exact f32 vs `Precision::Bf16` and `Precision::Int8`
+//! products on Q4_1 and Q8_0 weights, batch 1 and batch N, one and two threads.
 //!
 //! Paths the CPU lacks are skipped with a message. Issue 17's measurement before writing the
 //! low-precision paths. `cargo run --release -p flywheel-kernels --example lowp_bench [-- N]`
@@ -88,23 +88,24 @@ mod x86 {
             measure(&mut line, int8_tile, (7u8, -3i8), shape, int8_tiles_i8);
             println!("{line}");
         }
-        if !f.avx512_bf16 {
-            println!("end to end: skipped (no AVX512_BF16)");
-            return;
-        }
-        // End to end: the kernels themselves, exact f32 vs `Precision::Bf16`, on Q4_1 and Q8_0
-        // weights of the layers' shapes, at batch 1 (decode: GB/s of weights read) and batch n
-        // (GFLOP/s), one and two threads, alternating, medians.
+        // End to end: the kernels themselves, exact f32 vs `Precision::Bf16` and `Int8` (those
+        // the CPU has), on Q4_1 and Q8_0 weights of the layers' shapes, at batch 1 (decode: GB/s
+        // of weights read; all but the 49152-row head fit in L2) and batch n (GFLOP/s), one and
+        // two threads, alternating, medians; the ratio is against exact.
         use flywheel_kernels::cpu::Precision;
         use flywheel_kernels::quant::quantize::quantize;
         use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
         for threads in [1usize, 2] {
             let pool = || ThreadPool::new(threads, std::time::Duration::from_micros(50));
-            let exact = Cpu::new(Isa::detect(), pool());
-            let bf16 = Cpu::new(Isa::detect(), pool())
-                .with_precision(Precision::Bf16)
-                .expect("AVX512_BF16 checked above");
-            println!("end to end, {threads} thread(s): exact f32 vs bf16 products");
+            let mut cpus = vec![(Precision::Exact, Cpu::new(Isa::detect(), pool()))];
+            for p in [Precision::Bf16, Precision::Int8] {
+                match Cpu::new(Isa::detect(), pool()).with_precision(p) {
+                    Ok(c) => cpus.push((p, c)),
+                    Err(e) => println!("{} skipped: {e}", p.name()),
+                }
+            }
+            let names: Vec<&str> = cpus.iter().map(|(p, _)| p.name()).collect();
+            println!("end to end, {threads} thread(s): {}", names.join(" vs "));
             for ty in [QuantType::Q4_1, QuantType::Q8_0] {
                 for (rows, k) in [(1536usize, 576usize), (576, 1536), (49152, 576)] {
                     let wf: Vec<f32> = (0..rows * k)
@@ -116,34 +117,32 @@ mod x86 {
                         let x: Vec<f32> = (0..batch * k).map(|i| (i % 13) as f32 / 13.0).collect();
                         let mut y = vec![0f32; batch * rows];
                         let macs = rows * k * batch;
-                        let mut t = [Vec::new(), Vec::new()];
+                        let mut t = vec![Vec::new(); cpus.len()];
                         for _ in 0..5 {
-                            for (c, cpu) in [&exact, &bf16].iter().enumerate() {
+                            for (c, (_, cpu)) in cpus.iter().enumerate() {
                                 t[c].push(time(macs, || cpu.matmul(ty, &wq, rows, k, &x, &mut y)));
                             }
                         }
-                        let med = |v: &mut Vec<f64>| {
-                            v.sort_by(f64::total_cmp);
-                            v[v.len() / 2]
+                        let meds: Vec<f64> = t
+                            .iter_mut()
+                            .map(|v| {
+                                v.sort_by(f64::total_cmp);
+                                v[v.len() / 2]
+                            })
+                            .collect();
+                        let rate = |s: f64| {
+                            if batch == 1 {
+                                wq.len() as f64 / s / 1e9
+                            } else {
+                                2.0 * macs as f64 / s / 1e9
+                            }
                         };
-                        let (te, tb) = (med(&mut t[0]), med(&mut t[1]));
-                        if batch == 1 {
-                            let gb = |s: f64| wq.len() as f64 / s / 1e9;
-                            line += &format!(
-                                "  batch 1: {:5.1} vs {:5.1} GB/s ({:.2}x)",
-                                gb(te),
-                                gb(tb),
-                                te / tb
-                            );
-                        } else {
-                            let gf = |s: f64| 2.0 * macs as f64 / s / 1e9;
-                            line += &format!(
-                                "  batch {batch}: {:6.1} vs {:6.1} GFLOP/s ({:.2}x)",
-                                gf(te),
-                                gf(tb),
-                                te / tb
-                            );
-                        }
+                        let unit = if batch == 1 { "GB/s" } else { "GFLOP/s" };
+                        let each: Vec<String> = meds
+                            .iter()
+                            .map(|&m| format!("{:.1} ({:.2}x)", rate(m), meds[0] / m))
+                            .collect();
+                        line += &format!("  batch {batch} {unit}: {}", each.join(" "));
                     }
                     println!("{line}");
                 }

@@ -162,22 +162,20 @@ fn the_reference_cpu_runs_int8_products() {
     reference::matmul_int8(QuantType::Q4_1, &w, rows, cols, &x, &mut want);
     assert_eq!(got, want);
 
-    // One row of 96 values: pairs (0, 1) and (2, absent).
-    let x: Vec<f32> = (0..96).map(|v| v as f32 - 40.0).collect();
-    let np = reference::q8_pairs(96);
-    let (mut q, mut d, mut s) = (vec![0i8; np * 64], vec![0.0; np * 16], vec![0.0; np * 16]);
-    reference::quantize_rows_q8(&x, 96, &mut q, &mut d, &mut s);
-    // Block 0 spans -40..-9: d = 40/127, x = -40 -> -127.
-    assert_eq!(d[0], 40.0 / 127.0);
-    assert_eq!(q[0], -127);
-    // Byte 16 of pair 0 is value 0 of block 1 (-8, block max 23): round(-8·127/23) = -44.
-    assert_eq!(q[16], (-8.0f32 * (1.0 / (23.0 / 127.0))).round_ties_even() as i8);
-    // Byte 32 is value 16 of block 0 (-24).
-    assert_eq!(q[32], (-24.0f32 * (1.0 / (40.0 / 127.0))).round_ties_even() as i8);
-    // The absent block 3 is zeros; lane 4 sums block 1's first four codes, times its scale.
-    assert!(q[64 + 16..64 + 32].iter().all(|&c| c == 0) && d[16 + 4] == 0.0);
-    let sum4: i32 = q[16..20].iter().map(|&c| c as i32).sum();
-    assert_eq!(s[4], d[4] * sum4 as f32);
+    // The quantizer: d = max|x|/127, codes to nearest even.
+    let x: Vec<f32> = (0..32).map(|v| v as f32 - 8.0).collect();
+    let (q, d) = reference::quantize_block_q8(&x);
+    assert_eq!(d, 23.0 / 127.0);
+    assert_eq!(q[31], 127);
+    assert_eq!(q[0], (-8.0f32 * (1.0 / d)).round_ties_even() as i8);
+    // Ties go to even: 0.5 and 1.5 and 2.5 of a step.
+    let mut x = [0.0f32; 32];
+    x[0] = 127.0;
+    (x[1], x[2], x[3]) = (0.5, 1.5, 2.5);
+    let (q, d) = reference::quantize_block_q8(&x);
+    assert_eq!((d, q[1], q[2], q[3]), (1.0, 0, 2, 2));
+    // A block of zeros has scale 0 and codes 0.
+    assert_eq!(reference::quantize_block_q8(&[0.0; 32]), ([0; 32], 0.0));
 }
 
 #[test]

@@ -5,13 +5,16 @@
 //! (`ggml_vec_dot_q4_1_q8_1`), with our contract: one arithmetic for a value y[i][r] whatever the
 //! batch and the path — the layout and order `reference::int8` defines and emulates to the bit.
 //!
-//! Two blocks per 512-bit register: the activations are stored pairwise interleaved (x_b[0..16],
-//! x_b+1[0..16], x_b[16..32], x_b+1[16..32]), which is the order the nibbles of two Q4 blocks
-//! come out of one variable shift, so the weights need no shuffle. Q4_0 and Q8_0 codes are signed:
-//! `vpdpbusd` takes |w| as unsigned and x negated where w < 0.
+//! Two blocks per 512-bit register, their 4-value groups alternating (lane L: block L%2, values
+//! 4·(L/2)..): one two-source dword permute puts two blocks' codes there, so that each lane's
+//! scale is a broadcast pair [d_b, d_b+1]. The activations are quantized once per product into
+//! that layout, with per-lane scales and, for the signed formats, per-lane corrections:
+//! `vpdpbusd` takes unsigned weights, so Q8_0 codes enter as q + 128 and Q4_0's as their raw
+//! nibbles q, and the sum starts from −128 (−8) times the lane's activation codes summed — the
+//! integer sum is exactly Σ w·x either way.
 //!
 //! One kernel serves decode and batches: per weight row, groups of up to 8 activation rows share
-//! each decoded pair of blocks (X_BLOCK rows at a time stay in L2).
+//! each decoded pair of blocks and its scales (X_BLOCK rows at a time stay in L2).
 //!
 //! Written by hand: no crate offers quantized-weight x int8 products with a fixed summation order.
 
@@ -20,7 +23,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::{quantize_rows, task};
+pub(crate) use x86::{q8_row_slots, quantize_rows, task};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -34,38 +37,55 @@ mod x86 {
     const Q4_1: u8 = 1;
     const Q8_0: u8 = 2;
 
-    /// Lane L of a pair takes the scale of block (L/4)%2 (`IDX_D`) and its min (`IDX_M`) from
-    /// [d0, m0, d1, m1].
-    static IDX_D: [i32; 16] = [0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2];
-    static IDX_M: [i32; 16] = [1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3];
+    /// Dword L of a pair's codes: block L%2's dword L/2 (8-bit codes), or its dword (L/2)%4 of
+    /// nibbles (4-bit: values 16.. are the high nibbles of the same bytes).
+    static IDX_Q8: [i32; 16] = [0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23];
+    static IDX_Q4: [i32; 16] = [0, 16, 1, 17, 2, 18, 3, 19, 0, 16, 1, 17, 2, 18, 3, 19];
 
-    /// Rows of `cols` f32 values (cols a multiple of 32) quantized into the pair layout of
-    /// `reference::quantize_rows_q8`, equal to it to the bit.
+    /// Per activation row, in f32 slots: codes (pairs × 64 bytes), per pair 16 lanes each of
+    /// scales and corrections (i32: the signed formats), and per block the scaled code sum
+    /// (Q4_1's min term; blocks rounded up to 16).
+    pub fn q8_row_slots(cols: usize) -> [usize; 4] {
+        let np = q8_pairs(cols);
+        [np * 16, np * 16, np * 16, (cols / 32).next_multiple_of(16)]
+    }
+
+    /// Rows of `cols` f32 values (cols a multiple of 32) quantized for products with weights in
+    /// format `ty` (`reference::quantize_block_q8` per block, to the bit) into the layout above,
+    /// at `dst` (n · Σ q8_row_slots slots). Returns the JobRef pointers (codes, scales,
+    /// corrections, sums).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn quantize_rows(
         x: *const f32,
         n: usize,
         cols: usize,
-        q: *mut i8,
-        d: *mut f32,
-        s: *mut f32,
-    ) {
+        ty: QuantType,
+        dst: *mut f32,
+    ) -> (*const i8, *const f32, *const i32, *const f32) {
         let np = q8_pairs(cols);
         let nb = cols / 32;
-        let ones = _mm_set1_epi8(1);
+        let [sq, sd, sc, ss] = q8_row_slots(cols);
+        let (q, d) = (dst as *mut i8, dst.add(n * sq));
+        let (c, s) = (d.add(n * sd) as *mut i32, d.add(n * (sd + sc)));
+        let off = match ty {
+            QuantType::Q4_0 => -8,
+            QuantType::Q8_0 => -128,
+            _ => 0,
+        };
+        let idx = _mm512_loadu_si512(IDX_Q8.as_ptr() as *const _);
+        let ones = _mm256_set1_epi8(1);
         for i in 0..n {
+            let srow = s.add(i * ss);
+            for b in 0..ss {
+                *srow.add(b) = 0.0;
+            }
             for p in 0..np {
-                let at = i * np + p;
-                let (qp, dp, sp) = (q.add(at * 64), d.add(at * 16), s.add(at * 16));
-                for half in 0..2 {
-                    let b = 2 * p + half;
+                let mut codes = [_mm256_setzero_si256(); 2];
+                let mut sums = [_mm256_setzero_si256(); 2];
+                let mut scale = [0.0f32; 2];
+                for h in 0..2 {
+                    let b = 2 * p + h;
                     if b >= nb {
-                        _mm_storeu_si128(qp.add(half * 16) as *mut __m128i, _mm_setzero_si128());
-                        _mm_storeu_si128(qp.add(32 + half * 16) as *mut __m128i, _mm_setzero_si128());
-                        for lanes in [half * 4, 8 + half * 4] {
-                            _mm_storeu_ps(dp.add(lanes), _mm_setzero_ps());
-                            _mm_storeu_ps(sp.add(lanes), _mm_setzero_ps());
-                        }
                         continue;
                     }
                     let xb = x.add(i * cols + b * 32);
@@ -74,21 +94,42 @@ mod x86 {
                         _mm512_abs_ps(v0),
                         _mm512_abs_ps(v1),
                     ));
-                    let scale = amax / 127.0;
-                    let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+                    scale[h] = amax / 127.0;
+                    let inv = if scale[h] != 0.0 { 1.0 / scale[h] } else { 0.0 };
                     let vinv = _mm512_set1_ps(inv);
-                    for (k, v) in [v0, v1].into_iter().enumerate() {
-                        // Nearest even: the default rounding mode.
-                        let c = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, vinv)));
-                        _mm_storeu_si128(qp.add(32 * k + half * 16) as *mut __m128i, c);
-                        let sums = _mm_cvtepi32_ps(_mm_dpbusd_epi32(_mm_setzero_si128(), ones, c));
-                        let lanes = 8 * k + half * 4;
-                        _mm_storeu_ps(dp.add(lanes), _mm_set1_ps(scale));
-                        _mm_storeu_ps(sp.add(lanes), _mm_mul_ps(_mm_set1_ps(scale), sums));
-                    }
+                    // Nearest even: the default rounding mode.
+                    let c0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv)));
+                    let c1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv)));
+                    codes[h] = _mm256_set_m128i(c1, c0);
+                    sums[h] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes[h]);
+                    let total = _mm512_reduce_add_epi32(_mm512_castsi256_si512(sums[h]));
+                    *srow.add(b) = scale[h] * total as f32;
+                }
+                let at = i * np + p;
+                let pair = _mm512_permutex2var_epi32(
+                    _mm512_castsi256_si512(codes[0]),
+                    idx,
+                    _mm512_castsi256_si512(codes[1]),
+                );
+                _mm512_storeu_si512(q.add(at * 64) as *mut _, pair);
+                let dl = _mm512_mask_blend_ps(
+                    0xAAAA,
+                    _mm512_set1_ps(scale[0]),
+                    _mm512_set1_ps(scale[1]),
+                );
+                _mm512_storeu_ps(d.add(at * 16), dl);
+                if off != 0 {
+                    let lanes = _mm512_permutex2var_epi32(
+                        _mm512_castsi256_si512(sums[0]),
+                        idx,
+                        _mm512_castsi256_si512(sums[1]),
+                    );
+                    let corr = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(off));
+                    _mm512_storeu_si512(c.add(at * 16) as *mut _, corr);
                 }
             }
         }
+        (q as *const i8, d as *const f32, c as *const i32, s as *const f32)
     }
 
     /// Rows r0..r1 of the product, every activation row.
@@ -128,108 +169,117 @@ mod x86 {
         }
     }
 
-    /// Blocks b and b+1 of a weight row (b+1 absent where `!two`: zero scale and min): the codes
-    /// in the pair layout (unsigned: |w| where signed), the lanes where w < 0, and per lane the
-    /// block's scale and min.
+    /// Block bytes of a format.
     #[inline(always)]
-    unsafe fn load_pair<const FMT: u8>(
-        w: *const u8,
-        b: usize,
-        two: bool,
-    ) -> (__m512i, __mmask64, __m512, __m512) {
-        let bb = match FMT {
+    fn block_bytes<const FMT: u8>() -> usize {
+        match FMT {
             Q4_0 => 18,
             Q4_1 => 20,
             _ => 34,
-        };
-        let p0 = w.add(b * bb);
-        let p1 = if two { p0.add(bb) } else { p0 };
-        let codes = if FMT == Q8_0 {
-            let y0 = _mm256_loadu_si256(p0.add(2) as *const __m256i);
-            let y1 = if two {
-                _mm256_loadu_si256(p1.add(2) as *const __m256i)
-            } else {
-                _mm256_setzero_si256()
-            };
-            let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y0), y1);
-            // 128-bit quarters [b lo, b hi, b+1 lo, b+1 hi] -> [b lo, b+1 lo, b hi, b+1 hi].
-            _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z)
-        } else {
-            let at = if FMT == Q4_0 { 2 } else { 4 };
-            let lo = _mm_loadu_si128(p0.add(at) as *const __m128i);
-            let hi = _mm_loadu_si128(p1.add(at) as *const __m128i);
-            let y = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
-            let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y), y);
-            let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-            let nib = _mm512_and_si512(_mm512_srlv_epi16(z, shift), _mm512_set1_epi8(0x0F));
-            if FMT == Q4_0 {
-                _mm512_sub_epi8(nib, _mm512_set1_epi8(8))
-            } else {
-                nib
-            }
-        };
-        let (wv, neg) = if FMT == Q4_1 {
-            (codes, 0)
-        } else {
-            (_mm512_abs_epi8(codes), _mm512_movepi8_mask(codes))
-        };
-        // [d0, m0, d1, m1] as halves (Q4_1 keeps d and m side by side; the others have no min).
-        let (h0, h1) = if FMT == Q4_1 {
-            (
-                (p0 as *const u32).read_unaligned(),
-                if two {
-                    (p1 as *const u32).read_unaligned()
-                } else {
-                    0
-                },
-            )
-        } else {
-            (
-                (p0 as *const u16).read_unaligned() as u32,
-                if two {
-                    (p1 as *const u16).read_unaligned() as u32
-                } else {
-                    0
-                },
-            )
-        };
-        let dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, h1 as i32, h0 as i32)));
-        let dw = _mm512_permutexvar_ps(_mm512_loadu_si512(IDX_D.as_ptr() as *const _), dm);
-        let m = if FMT == Q4_1 {
-            _mm512_permutexvar_ps(_mm512_loadu_si512(IDX_M.as_ptr() as *const _), dm)
-        } else {
-            _mm512_setzero_ps()
-        };
-        (wv, neg, dw, m)
+        }
     }
 
-    /// y[i0..i0+N][r]: each pair of weight blocks decoded once for the N activation rows.
+    /// Blocks 2p and 2p+1 of a weight row (2p+1 absent where `!two`: its activations are zero)
+    /// as unsigned codes in the pair layout: 4-bit nibbles as they are, 8-bit codes + 128.
+    #[inline(always)]
+    unsafe fn load_pair<const FMT: u8>(w: *const u8, p: usize, two: bool) -> __m512i {
+        let bb = block_bytes::<FMT>();
+        let p0 = w.add(2 * p * bb);
+        let p1 = if two { p0.add(bb) } else { p0 };
+        if FMT == Q8_0 {
+            let lo = _mm512_castsi256_si512(_mm256_loadu_si256(p0.add(2) as *const __m256i));
+            let hi = _mm512_castsi256_si512(_mm256_loadu_si256(p1.add(2) as *const __m256i));
+            let z = _mm512_permutex2var_epi32(lo, _mm512_loadu_si512(IDX_Q8.as_ptr() as *const _), hi);
+            _mm512_xor_si512(z, _mm512_set1_epi8(-128))
+        } else {
+            let at = if FMT == Q4_0 { 2 } else { 4 };
+            let lo = _mm512_castsi128_si512(_mm_loadu_si128(p0.add(at) as *const __m128i));
+            let hi = _mm512_castsi128_si512(_mm_loadu_si128(p1.add(at) as *const __m128i));
+            let z = _mm512_permutex2var_epi32(lo, _mm512_loadu_si512(IDX_Q4.as_ptr() as *const _), hi);
+            // Lanes 8.. hold values 16.. of each block: the high nibbles.
+            let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+            _mm512_and_si512(_mm512_srlv_epi16(z, shift), _mm512_set1_epi8(0x0F))
+        }
+    }
+
+    /// The scales of blocks 2p and 2p+1 (0 where absent) as f32 lanes [d_2p, d_2p+1] × 8 (the
+    /// halves d_2p | d_2p+1 << 16 broadcast and converted), and Q4_1's mins as the halves
+    /// m_2p | m_2p+1 << 16.
+    #[inline(always)]
+    unsafe fn pair_scales<const FMT: u8>(w: *const u8, p: usize, two: bool) -> (__m512, u32) {
+        let bb = block_bytes::<FMT>();
+        let p0 = w.add(2 * p * bb);
+        let (d, m) = if FMT == Q4_1 {
+            let dm0 = (p0 as *const u32).read_unaligned();
+            let dm1 = if two {
+                (p0.add(bb) as *const u32).read_unaligned()
+            } else {
+                0
+            };
+            ((dm0 & 0xFFFF) | (dm1 << 16), (dm0 >> 16) | (dm1 & 0xFFFF_0000))
+        } else {
+            let d0 = (p0 as *const u16).read_unaligned() as u32;
+            let d1 = if two {
+                (p0.add(bb) as *const u16).read_unaligned() as u32
+            } else {
+                0
+            };
+            (d0 | (d1 << 16), 0)
+        };
+        (_mm512_cvtph_ps(_mm256_set1_epi32(d as i32)), m)
+    }
+
+    /// y[i0..i0+N][r]: each pair of weight blocks and its scales decoded once for the N
+    /// activation rows; Q4_1's mins collected as halves in a register over 16 blocks, converted
+    /// once.
     #[inline(always)]
     unsafe fn rows<const FMT: u8, const N: usize>(j: &JobRef, r: usize, i0: usize) {
         let w = j.w.add(r * j.row_bytes);
         let nb = j.cols / 32;
         let np = q8_pairs(j.cols);
-        let pair_bytes = 2 * j.row_bytes / nb;
+        let nb16 = nb.next_multiple_of(16);
+        let pair_bytes = 2 * block_bytes::<FMT>();
         let mut acc = [_mm512_setzero_ps(); N];
-        for p in 0..np {
-            _mm_prefetch::<_MM_HINT_T0>(w.add(p * pair_bytes + 640) as *const i8);
-            let (wv, neg, dw, m) = load_pair::<FMT>(w, 2 * p, 2 * p + 1 < nb);
-            for (i, a) in acc.iter_mut().enumerate() {
-                let at = (i0 + i) * np + p;
-                let mut xv = _mm512_loadu_si512(j.xq.add(at * 64) as *const _);
-                if FMT != Q4_1 {
-                    xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-                }
-                let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-                let sc = _mm512_mul_ps(dw, _mm512_loadu_ps(j.xd.add(at * 16)));
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, *a);
-                if FMT == Q4_1 {
-                    *a = _mm512_fmadd_ps(m, _mm512_loadu_ps(j.xs.add(at * 16)), *a);
+        let mut mins = [_mm512_setzero_ps(); N];
+        let mut g = 0;
+        while g < nb {
+            let mut halves = _mm256_setzero_si256();
+            let p_end = (g / 2 + 8).min(np);
+            for p in g / 2..p_end {
+                _mm_prefetch::<_MM_HINT_T0>(w.add(p * pair_bytes + 640) as *const i8);
+                let two = 2 * p + 1 < nb;
+                let wv = load_pair::<FMT>(w, p, two);
+                let (dw, m) = pair_scales::<FMT>(w, p, two);
+                halves = _mm256_mask_set1_epi32(halves, 1 << (p % 8), m as i32);
+                for i in 0..N {
+                    let at = ((i0 + i) * np + p) * 16;
+                    let start = if FMT == Q4_1 {
+                        _mm512_setzero_si512()
+                    } else {
+                        _mm512_loadu_si512(j.xc.add(at) as *const _)
+                    };
+                    let x = _mm512_loadu_si512(j.xq.add(at * 4) as *const _);
+                    let isum = _mm512_dpbusd_epi32(start, wv, x);
+                    let sc = _mm512_mul_ps(dw, _mm512_loadu_ps(j.xd.add(at)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[i]);
                 }
             }
+            if FMT == Q4_1 {
+                let m16 = _mm512_cvtph_ps(halves);
+                for i in 0..N {
+                    let s = _mm512_loadu_ps(j.xs.add((i0 + i) * nb16 + g));
+                    mins[i] = _mm512_fmadd_ps(m16, s, mins[i]);
+                }
+            }
+            g += 16;
         }
-        for (i, a) in acc.iter().enumerate() {
-            *j.y.add((i0 + i) * j.rows + r) = Avx512::reduce_add(*a);
+        for i in 0..N {
+            let v = if FMT == Q4_1 {
+                _mm512_add_ps(acc[i], mins[i])
+            } else {
+                acc[i]
+            };
+            *j.y.add((i0 + i) * j.rows + r) = Avx512::reduce_add(v);
         }
     }
 }

@@ -77,10 +77,11 @@ pub(crate) struct JobRef {
     pub x: *const f32,
     /// The activations rounded to BF16 (`Precision::Bf16`), or null: the exact f32 path.
     pub xb: *const u16,
-    /// The activations quantized to int8 (`Precision::Int8`; `reference::quantize_rows_q8`'s
-    /// layout: codes, per-lane scales and Q4_1 sums), or null.
+    /// The activations quantized to int8 (`Precision::Int8`, `int8::quantize_rows`: codes,
+    /// per-lane scales and corrections, per-block sums), or null.
     pub xq: *const i8,
     pub xd: *const f32,
+    pub xc: *const i32,
     pub xs: *const f32,
     pub n: usize,
     pub y: *mut f32,
@@ -98,10 +99,12 @@ thread_local! {
     static XQ: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// f32 slots of one product's quantized activations: codes (as bytes), scales, sums.
-fn q8_slots(n: usize, cols: usize) -> (usize, usize) {
-    let np = reference::q8_pairs(cols);
-    (n * np * 16, n * np * 16)
+/// f32 slots of `n` rows of quantized activations (`int8::quantize_rows`).
+fn q8_slots(n: usize, cols: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    return n * super::int8::q8_row_slots(cols).iter().sum::<usize>();
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("int8 products are x86_64 only ({n} x {cols})")
 }
 
 /// Whether a product of rows of `cols` values takes the BF16 path under `Precision::Bf16` (the
@@ -148,10 +151,7 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
     let q8_total: usize = jobs
         .iter()
         .filter(|j| int8(j))
-        .map(|j| {
-            let (a, b) = q8_slots(j.x.len() / j.cols, j.cols);
-            a + 2 * b
-        })
+        .map(|j| q8_slots(j.x.len() / j.cols, j.cols))
         .sum();
     let xq_all = if q8_total > 0 {
         scratch(&XQ, q8_total + 16)
@@ -191,21 +191,19 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
         } else {
             std::ptr::null()
         };
-        let (mut xq, mut xd, mut xs) = (std::ptr::null(), std::ptr::null(), std::ptr::null());
+        let mut xq = (std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null());
         if int8(j) {
-            let (codes, lanes) = q8_slots(n, j.cols);
             // SAFETY: the buffer holds q8_total slots; VNNI support was checked.
             #[cfg(target_arch = "x86_64")]
             unsafe {
                 let base = xq_all.add(xq_used);
-                xq_used += codes + 2 * lanes;
-                let (q, d, s) = (base as *mut i8, base.add(codes), base.add(codes + lanes));
-                super::int8::quantize_rows(j.x.as_ptr(), n, j.cols, q, d, s);
-                (xq, xd, xs) = (q as *const i8, d as *const f32, s as *const f32);
+                xq_used += q8_slots(n, j.cols);
+                xq = super::int8::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base);
             }
             #[cfg(not(target_arch = "x86_64"))]
             unreachable!("int8 products are x86_64 only")
         }
+        let (xq, xd, xc, xs) = xq;
         let dot_panel = xq.is_null() && n >= DOT_MIN_ROWS && j.cols.is_multiple_of(32);
         let rows_per_task = if dot_panel {
             // Small products (LoRA's A: r rows) in tiles of one panel height, so that both
@@ -228,6 +226,7 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
             xb,
             xq,
             xd,
+            xc,
             xs,
             n,
             y: j.y.as_mut_ptr(),

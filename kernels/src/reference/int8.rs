@@ -1,27 +1,24 @@
 //! The int8 products (`Precision::Int8`) emulated to the bit, and the one activation quantizer
 //! that both they and the VNNI kernels (`cpu::int8`) run.
 //!
-//! Activations are quantized per block of 32 values as llama.cpp's Q8 does: d = max|x| / 127,
-//! q = x / d rounded to nearest even (−127..127). The weights' own integer codes (Q4_0: q − 8,
-//! Q4_1: q, Q8_0: q) are dotted with them exactly in integers; each block's integer sums are
-//! scaled in f32. The layout is the kernels', so that one 512-bit register holds two blocks:
+//! Activations are quantized per block of 32 values as llama.cpp's Q8 does (`quantize_block_q8`:
+//! d = max|x| / 127, q = x / d rounded to nearest even, −127..127). The weights' own integer
+//! codes (Q4_0: q − 8, Q4_1: q, Q8_0: q) are dotted with them exactly in integers, and each
+//! block's integer sums scaled in f32, in one order whatever the batch and the path:
 //!
-//! - per pair of blocks (b, b+1) 64 bytes: x_b[0..16], x_{b+1}[0..16], x_b[16..32],
-//!   x_{b+1}[16..32] (a missing last block reads as zeros);
-//! - lane L (0..16) of a pair sums the 4 bytes 4L..4L+4: block b + (L/4)%2, values
-//!   4·((L/8)·4 + L%4) onwards;
-//! - per pair 16 lanes of f32 `d` (the lane's block scale) and `s` (d times the lane's 4 codes
-//!   summed: Q4_1's min term).
+//! - pairs of blocks (b, b+1), b even, in order (a missing last block counts as zeros); 16 f32
+//!   lanes A; lane L takes block b + L%2, values 4·(L/2)..4·(L/2)+4:
+//!   A[L] = fma(Σ_k w_k·x_k as f32, d_w·d_x, A[L]);
+//! - Q4_1 only, m its min: 16 f32 lanes B, blocks in order:
+//!   B[b%16] = fma(m, d_x · (Σ of the block's codes as f32), B[b%16]);
+//! - y = the lanes (A + B for Q4_1) summed in the AVX-512 `reduce_add` order.
 //!
-//! One output y[i][r]: 16 f32 lanes A, pairs in order; per lane A = fma(isum, dw·dx, A), then
-//! for Q4_1 A = fma(m, s, A) (m the block's min); the lanes summed in the AVX-512 `reduce_add`
-//! order. No term depends on the batch.
+//! How the kernels lay it out in registers is theirs (`cpu::int8`).
 
 use super::*;
 
-/// Values per block and bytes of codes per pair of blocks.
+/// Values per block.
 pub const Q8_BLOCK: usize = 32;
-pub const Q8_PAIR_BYTES: usize = 64;
 
 /// Whether a product in format `ty` over rows of `cols` values takes the int8 path under
 /// `Precision::Int8` (the others stay exact f32: a choice by format and shape, never by batch).
@@ -35,48 +32,16 @@ pub fn q8_pairs(cols: usize) -> usize {
     cols.div_ceil(2 * Q8_BLOCK)
 }
 
-/// Quantize rows of `cols` values (`cols` a multiple of 32) into the pair layout above: `q` holds
-/// q8_pairs(cols)·64 codes per row, `d` and `s` q8_pairs(cols)·16 lanes per row.
-pub fn quantize_rows_q8(x: &[f32], cols: usize, q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
-    assert!(cols.is_multiple_of(Q8_BLOCK), "int8 rows take 32k values");
-    let np = q8_pairs(cols);
-    let n = x.len() / cols;
-    assert!(q.len() >= n * np * Q8_PAIR_BYTES && d.len() >= n * np * 16 && s.len() >= n * np * 16);
-    for i in 0..n {
-        let xr = &x[i * cols..(i + 1) * cols];
-        for p in 0..np {
-            let (qp, dp, sp) = (
-                &mut q[(i * np + p) * 64..(i * np + p + 1) * 64],
-                &mut d[(i * np + p) * 16..(i * np + p + 1) * 16],
-                &mut s[(i * np + p) * 16..(i * np + p + 1) * 16],
-            );
-            for half in 0..2 {
-                let b = 2 * p + half;
-                let mut codes = [0i8; 32];
-                let mut scale = 0.0f32;
-                if (b + 1) * Q8_BLOCK <= cols {
-                    let xb = &xr[b * 32..(b + 1) * 32];
-                    let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                    scale = amax / 127.0;
-                    let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-                    for (c, v) in codes.iter_mut().zip(xb) {
-                        *c = (v * inv).round_ties_even() as i8;
-                    }
-                }
-                for k in 0..16 {
-                    qp[half * 16 + k] = codes[k];
-                    qp[32 + half * 16 + k] = codes[16 + k];
-                }
-                for l in 0..4 {
-                    for (lane, first) in [(half * 4 + l, 4 * l), (8 + half * 4 + l, 16 + 4 * l)] {
-                        let sum: i32 = codes[first..first + 4].iter().map(|&c| c as i32).sum();
-                        dp[lane] = scale;
-                        sp[lane] = scale * sum as f32;
-                    }
-                }
-            }
-        }
+/// One block of 32 activations quantized: the codes and the scale d.
+pub fn quantize_block_q8(x: &[f32]) -> ([i8; 32], f32) {
+    let amax = x[..32].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut q = [0i8; 32];
+    for (c, v) in q.iter_mut().zip(x) {
+        *c = (v * inv).round_ties_even() as i8;
     }
+    (q, d)
 }
 
 /// Block `b` of a row as the int8 products read it: its 32 integer codes, its scale, its min
@@ -112,15 +77,24 @@ pub fn matmul_int8(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32],
     assert!(int8_applies(ty, cols), "no int8 products for {ty:?} x {cols}");
     let n = x.len() / cols;
     let (np, nb) = (q8_pairs(cols), cols / Q8_BLOCK);
-    let mut q = vec![0i8; n * np * 64];
-    let mut d = vec![0.0f32; n * np * 16];
-    let mut s = vec![0.0f32; n * np * 16];
-    quantize_rows_q8(x, cols, &mut q, &mut d, &mut s);
+    // A missing last block: zero codes and scale.
+    let xq: Vec<Vec<([i8; 32], f32)>> = (0..n)
+        .map(|i| {
+            (0..2 * np)
+                .map(|b| {
+                    if b < nb {
+                        quantize_block_q8(&x[i * cols + b * 32..])
+                    } else {
+                        ([0; 32], 0.0)
+                    }
+                })
+                .collect()
+        })
+        .collect();
     let rb = ty.row_bytes(cols).expect("whole blocks");
     for r in 0..rows {
         let row = &w[r * rb..(r + 1) * rb];
-        // Missing last block: zero codes, scale and min (as the kernels mask it).
-        let blocks: Vec<([i32; 32], f32, f32)> = (0..2 * np)
+        let wq: Vec<([i32; 32], f32, f32)> = (0..2 * np)
             .map(|b| {
                 if b < nb {
                     int8_codes(ty, row, b)
@@ -130,21 +104,27 @@ pub fn matmul_int8(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32],
             })
             .collect();
         for i in 0..n {
-            let mut acc = [0.0f32; 16];
+            let (mut a, mut mins) = ([0.0f32; 16], [0.0f32; 16]);
             for p in 0..np {
-                for (lane, a) in acc.iter_mut().enumerate() {
-                    let (codes, dw, m) = &blocks[2 * p + (lane / 4) % 2];
-                    let first = 4 * ((lane / 8) * 4 + lane % 4);
-                    let xq = &q[(i * np + p) * 64 + 4 * lane..][..4];
-                    let isum: i32 = (0..4).map(|k| codes[first + k] * xq[k] as i32).sum();
-                    let at = (i * np + p) * 16 + lane;
-                    *a = (isum as f32).mul_add(dw * d[at], *a);
-                    if ty == QuantType::Q4_1 {
-                        *a = m.mul_add(s[at], *a);
-                    }
+                for lane in 0..16 {
+                    let b = 2 * p + lane % 2;
+                    let ((wc, dw, _), (xc, dx)) = (&wq[b], &xq[i][b]);
+                    let first = 4 * (lane / 2);
+                    let isum: i32 = (first..first + 4).map(|k| wc[k] * xc[k] as i32).sum();
+                    a[lane] = (isum as f32).mul_add(dw * dx, a[lane]);
                 }
             }
-            let h: [f32; 8] = std::array::from_fn(|l| acc[l] + acc[l + 8]);
+            for b in 0..nb {
+                let ((_, _, m), (xc, dx)) = (&wq[b], &xq[i][b]);
+                let xsum: i32 = xc.iter().map(|&c| c as i32).sum();
+                mins[b % 16] = m.mul_add(dx * xsum as f32, mins[b % 16]);
+            }
+            if ty == QuantType::Q4_1 {
+                for l in 0..16 {
+                    a[l] += mins[l];
+                }
+            }
+            let h: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
             let q4: [f32; 4] = std::array::from_fn(|l| h[l] + h[l + 4]);
             let p2: [f32; 2] = std::array::from_fn(|l| q4[l] + q4[l + 2]);
             y[i * rows + r] = p2[0] + p2[1];
