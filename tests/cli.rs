@@ -133,44 +133,46 @@ fn greedy_generation_agrees_with_reference_kernels() {
     }
 }
 
-/// `--precision bf16` end to end: the fast kernels agree with the reference emulating the same
-/// BF16 products, and differ from exact f32; a CPU without AVX512_BF16 refuses it by name (and
-/// `auto` falls back to exact there).
+/// `--precision bf16` and `int8` end to end: the fast kernels agree with the reference emulating
+/// the same products, and differ from exact f32; a CPU without what the path needs refuses it
+/// by name (and `auto` falls back to exact there).
 #[test]
-fn bf16_generation_agrees_with_the_emulated_reference() {
+fn low_precision_generation_agrees_with_the_emulated_reference() {
+    use flywheel::kernels::cpu::Precision;
     let (_dir, path) = write_tiny(&TinySpec::small());
     let p = path.to_str().unwrap();
     let run = |extra: &[&str]| generate16(p, extra);
-    let has_bf16 =
-        flywheel::kernels::cpu::Precision::Bf16.supported(flywheel::kernels::Isa::detect());
-    let (ok, fast, err) = run(&["--precision", "bf16"]);
-    if !has_bf16 {
-        assert!(!ok && err.contains("AVX512_BF16"), "{err}");
-        let (ok, _, err) = run(&["--precision", "auto"]);
-        assert!(ok, "{err}");
-        eprintln!("BF16 path skipped: this CPU lacks AVX512_BF16");
-        return;
-    }
-    assert!(ok, "{err}");
-    let (ok, refr, err) = run(&["--precision", "bf16", "--reference-kernels"]);
-    assert!(ok, "{err}");
     let (ok, exact, err) = run(&[]);
     assert!(ok, "{err}");
-    let v = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap();
-    let (a, b, e) = (v(&fast), v(&refr), v(&exact));
-    assert_eq!(a["token_ids"], b["token_ids"]);
-    let lps = |x: &serde_json::Value| -> Vec<f64> {
-        x["logprobs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|l| l["logprob"].as_f64().unwrap())
-            .collect()
-    };
-    for (x, y) in lps(&a).iter().zip(lps(&b)) {
-        assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+    for precision in [Precision::Bf16, Precision::Int8] {
+        let name = precision.name();
+        let (ok, fast, err) = run(&["--precision", name]);
+        if !precision.supported(flywheel::kernels::Isa::detect()) {
+            assert!(!ok && err.contains(precision.needs()), "{err}");
+            let (ok, _, err) = run(&["--precision", "auto"]);
+            assert!(ok, "{err}");
+            eprintln!("{name} path skipped: this CPU lacks {}", precision.needs());
+            continue;
+        }
+        assert!(ok, "{err}");
+        let (ok, refr, err) = run(&["--precision", name, "--reference-kernels"]);
+        assert!(ok, "{err}");
+        let v = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap();
+        let (a, b, e) = (v(&fast), v(&refr), v(&exact));
+        assert_eq!(a["token_ids"], b["token_ids"], "{name}");
+        let lps = |x: &serde_json::Value| -> Vec<f64> {
+            x["logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l["logprob"].as_f64().unwrap())
+                .collect()
+        };
+        for (x, y) in lps(&a).iter().zip(lps(&b)) {
+            assert!((x - y).abs() < 1e-4, "{name}: {x} vs {y}");
+        }
+        assert_ne!(lps(&a), lps(&e), "{name} products changed nothing");
     }
-    assert_ne!(lps(&a), lps(&e), "BF16 products changed nothing");
 }
 
 #[test]

@@ -65,6 +65,21 @@ fn served_log_probs_equal_the_training_forward_bitwise_in_bf16() {
     }
 }
 
+/// The same on the int8 products (activations quantized per block of 32, as llama.cpp): both
+/// sides take them, the head stays exact.
+#[test]
+fn served_log_probs_equal_the_training_forward_bitwise_in_int8() {
+    if let Err(e) = Cpu::detect().with_precision(Precision::Int8) {
+        eprintln!("int8 path skipped: {e}");
+        return;
+    }
+    for spec in TinySpec::families() {
+        let exact = served_equal_training(&spec, Precision::Exact);
+        let int8 = served_equal_training(&spec, Precision::Int8);
+        assert_ne!(exact, int8, "{}: int8 products changed nothing", spec.arch);
+    }
+}
+
 /// Serves three completions per adapter kind and checks the training forward's log-probs equal
 /// the served ones to the bit; returns the served log-probs.
 fn served_equal_training(spec: &TinySpec, precision: Precision) -> Vec<Vec<f32>> {

@@ -110,7 +110,9 @@ fn int8_products_stay_within_the_activations_quantization_of_exact() {
                 let xi = &x[i * cols..(i + 1) * cols];
                 let bound: f32 = (0..cols / 32)
                     .map(|blk| {
-                        let amax = xi[blk * 32..][..32].iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let amax = xi[blk * 32..][..32]
+                            .iter()
+                            .fold(0f32, |m, v| m.max(v.abs()));
                         let wsum: f32 = wrow[blk * 32..][..32].iter().map(|v| v.abs()).sum();
                         wsum * amax / 254.0
                     })
@@ -125,7 +127,10 @@ fn int8_products_stay_within_the_activations_quantization_of_exact() {
                 differ += (a[k] != b[k]) as usize;
             }
         }
-        assert!(differ > n * rows / 2, "{ty:?}: only {differ} products changed");
+        assert!(
+            differ > n * rows / 2,
+            "{ty:?}: only {differ} products changed"
+        );
     }
 }
 
@@ -135,7 +140,11 @@ fn other_formats_stay_exact_under_int8() {
     let Some(cpu) = int8_cpu(2) else { return };
     let exact = exact_cpu();
     let mut rng = Rng(34);
-    for (ty, cols) in [(QuantType::Q4K, 512), (QuantType::F32, 64), (QuantType::F16, 48)] {
+    for (ty, cols) in [
+        (QuantType::Q4K, 512),
+        (QuantType::F32, 64),
+        (QuantType::F16, 48),
+    ] {
         assert!(!int8_applies(ty, cols));
         let w = quantize(ty, &rng.vec(8 * cols, 1.0));
         let x = rng.vec(3 * cols, 1.0);
@@ -181,7 +190,10 @@ fn the_reference_cpu_runs_int8_products() {
 #[test]
 fn int8_needs_vnni_and_names_it() {
     let cpu = Cpu::new(Isa::Avx2, ThreadPool::new(1, Duration::ZERO));
-    let err = cpu.with_precision(Precision::Int8).err().expect("AVX2 has no int8 path");
+    let err = cpu
+        .with_precision(Precision::Int8)
+        .err()
+        .expect("AVX2 has no int8 path");
     assert!(err.contains("AVX512_VNNI"), "{err}");
     assert_eq!("int8".parse::<Precision>(), Ok(Precision::Int8));
 }

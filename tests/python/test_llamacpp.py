@@ -73,10 +73,10 @@ def test_ground_truth_ids():
     assert ours == [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 
 
-def has_bf16():
-    """Whether this CPU runs the BF16 products (AVX512_BF16)."""
+def has_precision(precision):
+    """Whether this CPU runs the products of `precision` (bf16: AVX512_BF16, int8: AVX512_VNNI)."""
     r = subprocess.run([BIN, "generate", "--model", MODEL, "--prompt", "a", "--max-tokens", "1",
-                        "--precision", "bf16"], capture_output=True, text=True, timeout=120)
+                        "--precision", precision], capture_output=True, text=True, timeout=120)
     return r.returncode == 0
 
 
@@ -90,9 +90,10 @@ def next_token(messages, reference, precision="exact"):
     return v["prompt_token_ids"], top
 
 
-def closeness(bf16=False):
+def closeness(low=None):
     """Per prompt: (text, |Δ| of the fast kernels, of llama.cpp, exact argmax, llama.cpp's argmax,
-    |Δ| of the BF16 products or None), |Δ| the mean over the exact top-20 of |log-prob − exact|."""
+    |Δ| of the `low` precision's products or None), |Δ| the mean over the exact top-20 of
+    |log-prob − exact|."""
     from llama_cpp import Llama
     llm = Llama(model_path=MODEL, n_ctx=512, n_threads=2, logits_all=True, verbose=False)
     rows = []
@@ -107,11 +108,11 @@ def closeness(bf16=False):
         top20 = sorted(exact, key=lambda t: -exact[t])[:20]
         ours = np.mean([abs(fast[t] - exact[t]) for t in top20])
         theirs = np.mean([abs(lp[t] - exact[t]) for t in top20])
-        low = None
-        if bf16:
-            _, b = next_token(messages, reference=False, precision="bf16")
-            low = np.mean([abs(b[t] - exact[t]) for t in top20])
-        rows.append((messages[-1]["content"], ours, theirs, top20[0], int(np.argmax(lp)), low))
+        moved = None
+        if low:
+            _, b = next_token(messages, reference=False, precision=low)
+            moved = np.mean([abs(b[t] - exact[t]) for t in top20])
+        rows.append((messages[-1]["content"], ours, theirs, top20[0], int(np.argmax(lp)), moved))
     return rows
 
 
@@ -127,17 +128,18 @@ def test_fast_kernels_at_least_as_close_to_exact_math_as_llama_cpp():
     assert mean_ours <= mean_theirs
 
 
-def test_bf16_products_closer_to_exact_math_than_llama_cpp():
-    """The BF16 fast path (`--precision bf16`) moves the next-token distribution less than
-    llama.cpp's 8-bit activations do."""
-    if not has_bf16():
-        pytest.skip("this CPU lacks AVX512_BF16: the BF16 path is not measured")
-    rows = closeness(bf16=True)
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_low_precision_products_closer_to_exact_math_than_llama_cpp(precision):
+    """The fast paths (`--precision bf16`: BF16 operands; `int8`: 8-bit activations, as llama.cpp
+    has) move the next-token distribution less than llama.cpp does."""
+    if not has_precision(precision):
+        pytest.skip(f"this CPU lacks what {precision} products need: the path is not measured")
+    rows = closeness(low=precision)
     for content, _, theirs, _, _, low in rows:
-        print(f"{content[:40]:<42} flywheel bf16 {low:.5f}  llama.cpp {theirs:.5f}")
+        print(f"{content[:40]:<42} flywheel {precision} {low:.5f}  llama.cpp {theirs:.5f}")
     mean_low = np.mean([r[5] for r in rows])
     mean_theirs = np.mean([r[2] for r in rows])
-    print(f"mean |Δ log-prob| over the exact top-20: flywheel bf16 {mean_low:.5f}, llama.cpp {mean_theirs:.5f}")
+    print(f"mean |Δ log-prob| over the exact top-20: flywheel {precision} {mean_low:.5f}, llama.cpp {mean_theirs:.5f}")
     assert 0 < mean_low < mean_theirs
 
 
@@ -147,5 +149,5 @@ def test_chat_answer_is_sensible():
 
 
 if __name__ == "__main__":
-    for content, ours, theirs, a, b, low in closeness(bf16=has_bf16()):
-        print(f"{content[:40]:<42} flywheel {ours:.5f}  bf16 {low}  llama.cpp {theirs:.5f}  argmax exact {a} llama.cpp {b}")
+    for content, ours, theirs, a, b, low in closeness(low="int8" if has_precision("int8") else None):
+        print(f"{content[:40]:<42} flywheel {ours:.5f}  int8 {low}  llama.cpp {theirs:.5f}  argmax exact {a} llama.cpp {b}")

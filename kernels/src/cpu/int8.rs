@@ -19,8 +19,9 @@
 //! Written by hand: no crate offers quantized-weight x int8 products with a fixed summation order.
 
 // Safety of every `unsafe fn` here: the CPU has AVX-512F/BW/VL/DQ and AVX512_VNNI, and pointers
-// are valid for the lengths and rows the `JobRef` states.
-#![allow(clippy::missing_safety_doc)]
+// are valid for the lengths and rows the `JobRef` states. Index loops over register arrays: an
+// iterator's closure-free adapters would do, but the indices also address the activation rows.
+#![allow(clippy::missing_safety_doc, clippy::needless_range_loop)]
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{q8_row_slots, quantize_rows, task};
@@ -90,10 +91,8 @@ mod x86 {
                     }
                     let xb = x.add(i * cols + b * 32);
                     let (v0, v1) = (_mm512_loadu_ps(xb), _mm512_loadu_ps(xb.add(16)));
-                    let amax = _mm512_reduce_max_ps(_mm512_max_ps(
-                        _mm512_abs_ps(v0),
-                        _mm512_abs_ps(v1),
-                    ));
+                    let amax =
+                        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
                     scale[h] = amax / 127.0;
                     let inv = if scale[h] != 0.0 { 1.0 / scale[h] } else { 0.0 };
                     let vinv = _mm512_set1_ps(inv);
@@ -129,7 +128,12 @@ mod x86 {
                 }
             }
         }
-        (q as *const i8, d as *const f32, c as *const i32, s as *const f32)
+        (
+            q as *const i8,
+            d as *const f32,
+            c as *const i32,
+            s as *const f32,
+        )
     }
 
     /// Rows r0..r1 of the product, every activation row.
@@ -189,13 +193,15 @@ mod x86 {
         if FMT == Q8_0 {
             let lo = _mm512_castsi256_si512(_mm256_loadu_si256(p0.add(2) as *const __m256i));
             let hi = _mm512_castsi256_si512(_mm256_loadu_si256(p1.add(2) as *const __m256i));
-            let z = _mm512_permutex2var_epi32(lo, _mm512_loadu_si512(IDX_Q8.as_ptr() as *const _), hi);
+            let z =
+                _mm512_permutex2var_epi32(lo, _mm512_loadu_si512(IDX_Q8.as_ptr() as *const _), hi);
             _mm512_xor_si512(z, _mm512_set1_epi8(-128))
         } else {
             let at = if FMT == Q4_0 { 2 } else { 4 };
             let lo = _mm512_castsi128_si512(_mm_loadu_si128(p0.add(at) as *const __m128i));
             let hi = _mm512_castsi128_si512(_mm_loadu_si128(p1.add(at) as *const __m128i));
-            let z = _mm512_permutex2var_epi32(lo, _mm512_loadu_si512(IDX_Q4.as_ptr() as *const _), hi);
+            let z =
+                _mm512_permutex2var_epi32(lo, _mm512_loadu_si512(IDX_Q4.as_ptr() as *const _), hi);
             // Lanes 8.. hold values 16.. of each block: the high nibbles.
             let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
             _mm512_and_si512(_mm512_srlv_epi16(z, shift), _mm512_set1_epi8(0x0F))
@@ -216,7 +222,10 @@ mod x86 {
             } else {
                 0
             };
-            ((dm0 & 0xFFFF) | (dm1 << 16), (dm0 >> 16) | (dm1 & 0xFFFF_0000))
+            (
+                (dm0 & 0xFFFF) | (dm1 << 16),
+                (dm0 >> 16) | (dm1 & 0xFFFF_0000),
+            )
         } else {
             let d0 = (p0 as *const u16).read_unaligned() as u32;
             let d1 = if two {

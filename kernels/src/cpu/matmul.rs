@@ -191,7 +191,12 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
         } else {
             std::ptr::null()
         };
-        let mut xq = (std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null());
+        let mut xq = (
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+            std::ptr::null(),
+        );
         if int8(j) {
             // SAFETY: the buffer holds q8_total slots; VNNI support was checked.
             #[cfg(target_arch = "x86_64")]

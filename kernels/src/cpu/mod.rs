@@ -145,6 +145,16 @@ impl Precision {
         }
     }
 
+    /// The arithmetic of the LM head's product under this precision: int8 products keep it exact
+    /// (its outputs are the logits themselves: quantizing its input moved log-probs the most, and
+    /// at decode it is bound by memory either way).
+    pub fn head(self) -> Precision {
+        match self {
+            Precision::Int8 => Precision::Exact,
+            p => p,
+        }
+    }
+
     /// What the CPU must have for this precision (for error messages).
     pub fn needs(self) -> &'static str {
         match self {
@@ -247,6 +257,27 @@ impl Cpu {
     /// stays f32).
     pub fn matmul_many_exact(&self, jobs: &mut [Matmul]) {
         matmul::matmul_many(self.isa, Precision::Exact, self.tasks(), jobs)
+    }
+
+    /// The LM head's product: `matmul` in `Precision::head`'s arithmetic.
+    pub fn matmul_head(
+        &self,
+        ty: QuantType,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        y: &mut [f32],
+    ) {
+        let job = Matmul {
+            ty,
+            w,
+            rows,
+            cols,
+            x,
+            y,
+        };
+        matmul::matmul_many(self.isa, self.precision.head(), self.tasks(), &mut [job])
     }
 
     pub fn matmul(

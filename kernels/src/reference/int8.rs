@@ -53,7 +53,11 @@ pub fn int8_codes(ty: QuantType, row: &[u8], b: usize) -> ([i32; 32], f32, f32) 
     let mut c = [0i32; 32];
     match ty {
         QuantType::Q4_0 | QuantType::Q4_1 => {
-            let (at, off) = if ty == QuantType::Q4_0 { (2, 8) } else { (4, 0) };
+            let (at, off) = if ty == QuantType::Q4_0 {
+                (2, 8)
+            } else {
+                (4, 0)
+            };
             for k in 0..16 {
                 c[k] = (blk[at + k] & 0xF) as i32 - off;
                 c[16 + k] = (blk[at + k] >> 4) as i32 - off;
@@ -74,7 +78,10 @@ pub fn int8_codes(ty: QuantType, row: &[u8], b: usize) -> ([i32; 32], f32, f32) 
 /// The int8 product (`Precision::Int8`) emulated to the bit: y (n, rows) = x (n, cols) · Wᵀ as
 /// the module doc defines it. `int8_applies(ty, cols)` must hold.
 pub fn matmul_int8(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
-    assert!(int8_applies(ty, cols), "no int8 products for {ty:?} x {cols}");
+    assert!(
+        int8_applies(ty, cols),
+        "no int8 products for {ty:?} x {cols}"
+    );
     let n = x.len() / cols;
     let (np, nb) = (q8_pairs(cols), cols / Q8_BLOCK);
     // A missing last block: zero codes and scale.

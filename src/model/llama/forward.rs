@@ -217,7 +217,7 @@ impl Llama {
         }
         cpu.rmsnorm(xs, &self.output_norm, c.eps, normed);
         if m > 0 {
-            cpu.matmul(
+            cpu.matmul_head(
                 self.output.ty,
                 self.bytes(&self.output),
                 c.vocab_size,

@@ -295,7 +295,7 @@ impl Llama {
             normed.resize(xs.len(), 0.0);
             cpu.rmsnorm(&xs, &self.output_norm, c.eps, &mut normed);
             logits.resize(chunk.len() * c.vocab_size, 0.0);
-            cpu.matmul(
+            cpu.matmul_head(
                 self.output.ty,
                 self.bytes(&self.output),
                 c.vocab_size,
