@@ -17,8 +17,6 @@ the raw numbers (CSV).
 import argparse
 import time
 
-from openai import OpenAI
-
 from flywheel_client import post, pyplot, save_csv, status, wait_trained
 
 PROMPTS = [
@@ -43,6 +41,8 @@ def main():
     ap.add_argument("--min-words", type=int, default=3)
     ap.add_argument("--out", default="brevity")
     a = ap.parse_args()
+    from openai import OpenAI  # here, so that scripts/trl_brevity.py can import PROMPTS alone
+
     # The SDK always sends a key; rewards must come with the key that made the completion.
     a.key = a.key or "none"
     client = OpenAI(base_url=a.url + "/v1", api_key=a.key)
