@@ -2,8 +2,8 @@
 
 The same model (the default GGUF, dequantized to f32 by transformers' GGUF loader: no hub), the
 same prompts, reward (1 for answers of MIN to MAX words, else 0), group size (8 answers per
-prompt, one prompt per step), max tokens, temperature 1, learning rate (2e-4, Flywheel's
-default) and adapter (PEFT OFT b=32 on all seven projections, Flywheel's default; `--adapter
+prompt, one prompt per step), max tokens, temperature 1, learning rate (2e-4 constant,
+Flywheel's default) and adapter (PEFT OFT b=32 on all seven projections, Flywheel's default; `--adapter
 lora` for LoRA r=16), 2 threads, no KL term (Flywheel's default kl_coef 0). Writes per step the
 mean reward and the elapsed seconds as CSV, in the columns examples/brevity.py writes, so the two
 runs compare directly (`scripts/compare_brevity.py`).
@@ -47,6 +47,12 @@ def main():
     smol = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = AutoTokenizer.from_pretrained(str(smol.parent), gguf_file=smol.name)
     model = load_smollm2()
+    # transformers' GGUF loader dequantizes every tensor to f32 but leaves the model marked as
+    # GGUF-quantized, which its Trainer refuses to train: unmark it (the weights are plain f32).
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     # One prompt per step, in brevity.py's order.
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": PROMPTS[s % len(PROMPTS)]}]}
                               for s in range(a.steps)])
@@ -73,7 +79,7 @@ def main():
     cfg = GRPOConfig(
         output_dir="/tmp/trl_brevity", learning_rate=a.lr, per_device_train_batch_size=a.n,
         num_generations=a.n, max_completion_length=a.max_tokens, temperature=1.0, beta=0.0,
-        max_steps=a.steps, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        lr_scheduler_type="constant", max_steps=a.steps, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
         bf16=False, shuffle_dataset=False, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data,
                           processing_class=tok, peft_config=peft_cfg)
