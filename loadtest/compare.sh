@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Flywheel vs llama.cpp's llama-server on the same machine, same model, same workload, in one
 # invocation: streaming chat, 128 output tokens with ignore_eos, llama-server's prompt cache off.
-# Usage: loadtest/compare.sh [ROUNDS] [REQUESTS]   (results in target/loadtest/*.json)
+# Usage: loadtest/compare.sh [ROUNDS] [REQUESTS] [PRECISION]   (results in target/loadtest/*.json;
+# PRECISION: Flywheel's --precision, exact by default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
 REQUESTS=${2:-32}
+PRECISION=${3:-exact}
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=target/loadtest
 mkdir -p "$OUT"
@@ -24,7 +26,7 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-target/release/flywheel serve --model "$MODEL" --port 0 > "$OUT/flywheel.out" 2> "$OUT/flywheel.err" &
+target/release/flywheel serve --model "$MODEL" --precision "$PRECISION" --port 0 > "$OUT/flywheel.out" 2> "$OUT/flywheel.err" &
 pids+=($!)
 LD_LIBRARY_PATH="$LS_DIR" "$LS_DIR/llama-server" -m "$MODEL" -t 2 -np 16 -c 16384 --no-cache-prompt \
   --host 127.0.0.1 --port 18392 > "$OUT/llama-server.log" 2>&1 &

@@ -1,7 +1,7 @@
 //! The int8 products (`Precision::Int8`) against their scalar twin, to the bit, for every format
-//! they take, odd block counts, decode and batches; how far they sit from the exact f32 products;
-//! the quantizer against its scalar twin. Skipped, with a message, on a CPU without AVX512_VNNI
-//! (the scalar twin's own tests still run).
+//! they take, odd block counts, decode and batches, on every kernel ISA the CPU has (AVX2's
+//! `vpmaddubsw` kernels and AVX-512's VNNI ones give the same bits); how far they sit from the
+//! exact f32 products; the quantizer.
 
 mod common;
 
@@ -14,19 +14,27 @@ use std::time::Duration;
 
 const FORMATS: [QuantType; 3] = [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0];
 
-/// The int8 `Cpu`, or None after saying why the path is skipped.
-fn int8_cpu(threads: usize) -> Option<Cpu> {
-    let cpu = Cpu::new(
-        Isa::detect(),
-        ThreadPool::new(threads, Duration::from_micros(50)),
+/// An int8 `Cpu` per kernel ISA this CPU runs (which ran and which were skipped is said), and
+/// whether AVX-512's are the VNNI kernels.
+fn int8_cpus(threads: usize) -> Vec<Cpu> {
+    let vnni = flywheel_kernels::cpu::Features::get().avx512_vnni;
+    eprintln!(
+        "int8 on avx512 takes the {} kernels",
+        if vnni { "VNNI" } else { "AVX2" }
     );
-    match cpu.with_precision(Precision::Int8) {
-        Ok(c) => Some(c),
-        Err(e) => {
-            eprintln!("int8 kernel path skipped: {e}");
-            None
-        }
-    }
+    Isa::tested()
+        .into_iter()
+        .map(|isa| {
+            Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(50)))
+                .with_precision(Precision::Int8)
+                .expect("int8 runs on every kernel ISA")
+        })
+        .collect()
+}
+
+/// The int8 `Cpu` of the best kernels.
+fn int8_cpu(threads: usize) -> Option<Cpu> {
+    int8_cpus(threads).pop()
 }
 
 fn exact_cpu() -> Cpu {
@@ -35,7 +43,12 @@ fn exact_cpu() -> Cpu {
 
 #[test]
 fn int8_products_equal_their_scalar_twin_to_the_bit() {
-    let Some(cpu) = int8_cpu(2) else { return };
+    for cpu in int8_cpus(2) {
+        products_equal_the_twin(&cpu);
+    }
+}
+
+fn products_equal_the_twin(cpu: &Cpu) {
     let mut rng = Rng(31);
     let rows = 37;
     for ty in FORMATS {
@@ -58,7 +71,8 @@ fn int8_products_equal_their_scalar_twin_to_the_bit() {
                     assert_eq!(
                         got[k].to_bits(),
                         want[k].to_bits(),
-                        "{ty:?} cols={cols} n={n} [{k}]: {} vs {}",
+                        "{:?} {ty:?} cols={cols} n={n} [{k}]: {} vs {}",
+                        cpu.isa,
                         got[k],
                         want[k]
                     );
@@ -70,7 +84,12 @@ fn int8_products_equal_their_scalar_twin_to_the_bit() {
 
 #[test]
 fn int8_rows_do_not_depend_on_the_batch() {
-    let Some(cpu) = int8_cpu(2) else { return };
+    for cpu in int8_cpus(2) {
+        rows_alone_as_in_a_batch(&cpu);
+    }
+}
+
+fn rows_alone_as_in_a_batch(cpu: &Cpu) {
     let mut rng = Rng(32);
     let (rows, cols, n) = (96, 576, 24);
     for ty in FORMATS {
@@ -81,7 +100,12 @@ fn int8_rows_do_not_depend_on_the_batch() {
         for i in 0..n {
             let mut one = vec![0.0; rows];
             cpu.matmul(ty, &w, rows, cols, &x[i * cols..(i + 1) * cols], &mut one);
-            assert_eq!(one, all[i * rows..(i + 1) * rows], "{ty:?} row {i}");
+            assert_eq!(
+                one,
+                all[i * rows..(i + 1) * rows],
+                "{:?} {ty:?} row {i}",
+                cpu.isa
+            );
         }
     }
 }
@@ -188,12 +212,9 @@ fn the_reference_cpu_runs_int8_products() {
 }
 
 #[test]
-fn int8_needs_vnni_and_names_it() {
-    let cpu = Cpu::new(Isa::Avx2, ThreadPool::new(1, Duration::ZERO));
-    let err = cpu
-        .with_precision(Precision::Int8)
-        .err()
-        .expect("AVX2 has no int8 path");
-    assert!(err.contains("AVX512_VNNI"), "{err}");
+fn int8_runs_on_every_kernel_isa_and_parses() {
+    for isa in Isa::available() {
+        assert!(Precision::Int8.supported(isa), "{isa:?}");
+    }
     assert_eq!("int8".parse::<Precision>(), Ok(Precision::Int8));
 }

@@ -121,7 +121,7 @@ impl Features {
             ],
         };
         if isa != Isa::Reference {
-            if precision == Precision::Int8 {
+            if precision == Precision::Int8 && isa == Isa::Avx512 && Features::get().avx512_vnni {
                 v.push("avx512_vnni");
             }
             if precision.backward() == Precision::Bf16 {
@@ -155,8 +155,8 @@ impl Features {
             Precision::Exact => "f32 FMA on dequantized weights",
             Precision::Bf16 => "vdpbf16ps on BF16-rounded weights and activations, f32 sums",
             Precision::Int8 => {
-                "vpdpbusd on int8 activations x the weights' 4/8-bit codes, f32 block scales; \
-                 input gradients in BF16 where present"
+                "int8 activations x the weights' 4/8-bit codes (vpdpbusd with AVX512_VNNI, else \
+                 vpmaddubsw), f32 block scales; input gradients in BF16 where present"
             }
         };
         format!(

@@ -146,6 +146,8 @@ pub fn matmul_many(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matm
 
 fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
     let bf16 = precision == Precision::Bf16;
+    // Int8: the VNNI kernels where the CPU has them, else AVX2's (the same bits).
+    let vnni = isa == Isa::Avx512 && super::Features::get().avx512_vnni;
     let int8 = |j: &Matmul| precision == Precision::Int8 && reference::int8_applies(j.ty, j.cols);
     // Int8: every job's activations quantized once, into one buffer on this thread.
     let q8_total: usize = jobs
@@ -203,7 +205,11 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
             unsafe {
                 let base = xq_all.add(xq_used);
                 xq_used += q8_slots(n, j.cols);
-                xq = super::int8::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base);
+                xq = if vnni {
+                    super::int8::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base)
+                } else {
+                    super::int8_avx2::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base)
+                };
             }
             #[cfg(not(target_arch = "x86_64"))]
             unreachable!("int8 products are x86_64 only")
@@ -251,7 +257,9 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                _ if !j.xq.is_null() => super::int8::task(j, r0, r1),
+                _ if !j.xq.is_null() && vnni => super::int8::task(j, r0, r1),
+                #[cfg(target_arch = "x86_64")]
+                _ if !j.xq.is_null() => super::int8_avx2::task(j, r0, r1),
                 #[cfg(target_arch = "x86_64")]
                 _ if !j.xb.is_null() => super::bf16::task(j, r0, r1),
                 Isa::Avx512 => task_avx512(j, r0, r1),

@@ -10,6 +10,7 @@ pub mod dequant;
 pub mod features;
 pub mod gate;
 mod int8;
+mod int8_avx2;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
@@ -107,9 +108,9 @@ pub enum Precision {
     /// multiply-adds per instruction. Serving and training run it alike, so they stay equal.
     Bf16,
     /// Activations quantized per block of 32 to int8 and dotted with the weights' 4/8-bit codes
-    /// (`vpdpbusd`, AVX512_VNNI), block scales in f32: llama.cpp's arithmetic, for Q4_0, Q4_1
-    /// and Q8_0 weights (others stay exact). The input gradient runs in BF16 where the CPU has
-    /// it, else in f32.
+    /// (`vpdpbusd` with AVX512_VNNI, `vpmaddubsw` on AVX2: the same bits), block scales in f32:
+    /// llama.cpp's arithmetic, for Q4_0, Q4_1 and Q8_0 weights (others, and the LM head, stay
+    /// exact). The input gradient runs in BF16 where the CPU has it, else in f32.
     Int8,
 }
 
@@ -160,7 +161,7 @@ impl Precision {
         match self {
             Precision::Exact => "nothing",
             Precision::Bf16 => "AVX512_BF16",
-            Precision::Int8 => "AVX512_VNNI",
+            Precision::Int8 => "AVX2",
         }
     }
 
@@ -170,8 +171,8 @@ impl Precision {
         match (self, isa) {
             (Precision::Exact, _) | (_, Isa::Reference) => true,
             (Precision::Bf16, Isa::Avx512) => Features::get().avx512_bf16,
-            (Precision::Int8, Isa::Avx512) => Features::get().avx512_vnni,
-            (Precision::Bf16 | Precision::Int8, Isa::Avx2) => false,
+            (Precision::Int8, _) => true,
+            (Precision::Bf16, Isa::Avx2) => false,
         }
     }
 }
