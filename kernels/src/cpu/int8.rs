@@ -24,7 +24,9 @@
 #![allow(clippy::missing_safety_doc, clippy::needless_range_loop)]
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::{q8_row_slots, quantize_rows, task};
+pub(crate) use x86::{
+    block_bytes, pair_halves, q8_row_slots, quantize_rows, task, Q4_0, Q4_1, Q8_0,
+};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -34,9 +36,10 @@ mod x86 {
     use crate::reference::q8_pairs;
     use std::arch::x86_64::*;
 
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q8_0: u8 = 2;
+    /// The formats, as the kernels' const parameter.
+    pub(crate) const Q4_0: u8 = 0;
+    pub(crate) const Q4_1: u8 = 1;
+    pub(crate) const Q8_0: u8 = 2;
 
     /// Dword L of a pair's codes: block L%2's dword L/2 (8-bit codes), or its dword (L/2)%4 of
     /// nibbles (4-bit: values 16.. are the high nibbles of the same bytes).
@@ -175,7 +178,7 @@ mod x86 {
 
     /// Block bytes of a format.
     #[inline(always)]
-    fn block_bytes<const FMT: u8>() -> usize {
+    pub(crate) fn block_bytes<const FMT: u8>() -> usize {
         match FMT {
             Q4_0 => 18,
             Q4_1 => 20,
@@ -208,14 +211,17 @@ mod x86 {
         }
     }
 
-    /// The scales of blocks 2p and 2p+1 (0 where absent) as f32 lanes [d_2p, d_2p+1] × 8 (the
-    /// halves d_2p | d_2p+1 << 16 broadcast and converted), and Q4_1's mins as the halves
-    /// m_2p | m_2p+1 << 16.
+    /// The halves d_2p | d_2p+1 << 16 of blocks 2p and 2p+1's scales (0 where absent), and
+    /// Q4_1's mins m_2p | m_2p+1 << 16: plain loads, shared with the AVX2 kernels.
     #[inline(always)]
-    unsafe fn pair_scales<const FMT: u8>(w: *const u8, p: usize, two: bool) -> (__m512, u32) {
+    pub(crate) unsafe fn pair_halves<const FMT: u8>(
+        w: *const u8,
+        p: usize,
+        two: bool,
+    ) -> (u32, u32) {
         let bb = block_bytes::<FMT>();
         let p0 = w.add(2 * p * bb);
-        let (d, m) = if FMT == Q4_1 {
+        if FMT == Q4_1 {
             let dm0 = (p0 as *const u32).read_unaligned();
             let dm1 = if two {
                 (p0.add(bb) as *const u32).read_unaligned()
@@ -234,7 +240,14 @@ mod x86 {
                 0
             };
             (d0 | (d1 << 16), 0)
-        };
+        }
+    }
+
+    /// The scales of blocks 2p and 2p+1 as f32 lanes [d_2p, d_2p+1] × 8 (`pair_halves`
+    /// broadcast and converted), and Q4_1's mins as halves.
+    #[inline(always)]
+    unsafe fn pair_scales<const FMT: u8>(w: *const u8, p: usize, two: bool) -> (__m512, u32) {
+        let (d, m) = pair_halves::<FMT>(w, p, two);
         (_mm512_cvtph_ps(_mm256_set1_epi32(d as i32)), m)
     }
 

@@ -20,16 +20,12 @@ pub(crate) use x86::{quantize_rows, task};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::int8::q8_row_slots;
+    use super::super::int8::{block_bytes, pair_halves, q8_row_slots, Q4_0, Q4_1, Q8_0};
     use super::super::matmul::{JobRef, X_BLOCK};
     use super::super::simd::{Avx2, Simd};
     use crate::quant::QuantType;
     use crate::reference::q8_pairs;
     use std::arch::x86_64::*;
-
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q8_0: u8 = 2;
 
     /// One block's 32 codes in value order, its scale, and the sums of its 8 groups of 4 codes.
     #[inline(always)]
@@ -172,15 +168,6 @@ mod x86 {
         }
     }
 
-    #[inline(always)]
-    fn block_bytes<const FMT: u8>() -> usize {
-        match FMT {
-            Q4_0 => 18,
-            Q4_1 => 20,
-            _ => 34,
-        }
-    }
-
     /// Blocks 2p and 2p+1 of a weight row in the pair layout as two halves of unsigned codes
     /// (4-bit: raw nibbles; Q8_0: |w|) and, for Q8_0, the bytes where w < 0 (all ones).
     #[inline(always)]
@@ -217,32 +204,10 @@ mod x86 {
         }
     }
 
-    /// The scales of blocks 2p and 2p+1 (0 where absent) as lanes [d_2p, d_2p+1] × 4, and Q4_1's
-    /// mins as the halves m_2p | m_2p+1 << 16.
+    /// The scales of blocks 2p and 2p+1 as lanes [d_2p, d_2p+1] × 4, and Q4_1's mins as halves.
     #[inline(always)]
     unsafe fn pair_scales<const FMT: u8>(w: *const u8, p: usize, two: bool) -> (__m256, u32) {
-        let bb = block_bytes::<FMT>();
-        let p0 = w.add(2 * p * bb);
-        let (d, m) = if FMT == Q4_1 {
-            let dm0 = (p0 as *const u32).read_unaligned();
-            let dm1 = if two {
-                (p0.add(bb) as *const u32).read_unaligned()
-            } else {
-                0
-            };
-            (
-                (dm0 & 0xFFFF) | (dm1 << 16),
-                (dm0 >> 16) | (dm1 & 0xFFFF_0000),
-            )
-        } else {
-            let d0 = (p0 as *const u16).read_unaligned() as u32;
-            let d1 = if two {
-                (p0.add(bb) as *const u16).read_unaligned() as u32
-            } else {
-                0
-            };
-            (d0 | (d1 << 16), 0)
-        };
+        let (d, m) = pair_halves::<FMT>(w, p, two);
         (_mm256_cvtph_ps(_mm_set1_epi32(d as i32)), m)
     }
 

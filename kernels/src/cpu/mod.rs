@@ -260,24 +260,8 @@ impl Cpu {
         matmul::matmul_many(self.isa, Precision::Exact, self.tasks(), jobs)
     }
 
-    /// The LM head's product: `matmul` in `Precision::head`'s arithmetic.
-    pub fn matmul_head(
-        &self,
-        ty: QuantType,
-        w: &[u8],
-        rows: usize,
-        cols: usize,
-        x: &[f32],
-        y: &mut [f32],
-    ) {
-        let job = Matmul {
-            ty,
-            w,
-            rows,
-            cols,
-            x,
-            y,
-        };
+    /// The LM head's product in `Precision::head`'s arithmetic.
+    pub fn matmul_head(&self, job: Matmul) {
         matmul::matmul_many(self.isa, self.precision.head(), self.tasks(), &mut [job])
     }
 

@@ -217,14 +217,14 @@ impl Llama {
         }
         cpu.rmsnorm(xs, &self.output_norm, c.eps, normed);
         if m > 0 {
-            cpu.matmul_head(
-                self.output.ty,
-                self.bytes(&self.output),
-                c.vocab_size,
-                hidden,
-                normed,
-                logits,
-            );
+            cpu.matmul_head(Matmul {
+                ty: self.output.ty,
+                w: self.bytes(&self.output),
+                rows: c.vocab_size,
+                cols: hidden,
+                x: normed,
+                y: logits,
+            });
         }
         Ok(())
     }

@@ -21,7 +21,7 @@ use crate::adapter::{lora, oft, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
 use crate::policy::scale_and_normalize;
 use flywheel_kernels::reference::AttnSeq;
-use flywheel_kernels::Cpu;
+use flywheel_kernels::{Cpu, Matmul};
 
 /// Completion tokens scored per LM-head chunk. Each chunk's head product and its backward read
 /// (and decode) the whole output matrix once, so small chunks cost: at 16, decoding the tied
@@ -295,14 +295,14 @@ impl Llama {
             normed.resize(xs.len(), 0.0);
             cpu.rmsnorm(&xs, &self.output_norm, c.eps, &mut normed);
             logits.resize(chunk.len() * c.vocab_size, 0.0);
-            cpu.matmul_head(
-                self.output.ty,
-                self.bytes(&self.output),
-                c.vocab_size,
-                h,
-                &normed,
-                &mut logits,
-            );
+            cpu.matmul_head(Matmul {
+                ty: self.output.ty,
+                w: self.bytes(&self.output),
+                rows: c.vocab_size,
+                cols: h,
+                x: &normed,
+                y: &mut logits,
+            });
             for row in logits.chunks_mut(c.vocab_size) {
                 scale_and_normalize(cpu, row, temperature);
             }
