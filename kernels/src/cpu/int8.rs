@@ -14,7 +14,8 @@
 //! integer sum is exactly Σ w·x either way.
 //!
 //! One kernel serves decode and batches: per weight row, groups of up to 8 activation rows share
-//! each decoded pair of blocks and its scales (X_BLOCK rows at a time stay in L2).
+//! each decoded pair of blocks and its scales (X_BLOCK rows at a time stay in L2); a single
+//! activation row (decode) goes with two weight rows at a time, which share its loads.
 //!
 //! Written by hand: no crate offers quantized-weight x int8 products with a fixed summation order.
 
@@ -156,18 +157,26 @@ mod x86 {
         let mut ib = 0;
         while ib < j.n {
             let ie = (ib + X_BLOCK).min(j.n);
-            for r in r0..r1 {
+            // One activation row (decode): two weight rows at a time share its loads.
+            let mut r = r0;
+            if ie - ib == 1 {
+                while r + 2 <= r1 {
+                    rows::<FMT, 1, 2>(j, r, ib);
+                    r += 2;
+                }
+            }
+            for r in r..r1 {
                 let mut i0 = ib;
                 while i0 < ie {
                     match (ie - i0).min(8) {
-                        1 => rows::<FMT, 1>(j, r, i0),
-                        2 => rows::<FMT, 2>(j, r, i0),
-                        3 => rows::<FMT, 3>(j, r, i0),
-                        4 => rows::<FMT, 4>(j, r, i0),
-                        5 => rows::<FMT, 5>(j, r, i0),
-                        6 => rows::<FMT, 6>(j, r, i0),
-                        7 => rows::<FMT, 7>(j, r, i0),
-                        _ => rows::<FMT, 8>(j, r, i0),
+                        1 => rows::<FMT, 1, 1>(j, r, i0),
+                        2 => rows::<FMT, 2, 1>(j, r, i0),
+                        3 => rows::<FMT, 3, 1>(j, r, i0),
+                        4 => rows::<FMT, 4, 1>(j, r, i0),
+                        5 => rows::<FMT, 5, 1>(j, r, i0),
+                        6 => rows::<FMT, 6, 1>(j, r, i0),
+                        7 => rows::<FMT, 7, 1>(j, r, i0),
+                        _ => rows::<FMT, 8, 1>(j, r, i0),
                     }
                     i0 += 8;
                 }
@@ -255,24 +264,29 @@ mod x86 {
     /// activation rows; Q4_1's mins collected as halves in a register over 16 blocks, converted
     /// once.
     #[inline(always)]
-    unsafe fn rows<const FMT: u8, const N: usize>(j: &JobRef, r: usize, i0: usize) {
-        let w = j.w.add(r * j.row_bytes);
+    unsafe fn rows<const FMT: u8, const N: usize, const W: usize>(j: &JobRef, r: usize, i0: usize) {
         let nb = j.cols / 32;
         let np = q8_pairs(j.cols);
         let nb16 = nb.next_multiple_of(16);
         let pair_bytes = 2 * block_bytes::<FMT>();
-        let mut acc = [_mm512_setzero_ps(); N];
-        let mut mins = [_mm512_setzero_ps(); N];
+        let w: [*const u8; W] = std::array::from_fn(|k| j.w.add((r + k) * j.row_bytes));
+        let mut acc = [[_mm512_setzero_ps(); N]; W];
+        let mut mins = [[_mm512_setzero_ps(); N]; W];
         let mut g = 0;
         while g < nb {
-            let mut halves = _mm256_setzero_si256();
+            let mut halves = [_mm256_setzero_si256(); W];
             let p_end = (g / 2 + 8).min(np);
             for p in g / 2..p_end {
-                _mm_prefetch::<_MM_HINT_T0>(w.add(p * pair_bytes + 640) as *const i8);
                 let two = 2 * p + 1 < nb;
-                let wv = load_pair::<FMT>(w, p, two);
-                let (dw, m) = pair_scales::<FMT>(w, p, two);
-                halves = _mm256_mask_set1_epi32(halves, 1 << (p % 8), m as i32);
+                let mut wv = [_mm512_setzero_si512(); W];
+                let mut dw = [_mm512_setzero_ps(); W];
+                for k in 0..W {
+                    _mm_prefetch::<_MM_HINT_T0>(w[k].add(p * pair_bytes + 640) as *const i8);
+                    wv[k] = load_pair::<FMT>(w[k], p, two);
+                    let (d, m) = pair_scales::<FMT>(w[k], p, two);
+                    dw[k] = d;
+                    halves[k] = _mm256_mask_set1_epi32(halves[k], 1 << (p % 8), m as i32);
+                }
                 for i in 0..N {
                     let at = ((i0 + i) * np + p) * 16;
                     let start = if FMT == Q4_1 {
@@ -281,27 +295,34 @@ mod x86 {
                         _mm512_loadu_si512(j.xc.add(at) as *const _)
                     };
                     let x = _mm512_loadu_si512(j.xq.add(at * 4) as *const _);
-                    let isum = _mm512_dpbusd_epi32(start, wv, x);
-                    let sc = _mm512_mul_ps(dw, _mm512_loadu_ps(j.xd.add(at)));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[i]);
+                    let xd = _mm512_loadu_ps(j.xd.add(at));
+                    for k in 0..W {
+                        let isum = _mm512_dpbusd_epi32(start, wv[k], x);
+                        let sc = _mm512_mul_ps(dw[k], xd);
+                        acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[k][i]);
+                    }
                 }
             }
             if FMT == Q4_1 {
-                let m16 = _mm512_cvtph_ps(halves);
-                for i in 0..N {
-                    let s = _mm512_loadu_ps(j.xs.add((i0 + i) * nb16 + g));
-                    mins[i] = _mm512_fmadd_ps(m16, s, mins[i]);
+                for k in 0..W {
+                    let m16 = _mm512_cvtph_ps(halves[k]);
+                    for i in 0..N {
+                        let s = _mm512_loadu_ps(j.xs.add((i0 + i) * nb16 + g));
+                        mins[k][i] = _mm512_fmadd_ps(m16, s, mins[k][i]);
+                    }
                 }
             }
             g += 16;
         }
-        for i in 0..N {
-            let v = if FMT == Q4_1 {
-                _mm512_add_ps(acc[i], mins[i])
-            } else {
-                acc[i]
-            };
-            *j.y.add((i0 + i) * j.rows + r) = Avx512::reduce_add(v);
+        for k in 0..W {
+            for i in 0..N {
+                let v = if FMT == Q4_1 {
+                    _mm512_add_ps(acc[k][i], mins[k][i])
+                } else {
+                    acc[k][i]
+                };
+                *j.y.add((i0 + i) * j.rows + r + k) = Avx512::reduce_add(v);
+            }
         }
     }
 }
