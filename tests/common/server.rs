@@ -189,6 +189,17 @@ impl Client {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // A failing test says how the server ended and what it logged last (a crash otherwise
+        // shows only as a refused connection).
+        if std::thread::panicking() {
+            let exit = self.child.try_wait();
+            let log = self.stderr();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!("server exit: {exit:?}; its stderr's last lines:");
+            for l in tail.iter().rev() {
+                eprintln!("  {l}");
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
