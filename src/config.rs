@@ -375,8 +375,8 @@ pub enum PrecisionChoice {
     Exact,
     /// BF16 products (`vdpbf16ps`); an error on a CPU without AVX512_BF16.
     Bf16,
-    /// Int8 activations x the weights' codes (`vpdpbusd`); an error on a CPU without
-    /// AVX512_VNNI.
+    /// Int8 activations x the weights' codes (`vpdpbusd` with AVX512_VNNI, else AVX2's
+    /// `vpmaddubsw`: the same bits).
     Int8,
     /// BF16 where the CPU has it, else exact (said in the start-up log).
     Auto,

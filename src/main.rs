@@ -35,8 +35,8 @@ struct ModelArgs {
     /// Run the scalar reference kernels (slow; for checking).
     #[arg(long)]
     reference_kernels: bool,
-    /// Arithmetic of the base's products: exact (f32), bf16 (AVX512_BF16), int8 (AVX512_VNNI)
-    /// or auto.
+    /// Arithmetic of the base's products: exact (f32), bf16 (AVX512_BF16), int8 (8-bit
+    /// activations) or auto.
     #[arg(long, default_value = "exact")]
     precision: PrecisionChoice,
 }
@@ -88,7 +88,8 @@ enum Cmd {
         #[arg(long, env = "FLYWHEEL_ROLE")]
         role: Option<String>,
         /// Arithmetic of the base's products, serving and training alike: exact (f32, the
-        /// default), bf16 (AVX512_BF16), int8 (AVX512_VNNI) or auto. Overrides model.precision.
+        /// default), bf16 (AVX512_BF16), int8 (8-bit activations) or auto. Overrides
+        /// model.precision.
         #[arg(long)]
         precision: Option<String>,
     },

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 const FORMATS: [QuantType; 3] = [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0];
 
-/// An int8 `Cpu` per kernel ISA this CPU runs (which ran and which were skipped is said), and
-/// whether AVX-512's are the VNNI kernels.
+/// An int8 `Cpu` per kernel ISA this CPU runs (which ran and which were skipped is said, and
+/// whether AVX-512's take the VNNI kernels).
 fn int8_cpus(threads: usize) -> Vec<Cpu> {
     let vnni = flywheel_kernels::cpu::Features::get().avx512_vnni;
     eprintln!(
@@ -110,6 +110,50 @@ fn rows_alone_as_in_a_batch(cpu: &Cpu) {
     }
 }
 
+/// Several products in one call on the same activations (q, k and v), in one format or
+/// several, equal each product alone to the bit (they share one quantization per format).
+#[test]
+fn products_sharing_activations_equal_each_alone() {
+    use flywheel_kernels::Matmul;
+    let mut rng = Rng(36);
+    let (cols, n) = (96, 3);
+    let x = rng.vec(n * cols, 1.0);
+    let shapes = [
+        (QuantType::Q4_1, 40),
+        (QuantType::Q4_1, 24),
+        (QuantType::Q8_0, 24),
+    ];
+    let ws: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|&(ty, rows)| quantize(ty, &rng.vec(rows * cols, 1.0)))
+        .collect();
+    for cpu in int8_cpus(2) {
+        let mut ys: Vec<Vec<f32>> = shapes.iter().map(|&(_, r)| vec![0.0; n * r]).collect();
+        let mut jobs: Vec<Matmul> = shapes
+            .iter()
+            .zip(&ws)
+            .zip(ys.iter_mut())
+            .map(|((&(ty, rows), w), y)| Matmul {
+                ty,
+                w,
+                rows,
+                cols,
+                x: &x,
+                y,
+            })
+            .collect();
+        // On a fresh thread: its quantization buffer holds nothing from earlier products.
+        std::thread::scope(|t| {
+            t.spawn(|| cpu.matmul_many(&mut jobs));
+        });
+        for ((&(ty, rows), w), y) in shapes.iter().zip(&ws).zip(&ys) {
+            let mut alone = vec![0.0; n * rows];
+            cpu.matmul(ty, w, rows, cols, &x, &mut alone);
+            assert_eq!(&alone, y, "{:?} {ty:?} x {rows}", cpu.isa);
+        }
+    }
+}
+
 /// Each product within int8 quantization of its activations of the exact one: per block the
 /// error of x is at most d/2 = max|x_block|/254 per value, so |Δ| ≤ Σ_blocks Σ|w|·max|x|/254
 /// (plus f32 summation); and not equal to it (the path really quantizes).
@@ -179,8 +223,8 @@ fn other_formats_stay_exact_under_int8() {
     }
 }
 
-/// The reference path emulates int8 too (every CPU can check against it), and the quantizer's
-/// layout is the documented one.
+/// The reference path emulates int8 too (every CPU can check against it), and its quantizer
+/// rounds as documented.
 #[test]
 fn the_reference_cpu_runs_int8_products() {
     let cpu = Cpu::new(Isa::Reference, ThreadPool::new(1, Duration::ZERO))

@@ -124,7 +124,7 @@ impl Features {
             if precision == Precision::Int8 && isa == Isa::Avx512 && Features::get().avx512_vnni {
                 v.push("avx512_vnni");
             }
-            if precision.backward() == Precision::Bf16 {
+            if precision.backward(isa) == Precision::Bf16 {
                 v.push("avx512_bf16");
             }
         }

@@ -48,8 +48,8 @@ mod x86 {
     static IDX_Q4: [i32; 16] = [0, 16, 1, 17, 2, 18, 3, 19, 0, 16, 1, 17, 2, 18, 3, 19];
 
     /// Per activation row, in f32 slots: codes (pairs × 64 bytes), per pair 16 lanes each of
-    /// scales and corrections (i32: the signed formats), and per block the scaled code sum
-    /// (Q4_1's min term; blocks rounded up to 16).
+    /// scales and corrections (i32: written for the signed formats only), and per block the
+    /// scaled code sum (Q4_1's min term, written for Q4_1 only; blocks rounded up to 16).
     pub fn q8_row_slots(cols: usize) -> [usize; 4] {
         let np = q8_pairs(cols);
         [np * 16, np * 16, np * 16, (cols / 32).next_multiple_of(16)]
@@ -81,8 +81,10 @@ mod x86 {
         let ones = _mm256_set1_epi8(1);
         for i in 0..n {
             let srow = s.add(i * ss);
-            for b in 0..ss {
-                *srow.add(b) = 0.0;
+            if ty == QuantType::Q4_1 {
+                for b in 0..ss {
+                    *srow.add(b) = 0.0;
+                }
             }
             for p in 0..np {
                 let mut codes = [_mm256_setzero_si256(); 2];
@@ -105,8 +107,11 @@ mod x86 {
                     let c1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv)));
                     codes[h] = _mm256_set_m128i(c1, c0);
                     sums[h] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes[h]);
-                    let total = _mm512_reduce_add_epi32(_mm512_castsi256_si512(sums[h]));
-                    *srow.add(b) = scale[h] * total as f32;
+                    if ty == QuantType::Q4_1 {
+                        // Zero-extended: a cast would leave the upper half undefined.
+                        let total = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(sums[h]));
+                        *srow.add(b) = scale[h] * total as f32;
+                    }
                 }
                 let at = i * np + p;
                 let pair = _mm512_permutex2var_epi32(
@@ -260,9 +265,9 @@ mod x86 {
         (_mm512_cvtph_ps(_mm256_set1_epi32(d as i32)), m)
     }
 
-    /// y[i0..i0+N][r]: each pair of weight blocks and its scales decoded once for the N
-    /// activation rows; Q4_1's mins collected as halves in a register over 16 blocks, converted
-    /// once.
+    /// y[i0..i0+N][r..r+W]: each pair of weight blocks and its scales decoded once for the N
+    /// activation rows, and the activations loaded once for the W weight rows; Q4_1's mins
+    /// collected as halves in a register over 16 blocks, converted once.
     #[inline(always)]
     unsafe fn rows<const FMT: u8, const N: usize, const W: usize>(j: &JobRef, r: usize, i0: usize) {
         let nb = j.cols / 32;

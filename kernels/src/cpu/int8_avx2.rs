@@ -95,8 +95,10 @@ mod x86 {
         };
         for i in 0..n {
             let srow = s.add(i * ss);
-            for b in 0..ss {
-                *srow.add(b) = 0.0;
+            if ty == QuantType::Q4_1 {
+                for b in 0..ss {
+                    *srow.add(b) = 0.0;
+                }
             }
             for p in 0..np {
                 let mut codes = [_mm256_setzero_si256(); 2];
@@ -106,8 +108,11 @@ mod x86 {
                     let b = 2 * p + h;
                     if b < nb {
                         (codes[h], scale[h], sums[h]) = quantize_block(x.add(i * cols + b * 32));
-                        let total = Avx2::reduce_add(_mm256_cvtepi32_ps(sums[h]));
-                        *srow.add(b) = scale[h] * total;
+                        if ty == QuantType::Q4_1 {
+                            // Exact: eight sums of at most 508 in magnitude.
+                            let total = Avx2::reduce_add(_mm256_cvtepi32_ps(sums[h]));
+                            *srow.add(b) = scale[h] * total;
+                        }
                     }
                 }
                 let at = i * np + p;

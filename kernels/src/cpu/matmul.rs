@@ -200,16 +200,25 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
             std::ptr::null(),
         );
         if int8(j) {
-            // SAFETY: the buffer holds q8_total slots; VNNI support was checked.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                let base = xq_all.add(xq_used);
-                xq_used += q8_slots(n, j.cols);
-                xq = if vnni {
-                    super::int8::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base)
-                } else {
-                    super::int8_avx2::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base)
-                };
+            // Jobs on the same activations and format (q, k and v; gate and up) share one
+            // quantization.
+            let shared = refs[..k].iter().flatten().find(|r| {
+                !r.xq.is_null() && r.x == j.x.as_ptr() && (r.n, r.cols, r.ty) == (n, j.cols, j.ty)
+            });
+            if let Some(r) = shared {
+                xq = (r.xq, r.xd, r.xc, r.xs);
+            } else {
+                // SAFETY: the buffer holds q8_total slots; the kernels of `isa` run here.
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    let base = xq_all.add(xq_used);
+                    xq_used += q8_slots(n, j.cols);
+                    xq = if vnni {
+                        super::int8::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base)
+                    } else {
+                        super::int8_avx2::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base)
+                    };
+                }
             }
             #[cfg(not(target_arch = "x86_64"))]
             unreachable!("int8 products are x86_64 only")

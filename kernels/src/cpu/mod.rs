@@ -135,20 +135,21 @@ impl Precision {
         }
     }
 
-    /// The arithmetic of the input gradient dx = dy·W under this precision: int8 products
-    /// take BF16's where the CPU has AVX512_BF16 (dy is not quantized to 8 bits), whichever
-    /// kernels run (the reference emulates the same choice).
-    pub fn backward(self) -> Precision {
+    /// The arithmetic of the input gradient dx = dy·W under this precision on `isa`'s kernels:
+    /// int8 products take BF16's where the CPU has AVX512_BF16 (dy is not quantized to 8 bits)
+    /// and the kernels are not AVX2's; the reference emulates the fast path's choice.
+    pub fn backward(self, isa: Isa) -> Precision {
         match self {
-            Precision::Int8 if Features::get().avx512_bf16 => Precision::Bf16,
+            Precision::Int8 if Features::get().avx512_bf16 && isa != Isa::Avx2 => Precision::Bf16,
             Precision::Int8 => Precision::Exact,
             p => p,
         }
     }
 
     /// The arithmetic of the LM head's product under this precision: int8 products keep it exact
-    /// (its outputs are the logits themselves: quantizing its input moved log-probs the most, and
-    /// at decode it is bound by memory either way).
+    /// (its outputs are the logits themselves: with it in int8 the next-token log-probs moved
+    /// further from exact math than llama.cpp's, 0.103 vs 0.096 in tests/python/test_llamacpp.py;
+    /// at decode it reads the memory about as fast either way, `lowp_bench`).
     pub fn head(self) -> Precision {
         match self {
             Precision::Int8 => Precision::Exact,
@@ -316,7 +317,7 @@ impl Cpu {
     ) {
         backward::linear_backward(
             self.isa,
-            self.precision.backward(),
+            self.precision.backward(self.isa),
             self.tasks(),
             ty,
             w,
