@@ -8,6 +8,7 @@ use crate::config::{Config, PrecisionChoice};
 use crate::engine::{Engine, EngineConfig};
 use crate::generate::{GenerateOptions, GenerateOutput, BLOCK_SIZE};
 use crate::metrics::Metrics;
+use crate::model::gguf::WeightMemory;
 use crate::model::llama::Llama;
 use crate::model::tokenizer::Tokenizer;
 use crate::online::trainer::{Compute, TrainerHandle};
@@ -30,6 +31,8 @@ pub struct ModelSpec {
     pub reference_kernels: bool,
     /// The arithmetic of the base's products.
     pub precision: PrecisionChoice,
+    /// Where the weights live (2 MB pages or the file mapped).
+    pub weights: WeightMemory,
 }
 
 /// A loaded model, its tokenizer and the compute pool.
@@ -76,10 +79,33 @@ pub fn compute(
     }
 }
 
+/// Says where the weights are (and whether the kernel really gave 2 MB pages).
+fn log_weights(model: &Llama) {
+    let mb = model.gguf.bytes().len() as f64 / 1e6;
+    if model.gguf.huge_pages() {
+        let huge = std::fs::read_to_string("/proc/self/smaps_rollup")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("AnonHugePages:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            })
+            .unwrap_or(0.0);
+        tracing::info!(
+            "weights: {mb:.1} MB read into memory in 2 MB pages ({:.1} MB of the process in huge pages)",
+            huge / 1e3
+        );
+    } else {
+        tracing::info!("weights: {mb:.1} MB mapped from the file (4 KB pages)");
+    }
+}
+
 impl Base {
     pub fn load(spec: &ModelSpec) -> anyhow::Result<Base> {
         let path = crate::fetch::ensure_model(&spec.path)?;
-        let model = Llama::open(&path).with_context(|| format!("loading {}", path.display()))?;
+        let model = Llama::open_in(&path, spec.weights)
+            .with_context(|| format!("loading {}", path.display()))?;
+        log_weights(&model);
         let tokenizer = Tokenizer::from_gguf(&model.gguf).context("building the tokenizer")?;
         Ok(Base {
             model: Arc::new(model),
@@ -168,7 +194,8 @@ fn model_name(cfg: &Config) -> String {
 /// threads while answering 503).
 pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     let path = crate::fetch::ensure_model(&cfg.model_path)?;
-    let model = Llama::open(&path)?;
+    let model = Llama::open_in(&path, cfg.weights)?;
+    log_weights(&model);
     let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf)?);
     let c = &model.config;
     let max_model_len = cfg.max_model_len(c.context_length);

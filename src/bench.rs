@@ -84,6 +84,45 @@ fn alternate<'a>(
     Ok(out.into_iter().map(median).collect())
 }
 
+/// The memory's limit for batch-1 decode, measured now: 256 MB (more than any cache holds, in
+/// the pages the weights are in) summed by the compute pool, 1 MB per task; the best of 5 passes.
+fn read_bandwidth(cpu: &Cpu, huge_pages: bool) -> anyhow::Result<f64> {
+    const MB: usize = 1 << 20;
+    let mut buf = memmap2::MmapMut::map_anon(256 * MB)?;
+    if huge_pages {
+        buf.advise(memmap2::Advice::HugePage)?;
+    }
+    // Distinct pages (a pattern repeating per page could be merged by the host, KSM, and read
+    // from the cache): a xorshift stream.
+    let mut z = 0x9E37_79B9_7F4A_7C15u64;
+    for w in buf.chunks_exact_mut(8) {
+        z ^= z << 13;
+        z ^= z >> 7;
+        z ^= z << 17;
+        w.copy_from_slice(&z.to_le_bytes());
+    }
+    let sums: Vec<std::sync::atomic::AtomicU64> = (0..256).map(|_| Default::default()).collect();
+    let mut best = 0.0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        cpu.pool.run(256, &|c| {
+            // Eight independent u64 sums per 64 bytes: the compiler's vector adds, several
+            // loads in flight.
+            let mut acc = [0u64; 8];
+            for line in buf[c * MB..(c + 1) * MB].chunks_exact(64) {
+                for (a, w) in acc.iter_mut().zip(line.chunks_exact(8)) {
+                    *a = a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()));
+                }
+            }
+            let s = acc.iter().fold(0u64, |s, a| s.wrapping_add(*a));
+            sums[c].fetch_add(s, Ordering::Relaxed);
+        });
+        best = best.max(buf.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(&sums);
+    Ok(best)
+}
+
 /// Run the tests and print a table and one JSON line.
 pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyhow::Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
@@ -140,8 +179,13 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     rows.push((format!("pp{pp}"), 1, pp_rates));
     let tg = o.decode_tokens;
     for &b in &o.batches {
+        // Eight-token prompts at different offsets (a shorter --prompt-tokens: all of it).
+        let len = 8.min(pp);
         let prompts: Vec<Vec<u32>> = (0..b)
-            .map(|i| prompt[i % 7..i % 7 + 8.min(pp)].to_vec())
+            .map(|i| {
+                let at = (i % 7).min(pp - len);
+                prompt[at..at + len].to_vec()
+            })
             .collect();
         let rates = alternate(o.runs, &variants, |a| {
             let secs = decode_batch(model, cpu, &prompts, tg, a)?;
@@ -149,6 +193,9 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
         })?;
         rows.push((format!("tg{tg}"), b, rates));
     }
+    // The memory's limit, after the tests (the same conditions as their last runs).
+    let huge = model.gguf.huge_pages();
+    let bandwidth = read_bandwidth(cpu, huge)?;
     stop.store(true, Ordering::Relaxed);
     if let Some(p) = peer {
         let _ = p.join();
@@ -166,8 +213,13 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
         )
     });
     println!(
-        "model: {}  kernels: {}  threads: {}  busy peer: {}  adapter: {}",
+        "model: {} ({})  kernels: {}  threads: {}  busy peer: {}  adapter: {}",
         o.model_path,
+        if model.gguf.huge_pages() {
+            "in 2 MB pages"
+        } else {
+            "mapped"
+        },
         cpu.isa.name(),
         cpu.pool.num_threads(),
         o.busy_peer,
@@ -175,6 +227,22 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     );
     let paths = cpu.paths();
     println!("cpu paths: {paths}");
+    let per_token = model.weight_bytes_per_token() as f64;
+    let tg1 = rows.iter().find(|(n, b, _)| n.starts_with("tg") && *b == 1);
+    let share = tg1.map(|(_, _, t)| t[0] * per_token / 1e9 / bandwidth);
+    println!(
+        "read bandwidth: {bandwidth:.1} GB/s ({} threads, 256 MB in {} pages, best of 5){}",
+        cpu.pool.num_threads(),
+        if huge { "2 MB" } else { "4 KB" },
+        match (tg1, share) {
+            (Some((_, _, t)), Some(s)) => format!(
+                "; decode at batch 1 reads {:.1} GB/s of weights: {:.0}% of it",
+                t[0] * per_token / 1e9,
+                100.0 * s
+            ),
+            _ => String::new(),
+        }
+    );
     if o.adapter.is_some() {
         println!(
             "{:<8} {:>6} {:>12} {:>12} {:>8}",
@@ -196,6 +264,7 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     }
     let json = serde_json::json!({
         "model": o.model_path,
+        "weights": if model.gguf.huge_pages() { "huge_pages" } else { "mmap" },
         "kernels": cpu.isa.name(),
         "cpu_paths": paths,
         "threads": cpu.pool.num_threads(),
@@ -203,6 +272,8 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
         "runs": o.runs,
         "adapter": adapter_desc,
         "weight_bytes_per_token": model.weight_bytes_per_token(),
+        "read_bandwidth_gbps": bandwidth,
+        "decode_batch1_bandwidth_share": share,
         "results": rows.iter().map(|(n, b, t)| {
             let mut r = serde_json::json!({"test": n, "batch": b, "tokens_per_second": t[0]});
             if let Some(a) = t.get(1) {

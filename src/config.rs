@@ -62,6 +62,7 @@ pub struct RawModel {
     pub max_model_len: Option<usize>,
     pub threads: Option<usize>,
     pub precision: Option<String>,
+    pub weights: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -97,6 +98,8 @@ pub struct CliOverrides {
     pub role: Option<String>,
     /// `--precision`: overrides model.precision.
     pub precision: Option<String>,
+    /// `--weights`: overrides model.weights.
+    pub weights: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -132,6 +135,8 @@ pub struct Config {
     pub threads: usize,
     /// The arithmetic of the base's products (model.precision: exact, bf16, int8 or auto).
     pub precision: PrecisionChoice,
+    /// Where the weights live (model.weights: huge_pages or mmap).
+    pub weights: crate::model::gguf::WeightMemory,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub kv_cache_bytes: usize,
@@ -217,8 +222,13 @@ impl RawConfig {
             None => PrecisionChoice::default(),
             Some(p) => p.parse().map_err(|e| invalid("model.precision", e))?,
         };
+        let weights = match cli.weights.clone().or(m.weights) {
+            None => Default::default(),
+            Some(w) => w.parse().map_err(|e| invalid("model.weights", e))?,
+        };
         let cfg = Config {
             precision,
+            weights,
             host: cli.host.clone().or(s.host).unwrap_or("127.0.0.1".into()),
             port: cli.port.or(s.port).unwrap_or(8080),
             api_key: cli.api_key.clone().or(s.api_key).filter(|k| !k.is_empty()),
@@ -432,6 +442,22 @@ mod tests {
         };
         let raw = RawConfig::from_toml("[model]\nprecision = \"exact\"\n").unwrap();
         assert_eq!(raw.validate(&cli).unwrap().precision, PrecisionChoice::Bf16);
+        use crate::model::gguf::WeightMemory;
+        let raw = RawConfig::from_toml("[model]\nweights = \"mmap\"\n").unwrap();
+        assert_eq!(raw.validate(&cli).unwrap().weights, WeightMemory::Mapped);
+        let c = RawConfig::default()
+            .validate(&CliOverrides::default())
+            .unwrap();
+        assert_eq!(c.weights, WeightMemory::HugePages);
+        let flag = CliOverrides {
+            weights: Some("mmap".into()),
+            ..Default::default()
+        };
+        let raw = RawConfig::from_toml("[model]\nweights = \"huge_pages\"\n").unwrap();
+        assert_eq!(raw.validate(&flag).unwrap().weights, WeightMemory::Mapped);
+        let raw = RawConfig::from_toml("[model]\nweights = \"hugetlb\"\n").unwrap();
+        let e = raw.validate(&CliOverrides::default()).unwrap_err();
+        assert!(e.to_string().contains("model.weights"), "{e}");
         for (toml, key) in [
             (
                 "[online]\ntrain_itl_budget = 0.9\n",

@@ -7,6 +7,7 @@ use flywheel::config::{CliOverrides, PrecisionChoice, RawConfig};
 use flywheel::engine::sampler::SamplingParams;
 use flywheel::fetch::{ensure_model, fetch_default, DEFAULT_MODEL};
 use flywheel::generate::GenerateOptions;
+use flywheel::model::gguf::WeightMemory;
 use flywheel::model::tokenizer::{ChatMessage, Detokenizer, Tokenizer};
 use flywheel::train::job::{OfflineJob, Start};
 
@@ -39,6 +40,10 @@ struct ModelArgs {
     /// activations) or auto.
     #[arg(long, default_value = "exact")]
     precision: PrecisionChoice,
+    /// Where the weights live: huge_pages (read into 2 MB pages where the kernel offers them,
+    /// else mapped) or mmap (mapped, 4 KB pages, the page cache shared between processes).
+    #[arg(long, default_value = "huge_pages")]
+    weights: WeightMemory,
 }
 
 #[derive(Subcommand)]
@@ -92,6 +97,10 @@ enum Cmd {
         /// model.precision.
         #[arg(long)]
         precision: Option<String>,
+        /// Where the weights live: huge_pages (2 MB pages, the default) or mmap (the file
+        /// mapped, its page cache shared). Overrides model.weights.
+        #[arg(long)]
+        weights: Option<String>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -254,6 +263,7 @@ impl ModelArgs {
             threads: self.threads,
             reference_kernels: self.reference_kernels,
             precision: self.precision,
+            weights: self.weights,
         }
     }
 }
@@ -281,6 +291,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             adapter_store,
             role,
             precision,
+            weights,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -306,6 +317,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 adapter_store,
                 role,
                 precision,
+                weights,
             };
             flywheel::app::serve(raw.validate(&cli)?)
         }

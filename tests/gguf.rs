@@ -223,3 +223,55 @@ fn model_loading_names_missing_and_misshapen_tensors() {
         ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"]
     );
 }
+
+#[test]
+fn weights_read_into_huge_pages_equal_the_mapped_file() {
+    use flywheel::model::gguf::WeightMemory;
+    let mut w = GgufWriter::new();
+    w.alignment = 64;
+    w.meta("general.alignment", Value::U32(64));
+    // More than 2 MB, so that the read spans huge pages.
+    let big: Vec<u8> = (0..(3 << 20) + 100).map(|i| (i * 7 % 251) as u8).collect();
+    w.tensor(
+        "big",
+        &[big.len() as u64 / 4],
+        QuantType::F32,
+        big[..big.len() / 4 * 4].to_vec(),
+    );
+    w.tensor("b", &[32, 2], QuantType::Q8_0, vec![7; 68]);
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("x.gguf");
+    std::fs::write(&p, w.to_bytes()).unwrap();
+    let mapped = Gguf::open_in(&p, WeightMemory::Mapped).unwrap();
+    let huge = Gguf::open_in(&p, WeightMemory::HugePages).unwrap();
+    assert!(!mapped.huge_pages());
+    let offered = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .map(|s| !s.contains("[never]"))
+        .unwrap_or(false);
+    assert_eq!(
+        huge.huge_pages(),
+        offered,
+        "huge pages used iff the kernel offers them"
+    );
+    if !offered {
+        eprintln!("skipped the 2 MB pages: transparent huge pages are off here (read mapped)");
+    }
+    assert_eq!(huge.bytes(), &std::fs::read(&p).unwrap()[..]);
+    assert_eq!(huge.bytes(), mapped.bytes());
+    for name in ["big", "b"] {
+        let (a, b) = (huge.tensor(name).unwrap(), mapped.tensor(name).unwrap());
+        assert_eq!(huge.tensor_data(a), mapped.tensor_data(b), "{name}");
+    }
+    // Truncated and empty files are the same errors either way.
+    let bytes = std::fs::read(&p).unwrap();
+    for len in [0, 10, bytes.len() - 1] {
+        std::fs::write(&p, &bytes[..len]).unwrap();
+        let a = Gguf::open_in(&p, WeightMemory::HugePages)
+            .map(|_| ())
+            .unwrap_err();
+        let b = Gguf::open_in(&p, WeightMemory::Mapped)
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(a.to_string(), b.to_string(), "{len} bytes");
+    }
+}

@@ -166,7 +166,17 @@ mod x86 {
     /// kernels' pool, one and two threads, 1 MB per task; best of 5 passes.
     fn read_bandwidth() {
         use flywheel_kernels::ThreadPool;
-        let buf = vec![1u8; 256 << 20];
+        // Distinct pages (identical ones could be merged by the host, KSM, and read from the
+        // cache): a xorshift stream.
+        let mut z = 0x9E37_79B9_7F4A_7C15u64;
+        let buf: Vec<u8> = (0..(256usize << 20) / 8)
+            .flat_map(|_| {
+                z ^= z << 13;
+                z ^= z >> 7;
+                z ^= z << 17;
+                z.to_le_bytes()
+            })
+            .collect();
         let chunks = buf.len() >> 20;
         for threads in [1usize, 2] {
             let pool = ThreadPool::new(threads, std::time::Duration::from_micros(50));

@@ -130,6 +130,9 @@ impl TensorInfo {
 
 pub struct Gguf {
     mmap: Mmap,
+    /// The file's length (an empty file's anonymous map has one byte more).
+    len: usize,
+    huge_pages: bool,
     pub version: u32,
     pub metadata: HashMap<String, Value>,
     /// Keys in file order.
@@ -279,22 +282,78 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Where the weights live in memory (`model.weights` / `--weights`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightMemory {
+    /// The file read once into anonymous memory in 2 MB pages (transparent huge pages) where the
+    /// kernel offers them, else mapped: decode streams the whole model per token, and on 4 KB
+    /// pages it takes a TLB miss every 4 KB and the hardware prefetchers stop at each page's end
+    /// (batch-1 decode +15% on an AMD Zen 4: README, Int8 products). Still the one copy the
+    /// process holds, in the file's own format; the page cache's pages stay the kernel's to drop.
+    #[default]
+    HugePages,
+    /// The file mapped (`mmap`, 4 KB pages; the page cache is shared by every process mapping
+    /// the file, e.g. several replicas on one host).
+    Mapped,
+}
+
+impl std::str::FromStr for WeightMemory {
+    type Err = String;
+    fn from_str(s: &str) -> Result<WeightMemory, String> {
+        match s {
+            "huge_pages" => Ok(WeightMemory::HugePages),
+            "mmap" => Ok(WeightMemory::Mapped),
+            _ => Err(format!("'{s}': expected huge_pages or mmap")),
+        }
+    }
+}
+
+/// Whether the kernel gives anonymous memory 2 MB pages on request (transparent huge pages
+/// `always` or `madvise`).
+fn huge_pages_offered() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .map(|s| !s.contains("[never]"))
+        .unwrap_or(false)
+}
+
 impl Gguf {
     pub fn open(path: impl AsRef<Path>) -> Result<Gguf, GgufError> {
+        Gguf::open_in(path, WeightMemory::default())
+    }
+
+    /// Opens `path` with its bytes in `memory` (`HugePages` falls back to a mapping where the
+    /// kernel offers no huge pages: [`Gguf::huge_pages`] says which was used).
+    pub fn open_in(path: impl AsRef<Path>, memory: WeightMemory) -> Result<Gguf, GgufError> {
         let path = path.as_ref();
         let io = |e| GgufError::Io {
             path: path.display().to_string(),
             source: e,
         };
-        let file = File::open(path).map_err(io)?;
+        let mut file = File::open(path).map_err(io)?;
+        if memory == WeightMemory::HugePages && huge_pages_offered() {
+            let len = file.metadata().map_err(io)?.len() as usize;
+            let mut m = memmap2::MmapMut::map_anon(len.max(1)).map_err(io)?;
+            // Before the first touch, so that the pages are 2 MB ones from the start.
+            m.advise(memmap2::Advice::HugePage).map_err(io)?;
+            std::io::Read::read_exact(&mut file, &mut m[..len]).map_err(io)?;
+            let mut g = Gguf::parse(m.make_read_only().map_err(io)?, len)?;
+            g.huge_pages = true;
+            return Ok(g);
+        }
         // SAFETY: the file is opened read-only; we never write through the map. A file changed
         // under us by another process is outside what we can guard against.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Gguf::parse(mmap)
+        let len = mmap.len();
+        Gguf::parse(mmap, len)
     }
 
-    fn parse(mmap: Mmap) -> Result<Gguf, GgufError> {
-        let buf: &[u8] = &mmap;
+    /// Whether the bytes were read into memory in 2 MB pages (else the file is mapped).
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
+    }
+
+    fn parse(mmap: Mmap, len: usize) -> Result<Gguf, GgufError> {
+        let buf: &[u8] = &mmap[..len];
         let mut c = Cursor { buf, pos: 0 };
         let magic: [u8; 4] = c.take(4, &|| "magic".into())?.try_into().unwrap_or([0; 4]);
         if &magic != b"GGUF" {
@@ -421,6 +480,8 @@ impl Gguf {
         }
         Ok(Gguf {
             mmap,
+            len,
+            huge_pages: false,
             version,
             metadata,
             metadata_keys,
@@ -433,7 +494,7 @@ impl Gguf {
 
     /// The whole mapped file.
     pub fn bytes(&self) -> &[u8] {
-        &self.mmap
+        &self.mmap[..self.len]
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {

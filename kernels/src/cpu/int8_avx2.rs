@@ -232,7 +232,9 @@ mod x86 {
             let mut halves = [0u32; 8];
             let p_end = (g / 2 + 8).min(np);
             for p in g / 2..p_end {
-                _mm_prefetch::<_MM_HINT_T0>(w.add(p * pair_bytes + 640) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(
+                    w.add(p * pair_bytes + crate::cpu::int8::PREFETCH_AHEAD) as *const i8,
+                );
                 let two = 2 * p + 1 < nb;
                 let (wv, neg) = load_pair::<FMT>(w, p, two);
                 let (dw, m) = pair_scales::<FMT>(w, p, two);

@@ -12,7 +12,7 @@ pub use buffers::{AdapterScratch, ForwardBuffers};
 pub use forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Projection};
 pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, HEAD_CHUNK, TRAIN_BLOCK};
 
-use super::gguf::{Gguf, GgufError, TensorInfo};
+use super::gguf::{Gguf, GgufError, TensorInfo, WeightMemory};
 use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::{QuantType, RopeLayout};
 use std::path::Path;
@@ -184,6 +184,10 @@ pub struct Llama {
 impl Llama {
     pub fn open(path: impl AsRef<Path>) -> Result<Llama, ModelError> {
         Llama::from_gguf(Gguf::open(path)?)
+    }
+
+    pub fn open_in(path: impl AsRef<Path>, memory: WeightMemory) -> Result<Llama, ModelError> {
+        Llama::from_gguf(Gguf::open_in(path, memory)?)
     }
 
     pub fn from_gguf(g: Gguf) -> Result<Llama, ModelError> {
