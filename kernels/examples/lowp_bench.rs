@@ -10,7 +10,7 @@
 //!
 //! Paths the CPU lacks are skipped with a message. Issue 17's measurement before writing the
 //! low-precision paths. `cargo run --release -p flywheel-kernels --example lowp_bench [-- N]`
-//! (`LOWP_ISA=avx2` runs the end-to-end part on the AVX2 kernels).
+//! (`FLYWHEEL_MAX_ISA=avx2` runs the end-to-end part on the AVX2 kernels).
 
 use std::time::Instant;
 
@@ -101,11 +101,8 @@ mod x86 {
         use flywheel_kernels::cpu::Precision;
         use flywheel_kernels::quant::quantize::quantize;
         use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
-        // LOWP_ISA=avx2: the AVX2 kernels (what a CPU without AVX-512 runs).
-        let isa = match std::env::var("LOWP_ISA").as_deref() {
-            Ok("avx2") => Isa::Avx2,
-            _ => Isa::detect(),
-        };
+        // FLYWHEEL_MAX_ISA=avx2: the AVX2 kernels (what a CPU without AVX-512 runs).
+        let isa = Isa::detect();
         println!("end to end on the {} kernels", isa.name());
         for threads in [1usize, 2] {
             let pool = || ThreadPool::new(threads, std::time::Duration::from_micros(50));

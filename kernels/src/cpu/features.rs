@@ -31,6 +31,26 @@ pub struct Features {
     pub amx_int8: bool,
     /// Whether Linux granted this process the AMX tile state (asked only where `amx_tile`).
     pub amx: Amx,
+    /// `FLYWHEEL_MAX_ISA=avx2`: the features above AVX2 (AVX-512, AVX-VNNI, AMX) hidden, so that
+    /// this process runs what a CPU without AVX-512 (AMD Zen 3) runs, on any machine.
+    pub capped: bool,
+}
+
+/// The environment variable that caps the instruction sets the kernels may use (as oneDNN's
+/// `ONEDNN_MAX_CPU_ISA`): `avx2` (what a CPU without AVX-512 runs) or `native` (no cap).
+pub const MAX_ISA_VAR: &str = "FLYWHEEL_MAX_ISA";
+
+/// Whether `FLYWHEEL_MAX_ISA` asks for AVX2 at most (an unknown value is said once on stderr and
+/// caps nothing).
+fn capped_at_avx2() -> bool {
+    match std::env::var(MAX_ISA_VAR).as_deref() {
+        Err(_) | Ok("") | Ok("native") => false,
+        Ok("avx2") => true,
+        Ok(other) => {
+            eprintln!("{MAX_ISA_VAR}={other:?} ignored: expected avx2 or native");
+            false
+        }
+    }
 }
 
 /// The AMX tile state of this process.
@@ -52,7 +72,6 @@ impl Features {
 
     #[cfg(target_arch = "x86_64")]
     fn detect() -> Features {
-        use std::arch::is_x86_feature_detected as has;
         // CPUID leaf 7 sub-leaf 0, EDX: AMX-BF16 (22), AMX-TILE (24), AMX-INT8 (25).
         // Leaf 7 is valid where the highest leaf is >= 7.
         let edx7 = if std::arch::x86_64::__cpuid(0).eax >= 7 {
@@ -60,22 +79,38 @@ impl Features {
         } else {
             0
         };
-        let amx_tile = edx7 & (1 << 24) != 0;
+        let capped = capped_at_avx2();
+        let amx_tile = edx7 & (1 << 24) != 0 && !capped;
+        let has = |name| !capped && has_named(name);
+        fn has_named(name: &str) -> bool {
+            match name {
+                "avx512f" => is_x86_feature_detected!("avx512f"),
+                "avx512bw" => is_x86_feature_detected!("avx512bw"),
+                "avx512vl" => is_x86_feature_detected!("avx512vl"),
+                "avx512dq" => is_x86_feature_detected!("avx512dq"),
+                "avx512bf16" => is_x86_feature_detected!("avx512bf16"),
+                "avx512vnni" => is_x86_feature_detected!("avx512vnni"),
+                "avxvnni" => is_x86_feature_detected!("avxvnni"),
+                "avx512fp16" => is_x86_feature_detected!("avx512fp16"),
+                _ => unreachable!("{name}"),
+            }
+        }
         Features {
-            avx2: has!("avx2"),
-            fma: has!("fma"),
-            f16c: has!("f16c"),
-            avx512f: has!("avx512f"),
-            avx512bw: has!("avx512bw"),
-            avx512vl: has!("avx512vl"),
-            avx512dq: has!("avx512dq"),
-            avx512_bf16: has!("avx512bf16"),
-            avx512_vnni: has!("avx512vnni"),
-            avx_vnni: has!("avxvnni"),
-            avx512_fp16: has!("avx512fp16"),
+            capped,
+            avx2: is_x86_feature_detected!("avx2"),
+            fma: is_x86_feature_detected!("fma"),
+            f16c: is_x86_feature_detected!("f16c"),
+            avx512f: has("avx512f"),
+            avx512bw: has("avx512bw"),
+            avx512vl: has("avx512vl"),
+            avx512dq: has("avx512dq"),
+            avx512_bf16: has("avx512bf16"),
+            avx512_vnni: has("avx512vnni"),
+            avx_vnni: has("avxvnni"),
+            avx512_fp16: has("avx512fp16"),
             amx_tile,
-            amx_bf16: edx7 & (1 << 22) != 0,
-            amx_int8: edx7 & (1 << 25) != 0,
+            amx_bf16: edx7 & (1 << 22) != 0 && !capped,
+            amx_int8: edx7 & (1 << 25) != 0 && !capped,
             amx: match amx_tile {
                 false => Amx::Absent,
                 true => match request_amx() {
@@ -146,11 +181,16 @@ impl Features {
             .copied()
             .filter(|n| !used.contains(n))
             .collect();
-        let amx = match &self.amx {
+        let mut amx = match &self.amx {
             Amx::Granted => "; AMX tile state granted by Linux".to_string(),
             Amx::Refused(e) => format!("; AMX tile state refused by Linux: {e}"),
             Amx::Absent => String::new(),
         };
+        if self.capped {
+            amx.push_str(&format!(
+                "; capped at AVX2 by {MAX_ISA_VAR}=avx2 (what the CPU has beyond it is hidden)"
+            ));
+        }
         let how = match precision {
             Precision::Exact => "f32 FMA on dequantized weights",
             Precision::Bf16 => "vdpbf16ps on BF16-rounded weights and activations, f32 sums",
@@ -236,10 +276,13 @@ mod tests {
             .unwrap_or_default();
         let f = Features::get();
         for (name, on) in f.named() {
+            // Under FLYWHEEL_MAX_ISA=avx2 only AVX2, FMA and F16C may show.
+            let allowed = !f.capped || ["avx2", "fma", "f16c"].contains(&name);
             assert_eq!(
                 on,
-                flags.contains(name),
-                "{name}: detected {on}, /proc/cpuinfo says otherwise"
+                flags.contains(name) && allowed,
+                "{name}: detected {on}, /proc/cpuinfo says otherwise (capped: {})",
+                f.capped
             );
         }
         assert_eq!(f.amx == Amx::Granted, f.amx_tile, "{:?}", f.amx);
@@ -275,5 +318,12 @@ mod tests {
         .report(Isa::Avx512, Precision::Bf16);
         assert!(b.starts_with("kernels=avx512 products=bf16 "), "{b}");
         assert!(b.contains(" avx512_bf16]; present"), "{b}");
+        let capped = Features {
+            capped: true,
+            ..f
+        };
+        assert!(capped
+            .report(Isa::Avx2, Precision::Exact)
+            .contains("capped at AVX2 by FLYWHEEL_MAX_ISA=avx2"));
     }
 }

@@ -63,16 +63,11 @@ impl Isa {
         let mut v = vec![Isa::Reference];
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            // Through `Features`, so that FLYWHEEL_MAX_ISA=avx2 caps the kernels too.
+            let f = Features::get();
+            if f.avx2 && f.fma && f.f16c {
                 v.push(Isa::Avx2);
-                if is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vl")
-                    && is_x86_feature_detected!("avx512dq")
-                {
+                if f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq {
                     v.push(Isa::Avx512);
                 }
             }
