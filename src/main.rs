@@ -268,7 +268,29 @@ impl ModelArgs {
     }
 }
 
+/// glibc's malloc serves blocks from 128 KB up with fresh `mmap`s (its threshold does not rise
+/// here) and returns them on free, so every training step faulted in and zeroed its ~1.3 GB of
+/// activations and gradients again: at 32 MB (glibc's most) they come from the heap and are
+/// reused, and a training step of 8 x 256 tokens (LoRA r=16, BF16) takes 6.4 s instead of 7.7-8.3
+/// (`flywheel bench --train`, AMD Zen 4, 2 cores; serving measured the same). Peak memory is the
+/// same (1.89 vs 1.87 GB).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tune_malloc() {
+    extern "C" {
+        fn mallopt(param: i32, value: i32) -> i32;
+    }
+    const M_MMAP_THRESHOLD: i32 = -3;
+    // SAFETY: mallopt only sets an allocator parameter; called before any other thread starts.
+    if unsafe { mallopt(M_MMAP_THRESHOLD, 32 << 20) } != 1 {
+        eprintln!("warning: mallopt(M_MMAP_THRESHOLD, 32 MB) refused; training steps run slower");
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_malloc() {}
+
 fn main() {
+    tune_malloc();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
