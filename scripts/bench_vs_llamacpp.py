@@ -40,8 +40,11 @@ def flywheel_round(precision):
     out = subprocess.run([BIN, "bench", "--model", MODEL, "--runs", "3", "--batch", "1,16",
                           "--precision", precision],
                          capture_output=True, text=True, check=True).stdout
-    res = json.loads(out.strip().splitlines()[-1])["results"]
-    return {(r["test"], r["batch"]): r["tokens_per_second"] for r in res}
+    j = json.loads(out.strip().splitlines()[-1])
+    r = {(r["test"], r["batch"]): r["tokens_per_second"] for r in j["results"]}
+    # The memory's limit measured by the same run, and the share of it batch-1 decode reads.
+    r["bandwidth"] = (j["read_bandwidth_gbps"], j["decode_batch1_bandwidth_share"])
+    return r
 
 
 def main():
@@ -60,7 +63,8 @@ def main():
     from llama_cpp import Llama
     llm = Llama(model_path=MODEL, n_ctx=1024, n_batch=512, n_threads=2, logits_all=False, verbose=False)
     lp, lt = [], []
-    fw = {p: {"pp512": [], "tg128_b1": [], "tg128_b16": []} for p in precisions}
+    fw = {p: {"pp512": [], "tg128_b1": [], "tg128_b16": [], "read_gbps": [], "b1_share": []}
+          for p in precisions}
     for _ in range(rounds):
         a, b = llama_cpp_round(llm)
         lp.append(a)
@@ -70,6 +74,8 @@ def main():
             fw[p]["pp512"].append(r[("pp512", 1)])
             fw[p]["tg128_b1"].append(r[("tg128", 1)])
             fw[p]["tg128_b16"].append(r[("tg128", 16)])
+            fw[p]["read_gbps"].append(r["bandwidth"][0])
+            fw[p]["b1_share"].append(r["bandwidth"][1])
     m = statistics.median
     print(f"{'test':<14}{'precision':>10}{'llama.cpp':>12}{'flywheel':>12}{'ratio':>8}")
     for p in precisions:
@@ -77,6 +83,8 @@ def main():
         print(f"{'pp512':<14}{p:>10}{m(lp):>12.1f}{fp:>12.1f}{fp / m(lp):>8.2f}")
         print(f"{'tg128 b=1':<14}{p:>10}{m(lt):>12.1f}{f1:>12.1f}{f1 / m(lt):>8.2f}")
         print(f"{'tg128 b=16':<14}{p:>10}{'':>12}{f16:>12.1f}{f16 / m(lt):>8.2f}  (vs llama.cpp b=1)")
+        print(f"{'':<14}{p:>10}  batch-1 decode reads {100 * m(fw[p]['b1_share']):.0f}% of the read "
+              f"bandwidth measured in the same runs ({m(fw[p]['read_gbps']):.1f} GB/s)")
     print(json.dumps({"model": os.path.basename(MODEL), "rounds": rounds, "llama_cpp": {"pp512": m(lp), "tg128": m(lt)},
                       "flywheel": {p: {k: m(v) for k, v in fw[p].items()} for p in precisions},
                       "machine": {"cpus": os.cpu_count(), "uname": " ".join(os.uname())}}))
