@@ -1,5 +1,5 @@
-//! GGUF reader (v2 and v3): memory-mapped, every metadata type, tensor infos, alignment, and
-//! zero-copy access to each tensor's bytes. Every read is bounds-checked: a truncated, corrupt or
+//! GGUF reader (v2 and v3): the file read once into 2 MB pages or memory-mapped (`WeightMemory`),
+//! every metadata type, tensor infos, alignment, and zero-copy access to each tensor's bytes. Every read is bounds-checked: a truncated, corrupt or
 //! unsupported file is an error that names the offset, the key or tensor, and the type.
 
 use flywheel_kernels::QuantType;

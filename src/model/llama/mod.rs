@@ -1,5 +1,6 @@
 //! The Llama-family model: its configuration and weights, loaded from GGUF and kept in their block
-//! formats (mmapped, never dequantized as a whole, never copied). `forward` runs a packed batch
+//! formats (one copy: read into 2 MB pages or mapped; never dequantized as a whole, never copied
+//! again). `forward` runs a packed batch
 //! (each sequence optionally through its own adapter version); `buffers` holds its activations.
 
 mod activations;
