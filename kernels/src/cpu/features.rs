@@ -318,10 +318,7 @@ mod tests {
         .report(Isa::Avx512, Precision::Bf16);
         assert!(b.starts_with("kernels=avx512 products=bf16 "), "{b}");
         assert!(b.contains(" avx512_bf16]; present"), "{b}");
-        let capped = Features {
-            capped: true,
-            ..f
-        };
+        let capped = Features { capped: true, ..f };
         assert!(capped
             .report(Isa::Avx2, Precision::Exact)
             .contains("capped at AVX2 by FLYWHEEL_MAX_ISA=avx2"));
