@@ -96,7 +96,12 @@ fn log_weights(model: &Llama) {
             huge / 1e3
         );
     } else {
-        tracing::info!("weights: {mb:.1} MB mapped from the file (4 KB pages)");
+        match model.gguf.why_mapped() {
+            Some(why) => {
+                tracing::info!("weights: {mb:.1} MB mapped from the file (4 KB pages): {why}")
+            }
+            None => tracing::info!("weights: {mb:.1} MB mapped from the file (4 KB pages)"),
+        }
     }
 }
 

@@ -245,6 +245,11 @@ fn weights_read_into_huge_pages_equal_the_mapped_file() {
     let mapped = Gguf::open_in(&p, WeightMemory::Mapped).unwrap();
     let huge = Gguf::open_in(&p, WeightMemory::HugePages).unwrap();
     assert!(!mapped.huge_pages());
+    assert_eq!(
+        mapped.why_mapped(),
+        None,
+        "a mapping asked for needs no reason"
+    );
     let offered = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
         .map(|s| !s.contains("[never]"))
         .unwrap_or(false);
@@ -255,6 +260,12 @@ fn weights_read_into_huge_pages_equal_the_mapped_file() {
     );
     if !offered {
         eprintln!("skipped the 2 MB pages: transparent huge pages are off here (read mapped)");
+        assert!(huge
+            .why_mapped()
+            .unwrap()
+            .contains("no transparent huge pages"));
+    } else {
+        assert_eq!(huge.why_mapped(), None);
     }
     assert_eq!(huge.bytes(), &std::fs::read(&p).unwrap()[..]);
     assert_eq!(huge.bytes(), mapped.bytes());

@@ -133,6 +133,7 @@ pub struct Gguf {
     /// The file's length (an empty file's anonymous map has one byte more).
     len: usize,
     huge_pages: bool,
+    why_mapped: Option<String>,
     pub version: u32,
     pub metadata: HashMap<String, Value>,
     /// Keys in file order.
@@ -308,12 +309,34 @@ impl std::str::FromStr for WeightMemory {
     }
 }
 
-/// Whether the kernel gives anonymous memory 2 MB pages on request (transparent huge pages
-/// `always` or `madvise`).
-fn huge_pages_offered() -> bool {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+/// Why a file of `len` bytes is mapped rather than read into 2 MB pages (None: it is read):
+/// the kernel offers no transparent huge pages (`offered`: `always` or `madvise`), or the file is
+/// more than half the memory available (`available` bytes), where only a mapping lets the kernel
+/// page it.
+fn why_mapped(len: usize, offered: bool, available: Option<usize>) -> Option<String> {
+    if !offered {
+        return Some("the kernel offers no transparent huge pages".into());
+    }
+    match available {
+        Some(a) if len > a / 2 => Some(format!(
+            "the file ({} MB) is more than half the available memory ({} MB)",
+            len >> 20,
+            a >> 20
+        )),
+        _ => None,
+    }
+}
+
+/// This machine's view for `why_mapped`: transparent huge pages offered, MemAvailable in bytes.
+fn machine_memory() -> (bool, Option<usize>) {
+    let offered = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
         .map(|s| !s.contains("[never]"))
-        .unwrap_or(false)
+        .unwrap_or(false);
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        let kb = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        kb.split_whitespace().nth(1)?.parse::<usize>().ok()
+    });
+    (offered, available.map(|kb| kb << 10))
 }
 
 impl Gguf {
@@ -322,7 +345,8 @@ impl Gguf {
     }
 
     /// Opens `path` with its bytes in `memory` (`HugePages` falls back to a mapping where the
-    /// kernel offers no huge pages: [`Gguf::huge_pages`] says which was used).
+    /// kernel offers no huge pages or the file would take more than half the available memory:
+    /// [`Gguf::huge_pages`] and [`Gguf::why_mapped`] say which was used and why).
     pub fn open_in(path: impl AsRef<Path>, memory: WeightMemory) -> Result<Gguf, GgufError> {
         let path = path.as_ref();
         let io = |e| GgufError::Io {
@@ -330,8 +354,15 @@ impl Gguf {
             source: e,
         };
         let mut file = File::open(path).map_err(io)?;
-        if memory == WeightMemory::HugePages && huge_pages_offered() {
-            let len = file.metadata().map_err(io)?.len() as usize;
+        let len = file.metadata().map_err(io)?.len() as usize;
+        let refused = match memory {
+            WeightMemory::HugePages => {
+                let (offered, available) = machine_memory();
+                why_mapped(len, offered, available)
+            }
+            WeightMemory::Mapped => None,
+        };
+        if memory == WeightMemory::HugePages && refused.is_none() {
             let mut m = memmap2::MmapMut::map_anon(len.max(1)).map_err(io)?;
             // Before the first touch, so that the pages are 2 MB ones from the start.
             m.advise(memmap2::Advice::HugePage).map_err(io)?;
@@ -344,7 +375,14 @@ impl Gguf {
         // under us by another process is outside what we can guard against.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
         let len = mmap.len();
-        Gguf::parse(mmap, len)
+        let mut g = Gguf::parse(mmap, len)?;
+        g.why_mapped = refused;
+        Ok(g)
+    }
+
+    /// Why 2 MB pages were asked for and the file is mapped instead (None otherwise).
+    pub fn why_mapped(&self) -> Option<&str> {
+        self.why_mapped.as_deref()
     }
 
     /// Whether the bytes were read into memory in 2 MB pages (else the file is mapped).
@@ -482,6 +520,7 @@ impl Gguf {
             mmap,
             len,
             huge_pages: false,
+            why_mapped: None,
             version,
             metadata,
             metadata_keys,
@@ -547,5 +586,23 @@ impl Gguf {
             key: key.into(),
             msg: format!("expected a string, got {}", v.type_name()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::why_mapped;
+
+    #[test]
+    fn huge_pages_give_way_to_a_mapping_where_they_cannot_serve() {
+        assert_eq!(why_mapped(100 << 20, true, Some(24 << 30)), None);
+        assert_eq!(why_mapped(100 << 20, true, None), None);
+        let off = why_mapped(100 << 20, false, Some(24 << 30)).unwrap();
+        assert!(off.contains("no transparent huge pages"), "{off}");
+        let big = why_mapped(13 << 30, true, Some(24 << 30)).unwrap();
+        assert!(
+            big.contains("13312 MB") && big.contains("24576 MB"),
+            "{big}"
+        );
     }
 }
