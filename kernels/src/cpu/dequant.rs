@@ -4,7 +4,8 @@
 // one block (`BB` bytes in, `BS` floats out) or the stated row length.
 #![allow(clippy::missing_safety_doc)]
 
-use super::simd::Simd;
+use super::simd::{Avx2, Avx512, Simd};
+use super::Isa;
 use crate::quant::QuantType;
 use crate::reference::scale_min_k4;
 
@@ -334,5 +335,43 @@ unsafe fn nibble_decode<S: Simd>(qs: *const u8, d: S::V, m: S::V, out: &mut [S::
         out[c / S::LANES] = S::fma(S::cvt(S::and_i(b, 0xF)), d, m);
         out[(16 + c) / S::LANES] = S::fma(S::cvt(S::srl::<4>(b)), d, m);
         c += S::LANES;
+    }
+}
+
+/// Dequantize `dst.len()` values of a row with the fast path of `isa`.
+pub fn dequantize_row(isa: Isa, ty: QuantType, src: &[u8], dst: &mut [f32]) {
+    let rb = ty.row_bytes(dst.len()).expect("whole blocks");
+    assert!(src.len() >= rb);
+    // SAFETY: sizes checked above; the ISA was detected.
+    unsafe {
+        match isa {
+            Isa::Reference => crate::reference::dequantize_row(ty, src, dst),
+            Isa::Avx512 => dequant_avx512(ty, src.as_ptr(), dst.as_mut_ptr(), dst.len()),
+            Isa::Avx2 => dequant_avx2(ty, src.as_ptr(), dst.as_mut_ptr(), dst.len()),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn dequant_avx512(ty: QuantType, src: *const u8, dst: *mut f32, n: usize) {
+    dequant_any::<Avx512>(ty, src, dst, n)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_avx2(ty: QuantType, src: *const u8, dst: *mut f32, n: usize) {
+    dequant_any::<Avx2>(ty, src, dst, n)
+}
+
+#[inline(always)]
+unsafe fn dequant_any<S: Simd>(ty: QuantType, src: *const u8, dst: *mut f32, n: usize) {
+    match ty {
+        QuantType::F32 => dequant_row::<S, F32>(src, dst, n),
+        QuantType::F16 => dequant_row::<S, F16>(src, dst, n),
+        QuantType::BF16 => dequant_row::<S, BF16>(src, dst, n),
+        QuantType::Q4_0 => dequant_row::<S, Q4_0>(src, dst, n),
+        QuantType::Q4_1 => dequant_row::<S, Q4_1>(src, dst, n),
+        QuantType::Q8_0 => dequant_row::<S, Q8_0>(src, dst, n),
+        QuantType::Q4K => dequant_row::<S, Q4K>(src, dst, n),
+        QuantType::Q6K => dequant_row::<S, Q6K>(src, dst, n),
     }
 }

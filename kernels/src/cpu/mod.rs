@@ -431,7 +431,7 @@ impl Cpu {
     }
 
     pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {
-        matmul::dequantize_row(self.isa, ty, src, dst)
+        dequant::dequantize_row(self.isa, ty, src, dst)
     }
 
     pub fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
