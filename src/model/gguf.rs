@@ -1,12 +1,16 @@
 //! GGUF reader (v2 and v3): the file read once into 2 MB pages or memory-mapped (`WeightMemory`),
-//! every metadata type, tensor infos, alignment, and zero-copy access to each tensor's bytes. Every read is bounds-checked: a truncated, corrupt or
-//! unsupported file is an error that names the offset, the key or tensor, and the type.
+//! every metadata type, tensor infos, alignment, and zero-copy access to each tensor's bytes.
+//! Every read is bounds-checked: a truncated, corrupt or unsupported file is an error that names
+//! the offset, the key or tensor, and the type.
 
 use flywheel_kernels::QuantType;
 use memmap2::Mmap;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
+
+use super::weight_memory;
+pub use super::weight_memory::WeightMemory;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
@@ -283,62 +287,6 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Where the weights live in memory (`model.weights` / `--weights`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum WeightMemory {
-    /// The file read once into anonymous memory in 2 MB pages (transparent huge pages) where the
-    /// kernel offers them, else mapped: decode streams the whole model per token, and on 4 KB
-    /// pages it takes a TLB miss every 4 KB and the hardware prefetchers stop at each page's end
-    /// (batch-1 decode +15% on an AMD Zen 4: README, Int8 products). Still the one copy the
-    /// process holds, in the file's own format; the page cache's pages stay the kernel's to drop.
-    #[default]
-    HugePages,
-    /// The file mapped (`mmap`, 4 KB pages; the page cache is shared by every process mapping
-    /// the file, e.g. several replicas on one host).
-    Mapped,
-}
-
-impl std::str::FromStr for WeightMemory {
-    type Err = String;
-    fn from_str(s: &str) -> Result<WeightMemory, String> {
-        match s {
-            "huge_pages" => Ok(WeightMemory::HugePages),
-            "mmap" => Ok(WeightMemory::Mapped),
-            _ => Err(format!("'{s}': expected huge_pages or mmap")),
-        }
-    }
-}
-
-/// Why a file of `len` bytes is mapped rather than read into 2 MB pages (None: it is read):
-/// the kernel offers no transparent huge pages (`offered`: `always` or `madvise`), or the file is
-/// more than half the memory available (`available` bytes), where only a mapping lets the kernel
-/// page it.
-fn why_mapped(len: usize, offered: bool, available: Option<usize>) -> Option<String> {
-    if !offered {
-        return Some("the kernel offers no transparent huge pages".into());
-    }
-    match available {
-        Some(a) if len > a / 2 => Some(format!(
-            "the file ({} MB) is more than half the available memory ({} MB)",
-            len >> 20,
-            a >> 20
-        )),
-        _ => None,
-    }
-}
-
-/// This machine's view for `why_mapped`: transparent huge pages offered, MemAvailable in bytes.
-fn machine_memory() -> (bool, Option<usize>) {
-    let offered = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .map(|s| !s.contains("[never]"))
-        .unwrap_or(false);
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
-        let kb = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        kb.split_whitespace().nth(1)?.parse::<usize>().ok()
-    });
-    (offered, available.map(|kb| kb << 10))
-}
-
 impl Gguf {
     pub fn open(path: impl AsRef<Path>) -> Result<Gguf, GgufError> {
         Gguf::open_in(path, WeightMemory::default())
@@ -354,29 +302,9 @@ impl Gguf {
             source: e,
         };
         let mut file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len() as usize;
-        let refused = match memory {
-            WeightMemory::HugePages => {
-                let (offered, available) = machine_memory();
-                why_mapped(len, offered, available)
-            }
-            WeightMemory::Mapped => None,
-        };
-        if memory == WeightMemory::HugePages && refused.is_none() {
-            let mut m = memmap2::MmapMut::map_anon(len.max(1)).map_err(io)?;
-            // Before the first touch, so that the pages are 2 MB ones from the start.
-            m.advise(memmap2::Advice::HugePage).map_err(io)?;
-            std::io::Read::read_exact(&mut file, &mut m[..len]).map_err(io)?;
-            let mut g = Gguf::parse(m.make_read_only().map_err(io)?, len)?;
-            g.huge_pages = true;
-            return Ok(g);
-        }
-        // SAFETY: the file is opened read-only; we never write through the map. A file changed
-        // under us by another process is outside what we can guard against.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let len = mmap.len();
-        let mut g = Gguf::parse(mmap, len)?;
-        g.why_mapped = refused;
+        let placed = weight_memory::place(&mut file, memory).map_err(io)?;
+        let mut g = Gguf::parse(placed.bytes, placed.len)?;
+        (g.huge_pages, g.why_mapped) = (placed.huge_pages, placed.why_mapped);
         Ok(g)
     }
 
@@ -586,23 +514,5 @@ impl Gguf {
             key: key.into(),
             msg: format!("expected a string, got {}", v.type_name()),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::why_mapped;
-
-    #[test]
-    fn huge_pages_give_way_to_a_mapping_where_they_cannot_serve() {
-        assert_eq!(why_mapped(100 << 20, true, Some(24 << 30)), None);
-        assert_eq!(why_mapped(100 << 20, true, None), None);
-        let off = why_mapped(100 << 20, false, Some(24 << 30)).unwrap();
-        assert!(off.contains("no transparent huge pages"), "{off}");
-        let big = why_mapped(13 << 30, true, Some(24 << 30)).unwrap();
-        assert!(
-            big.contains("13312 MB") && big.contains("24576 MB"),
-            "{big}"
-        );
     }
 }

@@ -7,3 +7,4 @@ pub mod kv_cache;
 pub mod llama;
 pub mod spm;
 pub mod tokenizer;
+pub mod weight_memory;
