@@ -85,46 +85,18 @@ fn alternate<'a>(
 }
 
 /// The memory's limit for batch-1 decode, measured now: 256 MB (more than any cache holds, in
-/// the pages the weights are in) summed by the compute pool, 1 MB per task; the best of 5 passes.
+/// the pages the weights are in) read by the compute pool; the best of 5 passes.
 fn read_bandwidth(cpu: &Cpu, huge_pages: bool) -> anyhow::Result<f64> {
-    const MB: usize = 1 << 20;
-    let mut buf = memmap2::MmapMut::map_anon(256 * MB)?;
+    let mut buf = memmap2::MmapMut::map_anon(256 << 20)?;
     if huge_pages {
         buf.advise(memmap2::Advice::HugePage)?;
     }
-    // Distinct pages (a pattern repeating per page could be merged by the host, KSM, and read
-    // from the cache): a xorshift stream.
-    let mut z = 0x9E37_79B9_7F4A_7C15u64;
-    for w in buf.chunks_exact_mut(8) {
-        z ^= z << 13;
-        z ^= z >> 7;
-        z ^= z << 17;
-        w.copy_from_slice(&z.to_le_bytes());
-    }
-    let sums: Vec<std::sync::atomic::AtomicU64> = (0..256).map(|_| Default::default()).collect();
-    let mut best = 0.0f64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        cpu.pool.run(256, &|c| {
-            // Eight independent u64 sums per 64 bytes: the compiler's vector adds, several
-            // loads in flight.
-            let mut acc = [0u64; 8];
-            for line in buf[c * MB..(c + 1) * MB].chunks_exact(64) {
-                for (a, w) in acc.iter_mut().zip(line.chunks_exact(8)) {
-                    *a = a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()));
-                }
-            }
-            let s = acc.iter().fold(0u64, |s, a| s.wrapping_add(*a));
-            sums[c].fetch_add(s, Ordering::Relaxed);
-        });
-        best = best.max(buf.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    std::hint::black_box(&sums);
-    Ok(best)
+    Ok(cpu.pool.read_bandwidth(&mut buf, 5))
 }
 
 /// Run the tests and print a table and one JSON line.
 pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyhow::Result<()> {
+    let huge = model.gguf.huge_pages();
     let stop = Arc::new(AtomicBool::new(false));
     let peer = o.busy_peer.then(|| {
         let stop = stop.clone();
@@ -194,7 +166,6 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
         rows.push((format!("tg{tg}"), b, rates));
     }
     // The memory's limit, after the tests (the same conditions as their last runs).
-    let huge = model.gguf.huge_pages();
     let bandwidth = read_bandwidth(cpu, huge)?;
     stop.store(true, Ordering::Relaxed);
     if let Some(p) = peer {
@@ -215,11 +186,7 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     println!(
         "model: {} ({})  kernels: {}  threads: {}  busy peer: {}  adapter: {}",
         o.model_path,
-        if model.gguf.huge_pages() {
-            "in 2 MB pages"
-        } else {
-            "mapped"
-        },
+        if huge { "in 2 MB pages" } else { "mapped" },
         cpu.isa.name(),
         cpu.pool.num_threads(),
         o.busy_peer,
@@ -264,7 +231,7 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     }
     let json = serde_json::json!({
         "model": o.model_path,
-        "weights": if model.gguf.huge_pages() { "huge_pages" } else { "mmap" },
+        "weights": if huge { "huge_pages" } else { "mmap" },
         "kernels": cpu.isa.name(),
         "cpu_paths": paths,
         "threads": cpu.pool.num_threads(),

@@ -89,11 +89,7 @@ mod x86 {
             measure(&mut line, int8_tile, (7u8, -3i8), shape, int8_tiles_i8);
             println!("{line}");
         }
-        if f.avx512f {
-            read_bandwidth();
-        } else {
-            println!("read bandwidth skipped (no AVX-512F)");
-        }
+        read_bandwidth();
         // End to end: the kernels themselves, exact f32 vs `Precision::Bf16` and `Int8` (those
         // the CPU has), on Q4_1 and Q8_0 weights of the layers' shapes, at batch 1 (decode: GB/s
         // of weights read; all but the 49152-row head fit in L2) and batch n (GFLOP/s), one and
@@ -159,54 +155,16 @@ mod x86 {
         }
     }
 
-    /// The memory's limit for decode: 256 MB (as no cache holds) read with 512-bit loads by the
-    /// kernels' pool, one and two threads, 1 MB per task; best of 5 passes.
+    /// The memory's limit for decode: 256 MB (as no cache holds, 4 KB pages) read by the
+    /// kernels' pool, one and two threads (`ThreadPool::read_bandwidth`); best of 5 passes.
     fn read_bandwidth() {
         use flywheel_kernels::ThreadPool;
-        // Distinct pages (identical ones could be merged by the host, KSM, and read from the
-        // cache): a xorshift stream.
-        let mut z = 0x9E37_79B9_7F4A_7C15u64;
-        let buf: Vec<u8> = (0..(256usize << 20) / 8)
-            .flat_map(|_| {
-                z ^= z << 13;
-                z ^= z >> 7;
-                z ^= z << 17;
-                z.to_le_bytes()
-            })
-            .collect();
-        let chunks = buf.len() >> 20;
+        let mut buf = vec![0u8; 256 << 20];
         for threads in [1usize, 2] {
             let pool = ThreadPool::new(threads, std::time::Duration::from_micros(50));
-            let sums: Vec<std::sync::atomic::AtomicU64> =
-                (0..chunks).map(|_| Default::default()).collect();
-            let mut best = 0.0f64;
-            for _ in 0..5 {
-                let t0 = Instant::now();
-                // SAFETY: AVX-512F was checked by the caller; each task reads its own MB.
-                pool.run(chunks, &|c| unsafe {
-                    sum_chunk(&buf[c << 20..(c + 1) << 20], &sums[c])
-                });
-                best = best.max(buf.len() as f64 / t0.elapsed().as_secs_f64() / 1e9);
-            }
+            let best = pool.read_bandwidth(&mut buf, 5);
             println!("read bandwidth, {threads} thread(s): {best:.1} GB/s (256 MB, best of 5)");
         }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    unsafe fn sum_chunk(b: &[u8], out: &std::sync::atomic::AtomicU64) {
-        let mut acc = [_mm512_setzero_si512(); 4];
-        for (k, p) in (0..b.len()).step_by(64).enumerate() {
-            let v = _mm512_loadu_si512(b.as_ptr().add(p) as *const _);
-            acc[k % 4] = _mm512_add_epi64(acc[k % 4], v);
-        }
-        let v = _mm512_add_epi64(
-            _mm512_add_epi64(acc[0], acc[1]),
-            _mm512_add_epi64(acc[2], acc[3]),
-        );
-        out.fetch_add(
-            _mm512_reduce_add_epi64(v) as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
     }
 
     /// One generic tile sweep: `step` values of K per vector, `mac` the tile's instruction.
