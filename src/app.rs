@@ -96,12 +96,11 @@ fn log_weights(model: &Llama) {
             huge / 1e3
         );
     } else {
-        match model.gguf.why_mapped() {
-            Some(why) => {
-                tracing::info!("weights: {mb:.1} MB mapped from the file (4 KB pages): {why}")
-            }
-            None => tracing::info!("weights: {mb:.1} MB mapped from the file (4 KB pages)"),
-        }
+        let why = model.gguf.why_mapped().map(|w| format!(": {w}"));
+        tracing::info!(
+            "weights: {mb:.1} MB mapped from the file (4 KB pages){}",
+            why.unwrap_or_default()
+        );
     }
 }
 

@@ -80,37 +80,25 @@ impl Features {
             0
         };
         let capped = capped_at_avx2();
-        let amx_tile = edx7 & (1 << 24) != 0 && !capped;
-        let has = |name| !capped && has_named(name);
-        fn has_named(name: &str) -> bool {
-            match name {
-                "avx512f" => is_x86_feature_detected!("avx512f"),
-                "avx512bw" => is_x86_feature_detected!("avx512bw"),
-                "avx512vl" => is_x86_feature_detected!("avx512vl"),
-                "avx512dq" => is_x86_feature_detected!("avx512dq"),
-                "avx512bf16" => is_x86_feature_detected!("avx512bf16"),
-                "avx512vnni" => is_x86_feature_detected!("avx512vnni"),
-                "avxvnni" => is_x86_feature_detected!("avxvnni"),
-                "avx512fp16" => is_x86_feature_detected!("avx512fp16"),
-                _ => unreachable!("{name}"),
-            }
-        }
+        // Beyond AVX2: hidden under FLYWHEEL_MAX_ISA=avx2.
+        let above = |on: bool| on && !capped;
+        let amx_tile = above(edx7 & (1 << 24) != 0);
         Features {
             capped,
             avx2: is_x86_feature_detected!("avx2"),
             fma: is_x86_feature_detected!("fma"),
             f16c: is_x86_feature_detected!("f16c"),
-            avx512f: has("avx512f"),
-            avx512bw: has("avx512bw"),
-            avx512vl: has("avx512vl"),
-            avx512dq: has("avx512dq"),
-            avx512_bf16: has("avx512bf16"),
-            avx512_vnni: has("avx512vnni"),
-            avx_vnni: has("avxvnni"),
-            avx512_fp16: has("avx512fp16"),
+            avx512f: above(is_x86_feature_detected!("avx512f")),
+            avx512bw: above(is_x86_feature_detected!("avx512bw")),
+            avx512vl: above(is_x86_feature_detected!("avx512vl")),
+            avx512dq: above(is_x86_feature_detected!("avx512dq")),
+            avx512_bf16: above(is_x86_feature_detected!("avx512bf16")),
+            avx512_vnni: above(is_x86_feature_detected!("avx512vnni")),
+            avx_vnni: above(is_x86_feature_detected!("avxvnni")),
+            avx512_fp16: above(is_x86_feature_detected!("avx512fp16")),
             amx_tile,
-            amx_bf16: edx7 & (1 << 22) != 0 && !capped,
-            amx_int8: edx7 & (1 << 25) != 0 && !capped,
+            amx_bf16: above(edx7 & (1 << 22) != 0),
+            amx_int8: above(edx7 & (1 << 25) != 0),
             amx: match amx_tile {
                 false => Amx::Absent,
                 true => match request_amx() {
