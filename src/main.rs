@@ -271,9 +271,9 @@ impl ModelArgs {
 /// glibc's malloc serves blocks from 128 KB up with fresh `mmap`s (its threshold does not rise
 /// here) and returns them on free, so every training step faulted in and zeroed its ~1.3 GB of
 /// activations and gradients again: at 32 MB (glibc's most) they come from the heap and are
-/// reused, and a training step of 8 x 256 tokens (LoRA r=16, BF16) takes 6.4 s instead of 7.7-8.3
-/// (`flywheel bench --train`, AMD Zen 4, 2 cores; serving measured the same). Peak memory is the
-/// same (1.89 vs 1.87 GB).
+/// reused. A training step of 8 x 256 tokens (LoRA r=16, BF16; `flywheel bench --train`, AMD
+/// Zen 4, 2 cores) took 6.2-6.4 s in 7 of 8 runs (one 7.7) instead of 7.0-8.3 s; prefill and
+/// decode measured the same; peak memory 1.89 vs 1.87 GB.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn tune_malloc() {
     extern "C" {
