@@ -82,7 +82,7 @@ impl Ready {
             self.tokenizer.clone(),
             self.vocab_size,
         );
-        blocking(move || {
+        on_compile_stack(move || {
             let g = cell
                 .get_or_init(|| {
                     let t0 = std::time::Instant::now();
@@ -155,6 +155,8 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// A body not received whole in this long gets 408.
     pub body_read_timeout: Duration,
+    /// Sequences (prompts × n) one request may hold; more get 400.
+    pub max_sequences_per_request: usize,
 }
 
 impl Default for Limits {
@@ -162,6 +164,7 @@ impl Default for Limits {
         Limits {
             max_body_bytes: 2 << 20,
             body_read_timeout: Duration::from_secs(30),
+            max_sequences_per_request: 256,
         }
     }
 }
@@ -372,6 +375,23 @@ async fn guard(State(state): State<AppState>, req: Request, next: Next) -> Respo
             .inc();
     }
     resp
+}
+
+/// Run `f` on a thread of its own with the stack a grammar within `grammar_bounds` may need to
+/// compile (the blocking pool's threads have 2 MB).
+pub async fn on_compile_stack<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("grammar-compile".into())
+        .stack_size(crate::engine::grammar_bounds::COMPILE_STACK)
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| ApiError::internal(format!("cannot start a grammar compile: {e}")))?;
+    rx.await
+        .map_err(|_| ApiError::internal("a grammar compile failed"))?
 }
 
 /// Run `f` on the blocking pool (tokenization, chat templates): keeps the async threads free.

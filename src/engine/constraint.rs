@@ -132,8 +132,11 @@ impl Grammars {
         Ok(Grammars { factory, eos })
     }
 
-    /// Compile `spec` into a fresh constraint; the library's message when it rejects it.
+    /// Compile `spec` into a fresh constraint; the library's message when it rejects it, or the
+    /// bound it exceeds (`grammar_bounds`: checked first, since compiling recurses as deep as the
+    /// grammar). Run it on a thread with `grammar_bounds::COMPILE_STACK` of stack.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, String> {
+        super::grammar_bounds::check(spec)?;
         let grammar = match spec {
             GrammarSpec::Json(schema) => TopLevelGrammar::from_json_schema(compact_schema(schema)?),
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),

@@ -4,6 +4,7 @@
 
 pub mod block_manager;
 pub mod constraint;
+pub mod grammar_bounds;
 mod handle;
 pub mod output;
 pub mod sampler;
@@ -17,18 +18,18 @@ use crate::model::tokenizer::Tokenizer;
 use block_manager::BlockManager;
 use constraint::Constraint;
 use flywheel_kernels::Cpu;
-use handle::{AliveGuard, Command, Submission};
 pub use handle::{
-    EngineEvent, EngineHandle, FinishReason, GenerateRequest, Permit, RequestStream, StopReason,
-    SubmitError,
+    Admission, ClientId, EngineEvent, EngineHandle, FinishReason, GenerateRequest, RequestStream,
+    StopReason, SubmitError,
 };
+use handle::{AliveGuard, Command, Submission};
 use output::{RequestState, SeqOutput};
 use scheduler::{Chunk, Scheduler, SchedulerConfig};
 use sequence::{SeqId, Sequence};
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -41,6 +42,9 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Requests admitted (queued or running) at once; more get `SubmitError::QueueFull`.
     pub max_pending_requests: usize,
+    /// Requests one client may have admitted while other clients have any
+    /// (`SubmitError::ClientFull`).
+    pub max_pending_per_client: usize,
 }
 
 pub struct Engine {
@@ -72,12 +76,16 @@ impl Engine {
         let alive = Arc::new(AtomicBool::new(true));
         let handle = EngineHandle {
             tx,
-            num_pending: Arc::new(AtomicUsize::new(0)),
+            pending: Default::default(),
             max_pending: cfg.max_pending_requests,
+            max_pending_per_client: cfg.max_pending_per_client,
             alive: alive.clone(),
         };
+        // Grammars advance here and are masked on a scoped thread beside the forward: both with
+        // the stack a grammar within `grammar_bounds` may need.
         let join = std::thread::Builder::new()
             .name("engine".into())
+            .stack_size(grammar_bounds::COMPILE_STACK)
             .spawn(move || {
                 let _guard = AliveGuard(alive);
                 let c = &model.config;
@@ -143,7 +151,13 @@ impl Engine {
     }
 
     fn add_request(&mut self, sub: Submission) {
-        let Submission { req, tx, arrival } = sub;
+        let Submission {
+            req,
+            client,
+            request,
+            tx,
+            arrival,
+        } = sub;
         self.metrics.prompt_tokens.inc_by(req.prompt.len() as u64);
         let seed = req.seed.unwrap_or_else(crate::util::random_u64);
         let id = self.new_seq_id();
@@ -165,6 +179,8 @@ impl Engine {
         let table = self.sched.blocks().new_table();
         let mut seq = Sequence::new(id, prompt, table, adapter);
         seq.score_prompt = score;
+        seq.client = client;
+        seq.request = request;
         self.sched.add(seq);
     }
 
@@ -269,7 +285,8 @@ impl Engine {
         let (model, cpu, cache, bufs) = (&self.model, &*self.cpu, &mut self.cache, &mut self.bufs);
         let (result, ahead) = std::thread::scope(|scope| {
             let masks = (!ahead.is_empty()).then(|| {
-                scope.spawn(move || {
+                let t = std::thread::Builder::new().stack_size(grammar_bounds::COMPILE_STACK);
+                t.spawn_scoped(scope, move || {
                     ahead
                         .into_iter()
                         .map(|(id, ends, mut k)| {
@@ -282,6 +299,7 @@ impl Engine {
                         })
                         .collect::<Vec<_>>()
                 })
+                .expect("spawn the grammar mask thread")
             });
             let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 model.forward_into(cpu, cache, &batch, bufs)
@@ -408,6 +426,7 @@ impl Engine {
             let full = parent.prompt_len / bs;
             let table = parent.table.share_prefix(full);
             let mut seq = Sequence::new(child_id, tokens, table, parent.adapter.clone());
+            (seq.client, seq.request) = (parent.client, parent.request);
             seq.prompt_len = parent.prompt_len;
             seq.num_computed = full * bs;
             let at_end = seq.tokens.len() >= ctx;
