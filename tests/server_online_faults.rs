@@ -206,6 +206,41 @@ fn a_database_deleted_under_the_server_stops_acknowledging_rewards() {
     assert_eq!(r.status, 503, "{}", r.body_text());
 }
 
+/// The rollout database lost between two runs on the same data directory: the restart continues
+/// above every version a checkpoint folder carries (never serving v1 after v3 was served) and
+/// writes over no folder; the next step is numbered above them too.
+#[test]
+fn a_restart_after_the_database_was_lost_reuses_no_version_and_overwrites_no_checkpoint() {
+    let (dir, path) = write_tiny(&spec());
+    let data = dir.path().join("data");
+    let cfg = learning_config();
+    let s = start_learning(&path, &data, &cfg, &["l"]);
+    for k in 1..=2 {
+        sample_and_reward(&s, "l", 2);
+        wait_status(&s, "l", 60, |st| st["steps"] == k);
+    }
+    assert_eq!(version_of(&s, "l"), 3);
+    s.terminate();
+    drop(s);
+    let manifest = |v: u64| std::fs::read(checkpoint_dir(&data, "l", v).join("manifest.json"));
+    let before = (manifest(2).unwrap(), manifest(3).unwrap());
+    for f in ["flywheel.db", "flywheel.db-wal", "flywheel.db-shm"] {
+        let _ = std::fs::remove_file(data.join(f));
+    }
+    let s = start_learning(&path, &data, &cfg, &["l"]);
+    assert_eq!(version_of(&s, "l"), 4, "{}", s.stderr());
+    assert!(s
+        .stderr()
+        .contains("above every version the rollout store records"));
+    assert_eq!(stream_one_version(&s, "l", "hi"), 4);
+    sample_and_reward(&s, "l", 2);
+    wait_status(&s, "l", 60, |st| st["steps"] == 1);
+    assert_eq!(version_of(&s, "l"), 5);
+    assert!(checkpoint_dir(&data, "l", 5).exists());
+    // The old folders are as they were.
+    assert_eq!((manifest(2).unwrap(), manifest(3).unwrap()), before);
+}
+
 /// `flywheel serve` with these arguments, expected to refuse to start: its stderr.
 fn refused_start(model: &Path, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_flywheel"))

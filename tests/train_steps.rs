@@ -75,6 +75,7 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
             &refs,
             1.0,
             ACTIVATION_BUDGET,
+            usize::MAX,
         )
         .unwrap();
         assert!(stats.loss.is_finite());
@@ -114,9 +115,115 @@ fn grpo_step(
         &[batch],
         1.0,
         ACTIVATION_BUDGET,
+        usize::MAX,
     )
     .unwrap();
     next
+}
+
+/// A step over more tokens than its bound runs in micro-batches (each within the bound, a longer
+/// sample alone) and takes the step one pass would: the same loss, log-prob statistics and
+/// entropy, and the same update up to the order of the gradients' sums.
+#[test]
+fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
+    use flywheel::train::loss::LossConfig;
+    use flywheel::train::offline::{grouped, parse_jsonl, step};
+    use flywheel::train::optim::{AdamW, AdamWConfig};
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let model = Llama::open(&path).unwrap();
+    let cpu = Cpu::detect();
+    let mut data = String::new();
+    for g in 0..3 {
+        for i in 0..6u32 {
+            let len = 3 + ((g * 7 + i as usize * 5) % 9);
+            let completion: Vec<u32> = (0..len as u32)
+                .map(|k| 20 + 13 * i + k + g as u32)
+                .collect();
+            data += &format!(
+                "{{\"prompt_token_ids\": [3, 4, 5, {}], \"completion_token_ids\": {completion:?}, \"reward\": {}, \"group\": \"g{g}\"}}\n",
+                6 + g,
+                (i % 3) as f32 * 0.5
+            );
+        }
+    }
+    // One sample longer than the bound, in a group of its own kind.
+    let long: Vec<u32> = (0..40).map(|k| 50 + k).collect();
+    data += &format!("{{\"prompt_token_ids\": [9, 9], \"completion_token_ids\": {long:?}, \"reward\": 1, \"group\": \"g3\"}}\n");
+    data += "{\"prompt_token_ids\": [9, 9], \"completion_token_ids\": [7, 8], \"reward\": 0, \"group\": \"g3\"}\n";
+    let samples = parse_jsonl(&data, None).unwrap();
+    let batches = grouped(&samples, "grpo");
+    let refs: Vec<_> = batches.iter().collect();
+    for (name, method, kl) in [("oft", oft(), 0.0), ("lora", lora(), 0.05)] {
+        let id = identity(&model, method);
+        // Not the identity: an adapter that changes the log-probs.
+        let mut params = id.params.clone();
+        for (i, p) in params.iter_mut().enumerate() {
+            *p += 1e-3 * ((i % 7) as f32 - 3.0);
+        }
+        let w = AdapterWeights::new(id.layout.clone(), params).unwrap();
+        let mut loss = LossConfig::named("grpo", 40, 6).unwrap();
+        loss.kl_coef = kl;
+        let run = |max_tokens: usize| {
+            let mut opt = AdamW::new(
+                AdamWConfig {
+                    lr: 1e-2,
+                    ..Default::default()
+                },
+                w.layout.num_params,
+            );
+            step(
+                &model,
+                &cpu,
+                &w,
+                &mut opt,
+                &loss,
+                &refs,
+                1.0,
+                ACTIVATION_BUDGET,
+                max_tokens,
+            )
+            .unwrap()
+        };
+        let (one, s1) = run(usize::MAX);
+        let (many, sm) = run(32);
+        assert_eq!(s1.micro_batches, 1);
+        assert!(
+            sm.micro_batches >= 6,
+            "{name}: {} micro-batches",
+            sm.micro_batches
+        );
+        // Within the bound, except the long sample alone (2 + 40 tokens).
+        assert_eq!(sm.max_micro_batch_tokens, 42, "{name}");
+        assert_eq!(s1.loss, sm.loss, "{name}: loss");
+        assert_eq!(s1.kl, sm.kl, "{name}: kl");
+        assert_eq!(s1.sequences, sm.sequences);
+        assert!(
+            (s1.entropy - sm.entropy).abs() < 1e-9 * s1.entropy.abs().max(1.0),
+            "{name}"
+        );
+        assert!(
+            (s1.grad_norm - sm.grad_norm).abs() < 1e-4 * s1.grad_norm,
+            "{name}: grad norm {} vs {}",
+            s1.grad_norm,
+            sm.grad_norm
+        );
+        let moved: f32 = one
+            .params
+            .iter()
+            .zip(&w.params)
+            .map(|(a, b)| (a - b).abs())
+            .sum();
+        let apart: f32 = one
+            .params
+            .iter()
+            .zip(&many.params)
+            .map(|(a, b)| (a - b).abs())
+            .sum();
+        assert!(
+            moved > 0.0 && apart < 1e-3 * moved,
+            "{name}: moved {moved}, apart {apart}"
+        );
+    }
 }
 
 #[test]

@@ -21,6 +21,30 @@ pub fn checkpoint_rel(name: &str, version: u64) -> String {
     format!("{}/v-{version:08}", adapter_rel(name))
 }
 
+/// The highest version any checkpoint folder of `name` under `data_dir` carries (`v-VERSION`, or
+/// `v-VERSION-SUFFIX` in object storage's naming; temporary folders were never committed), 0 when
+/// none: a version floor that survives losing the rollout store, so that no number is served
+/// twice and no folder written over.
+pub fn max_version_on_disk(data_dir: &Path, name: &str) -> u64 {
+    let Ok(entries) = std::fs::read_dir(data_dir.join(adapter_rel(name))) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name();
+            let digits = n
+                .to_str()?
+                .strip_prefix("v-")?
+                .split('-')
+                .next()?
+                .to_string();
+            digits.parse::<u64>().ok()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// Adapter and optimizer of a checkpoint folder, checked against each other.
 pub fn load_checkpoint(
     dir: &Path,

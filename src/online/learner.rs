@@ -7,7 +7,8 @@
 
 use super::adapter_store::AdapterStore;
 use super::checkpoint::{
-    checkpoint_rel, load_checkpoint, remove_dir, verify_checkpoint, write_checkpoint, MANIFEST_FILE,
+    checkpoint_rel, load_checkpoint, max_version_on_disk, remove_dir, verify_checkpoint,
+    write_checkpoint, MANIFEST_FILE,
 };
 use super::config::{LearnConfig, OnlineConfig};
 use super::groups::{self, Rules};
@@ -109,10 +110,20 @@ impl Learner {
         let name = cfg.name.clone();
         let name = name.as_str();
         let start_err = |e: &dyn std::fmt::Display| TrainError::new(ErrorKind::Start, e);
-        let max_seen = env
-            .log
-            .max_version(name)?
-            .max(env.registry.last_version(name));
+        let recorded = env.log.max_version(name)?;
+        // Folders the store does not know of (it was lost, or replaced): their numbers were
+        // served, so the lineage continues above them and never writes over them.
+        let on_disk = max_version_on_disk(&env.cfg.data_dir, name);
+        if on_disk > recorded {
+            tracing::warn!(
+                adapter = name,
+                recorded,
+                on_disk,
+                "checkpoint folders above every version the rollout store records (was it lost \
+                 or replaced?): versions continue above them, and the folders are left as they are"
+            );
+        }
+        let max_seen = recorded.max(on_disk).max(env.registry.last_version(name));
         let lineage = env.log.active_lineage(name)?;
         let follow = !env.cfg.role.trains();
         if !follow {
@@ -348,6 +359,7 @@ impl Learner {
             &refs,
             temperature,
             env.cfg.activation_mb << 20,
+            env.cfg.max_step_tokens,
         )
         .map_err(|e| TrainError::new(ErrorKind::Step, e))?;
         drop(work);

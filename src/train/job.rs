@@ -141,6 +141,7 @@ pub fn run(
             &take,
             job.temperature,
             job.activation_budget,
+            usize::MAX,
         )?;
         w = nw;
         on_step(&stats)?;

@@ -93,8 +93,12 @@ pub struct StepStats {
     /// Completion tokens the loss covered.
     pub tokens: usize,
     pub seconds: f64,
-    /// Rows the forward ran (a group's shared prompt once).
+    /// Rows the forward ran (a group's shared prompt once per micro-batch).
     pub forward_tokens: usize,
+    /// Forward/backward passes the step took (over 1 when it held more than its token bound).
+    pub micro_batches: usize,
+    /// Tokens (prompt + completion) of the largest pass.
+    pub max_micro_batch_tokens: usize,
     /// The largest |train − serve| log-prob over samples drawn from these very weights.
     pub logprob_diff_max: Option<f64>,
     pub tokens_per_second: f64,
@@ -102,6 +106,11 @@ pub struct StepStats {
 
 /// One optimizer step on `groups`: returns the new adapter version's weights and the statistics.
 /// `activation_budget`: bytes of activations the training forward keeps (`Llama::train_forward`).
+/// `max_tokens`: the most tokens one forward/backward pass holds; a step over more runs in
+/// micro-batches of whole samples (a sample longer than that alone) whose gradients add up to
+/// the whole step's: first every micro-batch's log-probs (no activations kept), then the loss over
+/// all of them, then per micro-batch the training forward and backward. The same loss and
+/// gradient as one pass, at the cost of one more forward.
 #[allow(clippy::too_many_arguments)]
 pub fn step(
     model: &Llama,
@@ -112,6 +121,7 @@ pub fn step(
     groups: &[&Batch],
     temperature: f32,
     activation_budget: usize,
+    max_tokens: usize,
 ) -> anyhow::Result<(AdapterWeights, StepStats)> {
     let t0 = Instant::now();
     let samples: Vec<&Sample> = groups
@@ -126,27 +136,44 @@ pub fn step(
         .iter()
         .map(|s| (s.prompt.as_slice(), s.completion.as_slice()))
         .collect();
-    // Each group's prompt runs once (exact: the same rows, their gradients summed).
-    let packed = Packed::new(&pairs, true);
-    let seqs = packed.seqs();
-    let (logps, st) = model.train_forward(cpu, &seqs, weights, temperature, activation_budget)?;
+    let micro = micro_batches(&pairs, max_tokens);
+    // Each group's prompt runs once per micro-batch (exact: the same rows, their gradients summed).
+    let packs: Vec<Packed> = micro
+        .iter()
+        .map(|r| Packed::new(&pairs[r.clone()], true))
+        .collect();
+    let (logps, mut one_pass) = if let [packed] = packs.as_slice() {
+        let seqs = packed.seqs();
+        let (l, st) = model.train_forward(cpu, &seqs, weights, temperature, activation_budget)?;
+        let per_sample = packed.of_sample.iter().map(|&q| l[q].clone()).collect();
+        (per_sample, Some(st))
+    } else {
+        let mut per_sample = Vec::with_capacity(samples.len());
+        for packed in &packs {
+            let l = model.logprobs(cpu, &packed.seqs(), Some(weights), temperature)?;
+            per_sample.extend(packed.of_sample.iter().map(|&q| l[q].clone()));
+        }
+        (per_sample, None)
+    };
     let refs = if loss.kl_coef != 0.0 {
-        Some(model.logprobs(cpu, &seqs, None, temperature)?)
+        let mut r = Vec::with_capacity(samples.len());
+        for packed in &packs {
+            let l = model.logprobs(cpu, &packed.seqs(), None, temperature)?;
+            r.extend(packed.of_sample.iter().map(|&q| l[q].clone()));
+        }
+        Some(r)
     } else {
         None
     };
     let inputs: Vec<SeqInput> = samples
         .iter()
         .enumerate()
-        .map(|(i, s)| {
-            let q = packed.of_sample[i];
-            SeqInput {
-                logp: &logps[q],
-                behavior: s.behavior.as_deref().unwrap_or(&logps[q]),
-                ref_logp: refs.as_ref().map(|r| r[q].as_slice()),
-                old_logp: None,
-                advantage: advantages[i],
-            }
+        .map(|(i, s)| SeqInput {
+            logp: &logps[i],
+            behavior: s.behavior.as_deref().unwrap_or(&logps[i]),
+            ref_logp: refs.as_ref().map(|r: &Vec<Vec<f32>>| r[i].as_slice()),
+            old_logp: None,
+            advantage: advantages[i],
         })
         .collect();
     let (stats, per_sample) = policy_loss(loss, &inputs);
@@ -154,8 +181,7 @@ pub fn step(
     let mut diff: Option<f64> = None;
     for (i, s) in samples.iter().enumerate() {
         if let (true, Some(b)) = (s.sampled_by_current, &s.behavior) {
-            let lp = &logps[packed.of_sample[i]];
-            let d = lp
+            let d = logps[i]
                 .iter()
                 .zip(b)
                 .map(|(a, b)| (a - b).abs() as f64)
@@ -163,19 +189,39 @@ pub fn step(
             diff = Some(diff.unwrap_or(0.0).max(d));
         }
     }
-    let mut grad_logp = vec![Vec::new(); seqs.len()];
-    for (i, mut g) in per_sample.into_iter().enumerate() {
+    let mut grad_logp: Vec<Vec<f32>> = per_sample;
+    for (g, s) in grad_logp.iter_mut().zip(&samples) {
         // Tokens a grammar forced carry no choice of the model's: no gradient through them.
-        for &t in &samples[i].forced {
+        for &t in &s.forced {
             if let Some(x) = g.get_mut(t as usize) {
                 *x = 0.0;
             }
         }
-        grad_logp[packed.of_sample[i]] = g;
     }
-    let entropy = st.mean_entropy;
+    let mut entropy = 0.0;
     let mut grads = vec![0.0f32; weights.layout.num_params];
-    model.train_backward(cpu, &seqs, weights, st, &grad_logp, &mut grads)?;
+    for (range, packed) in micro.iter().zip(&packs) {
+        let seqs = packed.seqs();
+        let st = match one_pass.take() {
+            Some(st) => st,
+            None => {
+                let (_, st) =
+                    model.train_forward(cpu, &seqs, weights, temperature, activation_budget)?;
+                st
+            }
+        };
+        // Weighted by completion tokens: the mean over micro-batches is the whole step's mean.
+        let scored: usize = pairs[range.clone()].iter().map(|(_, c)| c.len()).sum();
+        entropy += st.mean_entropy * scored as f64;
+        let mut g = vec![Vec::new(); seqs.len()];
+        for (k, &q) in packed.of_sample.iter().enumerate() {
+            g[q] = std::mem::take(&mut grad_logp[range.start + k]);
+        }
+        model.train_backward(cpu, &seqs, weights, st, &g, &mut grads)?;
+    }
+    let forward_tokens: usize = packs.iter().map(Packed::num_tokens).sum();
+    let scored: usize = pairs.iter().map(|(_, c)| c.len()).sum();
+    entropy /= scored.max(1) as f64;
     let mut params = weights.params.clone();
     let s = opt.step(&mut params, &mut grads);
     let next = AdapterWeights::new(weights.layout.clone(), params)?;
@@ -201,11 +247,41 @@ pub fn step(
             sequences: samples.len(),
             tokens: stats.tokens,
             seconds: secs,
-            forward_tokens: packed.num_tokens(),
+            forward_tokens,
+            micro_batches: micro.len(),
+            max_micro_batch_tokens: micro
+                .iter()
+                .map(|r| {
+                    pairs[r.clone()]
+                        .iter()
+                        .map(|(p, c)| p.len() + c.len())
+                        .sum()
+                })
+                .max()
+                .unwrap_or(0),
             logprob_diff_max: diff,
             tokens_per_second: num_tokens as f64 / secs,
         },
     ))
+}
+
+/// Consecutive runs of samples of at most `max_tokens` tokens each (prompt + completion); a
+/// sample longer than that is a run of its own.
+pub fn micro_batches(pairs: &[(&[u32], &[u32])], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, (p, c)) in pairs.iter().enumerate() {
+        let n = p.len() + c.len();
+        if i > start && tokens + n > max_tokens {
+            out.push(start..i);
+            (start, tokens) = (i, 0);
+        }
+        tokens += n;
+    }
+    if start < pairs.len() {
+        out.push(start..pairs.len());
+    }
+    out
 }
 
 /// The population standard deviation of `x` (0 when empty).
