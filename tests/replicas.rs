@@ -587,3 +587,27 @@ fn replicas_follow_the_trainer_through_an_object_store() {
         "{local:?}"
     );
 }
+
+/// SIGTERM ends every role on PostgreSQL with exit 0 after its drain: the blocking clients the
+/// store pools (each with a runtime of its own) are closed off the async runtime, not dropped
+/// inside it (which aborted the process with SIGABRT).
+#[test]
+fn every_role_on_postgres_exits_0_on_sigterm() {
+    let Some(sh) = Shared::new("") else { return };
+    let stop = |mut s: common::server::Server, role: &str| {
+        s.terminate();
+        let exit = s.child.wait().unwrap();
+        assert!(exit.success(), "{role}: {exit:?}\n{}", s.stderr());
+    };
+    let train = sh.start("train");
+    let serve = sh.start("serve");
+    // Traffic through both, so that each pools connections and the trainer holds its claim.
+    reward_group(&serve, &train);
+    common::online::wait_status(&train, "l", 60, |st| st["steps"] == 1);
+    stop(serve, "serve");
+    stop(train, "train");
+    let all = sh.start("all");
+    reward_group(&all, &all);
+    common::online::wait_status(&all, "l", 60, |st| st["steps"] == 1);
+    stop(all, "all");
+}

@@ -76,6 +76,29 @@ impl Drop for Conn<'_> {
     }
 }
 
+/// The blocking client owns a runtime of its own, which may not be dropped inside another
+/// (tokio panics, and a panic in a destructor during unwinding aborts): the store is dropped
+/// last by whoever holds it, often an async task at shutdown. Its clients are closed on a thread
+/// of their own.
+impl Drop for PgLog {
+    fn drop(&mut self) {
+        let idle = std::mem::take(self.idle.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let claims = std::mem::take(self.claims.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if idle.is_empty() && claims.is_empty() {
+            return;
+        }
+        let closing = std::thread::Builder::new()
+            .name("pg-close".into())
+            .spawn(move || drop((idle, claims)));
+        match closing {
+            Ok(t) => {
+                let _ = t.join();
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot close the PostgreSQL connections"),
+        }
+    }
+}
+
 impl PgLog {
     /// Connect, migrate (once, whoever starts first) and read the key salt.
     pub fn connect(url: &str) -> anyhow::Result<PgLog> {
@@ -87,7 +110,7 @@ impl PgLog {
             config.connect_timeout(Duration::from_secs(10));
         }
         config.application_name("flywheel");
-        let log = PgLog {
+        let mut log = PgLog {
             config,
             shown,
             idle: Mutex::new(Vec::new()),
@@ -98,7 +121,8 @@ impl PgLog {
             .migrate()
             .map_err(|e| anyhow::anyhow!("rollout store {}: {e}", log.shown))?;
         tracing::info!(store = %log.shown, "rollout log on PostgreSQL");
-        Ok(PgLog { salt, ..log })
+        log.salt = salt;
+        Ok(log)
     }
 
     fn migrate(&self) -> Result<String, LogError> {
