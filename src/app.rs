@@ -159,6 +159,7 @@ pub fn generate(
         block_size: BLOCK_SIZE,
         enable_prefix_caching: false,
         max_pending_requests: 1,
+        max_pending_per_client: 1,
     };
     let (engine, join) = Engine::start(
         base.model.clone(),
@@ -213,6 +214,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         block_size: cfg.block_size,
         enable_prefix_caching: cfg.enable_prefix_caching,
         max_pending_requests: cfg.max_pending_requests,
+        max_pending_per_client: cfg.max_pending_per_client,
     };
     tracing::info!(
         model = %path.display(),

@@ -46,6 +46,8 @@ pub struct RawServer {
     pub admin_key: Option<String>,
     pub served_model_name: Option<String>,
     pub max_pending_requests: Option<usize>,
+    pub max_pending_per_client: Option<usize>,
+    pub max_sequences_per_request: Option<usize>,
     pub retry_after_secs: Option<u64>,
     pub shutdown_timeout_secs: Option<f64>,
     pub http_threads: Option<usize>,
@@ -115,8 +117,15 @@ pub struct Config {
     pub adapters: Vec<(String, PathBuf)>,
     /// The model id clients send; None: the GGUF file's stem.
     pub served_model_name: Option<String>,
-    /// Requests queued or running at once; more are answered 429.
+    /// Requests queued or running at once (a request of several prompts is one); more are
+    /// answered 429.
     pub max_pending_requests: usize,
+    /// Requests one client (bearer key) may have queued or running; more are answered 429, so
+    /// that one client never holds the whole server. Default: three quarters of
+    /// `max_pending_requests`.
+    pub max_pending_per_client: usize,
+    /// Sequences (prompts × n) one request may hold; more are answered 400.
+    pub max_sequences_per_request: usize,
     pub retry_after_secs: u64,
     /// After SIGTERM/SIGINT: how long running requests may take to finish.
     pub shutdown_timeout_secs: f64,
@@ -247,6 +256,11 @@ impl RawConfig {
             },
             served_model_name: s.served_model_name.filter(|n| !n.is_empty()),
             max_pending_requests: s.max_pending_requests.unwrap_or(256),
+            max_pending_per_client: s.max_pending_per_client.unwrap_or_else(|| {
+                let total = s.max_pending_requests.unwrap_or(256);
+                (total * 3).div_ceil(4).max(1)
+            }),
+            max_sequences_per_request: s.max_sequences_per_request.unwrap_or(256),
             retry_after_secs: s.retry_after_secs.unwrap_or(1),
             shutdown_timeout_secs: s.shutdown_timeout_secs.unwrap_or(30.0),
             http_threads: s.http_threads.unwrap_or(1),
@@ -290,6 +304,18 @@ impl RawConfig {
         }
         if cfg.max_pending_requests == 0 {
             return Err(invalid("server.max_pending_requests", "must be at least 1"));
+        }
+        if cfg.max_pending_per_client == 0 {
+            return Err(invalid(
+                "server.max_pending_per_client",
+                "must be at least 1",
+            ));
+        }
+        if cfg.max_sequences_per_request == 0 {
+            return Err(invalid(
+                "server.max_sequences_per_request",
+                "must be at least 1",
+            ));
         }
         if !(cfg.shutdown_timeout_secs >= 0.0 && cfg.shutdown_timeout_secs.is_finite()) {
             return Err(invalid("server.shutdown_timeout_secs", "must be >= 0"));

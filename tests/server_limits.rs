@@ -275,3 +275,145 @@ fn sigterm_exits_after_the_shutdown_timeout_even_with_work_left() {
         assert!(!r.body_text().contains("[DONE]"));
     }
 }
+
+fn post_as(c: &Client, key: &str, path: &str, body: &Value) -> common::server::Response {
+    let auth = format!("Bearer {key}");
+    c.try_request(
+        "POST",
+        path,
+        Some(&body.to_string()),
+        &[("Authorization", &auth)],
+    )
+    .expect("request")
+}
+
+/// `max_pending_requests` counts requests, not prompts: a completions request of 60 prompts is
+/// one of the 4, and three one-line chats beside it are all served. A request of more sequences
+/// (prompts × n) than one may hold is a 400 naming `n` — retrying could never succeed — not a 429.
+#[test]
+fn a_request_of_many_prompts_counts_once_and_one_too_large_is_a_400() {
+    let config = CONFIG.replace(
+        "[server]\n",
+        "[server]\nmax_pending_requests = 4\nmax_sequences_per_request = 64\n",
+    );
+    let (_d, s) = start_long(&config);
+    let c = s.client.clone();
+    let big = std::thread::spawn(move || {
+        let prompts: Vec<String> = (0..60).map(|i| format!("prompt {i}")).collect();
+        c.post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": prompts, "max_tokens": 300, "ignore_eos": true}),
+        )
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.metric("flywheel_num_requests_running") < 8.0 {
+        assert!(Instant::now() < deadline, "the big request never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let chats: Vec<_> = (0..3)
+        .map(|i| {
+            let c = s.client.clone();
+            std::thread::spawn(move || {
+                c.post(
+                    "/v1/chat/completions",
+                    &chat(&format!("hi {i}"), json!({"max_tokens": 4})),
+                )
+            })
+        })
+        .collect();
+    for h in chats {
+        let r = h.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.body_text());
+    }
+    let r = big.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    assert_eq!(r.json()["choices"].as_array().unwrap().len(), 60);
+    let prompts: Vec<String> = (0..20).map(|i| format!("p{i}")).collect();
+    let r = s.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": prompts, "n": 4, "max_tokens": 2}),
+    );
+    let e = assert_error(&r, 400, Some("n"));
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most 64"),
+        "{e}"
+    );
+}
+
+/// One client floods (8 requests of n = 16 × 3,000 tokens at once: 128 sequences, eight times
+/// what the engine runs at a time) while another sends one-line chats. The flood's requests past
+/// its share (6 of the 8 the server admits) get 429; the other client is never refused, and
+/// each of its chats is served within a bound: it takes a slot from the flood at the next step
+/// (the flood's newest sequence is preempted), so it waits for a few steps, not for the flood's
+/// sequences to finish. Stated bound: a 4-token chat ends within 1/4 of the time the flood has
+/// been running by then (and 5 s).
+#[test]
+fn a_flooding_client_does_not_lock_out_another() {
+    let config = CONFIG.replace("[server]\n", "[server]\nmax_pending_requests = 8\n")
+        + "max_num_seqs = 16\n";
+    let (_d, s) = start_long(&config);
+    let t0 = Instant::now();
+    let body = json!({"model": "tiny", "prompt": "flood", "n": 16, "max_tokens": 3000,
+                      "ignore_eos": true})
+    .to_string();
+    let mut flood = Vec::new();
+    let mut refused = 0;
+    for _ in 0..8 {
+        let mut sock = s
+            .connect(
+                "POST",
+                "/v1/completions",
+                Some(&body),
+                &[("Authorization", "Bearer flood")],
+            )
+            .unwrap();
+        // Admission is decided before the response starts: a refusal comes back at once.
+        sock.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let mut head = [0u8; 12];
+        use std::io::Read;
+        match sock.read(&mut head) {
+            Ok(n) if n > 0 => {
+                assert!(
+                    head.starts_with(b"HTTP/1.1 429"),
+                    "{:?}",
+                    String::from_utf8_lossy(&head)
+                );
+                refused += 1;
+            }
+            _ => flood.push(sock),
+        }
+    }
+    assert_eq!((flood.len(), refused), (6, 2));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.metric("flywheel_num_requests_running") < 16.0 {
+        assert!(Instant::now() < deadline, "the flood never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for i in 0..3 {
+        let t = Instant::now();
+        let r = post_as(
+            &s.client,
+            "chat",
+            "/v1/chat/completions",
+            &chat(
+                &format!("hello {i}"),
+                json!({"max_tokens": 4, "ignore_eos": true}),
+            ),
+        );
+        let took = t.elapsed();
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        let flooding = t0.elapsed();
+        eprintln!("chat {i}: {took:?} after {flooding:?} of flood");
+        assert!(
+            took < Duration::from_secs(5) && took * 4 < flooding,
+            "chat {i} took {took:?} while the flood ran {flooding:?}"
+        );
+    }
+    // The flood is still running: the chats did not just wait for it to end.
+    assert!(s.metric("flywheel_num_requests_waiting") > 0.0);
+    drop(flood);
+}

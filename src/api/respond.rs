@@ -14,7 +14,8 @@ use super::wire::{
 use super::{wire, AppState};
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
 use crate::engine::{
-    EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason, SubmitError,
+    Admission, ClientId, EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason,
+    SubmitError,
 };
 use crate::model::tokenizer::Tokenizer;
 use crate::online::trainer::TrainerHandle;
@@ -79,10 +80,43 @@ pub(super) fn grammar_failed(job: &Job, e: &str) -> ApiError {
     )
 }
 
+/// Admit one request of `num_prompts` prompts (each with `job.params.n` choices) for its
+/// caller's client: a 400 naming `n` past `max_sequences_per_request` (retrying cannot help), a
+/// 429 while the server or this client is at its limit.
+fn admit(state: &AppState, job: &Job, num_prompts: usize) -> Result<Arc<Admission>, ApiError> {
+    let ready = state.ready()?;
+    let seqs = num_prompts * job.params.n;
+    let max = state.limits.max_sequences_per_request;
+    if seqs > max {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "{num_prompts} prompt(s) × n {} = {seqs} sequences; at most {max} per request \
+                 (server.max_sequences_per_request): split it",
+                job.params.n
+            ),
+        ));
+    }
+    ready
+        .engine
+        .admit(ClientId::of_key(&job.key))
+        .map_err(|e| submit_error(state, e))
+}
+
+fn submit_error(state: &AppState, e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::QueueFull(_) | SubmitError::ClientFull(_) => {
+            ApiError::overloaded(e.to_string(), state.retry_after_secs)
+        }
+        SubmitError::NotRunning => ApiError::unavailable(e.to_string()),
+    }
+}
+
 pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let req = engine_request(&job, ready.max_model_len)?;
-    let stream = submit(state, &job, req)?;
+    let admission = admit(state, &job, 1)?;
+    let stream = submit(state, &job, req, &admission)?;
     let r = responder(ready, job);
     if r.job.params.stream {
         Ok(stream_response(r, stream))
@@ -103,8 +137,12 @@ pub async fn respond_many(state: &AppState, jobs: Vec<Job>) -> Result<Response, 
         .collect::<Result<Vec<_>, _>>()?;
     let mut running = Vec::with_capacity(jobs.len());
     let mut id = None;
+    let admission = match jobs.first() {
+        Some(j) => admit(state, j, jobs.len())?,
+        None => return Err(ApiError::invalid("prompt", "no prompt")),
+    };
     for (p, (job, req)) in jobs.into_iter().zip(reqs).enumerate() {
-        let stream = submit(state, &job, req)?;
+        let stream = submit(state, &job, req, &admission)?;
         let mut r = responder(ready, job);
         let shared = id.get_or_insert_with(|| r.id.clone());
         r.id = shared.clone();
@@ -135,7 +173,12 @@ pub async fn respond_many(state: &AppState, jobs: Vec<Job>) -> Result<Response, 
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
 
-fn submit(state: &AppState, job: &Job, req: GenerateRequest) -> Result<RequestStream, ApiError> {
+fn submit(
+    state: &AppState,
+    job: &Job,
+    req: GenerateRequest,
+    admission: &Arc<Admission>,
+) -> Result<RequestStream, ApiError> {
     let ready = state.ready()?;
     let label = job.adapter.as_ref().map_or("", |a| &a.name);
     state
@@ -143,10 +186,10 @@ fn submit(state: &AppState, job: &Job, req: GenerateRequest) -> Result<RequestSt
         .adapter_requests
         .with_label_values(&[label])
         .inc();
-    ready.engine.submit(req).map_err(|e| match e {
-        SubmitError::QueueFull(_) => ApiError::overloaded(e.to_string(), state.retry_after_secs),
-        SubmitError::NotRunning => ApiError::unavailable(e.to_string()),
-    })
+    ready
+        .engine
+        .submit_admitted(req, admission)
+        .map_err(|e| submit_error(state, e))
 }
 
 fn responder(ready: &super::Ready, job: Job) -> Responder {

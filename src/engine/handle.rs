@@ -5,8 +5,9 @@
 use super::constraint::Constraint;
 use super::sampler::{PromptLogprob, SamplingParams, TopLogprob};
 use crate::adapter::registry::AdapterVersion;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::mpsc as tmpsc;
 
@@ -93,8 +94,34 @@ pub enum StopReason {
 pub enum SubmitError {
     #[error("the server is at capacity ({0} requests in progress); retry later")]
     QueueFull(usize),
+    #[error(
+        "this client has {0} requests in progress, the most one client may have (the rest of \
+         the server's capacity is kept for other clients); retry later"
+    )]
+    ClientFull(usize),
     #[error("the engine is not running")]
     NotRunning,
+}
+
+/// Who a request is for admission and scheduling: the same for every request of one bearer key;
+/// each request its own where it sends none. Fairness is between clients first, then between
+/// the requests of one client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct ClientId(pub u64);
+
+impl ClientId {
+    /// The client of a bearer key; a new one per request for "" (no key).
+    pub fn of_key(key: &str) -> ClientId {
+        if key.is_empty() {
+            return ClientId(crate::util::random_u64());
+        }
+        // FNV-1a: an identity for scheduling within this process, not a secret.
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for b in key.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+        ClientId(h)
+    }
 }
 
 pub(super) enum Command {
@@ -103,46 +130,92 @@ pub(super) enum Command {
 
 pub(super) struct Submission {
     pub req: GenerateRequest,
+    pub client: ClientId,
+    pub request: u64,
     pub tx: tmpsc::UnboundedSender<EngineEvent>,
     pub arrival: Instant,
 }
 
-/// Held by a request's event stream; frees its admission slot when dropped.
-pub struct Permit(Arc<AtomicUsize>);
+/// Requests in progress, in all and per client.
+#[derive(Default)]
+pub(super) struct Pending {
+    total: usize,
+    by_client: HashMap<ClientId, usize>,
+}
 
-impl Drop for Permit {
+/// One admitted request (all its prompts and choices): held by each of its event streams; frees
+/// its admission slot when the last is dropped.
+pub struct Admission {
+    pending: Arc<Mutex<Pending>>,
+    pub client: ClientId,
+    /// This request's own id (its prompts share it), for fairness within a client.
+    pub request: u64,
+}
+
+impl Drop for Admission {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.total -= 1;
+        if let Some(n) = p.by_client.get_mut(&self.client) {
+            *n -= 1;
+            if *n == 0 {
+                p.by_client.remove(&self.client);
+            }
+        }
     }
 }
 
 /// A request's events. Dropping it cancels the request: the engine frees its blocks next step.
 pub struct RequestStream {
     pub rx: tmpsc::UnboundedReceiver<EngineEvent>,
-    _permit: Permit,
+    _admission: Arc<Admission>,
 }
 
 #[derive(Clone)]
 pub struct EngineHandle {
     pub(super) tx: mpsc::Sender<Command>,
-    pub(super) num_pending: Arc<AtomicUsize>,
+    pub(super) pending: Arc<Mutex<Pending>>,
     pub(super) max_pending: usize,
+    /// The most requests one client may have in progress.
+    pub(super) max_pending_per_client: usize,
     pub(super) alive: Arc<AtomicBool>,
 }
 
 impl EngineHandle {
-    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, SubmitError> {
+    /// Admit one request of `client`: refused when the server holds `max_pending_requests`, or
+    /// this client `max_pending_per_client` (the rest stays open to other clients).
+    pub fn admit(&self, client: ClientId) -> Result<Arc<Admission>, SubmitError> {
         if !self.is_alive() {
             return Err(SubmitError::NotRunning);
         }
-        let prev = self.num_pending.fetch_add(1, Ordering::AcqRel);
-        let permit = Permit(self.num_pending.clone());
-        if prev >= self.max_pending {
-            return Err(SubmitError::QueueFull(prev));
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if p.total >= self.max_pending {
+            return Err(SubmitError::QueueFull(p.total));
         }
+        let mine = p.by_client.get(&client).copied().unwrap_or(0);
+        if mine >= self.max_pending_per_client {
+            return Err(SubmitError::ClientFull(mine));
+        }
+        p.total += 1;
+        *p.by_client.entry(client).or_default() += 1;
+        Ok(Arc::new(Admission {
+            pending: self.pending.clone(),
+            client,
+            request: crate::util::random_u64(),
+        }))
+    }
+
+    /// Submit one prompt of an admitted request.
+    pub fn submit_admitted(
+        &self,
+        req: GenerateRequest,
+        admission: &Arc<Admission>,
+    ) -> Result<RequestStream, SubmitError> {
         let (tx, rx) = tmpsc::unbounded_channel();
         let sub = Submission {
             req,
+            client: admission.client,
+            request: admission.request,
             tx,
             arrival: Instant::now(),
         };
@@ -151,8 +224,14 @@ impl EngineHandle {
             .map_err(|_| SubmitError::NotRunning)?;
         Ok(RequestStream {
             rx,
-            _permit: permit,
+            _admission: admission.clone(),
         })
+    }
+
+    /// Admit and submit a request of one prompt as a client of its own.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, SubmitError> {
+        let a = self.admit(ClientId::of_key(""))?;
+        self.submit_admitted(req, &a)
     }
 
     pub fn is_alive(&self) -> bool {

@@ -42,8 +42,7 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Requests admitted (queued or running) at once; more get `SubmitError::QueueFull`.
     pub max_pending_requests: usize,
-    /// Requests one client may have admitted while other clients have any
-    /// (`SubmitError::ClientFull`).
+    /// Requests one client may have admitted (`SubmitError::ClientFull`).
     pub max_pending_per_client: usize,
 }
 

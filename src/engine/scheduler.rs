@@ -3,13 +3,16 @@
 //!
 //! Each step: running sequences that decode get one token each first (preempting the most recently
 //! admitted sequences, by recompute, when a new block cannot be had), then running prefills continue
-//! in chunks, then waiting sequences are admitted first-come first-served while the token budget,
-//! the sequence limit and the free blocks allow. A long prompt is thus cut into chunks and never
+//! in chunks, then waiting sequences are admitted, fairly between clients (the client running the
+//! fewest first, first come first served among equals; a client running none may preempt the
+//! newest sequence of one running many), while the token budget, the sequence limit and the free
+//! blocks allow. A long prompt is thus cut into chunks and never
 //! stalls the decodes of others for more than one budget's worth of tokens.
 
 use super::block_manager::BlockManager;
+use super::handle::ClientId;
 use super::sequence::{SeqId, Sequence};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 #[derive(Clone, Copy, Debug)]
 pub struct SchedulerConfig {
@@ -125,7 +128,8 @@ impl Scheduler {
         let mut plan = Plan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
 
-        // 1. Decodes, oldest first; preempt from the newest end when blocks run out.
+        // 1. Decodes, oldest first; when blocks run out, preempt the newest sequence of the client
+        // running the most.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             if self.running[i].num_remaining() != 1 {
@@ -145,9 +149,14 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let victim = self.running.len() - 1;
+            // The newest sequence of the client running the most (so that a client's one
+            // sequence is not preempted for another's many).
+            let victim = self.fair_victim();
             self.preempt(victim, &mut plan);
-            // If the victim was this very sequence, the loop ends (i == len).
+            if victim < i {
+                i -= 1;
+            }
+            // If the victim was this very sequence, the next one is at `i` now.
         }
 
         // 2. Prefills already under way continue.
@@ -171,11 +180,21 @@ impl Scheduler {
             budget -= len;
         }
 
-        // 3. Admit waiting sequences in order.
-        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-            let Some(mut s) = self.waiting.pop_front() else {
+        // 3. Admit waiting sequences: of the client running the fewest first (in line order
+        // among equals), so that one client's many sequences never hold every slot and block
+        // while another's wait; a client running none takes a slot or blocks from the newest
+        // sequence of a client running two or more beyond it (preempted by recompute).
+        while budget > 0 {
+            let Some(k) = self.next_waiting() else {
                 break;
             };
+            if self.running.len() >= self.cfg.max_num_seqs {
+                if self.make_room(k, &mut plan) {
+                    continue;
+                }
+                break;
+            }
+            let mut s = self.waiting.remove(k).expect("in line");
             if s.num_computed == 0 && s.table.num_blocks() == 0 && !s.score_prompt {
                 s.num_computed = s.table.match_prefix(&s.tokens, s.cache_key());
             }
@@ -187,7 +206,10 @@ impl Scheduler {
                 // Not now: give back what a prefix match took, keep its place in line.
                 s.table.clear();
                 s.num_computed = 0;
-                self.waiting.push_front(s);
+                self.waiting.insert(k, s);
+                if self.make_room(k, &mut plan) {
+                    continue;
+                }
                 break;
             }
             plan.chunks.push(Chunk {
@@ -203,6 +225,69 @@ impl Scheduler {
         plan
     }
 
+    /// How much each running sequence's client and request hold: (sequences of its client,
+    /// sequences of its request).
+    fn loads(&self) -> Loads {
+        let mut l = Loads::default();
+        for s in &self.running {
+            *l.clients.entry(s.client).or_default() += 1;
+            *l.requests.entry(s.request).or_default() += 1;
+        }
+        l
+    }
+
+    /// The waiting sequence to admit next: of the least loaded client (then request), first in
+    /// line among equals.
+    fn next_waiting(&self) -> Option<usize> {
+        let loads = self.loads();
+        let mut best: Option<((usize, usize), usize)> = None;
+        for (i, s) in self.waiting.iter().enumerate() {
+            let l = loads.of(s);
+            if best.is_none_or(|(b, _)| l < b) {
+                best = Some((l, i));
+                if l == (0, 0) {
+                    break;
+                }
+            }
+        }
+        best.map(|(_, i)| i)
+    }
+
+    /// The newest running sequence of the most loaded client (then request).
+    fn fair_victim(&self) -> usize {
+        let loads = self.loads();
+        let most = self.running.iter().map(|s| loads.of(s)).max();
+        self.running
+            .iter()
+            .rposition(|s| Some(loads.of(s)) == most)
+            .unwrap_or(self.running.len() - 1)
+    }
+
+    /// Make room for waiting sequence `k` by preempting `fair_victim`, if its client runs at
+    /// least two more sequences than `k`'s (or, of the same client, its request two more than
+    /// `k`'s); false when none does.
+    fn make_room(&mut self, k: usize, plan: &mut Plan) -> bool {
+        if self.running.is_empty() {
+            return false;
+        }
+        let loads = self.loads();
+        let w = &self.waiting[k];
+        let mine = loads.of(w);
+        let victim = self.fair_victim();
+        let v = &self.running[victim];
+        let theirs = loads.of(v);
+        let heavier = if v.client == w.client {
+            theirs.1 >= mine.1 + 2
+        } else {
+            theirs.0 >= mine.0 + 2
+        };
+        if !heavier {
+            return false;
+        }
+        self.preempt(victim, plan);
+        true
+    }
+
     /// The forward pass of `plan` ran: its K/V are in the cache.
     pub fn commit(&mut self, plan: &Plan) {
         for c in &plan.chunks {
@@ -213,6 +298,22 @@ impl Scheduler {
                 s.table.register_full_blocks(tokens, n, v);
             }
         }
+    }
+}
+
+/// Running sequences per client and per request.
+#[derive(Default)]
+struct Loads {
+    clients: HashMap<ClientId, usize>,
+    requests: HashMap<u64, usize>,
+}
+
+impl Loads {
+    fn of(&self, s: &Sequence) -> (usize, usize) {
+        (
+            self.clients.get(&s.client).copied().unwrap_or(0),
+            self.requests.get(&s.request).copied().unwrap_or(0),
+        )
     }
 }
 
@@ -366,5 +467,83 @@ mod tests {
         assert!(p.admitted.is_empty() && p.chunks.is_empty());
         assert_eq!(s.blocks().num_free(), 3);
         assert_eq!(s.num_waiting(), 2);
+    }
+
+    fn add_for(s: &mut Scheduler, id: u64, client: u64, prompt: Vec<u32>) {
+        let t = s.blocks().new_table();
+        let mut q = Sequence::new(SeqId(id), prompt, t, None);
+        q.client = ClientId(client);
+        s.add(q);
+    }
+
+    fn running_of(s: &Scheduler, client: u64) -> usize {
+        s.running
+            .iter()
+            .filter(|q| q.client == ClientId(client))
+            .count()
+    }
+
+    /// One client's sequences fill every slot; another client's sequence arriving later is
+    /// admitted at the next step, in place of the first client's newest (preempted, first in line
+    /// again), and the first client's waiting sequences do not jump ahead of it.
+    #[test]
+    fn a_client_running_none_takes_a_slot_from_a_client_running_many() {
+        let mut s = sched(64, 4, 64);
+        for id in 1..=6 {
+            add_for(&mut s, id, 1, vec![1, 2, 3]);
+        }
+        step(&mut s);
+        assert_eq!(running_of(&s, 1), 4);
+        add_for(&mut s, 10, 2, vec![4, 5, 6]);
+        let p = step(&mut s);
+        assert_eq!(p.admitted, vec![SeqId(10)]);
+        assert_eq!(p.preempted, vec![SeqId(4)]);
+        assert_eq!((running_of(&s, 1), running_of(&s, 2)), (3, 1));
+        // Client 1 still runs two more: a second sequence of client 2 takes another slot.
+        add_for(&mut s, 11, 2, vec![7, 8, 9]);
+        let p = step(&mut s);
+        assert_eq!((p.admitted, p.preempted), (vec![SeqId(11)], vec![SeqId(3)]));
+        // Balanced now (2 and 2): a third of client 2 waits its turn.
+        add_for(&mut s, 12, 2, vec![7, 8, 9]);
+        let p = step(&mut s);
+        assert!(p.preempted.is_empty() && p.admitted.is_empty(), "{p:?}");
+        // A client alone is never preempted for fairness.
+        let mut s = sched(64, 2, 64);
+        for id in 1..=3 {
+            add_for(&mut s, id, 1, vec![1, 2, 3]);
+        }
+        for _ in 0..3 {
+            assert!(step(&mut s).preempted.is_empty());
+        }
+    }
+
+    /// Blocks, not slots, are what one client holds: the other client's prompt is admitted by
+    /// preempting the heavy client's newest, and when a decode needs a block the heavy client's
+    /// newest goes, never the light client's one sequence.
+    #[test]
+    fn blocks_are_shared_fairly_between_clients() {
+        // 8 blocks of 4 tokens; client 1's three sequences of 8 tokens take 6.
+        let mut s = sched(8, 8, 64);
+        for id in 1..=3 {
+            add_for(&mut s, id, 1, (0..8).collect());
+        }
+        step(&mut s);
+        assert_eq!(s.blocks().num_free(), 2);
+        add_for(&mut s, 10, 2, (100..111).collect());
+        let p = step(&mut s);
+        assert!(p.admitted.contains(&SeqId(10)), "{p:?}");
+        assert!(p.preempted.contains(&SeqId(3)), "{p:?}");
+        // Decode until blocks run out: client 2's one sequence goes only once client 1 runs no
+        // more than it does.
+        let mut seen = false;
+        for _ in 0..12 {
+            let before = (running_of(&s, 1), running_of(&s, 2));
+            let p = step(&mut s);
+            seen |= !p.preempted.is_empty();
+            if p.preempted.contains(&SeqId(10)) {
+                assert!(before.0 <= before.1, "{before:?} {p:?}");
+            }
+        }
+        assert!(seen, "blocks never ran out");
     }
 }

@@ -2,6 +2,7 @@
 //! have K/V in the cache, and the blocks holding them. Output state lives with the engine.
 
 use super::block_manager::BlockTable;
+use super::handle::ClientId;
 use crate::adapter::registry::AdapterVersion;
 use std::sync::Arc;
 
@@ -23,6 +24,10 @@ pub struct Sequence {
     /// Its prompt is scored (prompt log-probs): every prompt position is computed, none is
     /// taken from the prefix cache.
     pub score_prompt: bool,
+    /// Whose it is (`ClientId`) and which request of theirs (its choices and prompts share it):
+    /// the scheduler shares slots and blocks fairly between clients, then between requests.
+    pub client: ClientId,
+    pub request: u64,
 }
 
 impl Sequence {
@@ -41,6 +46,8 @@ impl Sequence {
             adapter,
             num_preemptions: 0,
             score_prompt: false,
+            client: ClientId::default(),
+            request: id.0,
         }
     }
 
