@@ -351,3 +351,36 @@ fn the_share_policy_is_set_seen_and_measured() {
     assert!(v["steps_per_minute"].as_f64().unwrap() > 0.0, "{v}");
     assert!(s.metric("flywheel_train_steps_per_minute") > 0.0);
 }
+
+/// A rewarded group larger than `max_step_tokens` (16 completions of 40 tokens against a bound of
+/// 64) is trained whole, in passes that each hold at most the bound: one step, every member
+/// trained, the status saying how many passes and the largest. (It was taken whole into one
+/// pass: a 9,600-token step on a 135M model needed 3.8 GB, and under a memory limit the server
+/// died on every restart while the group stayed pending.)
+#[test]
+fn a_group_over_the_step_bound_is_trained_in_passes_within_it() {
+    let (dir, path) = write_tiny(&spec());
+    let s = start_learning(
+        &path,
+        &dir.path().join("data"),
+        &config("max_off_policy_steps = 1000\nmax_step_tokens = 64"),
+        &["l"],
+    );
+    let r = sample(&s, "l", 16, 40, USER);
+    let id = r["id"].as_str().unwrap();
+    let tokens = r["usage"]["prompt_tokens"].as_u64().unwrap() + 40;
+    assert!(tokens * 16 > 4 * 64, "{tokens} tokens a member");
+    let items: Vec<Value> = (0..16)
+        .map(|i| json!({"id": id, "choice": i, "reward": (i % 3) as f64}))
+        .collect();
+    let f = call(&s, "POST", "/v1/feedback", Some(&Value::Array(items)), USER);
+    assert_eq!(f.status, 202, "{}", f.body_text());
+    let st = wait_status(&s, "l", 60, |st| st["steps"] == 1);
+    assert_eq!(st["trained"], 16, "{st}");
+    let last = &st["last"];
+    assert_eq!(last["sequences"], 16, "{st}");
+    assert!(last["micro_batches"].as_u64().unwrap() >= 4, "{st}");
+    let most = last["max_micro_batch_tokens"].as_u64().unwrap();
+    assert!(most <= 64 || most == tokens, "{st}");
+    assert!(last["loss"].as_f64().unwrap().is_finite(), "{st}");
+}

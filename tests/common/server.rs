@@ -33,11 +33,31 @@ impl Server {
     /// Start on `model` with a config file holding `config_toml` plus `extra_args`; wait until
     /// /health answers 200 (at most 30 s).
     pub fn start(model: &Path, config_toml: &str, extra_args: &[&str]) -> Server {
+        Server::start_in(&[], model, config_toml, extra_args)
+    }
+
+    /// `start`, run through `wrapper` (a command that ends by exec'ing its arguments: say, one
+    /// that joins a cgroup first); none: directly.
+    pub fn start_in(
+        wrapper: &[&str],
+        model: &Path,
+        config_toml: &str,
+        extra_args: &[&str],
+    ) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("serve.toml");
         std::fs::write(&cfg, config_toml).unwrap();
         let stderr_path = dir.path().join("stderr.log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_flywheel"))
+        let bin = env!("CARGO_BIN_EXE_flywheel");
+        let mut cmd = match wrapper.split_first() {
+            Some((w, rest)) => {
+                let mut c = Command::new(w);
+                c.args(rest).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let mut child = cmd
             .arg("serve")
             .arg("--model")
             .arg(model)
