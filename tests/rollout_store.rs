@@ -252,6 +252,27 @@ fn an_episode_is_rewarded_once_for_all_its_turns() {
         // The group (one client group of both keys) holds every turn.
         assert_eq!(members.len(), 4, "{kind}");
         assert!(members.iter().all(|m| m.episode.is_some()));
+        // Trained: a turn logged after that is dropped, its reward not used again.
+        let l = log.begin_lineage("a", 1).unwrap();
+        let cp = Checkpoint {
+            step: 1,
+            version: 2,
+            path: "adapters/a/v-00000002".into(),
+        };
+        let consumed: Vec<(String, u32)> = ["t1", "t2", "t3"]
+            .iter()
+            .map(|t| (t.to_string(), 0))
+            .collect();
+        log.commit_step("a", l.id, &cp, "{}", &consumed).unwrap();
+        log.log_completions(&[turn("t4", "k")]).unwrap();
+        let (turns, _) = log.episode_feedback("task-1", "k").unwrap();
+        let t4 = &turns.last().unwrap().1;
+        assert_eq!(t4.dropped.as_deref(), Some("episode_trained"), "{kind}");
+        let g = log.pending_groups("a").unwrap();
+        assert!(
+            g.iter().flat_map(|g| &g.members).all(|m| m.id != "t4"),
+            "{kind}"
+        );
     });
 }
 

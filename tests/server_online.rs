@@ -467,6 +467,27 @@ fn an_episodes_one_reward_trains_every_turn() {
     assert_eq!(turns.len(), 2);
     assert!(turns.iter().all(|t| t["reward"] == 1.0));
     assert_eq!(turns[0]["id"], a1.as_str());
+    // A turn logged after its episode was trained: its reward is not used a second time.
+    let late = turn("ep-a", "late");
+    let v = call(&s, "GET", "/v1/feedback?episode=ep-a", None, USER).json();
+    let t = v["turns"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(
+        (t["id"].as_str(), &t["dropped"]),
+        (Some(late.as_str()), &json!("episode_trained")),
+        "{v}"
+    );
+    // Another episode's group rewarded after it: the late turn is not in the step.
+    turn("ep-d", "first");
+    turn("ep-e", "first");
+    for (ep, reward) in [("ep-d", 1.0), ("ep-e", 0.0)] {
+        let body = json!({"episode": ep, "reward": reward});
+        assert_eq!(
+            call(&s, "POST", "/v1/feedback", Some(&body), USER).status,
+            202
+        );
+    }
+    let st = wait_status(&s, "l", 60, |st| st["steps"].as_u64() >= Some(2));
+    assert_eq!(st["last"]["sequences"], 2, "{st}");
     let r = call(
         &s,
         "POST",

@@ -13,7 +13,7 @@
 
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
-    RewardRow, CHOICE_INFO,
+    RewardRow, CHOICE_INFO, EPISODE_TRAINED,
 };
 use super::records::{
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, Member, PendingGroup,
@@ -243,6 +243,19 @@ impl SqliteLog {
                  WHERE reward IS NULL AND episode IS NOT NULL
                    AND episode IN (SELECT episode FROM episode_rewards)
                    AND id = ?1",
+                params![first.id],
+            )?;
+            // ... but once some turn of the episode was trained, the reward has been used: a late
+            // turn is dropped with that reason rather than trained on it again later.
+            tx.execute(
+                &format!(
+                    "UPDATE completions SET dropped = '{EPISODE_TRAINED}'
+                     WHERE id = ?1 AND episode IS NOT NULL AND dropped IS NULL
+                       AND consumed_step IS NULL
+                       AND EXISTS (SELECT 1 FROM completions t
+                                   WHERE t.episode = completions.episode
+                                     AND t.consumed_step IS NOT NULL)"
+                ),
                 params![first.id],
             )?;
         }

@@ -17,7 +17,7 @@ use super::lineage::{already_consumed, Checkpoint, Lineage};
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, Member, PendingGroup,
-    Reward, Turn, CHOICE_INFO,
+    Reward, Turn, CHOICE_INFO, EPISODE_TRAINED,
 };
 use super::store::{redact, Accepts, RolloutStore};
 use crate::util::now_secs;
@@ -137,6 +137,17 @@ impl RolloutStore for PgLog {
                 "UPDATE completions c SET reward = e.reward, rewarded_at = e.rewarded_at
                  FROM episode_rewards e
                  WHERE c.episode = e.episode AND c.reward IS NULL AND c.id = $1",
+                &[&recs[0].id],
+            )?;
+            // ... but not to train again once the episode was trained (see the SQLite log).
+            tx.execute(
+                &format!(
+                    "UPDATE completions c SET dropped = '{EPISODE_TRAINED}'
+                     WHERE c.id = $1 AND c.episode IS NOT NULL AND c.dropped IS NULL
+                       AND c.consumed_step IS NULL
+                       AND EXISTS (SELECT 1 FROM completions t
+                                   WHERE t.episode = c.episode AND t.consumed_step IS NOT NULL)"
+                ),
                 &[&recs[0].id],
             )?;
         }

@@ -252,6 +252,10 @@ pub struct PendingGroup {
 }
 
 /// The columns a `ChoiceInfo` is read from (`choice_info`), in order.
+/// The drop reason of a turn logged after its episode was trained: the episode's reward was
+/// used once; the late turn does not train on it again.
+pub const EPISODE_TRAINED: &str = "episode_trained";
+
 pub const CHOICE_INFO: &str =
     "choice, adapter, version, group_id, finish_reason, reward, consumed_step, dropped";
 
