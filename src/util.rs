@@ -85,3 +85,52 @@ pub fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 pub fn sync_dir(path: &Path) -> std::io::Result<()> {
     std::fs::File::open(path)?.sync_all()
 }
+
+/// `s` with every absolute file path replaced by `[path]`: an error as shown to callers who are
+/// not the admin (a server's directories are the operator's to know).
+pub fn hide_paths(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.char_indices().peekable();
+    let mut prev: Option<char> = None;
+    while let Some((i, c)) = chars.next() {
+        let at_start = prev.is_none_or(|p| p.is_whitespace() || "\"'`([{=".contains(p));
+        if c == '/' && at_start {
+            let rest = &s[i..];
+            let end = rest
+                .find(|c: char| c.is_whitespace() || "\"'`)]},;".contains(c) || c == ':')
+                .unwrap_or(rest.len());
+            if rest[..end].len() > 1 {
+                out.push_str("[path]");
+                for _ in rest[..end].chars().skip(1) {
+                    chars.next();
+                }
+                prev = Some('x');
+                continue;
+            }
+        }
+        out.push(c);
+        prev = Some(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod hide_paths_tests {
+    use super::hide_paths;
+
+    #[test]
+    fn absolute_paths_are_hidden_and_the_rest_kept() {
+        assert_eq!(
+            hide_paths(
+                "checkpoint /srv/data/adapters/x/v-00000002: /srv/data/adapters/x/.tmp-v-2/\
+                 optimizer.safetensors: No space left on device (os error 28)"
+            ),
+            "checkpoint [path]: [path]: No space left on device (os error 28)"
+        );
+        assert_eq!(
+            hide_paths("cannot open \"/var/lib/f.db\" (a/b stays, 1/2 too)"),
+            "cannot open \"[path]\" (a/b stays, 1/2 too)"
+        );
+        assert_eq!(hide_paths("rate 3 / 4"), "rate 3 / 4");
+    }
+}

@@ -286,10 +286,12 @@ fn two_replicas_and_a_trainer_share_one_postgres() {
     sh.pg.stop();
     let h = call(&b, "GET", "/health", None, USER);
     assert_eq!(h.status, 200, "{}", h.body_text());
-    assert!(h.json()["learning"]
-        .as_str()
-        .unwrap()
-        .starts_with("unavailable"));
+    assert_eq!(
+        h.json()["learning"]["state"],
+        "unavailable",
+        "{}",
+        h.body_text()
+    );
     let chat = |model: &str| {
         let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}],
                           "max_tokens": 2});

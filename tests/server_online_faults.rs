@@ -83,10 +83,29 @@ fn a_checkpoint_that_cannot_be_written_changes_nothing_and_is_retried() {
     assert_eq!(st["last_error"]["kind"], "checkpoint", "{st}");
     assert_eq!(version_of(&s, "l"), 1);
     assert!(s.metric("flywheel_train_errors_total{adapter=\"l\",kind=\"checkpoint\"}") >= 2.0);
+    // The server's paths are the admin's to see; serving is ready, learning degraded.
+    let dir_text = data.to_str().unwrap();
+    let msg = st["last_error"]["message"].as_str().unwrap();
+    assert!(!msg.contains(dir_text) && msg.contains("[path]"), "{msg}");
+    let admin = call(&s, "GET", "/v1/train/status", None, ADMIN).json();
+    let msg = admin["adapters"]["l"]["last_error"]["message"]
+        .as_str()
+        .unwrap();
+    assert!(msg.contains(dir_text), "{msg}");
+    let h = s.get("/health");
+    assert_eq!(h.status, 200, "{}", h.body_text());
+    let learning = &h.json()["learning"];
+    assert_eq!(learning["state"], "degraded", "{learning}");
+    assert_eq!(
+        learning["adapters"]["l"]["error"]["kind"], "checkpoint",
+        "{learning}"
+    );
+    assert!(!learning.to_string().contains(dir_text), "{learning}");
     // Space comes back: the step is taken once, from the optimizer as it was.
     std::fs::remove_file(&adapters).unwrap();
     let st = wait_status(&s, "l", 60, |st| st["steps"] == 1);
     assert_eq!(st["consecutive_failures"], 0, "{st}");
+    assert_eq!(s.get("/health").json()["learning"]["state"], "ok");
     assert_eq!(version_of(&s, "l"), 2);
     let cp = checkpoint_dir(&data, "l", 2);
     assert_eq!(optimizer_step(&cp), 1, "AdamW was applied more than once");

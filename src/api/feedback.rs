@@ -17,6 +17,15 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+/// A server-side error as a caller may see it: whole for the admin, without paths for others.
+fn shown(why: &str, admin: bool) -> String {
+    if admin {
+        why.to_string()
+    } else {
+        crate::util::hide_paths(why)
+    }
+}
+
 fn is_admin(state: &AppState, headers: &HeaderMap) -> bool {
     state
         .admin_key
@@ -157,8 +166,9 @@ pub async fn post(
             param: Some(field(index, "id")),
             code: Some("trainer_failed"),
             ..ApiError::unavailable(format!(
-                "completion '{id}' belongs to '{adapter}', whose trainer has failed ({why}); the \
-                 reward was not recorded. An operator resumes it with POST /v1/train/{adapter}/resume"
+                "completion '{id}' belongs to '{adapter}', whose trainer has failed ({}); the \
+                 reward was not recorded. An operator resumes it with POST /v1/train/{adapter}/resume",
+                shown(&why, admin)
             ))
         }),
         Err(FeedbackError::Refused {
@@ -252,6 +262,7 @@ async fn post_episode(
         return Err(not_found(&episode));
     };
     let key = bearer_of(headers).to_string();
+    let admin = is_admin(state, headers);
     let (o2, ep) = (online.clone(), episode.clone());
     let r = blocking(move || {
         Ok(o2
@@ -274,9 +285,10 @@ async fn post_episode(
             param: Some("episode".into()),
             code: Some("trainer_failed"),
             ..ApiError::unavailable(format!(
-                "episode '{}' belongs to '{adapter}', whose trainer has failed ({why}); the \
+                "episode '{}' belongs to '{adapter}', whose trainer has failed ({}); the \
                  reward was not recorded",
-                clip(&episode)
+                clip(&episode),
+                shown(&why, admin)
             ))
         }),
         Err(FeedbackError::Refused { adapter, .. }) => Err(ApiError {
@@ -491,12 +503,24 @@ pub async fn resume(
 
 /// `GET /v1/train/status`: each learning adapter's state (running, paused, failed), version,
 /// steps, pending and dropped groups, last step's statistics and last error.
-pub async fn status(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+pub async fn status(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
     let ready = state.ready()?;
+    let admin = is_admin(&state, &headers);
     let adapters = ready
         .online
         .get()
-        .map(|o| json!(o.status()))
+        .map(|o| {
+            let mut st = o.status();
+            for s in st.values_mut() {
+                if let Some(e) = &mut s.last_error {
+                    e.message = shown(&e.message, admin);
+                }
+            }
+            json!(st)
+        })
         .unwrap_or_else(|| json!({}));
     let log_ok = super::info::learning_health(&state)
         .await

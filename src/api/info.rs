@@ -176,16 +176,51 @@ pub async fn health(State(state): State<AppState>) -> Response {
             .online
             .get()
             .is_some_and(|o| o.cfg.role == crate::online::config::Role::Serve);
+        let why = crate::util::hide_paths(&why);
         if replica {
+            let learning = json!({"state": "unavailable", "reason": why});
             return (
                 StatusCode::OK,
-                Json(json!({"status": "ok", "learning": format!("unavailable: {why}")})),
+                Json(json!({"status": "ok", "learning": learning})),
             )
                 .into_response();
         }
         return ApiError::unavailable(format!("learning is unavailable: {why}")).into_response();
     }
-    (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    // Ready to serve; learning may be degraded (a learner failed, or retrying after failures:
+    // a full disk, say), which the body says without server paths.
+    let body = match r.online.get() {
+        None => json!({"status": "ok"}),
+        Some(o) => json!({"status": "ok", "learning": learning_state(&o.status())}),
+    };
+    (StatusCode::OK, Json(body)).into_response()
+}
+
+/// `{"state": "ok"}`, or `"degraded"` with each failed or failing learner: its state, failures
+/// in a row and last error (kind and message without paths).
+fn learning_state(
+    status: &std::collections::BTreeMap<String, crate::online::learner::Status>,
+) -> Value {
+    use crate::online::learner::State;
+    let troubled: serde_json::Map<String, Value> = status
+        .iter()
+        .filter(|(_, s)| s.state == State::Failed || s.consecutive_failures > 0)
+        .map(|(name, s)| {
+            let error = s.last_error.as_ref().map(|e| {
+                json!({"kind": e.kind.as_str(), "message": crate::util::hide_paths(&e.message)})
+            });
+            (
+                name.clone(),
+                json!({"state": s.state, "consecutive_failures": s.consecutive_failures,
+                       "error": error}),
+            )
+        })
+        .collect();
+    if troubled.is_empty() {
+        json!({"state": "ok"})
+    } else {
+        json!({"state": "degraded", "adapters": troubled})
+    }
 }
 
 pub async fn metrics(State(state): State<AppState>) -> Response {
