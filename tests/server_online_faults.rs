@@ -163,7 +163,14 @@ fn a_deleted_and_recreated_learning_adapter_never_reuses_a_version() {
     );
     let s = start_learning(&path, &data, &cfg, &["l"]);
     assert_eq!(version_of(&s, "l"), 4);
-    assert_eq!(status(&s, "l")["steps"], 1);
+    let st = status(&s, "l");
+    assert_eq!(st["steps"], 1);
+    // The last step's report, the totals and the gauges survive the restart (the store has them).
+    assert_eq!(st["last"]["version"], 4, "{st}");
+    assert_eq!(st["last"]["sequences"], 2, "{st}");
+    assert_eq!(st["trained"], 4, "{st}");
+    assert_eq!(st["dropped"]["lineage"], 2, "{st}");
+    assert_eq!(s.metric("flywheel_train_reward_mean{adapter=\"l\"}"), 0.5);
 }
 
 #[test]

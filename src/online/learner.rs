@@ -26,9 +26,31 @@ use crate::train::offline::{grouped, step, Sample};
 use crate::train::optim::{AdamW, AdamWConfig};
 use crate::util::now_secs;
 use flywheel_kernels::Cpu;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// A step's report in the gauges that show the last step.
+fn show_step(env: &Env, name: &str, r: &StepReport) {
+    let m = &env.metrics;
+    let s = &r.stats;
+    m.train_tokens_per_second
+        .with_label_values(&[name])
+        .set(s.tokens_per_second);
+    for (g, v) in [
+        (&m.train_loss, s.loss),
+        (&m.train_reward_mean, s.reward_mean),
+        (&m.train_reward_std, s.reward_std),
+        (&m.train_kl, s.kl),
+        (&m.train_clip_fraction, s.clip_fraction),
+        (&m.train_masked_fraction, s.masked_fraction),
+        (&m.train_grad_norm, s.grad_norm),
+    ] {
+        g.with_label_values(&[name]).set(v);
+    }
+    if let Some(d) = s.logprob_diff_max {
+        m.train_logprob_diff.with_label_values(&[name]).set(d);
+    }
+}
 
 /// Everything a learner works with (shared with the engine: model, compute, registry).
 pub struct Env {
@@ -252,6 +274,15 @@ impl Learner {
             .train_learner_ok
             .with_label_values(&[name])
             .set(1);
+        // What the store remembers: the last step's report (its gauges too) and the totals.
+        let history = env.log.history(name, lineage.id)?;
+        let last: Option<StepReport> = history
+            .last_stats
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok());
+        if let Some(r) = &last {
+            show_step(env, name, r);
+        }
         Ok(Learner {
             status: Status {
                 state: State::Running,
@@ -259,9 +290,9 @@ impl Learner {
                 lineage: lineage.id,
                 steps: opt.step,
                 pending_groups: 0,
-                dropped: BTreeMap::new(),
-                trained: 0,
-                last: None,
+                dropped: history.dropped,
+                trained: history.trained,
+                last,
                 last_error: None,
                 consecutive_failures: 0,
                 retry_at: None,
@@ -486,23 +517,7 @@ impl Learner {
         m.train_tokens
             .with_label_values(&[name])
             .inc_by(s.tokens as u64);
-        m.train_tokens_per_second
-            .with_label_values(&[name])
-            .set(s.tokens_per_second);
-        for (g, v) in [
-            (&m.train_loss, s.loss),
-            (&m.train_reward_mean, s.reward_mean),
-            (&m.train_reward_std, s.reward_std),
-            (&m.train_kl, s.kl),
-            (&m.train_clip_fraction, s.clip_fraction),
-            (&m.train_masked_fraction, s.masked_fraction),
-            (&m.train_grad_norm, s.grad_norm),
-        ] {
-            g.with_label_values(&[name]).set(v);
-        }
-        if let Some(d) = s.logprob_diff_max {
-            m.train_logprob_diff.with_label_values(&[name]).set(d);
-        }
+        show_step(env, name, r);
         let mut trained = 0;
         for g in batch {
             for mem in &g.members {

@@ -75,7 +75,7 @@ impl From<LogError> for TrainError {
 }
 
 /// A published step: its statistics and where it sits.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct StepReport {
     #[serde(flatten)]
     pub stats: StepStats,
@@ -93,7 +93,8 @@ pub struct Status {
     pub steps: u64,
     pub pending_groups: usize,
     pub dropped: BTreeMap<String, u64>,
-    /// Completions trained on (since this process started).
+    /// Completions of this adapter trained on, and dropped by reason (as the store counted them
+    /// at start, plus since).
     pub trained: u64,
     pub last: Option<StepReport>,
     pub last_error: Option<TrainError>,

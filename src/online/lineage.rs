@@ -8,7 +8,7 @@
 //! completions the step consumed.
 
 use super::log::SqliteLog;
-use super::records::LogError;
+use super::records::{History, LogError};
 use crate::util::now_secs;
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
 
@@ -136,6 +136,37 @@ impl SqliteLog {
             },
         )
         .optional()?)
+    }
+
+    /// The newest step report of `lineage`, and `adapter`'s completions trained and dropped.
+    pub fn history(&self, adapter: &str, lineage: u64) -> Result<History, LogError> {
+        let c = self.conn()?;
+        let last_stats = c
+            .query_row(
+                "SELECT stats FROM checkpoints WHERE lineage = ?1 ORDER BY version DESC LIMIT 1",
+                params![lineage as i64],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let trained: i64 = c.query_row(
+            "SELECT count(*) FROM completions WHERE adapter = ?1 AND consumed_step IS NOT NULL",
+            params![adapter],
+            |r| r.get(0),
+        )?;
+        let mut st = c.prepare_cached(
+            "SELECT dropped, count(*) FROM completions WHERE adapter = ?1 AND dropped IS NOT NULL
+             GROUP BY dropped",
+        )?;
+        let dropped = st
+            .query_map(params![adapter], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+            })?
+            .collect::<Result<_, _>>()?;
+        Ok(History {
+            last_stats,
+            trained: trained as u64,
+            dropped,
+        })
     }
 
     /// Record a checkpoint of `lineage` and the members its step consumed, in one transaction.

@@ -16,8 +16,8 @@
 use super::lineage::{already_consumed, Checkpoint, Lineage};
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
-    ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, Member, PendingGroup,
-    Reward, Turn, CHOICE_INFO, EPISODE_TRAINED,
+    ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, Member,
+    PendingGroup, Reward, Turn, CHOICE_INFO, EPISODE_TRAINED,
 };
 use super::store::{redact, Accepts, RolloutStore};
 use crate::util::now_secs;
@@ -434,6 +434,36 @@ impl RolloutStore for PgLog {
                 r.get(3),
             )
         }))
+    }
+
+    fn history(&self, adapter: &str, lineage: u64) -> Result<History, LogError> {
+        let mut c = self.conn()?;
+        let last_stats = c
+            .query_opt(
+                "SELECT stats FROM checkpoints WHERE lineage = $1 ORDER BY version DESC LIMIT 1",
+                &[&(lineage as i64)],
+            )?
+            .map(|r| r.get(0));
+        let trained: i64 = c
+            .query_one(
+                "SELECT count(*) FROM completions WHERE adapter = $1 AND consumed_step IS NOT NULL",
+                &[&adapter],
+            )?
+            .get(0);
+        let dropped = c
+            .query(
+                "SELECT dropped, count(*) FROM completions WHERE adapter = $1 AND dropped IS NOT NULL
+                 GROUP BY dropped",
+                &[&adapter],
+            )?
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u64))
+            .collect();
+        Ok(History {
+            last_stats,
+            trained: trained as u64,
+            dropped,
+        })
     }
 
     fn commit_step(

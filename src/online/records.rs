@@ -252,6 +252,16 @@ pub struct PendingGroup {
 }
 
 /// The columns a `ChoiceInfo` is read from (`choice_info`), in order.
+/// What the store remembers of an adapter's learning, shown again after a restart: the newest
+/// step's report (JSON, as committed with its checkpoint) in a lineage, and the completions of the
+/// adapter trained and dropped (by reason).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct History {
+    pub last_stats: Option<String>,
+    pub trained: u64,
+    pub dropped: std::collections::BTreeMap<String, u64>,
+}
+
 /// The drop reason of a turn logged after its episode was trained: the episode's reward was
 /// used once; the late turn does not train on it again.
 pub const EPISODE_TRAINED: &str = "episode_trained";

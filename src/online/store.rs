@@ -15,8 +15,8 @@
 use super::lineage::{Checkpoint, Lineage};
 use super::log::SqliteLog;
 use super::records::{
-    ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, PendingGroup, Refusal,
-    Reward, Turn,
+    ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, PendingGroup,
+    Refusal, Reward, Turn,
 };
 
 /// Whether a completion's adapter takes rewards now (the caller's rule, per adapter).
@@ -72,6 +72,8 @@ pub trait RolloutStore: Send + Sync {
     fn checkpoints(&self, lineage: u64) -> Result<Vec<Checkpoint>, LogError>;
     /// The newest checkpoint of `lineage` and when it was committed (Unix seconds).
     fn newest_checkpoint(&self, lineage: u64) -> Result<Option<(Checkpoint, f64)>, LogError>;
+    /// The newest step report of `lineage`, and `adapter`'s completions trained and dropped.
+    fn history(&self, adapter: &str, lineage: u64) -> Result<History, LogError>;
     /// Record a checkpoint and the members its step consumed, in one transaction; a member
     /// consumed already (by another trainer) fails it whole with `LogError::Conflict`.
     fn commit_step(
@@ -180,6 +182,9 @@ impl RolloutStore for SqliteLog {
     }
     fn newest_checkpoint(&self, lineage: u64) -> Result<Option<(Checkpoint, f64)>, LogError> {
         SqliteLog::newest_checkpoint(self, lineage)
+    }
+    fn history(&self, adapter: &str, lineage: u64) -> Result<History, LogError> {
+        SqliteLog::history(self, adapter, lineage)
     }
     fn commit_step(
         &self,

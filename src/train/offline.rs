@@ -72,7 +72,8 @@ pub fn grouped<'a>(samples: &'a [Sample], loss_name: &str) -> Vec<Batch<'a>> {
 
 /// What one step did (`flywheel train` prints it as a JSON line; the online trainer shows the last
 /// one in `/v1/train/status` and in its metrics).
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct StepStats {
     /// The optimizer's step number after this step.
     pub step: u64,
