@@ -417,3 +417,20 @@ fn a_flooding_client_does_not_lock_out_another() {
     assert!(s.metric("flywheel_num_requests_waiting") > 0.0);
     drop(flood);
 }
+
+/// Readiness means ready: when `/health` first answers 200, the engine's KV cache (768 MB here)
+/// is allocated and every page of it touched (it was touched after readiness, for seconds under
+/// load, while requests were already admitted).
+#[test]
+fn health_is_ready_only_once_the_kv_cache_is_in_memory() {
+    let config = CONFIG.replace("kv_cache_mb = 16", "kv_cache_mb = 768");
+    let (_d, s) = start(&config, &[]);
+    let status = std::fs::read_to_string(format!("/proc/{}/status", s.child.id())).unwrap();
+    let rss_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(rss_kb > 700 << 10, "RSS {rss_kb} kB at readiness");
+}

@@ -63,7 +63,9 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Start the engine thread. It stops when every handle is dropped and no work is left.
+    /// Start the engine thread and return once it is ready to step: its KV cache allocated and
+    /// every page of it touched (a gigabyte takes seconds under load; readiness means ready). It
+    /// stops when every handle is dropped and no work is left.
     pub fn start(
         model: Arc<Llama>,
         tokenizer: Arc<Tokenizer>,
@@ -72,6 +74,7 @@ impl Engine {
         metrics: Arc<Metrics>,
     ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
         let (tx, inbox) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<()>(1);
         let alive = Arc::new(AtomicBool::new(true));
         let handle = EngineHandle {
             tx,
@@ -113,8 +116,13 @@ impl Engine {
                     inbox,
                     last_prefix: (0, 0),
                 };
+                let _ = ready_tx.send(());
                 engine.run();
             })?;
+        // Err: the thread ended before it was ready (it panicked allocating its cache).
+        ready_rx.recv().map_err(|_| {
+            std::io::Error::other("the engine stopped before it was ready (see the log)")
+        })?;
         Ok((handle, join))
     }
 
