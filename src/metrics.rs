@@ -36,7 +36,7 @@ pub struct Metrics {
     pub train_tokens_per_second: GaugeVec,
     /// Compute time by role (serve: engine steps; train: the trainer's kernels), from the pool's
     /// gate, set at scrape time.
-    pub compute_busy_seconds: GaugeVec,
+    pub compute_busy_seconds: prometheus::CounterVec,
     /// The share in force (`online::share_policy`): training time granted per unit of serving
     /// time under load; with the policy's measurements of the last period and minute.
     pub train_share: prometheus::Gauge,
@@ -231,14 +231,14 @@ impl Metrics {
             ),
             compute_busy_seconds: reg(
                 &registry,
-                GaugeVec::new(
+                prometheus::CounterVec::new(
                     Opts::new(
-                        "compute_busy_seconds",
-                        "Compute time since start by role: serve (engine steps) and train (the trainer's kernels).",
+                        "compute_busy_seconds_total",
+                        "Compute time since start by role: serve (engine steps) and train (the trainer's kernels); rate() of each is its share of the cores.",
                     ),
                     &["role"],
                 )
-                .expect("gauge vec"),
+                .expect("counter vec"),
             ),
             train_share: reg(
                 &registry,

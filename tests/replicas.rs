@@ -588,6 +588,16 @@ fn replicas_follow_the_trainer_through_an_object_store() {
         local.len() == 2 && local[0].starts_with("v-00000003-"),
         "{local:?}"
     );
+    // The log says which is which: version 2 retired by retention, version 9 a failed upload.
+    let log = trainer.stderr();
+    let line = |v: &str| {
+        log.lines()
+            .find(|l| l.contains(" removed ") && l.contains(v))
+            .unwrap_or_else(|| panic!("no removal of {v} in the log:\n{log}"))
+            .to_string()
+    };
+    assert!(line("v-00000002-").contains("retention retired"), "{log}");
+    assert!(line("v-00000009-").contains("failed commit"), "{log}");
 }
 
 /// SIGTERM ends every role on PostgreSQL with exit 0 after its drain: the blocking clients the

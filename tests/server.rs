@@ -262,9 +262,9 @@ fn prefix_cache_hits_and_metrics_are_reported() {
     }
     assert_eq!(s.metric("flywheel_generation_tokens_total"), 8.0);
     // The split of compute between serving and training, seen: serving ran, nothing trained.
-    assert!(s.metric("flywheel_compute_busy_seconds{role=\"serve\"}") > 0.0);
+    assert!(s.metric("flywheel_compute_busy_seconds_total{role=\"serve\"}") > 0.0);
     assert_eq!(
-        s.metric("flywheel_compute_busy_seconds{role=\"train\"}"),
+        s.metric("flywheel_compute_busy_seconds_total{role=\"train\"}"),
         0.0
     );
     assert_eq!(s.metric("flywheel_train_share"), 0.25);

@@ -156,8 +156,8 @@ fn stale_groups_are_dropped_and_flat_groups_carry_no_signal() {
         s.metric("flywheel_train_samples_dropped_total{adapter=\"l\",reason=\"stale\"}") >= 2.0
     );
     // The split of compute is seen: the trainer's kernels ran beside serving.
-    assert!(s.metric("flywheel_compute_busy_seconds{role=\"train\"}") > 0.0);
-    assert!(s.metric("flywheel_compute_busy_seconds{role=\"serve\"}") > 0.0);
+    assert!(s.metric("flywheel_compute_busy_seconds_total{role=\"train\"}") > 0.0);
+    assert!(s.metric("flywheel_compute_busy_seconds_total{role=\"serve\"}") > 0.0);
     // The new version serves and is what the next completions report.
     assert_eq!(sample(&s, "l", 1, 2, USER)["adapter_version"], 2);
 }

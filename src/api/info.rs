@@ -229,12 +229,14 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         let gate = &r.cpu.pool.gate;
         let (serve, train) = gate.busy();
         let m = &state.metrics;
-        m.compute_busy_seconds
-            .with_label_values(&["serve"])
-            .set(serve.as_secs_f64());
-        m.compute_busy_seconds
-            .with_label_values(&["train"])
-            .set(train.as_secs_f64());
+        // The gate's totals only grow: the counters catch up with them at each scrape.
+        for (role, busy) in [("serve", serve), ("train", train)] {
+            let c = m.compute_busy_seconds.with_label_values(&[role]);
+            let ahead = busy.as_secs_f64() - c.get();
+            if ahead > 0.0 {
+                c.inc_by(ahead);
+            }
+        }
         if r.online.get().is_none() {
             m.train_share.set(r.online_cfg.share.train_share);
         }

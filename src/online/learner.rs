@@ -539,8 +539,10 @@ impl Learner {
 
     /// Remove checkpoints no longer needed (the newest two of the lineage stay).
     fn retire(&self, env: &Env) {
+        let mut retired = std::collections::BTreeSet::new();
         match env.log.retire_checkpoints(&self.cfg.name, 2) {
             Ok(paths) => {
+                retired.extend(paths.iter().cloned());
                 for p in paths {
                     let dir: PathBuf = env.cfg.data_dir.join(&p);
                     if let Err(e) = remove_dir(&dir) {
@@ -554,7 +556,7 @@ impl Learner {
         }
         // In the adapter store: the retired versions, and uploads no row ever named.
         if env.adapters.is_some() {
-            self.sweep_orphans(env);
+            self.sweep_orphans(env, &retired);
         }
     }
 

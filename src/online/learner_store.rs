@@ -52,7 +52,9 @@ impl Learner {
     /// other uploads): remove the version folders, in the adapter store and in the data
     /// directory, that no checkpoint of the lineage names (retired ones, and uploads whose
     /// commit failed). Failures only warn (the next step tries again).
-    pub(super) fn sweep_orphans(&self, env: &Env) {
+    /// `retired`: the versions retention just retired (said so in the log, apart from uploads a
+    /// failed commit left).
+    pub(super) fn sweep_orphans(&self, env: &Env, retired: &BTreeSet<String>) {
         let Some(store) = &env.adapters else { return };
         let keep: BTreeSet<String> = match env.log.checkpoints(self.lineage.id) {
             Ok(cps) => cps.into_iter().map(|c| c.path).collect(),
@@ -62,12 +64,17 @@ impl Learner {
         match store.versions(&dir_rel) {
             Ok(listed) => {
                 for rel in listed.iter().filter(|r| !keep.contains(*r)) {
+                    let what = if retired.contains(rel) {
+                        "a version retention retired (the newest two are kept)"
+                    } else {
+                        "an upload no committed version names (a failed commit's)"
+                    };
                     match store.delete(rel) {
                         Ok(()) => {
-                            tracing::info!(path = %rel, "removed an upload no version names from the adapter store")
+                            tracing::info!(path = %rel, "removed {what} from the adapter store")
                         }
                         Err(e) => {
-                            tracing::warn!(path = %rel, error = %e, "cannot remove an upload no version names")
+                            tracing::warn!(path = %rel, error = %e, "cannot remove {what} from the adapter store")
                         }
                     }
                 }
