@@ -630,7 +630,7 @@ fn random_nested_grammars_never_take_the_server_down() {
         let extra = match i % 5 {
             0 => json!({"response_format": {"type": "json_schema", "json_schema": {
                 "name": "x", "schema": ref_chain(depth)}}}),
-            1 => json!({"guided_grammar": rule_chain(depth, rng.next() % 2 == 0)}),
+            1 => json!({"guided_grammar": rule_chain(depth, rng.next().is_multiple_of(2))}),
             2 => {
                 json!({"guided_regex": format!("{}[a-c]{}", "(".repeat(depth), ")".repeat(depth))})
             }
