@@ -341,6 +341,13 @@ impl Drop for ThreadPool {
 mod tests {
     use super::*;
 
+    /// Held by the tests that measure time or load the machine, so that they do not run at once.
+    static TIMED: Mutex<()> = Mutex::new(());
+
+    fn timed() -> std::sync::MutexGuard<'static, ()> {
+        TIMED.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The probe's pages differ (none could be merged by the host), and it reports a rate.
     #[test]
     fn the_read_bandwidth_probe_reads_distinct_pages() {
@@ -386,6 +393,7 @@ mod tests {
 
     #[test]
     fn a_background_job_runs_in_slices_and_a_foreground_step_waits_for_one() {
+        let _timed = timed();
         let pool = Arc::new(ThreadPool::new(2, Duration::from_micros(20)));
         let n = 400;
         let hits: Arc<Vec<AtomicUsize>> = Arc::new((0..n).map(|_| AtomicUsize::new(0)).collect());
@@ -440,6 +448,7 @@ mod tests {
 
     #[test]
     fn background_work_marked_between_its_kernels_gets_its_share() {
+        let _timed = timed();
         let marked = share_with_gaps(true);
         let unmarked = share_with_gaps(false);
         assert!(marked > 0.18 && marked < 0.35, "marked {marked}");
@@ -457,6 +466,7 @@ mod tests {
     /// through the caller's freed stack, a segfault seen once under load.)
     #[test]
     fn every_task_runs_once_and_within_its_job_under_contention() {
+        let _timed = timed();
         let pool = Arc::new(ThreadPool::new(4, Duration::from_micros(5)));
         let stop = Instant::now() + Duration::from_secs(3);
         let callers: Vec<_> = (0..2u64)
