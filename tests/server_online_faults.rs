@@ -232,20 +232,32 @@ fn a_database_deleted_under_the_server_stops_acknowledging_rewards() {
     assert_eq!(r.status, 503, "{}", r.body_text());
 }
 
-/// The rollout database lost between two runs on the same data directory: the restart continues
-/// above every version a checkpoint folder carries (never serving v1 after v3 was served) and
-/// writes over no folder; the next step is numbered above them too.
-#[test]
-fn a_restart_after_the_database_was_lost_reuses_no_version_and_overwrites_no_checkpoint() {
+/// A learning server (adapter `l`) on a tiny model that has taken two steps (version 3): its
+/// folder, model, data directory and the server.
+fn two_steps() -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    Server,
+) {
     let (dir, path) = write_tiny(&spec());
     let data = dir.path().join("data");
-    let cfg = learning_config();
-    let s = start_learning(&path, &data, &cfg, &["l"]);
+    let s = start_learning(&path, &data, &learning_config(), &["l"]);
     for k in 1..=2 {
         sample_and_reward(&s, "l", 2);
         wait_status(&s, "l", 60, |st| st["steps"] == k);
     }
     assert_eq!(version_of(&s, "l"), 3);
+    (dir, path, data, s)
+}
+
+/// The rollout database lost between two runs on the same data directory: the restart continues
+/// above every version a checkpoint folder carries (never serving v1 after v3 was served) and
+/// writes over no folder; the next step is numbered above them too.
+#[test]
+fn a_restart_after_the_database_was_lost_reuses_no_version_and_overwrites_no_checkpoint() {
+    let (_dir, path, data, s) = two_steps();
+    let cfg = learning_config();
     s.terminate();
     drop(s);
     let manifest = |v: u64| std::fs::read(checkpoint_dir(&data, "l", v).join("manifest.json"));
@@ -281,15 +293,8 @@ fn refused_start(model: &Path, args: &[&str]) -> String {
 
 #[test]
 fn start_up_falls_back_to_the_newest_intact_checkpoint_and_names_bad_data_dirs() {
-    let (dir, path) = write_tiny(&spec());
-    let data = dir.path().join("data");
+    let (dir, path, data, s) = two_steps();
     let cfg = learning_config();
-    let s = start_learning(&path, &data, &cfg, &["l"]);
-    for k in 1..=2 {
-        sample_and_reward(&s, "l", 2);
-        wait_status(&s, "l", 60, |st| st["steps"] == k);
-    }
-    assert_eq!(version_of(&s, "l"), 3);
     drop(s);
     // A truncated optimizer state in the newest checkpoint: back to version 2's weights and
     // optimizer, under a new number (3 was served).
