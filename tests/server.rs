@@ -273,3 +273,49 @@ fn prefix_cache_hits_and_metrics_are_reported() {
         2.0
     );
 }
+
+/// vLLM's chat fields this server does not implement are a 400 naming them when set to anything
+/// but their neutral value (they were accepted and ignored); legacy completions without
+/// `max_tokens` stop at 16 tokens, as OpenAI's and vLLM's do (they ran to the context's end).
+#[test]
+fn unimplemented_chat_fields_are_refused_and_completions_default_to_16_tokens() {
+    let (_d, s) = start(CONFIG, &[]);
+    for (extra, param) in [
+        (json!({"chat_template": "{{ messages }}"}), "chat_template"),
+        (
+            json!({"chat_template_kwargs": {"enable_thinking": false}}),
+            "chat_template_kwargs",
+        ),
+        (
+            json!({"continue_final_message": true}),
+            "continue_final_message",
+        ),
+        (
+            json!({"add_generation_prompt": false}),
+            "add_generation_prompt",
+        ),
+        (json!({"echo": true}), "echo"),
+        (
+            json!({"stream": true, "stream_options": {"continuous_usage_stats": true}}),
+            "stream_options.continuous_usage_stats",
+        ),
+    ] {
+        let r = s.post("/v1/chat/completions", &chat("hi", extra.clone()));
+        assert_error(&r, 400, Some(param));
+    }
+    let neutral = json!({"chat_template": null, "chat_template_kwargs": {},
+                         "continue_final_message": false, "add_generation_prompt": true,
+                         "echo": false, "max_tokens": 2,
+                         "stream_options": null});
+    assert_eq!(
+        s.post("/v1/chat/completions", &chat("hi", neutral)).status,
+        200
+    );
+    let r = s.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "once upon", "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 16);
+    assert_eq!(r.json()["choices"][0]["finish_reason"], "length");
+}

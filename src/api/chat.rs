@@ -4,7 +4,9 @@ use super::body::JsonBody;
 use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::messages::{parse_messages, request_tools};
-use super::openai::{check_scoring, parse_chat_logprobs, parse_common, Fields};
+use super::openai::{
+    check_scoring, parse_chat_logprobs, parse_common, refuse_unimplemented_chat, Fields,
+};
 use super::respond::respond;
 use super::structured::output_grammar;
 use super::{blocking, AppState};
@@ -18,6 +20,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let f = Fields::parse(&body)?;
+    refuse_unimplemented_chat(&f)?;
     let mut params = parse_common(&f, ready.vocab_size)?;
     parse_chat_logprobs(&f, &mut params)?;
     check_scoring(&f, &mut params, false)?;

@@ -199,6 +199,34 @@ pub fn refuse_unimplemented(f: &Fields) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Chat's own fields of vLLM's that this server does not implement (yet), refused the same way:
+/// per-request templates and their arguments, continuing the final message, leaving out the
+/// generation prompt, `echo`.
+pub fn refuse_unimplemented_chat(f: &Fields) -> Result<(), ApiError> {
+    let refuse = |name: &str, v: &Value| {
+        Err(ApiError::invalid(
+            name,
+            format!("'{name}' = {v} is not supported by this server"),
+        ))
+    };
+    for (name, neutral) in [
+        ("chat_template", Value::Null),
+        ("continue_final_message", Value::Bool(false)),
+        ("add_generation_prompt", Value::Bool(true)),
+        ("echo", Value::Bool(false)),
+    ] {
+        match f.get(name) {
+            Some(v) if *v != neutral => return refuse(name, v),
+            _ => {}
+        }
+    }
+    match f.get("chat_template_kwargs") {
+        Some(Value::Null) | None => Ok(()),
+        Some(Value::Object(o)) if o.is_empty() => Ok(()),
+        Some(v) => refuse("chat_template_kwargs", v),
+    }
+}
+
 pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> {
     refuse_unimplemented(f)?;
     let model = f
@@ -250,11 +278,26 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
     }
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
-        None => false,
-        Some(Value::Object(o)) => Fields(o)
-            .bool("include_usage")
-            .map_err(|_| type_error("stream_options.include_usage", "a boolean"))?
-            .unwrap_or(false),
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => {
+            // vLLM's usage on every chunk: not implemented, refused rather than ignored.
+            if let Some(v) = o
+                .get("continuous_usage_stats")
+                .filter(|v| !matches!(v, Value::Null | Value::Bool(false)))
+            {
+                return Err(ApiError::invalid(
+                    "stream_options.continuous_usage_stats",
+                    format!(
+                        "'stream_options.continuous_usage_stats' = {v} is not supported by this \
+                         server (usage comes in the last chunk with include_usage)"
+                    ),
+                ));
+            }
+            Fields(o)
+                .bool("include_usage")
+                .map_err(|_| type_error("stream_options.include_usage", "a boolean"))?
+                .unwrap_or(false)
+        }
         Some(_) => return Err(type_error("stream_options", "an object")),
     };
     let params = CommonParams {

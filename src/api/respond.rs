@@ -27,6 +27,9 @@ use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use stream::stream_response;
 
+/// `max_tokens` of a legacy completion that does not say it.
+pub const LEGACY_DEFAULT_MAX_TOKENS: usize = 16;
+
 /// Check lengths against the context and build the engine request.
 fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, ApiError> {
     let n_prompt = job.prompt_ids.len();
@@ -51,6 +54,11 @@ fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, Ap
             ))
         }
         Some(m) => m,
+        // Legacy completions default to 16 tokens, as OpenAI's and vLLM's do; chat runs to the
+        // end of the context.
+        None if job.flavor == Flavor::Completion => {
+            LEGACY_DEFAULT_MAX_TOKENS.min(max_model_len - n_prompt)
+        }
         None => max_model_len - n_prompt,
     };
     Ok(GenerateRequest {

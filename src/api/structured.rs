@@ -197,12 +197,16 @@ fn structured_outputs(name: &str, v: &Value) -> Result<Option<Structured>, ApiEr
                 }
             }
             "disable_additional_properties" => {
-                if val != &Value::Bool(false) {
+                // Objects with listed properties are closed unless the schema says otherwise
+                // (`constraint::close_objects`): true is what this server does; false (the
+                // guidance backend's open objects) is not offered.
+                if val != &Value::Bool(true) {
                     return Err(ApiError::invalid(
                         &field,
                         format!(
-                            "'{field}' is not supported: write \"additionalProperties\": false \
-                             in the schema"
+                            "'{field}': only true is supported (an object with properties admits \
+                             only those unless its schema says \"additionalProperties\": true \
+                             or a schema; write that to allow more)"
                         ),
                     ));
                 }

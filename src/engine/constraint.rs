@@ -51,14 +51,110 @@ fn compact_json() -> Value {
     })
 }
 
-/// `schema` with the compact-JSON options attached (replacing any the caller set).
+/// `schema` as generated: objects closed (`close_objects`) and the compact-JSON options attached
+/// (replacing any the caller set).
 pub fn compact_schema(schema: &Value) -> Result<Value, String> {
     let mut s = schema.clone();
+    close_objects(&mut s);
     let o = s
         .as_object_mut()
         .ok_or_else(|| "a JSON Schema must be an object".to_string())?;
     o.insert("x-guidance".into(), compact_json());
     Ok(s)
+}
+
+/// Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
+const ONE_SCHEMA: [&str; 9] = [
+    "additionalProperties",
+    "items",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+];
+const SCHEMA_LISTS: [&str; 5] = ["anyOf", "oneOf", "allOf", "prefixItems", "items"];
+const SCHEMA_MAPS: [&str; 5] = [
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+];
+
+/// For generation, as llama.cpp's and vLLM's grammar converters do: an object schema that lists
+/// `properties` admits only those unless it says `additionalProperties` (true or a schema) — a
+/// small model otherwise writes keys until its budget ends (every LangChain `@tool`, most
+/// hand-written tools, leave it out). Objects without `properties` stay free-form. Walks only
+/// schema positions (never `const`, `enum`, `default` or `examples` data); JSON nests at most
+/// 128 levels, and so does this.
+pub fn close_objects(schema: &mut Value) {
+    let Value::Object(o) = schema else {
+        return;
+    };
+    if o.contains_key("properties") && !o.contains_key("additionalProperties") {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for (k, v) in o.iter_mut() {
+        let k = k.as_str();
+        if SCHEMA_MAPS.contains(&k) {
+            if let Value::Object(m) = v {
+                m.values_mut().for_each(close_objects);
+            }
+        } else if SCHEMA_LISTS.contains(&k) && v.is_array() {
+            if let Value::Array(a) = v {
+                a.iter_mut().for_each(close_objects);
+            }
+        } else if ONE_SCHEMA.contains(&k) {
+            close_objects(v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn objects_with_properties_are_closed_unless_they_say_otherwise() {
+        let mut s = json!({"type": "object", "properties": {
+            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "b": {"type": "object"},
+            "c": {"type": "object", "properties": {}, "additionalProperties": true},
+            "d": {"type": "array", "items": {"properties": {"y": {}}}},
+            "e": {"anyOf": [{"properties": {"z": {}}}, {"type": "null"}]},
+            "f": {"const": {"properties": {"q": 1}}},
+            "properties": {"type": "object", "properties": {"p": {}}}},
+            "$defs": {"D": {"properties": {"w": {}}, "additionalProperties": {"type": "string"}}}});
+        close_objects(&mut s);
+        assert_eq!(s["additionalProperties"], false);
+        let p = &s["properties"];
+        assert_eq!(p["a"]["additionalProperties"], false);
+        assert!(
+            p["b"].get("additionalProperties").is_none(),
+            "free-form stays free"
+        );
+        assert_eq!(p["c"]["additionalProperties"], true);
+        assert_eq!(p["d"]["items"]["additionalProperties"], false);
+        assert_eq!(p["e"]["anyOf"][0]["additionalProperties"], false);
+        assert_eq!(
+            p["f"],
+            json!({"const": {"properties": {"q": 1}}}),
+            "data untouched"
+        );
+        assert_eq!(p["properties"]["additionalProperties"], false);
+        assert!(
+            p.get("additionalProperties").is_none(),
+            "a map of properties is no schema"
+        );
+        assert_eq!(
+            s["$defs"]["D"]["additionalProperties"],
+            json!({"type": "string"})
+        );
+    }
 }
 
 /// A regex matching `s` literally.
