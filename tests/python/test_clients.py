@@ -1,6 +1,7 @@
 """Agent frameworks as their users call them, on the default model (each test is skipped when its
 client is not installed; `pip install langchain-openai` to run them): LangChain's `bind_tools`
-(auto and forced) and `with_structured_output` in each of its methods."""
+(auto and forced) and `with_structured_output` in each of its methods; schemas as people write
+them (no `additionalProperties`) through LangChain and the openai SDK."""
 
 import sys
 import pathlib
@@ -56,3 +57,59 @@ def test_with_structured_output_gives_the_model(llm, method):
         "Describe a person. Reply in JSON with name, age, mood.")
     assert isinstance(r, Person)
     assert 0 <= r.age <= 120 and r.mood in ("happy", "sad")
+
+
+@tool
+def search(query: str, limit: int = 5) -> str:
+    """Search the web for a query."""
+    return query
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    zip_code: str = Field(max_length=8)
+
+
+class Customer(BaseModel):
+    name: str = Field(max_length=20)
+    address: Address
+
+
+def test_ordinary_schemas_close_when_sampled():
+    """Schemas as people write them say nothing of additionalProperties: a LangChain `@tool`,
+    a plain tools dict through the openai SDK's stream helper (which raises
+    LengthFinishReasonError on a call cut by max_tokens), and a nested pydantic model through
+    `parse`. Sampled at temperature 1, each call and object closes with only its listed keys."""
+    import openai
+
+    proc, base = start_server([])
+    try:
+        hot = langchain_openai.ChatOpenAI(base_url=base + "/v1", api_key="none",
+                                          model=MODEL.stem, temperature=1.0, max_tokens=256)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        lookup = [{"type": "function", "function": {
+            "name": "lookup", "description": "Look an order up by its id.",
+            "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
+                           "required": ["order_id"]}}}]
+        for seed in range(2):
+            m = hot.bind_tools([search], tool_choice="required").bind(seed=seed).invoke(
+                "Find pictures of cats.")
+            assert len(m.tool_calls) == 1, m
+            assert set(m.tool_calls[0]["args"]) <= {"query", "limit"}, m.tool_calls
+            with client.chat.completions.stream(
+                    model=MODEL.stem, messages=[{"role": "user", "content": "Where is order 17?"}],
+                    tools=lookup, tool_choice="required", temperature=1.0, seed=seed,
+                    max_tokens=256) as s:
+                final = s.get_final_completion()
+            c = final.choices[0]
+            assert c.finish_reason == "tool_calls", c
+            assert set(c.message.tool_calls[0].function.parsed_arguments or
+                       __import__("json").loads(c.message.tool_calls[0].function.arguments)) \
+                == {"order_id"}
+            r = client.chat.completions.parse(
+                model=MODEL.stem, messages=[{"role": "user", "content": "Invent a customer."}],
+                response_format=Customer, temperature=1.0, seed=seed, max_tokens=256)
+            assert isinstance(r.choices[0].message.parsed, Customer), r
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
