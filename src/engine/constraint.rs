@@ -113,50 +113,6 @@ pub fn close_objects(schema: &mut Value) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn objects_with_properties_are_closed_unless_they_say_otherwise() {
-        let mut s = json!({"type": "object", "properties": {
-            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
-            "b": {"type": "object"},
-            "c": {"type": "object", "properties": {}, "additionalProperties": true},
-            "d": {"type": "array", "items": {"properties": {"y": {}}}},
-            "e": {"anyOf": [{"properties": {"z": {}}}, {"type": "null"}]},
-            "f": {"const": {"properties": {"q": 1}}},
-            "properties": {"type": "object", "properties": {"p": {}}}},
-            "$defs": {"D": {"properties": {"w": {}}, "additionalProperties": {"type": "string"}}}});
-        close_objects(&mut s);
-        assert_eq!(s["additionalProperties"], false);
-        let p = &s["properties"];
-        assert_eq!(p["a"]["additionalProperties"], false);
-        assert!(
-            p["b"].get("additionalProperties").is_none(),
-            "free-form stays free"
-        );
-        assert_eq!(p["c"]["additionalProperties"], true);
-        assert_eq!(p["d"]["items"]["additionalProperties"], false);
-        assert_eq!(p["e"]["anyOf"][0]["additionalProperties"], false);
-        assert_eq!(
-            p["f"],
-            json!({"const": {"properties": {"q": 1}}}),
-            "data untouched"
-        );
-        assert_eq!(p["properties"]["additionalProperties"], false);
-        assert!(
-            p.get("additionalProperties").is_none(),
-            "a map of properties is no schema"
-        );
-        assert_eq!(
-            s["$defs"]["D"]["additionalProperties"],
-            json!({"type": "string"})
-        );
-    }
-}
-
 /// A regex matching `s` literally.
 pub fn regex_literal(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 8);
@@ -298,5 +254,49 @@ impl Constraint {
     /// Follow token `t` (drawn from the last mask).
     pub fn advance(&mut self, t: u32) -> Result<(), String> {
         self.m.consume_token(t).map_err(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn objects_with_properties_are_closed_unless_they_say_otherwise() {
+        let mut s = json!({"type": "object", "properties": {
+            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "b": {"type": "object"},
+            "c": {"type": "object", "properties": {}, "additionalProperties": true},
+            "d": {"type": "array", "items": {"properties": {"y": {}}}},
+            "e": {"anyOf": [{"properties": {"z": {}}}, {"type": "null"}]},
+            "f": {"const": {"properties": {"q": 1}}},
+            "properties": {"type": "object", "properties": {"p": {}}}},
+            "$defs": {"D": {"properties": {"w": {}}, "additionalProperties": {"type": "string"}}}});
+        close_objects(&mut s);
+        assert_eq!(s["additionalProperties"], false);
+        let p = &s["properties"];
+        assert_eq!(p["a"]["additionalProperties"], false);
+        assert!(
+            p["b"].get("additionalProperties").is_none(),
+            "free-form stays free"
+        );
+        assert_eq!(p["c"]["additionalProperties"], true);
+        assert_eq!(p["d"]["items"]["additionalProperties"], false);
+        assert_eq!(p["e"]["anyOf"][0]["additionalProperties"], false);
+        assert_eq!(
+            p["f"],
+            json!({"const": {"properties": {"q": 1}}}),
+            "data untouched"
+        );
+        assert_eq!(p["properties"]["additionalProperties"], false);
+        assert!(
+            p.get("additionalProperties").is_none(),
+            "a map of properties is no schema"
+        );
+        assert_eq!(
+            s["$defs"]["D"]["additionalProperties"],
+            json!({"type": "string"})
+        );
     }
 }
