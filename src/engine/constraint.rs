@@ -188,7 +188,13 @@ impl Grammars {
     /// bound it exceeds (`grammar_bounds`: checked first, since compiling recurses as deep as the
     /// grammar). Run it on a thread with `grammar_bounds::COMPILE_STACK` of stack.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, String> {
-        super::grammar_bounds::check(spec)?;
+        use super::grammar_bounds as bounds;
+        match spec {
+            GrammarSpec::Json(schema) => bounds::check_schema(schema)?,
+            GrammarSpec::Regex(rx) => bounds::check_regex(rx)?,
+            GrammarSpec::Choice(list) => bounds::check_choice(list)?,
+            GrammarSpec::Lark(g) => bounds::check_lark(g)?,
+        }
         let grammar = match spec {
             GrammarSpec::Json(schema) => TopLevelGrammar::from_json_schema(compact_schema(schema)?),
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),

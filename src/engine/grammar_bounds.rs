@@ -6,7 +6,6 @@
 //!
 //! The checks themselves recurse at most `MAX_DEPTH` deep and visit at most `MAX_VISITS` nodes.
 
-use super::constraint::GrammarSpec;
 use serde_json::Value;
 use std::collections::HashMap;
 
@@ -22,17 +21,15 @@ pub const MAX_VISITS: usize = 1 << 20;
 /// at the bounds above needs a few MB; the rest is margin.
 pub const COMPILE_STACK: usize = 64 << 20;
 
-/// Why a grammar is refused before compiling: says which bound and its value.
-pub fn check(spec: &GrammarSpec) -> Result<(), String> {
-    match spec {
-        GrammarSpec::Json(schema) => check_schema(schema),
-        GrammarSpec::Regex(rx) => {
-            size(rx.len())?;
-            nesting(rx, Syntax::Regex)
-        }
-        GrammarSpec::Choice(list) => size(list.iter().map(|s| s.len() + 1).sum()),
-        GrammarSpec::Lark(g) => check_lark(g),
-    }
+/// A regular expression: its size and group nesting.
+pub fn check_regex(rx: &str) -> Result<(), String> {
+    size(rx.len())?;
+    nesting(rx, Syntax::Regex)
+}
+
+/// A choice of strings: their size together.
+pub fn check_choice(list: &[String]) -> Result<(), String> {
+    size(list.iter().map(|s| s.len() + 1).sum())
 }
 
 fn size(n: usize) -> Result<(), String> {
@@ -213,7 +210,7 @@ fn skip_literal(chars: &mut std::iter::Peekable<std::str::Chars>, quote: char) {
 /// A Lark grammar: its size, bracket nesting, the longest chain of rules each naming the next
 /// (a rule named again on its own chain is recursion, compiled lazily), and every embedded
 /// `%json` schema.
-fn check_lark(g: &str) -> Result<(), String> {
+pub fn check_lark(g: &str) -> Result<(), String> {
     size(g.len())?;
     nesting(g, Syntax::Lark)?;
     for schema in embedded_json(g) {
@@ -420,24 +417,24 @@ mod tests {
             }
             g + &format!("r{n}: \"b\"\n")
         };
-        assert!(check(&GrammarSpec::Lark(chain(50))).is_ok());
-        let e = check(&GrammarSpec::Lark(chain(700))).unwrap_err();
+        assert!(check_lark(&chain(50)).is_ok());
+        let e = check_lark(&chain(700)).unwrap_err();
         assert!(e.contains("rules"), "{e}");
         // Recursion is not depth.
         let rec = "start: expr\nexpr: term | expr \"+\" term\nterm: \"1\" | \"(\" expr \")\"\n";
-        assert!(check(&GrammarSpec::Lark(rec.into())).is_ok());
+        assert!(check_lark(rec).is_ok());
         let parens = format!("start: {}\"a\"{}\n", "(".repeat(300), ")".repeat(300));
-        assert!(check(&GrammarSpec::Lark(parens)).is_err());
+        assert!(check_lark(&parens).is_err());
         // Brackets inside literals and regexes' own nesting.
         let lit = format!("start: \"{}\"\n", "(".repeat(300));
-        assert!(check(&GrammarSpec::Lark(lit)).is_ok());
+        assert!(check_lark(&lit).is_ok());
         let rx = format!("start: /{}a{}/\n", "(".repeat(300), ")".repeat(300));
-        assert!(check(&GrammarSpec::Lark(rx)).is_err());
+        assert!(check_lark(&rx).is_err());
         let json = format!(
             "start: %json {}\n",
             serde_json::to_string(&ref_chain(300)).unwrap()
         );
-        assert!(check(&GrammarSpec::Lark(json)).is_err());
+        assert!(check_lark(&json).is_err());
     }
 
     #[test]
@@ -447,18 +444,16 @@ mod tests {
             g += &format!("T{i}.2: \"a\" T{}\n", i + 1);
         }
         g += "T200: \"b\"\n";
-        assert!(check(&GrammarSpec::Lark(g)).is_err());
+        assert!(check_lark(&g).is_err());
     }
 
     #[test]
     fn regexes_and_sizes_are_bounded() {
         let deep = format!("{}a{}", "(".repeat(200), ")".repeat(200));
-        assert!(check(&GrammarSpec::Regex(deep)).is_err());
-        assert!(check(&GrammarSpec::Regex("[(((((((]+".repeat(100))).is_ok());
+        assert!(check_regex(&deep).is_err());
+        assert!(check_regex(&"[(((((((]+".repeat(100)).is_ok());
         let big = "a".repeat(MAX_GRAMMAR_BYTES + 1);
-        assert!(check(&GrammarSpec::Regex(big))
-            .unwrap_err()
-            .contains("bytes"));
-        assert!(check(&GrammarSpec::Choice(vec!["x".repeat(MAX_GRAMMAR_BYTES)])).is_err());
+        assert!(check_regex(&big).unwrap_err().contains("bytes"));
+        assert!(check_choice(&["x".repeat(MAX_GRAMMAR_BYTES)]).is_err());
     }
 }
