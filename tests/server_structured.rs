@@ -497,6 +497,16 @@ print(json.dumps(out))
     }
 }
 
+/// The content of the first choice of chat request `b` (answered 200).
+fn content_of(s: &Server, b: &Value) -> String {
+    let r = s.post("/v1/chat/completions", b);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 /// A JSON Schema whose `$ref`s chain `n` deep (each definition names the next).
 fn ref_chain(n: usize) -> Value {
     let mut defs = serde_json::Map::new();
@@ -605,12 +615,7 @@ fn grammars_too_deep_to_compile_are_refused_and_the_server_lives_on() {
     ] {
         let mut b = chat("x", extra);
         b["max_tokens"] = json!(400);
-        let r = s.post("/v1/chat/completions", &b);
-        assert_eq!(r.status, 200, "{}", r.body_text());
-        let text = r.json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string();
+        let text = content_of(&s, &b);
         match want {
             Some(w) => assert_eq!(text, w),
             None => assert!(text.starts_with("{\"x\": {\"x\": "), "{text}"),
@@ -733,13 +738,7 @@ fn objects_that_list_properties_close_without_additional_properties_false() {
             json!({"response_format": {"type": "json_schema", "json_schema": {
             "name": "o", "schema": open}}, "seed": seed, "temperature": 1.0, "max_tokens": 40}),
         );
-        let r = s.post("/v1/chat/completions", &b);
-        assert_eq!(r.status, 200, "{}", r.body_text());
-        let text = r.json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        extra |= !text.starts_with("{\"a\": 1}");
+        extra |= !content_of(&s, &b).starts_with("{\"a\": 1}");
     }
     assert!(extra, "an open object never took another key");
     // vLLM's switch: true is what is done; false (open objects) is refused by name.
