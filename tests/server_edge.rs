@@ -194,11 +194,7 @@ fn bodies_media_types_and_methods_get_the_right_status_in_openai_shape() {
     assert_error(&s.raw(&raw).unwrap(), 413, None);
     // Media types and encodings.
     let body = chat("x", json!({})).to_string();
-    for (ct, enc) in [
-        ("text/plain", None),
-        ("application/x-www-form-urlencoded", None),
-        ("application/json", Some("gzip")),
-    ] {
+    let post = |ct: &str, enc: Option<&str>, body: &str| {
         let mut req = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: {ct}\r\nContent-Length: {}\r\n",
             body.len()
@@ -207,9 +203,16 @@ fn bodies_media_types_and_methods_get_the_right_status_in_openai_shape() {
             req.push_str(&format!("Content-Encoding: {e}\r\n"));
         }
         req.push_str("\r\n");
-        req.push_str(&body);
-        assert_error(&s.raw(req.as_bytes()).unwrap(), 415, None);
+        req.push_str(body);
+        s.raw(req.as_bytes()).unwrap()
+    };
+    for (ct, enc) in [("text/plain", None), ("application/json", Some("gzip"))] {
+        assert_error(&post(ct, enc, &body), 415, None);
     }
+    // curl -d sends a form type: a JSON body is taken (as llama-server does), a form is not.
+    let form = "application/x-www-form-urlencoded";
+    assert_eq!(post(form, None, &body).status, 200);
+    assert_error(&post(form, None, "a=1&b=2"), 415, None);
     let ok = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()

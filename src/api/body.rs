@@ -30,7 +30,10 @@ impl FromRequest<AppState> for JsonBody {
                 ));
             }
         }
-        // No Content-Type is taken as JSON (hand-written clients); any other type is refused.
+        // No Content-Type is taken as JSON (hand-written clients), and so is curl's default for
+        // `-d` (a form type) when the body is JSON, as llama-server takes it; any other type is
+        // refused.
+        let mut form = None;
         if let Some(ct) = h.get(header::CONTENT_TYPE) {
             let ct = ct.to_str().unwrap_or("?");
             let essence = ct
@@ -41,7 +44,9 @@ impl FromRequest<AppState> for JsonBody {
                 .to_ascii_lowercase();
             let json = essence == "application/json"
                 || (essence.starts_with("application/") && essence.ends_with("+json"));
-            if !json {
+            if essence == "application/x-www-form-urlencoded" {
+                form = Some(ct.to_string());
+            } else if !json {
                 return Err(ApiError::status(
                     StatusCode::UNSUPPORTED_MEDIA_TYPE,
                     format!("Content-Type '{ct}' is not supported: send application/json"),
@@ -94,6 +99,14 @@ impl FromRequest<AppState> for JsonBody {
         }
         serde_json::from_slice(&bytes)
             .map(JsonBody)
-            .map_err(|e| ApiError::bad_body(format!("the request body is not valid JSON: {e}")))
+            .map_err(|e| match &form {
+                Some(ct) => ApiError::status(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    format!(
+                        "Content-Type '{ct}' is taken only for a JSON body: send application/json"
+                    ),
+                ),
+                None => ApiError::bad_body(format!("the request body is not valid JSON: {e}")),
+            })
     }
 }
