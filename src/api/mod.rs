@@ -2,6 +2,7 @@
 //! shutdown. Handlers validate at the edge and talk to the engine only through `EngineHandle`.
 
 pub mod adapters;
+mod admission;
 pub mod body;
 pub mod chat;
 pub mod completions;

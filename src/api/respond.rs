@@ -2,6 +2,7 @@
 //! choice into one JSON body or stream OpenAI chunks as server-sent events. Chat and legacy
 //! completions differ only in how a choice and a chunk are shaped (`Flavor`).
 
+use super::admission::{admit, submit};
 use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::rollout::{log_choices, Served};
@@ -13,10 +14,7 @@ use super::wire::{
 };
 use super::{wire, AppState};
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
-use crate::engine::{
-    Admission, ClientId, EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason,
-    SubmitError,
-};
+use crate::engine::{EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason};
 use crate::model::tokenizer::Tokenizer;
 use crate::online::trainer::TrainerHandle;
 use crate::util::{random_id, unix_now};
@@ -88,38 +86,6 @@ pub(super) fn grammar_failed(job: &Job, e: &str) -> ApiError {
     )
 }
 
-/// Admit one request of `num_prompts` prompts (each with `job.params.n` choices) for its
-/// caller's client: a 400 naming `n` past `max_sequences_per_request` (retrying cannot help), a
-/// 429 while the server or this client is at its limit.
-fn admit(state: &AppState, job: &Job, num_prompts: usize) -> Result<Arc<Admission>, ApiError> {
-    let ready = state.ready()?;
-    let seqs = num_prompts * job.params.n;
-    let max = state.limits.max_sequences_per_request;
-    if seqs > max {
-        return Err(ApiError::invalid(
-            "n",
-            format!(
-                "{num_prompts} prompt(s) × n {} = {seqs} sequences; at most {max} per request \
-                 (server.max_sequences_per_request): split it",
-                job.params.n
-            ),
-        ));
-    }
-    ready
-        .engine
-        .admit(ClientId::of_key(&job.key))
-        .map_err(|e| submit_error(state, e))
-}
-
-fn submit_error(state: &AppState, e: SubmitError) -> ApiError {
-    match e {
-        SubmitError::QueueFull(_) | SubmitError::ClientFull(_) => {
-            ApiError::overloaded(e.to_string(), state.retry_after_secs)
-        }
-        SubmitError::NotRunning => ApiError::unavailable(e.to_string()),
-    }
-}
-
 pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let req = engine_request(&job, ready.max_model_len)?;
@@ -179,25 +145,6 @@ pub async fn respond_many(state: &AppState, jobs: Vec<Job>) -> Result<Response, 
     // Each choice carries its own prompt's ids; there is no one prompt.
     body.prompt_token_ids = None;
     Ok((StatusCode::OK, axum::Json(body)).into_response())
-}
-
-fn submit(
-    state: &AppState,
-    job: &Job,
-    req: GenerateRequest,
-    admission: &Arc<Admission>,
-) -> Result<RequestStream, ApiError> {
-    let ready = state.ready()?;
-    let label = job.adapter.as_ref().map_or("", |a| &a.name);
-    state
-        .metrics
-        .adapter_requests
-        .with_label_values(&[label])
-        .inc();
-    ready
-        .engine
-        .submit_admitted(req, admission)
-        .map_err(|e| submit_error(state, e))
 }
 
 fn responder(ready: &super::Ready, job: Job) -> Responder {

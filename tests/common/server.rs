@@ -330,6 +330,21 @@ pub fn spec() -> TinySpec {
 }
 
 /// A long context, so that a generation can outlast what the test does meanwhile.
+/// The tiny model with room for the generic format's tool descriptions and long grammars
+/// (byte-level tokens).
+pub fn wide() -> TinySpec {
+    TinySpec {
+        ctx: 2048,
+        ..spec()
+    }
+}
+
+pub fn start_wide() -> (tempfile::TempDir, Server) {
+    let (dir, path) = write_tiny(&wide());
+    let s = Server::start(&path, CONFIG, &[]);
+    (dir, s)
+}
+
 pub fn start_long(config: &str) -> (tempfile::TempDir, Server) {
     let (dir, path) = write_tiny(&TinySpec {
         ctx: 8192,
