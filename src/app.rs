@@ -194,6 +194,15 @@ fn model_name(cfg: &Config) -> String {
     })
 }
 
+/// How the start-up log names a `--chat-template` value (a template's text is not printed).
+fn chat_template_name(value: &str) -> &str {
+    if value.contains("{{") || value.contains("{%") {
+        "given inline"
+    } else {
+        value
+    }
+}
+
 /// What `serve` runs on: the model, its registry (with the configured adapters), the trainer
 /// when adapters learn, and the engine (blocking; `api::serve::run` calls it off the async
 /// threads while answering 503).
@@ -201,10 +210,27 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     let path = crate::fetch::ensure_model(&cfg.model_path)?;
     let model = Llama::open_in(&path, cfg.weights)?;
     log_weights(&model);
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf)?);
+    let mut tokenizer = Tokenizer::from_gguf(&model.gguf)?;
+    match &cfg.chat_template {
+        Some(t) => {
+            let text = crate::model::chat_template::resolve(t)
+                .map_err(|e| anyhow::anyhow!("model.chat_template: {e}"))?;
+            tokenizer.set_chat_template(text);
+            tracing::info!("chat template: {}", chat_template_name(t));
+        }
+        None if tokenizer.chat_template().is_none() => tracing::warn!(
+            "the model has no chat template: chat requests are refused unless they send \
+             'chat_template' (set one with --chat-template chatml|llama3|gemma|phi3|zephyr|mistral|FILE)"
+        ),
+        None => {}
+    }
+    let tokenizer = Arc::new(tokenizer);
     let c = &model.config;
-    let max_model_len = cfg.max_model_len(c.context_length);
-    let num_kv_blocks = cfg.num_kv_blocks(c.num_layers, c.kv_dim(), max_model_len)?;
+    let fit = cfg.fit_context(c.num_layers, c.kv_dim(), c.context_length)?;
+    if let Some(note) = &fit.note {
+        tracing::warn!("{note}");
+    }
+    let (max_model_len, num_kv_blocks) = (fit.max_model_len, fit.num_kv_blocks);
     let vocab_size = c.vocab_size;
     let cpu = compute(Some(cfg.threads), false, cfg.precision)?;
     let ecfg = EngineConfig {

@@ -65,6 +65,7 @@ pub struct RawModel {
     pub threads: Option<usize>,
     pub precision: Option<String>,
     pub weights: Option<String>,
+    pub chat_template: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -102,6 +103,10 @@ pub struct CliOverrides {
     pub precision: Option<String>,
     /// `--weights`: overrides model.weights.
     pub weights: Option<String>,
+    /// `--chat-template`: overrides model.chat_template.
+    pub chat_template: Option<String>,
+    /// `--max-model-len`: overrides model.max_model_len.
+    pub max_model_len: Option<usize>,
 }
 
 #[derive(Clone, Debug)]
@@ -139,8 +144,11 @@ pub struct Config {
     /// Connections open at once; more wait in the listen backlog.
     pub max_connections: usize,
     pub model_path: PathBuf,
-    /// None: the model's own context length.
+    /// None: the model's own context length, fitted to the KV cache.
     pub max_model_len: Option<usize>,
+    /// The chat template replacing the GGUF's (a built-in name, a file or the template itself,
+    /// resolved by `model::chat_template::resolve`); None: the GGUF's.
+    pub chat_template: Option<String>,
     pub threads: usize,
     /// The arithmetic of the base's products (model.precision: exact, bf16, int8 or auto).
     pub precision: PrecisionChoice,
@@ -273,7 +281,8 @@ impl RawConfig {
                 .clone()
                 .or(m.path)
                 .unwrap_or(PathBuf::from(crate::fetch::DEFAULT_MODEL)),
-            max_model_len: m.max_model_len,
+            max_model_len: cli.max_model_len.or(m.max_model_len),
+            chat_template: cli.chat_template.clone().or(m.chat_template),
             threads: m.threads.unwrap_or_else(|| {
                 std::thread::available_parallelism()
                     .map(|n| n.get())
@@ -370,36 +379,80 @@ impl RawConfig {
 }
 
 impl Config {
-    /// The context length served: the configured one, capped by the model's.
-    pub fn max_model_len(&self, model_context: usize) -> usize {
-        self.max_model_len
-            .map_or(model_context, |m| m.min(model_context))
-    }
-
-    /// KV blocks that fit in `kv_cache_bytes` (f32 K and V for every layer); checked against
-    /// the context so that one sequence of full length always fits.
-    pub fn num_kv_blocks(
+    /// The context served and the KV blocks `kv_cache_bytes` holds (f32 K and V for every
+    /// layer), so that one sequence of the full context always fits. A configured
+    /// `max_model_len` is capped by the model's and must fit (an error saying how much it needs,
+    /// as vLLM's); without one, the model's context is fitted to the cache (as llama-server
+    /// fits it), with a note saying so.
+    pub fn fit_context(
         &self,
         num_layers: usize,
         kv_dim: usize,
-        max_model_len: usize,
-    ) -> Result<usize, ConfigError> {
+        model_context: usize,
+    ) -> Result<FittedContext, ConfigError> {
         let per_block = num_layers * self.block_size * kv_dim * 2 * std::mem::size_of::<f32>();
         let n = self.kv_cache_bytes / per_block.max(1);
-        let need = max_model_len.div_ceil(self.block_size);
-        if n < need {
+        let mib = |blocks: usize| (blocks * per_block).div_ceil(1 << 20);
+        let fitted = |max_model_len, note| FittedContext {
+            max_model_len,
+            num_kv_blocks: n,
+            note,
+        };
+        if let Some(want) = self.max_model_len {
+            let len = want.min(model_context);
+            let need = len.div_ceil(self.block_size);
+            if n < need {
+                return Err(invalid(
+                    "engine.kv_cache_mb",
+                    format!(
+                        "{} MiB holds {n} blocks of {} tokens; one sequence of max_model_len {len} needs {need} ({} MiB): raise engine.kv_cache_mb or lower --max-model-len",
+                        self.kv_cache_bytes >> 20,
+                        self.block_size,
+                        mib(need)
+                    ),
+                ));
+            }
+            let note = (want > model_context).then(|| {
+                format!("max_model_len {want} is beyond the model's context; serving {len}")
+            });
+            return Ok(fitted(len, note));
+        }
+        let need = model_context.div_ceil(self.block_size);
+        if n >= need {
+            return Ok(fitted(model_context, None));
+        }
+        if n == 0 {
             return Err(invalid(
                 "engine.kv_cache_mb",
                 format!(
-                    "{} MiB holds {n} blocks of {} tokens; one sequence of max_model_len {max_model_len} needs {need} ({} MiB)",
+                    "{} MiB holds no block of {} tokens ({} MiB each)",
                     self.kv_cache_bytes >> 20,
                     self.block_size,
-                    (need * per_block).div_ceil(1 << 20)
+                    mib(1)
                 ),
             ));
         }
-        Ok(n)
+        let len = n * self.block_size;
+        Ok(fitted(
+            len,
+            Some(format!(
+                "the model's context of {model_context} tokens needs {} MiB of KV cache; \
+                 engine.kv_cache_mb = {} holds {len} tokens, so max_model_len is {len} (raise \
+                 engine.kv_cache_mb, or set --max-model-len to choose)",
+                mib(need),
+                self.kv_cache_bytes >> 20
+            )),
+        ))
     }
+}
+
+/// What [`Config::fit_context`] chose.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FittedContext {
+    pub max_model_len: usize,
+    pub num_kv_blocks: usize,
+    /// Why the context is not the model's, for the start-up log.
+    pub note: Option<String>,
 }
 
 /// `model.precision` / `--precision`: the arithmetic of the base's products, for serving and
@@ -499,10 +552,37 @@ mod tests {
             let e = raw.validate(&CliOverrides::default()).unwrap_err();
             assert!(e.to_string().contains(key), "{e}");
         }
-        let raw = RawConfig::from_toml("[engine]\nkv_cache_mb = 1\n").unwrap();
-        let c = raw.validate(&CliOverrides::default()).unwrap();
-        let e = c.num_kv_blocks(30, 192, 8192).unwrap_err();
-        assert!(e.to_string().contains("kv_cache_mb"), "{e}");
+    }
+
+    #[test]
+    fn the_context_is_fitted_to_the_kv_cache_unless_it_is_set() {
+        // 30 layers x 16 tokens x 192 x 2 x 4 bytes = 720 KiB a block: 1 MiB holds 1 block.
+        let cfg = |toml: &str, cli: &CliOverrides| {
+            RawConfig::from_toml(toml).unwrap().validate(cli).unwrap()
+        };
+        let none = CliOverrides::default();
+        let small = cfg("[engine]\nkv_cache_mb = 1\n", &none);
+        let f = small.fit_context(30, 192, 8192).unwrap();
+        assert_eq!((f.max_model_len, f.num_kv_blocks), (16, 1));
+        assert!(f.note.unwrap().contains("max_model_len is 16"));
+        // Set, it must fit: an error naming the setting and what it needs.
+        let set = cfg("[engine]\nkv_cache_mb = 1\n[model]\nmax_model_len = 8192\n", &none);
+        let e = set.fit_context(30, 192, 8192).unwrap_err().to_string();
+        assert!(e.contains("kv_cache_mb") && e.contains("needs 512"), "{e}");
+        // The flag wins over the file, and is capped by the model's context with a note.
+        let flag = CliOverrides {
+            max_model_len: Some(100_000),
+            ..CliOverrides::default()
+        };
+        let big = cfg("[engine]\nkv_cache_mb = 1024\n", &flag);
+        let f = big.fit_context(30, 192, 8192).unwrap();
+        assert_eq!((f.max_model_len, f.num_kv_blocks), (8192, 1456));
+        assert!(f.note.is_some());
+        // Fits: the model's context, no note.
+        let f = big.fit_context(30, 192, 4096).unwrap();
+        assert_eq!((f.max_model_len, f.note), (4096, None));
+        let tiny = cfg("[engine]\nkv_cache_mb = 1\n", &none);
+        assert!(tiny.fit_context(300, 192, 8192).is_err());
     }
 
     #[test]

@@ -101,6 +101,15 @@ enum Cmd {
         /// mapped, its page cache shared). Overrides model.weights.
         #[arg(long)]
         weights: Option<String>,
+        /// The chat template, replacing the GGUF's (or for a file without one, such as a base
+        /// model's): chatml, llama3, gemma, phi3, zephyr, mistral, a file, or the template's
+        /// text. Overrides model.chat_template.
+        #[arg(long)]
+        chat_template: Option<String>,
+        /// The longest sequence (prompt and completion) served; default the model's context,
+        /// fitted to engine.kv_cache_mb. Overrides model.max_model_len.
+        #[arg(long)]
+        max_model_len: Option<usize>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -314,6 +323,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             role,
             precision,
             weights,
+            chat_template,
+            max_model_len,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -340,6 +351,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 role,
                 precision,
                 weights,
+                chat_template,
+                max_model_len,
             };
             flywheel::app::serve(raw.validate(&cli)?)
         }

@@ -277,23 +277,11 @@ fn prefix_cache_hits_and_metrics_are_reported() {
 /// vLLM's chat fields this server does not implement are a 400 naming them when set to anything
 /// but their neutral value (they were accepted and ignored); legacy completions without
 /// `max_tokens` stop at 16 tokens, as OpenAI's and vLLM's do (they ran to the context's end).
+/// (The template fields are implemented: tests/server_templates.rs.)
 #[test]
 fn unimplemented_chat_fields_are_refused_and_completions_default_to_16_tokens() {
     let (_d, s) = start(CONFIG, &[]);
     for (extra, param) in [
-        (json!({"chat_template": "{{ messages }}"}), "chat_template"),
-        (
-            json!({"chat_template_kwargs": {"enable_thinking": false}}),
-            "chat_template_kwargs",
-        ),
-        (
-            json!({"continue_final_message": true}),
-            "continue_final_message",
-        ),
-        (
-            json!({"add_generation_prompt": false}),
-            "add_generation_prompt",
-        ),
         (json!({"echo": true}), "echo"),
         (
             json!({"stream": true, "stream_options": {"continuous_usage_stats": true}}),

@@ -279,18 +279,6 @@ fn a_restart_after_the_database_was_lost_reuses_no_version_and_overwrites_no_che
     assert_eq!((manifest(2).unwrap(), manifest(3).unwrap()), before);
 }
 
-/// `flywheel serve` with these arguments, expected to refuse to start: its stderr.
-fn refused_start(model: &Path, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_flywheel"))
-        .args(["serve", "--model", model.to_str().unwrap()])
-        .args(["--host", "127.0.0.1", "--port", "0"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(!out.status.success(), "the server started");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 #[test]
 fn start_up_falls_back_to_the_newest_intact_checkpoint_and_names_bad_data_dirs() {
     let (dir, path, data, s) = two_steps();

@@ -5,7 +5,7 @@ use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::messages::{parse_messages, request_tools};
 use super::openai::{
-    check_scoring, parse_chat_logprobs, parse_common, refuse_unimplemented_chat, Fields,
+    check_scoring, parse_chat_logprobs, parse_chat_render, parse_common, render_param, Fields,
 };
 use super::respond::respond;
 use super::structured::output_grammar;
@@ -20,14 +20,17 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let f = Fields::parse(&body)?;
-    refuse_unimplemented_chat(&f)?;
+    let render = parse_chat_render(&f)?;
     let mut params = parse_common(&f, ready.vocab_size)?;
     parse_chat_logprobs(&f, &mut params)?;
     check_scoring(&f, &mut params, false)?;
     let messages = parse_messages(&f)?;
-    // The model's own template renders the tools and teaches the calls' format (else the
-    // generic format).
-    let template = ready.tokenizer.chat_template();
+    // The template (the request's, else the model's) renders the tools and teaches the calls'
+    // format (else the generic format).
+    let template = render
+        .template
+        .as_deref()
+        .or(ready.tokenizer.chat_template());
     let tools = request_tools(&f, template)?;
     let (messages, tool_defs, tool_mode, tool_grammar) = match &tools {
         Some(t) => {
@@ -60,8 +63,8 @@ pub async fn chat_completions(
     };
     let prompt_ids = blocking(move || {
         let text = tok
-            .render_chat(&messages, tool_defs.as_ref(), true)
-            .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
+            .render_chat_with(&messages, tool_defs.as_ref(), &render)
+            .map_err(|e| ApiError::invalid(render_param(&render), e.to_string()))?;
         if let Some((log, ep, key)) = last_turn {
             if let Some((prompt, completion)) = log.last_turn(&ep, &key).map_err(ApiError::from)? {
                 let before = [prompt, completion].concat();

@@ -4,7 +4,7 @@
 use super::body::JsonBody;
 use super::error::ApiError;
 use super::messages::{parse_messages, request_tools};
-use super::openai::Fields;
+use super::openai::{parse_chat_render, render_param, Fields};
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -102,15 +102,16 @@ pub async fn tokenize(
     let tokens = if chat {
         let msgs = parse_messages(&f)?;
         // As chat: the template's tools, or the generic format's conversation.
-        let (msgs, tools) = match request_tools(&f, tok.chat_template())? {
+        let render = parse_chat_render(&f)?;
+        let template = render.template.as_deref().or(tok.chat_template());
+        let (msgs, tools) = match request_tools(&f, template)? {
             Some(t) => t.render_inputs(msgs),
             None => (msgs, None),
         };
-        let add = f.bool("add_generation_prompt")?.unwrap_or(true);
         blocking(move || {
             let text = tok
-                .render_chat(&msgs, tools.as_ref(), add)
-                .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;
+                .render_chat_with(&msgs, tools.as_ref(), &render)
+                .map_err(|e| ApiError::invalid(render_param(&render), e.to_string()))?;
             tok.encode_with(&text, special)
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))
         })

@@ -3,6 +3,7 @@
 
 use super::error::ApiError;
 use crate::engine::sampler::SamplingParams;
+use crate::model::tokenizer::ChatRender;
 use crate::policy::is_greedy;
 use serde_json::{Map, Value};
 
@@ -199,31 +200,71 @@ pub fn refuse_unimplemented(f: &Fields) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Chat's own fields of vLLM's that this server does not implement (yet), refused the same way:
-/// per-request templates and their arguments, continuing the final message, leaving out the
-/// generation prompt, `echo`.
-pub fn refuse_unimplemented_chat(f: &Fields) -> Result<(), ApiError> {
-    let refuse = |name: &str, v: &Value| {
-        Err(ApiError::invalid(
-            name,
-            format!("'{name}' = {v} is not supported by this server"),
-        ))
-    };
-    for (name, neutral) in [
-        ("chat_template", Value::Null),
-        ("continue_final_message", Value::Bool(false)),
-        ("add_generation_prompt", Value::Bool(true)),
-        ("echo", Value::Bool(false)),
-    ] {
-        match f.get(name) {
-            Some(v) if *v != neutral => return refuse(name, v),
-            _ => {}
-        }
+/// Variables the template is always given; `chat_template_kwargs` may not replace them.
+const TEMPLATE_VARIABLES: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
+/// How a chat request (or a `/tokenize` of messages) renders its conversation: vLLM's
+/// `chat_template` (the template's text), `chat_template_kwargs` (extra variables, e.g.
+/// `enable_thinking`), `add_generation_prompt` (default true) and `continue_final_message`
+/// (default false; not with `add_generation_prompt`, as in vLLM). Chat's `echo` is refused.
+pub fn parse_chat_render(f: &Fields) -> Result<ChatRender, ApiError> {
+    if let Some(v) = f.get("echo").filter(|v| **v != Value::Bool(false)) {
+        return Err(ApiError::invalid(
+            "echo",
+            format!("'echo' = {v} is not supported on chat by this server"),
+        ));
     }
-    match f.get("chat_template_kwargs") {
-        Some(Value::Null) | None => Ok(()),
-        Some(Value::Object(o)) if o.is_empty() => Ok(()),
-        Some(v) => refuse("chat_template_kwargs", v),
+    let template = match f.str("chat_template")? {
+        Some("") => {
+            return Err(ApiError::invalid(
+                "chat_template",
+                "'chat_template' is empty",
+            ))
+        }
+        t => t.map(str::to_string),
+    };
+    let kwargs = match f.get("chat_template_kwargs") {
+        None => None,
+        Some(Value::Object(o)) => {
+            if let Some(k) = o.keys().find(|k| TEMPLATE_VARIABLES.contains(&k.as_str())) {
+                return Err(ApiError::invalid(
+                    "chat_template_kwargs",
+                    format!("'chat_template_kwargs' may not set '{k}'"),
+                ));
+            }
+            Some(o.clone())
+        }
+        Some(_) => return Err(type_error("chat_template_kwargs", "an object")),
+    };
+    let continue_final_message = f.bool("continue_final_message")?.unwrap_or(false);
+    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    if continue_final_message && add_generation_prompt {
+        return Err(ApiError::invalid(
+            "continue_final_message",
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true (set \
+             add_generation_prompt: false to continue the final message)",
+        ));
+    }
+    Ok(ChatRender {
+        template,
+        add_generation_prompt,
+        continue_final_message,
+        kwargs,
+    })
+}
+
+/// The field a template error is blamed on: the request's template when it sent one.
+pub fn render_param(render: &ChatRender) -> &'static str {
+    if render.template.is_some() {
+        "chat_template"
+    } else {
+        "messages"
     }
 }
 

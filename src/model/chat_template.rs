@@ -7,9 +7,78 @@
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Value};
 
+/// Instructions one rendering may run: a template from a request is the client's code, so its
+/// loops are bounded (the longest real template over a long conversation with tools runs a few
+/// hundred thousand).
+const FUEL: u64 = 20_000_000;
+
+/// Templates `--chat-template NAME` names, for GGUF files without one (base models) or to replace
+/// the file's. Written here from each format's description (the tokens and turn layout each
+/// family's instruct models were trained with); none handles tools.
+pub const BUILTIN: [(&str, &str); 6] = [
+    (
+        "chatml",
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}\
+         {% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    ),
+    (
+        "llama3",
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + \
+         '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}\
+         {% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+    ),
+    (
+        "gemma",
+        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' \
+         else 'user' %}{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}\
+         {% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}",
+    ),
+    (
+        "phi3",
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}\
+         {% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}",
+    ),
+    (
+        "zephyr",
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + eos_token + '\\n' }}\
+         {% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}",
+    ),
+    (
+        "mistral",
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}\
+         {{ ' ' + m['content'] + eos_token }}{% elif m['role'] == 'system' %}{{ '[INST] ' + \
+         m['content'] + '\\n\\n' }}{% else %}{% if loop.previtem is defined and \
+         loop.previtem['role'] == 'system' %}{{ m['content'] + ' [/INST]' }}{% else %}\
+         {{ '[INST] ' + m['content'] + ' [/INST]' }}{% endif %}{% endif %}{% endfor %}",
+    ),
+];
+
+/// `--chat-template VALUE` / `model.chat_template`: one of [`BUILTIN`]'s names, a file holding a
+/// template, or the template itself (text with `{{` or `{%`), as vLLM's `--chat-template` reads
+/// it.
+pub fn resolve(value: &str) -> Result<String, String> {
+    if let Some((_, t)) = BUILTIN.iter().find(|(n, _)| *n == value) {
+        return Ok((*t).to_string());
+    }
+    let path = std::path::Path::new(value);
+    if path.is_file() {
+        return std::fs::read_to_string(path)
+            .map_err(|e| format!("chat template file {}: {e}", path.display()));
+    }
+    if value.contains("{{") || value.contains("{%") {
+        return Ok(value.to_string());
+    }
+    let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
+    Err(format!(
+        "'{value}' is neither a file, a jinja template nor a built-in template ({})",
+        names.join(", ")
+    ))
+}
+
 /// Render `template` with `ctx` (messages, tools, special tokens, add_generation_prompt).
 pub fn render(template: &str, ctx: Value) -> Result<String, Error> {
     let mut env = Environment::new();
+    env.set_fuel(Some(FUEL));
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     minijinja_contrib::add_to_environment(&mut env);

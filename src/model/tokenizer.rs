@@ -283,9 +283,15 @@ impl Tokenizer {
         }
     }
 
-    /// The GGUF's chat template, if it has one.
+    /// The chat template: the one set with [`Tokenizer::set_chat_template`], else the GGUF's.
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
+    }
+
+    /// Replace the GGUF's chat template (`--chat-template`), or give a file without one its
+    /// template.
+    pub fn set_chat_template(&mut self, template: String) {
+        self.chat_template = Some(template);
     }
 
     /// `encode`, adding BOS (when the model asks for it) only with `add_special`.
@@ -389,18 +395,115 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        let tmpl = self.chat_template.as_deref().ok_or_else(|| {
-            TokenizerError::Template("the model has no tokenizer.chat_template".into())
-        })?;
+        let how = ChatRender {
+            add_generation_prompt,
+            ..ChatRender::default()
+        };
+        self.render_chat_with(messages, tools, &how)
+    }
+
+    /// [`Tokenizer::render_chat`] with a request's choices: its own template, the template's
+    /// extra variables (`chat_template_kwargs`), and `continue_final_message` (the last message
+    /// left open, cut where its content ends, as transformers cuts it).
+    pub fn render_chat_with(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        how: &ChatRender,
+    ) -> Result<String, TokenizerError> {
+        let tmpl = how
+            .template
+            .as_deref()
+            .or(self.chat_template.as_deref())
+            .ok_or_else(|| {
+                TokenizerError::Template(
+                    "the model has no chat template (tokenizer.chat_template): start the server \
+                     with --chat-template NAME|FILE (names: chatml, llama3, gemma, phi3, zephyr, \
+                     mistral) or send 'chat_template'"
+                        .into(),
+                )
+            })?;
+        let mut messages = messages.clone();
+        let mut cont = None;
+        if how.continue_final_message {
+            let last = messages
+                .as_array_mut()
+                .and_then(|m| m.last_mut())
+                .and_then(|m| m.get_mut("content"))
+                .and_then(|c| match c {
+                    serde_json::Value::String(s) => Some(s),
+                    _ => None,
+                })
+                .ok_or_else(|| {
+                    TokenizerError::Template(
+                        "continue_final_message: the final message has no content to continue"
+                            .into(),
+                    )
+                })?;
+            cont = Some(last.trim().to_string());
+            last.push_str(CONTINUE_TAG);
+        }
+        let extra = how
+            .kwargs
+            .as_ref()
+            .map(minijinja::Value::from_serialize)
+            .unwrap_or_else(|| minijinja::Value::from(()));
         let ctx = minijinja::context! {
-            messages => minijinja::Value::from_serialize(messages),
+            messages => minijinja::Value::from_serialize(&messages),
             tools => tools.map(minijinja::Value::from_serialize),
-            add_generation_prompt => add_generation_prompt,
+            add_generation_prompt => how.add_generation_prompt,
             bos_token => self.bos_text,
             eos_token => self.eos_text,
+            ..extra
         };
-        super::chat_template::render(tmpl, ctx).map_err(|e| TokenizerError::Template(e.to_string()))
+        let text = super::chat_template::render(tmpl, ctx)
+            .map_err(|e| TokenizerError::Template(template_error(&e)))?;
+        let Some(final_message) = cont else {
+            return Ok(text);
+        };
+        // transformers' cut: at the tag, or before the whitespace the template trimmed with it.
+        let tag = CONTINUE_TAG.trim();
+        match text.rfind(tag) {
+            Some(at) if text.contains(final_message.as_str()) => {
+                if text[at..].starts_with(CONTINUE_TAG) {
+                    Ok(text[..at].to_string())
+                } else {
+                    Ok(text[..at].trim_end().to_string())
+                }
+            }
+            _ => Err(TokenizerError::Template(
+                "continue_final_message: the template does not write the final message's content \
+                 as it was sent"
+                    .into(),
+            )),
+        }
     }
+}
+
+/// The marker transformers appends to the final message's content to find where it ends.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// A template's error with its cause (`raise_exception`'s message, the line of a syntax error).
+fn template_error(e: &minijinja::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    msg
+}
+
+/// How a request renders its conversation (the defaults: the model's template, a generation
+/// prompt, nothing continued, no extra variables).
+#[derive(Clone, Debug, Default)]
+pub struct ChatRender {
+    /// The request's own template (vLLM's per-request `chat_template`).
+    pub template: Option<String>,
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    /// Extra template variables (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`).
+    pub kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 fn string_array(g: &Gguf, key: &str) -> Result<Vec<String>, TokenizerError> {

@@ -52,7 +52,7 @@ pub struct TinySpec {
     /// `tokenizer.ggml.pre`; other than "smollm", the vocab has merges across the boundaries
     /// the pre-tokenizers draw differently (digit runs, newlines, spaces, contractions).
     pub pre: &'static str,
-    /// `tokenizer.chat_template` (None: a one-line ChatML template).
+    /// `tokenizer.chat_template` (None: a one-line ChatML template; Some(""): none).
     pub chat_template: Option<&'static str>,
     /// A mixture of experts in place of the dense MLP: (experts, used per token, expert width).
     pub experts: Option<(usize, usize, usize)>,
@@ -345,13 +345,16 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
         .meta("tokenizer.ggml.token_type", Value::Array(types.iter().map(|t| Value::I32(*t)).collect()))
         .meta("tokenizer.ggml.bos_token_id", Value::U32(1))
         .meta("tokenizer.ggml.eos_token_id", Value::U32(2))
-        .meta("tokenizer.ggml.add_bos_token", Value::Bool(false))
-        .meta(
+        .meta("tokenizer.ggml.add_bos_token", Value::Bool(false));
+    // Some(""): no template at all (a base model's file).
+    if spec.chat_template != Some("") {
+        w.meta(
             "tokenizer.chat_template",
             Value::String(spec.chat_template.unwrap_or(
                 "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}",
             ).into()),
         );
+    }
     let mat = |w: &mut GgufWriter,
                rng: &mut Rng,
                name: &str,

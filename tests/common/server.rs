@@ -231,6 +231,12 @@ pub struct Response {
     pub body: Vec<u8>,
 }
 
+impl std::fmt::Debug for Response {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status, String::from_utf8_lossy(&self.body))
+    }
+}
+
 impl Response {
     pub fn parse(raw: &[u8]) -> Response {
         let split = raw
@@ -393,4 +399,16 @@ pub fn assert_error(r: &Response, status: u16, param: Option<&str>) -> Value {
         assert_eq!(err["param"], json!(p), "{e}");
     }
     e
+}
+
+/// `flywheel serve` with these arguments, expected to refuse to start: its stderr.
+pub fn refused_start(model: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_flywheel"))
+        .args(["serve", "--model", model.to_str().unwrap()])
+        .args(["--host", "127.0.0.1", "--port", "0"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the server started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
