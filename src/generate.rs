@@ -72,6 +72,7 @@ pub fn generate(
         stop: Vec::new(),
         stop_token_ids: Vec::new(),
         ignore_eos: false,
+        include_stop_str_in_output: false,
         adapter: opts.adapter.clone(),
         prompt_logprobs: None,
         constraint: None,

@@ -3,9 +3,9 @@
 use super::body::JsonBody;
 use super::error::ApiError;
 use super::job::{Flavor, Job};
-use super::messages::{parse_messages, request_tools};
+use super::messages::{parse_chat_render, parse_messages, render_param, request_tools};
 use super::openai::{
-    check_scoring, parse_chat_logprobs, parse_chat_render, parse_common, render_param, Fields,
+    check_scoring, parse_chat_logprobs, parse_common, Fields,
 };
 use super::respond::respond;
 use super::structured::output_grammar;

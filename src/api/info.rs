@@ -3,8 +3,8 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::messages::{parse_messages, request_tools};
-use super::openai::{parse_chat_render, render_param, Fields};
+use super::messages::{parse_chat_render, parse_messages, render_param, request_tools};
+use super::openai::Fields;
 use super::{blocking, AppState};
 use axum::extract::State;
 use axum::http::{header, StatusCode};

@@ -1,9 +1,11 @@
 //! A chat request's conversation as its template reads it: `messages` (with tool calls and tool
 //! results) and the tool definitions, checked field by field; and how the answer's tool calls
-//! are to be read (`tool_choice`, `parallel_tool_calls`, the template's call format).
+//! are to be read (`tool_choice`, `parallel_tool_calls`, the template's call format); how the
+//! template renders them (the request's template, its variables, `continue_final_message`).
 
 use super::error::ApiError;
 use super::openai::{type_error, Fields};
+use crate::model::tokenizer::ChatRender;
 use super::structured::Structured;
 use super::tool_grammar::{generic_messages, tool_grammar, Forced};
 use super::tools::{ToolFormat, ToolMode};
@@ -303,4 +305,72 @@ fn parse_tool_choice(f: &Fields, defs: Option<&Value>) -> Result<Option<Forced>,
         }
     }
     Ok(forced)
+}
+
+/// Variables the template is always given; `chat_template_kwargs` may not replace them.
+const TEMPLATE_VARIABLES: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
+/// How a chat request (or a `/tokenize` of messages) renders its conversation: vLLM's
+/// `chat_template` (the template's text), `chat_template_kwargs` (extra variables, e.g.
+/// `enable_thinking`), `add_generation_prompt` (default true) and `continue_final_message`
+/// (default false; not with `add_generation_prompt`, as in vLLM). Chat's `echo` is refused.
+pub fn parse_chat_render(f: &Fields) -> Result<ChatRender, ApiError> {
+    if let Some(v) = f.get("echo").filter(|v| **v != Value::Bool(false)) {
+        return Err(ApiError::invalid(
+            "echo",
+            format!("'echo' = {v} is not supported on chat by this server"),
+        ));
+    }
+    let template = match f.str("chat_template")? {
+        Some("") => {
+            return Err(ApiError::invalid(
+                "chat_template",
+                "'chat_template' is empty",
+            ))
+        }
+        t => t.map(str::to_string),
+    };
+    let kwargs = match f.get("chat_template_kwargs") {
+        None => None,
+        Some(Value::Object(o)) => {
+            if let Some(k) = o.keys().find(|k| TEMPLATE_VARIABLES.contains(&k.as_str())) {
+                return Err(ApiError::invalid(
+                    "chat_template_kwargs",
+                    format!("'chat_template_kwargs' may not set '{k}'"),
+                ));
+            }
+            Some(o.clone())
+        }
+        Some(_) => return Err(type_error("chat_template_kwargs", "an object")),
+    };
+    let continue_final_message = f.bool("continue_final_message")?.unwrap_or(false);
+    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    if continue_final_message && add_generation_prompt {
+        return Err(ApiError::invalid(
+            "continue_final_message",
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true (set \
+             add_generation_prompt: false to continue the final message)",
+        ));
+    }
+    Ok(ChatRender {
+        template,
+        add_generation_prompt,
+        continue_final_message,
+        kwargs,
+    })
+}
+
+/// The field a template error is blamed on: the request's template when it sent one.
+pub fn render_param(render: &ChatRender) -> &'static str {
+    if render.template.is_some() {
+        "chat_template"
+    } else {
+        "messages"
+    }
 }

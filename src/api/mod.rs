@@ -13,6 +13,7 @@ pub mod info;
 pub mod job;
 pub mod messages;
 pub mod openai;
+mod request;
 pub mod respond;
 pub mod rollout;
 pub mod scoring;

@@ -3,7 +3,6 @@
 
 use super::error::ApiError;
 use crate::engine::sampler::SamplingParams;
-use crate::model::tokenizer::ChatRender;
 use crate::policy::is_greedy;
 use serde_json::{Map, Value};
 
@@ -146,6 +145,12 @@ pub struct CommonParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// vLLM's: the stop string that ended a choice is kept at the end of its text.
+    pub include_stop_str_in_output: bool,
+    /// vLLM's: words never to write (tokenized as written and after a space).
+    pub bad_words: Vec<String>,
+    /// vLLM's: keep only the last k prompt tokens (-1: the context length).
+    pub truncate_prompt_tokens: Option<i64>,
     pub stream: bool,
     pub include_usage: bool,
     pub return_token_ids: bool,
@@ -182,90 +187,14 @@ pub fn refuse_unimplemented(f: &Fields) -> Result<(), ApiError> {
     let is_false = |v: &Value| *v == Value::Bool(false);
     let never = |_: &Value| false;
     neutral("length_penalty", &number(1.0))?;
-    neutral("min_tokens", &number(0.0))?;
     neutral("best_of", &number(1.0))?;
     neutral("use_beam_search", &is_false)?;
-    neutral("include_stop_str_in_output", &is_false)?;
     neutral("suffix", &|v: &Value| v.as_str() == Some(""))?;
     neutral("modalities", &|v: &Value| *v == serde_json::json!(["text"]))?;
-    for name in [
-        "truncate_prompt_tokens",
-        "allowed_token_ids",
-        "bad_words",
-        "audio",
-        "prediction",
-    ] {
+    for name in ["audio", "prediction"] {
         neutral(name, &never)?;
     }
     Ok(())
-}
-
-/// Variables the template is always given; `chat_template_kwargs` may not replace them.
-const TEMPLATE_VARIABLES: [&str; 5] = [
-    "messages",
-    "tools",
-    "add_generation_prompt",
-    "bos_token",
-    "eos_token",
-];
-
-/// How a chat request (or a `/tokenize` of messages) renders its conversation: vLLM's
-/// `chat_template` (the template's text), `chat_template_kwargs` (extra variables, e.g.
-/// `enable_thinking`), `add_generation_prompt` (default true) and `continue_final_message`
-/// (default false; not with `add_generation_prompt`, as in vLLM). Chat's `echo` is refused.
-pub fn parse_chat_render(f: &Fields) -> Result<ChatRender, ApiError> {
-    if let Some(v) = f.get("echo").filter(|v| **v != Value::Bool(false)) {
-        return Err(ApiError::invalid(
-            "echo",
-            format!("'echo' = {v} is not supported on chat by this server"),
-        ));
-    }
-    let template = match f.str("chat_template")? {
-        Some("") => {
-            return Err(ApiError::invalid(
-                "chat_template",
-                "'chat_template' is empty",
-            ))
-        }
-        t => t.map(str::to_string),
-    };
-    let kwargs = match f.get("chat_template_kwargs") {
-        None => None,
-        Some(Value::Object(o)) => {
-            if let Some(k) = o.keys().find(|k| TEMPLATE_VARIABLES.contains(&k.as_str())) {
-                return Err(ApiError::invalid(
-                    "chat_template_kwargs",
-                    format!("'chat_template_kwargs' may not set '{k}'"),
-                ));
-            }
-            Some(o.clone())
-        }
-        Some(_) => return Err(type_error("chat_template_kwargs", "an object")),
-    };
-    let continue_final_message = f.bool("continue_final_message")?.unwrap_or(false);
-    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
-    if continue_final_message && add_generation_prompt {
-        return Err(ApiError::invalid(
-            "continue_final_message",
-            "'continue_final_message' and 'add_generation_prompt' cannot both be true (set \
-             add_generation_prompt: false to continue the final message)",
-        ));
-    }
-    Ok(ChatRender {
-        template,
-        add_generation_prompt,
-        continue_final_message,
-        kwargs,
-    })
-}
-
-/// The field a template error is blamed on: the request's template when it sent one.
-pub fn render_param(render: &ChatRender) -> &'static str {
-    if render.template.is_some() {
-        "chat_template"
-    } else {
-        "messages"
-    }
 }
 
 pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> {
@@ -300,7 +229,35 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         top_logprobs: 0,
         logit_bias: parse_logit_bias(f, vocab)?,
         constrained: false,
+        min_tokens: f
+            .int_in("min_tokens", 0, i64::MAX as i128)?
+            .unwrap_or(0) as usize,
+        allowed_tokens: match f.token_ids("allowed_token_ids", vocab)? {
+            Some(ids) if ids.is_empty() => {
+                return Err(ApiError::invalid(
+                    "allowed_token_ids",
+                    "'allowed_token_ids' is empty",
+                ))
+            }
+            Some(mut ids) => {
+                ids.sort_unstable();
+                ids.dedup();
+                Some(ids.into())
+            }
+            None => None,
+        },
+        // Tokenized with the model's tokenizer when the request is built (`bad_word_tokens`).
+        bad_words: Default::default(),
     };
+    if let Some(m) = max_tokens.filter(|&m| (sampling.min_tokens as i64) > m) {
+        return Err(ApiError::invalid(
+            "min_tokens",
+            format!(
+                "'min_tokens' ({}) is more than max_tokens ({m})",
+                sampling.min_tokens
+            ),
+        ));
+    }
     let stop = match f.get("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -353,6 +310,18 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         stop,
         stop_token_ids: f.token_ids("stop_token_ids", vocab)?.unwrap_or_default(),
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
+        include_stop_str_in_output: f.bool("include_stop_str_in_output")?.unwrap_or(false),
+        bad_words: parse_bad_words(f)?,
+        truncate_prompt_tokens: match f.int_in("truncate_prompt_tokens", -1, i64::MAX as i128)? {
+            Some(0) => {
+                return Err(ApiError::invalid(
+                    "truncate_prompt_tokens",
+                    "'truncate_prompt_tokens' is 0; it must be -1 (the context length) or at \
+                     least 1",
+                ))
+            }
+            k => k,
+        },
         stream,
         include_usage,
         return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
@@ -415,6 +384,38 @@ pub fn check_scoring(f: &Fields, p: &mut CommonParams, echo: bool) -> Result<(),
         ));
     }
     Ok(())
+}
+
+/// Bad words of one request at most, and the longest.
+pub const MAX_BAD_WORDS: usize = 128;
+const MAX_BAD_WORD_BYTES: usize = 256;
+
+/// vLLM's `bad_words`: a list of non-empty strings.
+fn parse_bad_words(f: &Fields) -> Result<Vec<String>, ApiError> {
+    let Some(v) = f.get("bad_words") else {
+        return Ok(Vec::new());
+    };
+    let words = v
+        .as_array()
+        .and_then(|a| {
+            a.iter()
+                .map(|w| w.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+        })
+        .ok_or_else(|| type_error("bad_words", "a list of strings"))?;
+    if words.len() > MAX_BAD_WORDS
+        || words
+            .iter()
+            .any(|w| w.trim().is_empty() || w.len() > MAX_BAD_WORD_BYTES)
+    {
+        return Err(ApiError::invalid(
+            "bad_words",
+            format!(
+                "'bad_words' takes at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_BYTES} bytes"
+            ),
+        ));
+    }
+    Ok(words)
 }
 
 pub const MAX_LOGIT_BIAS: usize = 300;

@@ -3,6 +3,7 @@
 //! completions differ only in how a choice and a chunk are shaped (`Flavor`).
 
 use super::admission::{admit, submit};
+use super::request::{engine_request, truncate_prompt};
 use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::rollout::{log_choices, Served};
@@ -14,7 +15,7 @@ use super::wire::{
 };
 use super::{wire, AppState};
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
-use crate::engine::{EngineEvent, FinishReason, GenerateRequest, RequestStream, StopReason};
+use crate::engine::{EngineEvent, FinishReason, RequestStream, StopReason};
 use crate::model::tokenizer::Tokenizer;
 use crate::online::trainer::TrainerHandle;
 use crate::util::{random_id, unix_now};
@@ -24,55 +25,6 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use stream::stream_response;
-
-/// `max_tokens` of a legacy completion that does not say it.
-pub const LEGACY_DEFAULT_MAX_TOKENS: usize = 16;
-
-/// Check lengths against the context and build the engine request.
-fn engine_request(job: &Job, max_model_len: usize) -> Result<GenerateRequest, ApiError> {
-    let n_prompt = job.prompt_ids.len();
-    if n_prompt >= max_model_len {
-        return Err(ApiError::invalid(
-            job.prompt_param,
-            format!(
-                "the prompt has {n_prompt} tokens; this model's context length is {max_model_len}, \
-                 which must also leave room for at least one generated token"
-            ),
-        ));
-    }
-    let p = &job.params;
-    let max_tokens = match p.max_tokens {
-        Some(m) if n_prompt + m > max_model_len => {
-            return Err(ApiError::invalid(
-                "max_tokens",
-                format!(
-                    "the prompt ({n_prompt} tokens) plus max_tokens ({m}) is over this model's \
-                     context length ({max_model_len})"
-                ),
-            ))
-        }
-        Some(m) => m,
-        // Legacy completions default to 16 tokens, as OpenAI's and vLLM's do; chat runs to the
-        // end of the context.
-        None if job.flavor == Flavor::Completion => {
-            LEGACY_DEFAULT_MAX_TOKENS.min(max_model_len - n_prompt)
-        }
-        None => max_model_len - n_prompt,
-    };
-    Ok(GenerateRequest {
-        prompt: job.prompt_ids.clone(),
-        n: p.n,
-        max_tokens,
-        sampling: p.sampling.clone(),
-        seed: p.seed,
-        stop: p.stop.clone(),
-        stop_token_ids: p.stop_token_ids.clone(),
-        ignore_eos: p.ignore_eos,
-        adapter: job.adapter.as_ref().map(|a| a.version().clone()),
-        prompt_logprobs: p.prompt_logprobs,
-        constraint: job.constraint.as_ref().map(|c| c.grammar.clone()),
-    })
-}
 
 /// A 400 for a constraint the model's vocabulary cannot follow to its end (found while
 /// generating): the request asked for what this model cannot write.
@@ -86,9 +38,10 @@ pub(super) fn grammar_failed(job: &Job, e: &str) -> ApiError {
     )
 }
 
-pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
+pub async fn respond(state: &AppState, mut job: Job) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let req = engine_request(&job, ready.max_model_len)?;
+    truncate_prompt(&mut job, ready.max_model_len);
+    let req = engine_request(&job, ready)?;
     let admission = admit(state, &job, 1)?;
     let stream = submit(state, &job, req, &admission)?;
     let r = responder(ready, job);
@@ -103,11 +56,14 @@ pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
 /// engine batches them, then collected into one response whose choice `index` is prompt × n +
 /// i (as OpenAI and vLLM number them) under one id; through a learning adapter each prompt's
 /// choices are their own group.
-pub async fn respond_many(state: &AppState, jobs: Vec<Job>) -> Result<Response, ApiError> {
+pub async fn respond_many(state: &AppState, mut jobs: Vec<Job>) -> Result<Response, ApiError> {
     let ready = state.ready()?;
+    for j in &mut jobs {
+        truncate_prompt(j, ready.max_model_len);
+    }
     let reqs = jobs
         .iter()
-        .map(|j| engine_request(j, ready.max_model_len))
+        .map(|j| engine_request(j, ready))
         .collect::<Result<Vec<_>, _>>()?;
     let mut running = Vec::with_capacity(jobs.len());
     let mut id = None;

@@ -26,6 +26,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// vLLM's `include_stop_str_in_output`: the stop string that ended a choice ends its text.
+    pub include_stop_str_in_output: bool,
     /// The adapter version pinned for this request (None: the base model).
     pub adapter: Option<Arc<AdapterVersion>>,
     /// Score the prompt: every prompt token after the first with its log-prob, rank and this many

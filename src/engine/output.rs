@@ -82,6 +82,8 @@ pub struct SeqOutput {
     /// token when it was computed ahead (beside the forward pass that makes the logits).
     pub constraint: Option<Constraint>,
     pub next_mask: Option<Result<TokenMask, String>>,
+    /// The tokens generated so far (what `min_tokens` counts and bad words are matched against).
+    generated: Vec<u32>,
 }
 
 /// The seed of choice `choice`: choice 0 uses the request's seed itself.
@@ -116,6 +118,7 @@ impl SeqOutput {
             prompt_scores_sent: false,
             constraint,
             next_mask: None,
+            generated: Vec::new(),
         }
     }
 
@@ -135,6 +138,7 @@ impl SeqOutput {
         self.prepare_mask();
         let mask = self.next_mask.take().transpose()?;
         let p = &self.req.req.sampling;
+        let banned = p.banned(&self.generated, &self.req.end_tokens);
         let s = sampler::sample_seen(
             cpu,
             logits,
@@ -142,6 +146,7 @@ impl SeqOutput {
             &self.counts,
             &self.prompt_seen,
             mask.as_ref(),
+            &banned,
             &mut self.rng,
         );
         if let Some(c) = &mut self.constraint {
@@ -197,6 +202,7 @@ impl SeqOutput {
         m.generation_tokens.inc();
         self.req.adapter_tokens.inc();
         *self.counts.entry(s.token).or_default() += 1;
+        self.generated.push(s.token);
 
         let r = &self.req.req;
         let mut finish = None;
@@ -212,8 +218,17 @@ impl SeqOutput {
                 let piece = self.detok.push(tok, s.token);
                 self.held.push_str(&piece);
             }
-            if let Some((pos, stop)) = find_stop(&self.held, &r.stop) {
-                text = self.held[..pos].to_string();
+            // Before `min_tokens`, stop strings do not end the choice (vLLM's rule).
+            let stop_found = (num_generated >= r.sampling.min_tokens)
+                .then(|| find_stop(&self.held, &r.stop))
+                .flatten();
+            if let Some((pos, stop)) = stop_found {
+                let end = if r.include_stop_str_in_output {
+                    pos + stop.len()
+                } else {
+                    pos
+                };
+                text = self.held[..end].to_string();
                 self.held.clear();
                 finish = Some(FinishReason::Stop);
                 stop_reason = Some(StopReason::Text(stop.to_string()));

@@ -8,6 +8,7 @@ use crate::policy::{is_greedy, scale_and_normalize};
 use crate::util::Rng;
 use flywheel_kernels::Cpu;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 #[derive(Clone, Debug)]
 pub struct SamplingParams {
@@ -33,16 +34,44 @@ pub struct SamplingParams {
     /// Drawn under a grammar (constrained decoding): the draw is restricted to the tokens the
     /// grammar allows, so it is not a draw from the policy.
     pub constrained: bool,
+    /// vLLM's `min_tokens`: the end tokens (EOS, stop tokens) cannot be drawn, and stop strings
+    /// do not end the choice, before this many tokens.
+    pub min_tokens: usize,
+    /// vLLM's `allowed_token_ids` (sorted): only these can be drawn.
+    pub allowed_tokens: Option<Arc<[u32]>>,
+    /// vLLM's `bad_words`, as token sequences: the last token of one cannot be drawn where the
+    /// output so far ends with the rest of it.
+    pub bad_words: Arc<[Vec<u32>]>,
 }
 
 impl SamplingParams {
-    /// Whether the distribution drawn from is changed by logit edits (penalties or biases).
+    /// Whether the distribution drawn from is changed by logit edits (penalties, biases, bans).
     pub fn edits_logits(&self) -> bool {
         self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
             || !self.logit_bias.is_empty()
             || self.constrained
+            || self.min_tokens > 0
+            || self.allowed_tokens.is_some()
+            || !self.bad_words.is_empty()
+    }
+
+    /// The tokens banned at this step: the end tokens before `min_tokens`, and each bad word's
+    /// last token where the output ends with the rest of it.
+    pub fn banned(&self, generated: &[u32], end_tokens: &[u32]) -> Vec<u32> {
+        let mut out = Vec::new();
+        if generated.len() < self.min_tokens {
+            out.extend_from_slice(end_tokens);
+        }
+        for w in self.bad_words.iter() {
+            if let Some((last, rest)) = w.split_last() {
+                if generated.ends_with(rest) {
+                    out.push(*last);
+                }
+            }
+        }
+        out
     }
 
     /// Whether a completion is drawn from exactly log-softmax(logits / T), the distribution the
@@ -66,6 +95,9 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             logit_bias: Vec::new(),
             constrained: false,
+            min_tokens: 0,
+            allowed_tokens: None,
+            bad_words: Arc::from(Vec::new()),
         }
     }
 }
@@ -94,11 +126,13 @@ pub fn sample(
     counts: &HashMap<u32, u32>,
     rng: &mut Rng,
 ) -> Sampled {
-    sample_seen(cpu, logits, p, counts, &[], None, rng)
+    sample_seen(cpu, logits, p, counts, &[], None, &[], rng)
 }
 
-/// `sample`, with the prompt's distinct tokens (sorted) for the repetition penalty, and the
-/// tokens a grammar allows (constrained decoding: only they can be drawn).
+/// `sample`, with the prompt's distinct tokens (sorted) for the repetition penalty, the tokens a
+/// grammar allows (constrained decoding: only they can be drawn), and the tokens banned at this
+/// step (`SamplingParams::banned`; a ban that would leave nothing to draw is lifted).
+#[allow(clippy::too_many_arguments)]
 pub fn sample_seen(
     cpu: &Cpu,
     logits: &mut [f32],
@@ -106,6 +140,7 @@ pub fn sample_seen(
     counts: &HashMap<u32, u32>,
     prompt_seen: &[u32],
     allowed: Option<&TokenMask>,
+    banned: &[u32],
     rng: &mut Rng,
 ) -> Sampled {
     // The distribution drawn from differs from the reported one only when penalties or biases
@@ -115,7 +150,9 @@ pub fn sample_seen(
     let edited = (penalties && !counts.is_empty())
         || repetition
         || !p.logit_bias.is_empty()
-        || allowed.is_some();
+        || allowed.is_some()
+        || p.allowed_tokens.is_some()
+        || !banned.is_empty();
     let penalized = edited.then(|| {
         let mut l = logits.to_vec();
         if let Some(mask) = allowed {
@@ -127,6 +164,28 @@ pub fn sample_seen(
             });
             // Logits past the mask's width (none: it spans the logits) are never allowed.
             l[n..].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+        }
+        if let Some(only) = &p.allowed_tokens {
+            let kept: Vec<(usize, f32)> = only
+                .iter()
+                .filter_map(|&t| l.get(t as usize).map(|&v| (t as usize, v)))
+                .collect();
+            l.fill(f32::NEG_INFINITY);
+            for (t, v) in kept {
+                l[t] = v;
+            }
+        }
+        if !banned.is_empty() {
+            let before: Vec<(usize, f32)> = banned
+                .iter()
+                .filter_map(|&t| l.get(t as usize).map(|&v| (t as usize, v)))
+                .collect();
+            before.iter().for_each(|&(t, _)| l[t] = f32::NEG_INFINITY);
+            if l.iter().all(|v| *v == f32::NEG_INFINITY) {
+                for (t, v) in before {
+                    l[t] = v;
+                }
+            }
         }
         if repetition {
             // Each seen token once (vLLM's order: repetition first, then the OpenAI penalties).
@@ -487,7 +546,7 @@ mod tests {
         // Token 0 (logit 2) seen in the prompt: 2 / 2 = 1 < 1.5, so token 1 is drawn; a seen
         // negative logit is multiplied (token 2: -1 -> -2), an unseen one kept.
         let mut l = vec![2.0f32, 1.5, -1.0];
-        let s = sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[0, 2], None, &mut rng);
+        let s = sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[0, 2], None, &[], &mut rng);
         assert_eq!(s.token, 1);
         // The reported log-prob is the model's own (unpenalized) distribution's.
         let z = (2.0f32.exp() + 1.5f32.exp() + (-1.0f32).exp()).ln();
@@ -501,12 +560,13 @@ mod tests {
             &HashMap::from([(0u32, 1u32)]),
             &[],
             None,
+            &[],
             &mut rng,
         );
         assert_eq!(s.token, 1);
         let mut l = vec![2.0f32, 1.5, -1.0];
         assert_eq!(
-            sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[], None, &mut rng).token,
+            sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[], None, &[], &mut rng).token,
             0
         );
         assert!(!p.samples_the_policy());
@@ -530,6 +590,7 @@ mod tests {
                 &HashMap::new(),
                 &[],
                 Some(&mask),
+                &[],
                 &mut rng,
             );
             seen[s.token as usize] += 1;
@@ -548,6 +609,7 @@ mod tests {
             &HashMap::new(),
             &[],
             Some(&one),
+            &[],
             &mut rng,
         );
         assert!(s.token == 1 && s.forced);
@@ -565,6 +627,7 @@ mod tests {
             &HashMap::new(),
             &[],
             Some(&mask),
+            &[],
             &mut rng,
         );
         assert_eq!(s.token, 2);

@@ -243,7 +243,7 @@ def test_small_endpoints_follow_the_contract():
     for path, body, status in [
             ("/inference/v1/generate", {"model": m, "token_ids": []}, 400),
             ("/inference/v1/generate", {"model": m, "token_ids": [1],
-                                        "sampling_params": {"min_tokens": 2}}, 400),
+                                        "sampling_params": {"best_of": 2}}, 400),
             ("/inference/v1/generate", {"model": "nope", "token_ids": [1]}, 404),
             ("/inference/v1/generate", {"model": m, "token_ids": [1]}, 401)]:
         check("POST", path, body, key="wrong" if status == 401 else KEY, expect=status)
