@@ -55,6 +55,7 @@ pub struct RawServer {
     pub header_read_timeout_secs: Option<f64>,
     pub body_read_timeout_secs: Option<f64>,
     pub max_connections: Option<usize>,
+    pub allowed_origins: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -107,6 +108,8 @@ pub struct CliOverrides {
     pub chat_template: Option<String>,
     /// `--max-model-len`: overrides model.max_model_len.
     pub max_model_len: Option<usize>,
+    /// `--allowed-origins`: overrides server.allowed_origins.
+    pub allowed_origins: Option<Vec<String>>,
 }
 
 #[derive(Clone, Debug)]
@@ -143,6 +146,10 @@ pub struct Config {
     pub body_read_timeout_secs: f64,
     /// Connections open at once; more wait in the listen backlog.
     pub max_connections: usize,
+    /// Web origins (`https://app.example`, or `*`) whose pages may call the server (CORS);
+    /// requests a browser sends from other origins are refused. Default: none but the server's
+    /// own.
+    pub allowed_origins: Vec<String>,
     pub model_path: PathBuf,
     /// None: the model's own context length, fitted to the KV cache.
     pub max_model_len: Option<usize>,
@@ -276,6 +283,11 @@ impl RawConfig {
             header_read_timeout_secs: s.header_read_timeout_secs.unwrap_or(10.0),
             body_read_timeout_secs: s.body_read_timeout_secs.unwrap_or(30.0),
             max_connections: s.max_connections.unwrap_or(512),
+            allowed_origins: cli
+                .allowed_origins
+                .clone()
+                .or(s.allowed_origins)
+                .unwrap_or_default(),
             model_path: cli
                 .model
                 .clone()
@@ -345,6 +357,16 @@ impl RawConfig {
             if !(v > 0.0 && v <= 3600.0) {
                 return Err(invalid(key, "must be in (0, 3600]"));
             }
+        }
+        if let Some(o) = cfg
+            .allowed_origins
+            .iter()
+            .find(|o| *o != "*" && !(o.starts_with("http://") || o.starts_with("https://")))
+        {
+            return Err(invalid(
+                "server.allowed_origins",
+                format!("'{o}' is not an origin (http://host[:port], https://... or *)"),
+            ));
         }
         if cfg.max_connections == 0 {
             return Err(invalid("server.max_connections", "must be at least 1"));

@@ -110,6 +110,11 @@ enum Cmd {
         /// fitted to engine.kv_cache_mb. Overrides model.max_model_len.
         #[arg(long)]
         max_model_len: Option<usize>,
+        /// Web origins whose pages may call the server (CORS), comma-separated: an origin
+        /// (https://app.example) or '*'. Default: none but the server's own; a browser's request
+        /// from another origin is a 403. Overrides server.allowed_origins.
+        #[arg(long, value_delimiter = ',')]
+        allowed_origins: Option<Vec<String>>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -325,6 +330,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             weights,
             chat_template,
             max_model_len,
+            allowed_origins,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -353,6 +359,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 weights,
                 chat_template,
                 max_model_len,
+                allowed_origins,
             };
             flywheel::app::serve(raw.validate(&cli)?)
         }

@@ -275,3 +275,92 @@ fn slow_clients_are_closed_and_cannot_exhaust_the_connections() {
     let r = s.post("/v1/chat/completions", &chat("x", json!({"max_tokens": 2})));
     assert_eq!(r.status, 200);
 }
+
+/// A browser's call (it sends `Origin`): from an origin `--allowed-origins` lists, preflights get
+/// 204 with CORS headers and responses (streams too) carry them; from any other origin it is a
+/// 403 before anything runs — a page elsewhere cannot create an adapter on a loopback server
+/// whose admin routes are open, even with a form-typed body no preflight guards.
+#[test]
+fn browsers_get_cors_from_allowed_origins_and_403_from_others() {
+    let app = "https://app.example";
+    let (_d, s) = start(EDGE, &["--allowed-origins", &format!("{app},http://x.test")]);
+    let pre = s
+        .try_request(
+            "OPTIONS",
+            "/v1/chat/completions",
+            None,
+            &[
+                ("Origin", app),
+                ("Access-Control-Request-Method", "POST"),
+                ("Access-Control-Request-Headers", "authorization, content-type"),
+            ],
+        )
+        .unwrap();
+    assert_eq!(pre.status, 204, "{}", pre.body_text());
+    assert_eq!(pre.header("access-control-allow-origin"), Some(app));
+    assert!(pre
+        .header("access-control-allow-methods")
+        .is_some_and(|m| m.contains("POST")));
+    assert_eq!(
+        pre.header("access-control-allow-headers"),
+        Some("authorization, content-type")
+    );
+    let body = completion(json!({})).to_string();
+    for stream in [false, true] {
+        let mut b: Value = serde_json::from_str(&body).unwrap();
+        b["stream"] = json!(stream);
+        let r = s
+            .try_request(
+                "POST",
+                "/v1/completions",
+                Some(&b.to_string()),
+                &[("Origin", app)],
+            )
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        assert_eq!(r.header("access-control-allow-origin"), Some(app));
+    }
+    // Errors carry the header too, so that the page can read them.
+    let r = s
+        .try_request("POST", "/v1/completions", Some("{}"), &[("Origin", app)])
+        .unwrap();
+    assert_eq!(r.status, 400);
+    assert_eq!(r.header("access-control-allow-origin"), Some(app));
+    // Another origin: 403, for preflights, reads and writes alike.
+    let evil = [("Origin", "https://evil.example")];
+    for (method, path, body) in [
+        ("OPTIONS", "/v1/chat/completions", None),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/adapters", Some(r#"{"name": "planted"}"#)),
+    ] {
+        let r = s.try_request(method, path, body, &evil).unwrap();
+        let e = assert_error(&r, 403, None);
+        assert_eq!(e["error"]["code"], "origin_not_allowed");
+        assert!(r.header("access-control-allow-origin").is_none());
+    }
+    assert_eq!(s.get("/v1/adapters/planted").status, 404);
+    // The server's own origin and clients that send none (SDKs, curl) are served as before.
+    let own = format!("http://{}", s.addr);
+    let r = s
+        .try_request("GET", "/v1/models", None, &[("Origin", &own)])
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(s.get("/v1/models").status, 200);
+    assert!(s.get("/v1/models").header("access-control-allow-origin").is_none());
+    let r = s.try_request("OPTIONS", "/v1/models", None, &[]).unwrap();
+    assert_eq!(r.status, 204);
+    assert!(r.header("allow").is_some_and(|a| a.contains("GET")));
+}
+
+#[test]
+fn any_origin_when_allowed_and_bad_origins_do_not_start() {
+    let (_d, s) = start(EDGE, &["--allowed-origins", "*"]);
+    let r = s
+        .try_request("GET", "/v1/models", None, &[("Origin", "https://a.example")])
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"));
+    let (_d2, path) = common::write_tiny(&spec());
+    let err = refused_start(&path, &["--allowed-origins", "app.example"]);
+    assert!(err.contains("server.allowed_origins"), "{err}");
+}

@@ -3,6 +3,7 @@
 
 pub mod adapters;
 mod admission;
+mod cors;
 pub mod body;
 pub mod chat;
 pub mod completions;
@@ -159,6 +160,8 @@ pub struct Limits {
     pub body_read_timeout: Duration,
     /// Sequences (prompts × n) one request may hold; more get 400.
     pub max_sequences_per_request: usize,
+    /// Web origins whose pages may call (`api::cors`).
+    pub allowed_origins: Vec<String>,
 }
 
 impl Default for Limits {
@@ -167,6 +170,7 @@ impl Default for Limits {
             max_body_bytes: 2 << 20,
             body_read_timeout: Duration::from_secs(30),
             max_sequences_per_request: 256,
+            allowed_origins: Vec::new(),
         }
     }
 }
@@ -284,6 +288,7 @@ pub fn router(state: AppState) -> Router {
             )
         })
         .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .layer(middleware::from_fn_with_state(state.clone(), cors::cors))
         .with_state(state)
 }
 

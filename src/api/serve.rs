@@ -50,6 +50,7 @@ pub fn run(
             max_body_bytes: cfg.max_body_bytes,
             body_read_timeout: Duration::from_secs_f64(cfg.body_read_timeout_secs),
             max_sequences_per_request: cfg.max_sequences_per_request,
+            allowed_origins: cfg.allowed_origins.clone(),
         });
         let loader = {
             let (state, cfg) = (state.clone(), cfg.clone());
