@@ -247,3 +247,64 @@ fn a_context_longer_than_the_cache_is_fitted_with_a_warning_unless_it_is_set() {
         "{err}"
     );
 }
+
+/// A reasoning model's template (it writes `<think>` or `</think>`): the thinking comes back as
+/// `reasoning_content`, the answer as `content`, streamed or not; a template that opens the
+/// thinking in the prompt (DeepSeek-R1's) makes the completion start inside it. Other templates
+/// leave the text whole.
+#[test]
+fn a_reasoning_models_thinking_is_returned_apart_from_its_answer() {
+    const QWEN3ISH: &str = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% if enable_thinking is defined and not enable_thinking %}{{'<think>\\n\\n</think>\\n\\n'}}{% endif %}{% endif %}";
+    const R1ISH: &str = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n<think>\\n'}}{% endif %}";
+    let (_d, path) = write_tiny(&TinySpec {
+        extra_tokens: &["<think>", "</think>"],
+        chat_template: Some(QWEN3ISH),
+        ..spec()
+    });
+    let s = Server::start(&path, CONFIG, &[]);
+    let ask = |template: Option<&str>, regex: &str, stream: bool| -> (Value, Value) {
+        let mut b = chat(
+            "hi",
+            json!({"structured_outputs": {"regex": regex}, "temperature": 1.0, "seed": 5,
+                   "max_tokens": 40, "stream": stream}),
+        );
+        if let Some(t) = template {
+            b["chat_template"] = json!(t);
+        }
+        let r = s.post("/v1/chat/completions", &b);
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        if !stream {
+            let m = r.json()["choices"][0]["message"].clone();
+            return (m["reasoning_content"].clone(), m["content"].clone());
+        }
+        let (mut t, mut c) = (String::new(), String::new());
+        for ch in r.sse_chunks() {
+            let d = &ch["choices"][0]["delta"];
+            t.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+            c.push_str(d["content"].as_str().unwrap_or(""));
+        }
+        let t = if t.is_empty() { Value::Null } else { json!(t) };
+        (t, json!(c))
+    };
+    let think = "<think>[a-z]{2,6}</think>[a-z]{2,6}";
+    let plain = |v: &Value| {
+        v.as_str()
+            .is_some_and(|s| !s.is_empty() && s.chars().all(|c| c.is_ascii_lowercase()))
+    };
+    for stream in [false, true] {
+        let (t, c) = ask(None, think, stream);
+        assert!(plain(&t) && plain(&c), "{t} {c} (stream {stream})");
+        assert_eq!((t, c), ask(None, think, !stream), "streamed = whole");
+        // Opened by the prompt: everything up to </think> is thinking.
+        let (t, c) = ask(Some(R1ISH), "[a-z]{2,6}</think>[a-z]{2,6}", stream);
+        assert!(plain(&t) && plain(&c), "{t} {c}");
+        // No thinking written: all answer.
+        let (t, c) = ask(None, "[a-z]{2,6}", stream);
+        assert!(t.is_null() && plain(&c), "{t} {c}");
+    }
+    // A template that is not a reasoning model's: the text comes back whole.
+    let chatml = "{% for m in messages %}{{ m['content'] }}{% endfor %}";
+    let (t, c) = ask(Some(chatml), think, false);
+    assert!(t.is_null(), "{t}");
+    assert!(c.as_str().unwrap().starts_with("<think>"), "{c}");
+}

@@ -7,6 +7,7 @@ use super::messages::{parse_chat_render, parse_messages, render_param, request_t
 use super::openai::{
     check_scoring, parse_chat_logprobs, parse_common, Fields,
 };
+use super::reasoning;
 use super::respond::respond;
 use super::structured::output_grammar;
 use super::{blocking, AppState};
@@ -32,6 +33,7 @@ pub async fn chat_completions(
         .as_deref()
         .or(ready.tokenizer.chat_template());
     let tools = request_tools(&f, template)?;
+    let reasons = template.is_some_and(reasoning::template_reasons);
     let (messages, tool_defs, tool_mode, tool_grammar) = match &tools {
         Some(t) => {
             let (m, defs) = t.render_inputs(messages);
@@ -61,10 +63,11 @@ pub async fn chat_completions(
         }),
         _ => None,
     };
-    let prompt_ids = blocking(move || {
+    let (prompt_ids, thinking_at_start) = blocking(move || {
         let text = tok
             .render_chat_with(&messages, tool_defs.as_ref(), &render)
             .map_err(|e| ApiError::invalid(render_param(&render), e.to_string()))?;
+        let at_start = reasoning::starts_thinking(&text);
         if let Some((log, ep, key)) = last_turn {
             if let Some((prompt, completion)) = log.last_turn(&ep, &key).map_err(ApiError::from)? {
                 let before = [prompt, completion].concat();
@@ -73,12 +76,13 @@ pub async fn chat_completions(
                     let more = tok
                         .encode_with(rest, false)
                         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-                    return Ok([before, more].concat());
+                    return Ok(([before, more].concat(), at_start));
                 }
             }
         }
         // The template writes its own BOS.
         tok.encode_with(&text, false)
+            .map(|ids| (ids, at_start))
             .map_err(|e| ApiError::invalid("messages", e.to_string()))
     })
     .await?;
@@ -92,6 +96,7 @@ pub async fn chat_completions(
         key: super::bearer_of(&headers).to_string(),
         tools: tool_mode,
         constraint,
+        reasoning: reasons.then_some(thinking_at_start),
     };
     respond(&state, job).await
 }

@@ -76,6 +76,7 @@ pub async fn completions(
             key: key.clone(),
             tools: None,
             constraint: constraint.clone(),
+            reasoning: None,
         });
     }
     if several {

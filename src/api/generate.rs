@@ -114,6 +114,7 @@ pub async fn generate(
         key: super::bearer_of(&headers).to_string(),
         tools: None,
         constraint,
+        reasoning: None,
     };
     respond(&state, job).await
 }

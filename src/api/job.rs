@@ -31,6 +31,10 @@ pub struct Job {
     /// Constrained decoding (structured outputs, forced or generic tool calls): the compiled
     /// grammar each choice starts from.
     pub constraint: Option<OutputConstraint>,
+    /// Chat on a reasoning model's template: whether the completion starts inside the thinking
+    /// (the prompt opened it); its thinking is returned as `reasoning_content`. None: no
+    /// reasoning parser.
+    pub reasoning: Option<bool>,
 }
 
 /// A compiled output constraint and the request field it came from (named if it fails).

@@ -15,7 +15,8 @@ use serde_json::{Map, Value};
 /// assistant, tool; content a string, a list of text parts (joined) or, for an assistant turn
 /// with tool calls, null; assistant `tool_calls` (each `{id?, type: "function", function: {name,
 /// arguments}}`, string arguments parsed as JSON as vLLM does, since templates print them with
-/// `tojson`); a tool result's `tool_call_id` and `name`. Other fields are dropped.
+/// `tojson`); a tool result's `tool_call_id` and `name`; an assistant turn's `reasoning_content`
+/// (reasoning models' templates read it). Other fields are dropped.
 pub fn parse_messages(f: &Fields) -> Result<Value, ApiError> {
     let list = f
         .get("messages")
@@ -111,7 +112,7 @@ fn parse_message(i: usize, m: &Value) -> Result<Value, ApiError> {
         }
         msg.insert("tool_calls".into(), Value::Array(parsed));
     }
-    for k in ["tool_call_id", "name"] {
+    for k in ["tool_call_id", "name", "reasoning_content"] {
         match o.get(k) {
             None | Some(Value::Null) => {}
             Some(Value::String(s)) => {

@@ -14,6 +14,7 @@ pub mod info;
 pub mod job;
 pub mod messages;
 pub mod openai;
+mod reasoning;
 mod request;
 pub mod respond;
 pub mod rollout;

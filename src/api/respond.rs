@@ -3,6 +3,7 @@
 //! completions differ only in how a choice and a chunk are shaped (`Flavor`).
 
 use super::admission::{admit, submit};
+use super::reasoning::{self, ReasoningStream};
 use super::request::{engine_request, truncate_prompt};
 use super::error::ApiError;
 use super::job::{Flavor, Job};
@@ -120,7 +121,12 @@ fn responder(ready: &super::Ready, job: Job) -> Responder {
             .as_ref()
             .map_or_else(|| format!("{}@0", ready.model_name), |a| a.fingerprint()),
         tok: ready.tokenizer.clone(),
-        choices: (0..job.params.n).map(|_| Choice::default()).collect(),
+        choices: (0..job.params.n)
+            .map(|_| Choice {
+                reasoning: job.reasoning.map(ReasoningStream::new),
+                ..Choice::default()
+            })
+            .collect(),
         prompt_scores: None,
         online: job
             .adapter
@@ -152,6 +158,8 @@ struct Choice {
     started: bool,
     /// Chat with tools, streamed: the text held while a call may be starting.
     tool_stream: ToolStream,
+    /// Chat on a reasoning model, streamed: where the thinking stands.
+    reasoning: Option<ReasoningStream>,
 }
 
 /// OpenAI's finish reason: "tool_calls" ("function_call" for the legacy API) when a finished
@@ -355,7 +363,11 @@ impl Responder {
                 match self.job.flavor {
                     Flavor::Generate => unreachable!("generate_body"),
                     Flavor::Chat => {
-                        let (content, calls) = self.split_tool_calls(&c.text);
+                        let (thinking, answer) = match self.job.reasoning {
+                            Some(at_start) => reasoning::split(&c.text, at_start),
+                            None => (None, c.text.clone()),
+                        };
+                        let (content, calls) = self.split_tool_calls(&answer);
                         let finish = finish_with_calls(reason, calls.is_some(), self.job.tools);
                         let legacy = self.job.tools.is_some_and(|t| t.legacy);
                         let (calls, function_call) = match calls {
@@ -367,6 +379,7 @@ impl Responder {
                             message: AssistantMessage {
                                 role: "assistant",
                                 content,
+                                reasoning_content: thinking,
                                 refusal: None,
                                 tool_calls: calls,
                                 function_call,

@@ -24,8 +24,7 @@ impl Responder {
                             delta: Delta {
                                 role: Some("assistant"),
                                 content: Some(String::new()),
-                                tool_calls: None,
-                                function_call: None,
+                                ..Delta::default()
                             },
                             logprobs: None,
                             finish_reason: None,
@@ -57,12 +56,17 @@ impl Responder {
         }
         match ev {
             EngineEvent::Token { token_id, text, .. } => {
-                // With tools, text that may begin a call is held until the end.
-                let text = match self.job.tools {
-                    Some(t) => self.choices[i].tool_stream.push(t.format, text),
-                    None => text.clone(),
+                // A reasoning model's thinking apart; with tools, answer text that may begin a
+                // call is held until the end.
+                let (thinking, text) = match &mut self.choices[i].reasoning {
+                    Some(r) => r.push(text),
+                    None => (String::new(), text.clone()),
                 };
-                if text.is_empty() && !logprobs && !token_ids {
+                let text = match self.job.tools {
+                    Some(t) => self.choices[i].tool_stream.push(t.format, &text),
+                    None => text,
+                };
+                if text.is_empty() && thinking.is_empty() && !logprobs && !token_ids {
                     return out;
                 }
                 let c = &self.choices[i];
@@ -71,10 +75,10 @@ impl Responder {
                     Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
                         index: i,
                         delta: Delta {
-                            role: None,
-                            content: Some(text.clone()),
-                            tool_calls: None,
-                            function_call: None,
+                            content: (!text.is_empty() || thinking.is_empty())
+                                .then(|| text.clone()),
+                            reasoning_content: (!thinking.is_empty()).then_some(thinking),
+                            ..Delta::default()
                         },
                         logprobs: logprobs.then(|| ChatLogprobs {
                             content: c.logprobs.last().cloned().into_iter().collect(),
@@ -107,6 +111,38 @@ impl Responder {
                 stop_reason,
                 ..
             } => {
+                // What the reasoning parser held: thinking, or answer (through the tools').
+                let mut held = Vec::new();
+                if let Some(r) = &mut self.choices[i].reasoning {
+                    let (thinking, answer) = r.finish();
+                    if !thinking.is_empty() {
+                        held.push(Delta {
+                            reasoning_content: Some(thinking),
+                            ..Delta::default()
+                        });
+                    }
+                    let answer = match self.job.tools {
+                        Some(t) => self.choices[i].tool_stream.push(t.format, &answer),
+                        None => answer,
+                    };
+                    if !answer.is_empty() {
+                        held.push(Delta {
+                            content: Some(answer),
+                            ..Delta::default()
+                        });
+                    }
+                }
+                for delta in held {
+                    let choice = wire::Choice::ChatChunk(ChatChunkChoice {
+                        index: i,
+                        delta,
+                        logprobs: None,
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: None,
+                    });
+                    out.push(self.envelope(true, vec![choice]));
+                }
                 // With tools: what was held becomes content, or the calls, each in a chunk.
                 let mut with_calls = false;
                 if let Some(mode) = self.job.tools {

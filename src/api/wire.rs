@@ -59,6 +59,9 @@ pub struct AssistantMessage {
     pub role: &'static str,
     /// Null when the answer is tool calls only.
     pub content: Option<String>,
+    /// A reasoning model's thinking (vLLM's field), apart from the answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     pub refusal: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<super::tools::ToolCall>>,
@@ -87,6 +90,8 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<super::tools::ToolCallDelta>>,
     #[serde(skip_serializing_if = "Option::is_none")]
