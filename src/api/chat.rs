@@ -3,7 +3,9 @@
 use super::body::JsonBody;
 use super::error::ApiError;
 use super::job::{Flavor, Job};
-use super::messages::{parse_chat_render, parse_messages, render_param, request_tools};
+use super::messages::{
+    history_without_tools, parse_chat_render, parse_messages, render_param, request_tools,
+};
 use super::openai::{
     check_scoring, parse_chat_logprobs, parse_common, Fields,
 };
@@ -19,8 +21,18 @@ pub async fn chat_completions(
     headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
+    run_chat(&state, &headers, &body, None).await
+}
+
+/// A chat request, answered under `id` when given (the Responses API's own ids).
+pub(super) async fn run_chat(
+    state: &AppState,
+    headers: &axum::http::HeaderMap,
+    body: &serde_json::Value,
+    id: Option<String>,
+) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let f = Fields::parse(&body)?;
+    let f = Fields::parse(body)?;
     let render = parse_chat_render(&f)?;
     let mut params = parse_common(&f, ready.vocab_size)?;
     parse_chat_logprobs(&f, &mut params)?;
@@ -39,7 +51,12 @@ pub async fn chat_completions(
             let (m, defs) = t.render_inputs(messages);
             (m, defs, t.mode, t.grammar()?)
         }
-        None => (messages, None, None, None),
+        None => (
+            history_without_tools(messages, template),
+            None,
+            None,
+            None,
+        ),
     };
     let grammar = output_grammar(&f, tool_grammar)?;
     let (_, adapter) = state.resolve_model(&params.model)?;
@@ -58,7 +75,7 @@ pub async fn chat_completions(
             (
                 o.log.clone(),
                 ep.clone(),
-                super::bearer_of(&headers).to_string(),
+                super::bearer_of(headers).to_string(),
             )
         }),
         _ => None,
@@ -93,10 +110,11 @@ pub async fn chat_completions(
         echo: None,
         adapter,
         prompt_param: "messages",
-        key: super::bearer_of(&headers).to_string(),
+        key: super::bearer_of(headers).to_string(),
         tools: tool_mode,
         constraint,
         reasoning: reasons.then_some(thinking_at_start),
+        id,
     };
-    respond(&state, job).await
+    respond(state, job).await
 }

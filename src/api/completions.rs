@@ -77,6 +77,7 @@ pub async fn completions(
             tools: None,
             constraint: constraint.clone(),
             reasoning: None,
+            id: None,
         });
     }
     if several {

@@ -115,6 +115,7 @@ pub async fn generate(
         tools: None,
         constraint,
         reasoning: None,
+        id: None,
     };
     respond(&state, job).await
 }

@@ -35,6 +35,8 @@ pub struct Job {
     /// (the prompt opened it); its thinking is returned as `reasoning_content`. None: no
     /// reasoning parser.
     pub reasoning: Option<bool>,
+    /// The response's id when the route chooses it (None: a fresh one of the flavor's kind).
+    pub id: Option<String>,
 }
 
 /// A compiled output constraint and the request field it came from (named if it fails).

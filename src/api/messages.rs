@@ -7,7 +7,7 @@ use super::error::ApiError;
 use super::openai::{type_error, Fields};
 use crate::model::tokenizer::ChatRender;
 use super::structured::Structured;
-use super::tool_grammar::{generic_messages, tool_grammar, Forced};
+use super::tool_grammar::{generic_history, generic_messages, tool_grammar, Forced};
 use super::tools::{ToolFormat, ToolMode};
 use serde_json::{Map, Value};
 
@@ -223,6 +223,24 @@ impl RequestTools {
             spec,
         }))
     }
+}
+
+/// A conversation with tool calls or results but no `tools` in the request (a follow-up turn
+/// that does not resend them) on a template that renders no tools: the history written as the
+/// generic format writes it, so the template sees only text.
+pub fn history_without_tools(messages: Value, template: Option<&str>) -> Value {
+    if template.and_then(ToolFormat::of_template).is_some() {
+        return messages;
+    }
+    let list = messages.as_array().cloned().unwrap_or_default();
+    let has_tools = list
+        .iter()
+        .any(|m| m["role"] == "tool" || m.get("tool_calls").is_some_and(|c| !c.is_null()));
+    if !has_tools {
+        return messages;
+    }
+    // Parallel calls are written as a list (the generic format's answer when it allows several).
+    Value::Array(generic_history(list, true))
 }
 
 /// The request's `tools` (or legacy `functions`) on a model with chat template `template`: calls

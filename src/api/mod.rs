@@ -16,6 +16,7 @@ pub mod messages;
 pub mod openai;
 mod reasoning;
 mod request;
+pub mod responses;
 pub mod respond;
 pub mod rollout;
 pub mod scoring;
@@ -150,6 +151,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub retry_after_secs: u64,
     pub limits: Limits,
+    /// The Responses API's stored responses (`previous_response_id`).
+    pub responses: responses::ResponseStore,
 }
 
 /// What a request body may be.
@@ -202,6 +205,7 @@ impl AppState {
             metrics,
             retry_after_secs,
             limits: Limits::default(),
+            responses: Default::default(),
         }))
     }
 
@@ -246,6 +250,8 @@ pub fn router(state: AppState) -> Router {
     let protected = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::get))
         .route("/inference/v1/generate", post(generate::generate))
         .route("/v1/models", get(info::models))
         .route("/v1/models/{*id}", get(info::model))

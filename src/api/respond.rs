@@ -106,10 +106,12 @@ pub async fn respond_many(state: &AppState, mut jobs: Vec<Job>) -> Result<Respon
 
 fn responder(ready: &super::Ready, job: Job) -> Responder {
     Responder {
-        id: random_id(match job.flavor {
-            Flavor::Chat => "chatcmpl-",
-            Flavor::Completion => "cmpl-",
-            Flavor::Generate => "gen-",
+        id: job.id.clone().unwrap_or_else(|| {
+            random_id(match job.flavor {
+                Flavor::Chat => "chatcmpl-",
+                Flavor::Completion => "cmpl-",
+                Flavor::Generate => "gen-",
+            })
         }),
         created: unix_now(),
         model: job

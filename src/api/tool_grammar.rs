@@ -188,6 +188,20 @@ pub fn generic_messages(messages: &Value, defs: &Value, parallel: bool) -> Value
          tools, or {{\"response\": <your answer>}} to answer the user.",
         spaced_json(&Value::Array(tools))
     );
+    let mut out = generic_history(list, parallel);
+    match out.first_mut() {
+        Some(first) if first.get("role").and_then(Value::as_str) == Some("system") => {
+            let c = first["content"].as_str().unwrap_or("").to_string();
+            first["content"] = Value::String(format!("{c}\n\n{guide}"));
+        }
+        _ => out.insert(0, json!({"role": "system", "content": guide})),
+    }
+    Value::Array(out)
+}
+
+/// A conversation's tool calls and results as the generic format writes them (calls as the
+/// assistant's JSON, results as user turns), for a template that renders neither.
+pub fn generic_history(list: Vec<Value>, parallel: bool) -> Vec<Value> {
     let mut names: Map<String, Value> = Map::new();
     let mut out = Vec::with_capacity(list.len() + 1);
     for m in list {
@@ -232,14 +246,7 @@ pub fn generic_messages(messages: &Value, defs: &Value, parallel: bool) -> Value
             _ => out.push(m),
         }
     }
-    match out.first_mut() {
-        Some(first) if first.get("role").and_then(Value::as_str) == Some("system") => {
-            let c = first["content"].as_str().unwrap_or("").to_string();
-            first["content"] = Value::String(format!("{c}\n\n{guide}"));
-        }
-        _ => out.insert(0, json!({"role": "system", "content": guide})),
-    }
-    Value::Array(out)
+    out
 }
 
 #[cfg(test)]
