@@ -11,7 +11,7 @@ import os
 
 import schemathesis
 
-CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2}
+CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2}
 
 
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
@@ -55,7 +55,10 @@ def map_body(ctx, body):
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v > cap:
                 body[k] = cap
         # Absent, a completion may run to the end of the context (8192 tokens): cap it too.
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if "input" in body:
+            if body.get("max_output_tokens") is None:
+                body["max_output_tokens"] = CAPS["max_output_tokens"]
+        elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = CAPS["max_tokens"]
         # The token-in route (/inference/v1/generate) takes them in `sampling_params`.
         if "token_ids" in body:

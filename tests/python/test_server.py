@@ -280,6 +280,37 @@ def test_errors_follow_both_schemas():
         assert e["error"]["param"] == "model"
 
 
+def test_responses_follow_the_contract():
+    m = model_id()
+    R = "/v1/responses/{id}"
+    _, _, r = check("POST", "/v1/responses", {"model": m, "input": "Hi.", "max_output_tokens": 4})
+    assert r["id"].startswith("resp_") and r["usage"]["output_tokens"] <= 4
+    _, _, got = check("GET", f"/v1/responses/{r['id']}", route=R)
+    assert got["output"] == r["output"]
+    check("GET", f"/v1/responses/{r['id']}", route=R, key="wrong", expect=401)
+    check("GET", "/v1/responses/resp_nope", route=R, expect=404)
+    # Streamed: numbered events, the last one the whole response, valid as the 200 body.
+    status, headers, data = http("POST", SERVER + "/v1/responses",
+                                 {"model": m, "input": "Hi.", "max_output_tokens": 4,
+                                  "stream": True})
+    assert status == 200 and headers.get("content-type", "").startswith("text/event-stream")
+    events = [json.loads(e.split("data: ", 1)[1]) for e in data.decode().split("\n\n") if "data: " in e]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    validate_ours(events[-1]["response"], our_pointer("/v1/responses", "POST", 200,
+                                                      "application/json"))
+    for bad in [{"input": []}, {"background": True}, {"tools": [{"type": "web_search"}]}]:
+        _, _, e = check("POST", "/v1/responses", {"model": m, "input": "x", **bad}, expect=400)
+        assert e["error"]["param"]
+    check("POST", "/v1/responses", {"model": m, "input": "x"}, key="wrong", expect=401)
+    _, _, e = check("POST", "/v1/responses", {"model": "nope", "input": "x"}, expect=404)
+    assert e["error"]["param"] == "model"
+    big = json.dumps({"model": m, "input": "a" * (3 << 20)}).encode()
+    check("POST", "/v1/responses", raw=big, expect=413)
+    check("POST", "/v1/responses", raw=json.dumps({"model": m, "input": "x"}).encode(),
+          content_type="text/plain", expect=415)
+
+
 def test_overload_and_starting_states_follow_the_contract(tmp_path):
     # A server with room for one pending request answers 429 to the rest of a burst.
     cfg = tmp_path / "serve.toml"
@@ -302,6 +333,17 @@ def test_overload_and_starting_states_follow_the_contract(tmp_path):
             gen_results = list(ex.map(
                 lambda _: http("POST", base + "/inference/v1/generate", gen, key=None), range(8)))
         assert any(r[0] == 429 for r in gen_results)
+        # The Responses API shares it too.
+        resp = {"model": m, "input": "Count:", "max_output_tokens": 64}
+        with cf.ThreadPoolExecutor(8) as ex:
+            resp_results = list(ex.map(
+                lambda _: http("POST", base + "/v1/responses", resp, key=None), range(8)))
+        assert any(r[0] == 429 for r in resp_results)
+        for status, headers, data in resp_results:
+            if status == 429:
+                validate_ours(json.loads(data), our_pointer("/v1/responses", "POST", 429,
+                                                            "application/json"))
+        exercised.add(("/v1/responses", "429"))
         for status, headers, data in gen_results:
             if status == 429:
                 doc = json.loads(data)
