@@ -2,7 +2,7 @@
 
 Start the server with a learning adapter, then run this client:
 
-    flywheel serve --learn brief            # the default model is fetched on first use
+    cargo run --release -- serve --learn brief   # the default model is fetched on first use
     python3 examples/brevity.py --model brief [--url http://127.0.0.1:8080] [--steps 30]
 
 Each step asks one chat prompt with n=8 through the adapter (the official `openai` package),
@@ -39,7 +39,8 @@ def main():
     ap.add_argument("--max-words", type=int, default=15)
     # An empty answer is short too: without a floor the policy learns to say nothing.
     ap.add_argument("--min-words", type=int, default=3)
-    ap.add_argument("--out", default="brevity")
+    ap.add_argument("--out", default="data/brevity",
+                    help="where the CSV and PNG go (OUT.csv, OUT.png)")
     a = ap.parse_args()
     from openai import OpenAI  # here, so that scripts/trl_brevity.py can import PROMPTS alone
 

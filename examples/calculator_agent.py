@@ -4,7 +4,7 @@ Start the server with a learning adapter that trains on constrained samples (the
 format constrains every answer of a template without tool support, such as SmolLM2's), then run
 this client:
 
-    flywheel serve --config examples/calculator.toml      # learning adapter "calc"
+    cargo run --release -- serve --config examples/calculator.toml   # learning adapter "calc"
     python3 examples/calculator_agent.py --model calc [--url http://127.0.0.1:8080] [--steps 30]
 
 Each step poses one arithmetic question ("What is 47 * 86?") to `--group` episodes at once.
@@ -96,7 +96,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--system", default="Use the calculator tool for arithmetic. When it has "
                     "given you the result, answer the user with that number.")
-    ap.add_argument("--out", default="calculator")
+    ap.add_argument("--out", default="data/calculator",
+                    help="where the CSV and PNG go (OUT.csv, OUT.png)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     client = OpenAI(base_url=a.url + "/v1", api_key=a.key)

@@ -2,6 +2,7 @@
 official `openai` package does not know them), waiting for the trainer, and saving a run."""
 
 import csv
+import os
 import json
 import time
 import urllib.request
@@ -38,6 +39,7 @@ def wait_trained(url, model, key, before, timeout=300):
 
 def save_csv(rows, out):
     """Write the run's rows and print the mean reward of its first and last thirds."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         w.writeheader()

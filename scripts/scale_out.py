@@ -1,4 +1,4 @@
-"""Scale-out on one machine: one PostgreSQL, one trainer and N serving replicas (see README,
+"""Scale-out on one machine: one PostgreSQL, one trainer and N serving replicas (see docs/proofs.md,
 "Scaling out"). The replicas load the trainer's versions from a shared data directory, or, with
 --adapter-store / --moto, fetch them from an object store into data directories of their own.
 

@@ -10,7 +10,7 @@ pub enum WeightMemory {
     /// The file read once into anonymous memory in 2 MB pages (transparent huge pages) where the
     /// kernel offers them, else mapped: decode streams the whole model per token, and on 4 KB
     /// pages it takes a TLB miss every 4 KB and the hardware prefetchers stop at each page's end
-    /// (batch-1 decode +15% on an AMD Zen 4: README, "Memory, allocation, and every CPU's paths"). Still the one copy the
+    /// (batch-1 decode +15% on an AMD Zen 4: docs/proofs.md, "Memory, allocation, and every CPU's paths"). Still the one copy the
     /// process holds, in the file's own format; the page cache's pages stay the kernel's to drop.
     #[default]
     HugePages,
