@@ -209,16 +209,17 @@ fn template_variables_come_from_the_request_and_bad_templates_are_400s() {
 
 #[test]
 fn a_context_longer_than_the_cache_is_fitted_with_a_warning_unless_it_is_set() {
-    // 8192 tokens of context; 1 MiB of KV cache holds 128 blocks of 16 (2 layers, kv_dim 32, 8 KiB a block).
+    // A 32k-context file; 1 MiB of KV cache holds 128 blocks of 16 (2 layers, kv_dim 32, 8 KiB a
+    // block). Before, it refused to start ("one sequence of max_model_len 32768 needs 2048").
     let (_d, path) = write_tiny(&TinySpec {
-        ctx: 8192,
+        ctx: 32768,
         ..TinySpec::small()
     });
     let small = "[engine]\nkv_cache_mb = 1\nmax_num_batched_tokens = 64\n";
     let s = Server::start(&path, small, &[]);
     let err = s.stderr();
     assert!(
-        err.contains("the model's context of 8192 tokens") && err.contains("max_model_len is 2048"),
+        err.contains("the model's context of 32768 tokens") && err.contains("max_model_len is 2048"),
         "{err}"
     );
     let card = s.get("/v1/models").json();
