@@ -76,6 +76,7 @@ pub fn generate(
         adapter: opts.adapter.clone(),
         prompt_logprobs: None,
         constraint: None,
+        embed: false,
     })?;
     drop(engine);
     let mut out = Vec::new();
@@ -105,7 +106,7 @@ pub fn generate(
                 stop_reason,
                 ..
             }) => break (reason, stop_reason),
-            Some(EngineEvent::PromptLogprobs(_)) => {}
+            Some(EngineEvent::PromptLogprobs(_) | EngineEvent::Embedding(_)) => {}
             Some(EngineEvent::Error(e) | EngineEvent::GrammarFailed(e)) => {
                 anyhow::bail!("generation failed: {e}")
             }

@@ -182,3 +182,116 @@ fn prompt_logprobs_on_chat_and_the_rules_around_scoring() {
         want["token_logprobs"].as_array().unwrap()[..k]
     );
 }
+
+/// `/v1/embeddings`: each input's final hidden states (after the output norm), mean-pooled and
+/// L2-normalised — equal to the independent f64 forward's; batched as alone; text as its token
+/// ids; base64 as the floats' bytes; an adapter's differ from the base's; bad inputs are 400s.
+#[test]
+fn embeddings_are_the_mean_final_hidden_state_normalised() {
+    let (dir, path) = common::write_tiny(&spec());
+    let s = Server::start(&path, CONFIG, &[]);
+    let embed = |body: Value| -> Value {
+        let r = s.post("/v1/embeddings", &body);
+        assert_eq!(r.status, 200, "{}", r.body_text());
+        r.json()
+    };
+    // The vectors are f32s: compared as f32 (JSON's decimals parse back to them exactly).
+    let vec_of = |v: &Value| -> Vec<f32> {
+        v["embedding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let prompt = [5u32, 9, 17, 40, 41, 77, 3];
+    let one = embed(json!({"model": "tiny", "input": prompt}));
+    let got = vec_of(&one["data"][0]);
+    let states = common::naive::naive_hidden_with(&path, &prompt, &|_, _, w, x| {
+        common::naive::matvec(w, x)
+    });
+    let mut mean = vec![0.0; got.len()];
+    for st in &states {
+        for (m, x) in mean.iter_mut().zip(st) {
+            *m += x / states.len() as f64;
+        }
+    }
+    let norm = mean.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let diff = got
+        .iter()
+        .zip(&mean)
+        .map(|(g, m)| (*g as f64 - m / norm).abs())
+        .fold(0.0, f64::max);
+    assert!(diff < 1e-4, "max |flywheel - f64 forward| = {diff}");
+    assert_eq!(one["usage"]["prompt_tokens"], 7);
+    // Batched with others (and beside a chat) as alone; text as its token ids.
+    let text = "hello there";
+    let ids = s.post("/tokenize", &json!({ "prompt": text })).json()["tokens"].clone();
+    let chat = std::thread::scope(|sc| {
+        let h = sc.spawn(|| s.post("/v1/chat/completions", &chat("hi", json!({"max_tokens": 16}))));
+        let many = embed(json!({"model": "tiny", "input": [text, prompt, ids]}));
+        assert_eq!(h.join().unwrap().status, 200);
+        many
+    });
+    let d = chat["data"].as_array().unwrap();
+    assert_eq!(d.len(), 3);
+    assert_eq!(vec_of(&d[1]), got);
+    assert_eq!(vec_of(&d[0]), vec_of(&d[2]));
+    assert_ne!(vec_of(&d[0]), got);
+    // base64: the little-endian f32 bytes.
+    let b = embed(json!({"model": "tiny", "input": prompt, "encoding_format": "base64"}));
+    let raw = b["data"][0]["embedding"].as_str().unwrap();
+    let bytes = decode_base64(raw);
+    let floats: Vec<f32> = bytes
+        .chunks(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(floats, got);
+    // Through an adapter: its own states.
+    let peft = random_peft(&path, &dir.path().join("a"), lora(), 7);
+    let r = s.post(
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "a", "lora_path": peft.to_str().unwrap()}),
+    );
+    assert!(r.status < 300, "{}", r.body_text());
+    let a = embed(json!({"model": "a", "input": prompt}));
+    assert_eq!(a["adapter"], "a");
+    assert_ne!(vec_of(&a["data"][0]), got);
+    // Bad inputs.
+    for (body, param) in [
+        (json!({"model": "tiny", "input": []}), "input"),
+        (json!({"model": "tiny", "input": [[]]}), "input"),
+        (json!({"model": "tiny", "input": 3}), "input"),
+        (json!({"model": "tiny", "input": vec![5; 600]}), "input"),
+        (json!({"model": "tiny", "input": "x", "dimensions": 8}), "dimensions"),
+        (json!({"model": "tiny", "input": "x", "encoding_format": "hex"}), "encoding_format"),
+    ] {
+        assert_error(&s.post("/v1/embeddings", &body), 400, Some(param));
+    }
+    assert_error(
+        &s.post("/v1/embeddings", &json!({"model": "nope", "input": "x"})),
+        404,
+        Some("model"),
+    );
+}
+
+fn decode_base64(s: &str) -> Vec<u8> {
+    let val = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'+' => 62,
+        _ => 63,
+    };
+    let mut out = Vec::new();
+    for chunk in s.as_bytes().chunks(4) {
+        let n = chunk
+            .iter()
+            .take_while(|&&c| c != b'=')
+            .fold((0u32, 0usize), |(acc, k), &c| (acc << 6 | val(c) as u32, k + 1));
+        let (bits, k) = (n.0 << (6 * (4 - n.1)), n.1);
+        let bytes = [(bits >> 16) as u8, (bits >> 8) as u8, bits as u8];
+        out.extend_from_slice(&bytes[..k.saturating_sub(1)]);
+    }
+    out
+}

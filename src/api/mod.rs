@@ -7,6 +7,7 @@ mod cors;
 pub mod body;
 pub mod chat;
 pub mod completions;
+mod embeddings;
 pub mod error;
 pub mod feedback;
 pub mod generate;
@@ -251,6 +252,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/responses", post(responses::create))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/responses/{id}", get(responses::get))
         .route("/inference/v1/generate", post(generate::generate))
         .route("/v1/models", get(info::models))

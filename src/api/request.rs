@@ -87,5 +87,6 @@ pub(super) fn engine_request(job: &Job, ready: &super::Ready) -> Result<Generate
         adapter: job.adapter.as_ref().map(|a| a.version().clone()),
         prompt_logprobs: p.prompt_logprobs,
         constraint: job.constraint.as_ref().map(|c| c.grammar.clone()),
+        embed: false,
     })
 }

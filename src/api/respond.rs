@@ -288,7 +288,9 @@ impl Responder {
                 self.prompt_scores = Some(v.clone());
                 None
             }
-            EngineEvent::Error(_) | EngineEvent::GrammarFailed(_) => None,
+            EngineEvent::Error(_) | EngineEvent::GrammarFailed(_) | EngineEvent::Embedding(_) => {
+                None
+            }
         }
     }
 

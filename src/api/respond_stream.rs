@@ -215,6 +215,7 @@ impl Responder {
             }
             EngineEvent::PromptLogprobs(_)
             | EngineEvent::Error(_)
+            | EngineEvent::Embedding(_)
             | EngineEvent::GrammarFailed(_) => {}
         }
         out

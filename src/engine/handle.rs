@@ -36,6 +36,9 @@ pub struct GenerateRequest {
     pub prompt_logprobs: Option<usize>,
     /// Constrained decoding: each choice follows its own copy of this grammar (fresh).
     pub constraint: Option<Constraint>,
+    /// Embed the prompt instead (`max_tokens` 0, `n` 1): one `Embedding` event, the mean of its
+    /// tokens' final hidden states, L2-normalised.
+    pub embed: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +82,8 @@ pub enum EngineEvent {
     /// The prompt's scores (requests with `prompt_logprobs`): one entry per prompt token after
     /// the first, sent once, before any token.
     PromptLogprobs(Vec<PromptLogprob>),
+    /// The prompt's embedding (requests with `embed`), before `Finished`.
+    Embedding(Vec<f32>),
     /// The request failed inside the engine; no more events follow.
     Error(String),
     /// A choice's grammar cannot go on (the vocabulary cannot spell what it requires, or the

@@ -173,6 +173,7 @@ impl Engine {
         let adapter = req.adapter.clone();
         let n = req.n;
         let score = req.prompt_logprobs.is_some();
+        let embed = req.embed;
         let state = Rc::new(RequestState::new(
             req,
             tx,
@@ -187,6 +188,7 @@ impl Engine {
         let table = self.sched.blocks().new_table();
         let mut seq = Sequence::new(id, prompt, table, adapter);
         seq.score_prompt = score;
+        seq.embed = embed;
         seq.client = client;
         seq.request = request;
         self.sched.add(seq);
@@ -259,7 +261,9 @@ impl Engine {
                     tokens: &s.tokens[c.start..c.start + c.len],
                     first_pos: c.start,
                     block_table: s.table.ids(),
-                    logits: if scores_prompt(s, c) {
+                    logits: if s.embed {
+                        Logits::Hidden
+                    } else if scores_prompt(s, c) {
                         Logits::All
                     } else if c.wants_logits {
                         Logits::Last
@@ -270,10 +274,15 @@ impl Engine {
                 }
             })
             .collect();
-        // Chunks whose every row's logits are computed (prompt scoring), decided once.
+        // Chunks whose every row's logits are computed (prompt scoring), or hidden states
+        // (embeddings), decided once.
         let all_rows: Vec<bool> = batch
             .iter()
             .map(|b| matches!(b.logits, Logits::All))
+            .collect();
+        let hidden_rows: Vec<bool> = batch
+            .iter()
+            .map(|b| matches!(b.logits, Logits::Hidden))
             .collect();
         // Constrained choices about to sample: their masks are computed beside the forward pass
         // (on a scoped thread), off the batch's critical path.
@@ -343,7 +352,17 @@ impl Engine {
         self.sched.commit(&plan);
         let vocab = self.model.config.vocab_size;
         let mut row = 0;
-        for (c, &all) in plan.chunks.iter().zip(&all_rows) {
+        let (hidden, mut hrow) = (std::mem::take(&mut self.bufs.hidden), 0);
+        let width = self.model.config.hidden;
+        for ((c, &all), &embed) in plan.chunks.iter().zip(&all_rows).zip(&hidden_rows) {
+            if embed {
+                self.embed_rows(c, &hidden[hrow * width..(hrow + c.len) * width]);
+                hrow += c.len;
+                if c.wants_logits {
+                    self.finish_embedding(c.seq);
+                }
+                continue;
+            }
             if all {
                 self.score_prompt_rows(c, &logits[row * vocab..(row + c.len) * vocab]);
                 row += c.len - 1;
@@ -361,7 +380,42 @@ impl Engine {
             }
         }
         self.bufs.logits = logits;
+        self.bufs.hidden = hidden;
         true
+    }
+
+    /// Add the hidden states of chunk `c`'s prompt positions not added before.
+    fn embed_rows(&mut self, c: &Chunk, rows: &[f32]) {
+        let Some(out) = self.outputs.get_mut(&c.seq) else {
+            return;
+        };
+        let width = self.model.config.hidden;
+        if out.embed_sum.is_empty() {
+            out.embed_sum = vec![0.0; width];
+        }
+        for i in 0..c.len {
+            if c.start + i < out.embed_count {
+                continue;
+            }
+            for (s, &x) in out.embed_sum.iter_mut().zip(&rows[i * width..(i + 1) * width]) {
+                *s += x as f64;
+            }
+            out.embed_count += 1;
+        }
+    }
+
+    /// The prompt is through: its mean hidden state, L2-normalised, and the request's end.
+    fn finish_embedding(&mut self, id: SeqId) {
+        let Some(out) = self.outputs.remove(&id) else {
+            return;
+        };
+        let n = out.embed_count.max(1) as f64;
+        let mean: Vec<f64> = out.embed_sum.iter().map(|s| s / n).collect();
+        let norm = mean.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+        let v = mean.iter().map(|x| (x / norm) as f32).collect();
+        let _ = out.req.tx.send(EngineEvent::Embedding(v));
+        out.finish_without_tokens(0, &self.metrics);
+        self.sched.remove(id);
     }
 
     /// Score the prompt positions of chunk `c` (rows = its logits, one per token) that were not

@@ -84,6 +84,10 @@ pub struct SeqOutput {
     pub next_mask: Option<Result<TokenMask, String>>,
     /// The tokens generated so far (what `min_tokens` counts and bad words are matched against).
     generated: Vec<u32>,
+    /// Embedding requests: the sum of the prompt positions' hidden states seen so far, and how
+    /// many (a preempted sequence recomputes its prompt: positions are added once).
+    pub embed_sum: Vec<f64>,
+    pub embed_count: usize,
 }
 
 /// The seed of choice `choice`: choice 0 uses the request's seed itself.
@@ -119,6 +123,8 @@ impl SeqOutput {
             constraint,
             next_mask: None,
             generated: Vec::new(),
+            embed_sum: Vec::new(),
+            embed_count: 0,
         }
     }
 

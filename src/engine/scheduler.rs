@@ -195,7 +195,7 @@ impl Scheduler {
                 break;
             }
             let mut s = self.waiting.remove(k).expect("in line");
-            if s.num_computed == 0 && s.table.num_blocks() == 0 && !s.score_prompt {
+            if s.num_computed == 0 && s.table.num_blocks() == 0 && !s.score_prompt && !s.embed {
                 s.num_computed = s.table.match_prefix(&s.tokens, s.cache_key());
             }
             let remaining = s.num_remaining();

@@ -24,6 +24,8 @@ pub struct Sequence {
     /// Its prompt is scored (prompt log-probs): every prompt position is computed, none is
     /// taken from the prefix cache.
     pub score_prompt: bool,
+    /// Its prompt is embedded: every position's final hidden state, none from the prefix cache.
+    pub embed: bool,
     /// Whose it is (`ClientId`) and which request of theirs (its choices and prompts share it):
     /// the scheduler shares slots and blocks fairly between clients, then between requests.
     pub client: ClientId,
@@ -46,6 +48,7 @@ impl Sequence {
             adapter,
             num_preemptions: 0,
             score_prompt: false,
+            embed: false,
             client: ClientId::default(),
             request: id.0,
         }

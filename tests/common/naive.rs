@@ -63,6 +63,30 @@ pub fn naive_logprobs_with(
     project: &Project,
 ) -> Vec<Vec<f64>> {
     let g = Gguf::open(path).unwrap();
+    let out = if g.tensor("output.weight").is_some() {
+        mat(&g, "output.weight")
+    } else {
+        mat(&g, "token_embd.weight")
+    };
+    naive_hidden_with(path, tokens, project)
+        .iter()
+        .map(|x| {
+            let logits = matvec(&out, x);
+            let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = mx + logits.iter().map(|v| (v - mx).exp()).sum::<f64>().ln();
+            logits.iter().map(|v| v - lse).collect()
+        })
+        .collect()
+}
+
+/// Every position's final hidden state after the output norm (what the head reads; what an
+/// embedding pools).
+pub fn naive_hidden_with(
+    path: &std::path::Path,
+    tokens: &[u32],
+    project: &Project,
+) -> Vec<Vec<f64>> {
+    let g = Gguf::open(path).unwrap();
     let arch = g.get_str("general.architecture").unwrap().to_string();
     let neox = arch != "llama";
     let get = |k: &str| g.get(&format!("{arch}.{k}")).unwrap().as_f64().unwrap();
@@ -97,11 +121,6 @@ pub fn naive_logprobs_with(
         let s = (hidden as f64).sqrt();
         emb.iter_mut().flatten().for_each(|v| *v *= s);
     }
-    let out = if g.tensor("output.weight").is_some() {
-        mat(&g, "output.weight")
-    } else {
-        mat(&g, "token_embd.weight")
-    };
     let on = &mat(&g, "output_norm.weight")[0];
     let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| emb[t as usize].clone()).collect();
     for l in 0..layers {
@@ -208,14 +227,7 @@ pub fn naive_logprobs_with(
             }
         }
     }
-    xs.iter()
-        .map(|x| {
-            let logits = matvec(&out, &rmsnorm(x, on, eps));
-            let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let lse = mx + logits.iter().map(|v| (v - mx).exp()).sum::<f64>().ln();
-            logits.iter().map(|v| v - lse).collect()
-        })
-        .collect()
+    xs.iter().map(|x| rmsnorm(x, on, eps)).collect()
 }
 
 fn swiglu(gate: &[f64], up: &[f64]) -> Vec<f64> {

@@ -151,3 +151,32 @@ def test_chat_answer_is_sensible():
 if __name__ == "__main__":
     for content, ours, theirs, a, b, low in closeness(low="int8" if has_precision("int8") else None):
         print(f"{content[:40]:<42} flywheel {ours:.5f}  int8 {low}  llama.cpp {theirs:.5f}  argmax exact {a} llama.cpp {b}")
+
+
+def test_embeddings_equal_llama_cpp_mean_pooling():
+    """/v1/embeddings against llama.cpp's mean-pooled, normalised embeddings of the same texts
+    (the final norm's output averaged over the tokens): the same vectors up to llama.cpp's
+    quantized activations (cosine ≥ 0.999)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from flywheel_server import http, start_server
+    from llama_cpp import LLAMA_POOLING_TYPE_MEAN, Llama
+    texts = ["Hello world", "What is the capital of France?", "emoji 🙂 and café"]
+    llm = Llama(model_path=MODEL, n_ctx=512, n_threads=2, embedding=True,
+                pooling_type=LLAMA_POOLING_TYPE_MEAN, verbose=False)
+    theirs = [np.array(v) for v in llm.embed(texts, normalize=True)]
+    proc, base = start_server([])
+    try:
+        status, _, data = http("POST", base + "/v1/embeddings",
+                               {"model": os.path.basename(MODEL)[:-5], "input": texts}, key=None)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert status == 200, data
+    ours = [np.array(d["embedding"]) for d in json.loads(data)["data"]]
+    for t, a, b in zip(texts, ours, theirs):
+        cos = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+        print(f"{t!r}: cosine {cos:.6f}")
+        assert abs(np.linalg.norm(a) - 1) < 1e-5 and cos > 0.999, (t, cos)
+    # Different texts are told apart more than the two implementations differ.
+    assert float(ours[0] @ ours[1]) < 0.999

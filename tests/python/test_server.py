@@ -311,6 +311,27 @@ def test_responses_follow_the_contract():
           content_type="text/plain", expect=415)
 
 
+def test_embeddings_follow_the_contract():
+    m = model_id()
+    _, _, e = check("POST", "/v1/embeddings", {"model": m, "input": ["Hello", "world"]})
+    assert len(e["data"]) == 2 and e["usage"]["prompt_tokens"] >= 2
+    _, _, b = check("POST", "/v1/embeddings", {"model": m, "input": "Hi", "encoding_format": "base64"})
+    assert isinstance(b["data"][0]["embedding"], str)
+    # The official SDK (it asks for base64 and decodes it).
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=SERVER + "/v1", api_key=KEY)
+    r = client.embeddings.create(model=m, input=["Hello", "world"])
+    assert [round(x, 5) for x in r.data[0].embedding] == [round(x, 5) for x in e["data"][0]["embedding"]]
+    for bad in [{"input": []}, {"input": "x", "dimensions": 3}, {"input": "x", "encoding_format": "hex"}]:
+        check("POST", "/v1/embeddings", {"model": m, **bad}, expect=400)
+    check("POST", "/v1/embeddings", {"model": m, "input": "x"}, key="wrong", expect=401)
+    check("POST", "/v1/embeddings", {"model": "nope", "input": "x"}, expect=404)
+    check("POST", "/v1/embeddings", raw=json.dumps({"model": m, "input": "a" * (3 << 20)}).encode(),
+          expect=413)
+    check("POST", "/v1/embeddings", raw=json.dumps({"model": m, "input": "x"}).encode(),
+          content_type="text/plain", expect=415)
+
+
 def test_overload_and_starting_states_follow_the_contract(tmp_path):
     # A server with room for one pending request answers 429 to the rest of a burst.
     cfg = tmp_path / "serve.toml"
@@ -344,6 +365,12 @@ def test_overload_and_starting_states_follow_the_contract(tmp_path):
                 validate_ours(json.loads(data), our_pointer("/v1/responses", "POST", 429,
                                                             "application/json"))
         exercised.add(("/v1/responses", "429"))
+        emb = {"model": m, "input": ["Count: " * 200] * 4}
+        with cf.ThreadPoolExecutor(8) as ex:
+            emb_results = list(ex.map(
+                lambda _: http("POST", base + "/v1/embeddings", emb, key=None), range(8)))
+        assert any(r[0] == 429 for r in emb_results)
+        exercised.add(("/v1/embeddings", "429"))
         for status, headers, data in gen_results:
             if status == 429:
                 doc = json.loads(data)

@@ -19,6 +19,8 @@ pub struct ForwardBuffers {
     pub(super) normed: Vec<f32>,
     /// (rows of logits asked for, vocab_size) after a pass.
     pub logits: Vec<f32>,
+    /// (rows of hidden states asked for, hidden): the final norm's output (`Logits::Hidden`).
+    pub hidden: Vec<f32>,
     pub(super) adapter: AdapterScratch,
     /// The mixture of experts' routing and products (MoE families).
     pub(super) moe: super::moe::MoeActs,

@@ -31,6 +31,9 @@ pub enum Logits {
     Last,
     /// Every token's (prompt log-probs, training).
     All,
+    /// No logits: every token's final hidden state after the output norm, in
+    /// `ForwardBuffers::hidden` (embeddings).
+    Hidden,
 }
 
 /// One sequence's part of a packed batch: `tokens` at positions `first_pos..`, its KV cache
@@ -159,6 +162,7 @@ impl Llama {
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut logit_rows = Vec::new();
+        let mut hidden_rows = Vec::new();
         let mut attn = Vec::with_capacity(batch.len());
         for s in batch {
             self.check_seq(s, cache)?;
@@ -167,6 +171,7 @@ impl Llama {
                 Logits::None => {}
                 Logits::Last => logit_rows.push(start + s.tokens.len() - 1),
                 Logits::All => logit_rows.extend(start..start + s.tokens.len()),
+                Logits::Hidden => hidden_rows.extend(start..start + s.tokens.len()),
             }
             attn.push(AttnSeq {
                 q_start: start,
@@ -204,6 +209,14 @@ impl Llama {
             if let Some(st) = store.as_deref_mut() {
                 st.acts.push(keep);
             }
+        }
+        if !hidden_rows.is_empty() {
+            let rows: Vec<f32> = hidden_rows
+                .iter()
+                .flat_map(|&r| bufs.x[r * hidden..(r + 1) * hidden].iter().copied())
+                .collect();
+            bufs.hidden.resize(rows.len(), 0.0);
+            cpu.rmsnorm(&rows, &self.output_norm, c.eps, &mut bufs.hidden);
         }
         let ForwardBuffers {
             x,
