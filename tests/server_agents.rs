@@ -303,12 +303,36 @@ fn completions_take_a_batch_of_prompts() {
     let v = r.json();
     assert_eq!(v["choices"][1]["text"], "the world");
     assert!(v["choices"][0]["logprobs"]["token_logprobs"][0].is_null());
+    // Streamed: every prompt's chunks as they come, one id, choices numbered as above; each
+    // choice's streamed text and tokens are the non-streamed ones; the usage of all at the end.
+    let mut b = body(json!(["hello", "the world", [5, 6, 7]]));
+    b["stream"] = json!(true);
+    b["stream_options"] = json!({"include_usage": true});
+    let r = s.post("/v1/completions", &b);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    assert_eq!(r.sse_data().last().map(String::as_str), Some("[DONE]"));
+    let chunks = r.sse_chunks();
+    let id = chunks[0]["id"].clone();
+    let (mut text, mut ids) = (vec![String::new(); 6], vec![Vec::new(); 6]);
+    let mut finished = vec![0; 6];
+    for c in &chunks {
+        assert_eq!(c["id"], id);
+        for ch in c["choices"].as_array().unwrap() {
+            let k = ch["index"].as_u64().unwrap() as usize;
+            text[k].push_str(ch["text"].as_str().unwrap_or(""));
+            ids[k].extend(ch["token_ids"].as_array().into_iter().flatten().cloned());
+            finished[k] += ch["finish_reason"].is_string() as usize;
+        }
+    }
+    assert_eq!(finished, vec![1; 6]);
+    for (k, c) in choices.iter().enumerate() {
+        assert_eq!(json!(text[k]), c["text"], "choice {k}");
+        assert_eq!(json!(ids[k]), c["token_ids"], "choice {k}");
+    }
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 6 * 4);
+    assert_eq!(usage["prompt_tokens"], prompt_tokens);
     // What a batch cannot do is refused by name.
-    let r = s.post(
-        "/v1/completions",
-        &json!({"model": "tiny", "prompt": ["a", "b"], "stream": true}),
-    );
-    assert_error(&r, 400, Some("stream"));
     let many: Vec<&str> = vec!["x"; 300];
     assert_error(
         &s.post("/v1/completions", &json!({"model": "tiny", "prompt": many})),

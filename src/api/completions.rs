@@ -24,13 +24,6 @@ pub async fn completions(
     let prompts = parse_prompts(&f, ready.vocab_size)?;
     let echo = f.bool("echo")?.unwrap_or(false);
     check_scoring(&f, &mut params, echo)?;
-    if prompts.len() > 1 && params.stream {
-        return Err(ApiError::invalid(
-            "stream",
-            "'stream' with several prompts is not supported: send them one per request, or \
-             without 'stream'",
-        ));
-    }
     let (_, adapter) = state.resolve_model(&params.model)?;
     let constraint = match output_grammar(&f, None)? {
         Some(g) => {

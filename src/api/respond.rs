@@ -53,10 +53,10 @@ pub async fn respond(state: &AppState, mut job: Job) -> Result<Response, ApiErro
     }
 }
 
-/// Several prompts of one completions request (never streamed): all submitted first, so the
-/// engine batches them, then collected into one response whose choice `index` is prompt × n +
-/// i (as OpenAI and vLLM number them) under one id; through a learning adapter each prompt's
-/// choices are their own group.
+/// Several prompts of one completions request: all submitted first, so the engine batches them,
+/// then collected into one response (or one stream of their chunks as they come) whose choice
+/// `index` is prompt × n + i (as OpenAI and vLLM number them) under one id; through a learning
+/// adapter each prompt's choices are their own group.
 pub async fn respond_many(state: &AppState, mut jobs: Vec<Job>) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     for j in &mut jobs {
@@ -80,6 +80,9 @@ pub async fn respond_many(state: &AppState, mut jobs: Vec<Job>) -> Result<Respon
         r.first_choice = p * r.job.params.n;
         r.part = Some(p);
         running.push((r, stream));
+    }
+    if running.first().is_some_and(|(r, _)| r.job.params.stream) {
+        return Ok(stream::stream_many(running));
     }
     let mut merged: Option<Completion> = None;
     for (r, stream) in running {

@@ -20,7 +20,7 @@ impl Responder {
                 let first = match self.job.flavor {
                     Flavor::Chat | Flavor::Generate => {
                         Some(wire::Choice::ChatChunk(ChatChunkChoice {
-                            index: j,
+                            index: self.first_choice + j,
                             delta: Delta {
                                 role: Some("assistant"),
                                 content: Some(String::new()),
@@ -34,7 +34,7 @@ impl Responder {
                     }
                     Flavor::Completion => self.job.echo.as_ref().map(|e| {
                         wire::Choice::Text(TextChoice {
-                            index: j,
+                            index: self.first_choice + j,
                             text: e.clone(),
                             logprobs: self.echo_logprobs(),
                             finish_reason: None,
@@ -73,7 +73,7 @@ impl Responder {
                 let ids = token_ids.then(|| vec![*token_id]);
                 let choice = match self.job.flavor {
                     Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
-                        index: i,
+                        index: self.first_choice + i,
                         delta: Delta {
                             content: (!text.is_empty() || thinking.is_empty())
                                 .then(|| text.clone()),
@@ -89,7 +89,7 @@ impl Responder {
                         token_ids: ids,
                     }),
                     Flavor::Completion => wire::Choice::Text(TextChoice {
-                        index: i,
+                        index: self.first_choice + i,
                         text: text.clone(),
                         logprobs: logprobs.then(|| TextLogprobs {
                             tokens: c.tokens.last().cloned().into_iter().collect(),
@@ -134,7 +134,7 @@ impl Responder {
                 }
                 for delta in held {
                     let choice = wire::Choice::ChatChunk(ChatChunkChoice {
-                        index: i,
+                        index: self.first_choice + i,
                         delta,
                         logprobs: None,
                         finish_reason: None,
@@ -177,7 +177,7 @@ impl Responder {
                     }
                     for delta in deltas {
                         let choice = wire::Choice::ChatChunk(ChatChunkChoice {
-                            index: i,
+                            index: self.first_choice + i,
                             delta,
                             logprobs: None,
                             finish_reason: None,
@@ -193,7 +193,7 @@ impl Responder {
                 );
                 let choice = match self.job.flavor {
                     Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
-                        index: i,
+                        index: self.first_choice + i,
                         delta: Delta::default(),
                         logprobs: None,
                         finish_reason: reason,
@@ -201,7 +201,7 @@ impl Responder {
                         token_ids: None,
                     }),
                     Flavor::Completion => wire::Choice::Text(TextChoice {
-                        index: i,
+                        index: self.first_choice + i,
                         text: String::new(),
                         logprobs: None,
                         finish_reason: reason,
@@ -277,6 +277,76 @@ pub(super) fn stream_response(r: Responder, stream: RequestStream) -> Response {
             }
         }
         Some((Ok(Bytes::from(out)), Some((r, stream))))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("valid response")
+}
+
+/// Several prompts' streams as one (completions with a batch of prompts): each prompt's chunks as
+/// its events come, under the request's one id and with its choices numbered prompt × n + i;
+/// each prompt's choices logged when it ends; the usage of all, then `[DONE]`, once all ended.
+pub(super) fn stream_many(running: Vec<(Responder, RequestStream)>) -> Response {
+    let state = Some(running);
+    let body = futures_util::stream::unfold(state, |state| async move {
+        let mut running = state?;
+        if running.iter().all(|(r, _)| r.is_done()) {
+            let mut out = String::new();
+            if running[0].0.job.params.include_usage {
+                let mut u = running[0].0.envelope(true, Vec::new());
+                let mut usage = running[0].0.usage();
+                for (r, _) in &running[1..] {
+                    let more = r.usage();
+                    usage.prompt_tokens += more.prompt_tokens;
+                    usage.completion_tokens += more.completion_tokens;
+                    usage.total_tokens += more.total_tokens;
+                }
+                u.usage = Some(usage);
+                out.push_str(&sse(&u));
+            }
+            out.push_str("data: [DONE]\n\n");
+            return Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), None));
+        }
+        // The next event of any prompt still running.
+        let (ev, k) = {
+            let waiting = running
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, (r, _))| !r.is_done())
+                .map(|(k, (_, s))| Box::pin(async move { (s.rx.recv().await, k) }));
+            futures_util::future::select_all(waiting).await.0
+        };
+        let mut out = String::new();
+        let r = &mut running[k].0;
+        match ev {
+            Some(EngineEvent::Error(e)) => {
+                out.push_str(&sse(&ApiError::internal(e).body()));
+                return Some((Ok(Bytes::from(out)), None));
+            }
+            Some(EngineEvent::GrammarFailed(e)) => {
+                out.push_str(&sse(&super::grammar_failed(&r.job, &e).body()));
+                return Some((Ok(Bytes::from(out)), None));
+            }
+            Some(ev) => {
+                for c in r.chunks_for(&ev) {
+                    out.push_str(&sse(&c));
+                }
+            }
+            None => {
+                out.push_str(&sse(&ApiError::internal("the engine stopped").body()));
+                return Some((Ok(Bytes::from(out)), None));
+            }
+        }
+        if r.is_done() {
+            if let Err(e) = r.log_rollouts().await {
+                out.push_str(&sse(&e.body()));
+                return Some((Ok(Bytes::from(out)), None));
+            }
+        }
+        Some((Ok(Bytes::from(out)), Some(running)))
     });
     Response::builder()
         .status(StatusCode::OK)
