@@ -208,7 +208,8 @@ fn chat_template_name(value: &str) -> &str {
 /// threads while answering 503).
 pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     let path = crate::fetch::ensure_model(&cfg.model_path)?;
-    let model = Llama::open_in(&path, cfg.weights)?;
+    let mut model = Llama::open_in(&path, cfg.weights)?;
+    model.kv_dtype = cfg.kv_dtype;
     log_weights(&model);
     let mut tokenizer = Tokenizer::from_gguf(&model.gguf)?;
     match &cfg.chat_template {

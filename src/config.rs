@@ -1,6 +1,7 @@
 //! Configuration: a TOML file (`configs/serve.toml` documents every key and its default) with CLI
 //! flags on top, validated once at start-up into `Config`. Nothing downstream re-checks it.
 
+use crate::model::kv_cache::KvDtype;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -75,6 +76,7 @@ pub struct RawEngine {
     pub max_num_seqs: Option<usize>,
     pub max_num_batched_tokens: Option<usize>,
     pub kv_cache_mb: Option<usize>,
+    pub kv_cache_dtype: Option<String>,
     pub block_size: Option<usize>,
     pub enable_prefix_caching: Option<bool>,
 }
@@ -110,6 +112,8 @@ pub struct CliOverrides {
     pub max_model_len: Option<usize>,
     /// `--allowed-origins`: overrides server.allowed_origins.
     pub allowed_origins: Option<Vec<String>>,
+    /// `--kv-cache-dtype`: overrides engine.kv_cache_dtype.
+    pub kv_cache_dtype: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -163,6 +167,8 @@ pub struct Config {
     pub weights: crate::model::gguf::WeightMemory,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// What K and V are stored as (f16 by default: half the memory of f32, train = serve kept).
+    pub kv_dtype: KvDtype,
     pub kv_cache_bytes: usize,
     pub block_size: usize,
     pub enable_prefix_caching: bool,
@@ -303,6 +309,10 @@ impl RawConfig {
             max_num_seqs: e.max_num_seqs.unwrap_or(64),
             max_num_batched_tokens: e.max_num_batched_tokens.unwrap_or(256),
             kv_cache_bytes: e.kv_cache_mb.unwrap_or(1024) << 20,
+            kv_dtype: match cli.kv_cache_dtype.clone().or(e.kv_cache_dtype) {
+                None => KvDtype::F16,
+                Some(d) => d.parse().map_err(|e| invalid("engine.kv_cache_dtype", e))?,
+            },
             block_size: e.block_size.unwrap_or(16),
             enable_prefix_caching: e.enable_prefix_caching.unwrap_or(true),
             online,
@@ -412,7 +422,7 @@ impl Config {
         kv_dim: usize,
         model_context: usize,
     ) -> Result<FittedContext, ConfigError> {
-        let per_block = num_layers * self.block_size * kv_dim * 2 * std::mem::size_of::<f32>();
+        let per_block = num_layers * self.block_size * kv_dim * 2 * self.kv_dtype.bytes();
         let n = self.kv_cache_bytes / per_block.max(1);
         let mib = |blocks: usize| (blocks * per_block).div_ceil(1 << 20);
         let fitted = |max_model_len, note| FittedContext {
@@ -578,9 +588,14 @@ mod tests {
 
     #[test]
     fn the_context_is_fitted_to_the_kv_cache_unless_it_is_set() {
-        // 30 layers x 16 tokens x 192 x 2 x 4 bytes = 720 KiB a block: 1 MiB holds 1 block.
+        // f32: 30 layers x 16 tokens x 192 x 2 x 4 bytes = 720 KiB a block: 1 MiB holds 1 block.
         let cfg = |toml: &str, cli: &CliOverrides| {
-            RawConfig::from_toml(toml).unwrap().validate(cli).unwrap()
+            RawConfig::from_toml(
+                &toml.replace("[engine]\n", "[engine]\nkv_cache_dtype = \"f32\"\n"),
+            )
+            .unwrap()
+            .validate(cli)
+            .unwrap()
         };
         let none = CliOverrides::default();
         let small = cfg("[engine]\nkv_cache_mb = 1\n", &none);
@@ -588,7 +603,10 @@ mod tests {
         assert_eq!((f.max_model_len, f.num_kv_blocks), (16, 1));
         assert!(f.note.unwrap().contains("max_model_len is 16"));
         // Set, it must fit: an error naming the setting and what it needs.
-        let set = cfg("[engine]\nkv_cache_mb = 1\n[model]\nmax_model_len = 8192\n", &none);
+        let set = cfg(
+            "[engine]\nkv_cache_mb = 1\n[model]\nmax_model_len = 8192\n",
+            &none,
+        );
         let e = set.fit_context(30, 192, 8192).unwrap_err().to_string();
         assert!(e.contains("kv_cache_mb") && e.contains("needs 512"), "{e}");
         // The flag wins over the file, and is capped by the model's context with a note.
@@ -601,10 +619,18 @@ mod tests {
         assert_eq!((f.max_model_len, f.num_kv_blocks), (8192, 1456));
         assert!(f.note.is_some());
         // Fits: the model's context, no note.
-        let f = big.fit_context(30, 192, 4096).unwrap();
+        let roomy = cfg("[engine]\nkv_cache_mb = 1024\n", &none);
+        let f = roomy.fit_context(30, 192, 4096).unwrap();
         assert_eq!((f.max_model_len, f.note), (4096, None));
         let tiny = cfg("[engine]\nkv_cache_mb = 1\n", &none);
         assert!(tiny.fit_context(300, 192, 8192).is_err());
+        // f16 (the default): twice the tokens in the same memory.
+        let half = RawConfig::from_toml("[engine]\nkv_cache_mb = 1\n")
+            .unwrap()
+            .validate(&none)
+            .unwrap();
+        assert_eq!(half.kv_dtype, KvDtype::F16);
+        assert_eq!(half.fit_context(30, 192, 8192).unwrap().max_model_len, 32);
     }
 
     #[test]

@@ -157,7 +157,13 @@ pub fn decode_batch(
 ) -> anyhow::Result<f64> {
     let bs = BLOCK_SIZE;
     let need: usize = prompts.iter().map(|p| (p.len() + steps).div_ceil(bs)).sum();
-    let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), bs, need);
+    let mut cache = KvCache::with_dtype(
+        model.config.num_layers,
+        model.config.kv_dim(),
+        bs,
+        need,
+        model.kv_dtype,
+    );
     let mut alloc = BlockAllocator::new(need);
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut last = Vec::with_capacity(prompts.len());

@@ -115,6 +115,10 @@ enum Cmd {
         /// from another origin is a 403. Overrides server.allowed_origins.
         #[arg(long, value_delimiter = ',')]
         allowed_origins: Option<Vec<String>>,
+        /// What the KV cache stores: f16 (the default, half the memory) or f32. Overrides
+        /// engine.kv_cache_dtype.
+        #[arg(long)]
+        kv_cache_dtype: Option<String>,
     },
     /// Generate text from a prompt.
     Generate {
@@ -331,6 +335,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             chat_template,
             max_model_len,
             allowed_origins,
+            kv_cache_dtype,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -360,6 +365,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 chat_template,
                 max_model_len,
                 allowed_origins,
+                kv_cache_dtype,
             };
             flywheel::app::serve(raw.validate(&cli)?)
         }

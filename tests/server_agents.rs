@@ -210,7 +210,8 @@ fn tools_reach_the_prompt_through_the_models_template() {
         "{text}"
     );
     // A chat with tools is served (tool_choice auto); forcing a call is refused by name until
-    // constrained decoding exists, as are structured outputs and unimplemented sampling knobs.
+    // constrained decoding exists, as are structured outputs and bad or unimplemented sampling
+    // knobs (min_tokens past max_tokens).
     let r = s.post(
         "/v1/chat/completions",
         &chat(
@@ -237,7 +238,7 @@ fn tools_reach_the_prompt_through_the_models_template() {
         ),
         (json!({"repetition_penalty": -1}), "repetition_penalty"),
         (json!({"best_of": 3}), "best_of"),
-        (json!({"min_tokens": 3}), "min_tokens"),
+        (json!({"min_tokens": 30}), "min_tokens"),
     ] {
         let r = s.post("/v1/chat/completions", &chat("hi", extra.clone()));
         assert_error(&r, 400, Some(param));

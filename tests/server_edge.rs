@@ -283,7 +283,10 @@ fn slow_clients_are_closed_and_cannot_exhaust_the_connections() {
 #[test]
 fn browsers_get_cors_from_allowed_origins_and_403_from_others() {
     let app = "https://app.example";
-    let (_d, s) = start(EDGE, &["--allowed-origins", &format!("{app},http://x.test")]);
+    let (_d, s) = start(
+        EDGE,
+        &["--allowed-origins", &format!("{app},http://x.test")],
+    );
     let pre = s
         .try_request(
             "OPTIONS",
@@ -292,7 +295,10 @@ fn browsers_get_cors_from_allowed_origins_and_403_from_others() {
             &[
                 ("Origin", app),
                 ("Access-Control-Request-Method", "POST"),
-                ("Access-Control-Request-Headers", "authorization, content-type"),
+                (
+                    "Access-Control-Request-Headers",
+                    "authorization, content-type",
+                ),
             ],
         )
         .unwrap();
@@ -346,7 +352,10 @@ fn browsers_get_cors_from_allowed_origins_and_403_from_others() {
         .unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(s.get("/v1/models").status, 200);
-    assert!(s.get("/v1/models").header("access-control-allow-origin").is_none());
+    assert!(s
+        .get("/v1/models")
+        .header("access-control-allow-origin")
+        .is_none());
     let r = s.try_request("OPTIONS", "/v1/models", None, &[]).unwrap();
     assert_eq!(r.status, 204);
     assert!(r.header("allow").is_some_and(|a| a.contains("GET")));
@@ -356,7 +365,12 @@ fn browsers_get_cors_from_allowed_origins_and_403_from_others() {
 fn any_origin_when_allowed_and_bad_origins_do_not_start() {
     let (_d, s) = start(EDGE, &["--allowed-origins", "*"]);
     let r = s
-        .try_request("GET", "/v1/models", None, &[("Origin", "https://a.example")])
+        .try_request(
+            "GET",
+            "/v1/models",
+            None,
+            &[("Origin", "https://a.example")],
+        )
         .unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(r.header("access-control-allow-origin"), Some("*"));

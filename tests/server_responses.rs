@@ -63,10 +63,16 @@ fn fields_the_server_does_not_take_are_400s_naming_them() {
     for (extra, param) in [
         (json!({"background": true}), "background"),
         (json!({"truncation": "auto"}), "truncation"),
-        (json!({"include": ["reasoning.encrypted_content"]}), "include"),
+        (
+            json!({"include": ["reasoning.encrypted_content"]}),
+            "include",
+        ),
         (json!({"reasoning": {"effort": "high"}}), "reasoning"),
         (json!({"tools": [{"type": "web_search"}]}), "tools[0]"),
-        (json!({"input": [{"type": "image_generation_call"}]}), "input[0]"),
+        (
+            json!({"input": [{"type": "image_generation_call"}]}),
+            "input[0]",
+        ),
         (json!({"input": []}), "input"),
         (json!({"max_output_tokens": -1}), "max_output_tokens"),
         (json!({"text": {"format": {"type": "yaml"}}}), "text.format"),

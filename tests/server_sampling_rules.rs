@@ -54,7 +54,10 @@ fn min_tokens_holds_back_the_end_and_stop_strings() {
         &s,
         json!({ "stop": [stop], "ignore_eos": true, "min_tokens": 3 }),
     );
-    assert!(r["usage"]["completion_tokens"].as_u64().unwrap() >= 3, "{r}");
+    assert!(
+        r["usage"]["completion_tokens"].as_u64().unwrap() >= 3,
+        "{r}"
+    );
 }
 
 #[test]
@@ -97,7 +100,10 @@ fn allowed_tokens_and_bad_words_limit_what_is_drawn() {
 #[test]
 fn the_stop_string_can_be_kept_and_the_prompt_truncated() {
     let (_d, s) = start(CONFIG, &[]);
-    let greedy = text(&completion(&s, json!({"ignore_eos": true, "max_tokens": 12})));
+    let greedy = text(&completion(
+        &s,
+        json!({"ignore_eos": true, "max_tokens": 12}),
+    ));
     let chars: Vec<char> = greedy.chars().collect();
     assert!(chars.len() >= 4, "{greedy:?}");
     let stop: String = chars[2..4].iter().collect();
@@ -155,13 +161,25 @@ fn bad_values_of_the_rules_are_400s_naming_them() {
         (json!({"min_tokens": 9}), "min_tokens"),
         (json!({"min_tokens": -1}), "min_tokens"),
         (json!({"allowed_token_ids": []}), "allowed_token_ids"),
-        (json!({"allowed_token_ids": [1_000_000]}), "allowed_token_ids"),
+        (
+            json!({"allowed_token_ids": [1_000_000]}),
+            "allowed_token_ids",
+        ),
         (json!({"bad_words": [""]}), "bad_words"),
         (json!({"bad_words": "word"}), "bad_words"),
         (json!({"bad_words": vec!["w"; 200]}), "bad_words"),
-        (json!({"truncate_prompt_tokens": 0}), "truncate_prompt_tokens"),
-        (json!({"truncate_prompt_tokens": -2}), "truncate_prompt_tokens"),
-        (json!({"include_stop_str_in_output": "yes"}), "include_stop_str_in_output"),
+        (
+            json!({"truncate_prompt_tokens": 0}),
+            "truncate_prompt_tokens",
+        ),
+        (
+            json!({"truncate_prompt_tokens": -2}),
+            "truncate_prompt_tokens",
+        ),
+        (
+            json!({"include_stop_str_in_output": "yes"}),
+            "include_stop_str_in_output",
+        ),
     ] {
         let mut b = json!({"model": "tiny", "prompt": "hello", "max_tokens": 8});
         for (k, v) in extra.as_object().unwrap() {

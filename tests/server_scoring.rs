@@ -207,9 +207,8 @@ fn embeddings_are_the_mean_final_hidden_state_normalised() {
     let prompt = [5u32, 9, 17, 40, 41, 77, 3];
     let one = embed(json!({"model": "tiny", "input": prompt}));
     let got = vec_of(&one["data"][0]);
-    let states = common::naive::naive_hidden_with(&path, &prompt, &|_, _, w, x| {
-        common::naive::matvec(w, x)
-    });
+    let states =
+        common::naive::naive_hidden_with(&path, &prompt, &|_, _, w, x| common::naive::matvec(w, x));
     let mut mean = vec![0.0; got.len()];
     for st in &states {
         for (m, x) in mean.iter_mut().zip(st) {
@@ -228,7 +227,12 @@ fn embeddings_are_the_mean_final_hidden_state_normalised() {
     let text = "hello there";
     let ids = s.post("/tokenize", &json!({ "prompt": text })).json()["tokens"].clone();
     let chat = std::thread::scope(|sc| {
-        let h = sc.spawn(|| s.post("/v1/chat/completions", &chat("hi", json!({"max_tokens": 16}))));
+        let h = sc.spawn(|| {
+            s.post(
+                "/v1/chat/completions",
+                &chat("hi", json!({"max_tokens": 16})),
+            )
+        });
         let many = embed(json!({"model": "tiny", "input": [text, prompt, ids]}));
         assert_eq!(h.join().unwrap().status, 200);
         many
@@ -263,8 +267,14 @@ fn embeddings_are_the_mean_final_hidden_state_normalised() {
         (json!({"model": "tiny", "input": [[]]}), "input"),
         (json!({"model": "tiny", "input": 3}), "input"),
         (json!({"model": "tiny", "input": vec![5; 600]}), "input"),
-        (json!({"model": "tiny", "input": "x", "dimensions": 8}), "dimensions"),
-        (json!({"model": "tiny", "input": "x", "encoding_format": "hex"}), "encoding_format"),
+        (
+            json!({"model": "tiny", "input": "x", "dimensions": 8}),
+            "dimensions",
+        ),
+        (
+            json!({"model": "tiny", "input": "x", "encoding_format": "hex"}),
+            "encoding_format",
+        ),
     ] {
         assert_error(&s.post("/v1/embeddings", &body), 400, Some(param));
     }
@@ -288,7 +298,9 @@ fn decode_base64(s: &str) -> Vec<u8> {
         let n = chunk
             .iter()
             .take_while(|&&c| c != b'=')
-            .fold((0u32, 0usize), |(acc, k), &c| (acc << 6 | val(c) as u32, k + 1));
+            .fold((0u32, 0usize), |(acc, k), &c| {
+                (acc << 6 | val(c) as u32, k + 1)
+            });
         let (bits, k) = (n.0 << (6 * (4 - n.1)), n.1);
         let bytes = [(bits >> 16) as u8, (bits >> 8) as u8, bits as u8];
         out.extend_from_slice(&bytes[..k.saturating_sub(1)]);

@@ -67,8 +67,11 @@ fn a_base_models_file_refuses_chat_until_it_is_given_a_template() {
     );
     assert_eq!(r.status, 200, "{}", r.body_text());
     assert_eq!(
-        rendered(&s, json!({"messages": [{"role": "user", "content": "hi"}], "chat_template": tmpl}))
-            .unwrap(),
+        rendered(
+            &s,
+            json!({"messages": [{"role": "user", "content": "hi"}], "chat_template": tmpl})
+        )
+        .unwrap(),
         "[user] hi\n[assistant] "
     );
     drop(s);
@@ -176,7 +179,11 @@ fn template_variables_come_from_the_request_and_bad_templates_are_400s() {
         "/no_think hey hi"
     );
     // What the template is always given cannot be replaced; kwargs must be an object.
-    for kw in [json!({"messages": []}), json!({"add_generation_prompt": true}), json!([1])] {
+    for kw in [
+        json!({"messages": []}),
+        json!({"add_generation_prompt": true}),
+        json!([1]),
+    ] {
         let r = one(json!({ "chat_template_kwargs": kw })).unwrap_err();
         assert_error(&r, 400, Some("chat_template_kwargs"));
     }
@@ -209,8 +216,9 @@ fn template_variables_come_from_the_request_and_bad_templates_are_400s() {
 
 #[test]
 fn a_context_longer_than_the_cache_is_fitted_with_a_warning_unless_it_is_set() {
-    // A 32k-context file; 1 MiB of KV cache holds 128 blocks of 16 (2 layers, kv_dim 32, 8 KiB a
-    // block). Before, it refused to start ("one sequence of max_model_len 32768 needs 2048").
+    // A 32k-context file; 1 MiB of f16 KV cache holds 256 blocks of 16 (2 layers, kv_dim 32,
+    // 4 KiB a block). Before, it refused to start ("one sequence of max_model_len 32768 needs
+    // 2048", in f32).
     let (_d, path) = write_tiny(&TinySpec {
         ctx: 32768,
         ..TinySpec::small()
@@ -219,15 +227,16 @@ fn a_context_longer_than_the_cache_is_fitted_with_a_warning_unless_it_is_set() {
     let s = Server::start(&path, small, &[]);
     let err = s.stderr();
     assert!(
-        err.contains("the model's context of 32768 tokens") && err.contains("max_model_len is 2048"),
+        err.contains("the model's context of 32768 tokens")
+            && err.contains("max_model_len is 4096"),
         "{err}"
     );
     let card = s.get("/v1/models").json();
-    assert_eq!(card["data"][0]["max_model_len"], 2048, "{card}");
+    assert_eq!(card["data"][0]["max_model_len"], 4096, "{card}");
     // A prompt over the fitted context is refused as any too-long prompt is.
     let r = s.post(
         "/v1/completions",
-        &json!({"model": "tiny", "prompt": vec![5; 2100], "max_tokens": 1}),
+        &json!({"model": "tiny", "prompt": vec![5; 4100], "max_tokens": 1}),
     );
     assert_eq!(r.status, 400, "{}", r.body_text());
     drop(s);
@@ -241,10 +250,15 @@ fn a_context_longer_than_the_cache_is_fitted_with_a_warning_unless_it_is_set() {
     std::fs::write(&toml, small).unwrap();
     let err = refused_start(
         &path,
-        &["--config", toml.to_str().unwrap(), "--max-model-len", "4096"],
+        &[
+            "--config",
+            toml.to_str().unwrap(),
+            "--max-model-len",
+            "8192",
+        ],
     );
     assert!(
-        err.contains("kv_cache_mb") && err.contains("max_model_len 4096"),
+        err.contains("kv_cache_mb") && err.contains("max_model_len 8192"),
         "{err}"
     );
 }

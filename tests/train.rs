@@ -17,6 +17,7 @@ use flywheel::generate::GenerateOptions;
 use flywheel::kernels::cpu::Precision;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::metrics::Metrics;
+use flywheel::model::kv_cache::KvDtype;
 use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET, HEAD_CHUNK};
 use flywheel::model::tokenizer::Tokenizer;
 use flywheel::train::pack::Packed;
@@ -80,13 +81,39 @@ fn served_log_probs_equal_the_training_forward_bitwise_in_int8() {
     }
 }
 
+/// The same with an f16 KV cache (the server's default): K and V rounded to halves on both
+/// sides; the log-probs move a little from the f32 cache's, never apart between serving and
+/// training.
+#[test]
+fn served_log_probs_equal_the_training_forward_bitwise_with_an_f16_kv_cache() {
+    for spec in TinySpec::families() {
+        let f32_kv = served_equal_training(&spec, Precision::Exact);
+        let f16_kv = served_equal_training_kv(&spec, Precision::Exact, KvDtype::F16);
+        assert_ne!(
+            f32_kv, f16_kv,
+            "{}: the f16 cache changed nothing",
+            spec.arch
+        );
+        // The first token is drawn from the same context: its log-prob agrees closely.
+        let (a, b) = (&f32_kv[0], &f16_kv[0]);
+        let close = (a[0] - b[0]).abs() < 0.01;
+        assert!(close, "{}: {a:?} vs {b:?}", spec.arch);
+    }
+}
+
 /// Serves three completions per adapter kind and checks the training forward's log-probs equal
 /// the served ones to the bit; returns the served log-probs.
 fn served_equal_training(spec: &TinySpec, precision: Precision) -> Vec<Vec<f32>> {
+    served_equal_training_kv(spec, precision, KvDtype::F32)
+}
+
+fn served_equal_training_kv(spec: &TinySpec, precision: Precision, kv: KvDtype) -> Vec<Vec<f32>> {
     let detect = || Cpu::detect().with_precision(precision).unwrap();
     let mut served_all = Vec::new();
     let (_dir, path) = write_tiny(spec);
-    let model = Arc::new(Llama::open(&path).unwrap());
+    let mut model = Llama::open(&path).unwrap();
+    model.kv_dtype = kv;
+    let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::from_gguf(&model.gguf).unwrap());
     let base = Base {
         model: model.clone(),

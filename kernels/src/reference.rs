@@ -285,15 +285,42 @@ pub fn softmax_backward_row(lp: &[f32], scale: f32, dz: &mut [f32]) -> f64 {
 /// `(b * block_size + s) * kv_dim`. K is stored transposed within each block, `[kv_dim][block_size]`:
 /// value `c` of slot `s` is at `b * block_size * kv_dim + c * block_size + s`, so that attention
 /// scores a whole block of keys with vector FMAs and no horizontal sums.
+///
+/// The values are f32, or IEEE halves ([`F16`]: half the memory; the cache's writer rounds K and
+/// V to halves first, so that what is stored is exactly what the model computed with).
 #[derive(Clone, Copy)]
-pub struct PagedKv<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+pub struct PagedKv<'a, E: KvElem = f32> {
+    pub k: &'a [E],
+    pub v: &'a [E],
     pub block_size: usize,
     pub kv_dim: usize,
 }
 
-impl PagedKv<'_> {
+/// An element of the KV cache: f32, or an IEEE half.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// An IEEE half's bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+impl KvElem for F16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        crate::quant::f16_to_f32(self.0)
+    }
+}
+
+impl<E: KvElem> PagedKv<'_, E> {
     /// Offset of the V row of position `pos` of a sequence with `block_table`.
     #[inline]
     pub fn v_offset(&self, block_table: &[u32], pos: usize) -> usize {
@@ -322,11 +349,11 @@ pub struct AttnSeq<'a> {
 
 /// Causal grouped-query attention over paged KV. q and out are (num_tokens, n_heads * head_dim).
 #[allow(clippy::too_many_arguments)]
-pub fn attention(
+pub fn attention<E: KvElem>(
     q: &[f32],
     out: &mut [f32],
     seqs: &[AttnSeq],
-    kv: PagedKv,
+    kv: PagedKv<E>,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -338,11 +365,11 @@ pub fn attention(
 /// `attention` where a query at position p sees only keys p − window + 1 ..= p when `window`
 /// is given (a sliding-window layer).
 #[allow(clippy::too_many_arguments)]
-pub fn attention_windowed(
+pub fn attention_windowed<E: KvElem>(
     q: &[f32],
     out: &mut [f32],
     seqs: &[AttnSeq],
-    kv: PagedKv,
+    kv: PagedKv<E>,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -364,7 +391,8 @@ pub fn attention_windowed(
                     let dot: f64 = (0..head_dim)
                         .map(|d| {
                             qh[d] as f64
-                                * kv.k[kv.k_index(s.block_table, p, kvh * head_dim + d)] as f64
+                                * kv.k[kv.k_index(s.block_table, p, kvh * head_dim + d)].to_f32()
+                                    as f64
                         })
                         .sum();
                     *sc = (dot * scale as f64) as f32;
@@ -374,7 +402,7 @@ pub fn attention_windowed(
                 for (p, w) in (lo..).zip(scores.iter()) {
                     let off = kv.v_offset(s.block_table, p) + kvh * head_dim;
                     for d in 0..head_dim {
-                        acc[d] += *w as f64 * kv.v[off + d] as f64;
+                        acc[d] += *w as f64 * kv.v[off + d].to_f32() as f64;
                     }
                 }
                 let oh = &mut out[t * qdim + h * head_dim..][..head_dim];

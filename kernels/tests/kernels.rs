@@ -6,7 +6,7 @@ mod common;
 use common::Rng;
 use flywheel_kernels::cpu::ops;
 use flywheel_kernels::quant::quantize::quantize;
-use flywheel_kernels::reference::{self, AttnSeq, PagedKv};
+use flywheel_kernels::reference::{self, AttnSeq, PagedKv, F16};
 use flywheel_kernels::{Cpu, Isa, QuantType, RopeLayout, ThreadPool};
 use std::time::Duration;
 
@@ -343,6 +343,105 @@ fn paged_attention_matches_reference() {
             for window in [None, Some(1), Some(3), Some(19)] {
                 paged_attention_case(bs, n_heads, n_kv, hd, window);
             }
+        }
+    }
+}
+
+/// An f16 KV cache: the attention over halves equals, to the bit, the attention over the same
+/// values as f32 (the loads widen exactly), on every ISA and shape; and the F16C rounding is the
+/// scalar one's, bit for bit (ties, subnormals, overflow, signed zeros).
+#[test]
+fn f16_kv_attention_is_the_f32_attention_of_the_rounded_values() {
+    let mut rng = Rng(41);
+    let mut edge: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        65504.0,
+        65520.0,
+        1e6,
+        -1e6,
+        6.1e-5,
+        5.96e-8,
+        2.98e-8,
+        1e-9,
+        1.000_488_3,
+        1.000_976_6,
+        0.333_333_34,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+    ];
+    edge.extend(rng.vec(1003, 10.0));
+    for isa in std::iter::once(Isa::Reference).chain(fast_isas()) {
+        let mut x = edge.clone();
+        let mut h = vec![F16::default(); x.len()];
+        ops::round_to_f16(isa, &mut x, &mut h);
+        for (i, (&r, &b)) in x.iter().zip(&h).enumerate() {
+            let want = flywheel_kernels::quant::f32_to_f16(edge[i]);
+            assert_eq!(b.0, want, "{isa:?} {}", edge[i]);
+            assert_eq!(
+                r.to_bits(),
+                flywheel_kernels::quant::f16_to_f32(want).to_bits()
+            );
+        }
+    }
+    let (bs, n_heads, n_kv, hd) = (16usize, 6usize, 2usize, 64usize);
+    let kv_dim = n_kv * hd;
+    let num_blocks = 6;
+    let mut k = rng.vec(num_blocks * bs * kv_dim, 1.0);
+    let mut v = rng.vec(num_blocks * bs * kv_dim, 1.0);
+    let (mut k16, mut v16) = (vec![F16::default(); k.len()], vec![F16::default(); v.len()]);
+    ops::round_to_f16(Isa::Reference, &mut k, &mut k16);
+    ops::round_to_f16(Isa::Reference, &mut v, &mut v16);
+    let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+    let seqs = [AttnSeq {
+        q_start: 0,
+        q_len: 70,
+        first_pos: 0,
+        block_table: &table,
+    }];
+    let q = rng.vec(70 * n_heads * hd, 1.0);
+    let wide = PagedKv {
+        k: &k,
+        v: &v,
+        block_size: bs,
+        kv_dim,
+    };
+    let half = PagedKv {
+        k: &k16,
+        v: &v16,
+        block_size: bs,
+        kv_dim,
+    };
+    for window in [None, Some(5)] {
+        let mut a = vec![0.0; q.len()];
+        let mut b = vec![0.0; q.len()];
+        reference::attention_windowed(&q, &mut a, &seqs, wide, n_heads, n_kv, hd, 0.125, window);
+        reference::attention_windowed(&q, &mut b, &seqs, half, n_heads, n_kv, hd, 0.125, window);
+        assert_eq!(a, b);
+        for isa in fast_isas() {
+            let c = cpu(isa, 2);
+            c.attention_windowed(&q, &mut a, &seqs, wide, n_heads, n_kv, hd, 0.125, window);
+            c.attention_windowed(&q, &mut b, &seqs, half, n_heads, n_kv, hd, 0.125, window);
+            assert_eq!(a, b, "{isa:?} {window:?}");
+            // The scalar fallback (a block size that is not whole vectors) too.
+            let odd_wide = PagedKv {
+                block_size: 8,
+                ..wide
+            };
+            let odd_half = PagedKv {
+                block_size: 8,
+                ..half
+            };
+            let table8: Vec<u32> = (0..(num_blocks * 2) as u32).collect();
+            let s8 = [AttnSeq {
+                block_table: &table8,
+                ..seqs[0]
+            }];
+            c.attention_windowed(&q, &mut a, &s8, odd_wide, n_heads, n_kv, hd, 0.125, window);
+            c.attention_windowed(&q, &mut b, &s8, odd_half, n_heads, n_kv, hd, 0.125, window);
+            assert_eq!(a, b, "{isa:?} {window:?} block 8");
         }
     }
 }

@@ -6,9 +6,7 @@ use super::job::{Flavor, Job};
 use super::messages::{
     history_without_tools, parse_chat_render, parse_messages, render_param, request_tools,
 };
-use super::openai::{
-    check_scoring, parse_chat_logprobs, parse_common, Fields,
-};
+use super::openai::{check_scoring, parse_chat_logprobs, parse_common, Fields};
 use super::reasoning;
 use super::respond::respond;
 use super::structured::output_grammar;
@@ -51,12 +49,7 @@ pub(super) async fn run_chat(
             let (m, defs) = t.render_inputs(messages);
             (m, defs, t.mode, t.grammar()?)
         }
-        None => (
-            history_without_tools(messages, template),
-            None,
-            None,
-            None,
-        ),
+        None => (history_without_tools(messages, template), None, None, None),
     };
     let grammar = output_grammar(&f, tool_grammar)?;
     let (_, adapter) = state.resolve_model(&params.model)?;

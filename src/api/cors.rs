@@ -15,7 +15,10 @@ const METHODS: &str = "GET, POST, PUT, DELETE, OPTIONS";
 /// Whether `origin` may call: listed (or `*` listed), or the server's own (same scheme-less
 /// host and port as the request's `Host`).
 fn allowed(origins: &[String], origin: &str, headers: &HeaderMap) -> bool {
-    if origins.iter().any(|o| o == "*" || o.eq_ignore_ascii_case(origin)) {
+    if origins
+        .iter()
+        .any(|o| o == "*" || o.eq_ignore_ascii_case(origin))
+    {
         return true;
     }
     let host = headers
@@ -76,7 +79,10 @@ pub async fn cors(State(state): State<AppState>, req: Request, next: Next) -> Re
                     HeaderValue::from_static(METHODS),
                 ),
                 (header::ACCESS_CONTROL_ALLOW_HEADERS, asked),
-                (header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600")),
+                (
+                    header::ACCESS_CONTROL_MAX_AGE,
+                    HeaderValue::from_static("600"),
+                ),
                 (header::VARY, HeaderValue::from_static("Origin")),
             ],
         )

@@ -28,16 +28,27 @@ fn parse_inputs(f: &Fields, vocab: usize) -> Result<Vec<Input>, ApiError> {
     let v = f
         .get("input")
         .ok_or_else(|| ApiError::invalid("input", "'input' is required"))?;
-    let bad = || type_error("input", "a string, a list of strings, token ids, or a list of those");
+    let bad = || {
+        type_error(
+            "input",
+            "a string, a list of strings, token ids, or a list of those",
+        )
+    };
     let ids = |v: &Value| -> Option<Vec<u32>> {
         v.as_array()?
             .iter()
-            .map(|t| t.as_u64().filter(|&t| (t as usize) < vocab).map(|t| t as u32))
+            .map(|t| {
+                t.as_u64()
+                    .filter(|&t| (t as usize) < vocab)
+                    .map(|t| t as u32)
+            })
             .collect()
     };
     let items: Vec<Input> = match v {
         Value::String(s) => vec![Input::Text(s.clone())],
-        Value::Array(a) if a.iter().all(Value::is_number) => vec![Input::Ids(ids(v).ok_or_else(bad)?)],
+        Value::Array(a) if a.iter().all(Value::is_number) => {
+            vec![Input::Ids(ids(v).ok_or_else(bad)?)]
+        }
         Value::Array(a) => a
             .iter()
             .map(|x| match x {
@@ -62,7 +73,9 @@ fn base64(bytes: &[u8]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for c in bytes.chunks(3) {
-        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
         for i in 0..4 {
             if i <= c.len() {
                 out.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
@@ -132,7 +145,12 @@ pub async fn embeddings(
         }
     }
     let params = parse_common(
-        &Fields(&json!({"model": model}).as_object().cloned().unwrap_or_default()),
+        &Fields(
+            &json!({"model": model})
+                .as_object()
+                .cloned()
+                .unwrap_or_default(),
+        ),
         ready.vocab_size,
     )?;
     let job = Job {

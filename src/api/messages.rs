@@ -5,10 +5,10 @@
 
 use super::error::ApiError;
 use super::openai::{type_error, Fields};
-use crate::model::tokenizer::ChatRender;
 use super::structured::Structured;
 use super::tool_grammar::{generic_history, generic_messages, tool_grammar, Forced};
 use super::tools::{ToolFormat, ToolMode};
+use crate::model::tokenizer::ChatRender;
 use serde_json::{Map, Value};
 
 /// `messages` as the chat template reads them: roles system (developer is read as system), user,

@@ -3,10 +3,10 @@
 
 pub mod adapters;
 mod admission;
-mod cors;
 pub mod body;
 pub mod chat;
 pub mod completions;
+mod cors;
 mod embeddings;
 pub mod error;
 pub mod feedback;
@@ -17,8 +17,8 @@ pub mod messages;
 pub mod openai;
 mod reasoning;
 mod request;
-pub mod responses;
 pub mod respond;
+pub mod responses;
 pub mod rollout;
 pub mod scoring;
 pub mod serve;

@@ -229,9 +229,7 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         top_logprobs: 0,
         logit_bias: parse_logit_bias(f, vocab)?,
         constrained: false,
-        min_tokens: f
-            .int_in("min_tokens", 0, i64::MAX as i128)?
-            .unwrap_or(0) as usize,
+        min_tokens: f.int_in("min_tokens", 0, i64::MAX as i128)?.unwrap_or(0) as usize,
         allowed_tokens: match f.token_ids("allowed_token_ids", vocab)? {
             Some(ids) if ids.is_empty() => {
                 return Err(ApiError::invalid(

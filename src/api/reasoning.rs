@@ -116,7 +116,9 @@ impl ReasoningStream {
 fn tag_prefix_len(text: &str, tag: &str) -> usize {
     (1..tag.len().min(text.len() + 1))
         .rev()
-        .find(|&k| text.is_char_boundary(text.len() - k) && tag.starts_with(&text[text.len() - k..]))
+        .find(|&k| {
+            text.is_char_boundary(text.len() - k) && tag.starts_with(&text[text.len() - k..])
+        })
         .unwrap_or(0)
 }
 
@@ -131,7 +133,10 @@ mod tests {
             split(t, false),
             (Some("\nplan a b\n".into()), "\n\nThe answer.".into())
         );
-        assert_eq!(split("Plain answer.", false), (None, "Plain answer.".into()));
+        assert_eq!(
+            split("Plain answer.", false),
+            (None, "Plain answer.".into())
+        );
         assert_eq!(
             split("still thinking", true),
             (Some("still thinking".into()), String::new())
@@ -141,7 +146,9 @@ mod tests {
             (Some("plan".into()), "done".into())
         );
         assert!(starts_thinking("<|im_start|>assistant\n<think>\n"));
-        assert!(!starts_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+        assert!(!starts_thinking(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        ));
     }
 
     #[test]

@@ -3,10 +3,10 @@
 //! completions differ only in how a choice and a chunk are shaped (`Flavor`).
 
 use super::admission::{admit, submit};
-use super::reasoning::{self, ReasoningStream};
-use super::request::{engine_request, truncate_prompt};
 use super::error::ApiError;
 use super::job::{Flavor, Job};
+use super::reasoning::{self, ReasoningStream};
+use super::request::{engine_request, truncate_prompt};
 use super::rollout::{log_choices, Served};
 use super::scoring::{legacy_prompt, vllm_prompt_logprobs};
 use super::tools::{self, ToolCall, ToolCallDelta, ToolMode, ToolStream};

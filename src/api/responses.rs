@@ -68,18 +68,23 @@ fn refuse_unimplemented(f: &Fields) -> Result<(), ApiError> {
         ))
     };
     for (name, ok) in [
-        ("background", &(|v: &Value| *v == json!(false)) as &dyn Fn(&Value) -> bool),
+        (
+            "background",
+            &(|v: &Value| *v == json!(false)) as &dyn Fn(&Value) -> bool,
+        ),
         ("conversation", &|_: &Value| false),
         ("prompt", &|_: &Value| false),
         ("max_tool_calls", &|_: &Value| false),
         ("truncation", &|v: &Value| v == "disabled"),
-        ("include", &|v: &Value| v.as_array().is_some_and(Vec::is_empty)),
+        ("include", &|v: &Value| {
+            v.as_array().is_some_and(Vec::is_empty)
+        }),
         ("top_logprobs", &|v: &Value| *v == json!(0)),
         ("service_tier", &|v: &Value| v == "auto" || v == "default"),
-        (
-            "reasoning",
-            &|v: &Value| v.as_object().is_some_and(|o| o.values().all(Value::is_null)),
-        ),
+        ("reasoning", &|v: &Value| {
+            v.as_object()
+                .is_some_and(|o| o.values().all(Value::is_null))
+        }),
     ] {
         if let Some(v) = f.get(name).filter(|v| !ok(v)) {
             return refuse(name, v);
@@ -161,7 +166,11 @@ fn items_to_messages(items: &[Value]) -> Result<Vec<Value>, ApiError> {
                 out.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
             }
             "reasoning" => {}
-            other => return Err(bad(&format!("input items of type '{other}' are not supported"))),
+            other => {
+                return Err(bad(&format!(
+                    "input items of type '{other}' are not supported"
+                )))
+            }
         }
     }
     Ok(out)
@@ -171,7 +180,9 @@ fn items_to_messages(items: &[Value]) -> Result<Vec<Value>, ApiError> {
 fn input_items(f: &Fields) -> Result<Vec<Value>, ApiError> {
     match f.get("input") {
         None => Err(ApiError::invalid("input", "'input' is required")),
-        Some(Value::String(s)) => Ok(vec![json!({"type": "message", "role": "user", "content": s})]),
+        Some(Value::String(s)) => Ok(vec![
+            json!({"type": "message", "role": "user", "content": s}),
+        ]),
         Some(Value::Array(a)) if !a.is_empty() => Ok(a.clone()),
         Some(Value::Array(_)) => Err(ApiError::invalid("input", "'input' is empty")),
         Some(_) => Err(type_error("input", "a string or a list of items")),
@@ -493,7 +504,14 @@ impl Turn {
     /// The response body; stored (with the conversation) when asked.
     fn finish(self, output: Vec<Value>, cut: bool, usage: Value) -> Value {
         let status = if cut { "incomplete" } else { "completed" };
-        let body = response_body(&self.id, self.created, &self.asked, status, output.clone(), usage);
+        let body = response_body(
+            &self.id,
+            self.created,
+            &self.asked,
+            status,
+            output.clone(),
+            usage,
+        );
         if self.asked.store {
             let mut items = self.items;
             items.extend(output);

@@ -92,8 +92,13 @@ impl Engine {
             .spawn(move || {
                 let _guard = AliveGuard(alive);
                 let c = &model.config;
-                let cache =
-                    KvCache::new(c.num_layers, c.kv_dim(), cfg.block_size, cfg.num_kv_blocks);
+                let cache = KvCache::with_dtype(
+                    c.num_layers,
+                    c.kv_dim(),
+                    cfg.block_size,
+                    cfg.num_kv_blocks,
+                    model.kv_dtype,
+                );
                 let blocks =
                     BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
                 metrics.kv_blocks_total.set(cfg.num_kv_blocks as i64);
@@ -397,7 +402,11 @@ impl Engine {
             if c.start + i < out.embed_count {
                 continue;
             }
-            for (s, &x) in out.embed_sum.iter_mut().zip(&rows[i * width..(i + 1) * width]) {
+            for (s, &x) in out
+                .embed_sum
+                .iter_mut()
+                .zip(&rows[i * width..(i + 1) * width])
+            {
                 *s += x as f64;
             }
             out.embed_count += 1;

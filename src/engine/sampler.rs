@@ -546,7 +546,16 @@ mod tests {
         // Token 0 (logit 2) seen in the prompt: 2 / 2 = 1 < 1.5, so token 1 is drawn; a seen
         // negative logit is multiplied (token 2: -1 -> -2), an unseen one kept.
         let mut l = vec![2.0f32, 1.5, -1.0];
-        let s = sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[0, 2], None, &[], &mut rng);
+        let s = sample_seen(
+            &cpu(),
+            &mut l,
+            &p,
+            &HashMap::new(),
+            &[0, 2],
+            None,
+            &[],
+            &mut rng,
+        );
         assert_eq!(s.token, 1);
         // The reported log-prob is the model's own (unpenalized) distribution's.
         let z = (2.0f32.exp() + 1.5f32.exp() + (-1.0f32).exp()).ln();
@@ -566,7 +575,17 @@ mod tests {
         assert_eq!(s.token, 1);
         let mut l = vec![2.0f32, 1.5, -1.0];
         assert_eq!(
-            sample_seen(&cpu(), &mut l, &p, &HashMap::new(), &[], None, &[], &mut rng).token,
+            sample_seen(
+                &cpu(),
+                &mut l,
+                &p,
+                &HashMap::new(),
+                &[],
+                None,
+                &[],
+                &mut rng
+            )
+            .token,
             0
         );
         assert!(!p.samples_the_policy());

@@ -1,29 +1,96 @@
-//! Paged KV storage: per layer, `num_blocks` blocks of `block_size` token slots of K and V (f32).
+//! Paged KV storage: per layer, `num_blocks` blocks of `block_size` token slots of K and V (f32,
+//! or IEEE halves).
 //! Which block belongs to which sequence is the caller's business (a block table per sequence);
 //! `BlockAllocator` is the simple free list used until the engine's block manager owns this.
 
-use flywheel_kernels::reference::PagedKv;
+use flywheel_kernels::reference::{KvElem, PagedKv, F16};
+
+/// What K and V are stored as.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    /// IEEE halves (half the memory; llama.cpp's default). The forward rounds K and V to halves
+    /// before storing and attending (`Llama::layer`), serving and training alike, so train =
+    /// serve holds to the bit and the backward sees the values the forward used.
+    F16,
+}
+
+impl KvDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<KvDtype, String> {
+        match s {
+            "f32" | "float32" => Ok(KvDtype::F32),
+            "f16" | "float16" | "half" => Ok(KvDtype::F16),
+            other => Err(format!(
+                "'{other}': the KV cache is stored as \"f16\" or \"f32\""
+            )),
+        }
+    }
+}
+
+enum Store {
+    F32 { k: Vec<f32>, v: Vec<f32> },
+    F16 { k: Vec<F16>, v: Vec<F16> },
+}
 
 pub struct KvCache {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    store: Store,
     pub num_layers: usize,
     pub num_blocks: usize,
     pub block_size: usize,
     pub kv_dim: usize,
 }
 
+/// One layer's K/V as the attention reads them, in the cache's element type.
+pub enum LayerKv<'a> {
+    F32(PagedKv<'a, f32>),
+    F16(PagedKv<'a, F16>),
+}
+
+/// Allocate `n` elements and touch every page now: zeroed allocations are mapped lazily, so the
+/// first-touch page faults happen at start-up instead of in the middle of serving.
+fn touched<E: Copy>(n: usize, zero: E) -> Vec<E> {
+    let mut v = vec![zero; n];
+    v.fill(zero);
+    v
+}
+
 impl KvCache {
+    /// An f32 cache.
     pub fn new(num_layers: usize, kv_dim: usize, block_size: usize, num_blocks: usize) -> KvCache {
+        KvCache::with_dtype(num_layers, kv_dim, block_size, num_blocks, KvDtype::F32)
+    }
+
+    pub fn with_dtype(
+        num_layers: usize,
+        kv_dim: usize,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+    ) -> KvCache {
         let n = num_layers * num_blocks * block_size * kv_dim;
-        let (mut k, mut v) = (vec![0.0; n], vec![0.0; n]);
-        // Touch every page now: zeroed allocations are mapped lazily, so the first-touch page
-        // faults happen at start-up instead of in the middle of serving.
-        k.fill(0.0);
-        v.fill(0.0);
+        let store = match dtype {
+            KvDtype::F32 => Store::F32 {
+                k: touched(n, 0.0),
+                v: touched(n, 0.0),
+            },
+            KvDtype::F16 => Store::F16 {
+                k: touched(n, F16(0)),
+                v: touched(n, F16(0)),
+            },
+        };
         KvCache {
-            k,
-            v,
+            store,
             num_layers,
             num_blocks,
             block_size,
@@ -31,33 +98,80 @@ impl KvCache {
         }
     }
 
+    pub fn dtype(&self) -> KvDtype {
+        match self.store {
+            Store::F32 { .. } => KvDtype::F32,
+            Store::F16 { .. } => KvDtype::F16,
+        }
+    }
+
     fn layer_len(&self) -> usize {
         self.num_blocks * self.block_size * self.kv_dim
     }
 
-    pub fn layer(&self, l: usize) -> PagedKv<'_> {
+    pub fn layer(&self, l: usize) -> LayerKv<'_> {
         let n = self.layer_len();
-        PagedKv {
-            k: &self.k[l * n..(l + 1) * n],
-            v: &self.v[l * n..(l + 1) * n],
-            block_size: self.block_size,
-            kv_dim: self.kv_dim,
+        let (block_size, kv_dim) = (self.block_size, self.kv_dim);
+        match &self.store {
+            Store::F32 { k, v } => LayerKv::F32(PagedKv {
+                k: &k[l * n..(l + 1) * n],
+                v: &v[l * n..(l + 1) * n],
+                block_size,
+                kv_dim,
+            }),
+            Store::F16 { k, v } => LayerKv::F16(PagedKv {
+                k: &k[l * n..(l + 1) * n],
+                v: &v[l * n..(l + 1) * n],
+                block_size,
+                kv_dim,
+            }),
         }
     }
 
-    /// Store the K and V rows of position `pos` of the sequence with `block_table` in layer `l`.
+    /// Store the K and V rows of position `pos` of the sequence with `block_table` in layer `l`
+    /// (an f16 cache takes values already rounded to halves: stored exactly).
     pub fn write(&mut self, l: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let n = self.layer_len();
         let block = block_table[pos / self.block_size] as usize;
         assert!(block < self.num_blocks, "block id {block} out of range");
-        let (bs, slot) = (self.block_size, pos % self.block_size);
-        let off = l * n + (block * bs + slot) * self.kv_dim;
-        self.v[off..off + self.kv_dim].copy_from_slice(v);
-        // K is transposed within its block (see `PagedKv`).
-        let kb = &mut self.k[l * n + block * bs * self.kv_dim..][..bs * self.kv_dim];
-        for (c, x) in k.iter().enumerate() {
-            kb[c * bs + slot] = *x;
+        let (bs, slot, kvd) = (self.block_size, pos % self.block_size, self.kv_dim);
+        let off = l * n + (block * bs + slot) * kvd;
+        let kstart = l * n + block * bs * kvd;
+        match &mut self.store {
+            Store::F32 { k: ks, v: vs } => put(ks, vs, off, kstart, bs, slot, k, v, |x| x),
+            Store::F16 { k: ks, v: vs } => put(ks, vs, off, kstart, bs, slot, k, v, |x| {
+                let h = F16(flywheel_kernels::quant::f32_to_f16(x));
+                debug_assert_eq!(
+                    h.to_f32(),
+                    x,
+                    "f16 KV values are rounded before they are stored"
+                );
+                h
+            }),
         }
+    }
+}
+
+/// One position's V row at `off`, and its K values transposed within the block at `kstart`
+/// (see `PagedKv`).
+#[allow(clippy::too_many_arguments)]
+fn put<E: Copy>(
+    ks: &mut [E],
+    vs: &mut [E],
+    off: usize,
+    kstart: usize,
+    bs: usize,
+    slot: usize,
+    k: &[f32],
+    v: &[f32],
+    conv: impl Fn(f32) -> E,
+) {
+    for (d, &x) in vs[off..off + v.len()].iter_mut().zip(v) {
+        *d = conv(x);
+    }
+    let kb = &mut ks[kstart..kstart + bs * k.len()];
+    for (c, &x) in k.iter().enumerate() {
+        kb[c * bs + slot] = conv(x);
     }
 }
 

@@ -342,7 +342,10 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
             .meta("tokenizer.ggml.unknown_token_id", Value::U32(3)),
     };
     w.meta("tokenizer.ggml.tokens", str_arr(&tokens))
-        .meta("tokenizer.ggml.token_type", Value::Array(types.iter().map(|t| Value::I32(*t)).collect()))
+        .meta(
+            "tokenizer.ggml.token_type",
+            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
+        )
         .meta("tokenizer.ggml.bos_token_id", Value::U32(1))
         .meta("tokenizer.ggml.eos_token_id", Value::U32(2))
         .meta("tokenizer.ggml.add_bos_token", Value::Bool(false));

@@ -6,7 +6,7 @@ use super::matmul::scratch as thread_scratch;
 use super::ops::{exp_shifted, max_of};
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Tasks};
-use crate::reference::{self, AttnSeq, PagedKv};
+use crate::reference::{self, AttnSeq, KvElem, PagedKv, F16};
 use std::cell::RefCell;
 
 thread_local! {
@@ -15,10 +15,31 @@ thread_local! {
 
 const QUERIES_PER_TASK: usize = 16;
 
-struct AttnArgs<'a> {
+/// A KV element the SIMD kernels load: f32 as it is, halves widened (F16C).
+pub trait KvLoad: KvElem {
+    /// # Safety
+    /// `p` must point at `S::LANES` readable elements; the CPU must have `S`'s ISA.
+    unsafe fn load<S: Simd>(p: *const Self) -> S::V;
+}
+
+impl KvLoad for f32 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const f32) -> S::V {
+        S::load(p)
+    }
+}
+
+impl KvLoad for F16 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const F16) -> S::V {
+        S::load_f16(p as *const u8)
+    }
+}
+
+struct AttnArgs<'a, E: KvElem> {
     q: *const f32,
     out: *mut f32,
-    kv: PagedKv<'a>,
+    kv: PagedKv<'a, E>,
     n_heads: usize,
     group: usize,
     head_dim: usize,
@@ -26,7 +47,7 @@ struct AttnArgs<'a> {
     /// Keys a query sees: its own position and the `window − 1` before it (usize::MAX: all).
     window: usize,
 }
-unsafe impl Sync for AttnArgs<'_> {}
+unsafe impl<E: KvElem> Sync for AttnArgs<'_, E> {}
 
 /// The first key position a query at `pos` sees through a sliding window of `window` keys.
 #[inline(always)]
@@ -37,13 +58,13 @@ fn first_key(pos: usize, window: usize) -> usize {
 /// Causal grouped-query attention over paged KV; q and out are (num_tokens, n_heads * head_dim).
 /// With `window`, a query at position p sees keys p − window + 1 ..= p (a sliding-window layer).
 #[allow(clippy::too_many_arguments)]
-pub fn attention(
+pub fn attention<E: KvLoad>(
     isa: Isa,
     pool: Tasks,
     q: &[f32],
     out: &mut [f32],
     seqs: &[AttnSeq],
-    kv: PagedKv,
+    kv: PagedKv<E>,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -129,24 +150,31 @@ pub fn attention(
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn attn_grouped_avx512(
-    a: &AttnArgs,
+unsafe fn attn_grouped_avx512<E: KvLoad>(
+    a: &AttnArgs<E>,
     s: &AttnSeq,
     h0: usize,
     g: usize,
     i0: usize,
     i1: usize,
 ) {
-    attn_grouped_dispatch::<Avx512>(a, s, h0, g, i0, i1)
+    attn_grouped_dispatch::<Avx512, E>(a, s, h0, g, i0, i1)
 }
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attn_grouped_avx2(a: &AttnArgs, s: &AttnSeq, h0: usize, g: usize, i0: usize, i1: usize) {
-    attn_grouped_dispatch::<Avx2>(a, s, h0, g, i0, i1)
+unsafe fn attn_grouped_avx2<E: KvLoad>(
+    a: &AttnArgs<E>,
+    s: &AttnSeq,
+    h0: usize,
+    g: usize,
+    i0: usize,
+    i1: usize,
+) {
+    attn_grouped_dispatch::<Avx2, E>(a, s, h0, g, i0, i1)
 }
 
 #[inline(always)]
-unsafe fn attn_grouped_dispatch<S: Simd>(
-    a: &AttnArgs,
+unsafe fn attn_grouped_dispatch<S: Simd, E: KvLoad>(
+    a: &AttnArgs<E>,
     s: &AttnSeq,
     h0: usize,
     g: usize,
@@ -156,12 +184,12 @@ unsafe fn attn_grouped_dispatch<S: Simd>(
     macro_rules! nv {
         ($g:literal) => {
             match a.head_dim / S::LANES {
-                1 => attn_grouped::<S, $g, 1>(a, s, h0, i0, i1),
-                2 => attn_grouped::<S, $g, 2>(a, s, h0, i0, i1),
-                3 => attn_grouped::<S, $g, 3>(a, s, h0, i0, i1),
-                4 => attn_grouped::<S, $g, 4>(a, s, h0, i0, i1),
-                6 => attn_grouped::<S, $g, 6>(a, s, h0, i0, i1),
-                _ => attn_grouped::<S, $g, 8>(a, s, h0, i0, i1),
+                1 => attn_grouped::<S, E, $g, 1>(a, s, h0, i0, i1),
+                2 => attn_grouped::<S, E, $g, 2>(a, s, h0, i0, i1),
+                3 => attn_grouped::<S, E, $g, 3>(a, s, h0, i0, i1),
+                4 => attn_grouped::<S, E, $g, 4>(a, s, h0, i0, i1),
+                6 => attn_grouped::<S, E, $g, 6>(a, s, h0, i0, i1),
+                _ => attn_grouped::<S, E, $g, 8>(a, s, h0, i0, i1),
             }
         };
     }
@@ -178,8 +206,8 @@ unsafe fn attn_grouped_dispatch<S: Simd>(
 /// each V row is loaded once for all G heads. Needs block_size and head_dim multiples of LANES,
 /// head_dim = NV * LANES.
 #[inline(always)]
-unsafe fn attn_grouped<S: Simd, const G: usize, const NV: usize>(
-    a: &AttnArgs,
+unsafe fn attn_grouped<S: Simd, E: KvLoad, const G: usize, const NV: usize>(
+    a: &AttnArgs<E>,
     s: &AttnSeq,
     h0: usize,
     i0: usize,
@@ -199,12 +227,12 @@ unsafe fn attn_grouped<S: Simd, const G: usize, const NV: usize>(
             _ => 1,
         };
         match qn {
-            4 => score_queries::<S, G, 4>(a, s, h0, i, sc, stride),
-            2 => score_queries::<S, G, 2>(a, s, h0, i, sc, stride),
-            _ => score_queries::<S, G, 1>(a, s, h0, i, sc, stride),
+            4 => score_queries::<S, E, G, 4>(a, s, h0, i, sc, stride),
+            2 => score_queries::<S, E, G, 2>(a, s, h0, i, sc, stride),
+            _ => score_queries::<S, E, G, 1>(a, s, h0, i, sc, stride),
         }
         for q in 0..qn {
-            finish_query::<S, G, NV>(a, s, h0, i + q, sc.add(q * G * stride), stride);
+            finish_query::<S, E, G, NV>(a, s, h0, i + q, sc.add(q * G * stride), stride);
         }
         i += qn;
     }
@@ -213,8 +241,8 @@ unsafe fn attn_grouped<S: Simd, const G: usize, const NV: usize>(
 /// Scaled scores of queries `i..i + QT` of `s` for the `G` heads from `h0`, into
 /// `sc[(q * G + g) * stride + key]`; keys past a query's own context hold garbage.
 #[inline(always)]
-unsafe fn score_queries<S: Simd, const G: usize, const QT: usize>(
-    a: &AttnArgs,
+unsafe fn score_queries<S: Simd, E: KvLoad, const G: usize, const QT: usize>(
+    a: &AttnArgs<E>,
     s: &AttnSeq,
     h0: usize,
     i: usize,
@@ -242,8 +270,8 @@ unsafe fn score_queries<S: Simd, const G: usize, const QT: usize>(
             let mut acc = [[[S::zero(); 2]; G]; QT];
             let mut d = 0;
             while d + 2 <= hd {
-                let k0 = S::load(kb.add(d * bs + c));
-                let k1 = S::load(kb.add((d + 1) * bs + c));
+                let k0 = E::load::<S>(kb.add(d * bs + c));
+                let k1 = E::load::<S>(kb.add((d + 1) * bs + c));
                 for q in 0..QT {
                     for g in 0..G {
                         let aq = &mut acc[q][g];
@@ -267,8 +295,8 @@ unsafe fn score_queries<S: Simd, const G: usize, const QT: usize>(
 /// Softmax of query `i`'s scores (at `sc`, one row of `stride` per head) and the weighted sum
 /// of V rows, written to the output.
 #[inline(always)]
-unsafe fn finish_query<S: Simd, const G: usize, const NV: usize>(
-    a: &AttnArgs,
+unsafe fn finish_query<S: Simd, E: KvLoad, const G: usize, const NV: usize>(
+    a: &AttnArgs<E>,
     s: &AttnSeq,
     h0: usize,
     i: usize,
@@ -299,7 +327,7 @@ unsafe fn finish_query<S: Simd, const G: usize, const NV: usize>(
         let len = (n_ctx - p).min(bs - c0);
         for c in c0..c0 + len {
             let row = base.add(c * kvd);
-            let vv: [S::V; NV] = std::array::from_fn(|j| S::load(row.add(j * l)));
+            let vv: [S::V; NV] = std::array::from_fn(|j| E::load::<S>(row.add(j * l)));
             for (g, ag) in acc.iter_mut().enumerate() {
                 let w = S::splat(*sc.add(g * stride + bi * bs + c));
                 for (x, v) in ag.iter_mut().zip(vv.iter()) {
@@ -319,18 +347,18 @@ unsafe fn finish_query<S: Simd, const G: usize, const NV: usize>(
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn attn_avx512(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
-    attn_g::<Avx512>(a, s, h, i0, i1)
+unsafe fn attn_avx512<E: KvLoad>(a: &AttnArgs<E>, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+    attn_g::<Avx512, E>(a, s, h, i0, i1)
 }
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attn_avx2(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
-    attn_g::<Avx2>(a, s, h, i0, i1)
+unsafe fn attn_avx2<E: KvLoad>(a: &AttnArgs<E>, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+    attn_g::<Avx2, E>(a, s, h, i0, i1)
 }
 
 /// The fallback for shapes the grouped kernel does not take: one head, scalar scores and sums
 /// (exp and the softmax sum vectorized).
 #[inline(always)]
-unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
+unsafe fn attn_g<S: Simd, E: KvLoad>(a: &AttnArgs<E>, s: &AttnSeq, h: usize, i0: usize, i1: usize) {
     let hd = a.head_dim;
     let qdim = a.n_heads * hd;
     let kv_off = (h / a.group) * hd;
@@ -345,7 +373,7 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
         for p in lo..n_ctx {
             let mut acc = 0.0f32;
             for d in 0..hd {
-                acc += *qh.add(d) * *kp.add(a.kv.k_index(s.block_table, p, kv_off + d));
+                acc += *qh.add(d) * (*kp.add(a.kv.k_index(s.block_table, p, kv_off + d))).to_f32();
             }
             let v = acc * a.scale;
             *sc.add(p) = v;
@@ -357,7 +385,7 @@ unsafe fn attn_g<S: Simd>(a: &AttnArgs, s: &AttnSeq, h: usize, i0: usize, i1: us
         for p in lo..n_ctx {
             let off = a.kv.v_offset(s.block_table, p) + kv_off;
             for d in 0..hd {
-                *oh.add(d) += *sc.add(p) * *vp.add(off + d);
+                *oh.add(d) += *sc.add(p) * (*vp.add(off + d)).to_f32();
             }
         }
         for d in 0..hd {

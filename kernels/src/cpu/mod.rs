@@ -438,6 +438,11 @@ impl Cpu {
         ops::rmsnorm(self.isa, x, weight, eps, out)
     }
 
+    /// `x` rounded to IEEE halves in place, their bits in `out` (`ops::round_to_f16`).
+    pub fn round_to_f16(&self, x: &mut [f32], out: &mut [crate::reference::F16]) {
+        ops::round_to_f16(self.isa, x, out)
+    }
+
     pub fn rope(
         &self,
         x: &mut [f32],
@@ -483,12 +488,12 @@ impl Cpu {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(
+    pub fn attention<E: attention::KvLoad>(
         &self,
         q: &[f32],
         out: &mut [f32],
         seqs: &[AttnSeq],
-        kv: PagedKv,
+        kv: PagedKv<E>,
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,
@@ -499,12 +504,12 @@ impl Cpu {
 
     /// `attention` through a sliding window of `window` keys (None: every earlier key).
     #[allow(clippy::too_many_arguments)]
-    pub fn attention_windowed(
+    pub fn attention_windowed<E: attention::KvLoad>(
         &self,
         q: &[f32],
         out: &mut [f32],
         seqs: &[AttnSeq],
-        kv: PagedKv,
+        kv: PagedKv<E>,
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,

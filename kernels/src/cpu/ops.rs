@@ -320,3 +320,35 @@ pub(crate) unsafe fn exp_shifted<S: Simd>(p: *mut f32, n: usize, max: f32) -> f3
     }
     sum
 }
+
+/// `x` rounded to IEEE halves (round to nearest even), in place and as their bits in `out`: the
+/// KV cache's f16 storage, so that what the attention reads back is what was computed with.
+/// F16C's conversion where the CPU has AVX2 (every SIMD path here), the scalar one otherwise
+/// (the same bits: `to_f16_matches_the_scalar_conversion`).
+pub fn round_to_f16(isa: Isa, x: &mut [f32], out: &mut [reference::F16]) {
+    assert_eq!(x.len(), out.len());
+    let mut i = 0;
+    if isa != Isa::Reference {
+        // SAFETY: AVX2 and F16C are present on every SIMD ISA; 8 values at a time in bounds.
+        unsafe { i = round_to_f16_f16c(x, out) };
+    }
+    for j in i..x.len() {
+        let h = crate::quant::f32_to_f16(x[j]);
+        out[j] = reference::F16(h);
+        x[j] = crate::quant::f16_to_f32(h);
+    }
+}
+
+/// The whole vectors of 8; returns how many were done.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn round_to_f16_f16c(x: &mut [f32], out: &mut [reference::F16]) -> usize {
+    use std::arch::x86_64::*;
+    let n = x.len() / 8 * 8;
+    for i in (0..n).step_by(8) {
+        let v = _mm256_loadu_ps(x.as_ptr().add(i));
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+        _mm_storeu_si128(out.as_mut_ptr().add(i) as *mut __m128i, h);
+        _mm256_storeu_ps(x.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+    }
+    n
+}

@@ -18,8 +18,9 @@ use super::buffers::{AdapterScratch, ForwardBuffers};
 use super::moe::MoeActs;
 use super::{Activation, Llama, Mlp, ModelError, Weight};
 use crate::adapter::{lora, AdapterBase, AdapterWeights, Method, Target};
-use crate::model::kv_cache::KvCache;
+use crate::model::kv_cache::{KvCache, KvDtype, LayerKv};
 use flywheel_kernels::reference::AttnSeq;
+use flywheel_kernels::reference::F16;
 use flywheel_kernels::{Cpu, Matmul};
 use std::ops::Range;
 
@@ -312,6 +313,18 @@ impl Llama {
             c.rope_dim,
             c.rope_layout,
         );
+        // An f16 cache: K and V rounded to halves here, so that the cache holds exactly what the
+        // attention and the backward (the kept or recomputed activations) compute with.
+        let f16 = match &kv {
+            KvAccess::Write(c, _) => c.dtype(),
+            KvAccess::Read(c) => c.dtype(),
+        } == KvDtype::F16;
+        if f16 {
+            let (nk, nv) = (k.len(), v.len());
+            let mut bits = vec![F16::default(); nk.max(nv)];
+            cpu.round_to_f16(k, &mut bits[..nk]);
+            cpu.round_to_f16(v, &mut bits[..nv]);
+        }
         if let Some(a) = keep.as_deref_mut() {
             (a.q, a.k, a.v) = (q.to_vec(), k.to_vec(), v.to_vec());
         }
@@ -333,17 +346,21 @@ impl Llama {
             }
             KvAccess::Read(cache) => cache,
         };
-        cpu.attention_windowed(
-            q,
-            att,
-            io.attn,
-            cache.layer(l),
+        let (heads, kv_heads, hd, scale, window) = (
             c.num_heads,
             c.num_kv_heads,
             c.head_dim,
             c.attn_scale,
             c.window(l),
         );
+        match cache.layer(l) {
+            LayerKv::F32(kv) => {
+                cpu.attention_windowed(q, att, io.attn, kv, heads, kv_heads, hd, scale, window)
+            }
+            LayerKv::F16(kv) => {
+                cpu.attention_windowed(q, att, io.attn, kv, heads, kv_heads, hd, scale, window)
+            }
+        }
         let mut o = [Projection {
             target: Target::O,
             weight: &layer.wo,

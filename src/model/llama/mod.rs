@@ -180,6 +180,9 @@ pub struct Llama {
     pub layers: Vec<Layer>,
     pub output_norm: Vec<f32>,
     pub output: Weight,
+    /// What the KV caches of this model's forwards store (serving and training alike, so train
+    /// = serve holds): f32 unless set before the model is shared.
+    pub kv_dtype: crate::model::kv_cache::KvDtype,
 }
 
 impl Llama {
@@ -410,6 +413,7 @@ impl Llama {
             layers,
             output_norm,
             output,
+            kv_dtype: Default::default(),
         })
     }
 

@@ -146,7 +146,13 @@ impl Llama {
         let c = &self.config;
         let tb = self.train_tables(seqs)?;
         let (tables, first_pos) = (&tb.tables, &tb.first_pos);
-        let mut cache = KvCache::new(c.num_layers, c.kv_dim(), TRAIN_BLOCK, tb.blocks);
+        let mut cache = KvCache::with_dtype(
+            c.num_layers,
+            c.kv_dim(),
+            TRAIN_BLOCK,
+            tb.blocks,
+            self.kv_dtype,
+        );
         let batch: Vec<BatchSeq> = seqs
             .iter()
             .zip(tables)
