@@ -542,7 +542,7 @@ pub async fn get(
             body.to_string(),
         )
             .into_response()),
-        None => Err(ApiError::not_found(&format!("no stored response '{id}'"))),
+        None => Err(ApiError::not_found(format!("no stored response '{id}'"))),
     }
 }
 
