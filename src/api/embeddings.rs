@@ -8,7 +8,7 @@ use super::admission::{admit, submit};
 use super::body::JsonBody;
 use super::error::ApiError;
 use super::job::{Flavor, Job};
-use super::openai::{parse_common, type_error, Fields};
+use super::openai::{parse_common, token_id_list, type_error, Fields};
 use super::{blocking, AppState};
 use crate::engine::{EngineEvent, GenerateRequest};
 use axum::extract::State;
@@ -34,16 +34,7 @@ fn parse_inputs(f: &Fields, vocab: usize) -> Result<Vec<Input>, ApiError> {
             "a string, a list of strings, token ids, or a list of those",
         )
     };
-    let ids = |v: &Value| -> Option<Vec<u32>> {
-        v.as_array()?
-            .iter()
-            .map(|t| {
-                t.as_u64()
-                    .filter(|&t| (t as usize) < vocab)
-                    .map(|t| t as u32)
-            })
-            .collect()
-    };
+    let ids = |v: &Value| token_id_list(v, vocab);
     let items: Vec<Input> = match v {
         Value::String(s) => vec![Input::Text(s.clone())],
         Value::Array(a) if a.iter().all(Value::is_number) => {

@@ -123,7 +123,8 @@ impl<'a> Fields<'a> {
     }
 }
 
-fn token_id_list(v: &Value, vocab: usize) -> Option<Vec<u32>> {
+/// A JSON list of token ids below `vocab` (None: anything else).
+pub(super) fn token_id_list(v: &Value, vocab: usize) -> Option<Vec<u32>> {
     v.as_array()?
         .iter()
         .map(|t| {

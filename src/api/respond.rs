@@ -25,6 +25,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
+pub(super) use stream::sse_response;
 use stream::stream_response;
 
 /// A 400 for a constraint the model's vocabulary cannot follow to its end (found while

@@ -222,6 +222,51 @@ impl Responder {
     }
 }
 
+impl Responder {
+    /// Fold one event (None: the engine hung up) into SSE text on `out`; false when the stream
+    /// ends here (an error body written).
+    fn write_event(&mut self, ev: Option<EngineEvent>, out: &mut String) -> bool {
+        let err = match ev {
+            Some(EngineEvent::Error(e)) => ApiError::internal(e),
+            Some(EngineEvent::GrammarFailed(e)) => super::grammar_failed(&self.job, &e),
+            Some(ev) => {
+                for c in self.chunks_for(&ev) {
+                    out.push_str(&sse(&c));
+                }
+                return true;
+            }
+            None => ApiError::internal("the engine stopped"),
+        };
+        out.push_str(&sse(&err.body()));
+        false
+    }
+
+    /// After its events: the choices go to the rollout log once the last one finished, before
+    /// the chunk that finishes it leaves (a reward posted when it arrives finds it); false when
+    /// that failed (an error body written).
+    async fn log_when_done(&mut self, out: &mut String) -> bool {
+        if self.is_done() {
+            if let Err(e) = self.log_rollouts().await {
+                out.push_str(&sse(&e.body()));
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// A server-sent event stream of `body`'s texts.
+pub(in crate::api) fn sse_response(
+    body: impl futures_util::Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
+) -> Response {
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("valid response")
+}
+
 fn sse(v: &impl serde::Serialize) -> String {
     let text = serde_json::to_string(v).expect("response shapes serialize");
     format!("data: {text}\n\n")
@@ -248,42 +293,16 @@ pub(super) fn stream_response(r: Responder, stream: RequestStream) -> Response {
             evs.push(Some(ev));
         }
         for ev in evs {
-            match ev {
-                Some(EngineEvent::Error(e)) => {
-                    out.push_str(&sse(&ApiError::internal(e).body()));
-                    return Some((Ok(Bytes::from(out)), None));
-                }
-                Some(EngineEvent::GrammarFailed(e)) => {
-                    out.push_str(&sse(&super::grammar_failed(&r.job, &e).body()));
-                    return Some((Ok(Bytes::from(out)), None));
-                }
-                Some(ev) => {
-                    for c in r.chunks_for(&ev) {
-                        out.push_str(&sse(&c));
-                    }
-                }
-                None => {
-                    out.push_str(&sse(&ApiError::internal("the engine stopped").body()));
-                    return Some((Ok(Bytes::from(out)), None));
-                }
-            }
-        }
-        // The chunk that finishes the last choice leaves only once the rollout log has the
-        // completion: a reward posted when it arrives finds it.
-        if r.is_done() {
-            if let Err(e) = r.log_rollouts().await {
-                out.push_str(&sse(&e.body()));
+            if !r.write_event(ev, &mut out) {
                 return Some((Ok(Bytes::from(out)), None));
             }
         }
+        if !r.log_when_done(&mut out).await {
+            return Some((Ok(Bytes::from(out)), None));
+        }
         Some((Ok(Bytes::from(out)), Some((r, stream))))
     });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .expect("valid response")
+    sse_response(body)
 }
 
 /// Several prompts' streams as one (completions with a batch of prompts): each prompt's chunks as
@@ -321,37 +340,10 @@ pub(super) fn stream_many(running: Vec<(Responder, RequestStream)>) -> Response 
         };
         let mut out = String::new();
         let r = &mut running[k].0;
-        match ev {
-            Some(EngineEvent::Error(e)) => {
-                out.push_str(&sse(&ApiError::internal(e).body()));
-                return Some((Ok(Bytes::from(out)), None));
-            }
-            Some(EngineEvent::GrammarFailed(e)) => {
-                out.push_str(&sse(&super::grammar_failed(&r.job, &e).body()));
-                return Some((Ok(Bytes::from(out)), None));
-            }
-            Some(ev) => {
-                for c in r.chunks_for(&ev) {
-                    out.push_str(&sse(&c));
-                }
-            }
-            None => {
-                out.push_str(&sse(&ApiError::internal("the engine stopped").body()));
-                return Some((Ok(Bytes::from(out)), None));
-            }
-        }
-        if r.is_done() {
-            if let Err(e) = r.log_rollouts().await {
-                out.push_str(&sse(&e.body()));
-                return Some((Ok(Bytes::from(out)), None));
-            }
+        if !r.write_event(ev, &mut out) || !r.log_when_done(&mut out).await {
+            return Some((Ok(Bytes::from(out)), None));
         }
         Some((Ok(Bytes::from(out)), Some(running)))
     });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .expect("valid response")
+    sse_response(body)
 }

@@ -3,7 +3,7 @@
 //! done, `response.completed` or `response.incomplete`), each numbered.
 
 use super::*;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use futures_util::StreamExt;
 
 /// The output being built: items finished, and the one open (reasoning or message).
@@ -213,10 +213,5 @@ pub(super) fn translate(turn: Turn, chat: Response) -> Response {
         }
     });
     let all = futures_util::stream::once(async move { Ok(first) }).chain(rest);
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(all))
-        .expect("valid response")
+    super::super::respond::sse_response(all)
 }

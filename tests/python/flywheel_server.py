@@ -1,6 +1,7 @@
 """Start `flywheel serve` on the default model (127.0.0.1, port 0) and talk HTTP to it: shared by
 the contract and fuzz tests."""
 
+import contextlib
 import json
 import pathlib
 import subprocess
@@ -12,6 +13,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = ROOT / "target" / "release" / "flywheel"
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "test-key"
+
+
+@contextlib.contextmanager
+def running(args=(), timeout=60):
+    """A server for the length of a `with` block (a module fixture's body): its base URL."""
+    proc, base = start_server(list(args), timeout)
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def start_server(args, timeout=60):

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from flywheel_server import MODEL, start_server  # noqa: E402
+from flywheel_server import MODEL, running  # noqa: E402
 
 litellm = pytest.importorskip("litellm")
 from pydantic import BaseModel  # noqa: E402
@@ -19,12 +19,8 @@ from pydantic import BaseModel  # noqa: E402
 
 @pytest.fixture(scope="module")
 def base():
-    proc, base = start_server([])
-    try:
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with running() as url:
+        yield url
 
 
 def args(base):

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from flywheel_server import MODEL, http, start_server  # noqa: E402
+from flywheel_server import MODEL, http, running  # noqa: E402
 
 # Offline: no hub look-up for data, tokenizer or metrics.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -64,12 +64,8 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start_server([])
-    try:
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with running() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

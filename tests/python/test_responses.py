@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from flywheel_server import MODEL, start_server  # noqa: E402
+from flywheel_server import MODEL, running  # noqa: E402
 
 openai = pytest.importorskip("openai")
 from pydantic import BaseModel  # noqa: E402
@@ -20,12 +20,8 @@ from pydantic import BaseModel  # noqa: E402
 
 @pytest.fixture(scope="module")
 def base():
-    proc, base = start_server([])
-    try:
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with running() as url:
+        yield url
 
 
 def sync_client(base):

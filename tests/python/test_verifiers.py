@@ -15,7 +15,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from flywheel_server import BIN, MODEL, ROOT, http, start_server  # noqa: E402
+from flywheel_server import BIN, MODEL, ROOT, http, running  # noqa: E402
 
 VENV_PY = ROOT / "target" / "verifiers-venv" / "bin" / "python"
 if not VENV_PY.exists():
@@ -25,12 +25,8 @@ if not VENV_PY.exists():
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start_server([])
-    try:
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with running() as url:
+        yield url
 
 
 def test_train_client_rollout_tokens_are_the_servers(server, tmp_path):
