@@ -111,7 +111,8 @@ impl Responder {
                 stop_reason,
                 ..
             } => {
-                // What the reasoning parser held: thinking, or answer (through the tools').
+                // What the reasoning parser held (thinking, or answer through the tools'), then
+                // what the tools' parser held, each delta in a chunk.
                 let mut held = Vec::new();
                 if let Some(r) = &mut self.choices[i].reasoning {
                     let (thinking, answer) = r.finish();
@@ -132,26 +133,15 @@ impl Responder {
                         });
                     }
                 }
-                for delta in held {
-                    let choice = wire::Choice::ChatChunk(ChatChunkChoice {
-                        index: self.first_choice + i,
-                        delta,
-                        logprobs: None,
-                        finish_reason: None,
-                        stop_reason: None,
-                        token_ids: None,
-                    });
-                    out.push(self.envelope(true, vec![choice]));
-                }
                 // With tools: what was held becomes content, or the calls, each in a chunk.
                 let mut with_calls = false;
+                let mut deltas = held;
                 if let Some(mode) = self.job.tools {
                     let (rest, mut calls) = self.choices[i]
                         .tool_stream
                         .finish(mode.format, || random_id("call_"));
                     mode.keep(&mut calls);
                     with_calls = !calls.is_empty();
-                    let mut deltas = Vec::new();
                     if !rest.is_empty() {
                         deltas.push(Delta {
                             content: Some(rest),
@@ -175,17 +165,17 @@ impl Responder {
                             },
                         });
                     }
-                    for delta in deltas {
-                        let choice = wire::Choice::ChatChunk(ChatChunkChoice {
-                            index: self.first_choice + i,
-                            delta,
-                            logprobs: None,
-                            finish_reason: None,
-                            stop_reason: None,
-                            token_ids: None,
-                        });
-                        out.push(self.envelope(true, vec![choice]));
-                    }
+                }
+                for delta in deltas {
+                    let choice = wire::Choice::ChatChunk(ChatChunkChoice {
+                        index: self.first_choice + i,
+                        delta,
+                        logprobs: None,
+                        finish_reason: None,
+                        stop_reason: None,
+                        token_ids: None,
+                    });
+                    out.push(self.envelope(true, vec![choice]));
                 }
                 let (reason, stop) = (
                     Some(finish_with_calls(*reason, with_calls, self.job.tools)),
