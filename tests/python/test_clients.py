@@ -1,7 +1,8 @@
 """Agent frameworks as their users call them, on the default model (each test is skipped when its
 client is not installed; `pip install langchain-openai` to run them): LangChain's `bind_tools`
 (auto and forced) and `with_structured_output` in each of its methods; schemas as people write
-them (no `additionalProperties`) through LangChain and the openai SDK."""
+them (no `additionalProperties`) through LangChain and the openai SDK; chat templates through
+`extra_body` and the Responses API (`use_responses_api=True`) through LangChain."""
 
 import sys
 import pathlib
@@ -113,3 +114,27 @@ def test_ordinary_schemas_close_when_sampled():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_langchain_reaches_templates_and_the_responses_api(llm):
+    """LangChain as its users pass server extensions (`extra_body`) and as it calls the Responses
+    API (`use_responses_api=True`), unchanged."""
+    import openai
+    base = str(llm.openai_api_base)
+    raising = langchain_openai.ChatOpenAI(
+        base_url=base, api_key="none", model=MODEL.stem, max_tokens=4,
+        extra_body={"chat_template": "{{ raise_exception('template reached the server') }}"})
+    with pytest.raises(openai.BadRequestError, match="template reached the server"):
+        raising.invoke("hi")
+    templated = langchain_openai.ChatOpenAI(
+        base_url=base, api_key="none", model=MODEL.stem, max_tokens=4,
+        extra_body={"chat_template": "{{ greeting }} {{ messages[0].content }} ->",
+                    "chat_template_kwargs": {"greeting": "Hello"}})
+    assert isinstance(templated.invoke("hi").content, str)
+    responses = langchain_openai.ChatOpenAI(
+        base_url=base, api_key="none", model=MODEL.stem, max_tokens=8, use_responses_api=True)
+    m = responses.invoke("Say hi.")
+    assert m.response_metadata["id"].startswith("resp_")
+    assert m.text()
+    streamed = "".join(c.text() for c in responses.stream("Count."))
+    assert streamed
