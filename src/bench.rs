@@ -22,6 +22,8 @@ pub struct BenchOptions {
     pub runs: usize,
     pub busy_peer: bool,
     pub adapter: Option<AdapterWeights>,
+    /// What the KV cache stores (the server's default is f16).
+    pub kv_dtype: crate::model::kv_cache::KvDtype,
 }
 
 /// `oft` (b=32) or `lora` (r=16, α=32) on every projection the model adapts (all seven, or a
@@ -114,11 +116,12 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
     )?;
     let prompt: Vec<u32> = text.iter().cycle().take(pp).copied().collect();
     let table: Vec<u32> = (0..pp.div_ceil(BLOCK_SIZE) as u32).collect();
-    let mut cache = KvCache::new(
+    let mut cache = KvCache::with_dtype(
         model.config.num_layers,
         model.config.kv_dim(),
         BLOCK_SIZE,
         table.len(),
+        o.kv_dtype,
     );
     let variants: Vec<Option<&AdapterWeights>> = match &o.adapter {
         Some(a) => vec![None, Some(a)],

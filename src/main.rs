@@ -253,6 +253,9 @@ enum Cmd {
         /// All training sequences share one prompt, run once (a GRPO group).
         #[arg(long)]
         shared_prompt: bool,
+        /// What the KV cache stores: f32 or f16 (the server's default).
+        #[arg(long, default_value = "f32")]
+        kv_cache_dtype: String,
         /// Memory for the activations a training step keeps (layers beyond it are recomputed).
         #[arg(long, default_value_t = flywheel::model::llama::ACTIVATION_BUDGET >> 20)]
         activation_mb: usize,
@@ -574,6 +577,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             seq_len,
             prompt_len,
             shared_prompt,
+            kv_cache_dtype,
             activation_mb,
         } => {
             let base = Base::load(&m.spec())?;
@@ -605,6 +609,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     runs: runs.max(1),
                     busy_peer,
                     adapter,
+                    kv_dtype: kv_cache_dtype
+                        .parse()
+                        .map_err(|e: String| anyhow::anyhow!(e))?,
                 },
             )
         }
