@@ -56,12 +56,14 @@ mod x86 {
             let mut line = format!("{rows:>6}x{k:<5}");
             // One tile kind: its name, whether the CPU has it, what it lacks otherwise, and a
             // run over operands of the tile's types (w: rows x k, x: n x k, y: n x rows).
+            /// A tile kernel: (w, x, y, rows, k, n).
+            type Tiles<W, X, Y> = unsafe fn(&[W], &[X], &mut [Y], usize, usize, usize);
             fn measure<W: Copy, X: Copy, Y: Copy + Default>(
                 line: &mut String,
                 (name, has, lacks): (&str, bool, &str),
                 (w0, x0): (W, X),
                 (rows, k, n): (usize, usize, usize),
-                tiles: unsafe fn(&[W], &[X], &mut [Y], usize, usize, usize),
+                tiles: Tiles<W, X, Y>,
             ) {
                 if !has {
                     *line += &format!("  {name} skipped (no {lacks})");
