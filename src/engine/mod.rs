@@ -482,7 +482,8 @@ impl Engine {
             let mut child = SeqOutput::new(req.clone(), choice);
             child.scheduled_at = Some(Instant::now());
             child.num_cached_tokens = num_cached;
-            let s = match child.sample(&self.cpu, &mut row) {
+            // A forked choice draws its first token: nothing generated yet.
+            let s = match child.sample(&self.cpu, &mut row, &[]) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = req.tx.send(EngineEvent::GrammarFailed(e));
@@ -507,7 +508,8 @@ impl Engine {
             }
         }
         let out = self.outputs.get_mut(&id).expect("present");
-        let s = match out.sample(&self.cpu, logits) {
+        let seq = self.sched.get(id).expect("running");
+        let s = match out.sample(&self.cpu, logits, &seq.tokens[seq.prompt_len..]) {
             Ok(s) => s,
             Err(e) => {
                 // Its siblings end with it: one event ends the request.

@@ -82,8 +82,6 @@ pub struct SeqOutput {
     /// token when it was computed ahead (beside the forward pass that makes the logits).
     pub constraint: Option<Constraint>,
     pub next_mask: Option<Result<TokenMask, String>>,
-    /// The tokens generated so far (what `min_tokens` counts and bad words are matched against).
-    generated: Vec<u32>,
     /// Embedding requests: the sum of the prompt positions' hidden states seen so far, and how
     /// many (a preempted sequence recomputes its prompt: positions are added once).
     pub embed_sum: Vec<f64>,
@@ -122,7 +120,6 @@ impl SeqOutput {
             prompt_scores_sent: false,
             constraint,
             next_mask: None,
-            generated: Vec::new(),
             embed_sum: Vec::new(),
             embed_count: 0,
         }
@@ -138,13 +135,19 @@ impl SeqOutput {
         }
     }
 
-    /// Draw the next token; under a grammar, only from what it allows (and the grammar follows
-    /// the token). Err: the grammar failed.
-    pub fn sample(&mut self, cpu: &Cpu, logits: &mut [f32]) -> Result<Sampled, String> {
+    /// Draw the next token after `generated` (this choice's tokens so far: what `min_tokens`
+    /// counts and bad words are matched against); under a grammar, only from what it allows (and
+    /// the grammar follows the token). Err: the grammar failed.
+    pub fn sample(
+        &mut self,
+        cpu: &Cpu,
+        logits: &mut [f32],
+        generated: &[u32],
+    ) -> Result<Sampled, String> {
         self.prepare_mask();
         let mask = self.next_mask.take().transpose()?;
         let p = &self.req.req.sampling;
-        let banned = p.banned(&self.generated, &self.req.end_tokens);
+        let banned = p.banned(generated, &self.req.end_tokens);
         let s = sampler::sample_seen(
             cpu,
             logits,
@@ -208,7 +211,6 @@ impl SeqOutput {
         m.generation_tokens.inc();
         self.req.adapter_tokens.inc();
         *self.counts.entry(s.token).or_default() += 1;
-        self.generated.push(s.token);
 
         let r = &self.req.req;
         let mut finish = None;

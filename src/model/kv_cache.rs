@@ -128,15 +128,25 @@ impl KvCache {
         }
     }
 
-    /// Store the K and V rows of position `pos` of the sequence with `block_table` in layer `l`
-    /// (an f16 cache takes values already rounded to halves: stored exactly).
-    pub fn write(&mut self, l: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+    /// Where position `pos` of the sequence with `block_table` lives in layer `l`: its V row's
+    /// offset, its K block's start, and its slot in the block.
+    fn place(&self, l: usize, block_table: &[u32], pos: usize) -> (usize, usize, usize) {
         let n = self.layer_len();
         let block = block_table[pos / self.block_size] as usize;
         assert!(block < self.num_blocks, "block id {block} out of range");
         let (bs, slot, kvd) = (self.block_size, pos % self.block_size, self.kv_dim);
-        let off = l * n + (block * bs + slot) * kvd;
-        let kstart = l * n + block * bs * kvd;
+        (
+            l * n + (block * bs + slot) * kvd,
+            l * n + block * bs * kvd,
+            slot,
+        )
+    }
+
+    /// Store the K and V rows of position `pos` of the sequence with `block_table` in layer `l`
+    /// (an f16 cache takes values already rounded to halves: stored exactly).
+    pub fn write(&mut self, l: usize, block_table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+        let (off, kstart, slot) = self.place(l, block_table, pos);
+        let bs = self.block_size;
         match &mut self.store {
             Store::F32 { k: ks, v: vs } => put(ks, vs, off, kstart, bs, slot, k, v, |x| x),
             Store::F16 { k: ks, v: vs } => put(ks, vs, off, kstart, bs, slot, k, v, |x| {
@@ -150,21 +160,34 @@ impl KvCache {
             }),
         }
     }
+
+    /// `write` with rows already in halves (`Cpu::round_to_f16`'s bits): stored as they are in
+    /// an f16 cache, widened in an f32 one.
+    pub fn write_f16(&mut self, l: usize, block_table: &[u32], pos: usize, k: &[F16], v: &[F16]) {
+        let (off, kstart, slot) = self.place(l, block_table, pos);
+        let bs = self.block_size;
+        match &mut self.store {
+            Store::F16 { k: ks, v: vs } => put(ks, vs, off, kstart, bs, slot, k, v, |x| x),
+            Store::F32 { k: ks, v: vs } => {
+                put(ks, vs, off, kstart, bs, slot, k, v, |x: F16| x.to_f32())
+            }
+        }
+    }
 }
 
 /// One position's V row at `off`, and its K values transposed within the block at `kstart`
 /// (see `PagedKv`).
 #[allow(clippy::too_many_arguments)]
-fn put<E: Copy>(
+fn put<T: Copy, E: Copy>(
     ks: &mut [E],
     vs: &mut [E],
     off: usize,
     kstart: usize,
     bs: usize,
     slot: usize,
-    k: &[f32],
-    v: &[f32],
-    conv: impl Fn(f32) -> E,
+    k: &[T],
+    v: &[T],
+    conv: impl Fn(T) -> E,
 ) {
     for (d, &x) in vs[off..off + v.len()].iter_mut().zip(v) {
         *d = conv(x);

@@ -21,6 +21,10 @@ pub struct ForwardBuffers {
     pub logits: Vec<f32>,
     /// (rows of hidden states asked for, hidden): the final norm's output (`Logits::Hidden`).
     pub hidden: Vec<f32>,
+    /// An f16 KV cache: the rows of K and V as the halves it stores (rounded once, written as
+    /// they are).
+    pub(super) k16: Vec<flywheel_kernels::reference::F16>,
+    pub(super) v16: Vec<flywheel_kernels::reference::F16>,
     pub(super) adapter: AdapterScratch,
     /// The mixture of experts' routing and products (MoE families).
     pub(super) moe: super::moe::MoeActs,

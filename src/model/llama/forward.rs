@@ -275,6 +275,8 @@ impl Llama {
             act,
             adapter,
             moe,
+            k16,
+            v16,
             ..
         } = bufs;
         let groups = io.groups;
@@ -320,10 +322,11 @@ impl Llama {
             KvAccess::Read(c) => c.dtype(),
         } == KvDtype::F16;
         if f16 {
-            let (nk, nv) = (k.len(), v.len());
-            let mut bits = vec![F16::default(); nk.max(nv)];
-            cpu.round_to_f16(k, &mut bits[..nk]);
-            cpu.round_to_f16(v, &mut bits[..nv]);
+            // Grown once, then reused from step to step (no allocation per layer).
+            k16.resize(k.len(), F16::default());
+            v16.resize(v.len(), F16::default());
+            cpu.round_to_f16(k, k16);
+            cpu.round_to_f16(v, v16);
         }
         if let Some(a) = keep.as_deref_mut() {
             (a.q, a.k, a.v) = (q.to_vec(), k.to_vec(), v.to_vec());
@@ -332,14 +335,14 @@ impl Llama {
             KvAccess::Write(cache, batch) => {
                 for (s, a) in batch.iter().zip(io.attn) {
                     for i in 0..a.q_len {
-                        let r = a.q_start + i;
-                        cache.write(
-                            l,
-                            s.block_table,
-                            s.first_pos + i,
-                            &k[r * kvd..(r + 1) * kvd],
-                            &v[r * kvd..(r + 1) * kvd],
-                        );
+                        let (row, pos) = ((a.q_start + i) * kvd, s.first_pos + i);
+                        let row = row..row + kvd;
+                        if f16 {
+                            let (kr, vr) = (&k16[row.clone()], &v16[row]);
+                            cache.write_f16(l, s.block_table, pos, kr, vr);
+                        } else {
+                            cache.write(l, s.block_table, pos, &k[row.clone()], &v[row]);
+                        }
                     }
                 }
                 cache
