@@ -103,6 +103,32 @@ fn a_base_models_file_refuses_chat_until_it_is_given_a_template() {
     );
 }
 
+/// The same with what users bring: GGUF files written by llama.cpp's own `convert_hf_to_gguf.py`
+/// from transformers models (tests/fixtures/hf, one per family; a converted base model has no
+/// `tokenizer.chat_template`), served with the default f16 KV cache.
+#[test]
+fn files_from_llama_cpps_converter_chat_once_given_a_template() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    for family in ["llama3", "qwen2", "qwen3", "qwen3moe", "gemma3"] {
+        let path = root.join(family).join("model.gguf");
+        let s = Server::start(&path, CONFIG, &[]);
+        let model = s.get("/v1/models").json()["data"][0]["id"].clone();
+        let body = json!({"model": model, "max_tokens": 3, "ignore_eos": true,
+                          "messages": [{"role": "user", "content": "hi"}]});
+        let r = s.post("/v1/chat/completions", &body);
+        let e = assert_error(&r, 400, Some("messages"));
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains("--chat-template"),
+            "{family}: {e}"
+        );
+        drop(s);
+        let s = Server::start(&path, CONFIG, &["--chat-template", "chatml"]);
+        let r = s.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{family}: {}", r.body_text());
+        assert_eq!(r.json()["usage"]["completion_tokens"], 3, "{family}");
+    }
+}
+
 #[test]
 fn the_template_replaces_the_files_and_continues_the_final_message() {
     let (_d, s) = start(CONFIG, &["--chat-template", "zephyr"]);

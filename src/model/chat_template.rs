@@ -8,8 +8,8 @@ use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Value};
 
 /// Instructions one rendering may run: a template from a request is the client's code, so its
-/// loops are bounded (the longest real template over a long conversation with tools runs a few
-/// hundred thousand).
+/// loops are bounded. The real templates (Qwen2.5, Qwen3, Llama 3.1/3.2, Gemma 3, with tools and
+/// tool histories) render under it in tests/chat_templates.rs; how far under was not measured.
 const FUEL: u64 = 20_000_000;
 
 /// Templates `--chat-template NAME` names, for GGUF files without one (base models) or to replace

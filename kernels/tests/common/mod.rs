@@ -1,6 +1,19 @@
 //! Shared by the kernel tests: a small deterministic generator (SplitMix64) so failures reproduce.
 #![allow(dead_code)]
 
+use flywheel_kernels::{Cpu, Isa, ThreadPool};
+use std::time::Duration;
+
+/// The ISAs this machine runs besides the reference (capped by FLYWHEEL_MAX_ISA).
+pub fn fast_isas() -> Vec<Isa> {
+    Isa::tested()
+}
+
+/// A `Cpu` of `isa` on its own pool of `threads`.
+pub fn cpu(isa: Isa, threads: usize) -> Cpu {
+    Cpu::new(isa, ThreadPool::new(threads, Duration::from_micros(50)))
+}
+
 pub struct Rng(pub u64);
 
 impl Rng {
