@@ -50,75 +50,11 @@ struct ModelArgs {
 enum Cmd {
     /// Serve the OpenAI-compatible API (prints `listening on ADDR` once bound).
     Serve {
-        /// GGUF model file (overrides model.path; the default model is fetched on first use).
-        #[arg(long)]
-        model: Option<PathBuf>,
         /// TOML configuration (see configs/serve.toml for every key and its default).
         #[arg(long)]
         config: Option<PathBuf>,
-        #[arg(long)]
-        host: Option<String>,
-        /// 0 picks a free port.
-        #[arg(long)]
-        port: Option<u16>,
-        /// Require `Authorization: Bearer KEY` on the API routes.
-        #[arg(long, env = "FLYWHEEL_API_KEY")]
-        api_key: Option<String>,
-        /// Key of the admin routes (adapters). Without one they are open only on loopback.
-        #[arg(long, env = "FLYWHEEL_ADMIN_KEY")]
-        admin_key: Option<String>,
-        /// Preload a PEFT adapter folder as NAME (repeatable).
-        #[arg(long = "adapter", value_name = "NAME=PATH", value_parser = parse_named_path)]
-        adapters: Vec<(String, PathBuf)>,
-        /// Make NAME a learning adapter (repeatable): created as the identity (OFT b=32 on all
-        /// seven projections) or resumed from its last checkpoint; completions through it are
-        /// logged, rewarded on /v1/feedback and trained on.
-        #[arg(long = "learn", value_name = "NAME")]
-        learn: Vec<String>,
-        /// Where the rollout log and checkpoints live (overrides online.data_dir; default data).
-        #[arg(long)]
-        data_dir: Option<PathBuf>,
-        /// Where the rollout log lives (overrides online.rollout_store): a postgres:// URL shared
-        /// by several servers; default SQLite in the data directory.
-        #[arg(long, env = "FLYWHEEL_ROLLOUT_STORE")]
-        rollout_store: Option<String>,
-        /// Where adapter versions are published (overrides online.adapter_store):
-        /// file:///shared/dir or s3://bucket/prefix; default only the data directory. S3
-        /// settings from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
-        /// AWS_REGION, AWS_ENDPOINT, AWS_ALLOW_HTTP or [online.adapter_store_options].
-        #[arg(long, env = "FLYWHEEL_ADAPTER_STORE")]
-        adapter_store: Option<String>,
-        /// all (serve and train, the default) | train | serve (follow the trainer's versions
-        /// through the shared rollout store; never train). Overrides online.role.
-        #[arg(long, env = "FLYWHEEL_ROLE")]
-        role: Option<String>,
-        /// Arithmetic of the base's products, serving and training alike: exact (f32, the
-        /// default), bf16 (AVX512_BF16), int8 (8-bit activations) or auto. Overrides
-        /// model.precision.
-        #[arg(long)]
-        precision: Option<String>,
-        /// Where the weights live: huge_pages (2 MB pages, the default) or mmap (the file
-        /// mapped, its page cache shared). Overrides model.weights.
-        #[arg(long)]
-        weights: Option<String>,
-        /// The chat template, replacing the GGUF's (or for a file without one, such as a base
-        /// model's): chatml, llama3, gemma, phi3, zephyr, mistral, a file, or the template's
-        /// text. Overrides model.chat_template.
-        #[arg(long)]
-        chat_template: Option<String>,
-        /// The longest sequence (prompt and completion) served; default the model's context,
-        /// fitted to engine.kv_cache_mb. Overrides model.max_model_len.
-        #[arg(long)]
-        max_model_len: Option<usize>,
-        /// Web origins whose pages may call the server (CORS), comma-separated: an origin
-        /// (https://app.example) or '*'. Default: none but the server's own; a browser's request
-        /// from another origin is a 403. Overrides server.allowed_origins.
-        #[arg(long, value_delimiter = ',')]
-        allowed_origins: Option<Vec<String>>,
-        /// What the KV cache stores: f16 (the default, half the memory) or f32. Overrides
-        /// engine.kv_cache_dtype.
-        #[arg(long)]
-        kv_cache_dtype: Option<String>,
+        #[command(flatten)]
+        overrides: CliOverrides,
     },
     /// Generate text from a prompt.
     Generate {
@@ -267,16 +203,6 @@ enum Cmd {
     },
 }
 
-fn parse_named_path(s: &str) -> Result<(String, PathBuf), String> {
-    let (n, p) = s
-        .split_once('=')
-        .ok_or_else(|| format!("'{s}': expected NAME=PATH"))?;
-    if n.is_empty() || p.is_empty() {
-        return Err(format!("'{s}': expected NAME=PATH"));
-    }
-    Ok((n.to_string(), PathBuf::from(p)))
-}
-
 impl ModelArgs {
     fn spec(&self) -> ModelSpec {
         ModelSpec {
@@ -320,26 +246,7 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
-        Cmd::Serve {
-            model,
-            config,
-            host,
-            port,
-            api_key,
-            admin_key,
-            adapters,
-            learn,
-            data_dir,
-            rollout_store,
-            adapter_store,
-            role,
-            precision,
-            weights,
-            chat_template,
-            max_model_len,
-            allowed_origins,
-            kv_cache_dtype,
-        } => {
+        Cmd::Serve { config, overrides } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
                     tracing_subscriber::EnvFilter::try_from_default_env()
@@ -351,26 +258,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 Some(p) => RawConfig::from_file(p)?,
                 None => RawConfig::default(),
             };
-            let cli = CliOverrides {
-                model,
-                host,
-                port,
-                api_key,
-                admin_key,
-                adapters,
-                learn,
-                data_dir,
-                rollout_store,
-                adapter_store,
-                role,
-                precision,
-                weights,
-                chat_template,
-                max_model_len,
-                allowed_origins,
-                kv_cache_dtype,
-            };
-            flywheel::app::serve(raw.validate(&cli)?)
+            flywheel::app::serve(raw.validate(&overrides)?)
         }
         Cmd::FetchModel { dest } => fetch_default(&dest),
         Cmd::Train {

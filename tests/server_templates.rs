@@ -118,7 +118,10 @@ fn files_from_llama_cpps_converter_chat_once_given_a_template() {
         let r = s.post("/v1/chat/completions", &body);
         let e = assert_error(&r, 400, Some("messages"));
         assert!(
-            e["error"]["message"].as_str().unwrap().contains("--chat-template"),
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--chat-template"),
             "{family}: {e}"
         );
         drop(s);

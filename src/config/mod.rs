@@ -81,39 +81,86 @@ pub struct RawEngine {
     pub enable_prefix_caching: Option<bool>,
 }
 
-/// Flags given on the command line: they win over the file.
-#[derive(Debug, Default, Clone)]
+/// Flags given on the command line (`flywheel serve`'s): they win over the file.
+#[derive(Debug, Default, Clone, clap::Args)]
 pub struct CliOverrides {
+    /// GGUF model file (overrides model.path; the default model is fetched on first use).
+    #[arg(long)]
     pub model: Option<PathBuf>,
+    #[arg(long)]
     pub host: Option<String>,
+    /// 0 picks a free port.
+    #[arg(long)]
     pub port: Option<u16>,
+    /// Require `Authorization: Bearer KEY` on the API routes.
+    #[arg(long, env = "FLYWHEEL_API_KEY")]
     pub api_key: Option<String>,
+    /// Key of the admin routes (adapters). Without one they are open only on loopback.
+    #[arg(long, env = "FLYWHEEL_ADMIN_KEY")]
     pub admin_key: Option<String>,
-    /// `--adapter NAME=PATH`, in order (added to and overriding the file's `[adapters]`).
+    /// Preload a PEFT adapter folder as NAME (repeatable).
+    #[arg(long = "adapter", value_name = "NAME=PATH", value_parser = parse_named_path)]
     pub adapters: Vec<(String, PathBuf)>,
-    /// `--learn NAME`: learning adapters with default settings (a `[[learn]]` table of the same
-    /// name keeps its settings).
+    /// Make NAME a learning adapter (repeatable): created as the identity (OFT b=32 on all
+    /// seven projections) or resumed from its last checkpoint; completions through it are
+    /// logged, rewarded on /v1/feedback and trained on.
+    #[arg(long = "learn", value_name = "NAME")]
     pub learn: Vec<String>,
-    /// `--data-dir`: overrides online.data_dir.
+    /// Where the rollout log and checkpoints live (overrides online.data_dir; default data).
+    #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// `--rollout-store`: overrides online.rollout_store.
+    /// Where the rollout log lives (overrides online.rollout_store): a postgres:// URL shared
+    /// by several servers; default SQLite in the data directory.
+    #[arg(long, env = "FLYWHEEL_ROLLOUT_STORE")]
     pub rollout_store: Option<String>,
-    /// `--adapter-store`: overrides online.adapter_store.
+    /// Where adapter versions are published (overrides online.adapter_store):
+    /// file:///shared/dir or s3://bucket/prefix; default only the data directory. S3
+    /// settings from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+    /// AWS_REGION, AWS_ENDPOINT, AWS_ALLOW_HTTP or [online.adapter_store_options].
+    #[arg(long, env = "FLYWHEEL_ADAPTER_STORE")]
     pub adapter_store: Option<String>,
-    /// `--role`: overrides online.role.
+    /// all (serve and train, the default) | train | serve (follow the trainer's versions
+    /// through the shared rollout store; never train). Overrides online.role.
+    #[arg(long, env = "FLYWHEEL_ROLE")]
     pub role: Option<String>,
-    /// `--precision`: overrides model.precision.
+    /// Arithmetic of the base's products, serving and training alike: exact (f32, the
+    /// default), bf16 (AVX512_BF16), int8 (8-bit activations) or auto. Overrides
+    /// model.precision.
+    #[arg(long)]
     pub precision: Option<String>,
-    /// `--weights`: overrides model.weights.
+    /// Where the weights live: huge_pages (2 MB pages, the default) or mmap (the file
+    /// mapped, its page cache shared). Overrides model.weights.
+    #[arg(long)]
     pub weights: Option<String>,
-    /// `--chat-template`: overrides model.chat_template.
+    /// The chat template, replacing the GGUF's (or for a file without one, such as a base
+    /// model's): chatml, llama3, gemma, phi3, zephyr, mistral, a file, or the template's
+    /// text. Overrides model.chat_template.
+    #[arg(long)]
     pub chat_template: Option<String>,
-    /// `--max-model-len`: overrides model.max_model_len.
+    /// The longest sequence (prompt and completion) served; default the model's context,
+    /// fitted to engine.kv_cache_mb. Overrides model.max_model_len.
+    #[arg(long)]
     pub max_model_len: Option<usize>,
-    /// `--allowed-origins`: overrides server.allowed_origins.
+    /// Web origins whose pages may call the server (CORS), comma-separated: an origin
+    /// (https://app.example) or '*'. Default: none but the server's own; a browser's request
+    /// from another origin is a 403. Overrides server.allowed_origins.
+    #[arg(long, value_delimiter = ',')]
     pub allowed_origins: Option<Vec<String>>,
-    /// `--kv-cache-dtype`: overrides engine.kv_cache_dtype.
+    /// What the KV cache stores: f16 (the default, half the memory) or f32. Overrides
+    /// engine.kv_cache_dtype.
+    #[arg(long)]
     pub kv_cache_dtype: Option<String>,
+}
+
+/// `--adapter NAME=PATH`.
+fn parse_named_path(s: &str) -> Result<(String, PathBuf), String> {
+    let (n, p) = s
+        .split_once('=')
+        .ok_or_else(|| format!("'{s}': expected NAME=PATH"))?;
+    if n.is_empty() || p.is_empty() {
+        return Err(format!("'{s}': expected NAME=PATH"));
+    }
+    Ok((n.to_string(), PathBuf::from(p)))
 }
 
 #[derive(Clone, Debug)]
@@ -517,156 +564,4 @@ impl std::str::FromStr for PrecisionChoice {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_example_file_parses_and_cli_flags_win() {
-        let text = include_str!("../configs/serve.toml");
-        let raw = RawConfig::from_toml(text).expect("configs/serve.toml parses");
-        let cli = CliOverrides {
-            port: Some(9999),
-            ..Default::default()
-        };
-        let c = raw.validate(&cli).unwrap();
-        assert_eq!(c.port, 9999);
-        assert_eq!(c.block_size, 16);
-        assert_eq!(c.api_key, None);
-    }
-
-    #[test]
-    fn typos_and_bad_values_are_rejected_by_name() {
-        let e = RawConfig::from_toml("[engine]\nmax_num_seq = 3\n").unwrap_err();
-        assert!(e.contains("max_num_seq"), "{e}");
-        let raw = RawConfig::from_toml("[engine]\nblock_size = 12\n").unwrap();
-        let e = raw.validate(&CliOverrides::default()).unwrap_err();
-        assert!(e.to_string().contains("engine.block_size"), "{e}");
-        let raw = RawConfig::from_toml("[model]\nprecision = \"fp8\"\n").unwrap();
-        let e = raw.validate(&CliOverrides::default()).unwrap_err();
-        assert!(e.to_string().contains("model.precision"), "{e}");
-        let raw = RawConfig::from_toml("[model]\nprecision = \"auto\"\n").unwrap();
-        let c = raw.validate(&CliOverrides::default()).unwrap();
-        assert_eq!(c.precision, PrecisionChoice::Auto);
-        let cli = CliOverrides {
-            precision: Some("bf16".into()),
-            ..Default::default()
-        };
-        let raw = RawConfig::from_toml("[model]\nprecision = \"exact\"\n").unwrap();
-        assert_eq!(raw.validate(&cli).unwrap().precision, PrecisionChoice::Bf16);
-        use crate::model::gguf::WeightMemory;
-        let raw = RawConfig::from_toml("[model]\nweights = \"mmap\"\n").unwrap();
-        assert_eq!(raw.validate(&cli).unwrap().weights, WeightMemory::Mapped);
-        let c = RawConfig::default()
-            .validate(&CliOverrides::default())
-            .unwrap();
-        assert_eq!(c.weights, WeightMemory::HugePages);
-        let flag = CliOverrides {
-            weights: Some("mmap".into()),
-            ..Default::default()
-        };
-        let raw = RawConfig::from_toml("[model]\nweights = \"huge_pages\"\n").unwrap();
-        assert_eq!(raw.validate(&flag).unwrap().weights, WeightMemory::Mapped);
-        let raw = RawConfig::from_toml("[model]\nweights = \"hugetlb\"\n").unwrap();
-        let e = raw.validate(&CliOverrides::default()).unwrap_err();
-        assert!(e.to_string().contains("model.weights"), "{e}");
-        for (toml, key) in [
-            (
-                "[online]\ntrain_itl_budget = 0.9\n",
-                "online.train_itl_budget",
-            ),
-            ("[online]\ntrain_share = 11\n", "online.train_share"),
-            (
-                "[online]\ntrain_max_stale_fraction = 2\n",
-                "online.train_max_stale_fraction",
-            ),
-        ] {
-            let raw = RawConfig::from_toml(toml).unwrap();
-            let e = raw.validate(&CliOverrides::default()).unwrap_err();
-            assert!(e.to_string().contains(key), "{e}");
-        }
-    }
-
-    #[test]
-    fn the_context_is_fitted_to_the_kv_cache_unless_it_is_set() {
-        // f32: 30 layers x 16 tokens x 192 x 2 x 4 bytes = 720 KiB a block: 1 MiB holds 1 block.
-        let cfg = |toml: &str, cli: &CliOverrides| {
-            RawConfig::from_toml(
-                &toml.replace("[engine]\n", "[engine]\nkv_cache_dtype = \"f32\"\n"),
-            )
-            .unwrap()
-            .validate(cli)
-            .unwrap()
-        };
-        let none = CliOverrides::default();
-        let small = cfg("[engine]\nkv_cache_mb = 1\n", &none);
-        let f = small.fit_context(30, 192, 8192).unwrap();
-        assert_eq!((f.max_model_len, f.num_kv_blocks), (16, 1));
-        assert!(f.note.unwrap().contains("max_model_len is 16"));
-        // Set, it must fit: an error naming the setting and what it needs.
-        let set = cfg(
-            "[engine]\nkv_cache_mb = 1\n[model]\nmax_model_len = 8192\n",
-            &none,
-        );
-        let e = set.fit_context(30, 192, 8192).unwrap_err().to_string();
-        assert!(e.contains("kv_cache_mb") && e.contains("needs 512"), "{e}");
-        // The flag wins over the file, and is capped by the model's context with a note.
-        let flag = CliOverrides {
-            max_model_len: Some(100_000),
-            ..CliOverrides::default()
-        };
-        let big = cfg("[engine]\nkv_cache_mb = 1024\n", &flag);
-        let f = big.fit_context(30, 192, 8192).unwrap();
-        assert_eq!((f.max_model_len, f.num_kv_blocks), (8192, 1456));
-        assert!(f.note.is_some());
-        // Fits: the model's context, no note.
-        let roomy = cfg("[engine]\nkv_cache_mb = 1024\n", &none);
-        let f = roomy.fit_context(30, 192, 4096).unwrap();
-        assert_eq!((f.max_model_len, f.note), (4096, None));
-        let tiny = cfg("[engine]\nkv_cache_mb = 1\n", &none);
-        assert!(tiny.fit_context(300, 192, 8192).is_err());
-        // f16 (the default): twice the tokens in the same memory.
-        let half = RawConfig::from_toml("[engine]\nkv_cache_mb = 1\n")
-            .unwrap()
-            .validate(&none)
-            .unwrap();
-        assert_eq!(half.kv_dtype, KvDtype::F16);
-        assert_eq!(half.fit_context(30, 192, 8192).unwrap().max_model_len, 32);
-    }
-
-    #[test]
-    fn the_adapter_store_is_checked_and_the_flag_wins() {
-        let check = |toml: &str, cli: &CliOverrides| {
-            RawConfig::from_toml(toml)
-                .unwrap()
-                .validate(cli)
-                .map(|c| c.online.adapter_store)
-                .map_err(|e| e.to_string())
-        };
-        let none = CliOverrides::default();
-        let file = "[online]\nadapter_store = \"file:///srv/adapters\"\n";
-        assert_eq!(
-            check(file, &none).unwrap().as_deref(),
-            Some("file:///srv/adapters")
-        );
-        let flag = CliOverrides {
-            adapter_store: Some("s3://bucket/p".into()),
-            ..Default::default()
-        };
-        assert_eq!(
-            check(file, &flag).unwrap().as_deref(),
-            Some("s3://bucket/p")
-        );
-        for (toml, named) in [
-            ("[online]\nadapter_store = \"gs://b/p\"\n", "gs://b/p"),
-            ("[online]\nadapter_store = \"file://rel\"\n", "file://rel"),
-            ("[online.adapter_store_options]\naws_region = \"x\"\n", "aws_region"),
-            (
-                "[online]\nadapter_store = \"s3://b/p\"\n[online.adapter_store_options]\nregio = \"x\"\n",
-                "regio",
-            ),
-        ] {
-            let e = check(toml, &none).unwrap_err();
-            assert!(e.contains(named), "{toml}: {e}");
-        }
-    }
-}
+mod tests;

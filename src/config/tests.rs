@@ -1,0 +1,151 @@
+//! The settings as read: the file, the flags over it, and every check of `RawConfig::validate`.
+
+use super::*;
+
+#[test]
+fn the_example_file_parses_and_cli_flags_win() {
+    let text = include_str!("../../configs/serve.toml");
+    let raw = RawConfig::from_toml(text).expect("configs/serve.toml parses");
+    let cli = CliOverrides {
+        port: Some(9999),
+        ..Default::default()
+    };
+    let c = raw.validate(&cli).unwrap();
+    assert_eq!(c.port, 9999);
+    assert_eq!(c.block_size, 16);
+    assert_eq!(c.api_key, None);
+}
+
+#[test]
+fn typos_and_bad_values_are_rejected_by_name() {
+    let e = RawConfig::from_toml("[engine]\nmax_num_seq = 3\n").unwrap_err();
+    assert!(e.contains("max_num_seq"), "{e}");
+    let raw = RawConfig::from_toml("[engine]\nblock_size = 12\n").unwrap();
+    let e = raw.validate(&CliOverrides::default()).unwrap_err();
+    assert!(e.to_string().contains("engine.block_size"), "{e}");
+    let raw = RawConfig::from_toml("[model]\nprecision = \"fp8\"\n").unwrap();
+    let e = raw.validate(&CliOverrides::default()).unwrap_err();
+    assert!(e.to_string().contains("model.precision"), "{e}");
+    let raw = RawConfig::from_toml("[model]\nprecision = \"auto\"\n").unwrap();
+    let c = raw.validate(&CliOverrides::default()).unwrap();
+    assert_eq!(c.precision, PrecisionChoice::Auto);
+    let cli = CliOverrides {
+        precision: Some("bf16".into()),
+        ..Default::default()
+    };
+    let raw = RawConfig::from_toml("[model]\nprecision = \"exact\"\n").unwrap();
+    assert_eq!(raw.validate(&cli).unwrap().precision, PrecisionChoice::Bf16);
+    use crate::model::gguf::WeightMemory;
+    let raw = RawConfig::from_toml("[model]\nweights = \"mmap\"\n").unwrap();
+    assert_eq!(raw.validate(&cli).unwrap().weights, WeightMemory::Mapped);
+    let c = RawConfig::default()
+        .validate(&CliOverrides::default())
+        .unwrap();
+    assert_eq!(c.weights, WeightMemory::HugePages);
+    let flag = CliOverrides {
+        weights: Some("mmap".into()),
+        ..Default::default()
+    };
+    let raw = RawConfig::from_toml("[model]\nweights = \"huge_pages\"\n").unwrap();
+    assert_eq!(raw.validate(&flag).unwrap().weights, WeightMemory::Mapped);
+    let raw = RawConfig::from_toml("[model]\nweights = \"hugetlb\"\n").unwrap();
+    let e = raw.validate(&CliOverrides::default()).unwrap_err();
+    assert!(e.to_string().contains("model.weights"), "{e}");
+    for (toml, key) in [
+        (
+            "[online]\ntrain_itl_budget = 0.9\n",
+            "online.train_itl_budget",
+        ),
+        ("[online]\ntrain_share = 11\n", "online.train_share"),
+        (
+            "[online]\ntrain_max_stale_fraction = 2\n",
+            "online.train_max_stale_fraction",
+        ),
+    ] {
+        let raw = RawConfig::from_toml(toml).unwrap();
+        let e = raw.validate(&CliOverrides::default()).unwrap_err();
+        assert!(e.to_string().contains(key), "{e}");
+    }
+}
+
+#[test]
+fn the_context_is_fitted_to_the_kv_cache_unless_it_is_set() {
+    // f32: 30 layers x 16 tokens x 192 x 2 x 4 bytes = 720 KiB a block: 1 MiB holds 1 block.
+    let cfg = |toml: &str, cli: &CliOverrides| {
+        RawConfig::from_toml(&toml.replace("[engine]\n", "[engine]\nkv_cache_dtype = \"f32\"\n"))
+            .unwrap()
+            .validate(cli)
+            .unwrap()
+    };
+    let none = CliOverrides::default();
+    let small = cfg("[engine]\nkv_cache_mb = 1\n", &none);
+    let f = small.fit_context(30, 192, 8192).unwrap();
+    assert_eq!((f.max_model_len, f.num_kv_blocks), (16, 1));
+    assert!(f.note.unwrap().contains("max_model_len is 16"));
+    // Set, it must fit: an error naming the setting and what it needs.
+    let set = cfg(
+        "[engine]\nkv_cache_mb = 1\n[model]\nmax_model_len = 8192\n",
+        &none,
+    );
+    let e = set.fit_context(30, 192, 8192).unwrap_err().to_string();
+    assert!(e.contains("kv_cache_mb") && e.contains("needs 512"), "{e}");
+    // The flag wins over the file, and is capped by the model's context with a note.
+    let flag = CliOverrides {
+        max_model_len: Some(100_000),
+        ..CliOverrides::default()
+    };
+    let big = cfg("[engine]\nkv_cache_mb = 1024\n", &flag);
+    let f = big.fit_context(30, 192, 8192).unwrap();
+    assert_eq!((f.max_model_len, f.num_kv_blocks), (8192, 1456));
+    assert!(f.note.is_some());
+    // Fits: the model's context, no note.
+    let roomy = cfg("[engine]\nkv_cache_mb = 1024\n", &none);
+    let f = roomy.fit_context(30, 192, 4096).unwrap();
+    assert_eq!((f.max_model_len, f.note), (4096, None));
+    let tiny = cfg("[engine]\nkv_cache_mb = 1\n", &none);
+    assert!(tiny.fit_context(300, 192, 8192).is_err());
+    // f16 (the default): twice the tokens in the same memory.
+    let half = RawConfig::from_toml("[engine]\nkv_cache_mb = 1\n")
+        .unwrap()
+        .validate(&none)
+        .unwrap();
+    assert_eq!(half.kv_dtype, KvDtype::F16);
+    assert_eq!(half.fit_context(30, 192, 8192).unwrap().max_model_len, 32);
+}
+
+#[test]
+fn the_adapter_store_is_checked_and_the_flag_wins() {
+    let check = |toml: &str, cli: &CliOverrides| {
+        RawConfig::from_toml(toml)
+            .unwrap()
+            .validate(cli)
+            .map(|c| c.online.adapter_store)
+            .map_err(|e| e.to_string())
+    };
+    let none = CliOverrides::default();
+    let file = "[online]\nadapter_store = \"file:///srv/adapters\"\n";
+    assert_eq!(
+        check(file, &none).unwrap().as_deref(),
+        Some("file:///srv/adapters")
+    );
+    let flag = CliOverrides {
+        adapter_store: Some("s3://bucket/p".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        check(file, &flag).unwrap().as_deref(),
+        Some("s3://bucket/p")
+    );
+    for (toml, named) in [
+        ("[online]\nadapter_store = \"gs://b/p\"\n", "gs://b/p"),
+        ("[online]\nadapter_store = \"file://rel\"\n", "file://rel"),
+        ("[online.adapter_store_options]\naws_region = \"x\"\n", "aws_region"),
+        (
+            "[online]\nadapter_store = \"s3://b/p\"\n[online.adapter_store_options]\nregio = \"x\"\n",
+            "regio",
+        ),
+    ] {
+        let e = check(toml, &none).unwrap_err();
+        assert!(e.contains(named), "{toml}: {e}");
+    }
+}
