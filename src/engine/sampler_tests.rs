@@ -304,3 +304,71 @@ fn a_mask_limits_the_draw_and_leaves_the_reported_logprobs_the_models() {
     );
     assert_eq!(s.token, 2);
 }
+
+#[test]
+fn bans_follow_min_tokens_and_bad_words_and_never_leave_nothing() {
+    let p = SamplingParams {
+        min_tokens: 2,
+        bad_words: Arc::from(vec![vec![3], vec![1, 2]]),
+        ..SamplingParams::default()
+    };
+    assert!(p.edits_logits());
+    // Before min_tokens the end tokens are banned; a one-token bad word always; a two-token one
+    // only after its first token.
+    assert_eq!(p.banned(&[], &[0]), vec![0, 3]);
+    assert_eq!(p.banned(&[5, 1], &[0]), vec![3, 2]);
+    assert_eq!(p.banned(&[5, 5], &[0]), vec![3]);
+    // Greedy: token 0 is the best, banned, so 1 is drawn; the reported log-prob is the model's.
+    let logits = [3.0f32, 1.0, 0.5, -2.0];
+    let mut rng = Rng::new(1);
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let mut l = logits.to_vec();
+    let s = sample_seen(
+        &cpu(),
+        &mut l,
+        &greedy,
+        &HashMap::new(),
+        &[],
+        None,
+        &[0],
+        &mut rng,
+    );
+    assert_eq!(s.token, 1);
+    // A mask allowing only token 0 and a ban of token 0: the ban is lifted, 0 is drawn.
+    let mut only = TokenMask::alloc(4);
+    only.allow_token(0);
+    let mut l = logits.to_vec();
+    let s = sample_seen(
+        &cpu(),
+        &mut l,
+        &greedy,
+        &HashMap::new(),
+        &[],
+        Some(&only),
+        &[0],
+        &mut rng,
+    );
+    assert_eq!(s.token, 0);
+    // allowed_token_ids: only they are drawn.
+    let allowed = SamplingParams {
+        allowed_tokens: Some(Arc::from(vec![2u32, 3])),
+        ..SamplingParams::default()
+    };
+    for _ in 0..50 {
+        let mut l = logits.to_vec();
+        let s = sample_seen(
+            &cpu(),
+            &mut l,
+            &allowed,
+            &HashMap::new(),
+            &[],
+            None,
+            &[],
+            &mut rng,
+        );
+        assert!(s.token >= 2, "{}", s.token);
+    }
+}
