@@ -46,6 +46,8 @@ struct ModelArgs {
     weights: WeightMemory,
 }
 
+// Parsed once per process: the size of `serve`'s flags does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Serve the OpenAI-compatible API (prints `listening on ADDR` once bound).

@@ -8,16 +8,6 @@ mod common;
 use common::server::*;
 use serde_json::{json, Value};
 
-/// The content of the first choice of chat request `b` (answered 200).
-fn content_of(s: &Server, b: &Value) -> String {
-    let r = s.post("/v1/chat/completions", b);
-    assert_eq!(r.status, 200, "{}", r.body_text());
-    r.json()["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
 /// A JSON Schema whose `$ref`s chain `n` deep (each definition names the next).
 fn ref_chain(n: usize) -> Value {
     let mut defs = serde_json::Map::new();

@@ -483,16 +483,6 @@ print(json.dumps(out))
     }
 }
 
-/// The content of the first choice of chat request `b` (answered 200).
-fn content_of(s: &Server, b: &Value) -> String {
-    let r = s.post("/v1/chat/completions", b);
-    assert_eq!(r.status, 200, "{}", r.body_text());
-    r.json()["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
 /// Schemas as people write them: a tool's parameters and a structured-output schema (nested
 /// objects, as pydantic writes them through `$defs`) that list properties but say nothing of
 /// `additionalProperties`. Generated output admits only the listed properties (as llama.cpp's and

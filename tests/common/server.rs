@@ -412,3 +412,13 @@ pub fn refused_start(model: &Path, args: &[&str]) -> String {
     assert!(!out.status.success(), "the server started");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
+
+/// The content of the first choice of chat request `b` (answered 200).
+pub fn content_of(s: &Server, b: &Value) -> String {
+    let r = s.post("/v1/chat/completions", b);
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}

@@ -12,15 +12,14 @@ import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from flywheel_server import KEY, MODEL, ROOT, start_server  # noqa: E402
+from flywheel_server import KEY, MODEL, ROOT, running  # noqa: E402
 
 MAX_EXAMPLES = int(os.environ.get("FLYWHEEL_FUZZ_EXAMPLES", "25"))
 MAX_SECONDS = int(os.environ.get("FLYWHEEL_FUZZ_SECONDS", "150"))
 
 
 def test_fuzzing_the_contract_finds_no_server_error_and_no_nonconforming_response():
-    proc, base = start_server(["--api-key", KEY, "--admin-key", "fuzz-admin-not-given"])
-    try:
+    with running(["--api-key", KEY, "--admin-key", "fuzz-admin-not-given"]) as base:
         env = dict(os.environ, SCHEMATHESIS_HOOKS="fuzz_hooks", FLYWHEEL_FUZZ_MODEL=MODEL.stem,
                    PYTHONPATH=str(pathlib.Path(__file__).parent))
         r = subprocess.run(
@@ -31,12 +30,6 @@ def test_fuzzing_the_contract_finds_no_server_error_and_no_nonconforming_respons
              "--seed", "1", "--request-timeout", "60", "--workers", "1",
              "--suppress-health-check", "all"],
             env=env, capture_output=True, text=True, timeout=MAX_SECONDS + 120)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     tail = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == 0, tail
     m = re.search(r"(\d+) generated, (\d+) passed", r.stdout)
