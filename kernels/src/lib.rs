@@ -1,7 +1,10 @@
-//! Flywheel's compute kernels: quantized block formats, matmul, attention, norms and friends on CPU.
+//! Flywheel's compute kernels: quantized block formats, matmul, attention, norms and friends on CPU,
+//! and (feature `cuda`) on NVIDIA GPUs.
 //! Pure compute: no I/O, no async, no engine types. Every fast path has a scalar twin in `reference`.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod quant;
 pub mod reference;
 

@@ -1,0 +1,200 @@
+// Helpers shared by the device kernels (kernels.cu) and their host twin (twin.cu): GGUF block
+// dequantization and the paged KV cache's index arithmetic. Compiled by nvcc for the GPU and for
+// the host from this one source, so that `kernels/tests/cuda_twin.rs` checks on every machine,
+// GPU or not, that the GPU's arithmetic equals the CPU kernels' (`reference::dequantize_row`,
+// `PagedKv::k_index`), bit for bit.
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define FW_HD __host__ __device__ __forceinline__
+#else
+#define FW_HD inline
+#endif
+
+#ifdef __CUDA_ARCH__
+#include <cuda_fp16.h>
+#endif
+
+// The storage formats, numbered as `cuda::type_code` numbers `QuantType`.
+enum FwType {
+  FW_F32 = 0,
+  FW_F16 = 1,
+  FW_BF16 = 2,
+  FW_Q4_0 = 3,
+  FW_Q4_1 = 4,
+  FW_Q8_0 = 5,
+  FW_Q4K = 6,
+  FW_Q6K = 7,
+};
+
+// One product and one sum, each rounded once: nvcc would fuse `a * b - c` into an FMA, which the
+// CPU's dequantization does not do. These keep the GPU's values equal to the CPU's.
+FW_HD float fw_mul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FW_HD float fw_add(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+FW_HD float fw_sub(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+FW_HD float fw_bits_to_float(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(bits);
+#else
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// An IEEE half's bits as f32 (exact either way).
+FW_HD float fw_f16(uint16_t h) {
+#ifdef __CUDA_ARCH__
+  return __half2float(__ushort_as_half(h));
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0) {
+    // zero or subnormal: man · 2^-24, exact in f32
+    float f = (float)man * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  if (exp == 31) return fw_bits_to_float(sign | 0x7f800000u | (man << 13));
+  return fw_bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+#endif
+}
+
+FW_HD uint16_t fw_u16(const uint8_t* p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+// llama.cpp's get_scale_min_k4: the 6-bit scale and min of sub-block j of a Q4_K block.
+FW_HD void fw_scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Bytes per block and values per block of each format.
+FW_HD int fw_block_bytes(int ty) {
+  switch (ty) {
+    case FW_F32: return 4;
+    case FW_F16: case FW_BF16: return 2;
+    case FW_Q4_0: return 18;
+    case FW_Q4_1: return 20;
+    case FW_Q8_0: return 34;
+    case FW_Q4K: return 144;
+    default: return 210;  // FW_Q6K
+  }
+}
+FW_HD int fw_block_values(int ty) {
+  return ty <= FW_BF16 ? 1 : (ty <= FW_Q8_0 ? 32 : 256);
+}
+
+// Unit `u` of a row: its values 32u .. 32u+32, dequantized into out[0..32]. A unit is a whole
+// block of the 32-value formats and one eighth of a K-quant block; the kernels work unit by unit.
+template <int TY>
+FW_HD void fw_unit(const uint8_t* row, int u, float* out) {
+  if (TY == FW_F32) {
+    const uint8_t* p = row + (size_t)u * 128;
+    for (int j = 0; j < 32; j++) {
+      uint32_t b;
+      memcpy(&b, p + 4 * j, 4);
+      out[j] = fw_bits_to_float(b);
+    }
+  } else if (TY == FW_F16) {
+    const uint8_t* p = row + (size_t)u * 64;
+    for (int j = 0; j < 32; j++) out[j] = fw_f16(fw_u16(p + 2 * j));
+  } else if (TY == FW_BF16) {
+    const uint8_t* p = row + (size_t)u * 64;
+    for (int j = 0; j < 32; j++) out[j] = fw_bits_to_float((uint32_t)fw_u16(p + 2 * j) << 16);
+  } else if (TY == FW_Q4_0) {
+    const uint8_t* b = row + (size_t)u * 18;
+    const float d = fw_f16(fw_u16(b));
+    for (int j = 0; j < 16; j++) {
+      out[j] = fw_mul((float)((b[2 + j] & 0xF) - 8), d);
+      out[j + 16] = fw_mul((float)((b[2 + j] >> 4) - 8), d);
+    }
+  } else if (TY == FW_Q4_1) {
+    const uint8_t* b = row + (size_t)u * 20;
+    const float d = fw_f16(fw_u16(b)), m = fw_f16(fw_u16(b + 2));
+    for (int j = 0; j < 16; j++) {
+      out[j] = fw_add(fw_mul((float)(b[4 + j] & 0xF), d), m);
+      out[j + 16] = fw_add(fw_mul((float)(b[4 + j] >> 4), d), m);
+    }
+  } else if (TY == FW_Q8_0) {
+    const uint8_t* b = row + (size_t)u * 34;
+    const float d = fw_f16(fw_u16(b));
+    for (int j = 0; j < 32; j++) out[j] = fw_mul((float)(int8_t)b[2 + j], d);
+  } else if (TY == FW_Q4K) {
+    const uint8_t* b = row + (size_t)(u / 8) * 144;
+    const int s = u % 8;
+    const float d = fw_f16(fw_u16(b)), dmin = fw_f16(fw_u16(b + 2));
+    uint8_t sc, mn;
+    fw_scale_min_k4(s, b + 4, &sc, &mn);
+    const float d1 = fw_mul(d, (float)sc), m1 = fw_mul(dmin, (float)mn);
+    const uint8_t* q = b + 16 + 32 * (s / 2);
+    const int shift = (s % 2) * 4;
+    for (int l = 0; l < 32; l++) out[l] = fw_sub(fw_mul(d1, (float)((q[l] >> shift) & 0xF)), m1);
+  } else {  // FW_Q6K: 128 low-bit bytes, 64 high-bit bytes, 16 scales, d
+    const uint8_t* b = row + (size_t)(u / 8) * 210;
+    const int s = u % 8, half = s / 4, k = s % 4;
+    const uint8_t* ql = b + 64 * half + (k % 2) * 32;
+    const uint8_t* qh = b + 128 + 32 * half;
+    const uint8_t* sc = b + 192 + 8 * half + 2 * k;
+    const float d = fw_f16(fw_u16(b + 208));
+    const int lshift = (k / 2) * 4, hshift = 2 * k;
+    for (int l = 0; l < 32; l++) {
+      const int q = (int)(((ql[l] >> lshift) & 0xF) | (((qh[l] >> hshift) & 3) << 4)) - 32;
+      out[l] = fw_mul(fw_mul(d, (float)(int8_t)sc[l / 16]), (float)q);
+    }
+  }
+}
+
+// The same, the format known only at run time (the host twin).
+FW_HD void fw_unit_any(int ty, const uint8_t* row, int u, float* out) {
+  switch (ty) {
+    case FW_F32: fw_unit<FW_F32>(row, u, out); break;
+    case FW_F16: fw_unit<FW_F16>(row, u, out); break;
+    case FW_BF16: fw_unit<FW_BF16>(row, u, out); break;
+    case FW_Q4_0: fw_unit<FW_Q4_0>(row, u, out); break;
+    case FW_Q4_1: fw_unit<FW_Q4_1>(row, u, out); break;
+    case FW_Q8_0: fw_unit<FW_Q8_0>(row, u, out); break;
+    case FW_Q4K: fw_unit<FW_Q4K>(row, u, out); break;
+    default: fw_unit<FW_Q6K>(row, u, out); break;
+  }
+}
+
+// The paged KV cache (`reference::PagedKv`): V row of position `pos` at
+// (block_table[pos / bs] · bs + pos % bs) · kv_dim; K transposed within each block, value c of
+// slot s of block b at b · bs · kv_dim + c · bs + s.
+FW_HD size_t fw_v_offset(const uint32_t* block_table, int pos, int block_size, int kv_dim) {
+  return ((size_t)block_table[pos / block_size] * block_size + pos % block_size) * kv_dim;
+}
+FW_HD size_t fw_k_index(const uint32_t* block_table, int pos, int c, int block_size, int kv_dim) {
+  return (size_t)block_table[pos / block_size] * block_size * kv_dim + (size_t)c * block_size +
+         pos % block_size;
+}
+
+// The first position a query at `pos` sees: everything, or the last `window` (> 0) positions.
+FW_HD int fw_first_key(int pos, int window) {
+  return (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+}

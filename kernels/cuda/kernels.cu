@@ -1,0 +1,374 @@
+// Flywheel's CUDA kernels: the model's forward ops over GGUF blocks as stored (the base is never
+// dequantized as a whole on the GPU either), f32 activations, a paged KV cache in the CPU's
+// layout (so the block manager's tables mean the same on both). Each kernel has its CPU twin in
+// `flywheel_kernels::cpu`/`reference`; `kernels/tests/cuda.rs` compares them on a GPU.
+//
+// Written here rather than taken from a crate: no crate runs GGUF's block formats on CUDA from
+// Rust, and the CPU layout of the KV cache (K transposed per block) is ours.
+//
+// Launch shapes are the host's (`cuda::launch`); every kernel checks its own bounds.
+#include "common.cuh"
+
+#define FW_WARP 32
+// Tokens a matmul block keeps in registers: one pass over a weight row serves this many.
+#define FW_MM_TOKENS 8
+// Threads per block of the row kernels (RMSNorm, log-softmax, argmax, embedding).
+#define FW_ROW_THREADS 256
+// Warps per block of the attention kernel.
+#define FW_ATT_WARPS 4
+// The largest head the attention kernel holds in registers (8 values per lane).
+#define FW_MAX_HEAD_DIM 256
+
+__device__ __forceinline__ float fw_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float fw_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// A block-wide sum (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+// The order is fixed by the block's shape alone, so a row's result never depends on its batch.
+__device__ float fw_block_sum(float v) {
+  __shared__ float part[32];
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
+  v = fw_warp_sum(v);
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x / FW_WARP;
+  v = lane < warps ? part[lane] : 0.0f;
+  return fw_warp_sum(v);
+}
+__device__ float fw_block_max(float v) {
+  __shared__ float part[32];
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
+  v = fw_warp_max(v);
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x / FW_WARP;
+  v = lane < warps ? part[lane] : -INFINITY;
+  return fw_warp_max(v);
+}
+
+// y (n, rows) = x (n, cols) · Wᵀ, W `rows` rows of `row_bytes` bytes in format TY. One warp per
+// weight row; grid (ceil(rows / warps per block), ceil(n / FW_MM_TOKENS)). Lane l takes units
+// l, l+32, …: each unit is dequantized once and dotted with up to FW_MM_TOKENS rows of x. A
+// (row, token)'s sum runs in the same order whatever n is: batch-invariant.
+template <int TY>
+__device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, int rows, int cols,
+                                               long long row_bytes, const float* __restrict__ x,
+                                               int n, float* __restrict__ y) {
+  const int lane = threadIdx.x % FW_WARP;
+  const int r = blockIdx.x * (blockDim.x / FW_WARP) + threadIdx.x / FW_WARP;
+  if (r >= rows) return;
+  const int t0 = blockIdx.y * FW_MM_TOKENS;
+  const int nt = min(FW_MM_TOKENS, n - t0);
+  const uint8_t* row = w + (size_t)r * row_bytes;
+  float acc[FW_MM_TOKENS];
+#pragma unroll
+  for (int t = 0; t < FW_MM_TOKENS; t++) acc[t] = 0.0f;
+  const int units = cols / 32;
+  for (int u = lane; u < units; u += FW_WARP) {
+    float v[32];
+    fw_unit<TY>(row, u, v);
+#pragma unroll
+    for (int t = 0; t < FW_MM_TOKENS; t++) {
+      if (t < nt) {
+        const float4* xr = (const float4*)(x + (size_t)(t0 + t) * cols + u * 32);
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+          const float4 a = xr[j];
+          s = fmaf(v[4 * j], a.x, s);
+          s = fmaf(v[4 * j + 1], a.y, s);
+          s = fmaf(v[4 * j + 2], a.z, s);
+          s = fmaf(v[4 * j + 3], a.w, s);
+        }
+        acc[t] += s;
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < FW_MM_TOKENS; t++) {
+    const float s = fw_warp_sum(acc[t]);
+    if (lane == 0 && t < nt) y[(size_t)(t0 + t) * rows + r] = s;
+  }
+}
+
+// Rows of a table (the token embedding) dequantized: out (n, cols) = table[tokens[i]].
+// Grid (n), FW_ROW_THREADS threads, one unit per thread per step: the CPU's values exactly.
+template <int TY>
+__device__ __forceinline__ void fw_embed_body(const uint8_t* __restrict__ table,
+                                              long long row_bytes, const uint32_t* __restrict__ tokens,
+                                              int cols, float* __restrict__ out) {
+  const int i = blockIdx.x;
+  const uint8_t* row = table + (size_t)tokens[i] * row_bytes;
+  for (int u = threadIdx.x; u < cols / 32; u += blockDim.x) {
+    float v[32];
+    fw_unit<TY>(row, u, v);
+    float* o = out + (size_t)i * cols + u * 32;
+#pragma unroll
+    for (int j = 0; j < 32; j++) o[j] = v[j];
+  }
+}
+
+#define FW_PER_TYPE(NAME, TY)                                                                   \
+  extern "C" __global__ void fw_matmul_##NAME(const uint8_t* w, int rows, int cols,              \
+                                              long long row_bytes, const float* x, int n,       \
+                                              float* y) {                                        \
+    fw_matmul_body<TY>(w, rows, cols, row_bytes, x, n, y);                                      \
+  }                                                                                              \
+  extern "C" __global__ void fw_embed_##NAME(const uint8_t* table, long long row_bytes,          \
+                                             const uint32_t* tokens, int cols, float* out) {     \
+    fw_embed_body<TY>(table, row_bytes, tokens, cols, out);                                     \
+  }
+
+FW_PER_TYPE(f32, FW_F32)
+FW_PER_TYPE(f16, FW_F16)
+FW_PER_TYPE(bf16, FW_BF16)
+FW_PER_TYPE(q4_0, FW_Q4_0)
+FW_PER_TYPE(q4_1, FW_Q4_1)
+FW_PER_TYPE(q8_0, FW_Q8_0)
+FW_PER_TYPE(q4_k, FW_Q4K)
+FW_PER_TYPE(q6_k, FW_Q6K)
+
+// out = x / sqrt(mean(x²) + eps) · weight per row of d; grid (rows), FW_ROW_THREADS threads.
+extern "C" __global__ void fw_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight,
+                                      float eps, int d, float* __restrict__ out) {
+  const float* xr = x + (size_t)blockIdx.x * d;
+  float* o = out + (size_t)blockIdx.x * d;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
+  ss = fw_block_sum(ss);
+  const float scale = 1.0f / sqrtf(ss / (float)d + eps);
+  for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] = fw_mul(fw_mul(xr[c], scale), weight[c]);
+}
+
+// RoPE by the table of `ops::rope_table` ((cos, sin) per pair per token): pair i of each head
+// turns; `neox` picks (i, i + rope_dim/2) over (2i, 2i+1). One thread per (token, head, pair).
+// The CPU's operations in its order, each rounded once: equal to `ops::rope` bit for bit.
+extern "C" __global__ void fw_rope(float* __restrict__ x, const float* __restrict__ table, int n,
+                                   int n_heads, int head_dim, int rope_dim, int neox) {
+  const int half = rope_dim / 2;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)n * n_heads * half) return;
+  const int pair = (int)(i % half);
+  const int h = (int)((i / half) % n_heads);
+  const int t = (int)(i / ((long long)half * n_heads));
+  const float c = table[(size_t)t * rope_dim + 2 * pair];
+  const float s = table[(size_t)t * rope_dim + 2 * pair + 1];
+  float* xh = x + ((size_t)t * n_heads + h) * head_dim;
+  const int p = neox ? pair : 2 * pair, q = neox ? pair + half : 2 * pair + 1;
+  const float a = xh[p], b = xh[q];
+  xh[p] = fw_sub(fw_mul(a, c), fw_mul(b, s));
+  xh[q] = fw_add(fw_mul(a, s), fw_mul(b, c));
+}
+
+// out = silu(gate) · up.
+extern "C" __global__ void fw_swiglu(const float* __restrict__ gate, const float* __restrict__ up,
+                                     long long n, float* __restrict__ out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = gate[i];
+  out[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+// out = gelu_tanh(gate) · up (Gemma's MLP), through ½(1 + tanh v) = 1 / (1 + e^(−2v)).
+extern "C" __global__ void fw_geglu(const float* __restrict__ gate, const float* __restrict__ up,
+                                    long long n, float* __restrict__ out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = gate[i];
+  const float v = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  out[i] = g / (1.0f + expf(-2.0f * v)) * up[i];
+}
+
+// x += y (the residual stream).
+extern "C" __global__ void fw_residual_add(float* __restrict__ x, const float* __restrict__ y, long long n) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = fw_add(x[i], y[i]);
+}
+
+// Per-token metadata of a packed batch, shared by the cache writer and attention: token t sits at
+// position pos[t] of a sequence whose block table starts at block_tables[table_at[t]].
+struct FwTokens {
+  const uint32_t* block_tables;
+  const int* table_at;
+  const int* pos;
+};
+
+__device__ __forceinline__ void fw_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void fw_store(uint16_t* p, float v) {
+  *p = __half_as_ushort(__float2half_rn(v));
+}
+__device__ __forceinline__ float fw_load(const float* p) { return *p; }
+__device__ __forceinline__ float fw_load(const uint16_t* p) { return fw_f16(*p); }
+
+// Write n tokens' K and V rows (n, kv_dim) into the cache at their positions; halves round to
+// nearest even, as the CPU's writer (`ops::round_to_f16`). One thread per (token, value).
+template <typename E>
+__device__ __forceinline__ void fw_kv_write_body(const float* __restrict__ k,
+                                                 const float* __restrict__ v, int n, int kv_dim,
+                                                 int block_size, FwTokens toks, E* kc, E* vc) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)n * kv_dim) return;
+  const int t = (int)(i / kv_dim), c = (int)(i % kv_dim);
+  const uint32_t* bt = toks.block_tables + toks.table_at[t];
+  const int pos = toks.pos[t];
+  fw_store(kc + fw_k_index(bt, pos, c, block_size, kv_dim), k[i]);
+  fw_store(vc + fw_v_offset(bt, pos, block_size, kv_dim) + c, v[i]);
+}
+
+// Causal grouped-query attention over the paged cache: out (n, n_heads·head_dim) for queries q
+// of the same shape, token t seeing positions fw_first_key(pos[t], window) ..= pos[t].
+// Grid (n, n_heads), FW_ATT_WARPS warps. A warp takes 32 positions at a time, one per lane: the
+// lane scores its key (K is transposed per block, so the warp's loads of one dim are adjacent),
+// then the warp adds the 32 weighted V rows, lane l holding dims l, l+32, …; an online softmax
+// per warp, the warps merged at the end. A query's result depends on its own keys only.
+template <typename E>
+__device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
+                                                  float* __restrict__ out, FwTokens toks,
+                                                  const E* __restrict__ kc,
+                                                  const E* __restrict__ vc, int n_heads,
+                                                  int n_kv_heads, int head_dim, int block_size,
+                                                  float scale, int window) {
+  __shared__ float qs[FW_MAX_HEAD_DIM];
+  __shared__ float wm[FW_ATT_WARPS], wl[FW_ATT_WARPS];
+  __shared__ float wacc[FW_ATT_WARPS][FW_MAX_HEAD_DIM];
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
+  const int kvh = h / (n_heads / n_kv_heads);
+  const int kv_dim = n_kv_heads * head_dim;
+  const uint32_t* bt = toks.block_tables + toks.table_at[t];
+  const int pos = toks.pos[t];
+  const int lo = fw_first_key(pos, window);
+  const float* qh = q + ((size_t)t * n_heads + h) * head_dim;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d] * scale;
+  __syncthreads();
+
+  const int per_lane = (head_dim + FW_WARP - 1) / FW_WARP;
+  float acc[FW_MAX_HEAD_DIM / FW_WARP];
+#pragma unroll
+  for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) acc[j] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  for (int p0 = lo + warp * FW_WARP; p0 <= pos; p0 += FW_ATT_WARPS * FW_WARP) {
+    const int p = p0 + lane;
+    float sc = -INFINITY;
+    if (p <= pos) {
+      const size_t k0 = fw_k_index(bt, p, kvh * head_dim, block_size, kv_dim);
+      float dot = 0.0f;
+#pragma unroll 4
+      for (int d = 0; d < head_dim; d++) dot = fmaf(qs[d], fw_load(kc + k0 + (size_t)d * block_size), dot);
+      sc = dot;
+    }
+    const float m_new = fmaxf(m, fw_warp_max(sc));
+    const float pr = p <= pos ? expf(sc - m_new) : 0.0f;
+    const float corr = expf(m - m_new);  // 0 on the first chunk (m = −inf)
+    l = l * corr + fw_warp_sum(pr);
+#pragma unroll
+    for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) acc[j] *= corr;
+    const int last = min(FW_WARP, pos - p0 + 1);
+    for (int i = 0; i < last; i++) {
+      const float w = __shfl_sync(0xffffffffu, pr, i);
+      const E* vr = vc + fw_v_offset(bt, p0 + i, block_size, kv_dim) + kvh * head_dim;
+#pragma unroll
+      for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) {
+        const int d = lane + FW_WARP * j;
+        if (j < per_lane && d < head_dim) acc[j] = fmaf(w, fw_load(vr + d), acc[j]);
+      }
+    }
+    m = m_new;
+  }
+  if (lane == 0) {
+    wm[warp] = m;
+    wl[warp] = l;
+  }
+#pragma unroll
+  for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) {
+    const int d = lane + FW_WARP * j;
+    if (j < per_lane && d < head_dim) wacc[warp][d] = acc[j];
+  }
+  __syncthreads();
+  float mt = -INFINITY;
+  for (int w = 0; w < FW_ATT_WARPS; w++) mt = fmaxf(mt, wm[w]);
+  float lt = 0.0f;
+  for (int w = 0; w < FW_ATT_WARPS; w++) lt += wm[w] == -INFINITY ? 0.0f : wl[w] * expf(wm[w] - mt);
+  float* oh = out + ((size_t)t * n_heads + h) * head_dim;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float s = 0.0f;
+    for (int w = 0; w < FW_ATT_WARPS; w++)
+      if (wm[w] != -INFINITY) s += wacc[w][d] * expf(wm[w] - mt);
+    oh[d] = s / lt;
+  }
+}
+
+#define FW_PER_KV(NAME, E)                                                                       \
+  extern "C" __global__ void fw_kv_write_##NAME(const float* k, const float* v, int n, int kv_dim, \
+                                                int block_size, FwTokens toks, E* kc, E* vc) {     \
+    fw_kv_write_body<E>(k, v, n, kv_dim, block_size, toks, kc, vc);                               \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(FW_ATT_WARPS * FW_WARP)                           \
+      fw_attention_##NAME(const float* q, float* out, FwTokens toks, const E* kc, const E* vc,    \
+                          int n_heads, int n_kv_heads, int head_dim, int block_size, float scale,  \
+                          int window) {                                                            \
+    fw_attention_body<E>(q, out, toks, kc, vc, n_heads, n_kv_heads, head_dim, block_size, scale,  \
+                         window);                                                                  \
+  }
+
+FW_PER_KV(f32, float)
+FW_PER_KV(f16, uint16_t)
+
+// Log-softmax of each row of `vocab` logits at temperature 1/inv_temp, in place; grid (rows),
+// FW_ROW_THREADS threads.
+extern "C" __global__ void fw_log_softmax(float* __restrict__ x, int vocab, float inv_temp) {
+  float* r = x + (size_t)blockIdx.x * vocab;
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, r[i] * inv_temp);
+  mx = fw_block_max(mx);
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) s += expf(r[i] * inv_temp - mx);
+  const float lse = mx + logf(fw_block_sum(s));
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) r[i] = r[i] * inv_temp - lse;
+}
+
+// The index of each row's largest value (the first of equals, as the CPU's greedy sampler).
+extern "C" __global__ void fw_argmax(const float* __restrict__ x, int vocab, uint32_t* __restrict__ out) {
+  __shared__ float bv[32];
+  __shared__ int bi[32];
+  const float* r = x + (size_t)blockIdx.x * vocab;
+  float v = -INFINITY;
+  int at = vocab;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+    if (r[i] > v) {
+      v = r[i];
+      at = i;
+    }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, at, o);
+    if (ov > v || (ov == v && oi < at)) {
+      v = ov;
+      at = oi;
+    }
+  }
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
+  if (lane == 0) {
+    bv[warp] = v;
+    bi[warp] = at;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < (int)(blockDim.x / FW_WARP); w++)
+      if (bv[w] > v || (bv[w] == v && bi[w] < at)) {
+        v = bv[w];
+        at = bi[w];
+      }
+    out[blockIdx.x] = (uint32_t)(at == vocab ? 0 : at);
+  }
+}

@@ -1,0 +1,267 @@
+//! The CUDA backend (feature `cuda`): `Gpu` runs the model's forward ops on an NVIDIA GPU from
+//! GGUF blocks as stored, beside `Cpu` with the same meanings (each op here has its CPU twin,
+//! `tests/cuda.rs` compares them on a GPU). The kernels are `cuda/kernels.cu`, compiled by
+//! build.rs into one fatbin for sm_80 and sm_90 (and sm_80's PTX for later chips).
+//!
+//! The driver is loaded at run time: a build with the feature starts on a machine with no GPU
+//! and no CUDA library, where `Gpu::open` says why it cannot run.
+
+mod launch;
+
+pub use launch::{Tokens, ATT_MAX_HEAD_DIM};
+
+use crate::quant::QuantType;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr};
+use std::sync::Arc;
+
+/// The kernels for sm_80 and sm_90, as nvcc wrote them.
+pub const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flywheel.fatbin"));
+/// ptxas's report for every kernel and architecture: registers, spills, shared memory.
+pub const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas.txt"));
+/// The host twin of the kernels' shared helpers (`cuda/twin.cu`), for `tests/cuda_twin.rs`.
+pub const TWIN: &str = concat!(env!("OUT_DIR"), "/fw_twin");
+
+/// Every kernel in the fatbin, by name: the tests check each was compiled for each architecture.
+pub const KERNELS: &[&str] = &[
+    "fw_matmul_f32",
+    "fw_matmul_f16",
+    "fw_matmul_bf16",
+    "fw_matmul_q4_0",
+    "fw_matmul_q4_1",
+    "fw_matmul_q8_0",
+    "fw_matmul_q4_k",
+    "fw_matmul_q6_k",
+    "fw_embed_f32",
+    "fw_embed_f16",
+    "fw_embed_bf16",
+    "fw_embed_q4_0",
+    "fw_embed_q4_1",
+    "fw_embed_q8_0",
+    "fw_embed_q4_k",
+    "fw_embed_q6_k",
+    "fw_rmsnorm",
+    "fw_rope",
+    "fw_swiglu",
+    "fw_geglu",
+    "fw_residual_add",
+    "fw_kv_write_f32",
+    "fw_kv_write_f16",
+    "fw_attention_f32",
+    "fw_attention_f16",
+    "fw_log_softmax",
+    "fw_argmax",
+];
+
+/// The kernels' number for a storage format (`FwType` in `cuda/common.cuh`).
+pub fn type_code(ty: QuantType) -> i32 {
+    match ty {
+        QuantType::F32 => 0,
+        QuantType::F16 => 1,
+        QuantType::BF16 => 2,
+        QuantType::Q4_0 => 3,
+        QuantType::Q4_1 => 4,
+        QuantType::Q8_0 => 5,
+        QuantType::Q4K => 6,
+        QuantType::Q6K => 7,
+    }
+}
+
+/// The kernels' name for a storage format (`fw_matmul_<name>`).
+fn type_name(ty: QuantType) -> &'static str {
+    match ty {
+        QuantType::F32 => "f32",
+        QuantType::F16 => "f16",
+        QuantType::BF16 => "bf16",
+        QuantType::Q4_0 => "q4_0",
+        QuantType::Q4_1 => "q4_1",
+        QuantType::Q8_0 => "q8_0",
+        QuantType::Q4K => "q4_k",
+        QuantType::Q6K => "q6_k",
+    }
+}
+
+/// What went wrong on the GPU, or why there is none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuError(pub String);
+
+impl std::fmt::Display for GpuError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for GpuError {}
+
+impl From<cudarc::driver::DriverError> for GpuError {
+    fn from(e: cudarc::driver::DriverError) -> GpuError {
+        GpuError(format!("CUDA: {e}"))
+    }
+}
+
+pub type Result<T> = std::result::Result<T, GpuError>;
+
+fn check(ok: bool, what: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(GpuError(what()))
+    }
+}
+
+/// An element of the KV cache on the GPU: f32, or an IEEE half's bits.
+pub trait GpuKv: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + 'static {
+    const NAME: &'static str;
+}
+impl GpuKv for f32 {
+    const NAME: &'static str = "f32";
+}
+impl GpuKv for u16 {
+    const NAME: &'static str = "f16";
+}
+
+/// A weight matrix on the GPU in its stored format: `rows` rows of `cols` values.
+pub struct DeviceMatrix {
+    pub ty: QuantType,
+    pub rows: usize,
+    pub cols: usize,
+    row_bytes: usize,
+    data: CudaSlice<u8>,
+}
+
+impl DeviceMatrix {
+    pub fn bytes(&self) -> usize {
+        self.row_bytes * self.rows
+    }
+}
+
+/// One GPU: its context, the stream every op runs on (in order), and the loaded kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    name: String,
+    capability: (i32, i32),
+    memory: usize,
+}
+
+impl Gpu {
+    /// GPU `ordinal`, or why it cannot be used (no driver library, no device, a driver older than
+    /// CUDA 13.0, a chip before sm_80).
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        // SAFETY: only looks the library up (cudarc's check before any driver call, which would
+        // otherwise panic where there is no library).
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(GpuError(
+                "no CUDA driver library (libcuda.so) on this machine".into(),
+            ));
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| GpuError(format!("the CUDA driver cannot list devices: {e}")))?;
+        check(ordinal < count.max(0) as usize, || {
+            format!("no CUDA device {ordinal} (this machine has {count})")
+        })?;
+        let ctx = CudaContext::new(ordinal)?;
+        let capability = ctx.compute_capability()?;
+        check(capability.0 >= 8, || {
+            format!(
+                "the kernels need sm_80 or later; device {ordinal} is sm_{}{}",
+                capability.0, capability.1
+            )
+        })?;
+        // One stream, used in order: cudarc's per-slice event tracking is not needed, and its
+        // events would be captured into CUDA graphs.
+        // SAFETY: set before any slice of this context exists.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
+            .map_err(|e| GpuError(format!("loading the kernels: {e}")))?;
+        Ok(Gpu {
+            name: ctx.name()?,
+            memory: ctx.total_mem()?,
+            ctx,
+            stream,
+            module,
+            capability,
+        })
+    }
+
+    /// "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)".
+    pub fn describe(&self) -> String {
+        format!(
+            "{} (sm_{}{}, {:.1} GiB)",
+            self.name,
+            self.capability.0,
+            self.capability.1,
+            self.memory as f64 / (1u64 << 30) as f64
+        )
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn function(&self, name: &str) -> Result<CudaFunction> {
+        self.module
+            .load_function(name)
+            .map_err(|e| GpuError(format!("kernel {name}: {e}")))
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    /// Overwrite `dev` (at least as long as `host`) from the host.
+    pub fn write<T: DeviceRepr>(&self, host: &[T], dev: &mut CudaSlice<T>) -> Result<()> {
+        check(dev.len() >= host.len(), || {
+            format!("writing {} values into {}", host.len(), dev.len())
+        })?;
+        let mut view = dev.slice_mut(..host.len());
+        Ok(self.stream.memcpy_htod(host, &mut view)?)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        Ok(self.stream.clone_dtoh(dev)?)
+    }
+
+    pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros(n.max(1))?)
+    }
+
+    /// A weight matrix copied to the GPU as stored (`bytes`: `rows` rows of `cols` values in
+    /// `ty`, cols a multiple of 32 — every GGUF matrix of the families served).
+    pub fn matrix(
+        &self,
+        ty: QuantType,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<DeviceMatrix> {
+        check(cols % 32 == 0 && cols % ty.block_size() == 0, || {
+            format!("a {} matrix of {cols} columns (the kernels need a multiple of 32 and of the block)", ty.name())
+        })?;
+        let row_bytes = ty.row_bytes(cols).unwrap();
+        check(bytes.len() == rows * row_bytes, || {
+            format!("{} bytes for {rows}×{cols} {}", bytes.len(), ty.name())
+        })?;
+        Ok(DeviceMatrix {
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            data: self.upload(bytes)?,
+        })
+    }
+
+    /// Wait for everything queued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}

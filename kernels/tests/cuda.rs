@@ -1,0 +1,569 @@
+//! The CUDA kernels against the CPU's (feature `cuda`). On every machine: ptxas's report (no
+//! spills, registers and shared memory within the devices' limits, every kernel for sm_80 and
+//! sm_90). On a GPU: each op against its CPU twin at a stated tolerance, or bit for bit where the
+//! arithmetic is the same (dequantization, RoPE, the cache's writes), batch invariance, and a
+//! CUDA graph's replay against eager launches. Without a GPU those say so and pass, unless
+//! FLYWHEEL_REQUIRE_GPU=1 (the proof script's setting), where they fail.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::Rng;
+use flywheel_kernels::cpu::ops;
+use flywheel_kernels::cuda::{Gpu, GpuKv, KERNELS, PTXAS_REPORT};
+use flywheel_kernels::quant::quantize::quantize;
+use flywheel_kernels::quant::{f16_to_f32, f32_to_f16};
+use flywheel_kernels::reference::{self, AttnSeq, PagedKv, RopeLayout, F16};
+use flywheel_kernels::QuantType;
+
+/// The GPU, or None after saying why there is none (a failure where one is required).
+fn gpu() -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => {
+            eprintln!("GPU: {}", g.describe());
+            Some(g)
+        }
+        Err(e) if std::env::var("FLYWHEEL_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("FLYWHEEL_REQUIRE_GPU=1 and no GPU: {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: no GPU here ({e})");
+            None
+        }
+    }
+}
+
+struct Kernel {
+    name: String,
+    arch: String,
+    registers: u32,
+    smem: u32,
+    stack: u32,
+    spills: u32,
+}
+
+fn number_before(line: &str, unit: &str) -> Option<u32> {
+    let at = line.find(unit)?;
+    line[..at].split_whitespace().last()?.parse().ok()
+}
+
+fn ptxas_kernels() -> Vec<Kernel> {
+    let mut out: Vec<Kernel> = Vec::new();
+    for line in PTXAS_REPORT.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let mut parts = rest.split('\'');
+            let name = parts.next().unwrap().to_string();
+            let arch = parts.nth(1).unwrap_or("").to_string();
+            out.push(Kernel {
+                name,
+                arch,
+                registers: 0,
+                smem: 0,
+                stack: u32::MAX,
+                spills: u32::MAX,
+            });
+        } else if let Some(k) = out.last_mut() {
+            if line.contains("spill stores") {
+                k.stack = number_before(line, "bytes stack frame").unwrap();
+                k.spills = number_before(line, "bytes spill stores").unwrap()
+                    + number_before(line, "bytes spill loads").unwrap();
+            } else if line.contains("registers") {
+                k.registers = number_before(line, "registers").unwrap();
+                k.smem = number_before(line, "bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_kernel_compiles_for_sm80_and_sm90_without_spills_within_the_limits() {
+    let kernels = ptxas_kernels();
+    for arch in ["sm_80", "sm_90"] {
+        for name in KERNELS {
+            let k = kernels
+                .iter()
+                .find(|k| k.name == *name && k.arch == arch)
+                .unwrap_or_else(|| panic!("{name} was not compiled for {arch}"));
+            // 255 registers a thread, 64 K a block of up to 256 threads; 48 KiB of static shared
+            // memory (both architectures' limit without opting in).
+            assert_eq!(k.spills, 0, "{name} spills on {arch}");
+            assert_eq!(k.stack, 0, "{name} uses a stack frame on {arch}");
+            assert!(
+                k.registers <= 255 && k.registers * 256 <= 65536,
+                "{name}: {} registers",
+                k.registers
+            );
+            assert!(
+                k.smem <= 48 * 1024,
+                "{name}: {} bytes of shared memory",
+                k.smem
+            );
+        }
+    }
+    assert_eq!(
+        kernels.len(),
+        2 * KERNELS.len(),
+        "kernels the list does not name"
+    );
+}
+
+/// |a − b| ≤ tol · scale at every index, else the first index that is not.
+fn close(got: &[f32], want: &[f32], tol: impl Fn(usize) -> f32) -> Result<(), String> {
+    assert_eq!(got.len(), want.len());
+    match (0..got.len()).find(|&i| !((got[i] - want[i]).abs() <= tol(i))) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "at {i}: {} vs {} (tolerance {})",
+            got[i],
+            want[i],
+            tol(i)
+        )),
+    }
+}
+
+fn dequantize(ty: QuantType, w: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; rows * cols];
+    let rb = ty.row_bytes(cols).unwrap();
+    for r in 0..rows {
+        reference::dequantize_row(
+            ty,
+            &w[r * rb..(r + 1) * rb],
+            &mut out[r * cols..(r + 1) * cols],
+        );
+    }
+    out
+}
+
+/// Matmul of every format against the reference's f64 sums, within 1e-5 of Σ|w·x| (f32 sums of
+/// up to 1024 terms in another order); each token's row equal, bit for bit, to the same token
+/// alone (batch invariance); embedding rows equal to the CPU's dequantization bit for bit.
+#[test]
+fn matmul_and_embedding_match_the_cpu_for_every_format() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(3);
+    for ty in QuantType::ALL {
+        let col_sizes: &[usize] = if ty.block_size() == 256 {
+            &[256, 1024]
+        } else {
+            &[96, 1024]
+        };
+        for &cols in col_sizes {
+            let rows = 67;
+            let w = quantize(ty, &rng.vec(rows * cols, 1.0));
+            let wf = dequantize(ty, &w, rows, cols);
+            let dw = g.matrix(ty, rows, cols, &w).unwrap();
+            for n in [1usize, 3, 8, 13] {
+                let x = rng.vec(n * cols, 1.0);
+                let mut want = vec![0f32; n * rows];
+                reference::matmul(ty, &w, rows, cols, &x, &mut want);
+                let dx = g.upload(&x).unwrap();
+                let mut dy = g.zeros::<f32>(n * rows).unwrap();
+                g.matmul(&dw, &dx, n, &mut dy).unwrap();
+                let got = g.download(&dy).unwrap();
+                let mag: Vec<f32> = (0..n * rows)
+                    .map(|i| {
+                        let (t, r) = (i / rows, i % rows);
+                        (0..cols)
+                            .map(|c| (wf[r * cols + c] * x[t * cols + c]).abs())
+                            .sum()
+                    })
+                    .collect();
+                close(&got[..n * rows], &want, |i| 1e-5 * mag[i] + 1e-6)
+                    .unwrap_or_else(|e| panic!("{} {rows}×{cols}, n={n}: {e}", ty.name()));
+                // Batch invariance: each token alone gives the same bits.
+                for t in 0..n {
+                    let one = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
+                    let mut y1 = g.zeros::<f32>(rows).unwrap();
+                    g.matmul(&dw, &one, 1, &mut y1).unwrap();
+                    let y1 = g.download(&y1).unwrap();
+                    assert_eq!(
+                        &y1[..rows],
+                        &got[t * rows..(t + 1) * rows],
+                        "{}: token {t} of {n} differs from itself alone",
+                        ty.name()
+                    );
+                }
+            }
+            let tokens = [0u32, 66, 5, 5, 31];
+            let mut out = g.zeros::<f32>(tokens.len() * cols).unwrap();
+            g.embed_checked(&dw, &tokens, &mut out).unwrap();
+            let got = g.download(&out).unwrap();
+            for (i, &t) in tokens.iter().enumerate() {
+                let want = &wf[t as usize * cols..(t as usize + 1) * cols];
+                let row = &got[i * cols..(i + 1) * cols];
+                assert!(
+                    row.iter()
+                        .zip(want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{}: embedding row {t} differs from the CPU's dequantization",
+                    ty.name()
+                );
+            }
+            assert!(g.embed_checked(&dw, &[rows as u32], &mut out).is_err());
+        }
+    }
+}
+
+#[test]
+fn row_and_elementwise_ops_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(5);
+    let (rows, d) = (7, 576);
+    let x = rng.vec(rows * d, 2.0);
+    let w = rng.vec(d, 1.0);
+    let mut want = vec![0f32; rows * d];
+    reference::rmsnorm(&x, &w, 1e-5, &mut want);
+    let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+    let mut out = g.zeros::<f32>(rows * d).unwrap();
+    g.rmsnorm(&dx, &dw, 1e-5, rows, &mut out).unwrap();
+    close(&g.download(&out).unwrap(), &want, |i| {
+        2e-6 + 2e-6 * want[i].abs()
+    })
+    .unwrap_or_else(|e| panic!("rmsnorm: {e}"));
+
+    // RoPE: the CPU's arithmetic in its order, so the same bits, in both layouts.
+    let (n, heads, hd, rd) = (5, 3, 64, 32);
+    let positions = [0u32, 1, 17, 300, 4095];
+    let table = ops::rope_table(&positions, rd, 10000.0, None);
+    for layout in [RopeLayout::Adjacent, RopeLayout::Neox] {
+        let x = rng.vec(n * heads * hd, 1.0);
+        let mut want = x.clone();
+        ops::rope(&mut want, &table, heads, hd, rd, layout);
+        let mut dx = g.upload(&x).unwrap();
+        let dt = g.upload(&table).unwrap();
+        g.rope(&mut dx, &dt, n, heads, hd, rd, layout).unwrap();
+        assert_eq!(g.download(&dx).unwrap(), want, "rope {layout:?}");
+    }
+
+    // SwiGLU and GeGLU: expf against f64's exp, a few ulps.
+    let m = 10_000;
+    let gate = rng.vec(m, 8.0);
+    let up = rng.vec(m, 2.0);
+    let (dg, du) = (g.upload(&gate).unwrap(), g.upload(&up).unwrap());
+    let mut dout = g.zeros::<f32>(m).unwrap();
+    let mut want = vec![0f32; m];
+    reference::swiglu(&gate, &up, &mut want);
+    g.swiglu(&dg, &du, m, &mut dout).unwrap();
+    close(&g.download(&dout).unwrap(), &want, |i| {
+        1e-6 + 1e-5 * want[i].abs()
+    })
+    .unwrap_or_else(|e| panic!("swiglu: {e}"));
+    reference::geglu(&gate, &up, &mut want);
+    g.geglu(&dg, &du, m, &mut dout).unwrap();
+    close(&g.download(&dout).unwrap(), &want, |i| {
+        1e-6 + 1e-5 * want[i].abs()
+    })
+    .unwrap_or_else(|e| panic!("geglu: {e}"));
+
+    // The residual add: one rounding, the same bits.
+    let mut dx = g.upload(&gate).unwrap();
+    g.add(&mut dx, &du, m).unwrap();
+    let want: Vec<f32> = gate.iter().zip(&up).map(|(a, b)| a + b).collect();
+    assert_eq!(g.download(&dx).unwrap(), want, "add");
+
+    // Log-softmax at temperature 0.7 against f64 sums; argmax with ties (the first wins).
+    let (r, vocab) = (3, 49_152);
+    let mut logits = rng.vec(r * vocab, 12.0);
+    logits[vocab + 100] = 50.0;
+    logits[vocab + 40_000] = 50.0;
+    let mut dl = g.upload(&logits).unwrap();
+    let mut best = g.zeros::<u32>(r).unwrap();
+    g.argmax(&dl, r, vocab, &mut best).unwrap();
+    let want_best: Vec<u32> = logits
+        .chunks(vocab)
+        .map(|row| {
+            let mx = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            row.iter().position(|&v| v == mx).unwrap() as u32
+        })
+        .collect();
+    assert_eq!(g.download(&best).unwrap(), want_best);
+    assert_eq!(want_best[1], 100);
+    g.log_softmax(&mut dl, r, vocab, 0.7).unwrap();
+    let mut want: Vec<f32> = logits.iter().map(|v| v / 0.7).collect();
+    want.chunks_mut(vocab).for_each(reference::log_softmax);
+    close(&g.download(&dl).unwrap(), &want, |i| {
+        1e-4 + 1e-6 * want[i].abs()
+    })
+    .unwrap_or_else(|e| panic!("log_softmax: {e}"));
+}
+
+/// The cache writes (the same bits as the CPU's layout, halves rounded as the CPU rounds them)
+/// and paged attention against the reference on scattered page tables: prefill, decode, a chunk
+/// continuing, sliding windows, GQA groups, head dims that are and are not multiples of 32.
+#[test]
+fn paged_attention_and_cache_writes_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    for (n_heads, n_kv, hd) in [(8, 2, 64), (4, 4, 128), (6, 1, 80), (2, 1, 256)] {
+        for window in [None, Some(1), Some(19)] {
+            attention_case::<f32>(&g, 16, n_heads, n_kv, hd, window);
+            attention_case::<u16>(&g, 16, n_heads, n_kv, hd, window);
+        }
+    }
+    attention_case::<u16>(&g, 32, 8, 2, 64, None);
+    attention_case::<f32>(&g, 7, 8, 2, 64, Some(9));
+}
+
+fn attention_case<E: GpuKv>(
+    g: &Gpu,
+    bs: usize,
+    n_heads: usize,
+    n_kv: usize,
+    hd: usize,
+    window: Option<usize>,
+) {
+    let half = E::NAME == "f16";
+    let mut rng = Rng(17 + hd as u64);
+    let kv_dim = n_kv * hd;
+    let n_blocks = 200 / bs + 12;
+    // Three sequences on scattered blocks: a prefill of 21 from 0, a decode at 37, a chunk of 5
+    // from 9 (as tests/attention.rs).
+    let need = |n: usize| n.div_ceil(bs);
+    let t1: Vec<u32> = (0..need(21))
+        .map(|i| (n_blocks - 1 - 2 * i) as u32)
+        .collect();
+    let t2: Vec<u32> = (0..need(38)).map(|i| (2 * i) as u32).collect();
+    let t3: Vec<u32> = (0..need(14))
+        .map(|i| (n_blocks - 2 - 2 * i) as u32)
+        .collect();
+    // The whole context of each, written through the GPU's cache writer.
+    let ctx = [
+        AttnSeq {
+            q_start: 0,
+            q_len: 21,
+            first_pos: 0,
+            block_table: &t1,
+        },
+        AttnSeq {
+            q_start: 21,
+            q_len: 38,
+            first_pos: 0,
+            block_table: &t2,
+        },
+        AttnSeq {
+            q_start: 59,
+            q_len: 14,
+            first_pos: 0,
+            block_table: &t3,
+        },
+    ];
+    let n_ctx = 73;
+    let k = rng.vec(n_ctx * kv_dim, 1.0);
+    let v = rng.vec(n_ctx * kv_dim, 1.0);
+    let cache_len = n_blocks * bs * kv_dim;
+    let mut kc = g.zeros::<E>(cache_len).unwrap();
+    let mut vc = g.zeros::<E>(cache_len).unwrap();
+    let toks = g.tokens(&ctx, bs, n_blocks).unwrap();
+    let (dk, dv) = (g.upload(&k).unwrap(), g.upload(&v).unwrap());
+    g.kv_write(&dk, &dv, &toks, kv_dim, &mut kc, &mut vc)
+        .unwrap();
+    // The CPU's layout of the same writes.
+    let round = |x: f32| if half { f16_to_f32(f32_to_f16(x)) } else { x };
+    let mut want_k = vec![0f32; cache_len];
+    let mut want_v = vec![0f32; cache_len];
+    let layout = PagedKv::<f32> {
+        k: &[],
+        v: &[],
+        block_size: bs,
+        kv_dim,
+    };
+    for s in &ctx {
+        for i in 0..s.q_len {
+            let t = s.q_start + i;
+            for c in 0..kv_dim {
+                want_k[layout.k_index(s.block_table, i, c)] = round(k[t * kv_dim + c]);
+                want_v[layout.v_offset(s.block_table, i) + c] = round(v[t * kv_dim + c]);
+            }
+        }
+    }
+    let as_f32 = |x: Vec<E>| -> Vec<f32> {
+        // SAFETY: E is f32 or u16 (GpuKv's two implementations), read as what it is.
+        if half {
+            x.iter()
+                .map(|e| f16_to_f32(unsafe { *(e as *const E as *const u16) }))
+                .collect()
+        } else {
+            x.iter()
+                .map(|e| unsafe { *(e as *const E as *const f32) })
+                .collect()
+        }
+    };
+    let got_k = as_f32(g.download(&kc).unwrap());
+    let got_v = as_f32(g.download(&vc).unwrap());
+    assert!(
+        got_k
+            .iter()
+            .zip(&want_k)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "K cache ({})",
+        E::NAME
+    );
+    assert!(
+        got_v
+            .iter()
+            .zip(&want_v)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "V cache ({})",
+        E::NAME
+    );
+
+    // Queries: the prefill's 21, the decode's 1 at 37, the chunk's 5 at 9..14.
+    let seqs = [
+        AttnSeq {
+            q_start: 0,
+            q_len: 21,
+            first_pos: 0,
+            block_table: &t1,
+        },
+        AttnSeq {
+            q_start: 21,
+            q_len: 1,
+            first_pos: 37,
+            block_table: &t2,
+        },
+        AttnSeq {
+            q_start: 22,
+            q_len: 5,
+            first_pos: 9,
+            block_table: &t3,
+        },
+    ];
+    let n = 27;
+    let q = rng.vec(n * n_heads * hd, 1.0);
+    let mut want = vec![0f32; q.len()];
+    if half {
+        let kh: Vec<F16> = want_k.iter().map(|&x| F16(f32_to_f16(x))).collect();
+        let vh: Vec<F16> = want_v.iter().map(|&x| F16(f32_to_f16(x))).collect();
+        let kv = PagedKv {
+            k: &kh,
+            v: &vh,
+            block_size: bs,
+            kv_dim,
+        };
+        reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125, window);
+    } else {
+        let kv = PagedKv {
+            k: &want_k,
+            v: &want_v,
+            block_size: bs,
+            kv_dim,
+        };
+        reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125, window);
+    }
+    let qt = g.tokens(&seqs, bs, n_blocks).unwrap();
+    let dq = g.upload(&q).unwrap();
+    let mut out = g.zeros::<f32>(q.len()).unwrap();
+    g.attention(
+        &dq, &mut out, &qt, &kc, &vc, n_heads, n_kv, hd, 0.125, window,
+    )
+    .unwrap();
+    // A convex mix of V rows (|v| ≤ 1): f32 sums in another order.
+    close(&g.download(&out).unwrap(), &want, |_| 2e-5).unwrap_or_else(|e| {
+        panic!(
+            "attention ({}, bs {bs}, {n_heads}/{n_kv}×{hd}, window {window:?}): {e}",
+            E::NAME
+        )
+    });
+}
+
+/// Bad arguments are refused on the host, before a kernel could read out of bounds.
+#[test]
+fn bad_shapes_are_refused_before_launch() {
+    let Some(g) = gpu() else { return };
+    let w = quantize(QuantType::Q4_0, &vec![0.5; 64 * 64]);
+    assert!(g
+        .matrix(QuantType::Q4_0, 64, 64, &w[..w.len() - 1])
+        .is_err());
+    let dw = g.matrix(QuantType::Q4_0, 64, 64, &w).unwrap();
+    let x = g.zeros::<f32>(64).unwrap();
+    let mut y = g.zeros::<f32>(64).unwrap();
+    assert!(
+        g.matmul(&dw, &x, 2, &mut y).is_err(),
+        "x too short for 2 tokens"
+    );
+    let table = [3u32];
+    let seq = [AttnSeq {
+        q_start: 0,
+        q_len: 1,
+        first_pos: 0,
+        block_table: &table,
+    }];
+    assert!(g.tokens(&seq, 16, 3).is_err(), "block 3 of a 3-block cache");
+    let long = [AttnSeq {
+        q_start: 0,
+        q_len: 1,
+        first_pos: 16,
+        block_table: &[0],
+    }];
+    assert!(
+        g.tokens(&long, 16, 3).is_err(),
+        "position 16 in one block of 16"
+    );
+    let toks = g
+        .tokens(
+            &[AttnSeq {
+                q_start: 0,
+                q_len: 1,
+                first_pos: 0,
+                block_table: &[0],
+            }],
+            16,
+            1,
+        )
+        .unwrap();
+    let kc = g.zeros::<f32>(16 * 64).unwrap();
+    let mut out = g.zeros::<f32>(64).unwrap();
+    assert!(
+        g.attention(&x, &mut out, &toks, &kc, &kc, 2, 0, 32, 1.0, None)
+            .is_err(),
+        "0 KV heads"
+    );
+    assert!(
+        g.attention(&x, &mut out, &toks, &kc, &kc, 3, 2, 32, 1.0, None)
+            .is_err(),
+        "3 over 2"
+    );
+}
+
+/// A CUDA graph of a forward's ops replays equal to eager launches, with inputs rewritten between
+/// replays (the decode loop's pattern), and after its weights' buffer is rewritten in place.
+#[test]
+fn a_captured_graph_replays_equal_to_eager_launches() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(9);
+    let (rows, cols, n) = (256, 512, 4);
+    let w = quantize(QuantType::Q4_0, &rng.vec(rows * cols, 1.0));
+    let dw = g.matrix(QuantType::Q4_0, rows, cols, &w).unwrap();
+    let norm = g.upload(&rng.vec(rows, 1.0)).unwrap();
+    let mut x = g.zeros::<f32>(n * cols).unwrap();
+    let mut y = g.zeros::<f32>(n * rows).unwrap();
+    let mut z = g.zeros::<f32>(n * rows).unwrap();
+    let step = |x: &cudarc::driver::CudaSlice<f32>, y: &mut _, z: &mut _| {
+        g.matmul(&dw, x, n, y).unwrap();
+        g.rmsnorm(y, &norm, 1e-6, n, z).unwrap();
+        g.add(z, y, n * rows).unwrap();
+    };
+    let eager = |input: &[f32]| -> Vec<f32> {
+        let dx = g.upload(input).unwrap();
+        let mut y = g.zeros::<f32>(n * rows).unwrap();
+        let mut z = g.zeros::<f32>(n * rows).unwrap();
+        g.matmul(&dw, &dx, n, &mut y).unwrap();
+        g.rmsnorm(&y, &norm, 1e-6, n, &mut z).unwrap();
+        g.add(&mut z, &y, n * rows).unwrap();
+        g.download(&z).unwrap()
+    };
+    let s = g.stream().clone();
+    s.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    step(&x, &mut y, &mut z);
+    let graph = s
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    for round in 0..3 {
+        let input = rng.vec(n * cols, 1.0);
+        g.write(&input, &mut x).unwrap();
+        graph.launch().unwrap();
+        assert_eq!(g.download(&z).unwrap(), eager(&input), "replay {round}");
+    }
+}

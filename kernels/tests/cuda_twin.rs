@@ -1,0 +1,139 @@
+//! The GPU's index and dequantization arithmetic, checked on every machine: `cuda/common.cuh`'s
+//! helpers, compiled by nvcc for the host from the source the kernels use (`cuda::TWIN`), against
+//! the CPU kernels, bit for bit.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::Rng;
+use flywheel_kernels::cuda::{type_code, TWIN};
+use flywheel_kernels::quant::quantize::quantize;
+use flywheel_kernels::reference::{self, PagedKv};
+use flywheel_kernels::QuantType;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn twin(args: &[String], input: &[u8]) -> Vec<u8> {
+    let mut child = Command::new(TWIN)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{TWIN}: {e}"));
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "fw_twin {args:?}: {}", out.status);
+    out.stdout
+}
+
+fn twin_dequant(ty: QuantType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<f32> {
+    let row_bytes = ty.row_bytes(cols).unwrap();
+    let args = [
+        "dequant".to_string(),
+        type_code(ty).to_string(),
+        rows.to_string(),
+    ]
+    .into_iter()
+    .chain([cols.to_string(), row_bytes.to_string()])
+    .collect::<Vec<_>>();
+    twin(&args, bytes)
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// Equal bits, or both NaN (a NaN's payload is not part of the contract).
+fn same(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+#[test]
+fn dequantization_equals_the_cpu_reference_bit_for_bit_for_every_format() {
+    let mut rng = Rng(7);
+    let (rows, cols) = (5, 512);
+    for ty in QuantType::ALL {
+        // Blocks a quantizer writes, and raw random bytes (subnormal, infinite and NaN scales).
+        let quantized: Vec<u8> = (0..rows)
+            .flat_map(|_| quantize(ty, &rng.vec(cols, 3.0)))
+            .collect();
+        let raw: Vec<u8> = (0..quantized.len()).map(|_| rng.next() as u8).collect();
+        for (what, bytes) in [("quantized", &quantized), ("random bytes", &raw)] {
+            let gpu = twin_dequant(ty, rows, cols, bytes);
+            let mut cpu = vec![0f32; rows * cols];
+            let rb = ty.row_bytes(cols).unwrap();
+            for r in 0..rows {
+                reference::dequantize_row(
+                    ty,
+                    &bytes[r * rb..(r + 1) * rb],
+                    &mut cpu[r * cols..(r + 1) * cols],
+                );
+            }
+            assert_eq!(gpu.len(), cpu.len());
+            let bad = (0..cpu.len()).find(|&i| !same(gpu[i], cpu[i]));
+            assert!(
+                bad.is_none(),
+                "{} ({what}): value {} is {} on the GPU's path, {} on the CPU",
+                ty.name(),
+                bad.unwrap(),
+                gpu[bad.unwrap()],
+                cpu[bad.unwrap()]
+            );
+        }
+    }
+}
+
+#[test]
+fn paged_cache_indices_equal_the_cpu_layout() {
+    let mut rng = Rng(11);
+    for (block_size, kv_dim) in [(16, 64), (32, 128), (1, 8), (7, 24)] {
+        let blocks = 9;
+        let table: Vec<u32> = (0..blocks).map(|_| (rng.next() % 1000) as u32).collect();
+        let positions = blocks * block_size;
+        let bytes: Vec<u8> = table.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let args = [
+            "kv",
+            &block_size.to_string(),
+            &kv_dim.to_string(),
+            &positions.to_string(),
+        ]
+        .map(String::from);
+        let got: Vec<u64> = twin(&args, &bytes)
+            .chunks(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let kv = PagedKv::<f32> {
+            k: &[],
+            v: &[],
+            block_size,
+            kv_dim,
+        };
+        let mut want = Vec::new();
+        for p in 0..positions {
+            want.push(kv.v_offset(&table, p) as u64);
+            for c in 0..kv_dim {
+                want.push(kv.k_index(&table, p, c) as u64);
+            }
+        }
+        assert_eq!(got, want, "block size {block_size}, kv_dim {kv_dim}");
+    }
+}
+
+#[test]
+fn the_first_key_a_window_lets_a_query_see_is_the_cpus() {
+    for pos in [0usize, 1, 5, 63, 64, 65, 1000] {
+        for window in [None, Some(1), Some(4), Some(64), Some(4096)] {
+            let out = twin(
+                &[
+                    "first_key".into(),
+                    pos.to_string(),
+                    window.unwrap_or(0).to_string(),
+                ],
+                &[],
+            );
+            let got: usize = String::from_utf8(out).unwrap().trim().parse().unwrap();
+            // reference::attention_windowed: n_ctx.saturating_sub(window)
+            let want = (pos + 1).saturating_sub(window.unwrap_or(usize::MAX));
+            assert_eq!(got, want, "pos {pos}, window {window:?}");
+        }
+    }
+}
