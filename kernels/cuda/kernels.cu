@@ -194,6 +194,53 @@ extern "C" __global__ void fw_residual_add(float* __restrict__ x, const float* _
   if (i < n) x[i] = fw_add(x[i], y[i]);
 }
 
+// x *= s (Gemma's embedding scale), one rounding as on the CPU.
+extern "C" __global__ void fw_scale(float* __restrict__ x, float s, long long n) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = fw_mul(x[i], s);
+}
+
+// y += s · d (a LoRA delta, scaled then added: the CPU's two roundings).
+extern "C" __global__ void fw_axpy(float* __restrict__ y, const float* __restrict__ d, float s,
+                                   long long n) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = fw_add(y[i], fw_mul(d[i], s));
+}
+
+// Every row of y (rows of d) plus the bias b (d values): Qwen2's q/k/v biases.
+extern "C" __global__ void fw_add_bias(float* __restrict__ y, const float* __restrict__ b,
+                                       long long n, int d) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = fw_add(y[i], b[i % d]);
+}
+
+// out (m, d) = rows idx[0..m] of x (the rows whose logits are wanted).
+extern "C" __global__ void fw_gather_rows(const float* __restrict__ x,
+                                          const uint32_t* __restrict__ idx, int m, int d,
+                                          float* __restrict__ out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)m * d) return;
+  const int j = (int)(i / d), c = (int)(i % d);
+  out[i] = x[(size_t)idx[j] * d + c];
+}
+
+// Block-diagonal product (adapters: OFT's rotations, LoRA's B):
+// out[t][q·m + j] = Σ_i x[t][q·k + i] · mats[q][i][j], one thread per output, i in order.
+extern "C" __global__ void fw_block_matmul(const float* __restrict__ x,
+                                           const float* __restrict__ mats, int n, int nb, int k,
+                                           int m, float* __restrict__ out) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)n * nb * m) return;
+  const int j = (int)(i % m);
+  const int q = (int)((i / m) % nb);
+  const long long t = i / ((long long)m * nb);
+  const float* xr = x + (size_t)t * nb * k + (size_t)q * k;
+  const float* mq = mats + (size_t)q * k * m + j;
+  float acc = 0.0f;
+  for (int a = 0; a < k; a++) acc = fmaf(xr[a], mq[(size_t)a * m], acc);
+  out[i] = acc;
+}
+
 // Per-token metadata of a packed batch, shared by the cache writer and attention: token t sits at
 // position pos[t] of a sequence whose block table starts at block_tables[table_at[t]].
 struct FwTokens {

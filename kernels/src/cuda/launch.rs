@@ -1,9 +1,15 @@
 //! `Gpu`'s ops: each checks its arguments here (a kernel trusts its sizes; a bad size on the GPU is
-//! a silent out-of-bounds access), sizes the launch, and queues the kernel on the stream.
+//! a silent out-of-bounds access), sizes the launch, and queues the kernel on the stream. Inputs
+//! and outputs are any device buffer or view of one (`DevicePtr`/`DevicePtrMut`), so that a
+//! forward works on rows of its buffers in place.
 
-use super::{check, type_name, DeviceMatrix, Gpu, GpuKv, Result};
+use super::{check, type_name, DeviceMatrix, Gpu, GpuError, GpuKv, Result};
+use crate::quant::QuantType;
 use crate::reference::{AttnSeq, RopeLayout};
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig,
+    PushKernelArg,
+};
 
 /// Tokens per matmul block row-pass (`FW_MM_TOKENS`), warps per matmul block.
 const MM_TOKENS: usize = 8;
@@ -23,14 +29,22 @@ fn grid1(n: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-fn len_at_least<T>(s: &CudaSlice<T>, n: usize, what: &str) -> Result<()> {
-    check(s.len() >= n, || {
-        format!("{what}: {} values, {n} needed", s.len())
-    })
+fn rows(n: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn len_at_least<T>(s: &impl DeviceSlice<T>, n: usize, what: &str) -> Result<()> {
+    check(s.len() >= n, || format!("{what}: {} values, {n} needed", s.len()))
 }
 
 /// The per-token metadata of a packed batch on the GPU (`FwTokens`): each token's position and
 /// where its sequence's block table starts, every table entry checked against the cache's size.
+/// Its buffers keep their addresses when rewritten (`Gpu::set_tokens`), so that a captured graph
+/// reads each step's values.
 pub struct Tokens {
     pub n: usize,
     pub block_size: usize,
@@ -38,6 +52,13 @@ pub struct Tokens {
     block_tables: CudaSlice<u32>,
     table_at: CudaSlice<i32>,
     pos: CudaSlice<i32>,
+}
+
+impl Tokens {
+    /// The most tokens and block table entries it holds.
+    pub fn capacity(&self) -> (usize, usize) {
+        (self.pos.len(), self.block_tables.len())
+    }
 }
 
 /// `FwTokens` as the kernels take it: three device pointers.
@@ -52,9 +73,56 @@ struct FwTokens {
 unsafe impl DeviceRepr for FwTokens {}
 
 impl Gpu {
+    fn ptr<T>(&self, s: &impl DevicePtr<T>) -> u64 {
+        // Event tracking is off (`Gpu::open`): the guard has nothing to record.
+        s.device_ptr(self.stream()).0
+    }
+
+    fn ptr_mut<T>(&self, s: &mut impl DevicePtrMut<T>) -> u64 {
+        s.device_ptr_mut(self.stream()).0
+    }
+
+    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
+        let mut b = self.stream().launch_builder(f);
+        for a in args {
+            a.push(&mut b);
+        }
+        // SAFETY: every caller checked the sizes its kernel reads and writes, and passes the
+        // kernel's parameters in its order and types.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Metadata buffers for up to `max_tokens` tokens and `max_table` block table entries.
+    pub fn tokens_with_capacity(&self, max_tokens: usize, max_table: usize) -> Result<Tokens> {
+        Ok(Tokens {
+            n: 0,
+            block_size: 1,
+            n_blocks: 0,
+            block_tables: self.zeros(max_table.max(1))?,
+            table_at: self.zeros(max_tokens.max(1))?,
+            pos: self.zeros(max_tokens.max(1))?,
+        })
+    }
+
     /// The metadata of `seqs` (rows q_start..q_start+q_len, packed from 0) over a cache of
     /// `n_blocks` blocks of `block_size` positions.
     pub fn tokens(&self, seqs: &[AttnSeq], block_size: usize, n_blocks: usize) -> Result<Tokens> {
+        let n = seqs.iter().map(|s| s.q_start + s.q_len).max().unwrap_or(0);
+        let table: usize = seqs.iter().map(|s| s.block_table.len()).sum();
+        let mut t = self.tokens_with_capacity(n, table)?;
+        self.set_tokens(&mut t, seqs, block_size, n_blocks)?;
+        Ok(t)
+    }
+
+    /// Rewrite `t` in place (its buffers keep their addresses) for `seqs`.
+    pub fn set_tokens(
+        &self,
+        t: &mut Tokens,
+        seqs: &[AttnSeq],
+        block_size: usize,
+        n_blocks: usize,
+    ) -> Result<()> {
         check(block_size > 0, || "a block size of 0".into())?;
         let n = seqs.iter().map(|s| s.q_start + s.q_len).max().unwrap_or(0);
         let (mut tables, mut table_at, mut pos) = (Vec::new(), vec![-1i32; n], vec![0i32; n]);
@@ -66,38 +134,42 @@ impl Gpu {
                     s.block_table.len()
                 )
             })?;
-            check(
-                s.block_table.iter().all(|&b| (b as usize) < n_blocks),
-                || format!("a block table names a block past the cache's {n_blocks}"),
-            )?;
-            let at = i32::try_from(tables.len()).map_err(|_| super::GpuError("tables".into()))?;
+            check(s.block_table.iter().all(|&b| (b as usize) < n_blocks), || {
+                format!("a block table names a block past the cache's {n_blocks}")
+            })?;
+            let at = i32::try_from(tables.len()).map_err(|_| GpuError("block tables".into()))?;
             tables.extend_from_slice(s.block_table);
             for i in 0..s.q_len {
-                let t = s.q_start + i;
-                check(table_at[t] < 0, || format!("token {t} in two sequences"))?;
-                table_at[t] = at;
-                pos[t] = (s.first_pos + i) as i32;
+                let row = s.q_start + i;
+                check(table_at[row] < 0, || format!("token {row} in two sequences"))?;
+                table_at[row] = at;
+                pos[row] = (s.first_pos + i) as i32;
             }
         }
         check(table_at.iter().all(|&a| a >= 0), || {
             "the sequences leave a row of the batch out".into()
         })?;
-        Ok(Tokens {
-            n,
-            block_size,
-            n_blocks,
-            block_tables: self.upload(if tables.is_empty() { &[0] } else { &tables })?,
-            table_at: self.upload(if n == 0 { &[0] } else { &table_at })?,
-            pos: self.upload(if n == 0 { &[0] } else { &pos })?,
-        })
+        let (cap_tokens, cap_table) = t.capacity();
+        check(n <= cap_tokens && tables.len() <= cap_table, || {
+            format!(
+                "{n} tokens and {} table entries; the buffers hold {cap_tokens} and {cap_table}",
+                tables.len()
+            )
+        })?;
+        self.write(&tables, &mut t.block_tables)?;
+        self.write(&table_at, &mut t.table_at)?;
+        self.write(&pos, &mut t.pos)?;
+        t.n = n;
+        t.block_size = block_size;
+        t.n_blocks = n_blocks;
+        Ok(())
     }
 
     fn tokens_arg(&self, t: &Tokens) -> FwTokens {
-        let s = self.stream();
         FwTokens {
-            block_tables: t.block_tables.device_ptr(s).0,
-            table_at: t.table_at.device_ptr(s).0,
-            pos: t.pos.device_ptr(s).0,
+            block_tables: self.ptr(&t.block_tables),
+            table_at: self.ptr(&t.table_at),
+            pos: self.ptr(&t.pos),
         }
     }
 
@@ -105,47 +177,54 @@ impl Gpu {
     pub fn matmul(
         &self,
         w: &DeviceMatrix,
-        x: &CudaSlice<f32>,
+        x: &impl DevicePtr<f32>,
         n: usize,
-        y: &mut CudaSlice<f32>,
+        y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        len_at_least(x, n * w.cols, "matmul x")?;
-        len_at_least(y, n * w.rows, "matmul y")?;
-        if n == 0 || w.rows == 0 {
+        self.matmul_raw(w.ty, &w.data, w.rows, w.cols, x, n, y)
+    }
+
+    /// `matmul` of a matrix given as its bytes (an adapter's f32 tensor inside its parameters).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_raw(
+        &self,
+        ty: QuantType,
+        w: &impl DevicePtr<u8>,
+        rows: usize,
+        cols: usize,
+        x: &impl DevicePtr<f32>,
+        n: usize,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        check(cols % 32 == 0 && cols % ty.block_size() == 0, || {
+            format!("a {} matrix of {cols} columns", ty.name())
+        })?;
+        let row_bytes = ty.row_bytes(cols).unwrap();
+        len_at_least(w, rows * row_bytes, "matmul w")?;
+        len_at_least(x, n * cols, "matmul x")?;
+        len_at_least(y, n * rows, "matmul y")?;
+        if n == 0 || rows == 0 {
             return Ok(());
         }
-        let f = self.function(&format!("fw_matmul_{}", type_name(w.ty)))?;
+        let f = self.function(&format!("fw_matmul_{}", type_name(ty)))?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                w.rows.div_ceil(MM_WARPS) as u32,
-                n.div_ceil(MM_TOKENS) as u32,
-                1,
-            ),
+            grid_dim: (rows.div_ceil(MM_WARPS) as u32, n.div_ceil(MM_TOKENS) as u32, 1),
             block_dim: ((MM_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (rows, cols, row_bytes, n) =
-            (w.rows as i32, w.cols as i32, w.row_bytes as i64, n as i32);
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(&w.data)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&row_bytes)
-            .arg(x)
-            .arg(&n)
-            .arg(y);
-        // SAFETY: sizes checked above; the kernel's signature is fw_matmul_body's.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        let (wp, xp, yp) = (self.ptr(w), self.ptr(x), self.ptr_mut(y));
+        let (r, c, rb, n) = (rows as i32, cols as i32, row_bytes as i64, n as i32);
+        self.launch(&f, cfg, &[&wp, &r, &c, &rb, &xp, &n, &yp])
     }
 
-    /// out (tokens.len(), cols) = the table's rows `tokens`, dequantized (the CPU's values exactly).
+    /// out (n, cols) = the table's rows tokens[0..n], dequantized (the CPU's values exactly).
+    /// The ids are the caller's to check (`embed_checked` does).
     pub fn embed(
         &self,
         table: &DeviceMatrix,
-        tokens: &CudaSlice<u32>,
+        tokens: &impl DevicePtr<u32>,
         n: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         len_at_least(tokens, n, "embed tokens")?;
         len_at_least(out, n * table.cols, "embed out")?;
@@ -153,21 +232,9 @@ impl Gpu {
             return Ok(());
         }
         let f = self.function(&format!("fw_embed_{}", type_name(table.ty)))?;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (row_bytes, cols) = (table.row_bytes as i64, table.cols as i32);
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(&table.data)
-            .arg(&row_bytes)
-            .arg(tokens)
-            .arg(&cols)
-            .arg(out);
-        // SAFETY: sizes checked; token ids are the caller's (`embed_checked` checks them).
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        let (tp, wp, op) = (self.ptr(tokens), self.ptr(&table.data), self.ptr_mut(out));
+        let (rb, cols) = (table.row_bytes as i64, table.cols as i32);
+        self.launch(&f, rows(n, 128), &[&wp, &rb, &tp, &cols, &op])
     }
 
     /// `embed` from host token ids, each checked against the table's rows.
@@ -175,7 +242,7 @@ impl Gpu {
         &self,
         table: &DeviceMatrix,
         tokens: &[u32],
-        out: &mut CudaSlice<f32>,
+        out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         check(tokens.iter().all(|&t| (t as usize) < table.rows), || {
             format!("a token id past the table's {} rows", table.rows)
@@ -184,41 +251,58 @@ impl Gpu {
         self.embed(table, &dev, tokens.len(), out)
     }
 
-    /// out = x / rms(x) · weight for `rows` rows of weight.len() values.
+    /// out = x / rms(x) · weight for `n` rows of weight.len() values.
     pub fn rmsnorm(
         &self,
-        x: &CudaSlice<f32>,
-        weight: &CudaSlice<f32>,
+        x: &impl DevicePtr<f32>,
+        weight: &impl DevicePtr<f32>,
         eps: f32,
-        rows: usize,
-        out: &mut CudaSlice<f32>,
+        n: usize,
+        out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let d = weight.len();
-        len_at_least(x, rows * d, "rmsnorm x")?;
-        len_at_least(out, rows * d, "rmsnorm out")?;
-        if rows == 0 {
+        len_at_least(x, n * d, "rmsnorm x")?;
+        len_at_least(out, n * d, "rmsnorm out")?;
+        let (xp, op) = (self.ptr(x), self.ptr_mut(out));
+        self.rmsnorm_ptrs(xp, weight, eps, n, op)
+    }
+
+    /// `rmsnorm` in place (each head's q/k norm).
+    pub fn rmsnorm_in_place(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        weight: &impl DevicePtr<f32>,
+        eps: f32,
+        n: usize,
+    ) -> Result<()> {
+        len_at_least(x, n * weight.len(), "rmsnorm x")?;
+        let p = self.ptr_mut(x);
+        // The kernel reads a row whole (its sum) before it writes any of it.
+        self.rmsnorm_ptrs(p, weight, eps, n, p)
+    }
+
+    fn rmsnorm_ptrs(
+        &self,
+        x: u64,
+        weight: &impl DevicePtr<f32>,
+        eps: f32,
+        n: usize,
+        out: u64,
+    ) -> Result<()> {
+        if n == 0 {
             return Ok(());
         }
         let f = self.function("fw_rmsnorm")?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let d = d as i32;
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(x).arg(weight).arg(&eps).arg(&d).arg(out);
-        // SAFETY: sizes checked above.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        let (wp, d) = (self.ptr(weight), weight.len() as i32);
+        self.launch(&f, rows(n, ROW_THREADS), &[&x, &wp, &eps, &d, &out])
     }
 
     /// RoPE in place on n rows of n_heads·head_dim by a table of `ops::rope_table`.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
-        x: &mut CudaSlice<f32>,
-        table: &CudaSlice<f32>,
+        x: &mut impl DevicePtrMut<f32>,
+        table: &impl DevicePtr<f32>,
         n: usize,
         n_heads: usize,
         head_dim: usize,
@@ -235,88 +319,166 @@ impl Gpu {
             return Ok(());
         }
         let f = self.function("fw_rope")?;
+        let (xp, tp) = (self.ptr_mut(x), self.ptr(table));
         let (ni, nh, hd, rd) = (n as i32, n_heads as i32, head_dim as i32, rope_dim as i32);
         let neox = (layout == RopeLayout::Neox) as i32;
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(x)
-            .arg(table)
-            .arg(&ni)
-            .arg(&nh)
-            .arg(&hd)
-            .arg(&rd)
-            .arg(&neox);
-        // SAFETY: sizes checked above.
-        unsafe { b.launch(grid1(work, ROW_THREADS)) }?;
-        Ok(())
+        self.launch(&f, grid1(work, ROW_THREADS), &[&xp, &tp, &ni, &nh, &hd, &rd, &neox])
     }
 
-    fn elementwise(
+    fn gated(
         &self,
         name: &str,
-        a: &CudaSlice<f32>,
-        b2: &CudaSlice<f32>,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
         n: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        len_at_least(a, n, name)?;
-        len_at_least(b2, n, name)?;
+        len_at_least(gate, n, name)?;
+        len_at_least(up, n, name)?;
         len_at_least(out, n, name)?;
         if n == 0 {
             return Ok(());
         }
         let f = self.function(name)?;
-        let n64 = n as i64;
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(a).arg(b2).arg(&n64).arg(out);
-        // SAFETY: sizes checked above.
-        unsafe { b.launch(grid1(n, ROW_THREADS)) }?;
-        Ok(())
+        let (gp, up, op, n64) = (self.ptr(gate), self.ptr(up), self.ptr_mut(out), n as i64);
+        self.launch(&f, grid1(n, ROW_THREADS), &[&gp, &up, &n64, &op])
     }
 
     /// out = silu(gate) · up over n values.
     pub fn swiglu(
         &self,
-        gate: &CudaSlice<f32>,
-        up: &CudaSlice<f32>,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
         n: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        self.elementwise("fw_swiglu", gate, up, n, out)
+        self.gated("fw_swiglu", gate, up, n, out)
     }
 
     /// out = gelu_tanh(gate) · up over n values.
     pub fn geglu(
         &self,
-        gate: &CudaSlice<f32>,
-        up: &CudaSlice<f32>,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
         n: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        self.elementwise("fw_geglu", gate, up, n, out)
+        self.gated("fw_geglu", gate, up, n, out)
     }
 
     /// x += y over n values.
-    pub fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<()> {
+    pub fn add(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        y: &impl DevicePtr<f32>,
+        n: usize,
+    ) -> Result<()> {
         len_at_least(x, n, "add x")?;
         len_at_least(y, n, "add y")?;
         if n == 0 {
             return Ok(());
         }
         let f = self.function("fw_residual_add")?;
-        let n64 = n as i64;
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(x).arg(y).arg(&n64);
-        // SAFETY: sizes checked above.
-        unsafe { b.launch(grid1(n, ROW_THREADS)) }?;
-        Ok(())
+        let (xp, yp, n64) = (self.ptr_mut(x), self.ptr(y), n as i64);
+        self.launch(&f, grid1(n, ROW_THREADS), &[&xp, &yp, &n64])
+    }
+
+    /// y += s · d over n values.
+    pub fn axpy(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        d: &impl DevicePtr<f32>,
+        s: f32,
+        n: usize,
+    ) -> Result<()> {
+        len_at_least(y, n, "axpy y")?;
+        len_at_least(d, n, "axpy d")?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_axpy")?;
+        let (yp, dp, n64) = (self.ptr_mut(y), self.ptr(d), n as i64);
+        self.launch(&f, grid1(n, ROW_THREADS), &[&yp, &dp, &s, &n64])
+    }
+
+    /// x *= s over n values.
+    pub fn scale(&self, x: &mut impl DevicePtrMut<f32>, s: f32, n: usize) -> Result<()> {
+        len_at_least(x, n, "scale x")?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_scale")?;
+        let (xp, n64) = (self.ptr_mut(x), n as i64);
+        self.launch(&f, grid1(n, ROW_THREADS), &[&xp, &s, &n64])
+    }
+
+    /// Each of `rows` rows of y plus the bias b.
+    pub fn add_bias(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        b: &impl DevicePtr<f32>,
+        rows: usize,
+    ) -> Result<()> {
+        let d = b.len();
+        len_at_least(y, rows * d, "add_bias y")?;
+        if rows * d == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_add_bias")?;
+        let (yp, bp, n64, di) = (self.ptr_mut(y), self.ptr(b), (rows * d) as i64, d as i32);
+        self.launch(&f, grid1(rows * d, ROW_THREADS), &[&yp, &bp, &n64, &di])
+    }
+
+    /// out (m, d) = rows idx[0..m] of x (rows of d); the indices are the caller's to check.
+    pub fn gather_rows(
+        &self,
+        x: &impl DevicePtr<f32>,
+        idx: &impl DevicePtr<u32>,
+        m: usize,
+        d: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        len_at_least(idx, m, "gather idx")?;
+        len_at_least(out, m * d, "gather out")?;
+        if m * d == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_gather_rows")?;
+        let (xp, ip, op) = (self.ptr(x), self.ptr(idx), self.ptr_mut(out));
+        let (mi, di) = (m as i32, d as i32);
+        self.launch(&f, grid1(m * d, ROW_THREADS), &[&xp, &ip, &mi, &di, &op])
+    }
+
+    /// out[t][q·m + j] = Σ_i x[t][q·k + i] · mats[q][i][j] for n rows (`Cpu::block_matmul`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn block_matmul(
+        &self,
+        x: &impl DevicePtr<f32>,
+        mats: &impl DevicePtr<f32>,
+        n: usize,
+        nb: usize,
+        k: usize,
+        m: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        len_at_least(x, n * nb * k, "block_matmul x")?;
+        len_at_least(mats, nb * k * m, "block_matmul mats")?;
+        len_at_least(out, n * nb * m, "block_matmul out")?;
+        if n * nb * m == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_block_matmul")?;
+        let (xp, mp, op) = (self.ptr(x), self.ptr(mats), self.ptr_mut(out));
+        let (ni, nbi, ki, mi) = (n as i32, nb as i32, k as i32, m as i32);
+        self.launch(&f, grid1(n * nb * m, ROW_THREADS), &[&xp, &mp, &ni, &nbi, &ki, &mi, &op])
     }
 
     fn cache_fits<E>(
         &self,
         t: &Tokens,
         kv_dim: usize,
-        kc: &CudaSlice<E>,
-        vc: &CudaSlice<E>,
+        kc: &impl DeviceSlice<E>,
+        vc: &impl DeviceSlice<E>,
     ) -> Result<()> {
         let need = t.n_blocks * t.block_size * kv_dim;
         len_at_least(kc, need, "K cache")?;
@@ -324,15 +486,14 @@ impl Gpu {
     }
 
     /// Write the batch's K and V rows (tokens.n, kv_dim) into the cache at their positions.
-    #[allow(clippy::too_many_arguments)]
     pub fn kv_write<E: GpuKv>(
         &self,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
         tokens: &Tokens,
         kv_dim: usize,
-        kc: &mut CudaSlice<E>,
-        vc: &mut CudaSlice<E>,
+        kc: &mut impl DevicePtrMut<E>,
+        vc: &mut impl DevicePtrMut<E>,
     ) -> Result<()> {
         let n = tokens.n;
         len_at_least(k, n * kv_dim, "kv_write k")?;
@@ -342,20 +503,15 @@ impl Gpu {
             return Ok(());
         }
         let f = self.function(&format!("fw_kv_write_{}", E::NAME))?;
+        let (kp, vp, kcp, vcp) = (self.ptr(k), self.ptr(v), self.ptr_mut(kc), self.ptr_mut(vc));
         let (ni, kd, bs) = (n as i32, kv_dim as i32, tokens.block_size as i32);
         let toks = self.tokens_arg(tokens);
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(k)
-            .arg(v)
-            .arg(&ni)
-            .arg(&kd)
-            .arg(&bs)
-            .arg(&toks)
-            .arg(kc)
-            .arg(vc);
-        // SAFETY: sizes and every block table entry checked (`tokens`, `cache_fits`).
-        unsafe { b.launch(grid1(n * kv_dim, ROW_THREADS)) }?;
-        Ok(())
+        // Every block table entry was checked against n_blocks (`set_tokens`, `cache_fits`).
+        self.launch(
+            &f,
+            grid1(n * kv_dim, ROW_THREADS),
+            &[&kp, &vp, &ni, &kd, &bs, &toks, &kcp, &vcp],
+        )
     }
 
     /// Causal GQA attention of the batch's queries q (tokens.n, n_heads·head_dim) over the cache,
@@ -363,11 +519,11 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn attention<E: GpuKv>(
         &self,
-        q: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
+        q: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
         tokens: &Tokens,
-        kc: &CudaSlice<E>,
-        vc: &CudaSlice<E>,
+        kc: &impl DevicePtr<E>,
+        vc: &impl DevicePtr<E>,
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,
@@ -394,6 +550,7 @@ impl Gpu {
             block_dim: (ATT_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
+        let (qp, op, kp, vp) = (self.ptr(q), self.ptr_mut(out), self.ptr(kc), self.ptr(vc));
         let (nh, nkv, hd, bs) = (
             n_heads as i32,
             n_kv_heads as i32,
@@ -402,65 +559,57 @@ impl Gpu {
         );
         let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let toks = self.tokens_arg(tokens);
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(q).arg(out).arg(&toks).arg(kc).arg(vc);
-        b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale).arg(&win);
-        // SAFETY: sizes, heads and every block table entry checked above.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        self.launch(
+            &f,
+            cfg,
+            &[&qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win],
+        )
     }
 
-    /// Log-softmax in place of `rows` rows of `vocab` logits divided by `temperature`.
+    /// Log-softmax in place of `n` rows of `vocab` logits divided by `temperature`.
     pub fn log_softmax(
         &self,
-        x: &mut CudaSlice<f32>,
-        rows: usize,
+        x: &mut impl DevicePtrMut<f32>,
+        n: usize,
         vocab: usize,
         temperature: f32,
     ) -> Result<()> {
         check(temperature > 0.0, || format!("temperature {temperature}"))?;
-        len_at_least(x, rows * vocab, "log_softmax")?;
-        if rows * vocab == 0 {
+        len_at_least(x, n * vocab, "log_softmax")?;
+        if n * vocab == 0 {
             return Ok(());
         }
         let f = self.function("fw_log_softmax")?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (v, inv) = (vocab as i32, 1.0 / temperature);
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(x).arg(&v).arg(&inv);
-        // SAFETY: sizes checked above.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        let (xp, v, inv) = (self.ptr_mut(x), vocab as i32, 1.0 / temperature);
+        self.launch(&f, rows(n, ROW_THREADS), &[&xp, &v, &inv])
     }
 
     /// out[r] = the index of row r's largest value (the first of equals).
     pub fn argmax(
         &self,
-        x: &CudaSlice<f32>,
-        rows: usize,
+        x: &impl DevicePtr<f32>,
+        n: usize,
         vocab: usize,
-        out: &mut CudaSlice<u32>,
+        out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
-        len_at_least(x, rows * vocab, "argmax x")?;
-        len_at_least(out, rows, "argmax out")?;
-        if rows * vocab == 0 {
+        len_at_least(x, n * vocab, "argmax x")?;
+        len_at_least(out, n, "argmax out")?;
+        if n * vocab == 0 {
             return Ok(());
         }
         let f = self.function("fw_argmax")?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let v = vocab as i32;
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(x).arg(&v).arg(out);
-        // SAFETY: sizes checked above.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        let (xp, v, op) = (self.ptr(x), vocab as i32, self.ptr_mut(out));
+        self.launch(&f, rows(n, ROW_THREADS), &[&xp, &v, &op])
+    }
+}
+
+/// A kernel argument: anything the launch builder takes by reference.
+trait Arg {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+impl<T: DeviceRepr> Arg for T {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
     }
 }

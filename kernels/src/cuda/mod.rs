@@ -11,8 +11,11 @@ mod launch;
 pub use launch::{Tokens, ATT_MAX_HEAD_DIM};
 
 use crate::quant::QuantType;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
 use std::sync::Arc;
+
+/// The device buffers and graphs the ops take, for callers without cudarc of their own.
+pub use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 /// The kernels for sm_80 and sm_90, as nvcc wrote them.
 pub const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flywheel.fatbin"));
@@ -50,6 +53,11 @@ pub const KERNELS: &[&str] = &[
     "fw_attention_f16",
     "fw_log_softmax",
     "fw_argmax",
+    "fw_scale",
+    "fw_axpy",
+    "fw_add_bias",
+    "fw_gather_rows",
+    "fw_block_matmul",
 ];
 
 /// The kernels' number for a storage format (`FwType` in `cuda/common.cuh`).
@@ -125,7 +133,7 @@ pub struct DeviceMatrix {
     pub rows: usize,
     pub cols: usize,
     row_bytes: usize,
-    data: CudaSlice<u8>,
+    pub(crate) data: CudaSlice<u8>,
 }
 
 impl DeviceMatrix {
