@@ -277,12 +277,19 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         let o = TrainerHandle::start(cfg.online.clone(), &cfg.learn, compute, metrics.clone())?;
         let _ = online.set(o);
     }
-    let (engine, _join) = Engine::start(
+    // The trainer's forwards run on the CPU: serving stays there under auto, so that the served
+    // log-probs are the trainer's to the bit.
+    let learning = (!cfg.learn.is_empty())
+        .then_some("adapters learn here and the trainer runs on the CPU (train = serve, bitwise)");
+    let device =
+        crate::engine::device::select(cfg.device, learning).map_err(|e| anyhow::anyhow!(e))?;
+    let (engine, _join) = Engine::start_on(
         model.clone(),
         tokenizer.clone(),
         cpu.clone(),
         ecfg,
         metrics.clone(),
+        device,
     )?;
     Ok(Ready {
         engine,

@@ -5,6 +5,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod plan;
 pub mod quant;
 pub mod reference;
 

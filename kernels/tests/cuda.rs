@@ -272,15 +272,24 @@ fn row_and_elementwise_ops_match_the_cpu() {
     assert_eq!(g.download(&dx).unwrap(), want, "axpy");
     let bias = rng.vec(100, 1.0);
     let mut dx = g.upload(&gate).unwrap();
-    g.add_bias(&mut dx, &g.upload(&bias).unwrap(), m / 100).unwrap();
-    let want: Vec<f32> = gate.iter().enumerate().map(|(i, a)| a + bias[i % 100]).collect();
+    g.add_bias(&mut dx, &g.upload(&bias).unwrap(), m / 100)
+        .unwrap();
+    let want: Vec<f32> = gate
+        .iter()
+        .enumerate()
+        .map(|(i, a)| a + bias[i % 100])
+        .collect();
     assert_eq!(g.download(&dx).unwrap(), want, "add_bias");
     // Gathered rows are copies; a view of a buffer works in place of the buffer.
     let idx = [7u32, 0, 99, 7];
     let mut rows_out = g.zeros::<f32>(4 * 100).unwrap();
     let di = g.upload(&idx).unwrap();
-    g.gather_rows(&dg.slice(..), &di, 4, 100, &mut rows_out).unwrap();
-    let want: Vec<f32> = idx.iter().flat_map(|&r| gate[r as usize * 100..][..100].to_vec()).collect();
+    g.gather_rows(&dg.slice(..), &di, 4, 100, &mut rows_out)
+        .unwrap();
+    let want: Vec<f32> = idx
+        .iter()
+        .flat_map(|&r| gate[r as usize * 100..][..100].to_vec())
+        .collect();
     assert_eq!(g.download(&rows_out).unwrap(), want, "gather_rows");
     // Block-diagonal products (OFT's rotations, LoRA's B) against f64 sums.
     let (bn, nb, bk, bm) = (5, 3, 32, 16);
@@ -290,7 +299,8 @@ fn row_and_elementwise_ops_match_the_cpu() {
     reference::block_matmul(&bx, &mats, nb, bk, bm, &mut want);
     let mut dout = g.zeros::<f32>(bn * nb * bm).unwrap();
     let (dbx, dm) = (g.upload(&bx).unwrap(), g.upload(&mats).unwrap());
-    g.block_matmul(&dbx, &dm, bn, nb, bk, bm, &mut dout).unwrap();
+    g.block_matmul(&dbx, &dm, bn, nb, bk, bm, &mut dout)
+        .unwrap();
     close(&g.download(&dout).unwrap(), &want, |_| 1e-5 * bk as f32)
         .unwrap_or_else(|e| panic!("block_matmul: {e}"));
 

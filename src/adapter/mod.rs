@@ -458,6 +458,9 @@ impl AdapterLayout {
 /// One immutable set of adapter values, in the form the forward pass reads.
 #[derive(Debug)]
 pub struct AdapterWeights {
+    /// Unique in this process: what a backend's copy of these values is keyed by (a GPU keeps
+    /// the versions it serves; an address could be reused by a later version).
+    uid: u64,
     pub layout: Arc<AdapterLayout>,
     /// The trainable f32 parameters (PEFT shapes, flat; see `AdapterLayout`).
     pub params: Vec<f32>,
@@ -515,7 +518,9 @@ impl AdapterWeights {
                 }
             }
         }
+        static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(AdapterWeights {
+            uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             layout,
             params,
             derived,
@@ -537,6 +542,11 @@ impl AdapterWeights {
             }
         }
         AdapterWeights::new(layout, params).expect("zeros and small uniforms are finite")
+    }
+
+    /// This set of values' identity in this process (`uid`).
+    pub fn uid(&self) -> u64 {
+        self.uid
     }
 
     pub fn tensor(&self, t: &TensorSlot) -> &[f32] {

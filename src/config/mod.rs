@@ -79,6 +79,7 @@ pub struct RawEngine {
     pub kv_cache_dtype: Option<String>,
     pub block_size: Option<usize>,
     pub enable_prefix_caching: Option<bool>,
+    pub device: Option<String>,
 }
 
 /// Flags given on the command line (`flywheel serve`'s): they win over the file.
@@ -150,6 +151,11 @@ pub struct CliOverrides {
     /// engine.kv_cache_dtype.
     #[arg(long)]
     pub kv_cache_dtype: Option<String>,
+    /// Where the model runs: cpu, cuda (an NVIDIA GPU; builds with --features cuda) or auto (the
+    /// GPU where the build has CUDA and one is usable and no adapter learns, else the CPU; the
+    /// start-up log says which and why). Overrides engine.device.
+    #[arg(long, env = "FLYWHEEL_DEVICE")]
+    pub device: Option<String>,
 }
 
 /// `--adapter NAME=PATH`.
@@ -216,6 +222,8 @@ pub struct Config {
     pub max_num_batched_tokens: usize,
     /// What K and V are stored as (f16 by default: half the memory of f32, train = serve kept).
     pub kv_dtype: KvDtype,
+    /// Where the forwards run (engine.device: cpu, cuda or auto).
+    pub device: crate::engine::device::DeviceChoice,
     pub kv_cache_bytes: usize,
     pub block_size: usize,
     pub enable_prefix_caching: bool,
@@ -359,6 +367,10 @@ impl RawConfig {
             kv_dtype: match cli.kv_cache_dtype.clone().or(e.kv_cache_dtype) {
                 None => KvDtype::F16,
                 Some(d) => d.parse().map_err(|e| invalid("engine.kv_cache_dtype", e))?,
+            },
+            device: match cli.device.clone().or(e.device) {
+                None => Default::default(),
+                Some(d) => d.parse().map_err(|e| invalid("engine.device", e))?,
             },
             block_size: e.block_size.unwrap_or(16),
             enable_prefix_caching: e.enable_prefix_caching.unwrap_or(true),

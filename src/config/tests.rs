@@ -14,6 +14,14 @@ fn the_example_file_parses_and_cli_flags_win() {
     assert_eq!(c.port, 9999);
     assert_eq!(c.block_size, 16);
     assert_eq!(c.api_key, None);
+    assert_eq!(c.device, crate::engine::device::DeviceChoice::Auto);
+    let cli = CliOverrides {
+        device: Some("cpu".into()),
+        ..Default::default()
+    };
+    let raw = RawConfig::from_toml(text).unwrap();
+    let c = raw.validate(&cli).unwrap();
+    assert_eq!(c.device, crate::engine::device::DeviceChoice::Cpu);
 }
 
 #[test]
@@ -23,6 +31,9 @@ fn typos_and_bad_values_are_rejected_by_name() {
     let raw = RawConfig::from_toml("[engine]\nblock_size = 12\n").unwrap();
     let e = raw.validate(&CliOverrides::default()).unwrap_err();
     assert!(e.to_string().contains("engine.block_size"), "{e}");
+    let raw = RawConfig::from_toml("[engine]\ndevice = \"gpu\"\n").unwrap();
+    let e = raw.validate(&CliOverrides::default()).unwrap_err();
+    assert!(e.to_string().contains("engine.device"), "{e}");
     let raw = RawConfig::from_toml("[model]\nprecision = \"fp8\"\n").unwrap();
     let e = raw.validate(&CliOverrides::default()).unwrap_err();
     assert!(e.to_string().contains("model.precision"), "{e}");

@@ -4,6 +4,7 @@
 
 pub mod block_manager;
 pub mod constraint;
+pub mod device;
 pub mod grammar_bounds;
 mod handle;
 pub mod output;
@@ -52,7 +53,7 @@ pub struct Engine {
     /// Shared with whoever else runs forwards on the same weights (the trainer, later): the pool
     /// serializes parallel regions, so each product keeps the cores for its own duration only.
     cpu: Arc<Cpu>,
-    cache: KvCache,
+    backend: Backend,
     bufs: ForwardBuffers,
     sched: Scheduler,
     outputs: HashMap<SeqId, SeqOutput>,
@@ -62,11 +63,15 @@ pub struct Engine {
     last_prefix: (u64, u64),
 }
 
+/// Where the forwards run and the KV cache lives.
+enum Backend {
+    Cpu(KvCache),
+    #[cfg(feature = "cuda")]
+    Gpu(Box<crate::model::llama::GpuLlama>),
+}
+
 impl Engine {
-    /// Start the engine thread and return once it is ready to step: its KV cache allocated and
-    /// every page of it touched (readiness means ready: before, /health said ready with 40 MB of a
-    /// 768 MB cache touched). It
-    /// stops when every handle is dropped and no work is left.
+    /// `start_on` the CPU.
     pub fn start(
         model: Arc<Llama>,
         tokenizer: Arc<Tokenizer>,
@@ -74,8 +79,23 @@ impl Engine {
         cfg: EngineConfig,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+        Engine::start_on(model, tokenizer, cpu, cfg, metrics, device::Device::Cpu)
+    }
+
+    /// Start the engine thread and return once it is ready to step: its KV cache allocated and
+    /// every page of it touched (readiness means ready: before, /health said ready with 40 MB of a
+    /// 768 MB cache touched). It
+    /// stops when every handle is dropped and no work is left.
+    pub fn start_on(
+        model: Arc<Llama>,
+        tokenizer: Arc<Tokenizer>,
+        cpu: Arc<Cpu>,
+        cfg: EngineConfig,
+        metrics: Arc<Metrics>,
+        device: device::Device,
+    ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
         let (tx, inbox) = mpsc::channel();
-        let (ready_tx, ready_rx) = mpsc::sync_channel::<()>(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), String>>(1);
         let alive = Arc::new(AtomicBool::new(true));
         let handle = EngineHandle {
             tx,
@@ -91,14 +111,13 @@ impl Engine {
             .stack_size(grammar_bounds::COMPILE_STACK)
             .spawn(move || {
                 let _guard = AliveGuard(alive);
-                let c = &model.config;
-                let cache = KvCache::with_dtype(
-                    c.num_layers,
-                    c.kv_dim(),
-                    cfg.block_size,
-                    cfg.num_kv_blocks,
-                    model.kv_dtype,
-                );
+                let backend = match Engine::backend(&model, &cfg, device) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
                 let blocks =
                     BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
                 metrics.kv_blocks_total.set(cfg.num_kv_blocks as i64);
@@ -113,7 +132,7 @@ impl Engine {
                     model,
                     tokenizer,
                     cpu,
-                    cache,
+                    backend,
                     bufs: ForwardBuffers::default(),
                     sched,
                     outputs: HashMap::new(),
@@ -122,14 +141,61 @@ impl Engine {
                     inbox,
                     last_prefix: (0, 0),
                 };
-                let _ = ready_tx.send(());
+                let _ = ready_tx.send(Ok(()));
                 engine.run();
             })?;
-        // Err: the thread ended before it was ready (it panicked allocating its cache).
-        ready_rx.recv().map_err(|_| {
-            std::io::Error::other("the engine stopped before it was ready (see the log)")
-        })?;
-        Ok((handle, join))
+        // Err: the thread ended before it was ready (it panicked allocating its cache, or the
+        // GPU refused the model).
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok((handle, join)),
+            Ok(Err(e)) => Err(std::io::Error::other(e)),
+            Err(_) => Err(std::io::Error::other(
+                "the engine stopped before it was ready (see the log)",
+            )),
+        }
+    }
+
+    /// The KV cache (and, on a GPU, the model's copy there) on `device`.
+    fn backend(
+        model: &Llama,
+        cfg: &EngineConfig,
+        device: device::Device,
+    ) -> Result<Backend, String> {
+        let c = &model.config;
+        match device {
+            device::Device::Cpu => Ok(Backend::Cpu(KvCache::with_dtype(
+                c.num_layers,
+                c.kv_dim(),
+                cfg.block_size,
+                cfg.num_kv_blocks,
+                model.kv_dtype,
+            ))),
+            #[cfg(feature = "cuda")]
+            device::Device::Cuda(gpu) => {
+                let shape = crate::model::llama::GpuShape {
+                    num_kv_blocks: cfg.num_kv_blocks,
+                    block_size: cfg.block_size,
+                    max_tokens: cfg.max_num_batched_tokens,
+                    max_seqs: cfg.max_num_seqs,
+                    max_model_len: c.context_length,
+                    graphs: std::env::var("FLYWHEEL_CUDA_GRAPHS").as_deref() != Ok("0"),
+                };
+                let g = crate::model::llama::GpuLlama::new(gpu, model, shape)
+                    .map_err(|e| format!("the CUDA engine: {e}"))?;
+                tracing::info!(
+                    "device: cuda, {} ({} KV blocks of {}, decode graphs {})",
+                    g.describe(),
+                    cfg.num_kv_blocks,
+                    cfg.block_size,
+                    if shape.graphs {
+                        "on"
+                    } else {
+                        "off (FLYWHEEL_CUDA_GRAPHS=0)"
+                    }
+                );
+                Ok(Backend::Gpu(Box::new(g)))
+            }
+        }
     }
 
     fn run(&mut self) {
@@ -304,7 +370,8 @@ impl Engine {
                 o.constraint.take().map(|k| (c.seq, ends, k))
             })
             .collect();
-        let (model, cpu, cache, bufs) = (&self.model, &*self.cpu, &mut self.cache, &mut self.bufs);
+        let (model, cpu, backend, bufs) =
+            (&self.model, &*self.cpu, &mut self.backend, &mut self.bufs);
         let (result, ahead) = std::thread::scope(|scope| {
             let masks = (!ahead.is_empty()).then(|| {
                 let t = std::thread::Builder::new().stack_size(grammar_bounds::COMPILE_STACK);
@@ -323,8 +390,10 @@ impl Engine {
                 })
                 .expect("spawn the grammar mask thread")
             });
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                model.forward_into(cpu, cache, &batch, bufs)
+            let result = std::panic::catch_unwind(AssertUnwindSafe(|| match backend {
+                Backend::Cpu(cache) => model.forward_into(cpu, cache, &batch, bufs),
+                #[cfg(feature = "cuda")]
+                Backend::Gpu(g) => g.forward_into(model, &batch, bufs),
             }));
             // The thread catches its panics, so joining it does not fail.
             let ahead = masks.and_then(|h| h.join().ok()).unwrap_or_default();

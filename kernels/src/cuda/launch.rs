@@ -38,7 +38,9 @@ fn rows(n: usize, threads: u32) -> LaunchConfig {
 }
 
 fn len_at_least<T>(s: &impl DeviceSlice<T>, n: usize, what: &str) -> Result<()> {
-    check(s.len() >= n, || format!("{what}: {} values, {n} needed", s.len()))
+    check(s.len() >= n, || {
+        format!("{what}: {} values, {n} needed", s.len())
+    })
 }
 
 /// The per-token metadata of a packed batch on the GPU (`FwTokens`): each token's position and
@@ -134,14 +136,17 @@ impl Gpu {
                     s.block_table.len()
                 )
             })?;
-            check(s.block_table.iter().all(|&b| (b as usize) < n_blocks), || {
-                format!("a block table names a block past the cache's {n_blocks}")
-            })?;
+            check(
+                s.block_table.iter().all(|&b| (b as usize) < n_blocks),
+                || format!("a block table names a block past the cache's {n_blocks}"),
+            )?;
             let at = i32::try_from(tables.len()).map_err(|_| GpuError("block tables".into()))?;
             tables.extend_from_slice(s.block_table);
             for i in 0..s.q_len {
                 let row = s.q_start + i;
-                check(table_at[row] < 0, || format!("token {row} in two sequences"))?;
+                check(table_at[row] < 0, || {
+                    format!("token {row} in two sequences")
+                })?;
                 table_at[row] = at;
                 pos[row] = (s.first_pos + i) as i32;
             }
@@ -208,13 +213,17 @@ impl Gpu {
         }
         let f = self.function(&format!("fw_matmul_{}", type_name(ty)))?;
         let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(MM_WARPS) as u32, n.div_ceil(MM_TOKENS) as u32, 1),
+            grid_dim: (
+                rows.div_ceil(MM_WARPS) as u32,
+                n.div_ceil(MM_TOKENS) as u32,
+                1,
+            ),
             block_dim: ((MM_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let (wp, xp, yp) = (self.ptr(w), self.ptr(x), self.ptr_mut(y));
         let (r, c, rb, n) = (rows as i32, cols as i32, row_bytes as i64, n as i32);
-        self.launch(&f, cfg, &[&wp, &r, &c, &rb, &xp, &n, &yp])
+        self.launch(f, cfg, &[&wp, &r, &c, &rb, &xp, &n, &yp])
     }
 
     /// out (n, cols) = the table's rows tokens[0..n], dequantized (the CPU's values exactly).
@@ -234,7 +243,7 @@ impl Gpu {
         let f = self.function(&format!("fw_embed_{}", type_name(table.ty)))?;
         let (tp, wp, op) = (self.ptr(tokens), self.ptr(&table.data), self.ptr_mut(out));
         let (rb, cols) = (table.row_bytes as i64, table.cols as i32);
-        self.launch(&f, rows(n, 128), &[&wp, &rb, &tp, &cols, &op])
+        self.launch(f, rows(n, 128), &[&wp, &rb, &tp, &cols, &op])
     }
 
     /// `embed` from host token ids, each checked against the table's rows.
@@ -294,7 +303,7 @@ impl Gpu {
         }
         let f = self.function("fw_rmsnorm")?;
         let (wp, d) = (self.ptr(weight), weight.len() as i32);
-        self.launch(&f, rows(n, ROW_THREADS), &[&x, &wp, &eps, &d, &out])
+        self.launch(f, rows(n, ROW_THREADS), &[&x, &wp, &eps, &d, &out])
     }
 
     /// RoPE in place on n rows of n_heads·head_dim by a table of `ops::rope_table`.
@@ -322,7 +331,11 @@ impl Gpu {
         let (xp, tp) = (self.ptr_mut(x), self.ptr(table));
         let (ni, nh, hd, rd) = (n as i32, n_heads as i32, head_dim as i32, rope_dim as i32);
         let neox = (layout == RopeLayout::Neox) as i32;
-        self.launch(&f, grid1(work, ROW_THREADS), &[&xp, &tp, &ni, &nh, &hd, &rd, &neox])
+        self.launch(
+            f,
+            grid1(work, ROW_THREADS),
+            &[&xp, &tp, &ni, &nh, &hd, &rd, &neox],
+        )
     }
 
     fn gated(
@@ -341,7 +354,7 @@ impl Gpu {
         }
         let f = self.function(name)?;
         let (gp, up, op, n64) = (self.ptr(gate), self.ptr(up), self.ptr_mut(out), n as i64);
-        self.launch(&f, grid1(n, ROW_THREADS), &[&gp, &up, &n64, &op])
+        self.launch(f, grid1(n, ROW_THREADS), &[&gp, &up, &n64, &op])
     }
 
     /// out = silu(gate) · up over n values.
@@ -380,7 +393,7 @@ impl Gpu {
         }
         let f = self.function("fw_residual_add")?;
         let (xp, yp, n64) = (self.ptr_mut(x), self.ptr(y), n as i64);
-        self.launch(&f, grid1(n, ROW_THREADS), &[&xp, &yp, &n64])
+        self.launch(f, grid1(n, ROW_THREADS), &[&xp, &yp, &n64])
     }
 
     /// y += s · d over n values.
@@ -398,7 +411,7 @@ impl Gpu {
         }
         let f = self.function("fw_axpy")?;
         let (yp, dp, n64) = (self.ptr_mut(y), self.ptr(d), n as i64);
-        self.launch(&f, grid1(n, ROW_THREADS), &[&yp, &dp, &s, &n64])
+        self.launch(f, grid1(n, ROW_THREADS), &[&yp, &dp, &s, &n64])
     }
 
     /// x *= s over n values.
@@ -409,7 +422,7 @@ impl Gpu {
         }
         let f = self.function("fw_scale")?;
         let (xp, n64) = (self.ptr_mut(x), n as i64);
-        self.launch(&f, grid1(n, ROW_THREADS), &[&xp, &s, &n64])
+        self.launch(f, grid1(n, ROW_THREADS), &[&xp, &s, &n64])
     }
 
     /// Each of `rows` rows of y plus the bias b.
@@ -426,7 +439,7 @@ impl Gpu {
         }
         let f = self.function("fw_add_bias")?;
         let (yp, bp, n64, di) = (self.ptr_mut(y), self.ptr(b), (rows * d) as i64, d as i32);
-        self.launch(&f, grid1(rows * d, ROW_THREADS), &[&yp, &bp, &n64, &di])
+        self.launch(f, grid1(rows * d, ROW_THREADS), &[&yp, &bp, &n64, &di])
     }
 
     /// out (m, d) = rows idx[0..m] of x (rows of d); the indices are the caller's to check.
@@ -446,7 +459,7 @@ impl Gpu {
         let f = self.function("fw_gather_rows")?;
         let (xp, ip, op) = (self.ptr(x), self.ptr(idx), self.ptr_mut(out));
         let (mi, di) = (m as i32, d as i32);
-        self.launch(&f, grid1(m * d, ROW_THREADS), &[&xp, &ip, &mi, &di, &op])
+        self.launch(f, grid1(m * d, ROW_THREADS), &[&xp, &ip, &mi, &di, &op])
     }
 
     /// out[t][q·m + j] = Σ_i x[t][q·k + i] · mats[q][i][j] for n rows (`Cpu::block_matmul`).
@@ -470,7 +483,11 @@ impl Gpu {
         let f = self.function("fw_block_matmul")?;
         let (xp, mp, op) = (self.ptr(x), self.ptr(mats), self.ptr_mut(out));
         let (ni, nbi, ki, mi) = (n as i32, nb as i32, k as i32, m as i32);
-        self.launch(&f, grid1(n * nb * m, ROW_THREADS), &[&xp, &mp, &ni, &nbi, &ki, &mi, &op])
+        self.launch(
+            f,
+            grid1(n * nb * m, ROW_THREADS),
+            &[&xp, &mp, &ni, &nbi, &ki, &mi, &op],
+        )
     }
 
     fn cache_fits<E>(
@@ -581,7 +598,7 @@ impl Gpu {
         }
         let f = self.function("fw_log_softmax")?;
         let (xp, v, inv) = (self.ptr_mut(x), vocab as i32, 1.0 / temperature);
-        self.launch(&f, rows(n, ROW_THREADS), &[&xp, &v, &inv])
+        self.launch(f, rows(n, ROW_THREADS), &[&xp, &v, &inv])
     }
 
     /// out[r] = the index of row r's largest value (the first of equals).
@@ -599,7 +616,7 @@ impl Gpu {
         }
         let f = self.function("fw_argmax")?;
         let (xp, v, op) = (self.ptr(x), vocab as i32, self.ptr_mut(out));
-        self.launch(&f, rows(n, ROW_THREADS), &[&xp, &v, &op])
+        self.launch(f, rows(n, ROW_THREADS), &[&xp, &v, &op])
     }
 }
 

@@ -12,9 +12,11 @@ pub use launch::{Tokens, ATT_MAX_HEAD_DIM};
 
 use crate::quant::QuantType;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// The device buffers and graphs the ops take, for callers without cudarc of their own.
+pub use cudarc::driver::sys;
 pub use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 /// The kernels for sm_80 and sm_90, as nvcc wrote them.
@@ -146,7 +148,9 @@ impl DeviceMatrix {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
+    _module: Arc<CudaModule>,
+    /// Every kernel of `KERNELS`, looked up once (a lookup inside a graph capture is avoided).
+    functions: HashMap<&'static str, CudaFunction>,
     name: String,
     capability: (i32, i32),
     memory: usize,
@@ -180,16 +184,25 @@ impl Gpu {
         // events would be captured into CUDA graphs.
         // SAFETY: set before any slice of this context exists.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy NULL stream cannot be captured into a graph.
+        let stream = ctx.new_stream()?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
             .map_err(|e| GpuError(format!("loading the kernels: {e}")))?;
+        let mut functions = HashMap::new();
+        for name in KERNELS {
+            let f = module
+                .load_function(name)
+                .map_err(|e| GpuError(format!("kernel {name}: {e}")))?;
+            functions.insert(*name, f);
+        }
         Ok(Gpu {
             name: ctx.name()?,
             memory: ctx.total_mem()?,
             ctx,
             stream,
-            module,
+            _module: module,
+            functions,
             capability,
         })
     }
@@ -213,10 +226,10 @@ impl Gpu {
         &self.ctx
     }
 
-    fn function(&self, name: &str) -> Result<CudaFunction> {
-        self.module
-            .load_function(name)
-            .map_err(|e| GpuError(format!("kernel {name}: {e}")))
+    fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| GpuError(format!("no kernel {name}")))
     }
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
@@ -234,6 +247,39 @@ impl Gpu {
 
     pub fn download<T: DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
         Ok(self.stream.clone_dtoh(dev)?)
+    }
+
+    /// host = the first host.len() values of `dev`, after everything queued before.
+    pub fn read_into<T: DeviceRepr>(&self, dev: &impl DevicePtr<T>, host: &mut [T]) -> Result<()> {
+        check(dev.len() >= host.len(), || {
+            format!("reading {} values from {}", host.len(), dev.len())
+        })?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_dtoh(dev, host)?;
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// dst[..n] = src[..n] on the device.
+    pub fn copy<T: DeviceRepr>(
+        &self,
+        src: &impl DevicePtr<T>,
+        dst: &mut impl DevicePtrMut<T>,
+        n: usize,
+    ) -> Result<()> {
+        check(src.len() >= n && dst.len() >= n, || {
+            format!("copying {n} values from {} into {}", src.len(), dst.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (s, _) = src.device_ptr(&self.stream);
+        let (d, _) = dst.device_ptr_mut(&self.stream);
+        let bytes = n * std::mem::size_of::<T>();
+        // SAFETY: both ranges checked above; the stream orders the copy after earlier writes.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, bytes, self.stream.cu_stream()) }?;
+        Ok(())
     }
 
     pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(

@@ -166,7 +166,7 @@ impl Llama {
         let mut hidden_rows = Vec::new();
         let mut attn = Vec::with_capacity(batch.len());
         for s in batch {
-            self.check_seq(s, cache)?;
+            self.check_seq(s, cache.block_size)?;
             let start = tokens.len();
             match s.logits {
                 Logits::None => {}
@@ -469,7 +469,8 @@ impl Llama {
         a
     }
 
-    fn check_seq(&self, s: &BatchSeq, cache: &KvCache) -> Result<(), ModelError> {
+    /// A sequence the forward can run over a cache of blocks of `block_size` positions.
+    pub(super) fn check_seq(&self, s: &BatchSeq, block_size: usize) -> Result<(), ModelError> {
         let c = &self.config;
         if s.tokens.is_empty() {
             return Err(ModelError::Batch("a sequence has no tokens".into()));
@@ -481,10 +482,10 @@ impl Llama {
                 c.context_length
             )));
         }
-        if s.block_table.len() * cache.block_size < end {
+        if s.block_table.len() * block_size < end {
             return Err(ModelError::Batch(format!(
                 "block table covers {} positions, need {end}",
-                s.block_table.len() * cache.block_size
+                s.block_table.len() * block_size
             )));
         }
         if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {

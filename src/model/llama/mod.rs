@@ -6,11 +6,15 @@
 mod activations;
 mod buffers;
 mod forward;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod moe;
 mod train;
 
 pub use buffers::{AdapterScratch, ForwardBuffers};
 pub use forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Projection};
+#[cfg(feature = "cuda")]
+pub use gpu::{GpuLlama, GpuShape};
 pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, HEAD_CHUNK, TRAIN_BLOCK};
 
 use super::gguf::{Gguf, GgufError, TensorInfo, WeightMemory};
@@ -28,6 +32,8 @@ pub enum ModelError {
     Shape { name: String, msg: String },
     #[error("batch: {0}")]
     Batch(String),
+    #[error("GPU: {0}")]
+    Gpu(String),
 }
 
 #[derive(Clone, Debug, serde::Serialize)]

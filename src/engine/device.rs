@@ -1,0 +1,125 @@
+//! Where the engine runs its forwards: the CPU (always), or a CUDA GPU (builds with the `cuda`
+//! feature, on a machine with an NVIDIA driver and a GPU of sm_80 or later). `--device auto`
+//! picks the GPU where one is usable and says at start-up why not otherwise.
+
+/// What `--device` / `engine.device` asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The GPU where this build has CUDA and a GPU is usable, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DeviceChoice, String> {
+        match s {
+            "auto" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" => Ok(DeviceChoice::Cuda),
+            _ => Err(format!("'{s}': expected cpu, cuda or auto")),
+        }
+    }
+}
+
+/// Where the engine runs, decided.
+pub enum Device {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(flywheel_kernels::cuda::Gpu),
+}
+
+impl Device {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => "cuda",
+        }
+    }
+}
+
+/// The GPU, or why this build or this machine has none usable.
+fn open_gpu() -> Result<Device, String> {
+    #[cfg(feature = "cuda")]
+    {
+        flywheel_kernels::cuda::Gpu::open(0)
+            .map(Device::Cuda)
+            .map_err(|e| e.to_string())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err("this build has no CUDA engine (build with `--features cuda`)".into())
+    }
+}
+
+/// The device for `choice`; `cpu_reason` is why the CPU should serve even where a GPU is usable
+/// (auto only; e.g. learning, whose trainer runs on the CPU). The line saying what was chosen
+/// and why goes to the log; an explicit `cuda` that cannot be honoured is an error.
+pub fn select(choice: DeviceChoice, cpu_reason: Option<&str>) -> Result<Device, String> {
+    match choice {
+        DeviceChoice::Cpu => {
+            tracing::info!("device: cpu (--device cpu)");
+            Ok(Device::Cpu)
+        }
+        DeviceChoice::Cuda => {
+            let d = open_gpu().map_err(|why| format!("--device cuda: {why}"))?;
+            if let Some(r) = cpu_reason {
+                tracing::warn!("device: cuda although {r}");
+            }
+            Ok(d)
+        }
+        DeviceChoice::Auto => match (open_gpu(), cpu_reason) {
+            (Ok(_), Some(r)) => {
+                tracing::info!("device: cpu (auto: {r}; --device cuda to serve on the GPU)");
+                Ok(Device::Cpu)
+            }
+            (Ok(d), None) => Ok(d),
+            (Err(why), _) => {
+                tracing::info!("device: cpu (auto: {why})");
+                Ok(Device::Cpu)
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choices_parse_and_the_cpu_is_always_there() {
+        for (s, c) in [
+            ("auto", DeviceChoice::Auto),
+            ("cpu", DeviceChoice::Cpu),
+            ("cuda", DeviceChoice::Cuda),
+        ] {
+            assert_eq!(s.parse::<DeviceChoice>().unwrap(), c);
+        }
+        assert!("gpu"
+            .parse::<DeviceChoice>()
+            .unwrap_err()
+            .contains("cpu, cuda or auto"));
+        assert_eq!(select(DeviceChoice::Cpu, None).unwrap().name(), "cpu");
+        // Learning keeps auto on the CPU whatever the machine has.
+        assert_eq!(
+            select(DeviceChoice::Auto, Some("learning")).unwrap().name(),
+            "cpu"
+        );
+    }
+
+    /// Without a usable GPU (no CUDA in this build, or none on this machine): auto serves on the
+    /// CPU and an explicit cuda is an error saying why.
+    #[test]
+    fn without_a_gpu_auto_is_the_cpu_and_cuda_is_refused() {
+        if open_gpu().is_ok() {
+            eprintln!("skipped: this machine has a usable GPU");
+            return;
+        }
+        assert_eq!(select(DeviceChoice::Auto, None).unwrap().name(), "cpu");
+        let err = select(DeviceChoice::Cuda, None).err().unwrap();
+        assert!(err.starts_with("--device cuda: "), "{err}");
+    }
+}

@@ -1,0 +1,702 @@
+//! The forward pass on a CUDA GPU (feature `cuda`). `GpuLlama` holds the base's weights on the
+//! GPU as stored (GGUF blocks, one copy there, never dequantized as a whole), the KV cache (the
+//! block manager's blocks in the CPU's layout, plus one scratch block that graph padding writes
+//! into), the activations, the adapter versions in use, and one CUDA graph per decode bucket.
+//!
+//! `forward_into` keeps `Llama::forward_into`'s contract: the same batch in, the wanted logits
+//! (and hidden rows) in `ForwardBuffers` on the host, for the engine's sampler. The steps are the
+//! CPU forward's (`forward.rs`) in its order; each kernel has its CPU twin (kernels/tests/cuda.rs).
+//!
+//! Decode steps (every sequence one token, wanting its next-token logits, no adapter) replay a
+//! graph captured once per batch bucket (`plan::graph_bucket`), the batch padded with rows that
+//! read and write only the scratch block. The graph reads each step's tokens, positions, RoPE
+//! table and block tables from buffers whose addresses never change; weights never change, so a
+//! publish never invalidates a graph. Steps with adapters launch eagerly (their groups vary).
+//! Mixture-of-experts layers stay on the CPU for now (`GpuLlama::new` refuses them).
+
+use super::forward::{adapter_groups, AdapterGroup, BatchSeq, Logits};
+use super::{Activation, ForwardBuffers, Llama, Mlp, ModelError, Weight};
+use crate::adapter::{Method, Target};
+use crate::model::kv_cache::KvDtype;
+use flywheel_kernels::cuda::{
+    CudaGraph, CudaSlice, DeviceMatrix, Gpu, GpuError, GpuKv, Tokens, ATT_MAX_HEAD_DIM,
+};
+use flywheel_kernels::plan::{graph_bucket, GRAPH_MAX_BATCH};
+use flywheel_kernels::reference::AttnSeq;
+use flywheel_kernels::QuantType;
+use std::collections::HashMap;
+use std::ops::Range;
+
+impl From<GpuError> for ModelError {
+    fn from(e: GpuError) -> ModelError {
+        ModelError::Gpu(e.0)
+    }
+}
+
+/// Rows of logits the LM head computes per pass (prompt scoring asks for every row's).
+const HEAD_ROWS: usize = 256;
+/// Adapter versions kept on the GPU beyond those the current step uses.
+const ADAPTERS_KEPT: usize = 8;
+
+struct GpuLayer {
+    attn_norm: CudaSlice<f32>,
+    wq: DeviceMatrix,
+    wk: DeviceMatrix,
+    wv: DeviceMatrix,
+    bq: Option<CudaSlice<f32>>,
+    bk: Option<CudaSlice<f32>>,
+    bv: Option<CudaSlice<f32>>,
+    q_norm: Option<CudaSlice<f32>>,
+    k_norm: Option<CudaSlice<f32>>,
+    wo: DeviceMatrix,
+    post_attn_norm: Option<CudaSlice<f32>>,
+    ffn_norm: CudaSlice<f32>,
+    w_gate: DeviceMatrix,
+    w_up: DeviceMatrix,
+    w_down: DeviceMatrix,
+    post_ffn_norm: Option<CudaSlice<f32>>,
+}
+
+/// Each layer's K and V blocks.
+enum Cache {
+    F32(Vec<(CudaSlice<f32>, CudaSlice<f32>)>),
+    F16(Vec<(CudaSlice<u16>, CudaSlice<u16>)>),
+}
+
+/// The activations, sized once for the most tokens a step holds (fixed addresses: graphs).
+struct Acts {
+    tokens: CudaSlice<u32>,
+    rope: CudaSlice<f32>,
+    rope_local: CudaSlice<f32>,
+    /// The rows whose logits (or hidden states) are wanted, per head pass.
+    rows: CudaSlice<u32>,
+    x: CudaSlice<f32>,
+    n: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    att: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    /// A projection's input with an OFT group's rows rotated.
+    rotated: CudaSlice<f32>,
+    lora_h: CudaSlice<f32>,
+    lora_d: CudaSlice<f32>,
+    xs: CudaSlice<f32>,
+    normed: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+}
+
+/// An adapter version on the GPU: its derived tensors (OFT's rotations, LoRA's Bᵀ) and, for
+/// LoRA, its parameters as bytes (A is read as an f32 matrix).
+struct GpuAdapter {
+    derived: CudaSlice<f32>,
+    params: Option<CudaSlice<u8>>,
+    last_step: u64,
+}
+
+pub struct GpuLlama {
+    gpu: Gpu,
+    layers: Vec<GpuLayer>,
+    embd: DeviceMatrix,
+    /// None: the LM head is the embedding (tied).
+    output: Option<DeviceMatrix>,
+    output_norm: CudaSlice<f32>,
+    cache: Cache,
+    block_size: usize,
+    /// The block padding rows write into: the one past the block manager's.
+    scratch_block: u32,
+    max_tokens: usize,
+    acts: Acts,
+    meta: Tokens,
+    graphs: HashMap<usize, CudaGraph>,
+    use_graphs: bool,
+    adapters: HashMap<u64, GpuAdapter>,
+    step: u64,
+}
+
+/// What `GpuLlama::new` sizes its buffers for.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuShape {
+    pub num_kv_blocks: usize,
+    pub block_size: usize,
+    /// The most tokens one step runs (the scheduler's `max_num_batched_tokens`).
+    pub max_tokens: usize,
+    /// The most sequences one step runs.
+    pub max_seqs: usize,
+    /// The longest sequence (positions).
+    pub max_model_len: usize,
+    /// Decode through CUDA graphs (else every step launches eagerly).
+    pub graphs: bool,
+}
+
+impl GpuLlama {
+    /// Copy `model`'s weights to `gpu` and allocate its cache and activations; an error naming
+    /// what the GPU path does not run yet (mixture of experts; heads over 256) or what does not
+    /// fit.
+    pub fn new(gpu: Gpu, model: &Llama, shape: GpuShape) -> Result<GpuLlama, ModelError> {
+        let c = &model.config;
+        if c.moe.is_some() {
+            return Err(ModelError::Unsupported(
+                "mixture-of-experts layers do not run on the GPU yet (serve this model with \
+                 --device cpu)"
+                    .into(),
+            ));
+        }
+        if c.head_dim > ATT_MAX_HEAD_DIM {
+            return Err(ModelError::Unsupported(format!(
+                "head_dim {} on the GPU (its attention takes up to {ATT_MAX_HEAD_DIM})",
+                c.head_dim
+            )));
+        }
+        let matrix = |w: &Weight| -> Result<DeviceMatrix, ModelError> {
+            Ok(gpu.matrix(w.ty, w.rows, w.cols, model.bytes(w))?)
+        };
+        let vector = |v: &[f32]| -> Result<CudaSlice<f32>, ModelError> { Ok(gpu.upload(v)?) };
+        let maybe = |v: &Option<Vec<f32>>| -> Result<Option<CudaSlice<f32>>, ModelError> {
+            v.as_deref().map(vector).transpose()
+        };
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for layer in &model.layers {
+            let Mlp::Dense {
+                w_gate,
+                w_up,
+                w_down,
+            } = &layer.mlp
+            else {
+                unreachable!("refused above");
+            };
+            layers.push(GpuLayer {
+                attn_norm: vector(&layer.attn_norm)?,
+                wq: matrix(&layer.wq)?,
+                wk: matrix(&layer.wk)?,
+                wv: matrix(&layer.wv)?,
+                bq: maybe(&layer.bq)?,
+                bk: maybe(&layer.bk)?,
+                bv: maybe(&layer.bv)?,
+                q_norm: maybe(&layer.q_norm)?,
+                k_norm: maybe(&layer.k_norm)?,
+                wo: matrix(&layer.wo)?,
+                post_attn_norm: maybe(&layer.post_attn_norm)?,
+                ffn_norm: vector(&layer.ffn_norm)?,
+                w_gate: matrix(w_gate)?,
+                w_up: matrix(w_up)?,
+                w_down: matrix(w_down)?,
+                post_ffn_norm: maybe(&layer.post_ffn_norm)?,
+            });
+        }
+        let embd = matrix(&model.token_embd)?;
+        let tied = model.output.start == model.token_embd.start;
+        let output = if tied {
+            None
+        } else {
+            Some(matrix(&model.output)?)
+        };
+        let blocks = shape.num_kv_blocks + 1;
+        let per_layer = blocks * shape.block_size * c.kv_dim();
+        let cache = match model.kv_dtype {
+            KvDtype::F32 => Cache::F32(
+                (0..c.num_layers)
+                    .map(|_| Ok((gpu.zeros(per_layer)?, gpu.zeros(per_layer)?)))
+                    .collect::<Result<_, GpuError>>()?,
+            ),
+            KvDtype::F16 => Cache::F16(
+                (0..c.num_layers)
+                    .map(|_| Ok((gpu.zeros(per_layer)?, gpu.zeros(per_layer)?)))
+                    .collect::<Result<_, GpuError>>()?,
+            ),
+        };
+        let t = shape.max_tokens.max(GRAPH_MAX_BATCH);
+        let (h, qd, kvd, f) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        let widest = h.max(qd).max(f);
+        let lora_r = 256; // LoRA ranks up to this run on the GPU (`project` checks)
+        let z = |n: usize| gpu.zeros::<f32>(n);
+        let acts = Acts {
+            tokens: gpu.zeros(t)?,
+            rope: z(t * c.rope_dim)?,
+            rope_local: z(t * c.rope_dim)?,
+            rows: gpu.zeros(t)?,
+            x: z(t * h)?,
+            n: z(t * h)?,
+            q: z(t * qd)?,
+            k: z(t * kvd)?,
+            v: z(t * kvd)?,
+            att: z(t * qd)?,
+            proj: z(t * h)?,
+            gate: z(t * f)?,
+            up: z(t * f)?,
+            act: z(t * f)?,
+            rotated: z(t * widest)?,
+            lora_h: z(t * lora_r)?,
+            lora_d: z(t * widest)?,
+            xs: z(HEAD_ROWS * h)?,
+            normed: z(HEAD_ROWS * h)?,
+            logits: z(HEAD_ROWS * c.vocab_size)?,
+        };
+        let per_seq = shape.max_model_len.div_ceil(shape.block_size);
+        let meta = gpu.tokens_with_capacity(t, shape.max_seqs.max(1) * per_seq + t)?;
+        gpu.synchronize()?;
+        Ok(GpuLlama {
+            layers,
+            embd,
+            output,
+            output_norm: vector(&model.output_norm)?,
+            cache,
+            block_size: shape.block_size,
+            scratch_block: shape.num_kv_blocks as u32,
+            max_tokens: t,
+            acts,
+            meta,
+            graphs: HashMap::new(),
+            use_graphs: shape.graphs,
+            adapters: HashMap::new(),
+            step: 0,
+            gpu,
+        })
+    }
+
+    /// The GPU, for the start-up log.
+    pub fn describe(&self) -> String {
+        self.gpu.describe()
+    }
+
+    /// Decode graphs captured so far (one per batch bucket used).
+    pub fn graphs_captured(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// `Llama::forward_into` on the GPU: the logits (and hidden rows) in `bufs`, on the host.
+    pub fn forward_into(
+        &mut self,
+        model: &Llama,
+        batch: &[BatchSeq],
+        bufs: &mut ForwardBuffers,
+    ) -> Result<(), ModelError> {
+        let c = &model.config;
+        self.step += 1;
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut logit_rows: Vec<u32> = Vec::new();
+        let mut hidden_rows: Vec<u32> = Vec::new();
+        let mut attn = Vec::with_capacity(batch.len());
+        for s in batch {
+            model.check_seq(s, self.block_size)?;
+            let start = tokens.len();
+            let rows = start as u32..(start + s.tokens.len()) as u32;
+            match s.logits {
+                Logits::None => {}
+                Logits::Last => logit_rows.push(rows.end - 1),
+                Logits::All => logit_rows.extend(rows),
+                Logits::Hidden => hidden_rows.extend(rows),
+            }
+            attn.push(AttnSeq {
+                q_start: start,
+                q_len: s.tokens.len(),
+                first_pos: s.first_pos,
+                block_table: s.block_table,
+            });
+            tokens.extend_from_slice(s.tokens);
+            positions.extend((s.first_pos..s.first_pos + s.tokens.len()).map(|p| p as u32));
+        }
+        let t = tokens.len();
+        if t > self.max_tokens {
+            return Err(ModelError::Batch(format!(
+                "{t} tokens in one step; the GPU's buffers hold {}",
+                self.max_tokens
+            )));
+        }
+        let groups = adapter_groups(batch);
+        let decode = batch
+            .iter()
+            .all(|s| s.tokens.len() == 1 && s.logits == Logits::Last && s.adapter.is_none());
+        let bucket = graph_bucket(t).filter(|_| self.use_graphs && decode);
+        // Padding rows up to the bucket: token 0 at position 0 of the scratch block.
+        let n = bucket.unwrap_or(t);
+        let scratch = [self.scratch_block];
+        for row in t..n {
+            tokens.push(0);
+            positions.push(0);
+            attn.push(AttnSeq {
+                q_start: row,
+                q_len: 1,
+                first_pos: 0,
+                block_table: &scratch,
+            });
+            logit_rows.push(row as u32);
+        }
+        self.upload_adapters(&groups)?;
+        let (rope, rope_local) = model.rope_tables(&positions);
+        let g = &self.gpu;
+        g.write(&tokens, &mut self.acts.tokens)?;
+        g.write(&rope, &mut self.acts.rope)?;
+        if !rope_local.is_empty() {
+            g.write(&rope_local, &mut self.acts.rope_local)?;
+        }
+        let n_blocks = self.scratch_block as usize + 1;
+        g.set_tokens(&mut self.meta, &attn, self.block_size, n_blocks)?;
+
+        let vocab = c.vocab_size;
+        if let Some(b) = bucket {
+            // Every row wants its logits: the head runs over the whole bucket inside the graph.
+            self.gpu.write(&logit_rows, &mut self.acts.rows)?;
+            if !self.graphs.contains_key(&b) {
+                let graph = self.capture(model, b)?;
+                self.graphs.insert(b, graph);
+            }
+            self.graphs[&b].launch().map_err(GpuError::from)?;
+            bufs.logits.resize(t * vocab, 0.0);
+            self.gpu
+                .read_into(&self.acts.logits.slice(..t * vocab), &mut bufs.logits)?;
+            return Ok(());
+        }
+        self.body(model, n, &groups)?;
+        // Hidden rows (embeddings), then logits, HEAD_ROWS rows per pass.
+        bufs.hidden.resize(hidden_rows.len() * c.hidden, 0.0);
+        for (i, chunk) in hidden_rows.chunks(HEAD_ROWS).enumerate() {
+            self.final_norm(model, chunk)?;
+            let at = i * HEAD_ROWS * c.hidden;
+            let out = &mut bufs.hidden[at..at + chunk.len() * c.hidden];
+            self.gpu
+                .read_into(&self.acts.normed.slice(..out.len()), out)?;
+        }
+        bufs.logits.resize(logit_rows.len() * vocab, 0.0);
+        for (i, chunk) in logit_rows.chunks(HEAD_ROWS).enumerate() {
+            self.final_norm(model, chunk)?;
+            self.head(chunk.len())?;
+            let at = i * HEAD_ROWS * vocab;
+            let out = &mut bufs.logits[at..at + chunk.len() * vocab];
+            self.gpu
+                .read_into(&self.acts.logits.slice(..out.len()), out)?;
+        }
+        Ok(())
+    }
+
+    /// Capture the decode step of `n` rows (the layers and the head over every row).
+    fn capture(&mut self, model: &Llama, n: usize) -> Result<CudaGraph, ModelError> {
+        let stream = self.gpu.stream().clone();
+        stream
+            .begin_capture(cudarc_mode::THREAD_LOCAL)
+            .map_err(GpuError::from)?;
+        let run = self.body(model, n, &[]).and_then(|()| {
+            self.norm_rows(model, n)?;
+            self.head(n)
+        });
+        // The capture ends whatever happened, so that the stream is usable again.
+        let graph = stream.end_capture(cudarc_mode::INSTANTIATE_DEFAULT);
+        run?;
+        graph
+            .map_err(GpuError::from)?
+            .ok_or_else(|| ModelError::Gpu("the capture made no graph".into()))
+    }
+
+    /// The embedding and every layer over rows 0..n of the step's buffers.
+    fn body(&mut self, model: &Llama, n: usize, groups: &[AdapterGroup]) -> Result<(), ModelError> {
+        let c = &model.config;
+        let (h, kvd, f) = (c.hidden, c.kv_dim(), c.ffn);
+        let GpuLlama {
+            gpu: g,
+            layers,
+            embd,
+            cache,
+            acts: a,
+            meta,
+            adapters,
+            ..
+        } = self;
+        g.embed(embd, &a.tokens, n, &mut a.x)?;
+        if let Some(s) = c.embed_scale {
+            g.scale(&mut a.x, s, n * h)?;
+        }
+        for (l, layer) in layers.iter().enumerate() {
+            let mut proj = Projector {
+                g,
+                adapters,
+                groups,
+                l,
+                rotated: &mut a.rotated,
+                lora_h: &mut a.lora_h,
+                lora_d: &mut a.lora_d,
+            };
+            g.rmsnorm(&a.x, &layer.attn_norm, c.eps, n, &mut a.n)?;
+            proj.run(Target::Q, &layer.wq, &a.n, n, &mut a.q)?;
+            proj.run(Target::K, &layer.wk, &a.n, n, &mut a.k)?;
+            proj.run(Target::V, &layer.wv, &a.n, n, &mut a.v)?;
+            for (y, b) in [
+                (&mut a.q, &layer.bq),
+                (&mut a.k, &layer.bk),
+                (&mut a.v, &layer.bv),
+            ] {
+                if let Some(b) = b {
+                    g.add_bias(y, b, n)?;
+                }
+            }
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                g.rmsnorm_in_place(&mut a.q, qn, c.eps, n * c.num_heads)?;
+                g.rmsnorm_in_place(&mut a.k, kn, c.eps, n * c.num_kv_heads)?;
+            }
+            let rope = match c.window(l) {
+                Some(_) => &a.rope_local,
+                None => &a.rope,
+            };
+            let (hd, rd, lay) = (c.head_dim, c.rope_dim, c.rope_layout);
+            g.rope(&mut a.q, rope, n, c.num_heads, hd, rd, lay)?;
+            g.rope(&mut a.k, rope, n, c.num_kv_heads, hd, rd, lay)?;
+            let (heads, kv_heads, scale, window) =
+                (c.num_heads, c.num_kv_heads, c.attn_scale, c.window(l));
+            let shape = (heads, kv_heads, hd, scale, window);
+            let (q, k, v) = (&a.q, &a.k, &a.v);
+            match cache {
+                Cache::F32(kv) => {
+                    let (kc, vc) = &mut kv[l];
+                    attend(g, q, k, v, &mut a.att, meta, kvd, kc, vc, shape)?
+                }
+                Cache::F16(kv) => {
+                    let (kc, vc) = &mut kv[l];
+                    attend(g, q, k, v, &mut a.att, meta, kvd, kc, vc, shape)?
+                }
+            }
+            proj.run(Target::O, &layer.wo, &a.att, n, &mut a.proj)?;
+            residual(
+                g,
+                &mut a.x,
+                &a.proj,
+                &mut a.n,
+                &layer.post_attn_norm,
+                c.eps,
+                n,
+                h,
+            )?;
+            g.rmsnorm(&a.x, &layer.ffn_norm, c.eps, n, &mut a.n)?;
+            proj.run(Target::Gate, &layer.w_gate, &a.n, n, &mut a.gate)?;
+            proj.run(Target::Up, &layer.w_up, &a.n, n, &mut a.up)?;
+            match c.activation {
+                Activation::Silu => g.swiglu(&a.gate, &a.up, n * f, &mut a.act)?,
+                Activation::GeluTanh => g.geglu(&a.gate, &a.up, n * f, &mut a.act)?,
+            }
+            proj.run(Target::Down, &layer.w_down, &a.act, n, &mut a.proj)?;
+            residual(
+                g,
+                &mut a.x,
+                &a.proj,
+                &mut a.n,
+                &layer.post_ffn_norm,
+                c.eps,
+                n,
+                h,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// normed (rows.len(), hidden) = the output norm of the rows `rows` of x.
+    fn final_norm(&mut self, model: &Llama, rows: &[u32]) -> Result<(), ModelError> {
+        self.gpu.write(rows, &mut self.acts.rows)?;
+        self.norm_rows(model, rows.len())
+    }
+
+    /// normed = the output norm of the first m rows named in `acts.rows`.
+    fn norm_rows(&mut self, model: &Llama, m: usize) -> Result<(), ModelError> {
+        let (c, a, g) = (&model.config, &mut self.acts, &self.gpu);
+        g.gather_rows(&a.x, &a.rows, m, c.hidden, &mut a.xs)?;
+        g.rmsnorm(&a.xs, &self.output_norm, c.eps, m, &mut a.normed)?;
+        Ok(())
+    }
+
+    /// logits (m, vocab) = normed · Woutᵀ.
+    fn head(&mut self, m: usize) -> Result<(), ModelError> {
+        let w = self.output.as_ref().unwrap_or(&self.embd);
+        self.gpu
+            .matmul(w, &self.acts.normed, m, &mut self.acts.logits)?;
+        Ok(())
+    }
+
+    /// Copy the step's adapter versions to the GPU (once per version), dropping versions no step
+    /// has used for a while beyond `ADAPTERS_KEPT`.
+    fn upload_adapters(&mut self, groups: &[AdapterGroup]) -> Result<(), ModelError> {
+        for grp in groups {
+            let w = grp.weights;
+            if let Some(a) = self.adapters.get_mut(&w.uid()) {
+                a.last_step = self.step;
+                continue;
+            }
+            let params = match &w.layout.config.method {
+                Method::Lora(_) => Some(self.gpu.upload(f32_bytes(&w.params))?),
+                Method::Oft(_) => None,
+            };
+            let derived = self.gpu.upload(if w.derived.is_empty() {
+                &[0.0]
+            } else {
+                &w.derived
+            })?;
+            self.adapters.insert(
+                w.uid(),
+                GpuAdapter {
+                    derived,
+                    params,
+                    last_step: self.step,
+                },
+            );
+        }
+        if self.adapters.len() > ADAPTERS_KEPT + groups.len() {
+            let mut ages: Vec<(u64, u64)> = self
+                .adapters
+                .iter()
+                .map(|(k, a)| (a.last_step, *k))
+                .collect();
+            ages.sort_unstable();
+            let excess = self.adapters.len() - ADAPTERS_KEPT - groups.len();
+            for (step, key) in ages.into_iter().take(excess) {
+                if step != self.step {
+                    self.adapters.remove(&key);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The capture mode and instantiation flags of the decode graphs.
+mod cudarc_mode {
+    use flywheel_kernels::cuda::sys;
+    /// Only this thread's CUDA calls are part of the capture (the trainer's are not).
+    pub const THREAD_LOCAL: sys::CUstreamCaptureMode =
+        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    pub const INSTANTIATE_DEFAULT: sys::CUgraphInstantiate_flags = sys::CUgraphInstantiate_flags(0);
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// Write the step's K and V into a layer's cache, then att = Attn(q, cache).
+#[allow(clippy::too_many_arguments)]
+fn attend<E: GpuKv>(
+    g: &Gpu,
+    q: &CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    att: &mut CudaSlice<f32>,
+    meta: &Tokens,
+    kv_dim: usize,
+    kc: &mut CudaSlice<E>,
+    vc: &mut CudaSlice<E>,
+    (heads, kv_heads, hd, scale, window): (usize, usize, usize, f32, Option<usize>),
+) -> Result<(), GpuError> {
+    g.kv_write(k, v, meta, kv_dim, kc, vc)?;
+    g.attention(q, att, meta, kc, vc, heads, kv_heads, hd, scale, window)
+}
+
+/// x += y, or x += RMSNorm(y)·w through `scratch` where the family norms a block's output
+/// (Gemma 3's post-norms).
+#[allow(clippy::too_many_arguments)]
+fn residual(
+    g: &Gpu,
+    x: &mut CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+    scratch: &mut CudaSlice<f32>,
+    post_norm: &Option<CudaSlice<f32>>,
+    eps: f32,
+    n: usize,
+    h: usize,
+) -> Result<(), GpuError> {
+    match post_norm {
+        Some(w) => {
+            g.rmsnorm(y, w, eps, n, scratch)?;
+            g.add(x, &*scratch, n * h)
+        }
+        None => g.add(x, y, n * h),
+    }
+}
+
+/// One layer's projections through the step's adapter groups: OFT rotates a group's rows of the
+/// input first (into `rotated`), LoRA adds s·B(A x) to a group's rows after the base product,
+/// row range by row range (each row's arithmetic is its own: batch-invariant).
+struct Projector<'a> {
+    g: &'a Gpu,
+    adapters: &'a HashMap<u64, GpuAdapter>,
+    groups: &'a [AdapterGroup<'a>],
+    l: usize,
+    rotated: &'a mut CudaSlice<f32>,
+    lora_h: &'a mut CudaSlice<f32>,
+    lora_d: &'a mut CudaSlice<f32>,
+}
+
+impl Projector<'_> {
+    fn run(
+        &mut self,
+        target: Target,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), ModelError> {
+        let g = self.g;
+        let (inp, out) = (w.cols, w.rows);
+        let mut rotated = false;
+        for grp in self.groups {
+            let Method::Oft(o) = &grp.weights.layout.config.method else {
+                continue;
+            };
+            let Some(m) = grp.weights.layout.module(self.l, target) else {
+                continue;
+            };
+            let dev = &self.adapters[&grp.weights.uid()];
+            if !rotated {
+                rotated = true;
+                g.copy(x, self.rotated, n * inp)?;
+            }
+            let b = o.block_size;
+            let r = dev
+                .derived
+                .slice(m.derived_offset..m.derived_offset + inp * b);
+            for rows in &grp.rows {
+                let span = span(rows, inp);
+                let xs = x.slice(span.clone());
+                let mut os = self.rotated.slice_mut(span);
+                g.block_matmul(&xs, &r, rows.len(), inp / b, b, b, &mut os)?;
+            }
+        }
+        if rotated {
+            g.matmul(w, &*self.rotated, n, y)?;
+        } else {
+            g.matmul(w, x, n, y)?;
+        }
+        for grp in self.groups {
+            let Method::Lora(cfg) = &grp.weights.layout.config.method else {
+                continue;
+            };
+            let Some(m) = grp.weights.layout.module(self.l, target) else {
+                continue;
+            };
+            if cfg.r > self.lora_h.len() / n.max(1) {
+                return Err(ModelError::Unsupported(format!(
+                    "LoRA rank {} on the GPU",
+                    cfg.r
+                )));
+            }
+            let dev = &self.adapters[&grp.weights.uid()];
+            let params = dev.params.as_ref().expect("LoRA keeps its parameters");
+            let a_range = &m.tensors[0].range;
+            let a = params.slice(a_range.start * 4..a_range.end * 4);
+            let bt = dev
+                .derived
+                .slice(m.derived_offset..m.derived_offset + cfg.r * out);
+            for rows in &grp.rows {
+                let k = rows.len();
+                let xs = x.slice(span(rows, inp));
+                g.matmul_raw(QuantType::F32, &a, cfg.r, inp, &xs, k, self.lora_h)?;
+                g.block_matmul(&*self.lora_h, &bt, k, 1, cfg.r, out, self.lora_d)?;
+                let mut ys = y.slice_mut(span(rows, out));
+                g.axpy(&mut ys, &*self.lora_d, cfg.scale(), k * out)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn span(rows: &Range<usize>, width: usize) -> Range<usize> {
+    rows.start * width..rows.end * width
+}

@@ -1,0 +1,224 @@
+//! The CUDA engine's forward against the CPU's (feature `cuda`, on a GPU): every dense family,
+//! K-quants, both KV cache types, prefill with every kind of logits asked for, decode steps
+//! through CUDA graphs (padded buckets) equal to the same steps launched eagerly, and OFT/LoRA
+//! adapters in mixed batches. Without a GPU the tests say so and pass (FLYWHEEL_REQUIRE_GPU=1: fail).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{write_tiny, Rng, TinySpec};
+use flywheel::adapter::{
+    AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
+};
+use flywheel::kernels::cuda::Gpu;
+use flywheel::kernels::{Cpu, Isa, ThreadPool};
+use flywheel::model::kv_cache::{KvCache, KvDtype};
+use flywheel::model::llama::{BatchSeq, ForwardBuffers, GpuLlama, GpuShape, Llama, Logits};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn gpu() -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var("FLYWHEEL_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("FLYWHEEL_REQUIRE_GPU=1 and no GPU: {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: no GPU here ({e})");
+            None
+        }
+    }
+}
+
+const BS: usize = 4;
+const BLOCKS: usize = 64;
+
+fn shape(graphs: bool) -> GpuShape {
+    GpuShape {
+        num_kv_blocks: BLOCKS,
+        block_size: BS,
+        max_tokens: 64,
+        max_seqs: 8,
+        max_model_len: 64,
+        graphs,
+    }
+}
+
+/// One sequence of a test: its tokens so far and its blocks (8 each, disjoint).
+struct Seq {
+    tokens: Vec<u32>,
+    table: Vec<u32>,
+    adapter: Option<Arc<AdapterWeights>>,
+}
+
+/// The step's batch: each (sequence, new tokens, logits wanted).
+fn batch<'a>(seqs: &'a [Seq], steps: &'a [(usize, usize, Logits)]) -> Vec<BatchSeq<'a>> {
+    steps
+        .iter()
+        .map(|&(i, new, logits)| {
+            let s = &seqs[i];
+            BatchSeq {
+                tokens: &s.tokens[s.tokens.len() - new..],
+                first_pos: s.tokens.len() - new,
+                block_table: &s.table,
+                logits,
+                adapter: s.adapter.as_deref(),
+            }
+        })
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn adapter(model: &Llama, method: Method, seed: u64) -> Arc<AdapterWeights> {
+    let config = AdapterConfig {
+        method,
+        targets: Target::ALL.to_vec(),
+        base_model: "tiny".into(),
+    };
+    let layout = Arc::new(AdapterLayout::new(config, &model.config).unwrap());
+    let params = Rng(seed).vec(layout.num_params, 0.05);
+    Arc::new(AdapterWeights::new(layout, params).unwrap())
+}
+
+/// Prefill (logits of the last token, of every token, hidden states), then decode steps of 2, 3
+/// and 5 sequences (buckets 2, 4 and 8, two of them padded), on the CPU and the GPU.
+fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, g: Gpu) {
+    let (_dir, path) = write_tiny(spec);
+    let mut model = Llama::open(&path).unwrap();
+    model.kv_dtype = dtype;
+    let c = model.config.clone();
+    let cpu = Cpu::new(Isa::detect(), ThreadPool::new(2, Duration::from_micros(50)));
+    let mut cache = KvCache::with_dtype(c.num_layers, c.kv_dim(), BS, BLOCKS, dtype);
+    let mut gl = GpuLlama::new(g, &model, shape(true)).unwrap();
+    let mut rng = Rng(spec.seed);
+    let mut seqs: Vec<Seq> = (0..5)
+        .map(|i| Seq {
+            tokens: (0..3 + 2 * i)
+                .map(|_| (rng.next() % c.vocab_size as u64) as u32)
+                .collect(),
+            table: (0..8).map(|b| (i * 8 + b) as u32).rev().collect(),
+            adapter: None,
+        })
+        .collect();
+    if adapters {
+        let oft = Method::Oft(OftConfig {
+            block_size: 16,
+            ..OftConfig::default()
+        });
+        let lora = Method::Lora(LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            use_rslora: false,
+        });
+        seqs[1].adapter = Some(adapter(&model, oft, 5));
+        seqs[3].adapter = Some(adapter(&model, lora, 6));
+    }
+    let what = format!("{} ({dtype:?}, adapters {adapters})", spec.arch);
+    let mut steps: Vec<Vec<(usize, usize, Logits)>> = vec![vec![
+        (0, 3, Logits::Last),
+        (1, 5, Logits::All),
+        (2, 7, Logits::Hidden),
+        (3, 9, Logits::Last),
+        (4, 11, Logits::None),
+    ]];
+    for k in [2usize, 3, 5] {
+        steps.push((0..k).map(|i| (i, 1, Logits::Last)).collect());
+    }
+    for (n, step) in steps.iter().enumerate() {
+        if n > 0 {
+            for &(i, _, _) in step {
+                let t = (rng.next() % c.vocab_size as u64) as u32;
+                seqs[i].tokens.push(t);
+            }
+        }
+        let b = batch(&seqs, step);
+        let (mut on_cpu, mut on_gpu) = (ForwardBuffers::default(), ForwardBuffers::default());
+        model
+            .forward_into(&cpu, &mut cache, &b, &mut on_cpu)
+            .unwrap();
+        gl.forward_into(&model, &b, &mut on_gpu).unwrap();
+        // f32 sums in another order through a few layers: logits of magnitude ~10.
+        let d = max_diff(&on_gpu.logits, &on_cpu.logits);
+        assert!(d < 2e-3, "{what}, step {n}: logits differ by {d}");
+        let d = max_diff(&on_gpu.hidden, &on_cpu.hidden);
+        assert!(d < 2e-3, "{what}, step {n}: hidden states differ by {d}");
+    }
+    if !adapters {
+        assert_eq!(gl.graphs_captured(), 3, "{what}: buckets 2, 4 and 8");
+    }
+}
+
+#[test]
+fn every_dense_family_forwards_on_the_gpu_as_on_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut specs: Vec<TinySpec> = TinySpec::families()
+        .into_iter()
+        .filter(|s| s.experts.is_none())
+        .collect();
+    specs.push(TinySpec::k_quants());
+    for spec in &specs {
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            compare(spec, dtype, false, gpu().unwrap());
+        }
+    }
+    compare(&TinySpec::small(), KvDtype::F16, true, gpu().unwrap());
+    compare(&TinySpec::qwen3(), KvDtype::F32, true, gpu().unwrap());
+}
+
+/// Decode through graphs equals the same steps launched eagerly, bit for bit (the kernels are
+/// batch-invariant, so padding rows change nothing), also after a graph has been replayed.
+#[test]
+fn graph_replays_equal_eager_launches_bit_for_bit() {
+    let Some(g1) = gpu() else { return };
+    let (_dir, path) = write_tiny(&TinySpec::llama3());
+    let model = Llama::open(&path).unwrap();
+    let vocab = model.config.vocab_size as u64;
+    let mut graphs = GpuLlama::new(g1, &model, shape(true)).unwrap();
+    let mut eager = GpuLlama::new(gpu().unwrap(), &model, shape(false)).unwrap();
+    let mut rng = Rng(3);
+    let mut seqs: Vec<Seq> = (0..6)
+        .map(|i| Seq {
+            tokens: (0..4).map(|_| (rng.next() % vocab) as u32).collect(),
+            table: (0..8).map(|b| (i * 8 + b) as u32).collect(),
+            adapter: None,
+        })
+        .collect();
+    let prefill: Vec<(usize, usize, Logits)> = (0..6).map(|i| (i, 4, Logits::Last)).collect();
+    let mut steps = vec![prefill];
+    for k in [1usize, 3, 6, 6, 3, 1] {
+        steps.push((0..k).map(|i| (i, 1, Logits::Last)).collect());
+    }
+    for (n, step) in steps.iter().enumerate() {
+        if n > 0 {
+            for &(i, _, _) in step {
+                seqs[i].tokens.push((rng.next() % vocab) as u32);
+            }
+        }
+        let b = batch(&seqs, step);
+        let (mut a, mut e) = (ForwardBuffers::default(), ForwardBuffers::default());
+        graphs.forward_into(&model, &b, &mut a).unwrap();
+        eager.forward_into(&model, &b, &mut e).unwrap();
+        assert_eq!(a.logits, e.logits, "step {n}");
+    }
+    assert_eq!(graphs.graphs_captured(), 3, "buckets 1, 4 and 8");
+    assert_eq!(eager.graphs_captured(), 0);
+}
+
+/// What the GPU path does not run yet is refused when the engine starts, by name.
+#[test]
+fn a_mixture_of_experts_is_refused_by_name() {
+    let Some(g) = gpu() else { return };
+    let (_dir, path) = write_tiny(&TinySpec::qwen3moe());
+    let model = Llama::open(&path).unwrap();
+    let err = GpuLlama::new(g, &model, shape(true)).err().unwrap();
+    assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+}
