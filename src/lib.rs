@@ -6,6 +6,8 @@ pub mod adapter;
 pub mod api;
 pub mod app;
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_gpu;
 pub mod config;
 pub mod engine;
 pub mod fetch;

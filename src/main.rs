@@ -197,6 +197,21 @@ enum Cmd {
         /// Memory for the activations a training step keeps (layers beyond it are recomputed).
         #[arg(long, default_value_t = flywheel::model::llama::ACTIVATION_BUDGET >> 20)]
         activation_mb: usize,
+        /// cpu, or cuda: the CUDA engine on GPU 0 (decode through graphs and eagerly, alternating;
+        /// builds with --features cuda).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+    },
+    /// Write a GGUF of a real model's shape with random weights (speed does not depend on the
+    /// values): smollm2-135m (the default model's shape and formats) or llama-1b (Llama 3.2 1B,
+    /// Q4_K_M's mix).
+    RandomModel {
+        #[arg(long)]
+        shape: String,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     /// Fetch the default model into models/ (skips the work when it is already there).
     FetchModel {
@@ -469,6 +484,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             shared_prompt,
             kv_cache_dtype,
             activation_mb,
+            device,
         } => {
             let base = Base::load(&m.spec())?;
             let (model, tok, cpu) = (&*base.model, &*base.tokenizer, &*base.cpu);
@@ -487,23 +503,46 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let adapter = adapter
                 .map(|a| flywheel::bench::adapter_for(model, &a))
                 .transpose()?;
-            flywheel::bench::run(
-                model,
-                tok,
-                cpu,
-                &flywheel::bench::BenchOptions {
-                    model_path: m.model.display().to_string(),
-                    prompt_tokens,
-                    decode_tokens,
-                    batches: batch,
-                    runs: runs.max(1),
-                    busy_peer,
-                    adapter,
-                    kv_dtype: kv_cache_dtype
-                        .parse()
-                        .map_err(|e: String| anyhow::anyhow!(e))?,
-                },
-            )
+            let opts = flywheel::bench::BenchOptions {
+                model_path: m.model.display().to_string(),
+                prompt_tokens,
+                decode_tokens,
+                batches: batch,
+                runs: runs.max(1),
+                busy_peer,
+                adapter,
+                kv_dtype: kv_cache_dtype
+                    .parse()
+                    .map_err(|e: String| anyhow::anyhow!(e))?,
+            };
+            match device.as_str() {
+                "cpu" => flywheel::bench::run(model, tok, cpu, &opts),
+                #[cfg(feature = "cuda")]
+                "cuda" => {
+                    let mut model = flywheel::model::llama::Llama::open(&m.model)?;
+                    model.kv_dtype = opts.kv_dtype;
+                    flywheel::bench_gpu::run(&model, &opts)
+                }
+                #[cfg(not(feature = "cuda"))]
+                "cuda" => anyhow::bail!(
+                    "--device cuda: this build has no CUDA engine (build with --features cuda)"
+                ),
+                d => anyhow::bail!("--device '{d}': expected cpu or cuda"),
+            }
+        }
+        Cmd::RandomModel { shape, out, seed } => {
+            let s = flywheel::model::random::shape(&shape).map_err(|e| anyhow::anyhow!(e))?;
+            flywheel::model::random::write(&s, seed)
+                .write(&out)
+                .with_context(|| format!("writing {}", out.display()))?;
+            eprintln!(
+                "wrote {} ({} layers, hidden {}, vocab {})",
+                out.display(),
+                s.layers,
+                s.hidden,
+                s.vocab
+            );
+            Ok(())
         }
     }
 }

@@ -111,7 +111,9 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_spills_within_the_limits() {
 /// |a − b| ≤ tol · scale at every index, else the first index that is not.
 fn close(got: &[f32], want: &[f32], tol: impl Fn(usize) -> f32) -> Result<(), String> {
     assert_eq!(got.len(), want.len());
-    match (0..got.len()).find(|&i| !((got[i] - want[i]).abs() <= tol(i))) {
+    // A NaN is never within tolerance.
+    let within = |i: usize| (got[i] - want[i]).abs() <= tol(i);
+    match (0..got.len()).find(|&i| !within(i)) {
         None => Ok(()),
         Some(i) => Err(format!(
             "at {i}: {} vs {} (tolerance {})",

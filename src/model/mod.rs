@@ -5,6 +5,7 @@ pub mod gguf;
 pub mod gguf_writer;
 pub mod kv_cache;
 pub mod llama;
+pub mod random;
 pub mod spm;
 pub mod tokenizer;
 pub mod weight_memory;

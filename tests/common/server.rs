@@ -48,7 +48,7 @@ impl Server {
         let cfg = dir.path().join("serve.toml");
         std::fs::write(&cfg, config_toml).unwrap();
         let stderr_path = dir.path().join("stderr.log");
-        let bin = env!("CARGO_BIN_EXE_flywheel");
+        let bin = server_binary();
         let mut cmd = match wrapper.split_first() {
             Some((w, rest)) => {
                 let mut c = Command::new(w);
@@ -403,7 +403,7 @@ pub fn assert_error(r: &Response, status: u16, param: Option<&str>) -> Value {
 
 /// `flywheel serve` with these arguments, expected to refuse to start: its stderr.
 pub fn refused_start(model: &Path, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_flywheel"))
+    let out = Command::new(server_binary())
         .args(["serve", "--model", model.to_str().unwrap()])
         .args(["--host", "127.0.0.1", "--port", "0"])
         .args(args)
@@ -421,4 +421,10 @@ pub fn content_of(s: &Server, b: &Value) -> String {
         .as_str()
         .unwrap()
         .to_string()
+}
+
+/// The server binary the tests run: this build's, or FLYWHEEL_BIN's (the GPU proof runs these
+/// tests against a CUDA build carried to the GPU machine).
+pub fn server_binary() -> String {
+    std::env::var("FLYWHEEL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_flywheel").to_string())
 }

@@ -201,7 +201,7 @@ impl Gpu {
         n: usize,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        check(cols % 32 == 0 && cols % ty.block_size() == 0, || {
+        check(cols.is_multiple_of(32) && cols.is_multiple_of(ty.block_size()), || {
             format!("a {} matrix of {cols} columns", ty.name())
         })?;
         let row_bytes = ty.row_bytes(cols).unwrap();
@@ -318,7 +318,7 @@ impl Gpu {
         rope_dim: usize,
         layout: RopeLayout,
     ) -> Result<()> {
-        check(rope_dim <= head_dim && rope_dim % 2 == 0, || {
+        check(rope_dim <= head_dim && rope_dim.is_multiple_of(2), || {
             format!("rope_dim {rope_dim} with head_dim {head_dim}")
         })?;
         len_at_least(x, n * n_heads * head_dim, "rope x")?;
@@ -525,7 +525,7 @@ impl Gpu {
         let toks = self.tokens_arg(tokens);
         // Every block table entry was checked against n_blocks (`set_tokens`, `cache_fits`).
         self.launch(
-            &f,
+            f,
             grid1(n * kv_dim, ROW_THREADS),
             &[&kp, &vp, &ni, &kd, &bs, &toks, &kcp, &vcp],
         )
@@ -548,7 +548,7 @@ impl Gpu {
         window: Option<usize>,
     ) -> Result<()> {
         check(
-            n_kv_heads > 0 && n_heads % n_kv_heads == 0 && n_heads <= 65535,
+            n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && n_heads <= 65535,
             || format!("{n_heads} query heads over {n_kv_heads} KV heads"),
         )?;
         check((1..=ATT_MAX_HEAD_DIM).contains(&head_dim), || {
@@ -577,7 +577,7 @@ impl Gpu {
         let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let toks = self.tokens_arg(tokens);
         self.launch(
-            &f,
+            f,
             cfg,
             &[&qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win],
         )

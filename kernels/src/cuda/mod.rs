@@ -241,6 +241,9 @@ impl Gpu {
         check(dev.len() >= host.len(), || {
             format!("writing {} values into {}", host.len(), dev.len())
         })?;
+        if host.is_empty() {
+            return Ok(());
+        }
         let mut view = dev.slice_mut(..host.len());
         Ok(self.stream.memcpy_htod(host, &mut view)?)
     }
@@ -298,7 +301,7 @@ impl Gpu {
         cols: usize,
         bytes: &[u8],
     ) -> Result<DeviceMatrix> {
-        check(cols % 32 == 0 && cols % ty.block_size() == 0, || {
+        check(cols.is_multiple_of(32) && cols.is_multiple_of(ty.block_size()), || {
             format!("a {} matrix of {cols} columns (the kernels need a multiple of 32 and of the block)", ty.name())
         })?;
         let row_bytes = ty.row_bytes(cols).unwrap();
