@@ -175,7 +175,9 @@ fn every_dense_family_forwards_on_the_gpu_as_on_the_cpu() {
 }
 
 /// Decode through graphs equals the same steps launched eagerly, bit for bit (the kernels are
-/// batch-invariant, so padding rows change nothing), also after a graph has been replayed.
+/// batch-invariant, so padding rows change nothing), also after a graph has been replayed, and
+/// around adapter versions published mid-decode (a step with an adapter launches eagerly; the
+/// graphs captured before stay valid: they hold no adapter and weights never move).
 #[test]
 fn graph_replays_equal_eager_launches_bit_for_bit() {
     let Some(g1) = gpu() else { return };
@@ -184,6 +186,12 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
     let vocab = model.config.vocab_size as u64;
     let mut graphs = GpuLlama::new(g1, &model, shape(true)).unwrap();
     let mut eager = GpuLlama::new(gpu().unwrap(), &model, shape(false)).unwrap();
+    let lora = Method::Lora(LoraConfig {
+        r: 4,
+        alpha: 8.0,
+        use_rslora: false,
+    });
+    let versions = [adapter(&model, lora.clone(), 1), adapter(&model, lora, 2)];
     let mut rng = Rng(3);
     let mut seqs: Vec<Seq> = (0..6)
         .map(|i| Seq {
@@ -192,18 +200,28 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
             adapter: None,
         })
         .collect();
-    let prefill: Vec<(usize, usize, Logits)> = (0..6).map(|i| (i, 4, Logits::Last)).collect();
-    let mut steps = vec![prefill];
-    for k in [1usize, 3, 6, 6, 3, 1] {
-        steps.push((0..k).map(|i| (i, 1, Logits::Last)).collect());
-    }
-    for (n, step) in steps.iter().enumerate() {
+    // (sequences decoding, the adapter version of sequence 0 at this step)
+    let plan: [(usize, Option<usize>); 9] = [
+        (6, None),
+        (1, None),
+        (3, None),
+        (6, None),
+        (6, Some(0)),
+        (6, None),
+        (3, Some(1)),
+        (3, None),
+        (1, None),
+    ];
+    for (n, &(k, version)) in plan.iter().enumerate() {
+        let new = if n == 0 { 4 } else { 1 };
         if n > 0 {
-            for &(i, _, _) in step {
-                seqs[i].tokens.push((rng.next() % vocab) as u32);
+            for s in &mut seqs[..k] {
+                s.tokens.push((rng.next() % vocab) as u32);
             }
         }
-        let b = batch(&seqs, step);
+        seqs[0].adapter = version.map(|v| versions[v].clone());
+        let step: Vec<(usize, usize, Logits)> = (0..k).map(|i| (i, new, Logits::Last)).collect();
+        let b = batch(&seqs, &step);
         let (mut a, mut e) = (ForwardBuffers::default(), ForwardBuffers::default());
         graphs.forward_into(&model, &b, &mut a).unwrap();
         eager.forward_into(&model, &b, &mut e).unwrap();

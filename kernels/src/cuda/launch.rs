@@ -201,9 +201,10 @@ impl Gpu {
         n: usize,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        check(cols.is_multiple_of(32) && cols.is_multiple_of(ty.block_size()), || {
-            format!("a {} matrix of {cols} columns", ty.name())
-        })?;
+        check(
+            cols.is_multiple_of(32) && cols.is_multiple_of(ty.block_size()),
+            || format!("a {} matrix of {cols} columns", ty.name()),
+        )?;
         let row_bytes = ty.row_bytes(cols).unwrap();
         len_at_least(w, rows * row_bytes, "matmul w")?;
         len_at_least(x, n * cols, "matmul x")?;

@@ -301,9 +301,12 @@ impl Gpu {
         cols: usize,
         bytes: &[u8],
     ) -> Result<DeviceMatrix> {
-        check(cols.is_multiple_of(32) && cols.is_multiple_of(ty.block_size()), || {
-            format!("a {} matrix of {cols} columns (the kernels need a multiple of 32 and of the block)", ty.name())
-        })?;
+        check(
+            cols.is_multiple_of(32) && cols.is_multiple_of(ty.block_size()),
+            || {
+                format!("a {} matrix of {cols} columns (the kernels need a multiple of 32 and of the block)", ty.name())
+            },
+        )?;
         let row_bytes = ty.row_bytes(cols).unwrap();
         check(bytes.len() == rows * row_bytes, || {
             format!("{} bytes for {rows}×{cols} {}", bytes.len(), ty.name())
