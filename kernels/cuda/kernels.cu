@@ -241,6 +241,23 @@ extern "C" __global__ void fw_block_matmul(const float* __restrict__ x,
   out[i] = acc;
 }
 
+// A mixture of experts' output: y[t] = Σ_s weight[t·k + s] · out[row_of[t·k + s]], the sum from
+// 0 in the order of the token's choices, each product and sum rounded once (the CPU's order).
+extern "C" __global__ void fw_moe_combine(const float* __restrict__ out,
+                                          const uint32_t* __restrict__ row_of,
+                                          const float* __restrict__ weight, int t, int k, int h,
+                                          float* __restrict__ y) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)t * h) return;
+  const int tok = (int)(i / h), c = (int)(i % h);
+  float acc = 0.0f;
+  for (int s = 0; s < k; s++) {
+    const int j = tok * k + s;
+    acc = fw_add(acc, fw_mul(weight[j], out[(size_t)row_of[j] * h + c]));
+  }
+  y[i] = acc;
+}
+
 // Per-token metadata of a packed batch, shared by the cache writer and attention: token t sits at
 // position pos[t] of a sequence whose block table starts at block_tables[table_at[t]].
 struct FwTokens {

@@ -306,6 +306,30 @@ fn row_and_elementwise_ops_match_the_cpu() {
     close(&g.download(&dout).unwrap(), &want, |_| 1e-5 * bk as f32)
         .unwrap_or_else(|e| panic!("block_matmul: {e}"));
 
+    // The MoE's weighted sum: the CPU's order and roundings, the same bits.
+    let (mt, mk, mh) = (3, 2, 64);
+    let out = rng.vec(mt * mk * mh, 1.0);
+    let row_of: Vec<u32> = vec![5, 0, 1, 4, 3, 2];
+    let wts = rng.vec(mt * mk, 1.0);
+    let mut y = g.zeros::<f32>(mt * mh).unwrap();
+    let (dout, drow, dw) = (
+        g.upload(&out).unwrap(),
+        g.upload(&row_of).unwrap(),
+        g.upload(&wts).unwrap(),
+    );
+    g.moe_combine(&dout, &drow, &dw, mt, mk, mh, &mut y)
+        .unwrap();
+    let mut want = vec![0f32; mt * mh];
+    for t in 0..mt {
+        for s in 0..mk {
+            let (w, r) = (wts[t * mk + s], row_of[t * mk + s] as usize);
+            for c in 0..mh {
+                want[t * mh + c] += w * out[r * mh + c];
+            }
+        }
+    }
+    assert_eq!(g.download(&y).unwrap(), want, "moe_combine");
+
     // Log-softmax at temperature 0.7 against f64 sums; argmax with ties (the first wins).
     let (r, vocab) = (3, 49_152);
     let mut logits = rng.vec(r * vocab, 12.0);

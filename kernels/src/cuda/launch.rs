@@ -491,6 +491,42 @@ impl Gpu {
         )
     }
 
+    /// y (t, h): each token's `k` expert outputs (rows of `out`, h wide, at `row_of`) weighted by
+    /// `weight` and summed in the order of its choices (the MoE's output; `row_of` entries are
+    /// the caller's to check).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(
+        &self,
+        out: &impl DevicePtr<f32>,
+        row_of: &impl DevicePtr<u32>,
+        weight: &impl DevicePtr<f32>,
+        t: usize,
+        k: usize,
+        h: usize,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        len_at_least(row_of, t * k, "moe_combine row_of")?;
+        len_at_least(weight, t * k, "moe_combine weight")?;
+        len_at_least(out, t * k * h, "moe_combine out")?;
+        len_at_least(y, t * h, "moe_combine y")?;
+        if t * h == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_moe_combine")?;
+        let (op, rp, wp, yp) = (
+            self.ptr(out),
+            self.ptr(row_of),
+            self.ptr(weight),
+            self.ptr_mut(y),
+        );
+        let (ti, ki, hi) = (t as i32, k as i32, h as i32);
+        self.launch(
+            f,
+            grid1(t * h, ROW_THREADS),
+            &[&op, &rp, &wp, &ti, &ki, &hi, &yp],
+        )
+    }
+
     fn cache_fits<E>(
         &self,
         t: &Tokens,

@@ -60,6 +60,7 @@ pub const KERNELS: &[&str] = &[
     "fw_add_bias",
     "fw_gather_rows",
     "fw_block_matmul",
+    "fw_moe_combine",
 ];
 
 /// The kernels' number for a storage format (`FwType` in `cuda/common.cuh`).

@@ -11,11 +11,13 @@
 //! graph captured once per batch bucket (`plan::graph_bucket`), the batch padded with rows that
 //! read and write only the scratch block. The graph reads each step's tokens, positions, RoPE
 //! table and block tables from buffers whose addresses never change; weights never change, so a
-//! publish never invalidates a graph. Steps with adapters launch eagerly (their groups vary).
-//! Mixture-of-experts layers stay on the CPU for now (`GpuLlama::new` refuses them).
+//! publish never invalidates a graph. Steps with adapters launch eagerly (their groups vary), and
+//! so does every step of a mixture of experts: its routing is read back and grouped on the host
+//! (`moe::route`, the CPU forward's own), each expert's rows then run as one product on the GPU.
 
 use super::forward::{adapter_groups, AdapterGroup, BatchSeq, Logits};
-use super::{Activation, ForwardBuffers, Llama, Mlp, ModelError, Weight};
+use super::moe::{ranges, route, MoeActs};
+use super::{Activation, ForwardBuffers, Llama, Mlp, ModelError, MoeConfig, Weight};
 use crate::adapter::{Method, Target};
 use crate::model::kv_cache::KvDtype;
 use flywheel_kernels::cuda::{
@@ -51,10 +53,23 @@ struct GpuLayer {
     wo: DeviceMatrix,
     post_attn_norm: Option<CudaSlice<f32>>,
     ffn_norm: CudaSlice<f32>,
-    w_gate: DeviceMatrix,
-    w_up: DeviceMatrix,
-    w_down: DeviceMatrix,
+    mlp: GpuMlp,
     post_ffn_norm: Option<CudaSlice<f32>>,
+}
+
+enum GpuMlp {
+    Dense {
+        gate: DeviceMatrix,
+        up: DeviceMatrix,
+        down: DeviceMatrix,
+    },
+    /// The router and each expert's projections (slices of the stacked tensors, one matrix each).
+    Moe {
+        router: DeviceMatrix,
+        gate: Vec<DeviceMatrix>,
+        up: Vec<DeviceMatrix>,
+        down: Vec<DeviceMatrix>,
+    },
 }
 
 /// Each layer's K and V blocks.
@@ -84,9 +99,24 @@ struct Acts {
     rotated: CudaSlice<f32>,
     lora_h: CudaSlice<f32>,
     lora_d: CudaSlice<f32>,
+    moe: MoeBufs,
     xs: CudaSlice<f32>,
     normed: CudaSlice<f32>,
     logits: CudaSlice<f32>,
+}
+
+/// A mixture of experts' activations (one row per token and choice; empty for dense models).
+struct MoeBufs {
+    logits: CudaSlice<f32>,
+    /// Each grouped row's token, each choice's grouped row, each choice's weight.
+    tok: CudaSlice<u32>,
+    row_of: CudaSlice<u32>,
+    weight: CudaSlice<f32>,
+    xs: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    out: CudaSlice<f32>,
 }
 
 /// An adapter version on the GPU: its derived tensors (OFT's rotations, LoRA's Bᵀ) and, for
@@ -115,6 +145,8 @@ pub struct GpuLlama {
     use_graphs: bool,
     adapters: HashMap<u64, GpuAdapter>,
     step: u64,
+    /// The host's side of MoE routing (the router's softmax, the choices, the grouping).
+    routing: MoeActs,
 }
 
 /// What `GpuLlama::new` sizes its buffers for.
@@ -134,17 +166,9 @@ pub struct GpuShape {
 
 impl GpuLlama {
     /// Copy `model`'s weights to `gpu` and allocate its cache and activations; an error naming
-    /// what the GPU path does not run yet (mixture of experts; heads over 256) or what does not
-    /// fit.
+    /// what the GPU path does not run (heads over 256) or what does not fit.
     pub fn new(gpu: Gpu, model: &Llama, shape: GpuShape) -> Result<GpuLlama, ModelError> {
         let c = &model.config;
-        if c.moe.is_some() {
-            return Err(ModelError::Unsupported(
-                "mixture-of-experts layers do not run on the GPU yet (serve this model with \
-                 --device cpu)"
-                    .into(),
-            ));
-        }
         if c.head_dim > ATT_MAX_HEAD_DIM {
             return Err(ModelError::Unsupported(format!(
                 "head_dim {} on the GPU (its attention takes up to {ATT_MAX_HEAD_DIM})",
@@ -160,13 +184,25 @@ impl GpuLlama {
         };
         let mut layers = Vec::with_capacity(model.layers.len());
         for layer in &model.layers {
-            let Mlp::Dense {
-                w_gate,
-                w_up,
-                w_down,
-            } = &layer.mlp
-            else {
-                unreachable!("refused above");
+            let mlp = match &layer.mlp {
+                Mlp::Dense {
+                    w_gate,
+                    w_up,
+                    w_down,
+                } => GpuMlp::Dense {
+                    gate: matrix(w_gate)?,
+                    up: matrix(w_up)?,
+                    down: matrix(w_down)?,
+                },
+                Mlp::Moe(x) => {
+                    let all = |ws: &[Weight]| ws.iter().map(&matrix).collect::<Result<Vec<_>, _>>();
+                    GpuMlp::Moe {
+                        router: matrix(&x.router)?,
+                        gate: all(&x.gate)?,
+                        up: all(&x.up)?,
+                        down: all(&x.down)?,
+                    }
+                }
             };
             layers.push(GpuLayer {
                 attn_norm: vector(&layer.attn_norm)?,
@@ -181,9 +217,7 @@ impl GpuLlama {
                 wo: matrix(&layer.wo)?,
                 post_attn_norm: maybe(&layer.post_attn_norm)?,
                 ffn_norm: vector(&layer.ffn_norm)?,
-                w_gate: matrix(w_gate)?,
-                w_up: matrix(w_up)?,
-                w_down: matrix(w_down)?,
+                mlp,
                 post_ffn_norm: maybe(&layer.post_ffn_norm)?,
             });
         }
@@ -231,6 +265,22 @@ impl GpuLlama {
             rotated: z(t * widest)?,
             lora_h: z(t * lora_r)?,
             lora_d: z(t * widest)?,
+            moe: {
+                let (ne, k, ef) = c
+                    .moe
+                    .map_or((0, 0, 0), |m| (m.experts, m.used, m.expert_ffn));
+                MoeBufs {
+                    logits: z(t * ne)?,
+                    tok: gpu.zeros(t * k)?,
+                    row_of: gpu.zeros(t * k)?,
+                    weight: z(t * k)?,
+                    xs: z(t * k * h)?,
+                    gate: z(t * k * ef)?,
+                    up: z(t * k * ef)?,
+                    act: z(t * k * ef)?,
+                    out: z(t * k * h)?,
+                }
+            },
             xs: z(HEAD_ROWS * h)?,
             normed: z(HEAD_ROWS * h)?,
             logits: z(HEAD_ROWS * c.vocab_size)?,
@@ -250,9 +300,11 @@ impl GpuLlama {
             acts,
             meta,
             graphs: HashMap::new(),
-            use_graphs: shape.graphs,
+            // A mixture of experts routes on the host, layer by layer: no graph holds that.
+            use_graphs: shape.graphs && c.moe.is_none(),
             adapters: HashMap::new(),
             step: 0,
+            routing: MoeActs::default(),
             gpu,
         })
     }
@@ -403,6 +455,7 @@ impl GpuLlama {
             acts: a,
             meta,
             adapters,
+            routing,
             ..
         } = self;
         g.embed(embd, &a.tokens, n, &mut a.x)?;
@@ -469,13 +522,33 @@ impl GpuLlama {
                 h,
             )?;
             g.rmsnorm(&a.x, &layer.ffn_norm, c.eps, n, &mut a.n)?;
-            proj.run(Target::Gate, &layer.w_gate, &a.n, n, &mut a.gate)?;
-            proj.run(Target::Up, &layer.w_up, &a.n, n, &mut a.up)?;
+            let (gate, up, down) = match &layer.mlp {
+                GpuMlp::Dense { gate, up, down } => (gate, up, down),
+                GpuMlp::Moe {
+                    router,
+                    gate,
+                    up,
+                    down,
+                } => {
+                    let mc = c.moe.expect("a MoE layer has a MoE config");
+                    let experts = Experts {
+                        router,
+                        gate,
+                        up,
+                        down,
+                    };
+                    experts.run(g, &mc, &a.n, n, h, &mut a.moe, routing, &mut a.proj)?;
+                    g.add(&mut a.x, &a.proj, n * h)?;
+                    continue;
+                }
+            };
+            proj.run(Target::Gate, gate, &a.n, n, &mut a.gate)?;
+            proj.run(Target::Up, up, &a.n, n, &mut a.up)?;
             match c.activation {
                 Activation::Silu => g.swiglu(&a.gate, &a.up, n * f, &mut a.act)?,
                 Activation::GeluTanh => g.geglu(&a.gate, &a.up, n * f, &mut a.act)?,
             }
-            proj.run(Target::Down, &layer.w_down, &a.act, n, &mut a.proj)?;
+            proj.run(Target::Down, down, &a.act, n, &mut a.proj)?;
             residual(
                 g,
                 &mut a.x,
@@ -553,6 +626,64 @@ impl GpuLlama {
                 }
             }
         }
+        Ok(())
+    }
+}
+
+/// One layer's experts on the GPU.
+struct Experts<'a> {
+    router: &'a DeviceMatrix,
+    gate: &'a [DeviceMatrix],
+    up: &'a [DeviceMatrix],
+    down: &'a [DeviceMatrix],
+}
+
+impl Experts<'_> {
+    /// y (n, h) = the mixture of experts of m (n, h): the router's logits read back and routed on
+    /// the host (`moe::route`, the CPU's), the rows gathered by expert, each expert's rows one
+    /// product per projection, then each token's outputs weighted in the order of its choices.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        g: &Gpu,
+        mc: &MoeConfig,
+        m: &CudaSlice<f32>,
+        n: usize,
+        h: usize,
+        b: &mut MoeBufs,
+        host: &mut MoeActs,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), ModelError> {
+        let (ne, k, f) = (mc.experts, mc.used, mc.expert_ffn);
+        g.matmul(self.router, m, n, &mut b.logits)?;
+        host.probs.resize(n * ne, 0.0);
+        g.read_into(&b.logits.slice(..n * ne), &mut host.probs)?;
+        route(mc, n, host);
+        let tok: Vec<u32> = host.rows.iter().map(|&(t, _)| t).collect();
+        let row_of: Vec<u32> = host.row_of.iter().map(|&r| r as u32).collect();
+        let weight: Vec<f32> = host.choices.iter().map(|ch| ch.weight).collect();
+        g.write(&tok, &mut b.tok)?;
+        g.write(&row_of, &mut b.row_of)?;
+        g.write(&weight, &mut b.weight)?;
+        g.gather_rows(m, &b.tok, n * k, h, &mut b.xs)?;
+        for (e, r) in ranges(&host.counts) {
+            let xs = b.xs.slice(r.start * h..r.end * h);
+            let span = r.start * f..r.end * f;
+            g.matmul(
+                &self.gate[e],
+                &xs,
+                r.len(),
+                &mut b.gate.slice_mut(span.clone()),
+            )?;
+            g.matmul(&self.up[e], &xs, r.len(), &mut b.up.slice_mut(span))?;
+        }
+        g.swiglu(&b.gate, &b.up, n * k * f, &mut b.act)?;
+        for (e, r) in ranges(&host.counts) {
+            let act = b.act.slice(r.start * f..r.end * f);
+            let mut out = b.out.slice_mut(r.start * h..r.end * h);
+            g.matmul(&self.down[e], &act, r.len(), &mut out)?;
+        }
+        g.moe_combine(&b.out, &b.row_of, &b.weight, n, k, h, y)?;
         Ok(())
     }
 }

@@ -55,7 +55,9 @@ impl MoeActs {
 }
 
 /// The rows routed to each expert, as ranges of the grouped rows.
-fn ranges(counts: &[usize]) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+pub(super) fn ranges(
+    counts: &[usize],
+) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
     let mut at = 0;
     counts.iter().enumerate().filter_map(move |(e, &n)| {
         let r = at..at + n;
@@ -79,65 +81,9 @@ impl Llama {
         let h = self.config.hidden;
         let (ne, k, f) = (c.experts, c.used, c.expert_ffn);
         let t = m.len() / h;
-        // Route: softmax over the experts, the k largest (the lower index first on a tie).
         a.probs.resize(t * ne, 0.0);
         cpu.matmul(x.router.ty, self.bytes(&x.router), ne, h, m, &mut a.probs);
-        a.choices.clear();
-        for p in a.probs.chunks_mut(ne) {
-            softmax(p);
-            let first = a.choices.len();
-            for _ in 0..k {
-                let mut best: Option<usize> = None;
-                for (e, &v) in p.iter().enumerate() {
-                    let taken = a.choices[first..].iter().any(|ch| ch.expert as usize == e);
-                    if !taken && best.is_none_or(|b| v > p[b]) {
-                        best = Some(e);
-                    }
-                }
-                let e = best.expect("k <= experts");
-                a.choices.push(Choice {
-                    expert: e as u32,
-                    weight: p[e],
-                });
-            }
-            if c.norm_topk {
-                let chosen = &mut a.choices[first..];
-                let sum: f32 = chosen.iter().map(|ch| ch.weight).sum();
-                chosen.iter_mut().for_each(|ch| ch.weight /= sum);
-            }
-        }
-        // Group the rows by expert (tokens in order within an expert).
-        a.counts.clear();
-        a.counts.resize(ne, 0);
-        for ch in &a.choices {
-            a.counts[ch.expert as usize] += 1;
-        }
-        // Each choice's grouped row: its expert's first row plus the choices before it there
-        // (no allocation: the buffers are reused from call to call, as on the serving path).
-        a.rows.clear();
-        a.rows.resize(t * k, (0, 0));
-        a.row_of.clear();
-        a.row_of.resize(t * k, 0);
-        let mut first = 0;
-        for e in 0..ne {
-            let n = a.counts[e];
-            a.counts[e] = first;
-            first += n;
-        }
-        for (i, ch) in a.choices.iter().enumerate() {
-            let e = ch.expert as usize;
-            let r = a.counts[e];
-            a.rows[r] = ((i / k) as u32, (i % k) as u32);
-            a.row_of[i] = r;
-            a.counts[e] += 1;
-        }
-        // `counts[e]` is now the end of expert e's rows: back to the counts.
-        let mut start = 0;
-        for e in 0..ne {
-            let end = a.counts[e];
-            a.counts[e] = end - start;
-            start = end;
-        }
+        route(&c, t, a);
         let n = t * k;
         a.xs.resize(n * h, 0.0);
         for (r, &(tok, _)) in a.rows.iter().enumerate() {
@@ -269,6 +215,71 @@ impl Llama {
 }
 
 /// Softmax of a row in place (f32, in order).
+/// Route `t` tokens by their router logits in `a.probs` (T × experts; turned into the softmax):
+/// each token's `used` largest experts (the lower index first on a tie), their weights
+/// renormalised where the model says, and the rows grouped by expert (`rows`, `row_of`,
+/// `counts`). The CPU and the GPU forward share it.
+pub(super) fn route(c: &MoeConfig, t: usize, a: &mut MoeActs) {
+    let (ne, k) = (c.experts, c.used);
+    debug_assert_eq!(a.probs.len(), t * ne);
+    a.choices.clear();
+    for p in a.probs.chunks_mut(ne) {
+        softmax(p);
+        let first = a.choices.len();
+        for _ in 0..k {
+            let mut best: Option<usize> = None;
+            for (e, &v) in p.iter().enumerate() {
+                let taken = a.choices[first..].iter().any(|ch| ch.expert as usize == e);
+                if !taken && best.is_none_or(|b| v > p[b]) {
+                    best = Some(e);
+                }
+            }
+            let e = best.expect("k <= experts");
+            a.choices.push(Choice {
+                expert: e as u32,
+                weight: p[e],
+            });
+        }
+        if c.norm_topk {
+            let chosen = &mut a.choices[first..];
+            let sum: f32 = chosen.iter().map(|ch| ch.weight).sum();
+            chosen.iter_mut().for_each(|ch| ch.weight /= sum);
+        }
+    }
+    // Group the rows by expert (tokens in order within an expert).
+    a.counts.clear();
+    a.counts.resize(ne, 0);
+    for ch in &a.choices {
+        a.counts[ch.expert as usize] += 1;
+    }
+    // Each choice's grouped row: its expert's first row plus the choices before it there
+    // (no allocation: the buffers are reused from call to call, as on the serving path).
+    a.rows.clear();
+    a.rows.resize(t * k, (0, 0));
+    a.row_of.clear();
+    a.row_of.resize(t * k, 0);
+    let mut first = 0;
+    for e in 0..ne {
+        let n = a.counts[e];
+        a.counts[e] = first;
+        first += n;
+    }
+    for (i, ch) in a.choices.iter().enumerate() {
+        let e = ch.expert as usize;
+        let r = a.counts[e];
+        a.rows[r] = ((i / k) as u32, (i % k) as u32);
+        a.row_of[i] = r;
+        a.counts[e] += 1;
+    }
+    // `counts[e]` is now the end of expert e's rows: back to the counts.
+    let mut start = 0;
+    for e in 0..ne {
+        let end = a.counts[e];
+        a.counts[e] = end - start;
+        start = end;
+    }
+}
+
 fn softmax(p: &mut [f32]) {
     let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
