@@ -34,7 +34,7 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f64>]) -> f64 {
 fn reference_kernels_match_the_naive_implementation() {
     for spec in TinySpec::families()
         .into_iter()
-        .chain([TinySpec::k_quants()])
+        .chain([TinySpec::k_quants(), TinySpec::q5()])
     {
         let (_dir, path) = write_tiny(&spec);
         let tokens: Vec<u32> = (0..19).map(|i| (i * 37 + 5) % 250 + 3).collect();
@@ -59,7 +59,7 @@ fn reference_kernels_match_the_naive_implementation() {
 fn fast_kernels_match_the_naive_implementation() {
     for spec in TinySpec::families()
         .into_iter()
-        .chain([TinySpec::k_quants()])
+        .chain([TinySpec::k_quants(), TinySpec::q5()])
     {
         let (_dir, path) = write_tiny(&spec);
         let tokens: Vec<u32> = (0..40).map(|i| (i * 53 + 1) % 250 + 3).collect();

@@ -27,6 +27,8 @@ enum FwType {
   FW_Q8_0 = 5,
   FW_Q4K = 6,
   FW_Q6K = 7,
+  FW_Q5_0 = 8,
+  FW_Q5_1 = 9,
 };
 
 // One product and one sum, each rounded once: nvcc would fuse `a * b - c` into an FMA, which the
@@ -102,11 +104,13 @@ FW_HD int fw_block_bytes(int ty) {
     case FW_Q4_1: return 20;
     case FW_Q8_0: return 34;
     case FW_Q4K: return 144;
+    case FW_Q5_0: return 22;
+    case FW_Q5_1: return 24;
     default: return 210;  // FW_Q6K
   }
 }
 FW_HD int fw_block_values(int ty) {
-  return ty <= FW_BF16 ? 1 : (ty <= FW_Q8_0 ? 32 : 256);
+  return ty <= FW_BF16 ? 1 : ((ty <= FW_Q8_0 || ty >= FW_Q5_0) ? 32 : 256);
 }
 
 // Unit `u` of a row: its values 32u .. 32u+32, dequantized into out[0..32]. A unit is a whole
@@ -139,6 +143,25 @@ FW_HD void fw_unit(const uint8_t* row, int u, float* out) {
     for (int j = 0; j < 16; j++) {
       out[j] = fw_add(fw_mul((float)(b[4 + j] & 0xF), d), m);
       out[j + 16] = fw_add(fw_mul((float)(b[4 + j] >> 4), d), m);
+    }
+  } else if (TY == FW_Q5_0 || TY == FW_Q5_1) {
+    // bit 4 of value j is bit j of qh (a little-endian u32)
+    const bool q51 = TY == FW_Q5_1;
+    const uint8_t* b = row + (size_t)u * (q51 ? 24 : 22);
+    const float d = fw_f16(fw_u16(b)), m = q51 ? fw_f16(fw_u16(b + 2)) : 0.0f;
+    const uint8_t* h = b + (q51 ? 4 : 2);
+    const uint32_t qh = (uint32_t)h[0] | ((uint32_t)h[1] << 8) | ((uint32_t)h[2] << 16) | ((uint32_t)h[3] << 24);
+    const uint8_t* qs = h + 4;
+    for (int j = 0; j < 16; j++) {
+      const int q0 = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+      const int q1 = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      if (q51) {
+        out[j] = fw_add(fw_mul((float)q0, d), m);
+        out[j + 16] = fw_add(fw_mul((float)q1, d), m);
+      } else {
+        out[j] = fw_mul((float)(q0 - 16), d);
+        out[j + 16] = fw_mul((float)(q1 - 16), d);
+      }
     }
   } else if (TY == FW_Q8_0) {
     const uint8_t* b = row + (size_t)u * 34;
@@ -179,6 +202,8 @@ FW_HD void fw_unit_any(int ty, const uint8_t* row, int u, float* out) {
     case FW_Q4_1: fw_unit<FW_Q4_1>(row, u, out); break;
     case FW_Q8_0: fw_unit<FW_Q8_0>(row, u, out); break;
     case FW_Q4K: fw_unit<FW_Q4K>(row, u, out); break;
+    case FW_Q5_0: fw_unit<FW_Q5_0>(row, u, out); break;
+    case FW_Q5_1: fw_unit<FW_Q5_1>(row, u, out); break;
     default: fw_unit<FW_Q6K>(row, u, out); break;
   }
 }

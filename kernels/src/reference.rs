@@ -62,6 +62,26 @@ pub fn dequantize_block(ty: QuantType, src: &[u8], dst: &mut [f32]) {
                 dst[j + QK / 2] = (qs[j] >> 4) as f32 * d + m;
             }
         }
+        QuantType::Q5_0 | QuantType::Q5_1 => {
+            // ggml's dequantize_row_q5_0/q5_1: bit 4 of value j is bit j of qh.
+            let q5_1 = ty == QuantType::Q5_1;
+            let (d, m) = (rd16(src, 0), if q5_1 { rd16(src, 2) } else { 0.0 });
+            let at = if q5_1 { 4 } else { 2 };
+            let qh = u32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]]);
+            let qs = &src[at + 4..at + 20];
+            for j in 0..QK / 2 {
+                let h0 = ((qh >> j) & 1) << 4;
+                let h1 = ((qh >> (j + 16)) & 1) << 4;
+                let (q0, q1) = ((qs[j] & 0xF) as u32 | h0, (qs[j] >> 4) as u32 | h1);
+                if q5_1 {
+                    dst[j] = q0 as f32 * d + m;
+                    dst[j + QK / 2] = q1 as f32 * d + m;
+                } else {
+                    dst[j] = (q0 as i32 - 16) as f32 * d;
+                    dst[j + QK / 2] = (q1 as i32 - 16) as f32 * d;
+                }
+            }
+        }
         QuantType::Q8_0 => {
             let d = rd16(src, 0);
             for j in 0..QK {

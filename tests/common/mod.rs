@@ -146,6 +146,17 @@ impl TinySpec {
             ..TinySpec::small()
         }
     }
+    /// `small` in Q5_0 and Q5_1: what llama-quantize's K-quant presets write where 256 does not
+    /// divide a row (a Q4_K_M of SmolLM2's 576 wide rows, say).
+    pub fn q5() -> TinySpec {
+        use QuantType::*;
+        TinySpec {
+            formats: [Q5_0, Q5_1, Q5_0, Q5_1, Q5_0, Q5_1, Q5_0, Q8_0],
+            seed: 31,
+            ..TinySpec::small()
+        }
+    }
+
     pub fn k_quants() -> TinySpec {
         use QuantType::*;
         TinySpec {

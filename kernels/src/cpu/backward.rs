@@ -175,6 +175,8 @@ unsafe fn lb_any<S: Simd>(j: &Job, c0: usize, c1: usize) {
         QuantType::BF16 => lb::<S, dequant::BF16>(j, c0, c1),
         QuantType::Q4_0 => lb::<S, dequant::Q4_0>(j, c0, c1),
         QuantType::Q4_1 => lb::<S, dequant::Q4_1>(j, c0, c1),
+        QuantType::Q5_0 => lb::<S, dequant::Q5_0>(j, c0, c1),
+        QuantType::Q5_1 => lb::<S, dequant::Q5_1>(j, c0, c1),
         QuantType::Q8_0 => lb::<S, dequant::Q8_0>(j, c0, c1),
         QuantType::Q4K => lb::<S, dequant::Q4K>(j, c0, c1),
         QuantType::Q6K => lb::<S, dequant::Q6K>(j, c0, c1),

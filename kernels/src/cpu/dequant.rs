@@ -58,6 +58,8 @@ pub struct F16;
 pub struct BF16;
 pub struct Q4_0;
 pub struct Q4_1;
+pub struct Q5_0;
+pub struct Q5_1;
 pub struct Q8_0;
 pub struct Q4K;
 pub struct Q6K;
@@ -175,6 +177,55 @@ impl Format for Q4_1 {
     unsafe fn decode32<S: Simd>(src: *const u8, out: &mut [S::V; 4]) {
         let (d, m) = (S::splat(S::f16(src)), S::splat(S::f16(src.add(2))));
         nibble_decode::<S>(src.add(4), d, m, out)
+    }
+}
+
+/// Q5_0 and Q5_1 (the formats llama-quantize falls back to where a K-quant's 256 does not divide
+/// a row): decoded value by value in the reference's arithmetic (one product, and Q5_1's sum,
+/// each rounded once), then multiplied in the vector code like every format.
+#[inline(always)]
+unsafe fn dequant_q5(src: *const u8, dst: *mut f32, q5_1: bool) {
+    let half = |p: *const u8| crate::quant::f16_to_f32(u16::from_le_bytes([*p, *p.add(1)]));
+    let (d, m) = (half(src), if q5_1 { half(src.add(2)) } else { 0.0 });
+    let at = if q5_1 { 4 } else { 2 };
+    let qh = u32::from_le_bytes([
+        *src.add(at),
+        *src.add(at + 1),
+        *src.add(at + 2),
+        *src.add(at + 3),
+    ]);
+    let qs = src.add(at + 4);
+    for j in 0..16 {
+        let b = *qs.add(j);
+        let q0 = (b & 0xF) as u32 | (((qh >> j) & 1) << 4);
+        let q1 = (b >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
+        if q5_1 {
+            *dst.add(j) = q0 as f32 * d + m;
+            *dst.add(j + 16) = q1 as f32 * d + m;
+        } else {
+            *dst.add(j) = (q0 as i32 - 16) as f32 * d;
+            *dst.add(j + 16) = (q1 as i32 - 16) as f32 * d;
+        }
+    }
+}
+
+impl Format for Q5_0 {
+    const TY: QuantType = QuantType::Q5_0;
+    const BS: usize = 32;
+    const BB: usize = 22;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        dequant_q5(src, dst, false)
+    }
+}
+
+impl Format for Q5_1 {
+    const TY: QuantType = QuantType::Q5_1;
+    const BS: usize = 32;
+    const BB: usize = 24;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        dequant_q5(src, dst, true)
     }
 }
 
@@ -370,6 +421,8 @@ unsafe fn dequant_any<S: Simd>(ty: QuantType, src: *const u8, dst: *mut f32, n: 
         QuantType::BF16 => dequant_row::<S, BF16>(src, dst, n),
         QuantType::Q4_0 => dequant_row::<S, Q4_0>(src, dst, n),
         QuantType::Q4_1 => dequant_row::<S, Q4_1>(src, dst, n),
+        QuantType::Q5_0 => dequant_row::<S, Q5_0>(src, dst, n),
+        QuantType::Q5_1 => dequant_row::<S, Q5_1>(src, dst, n),
         QuantType::Q8_0 => dequant_row::<S, Q8_0>(src, dst, n),
         QuantType::Q4K => dequant_row::<S, Q4K>(src, dst, n),
         QuantType::Q6K => dequant_row::<S, Q6K>(src, dst, n),

@@ -298,6 +298,8 @@ unsafe fn task_generic<S: Simd>(j: &JobRef, r0: usize, r1: usize) {
         QuantType::BF16 => task_fmt::<S, dequant::BF16>(j, r0, r1),
         QuantType::Q4_0 => task_fmt::<S, dequant::Q4_0>(j, r0, r1),
         QuantType::Q4_1 => task_fmt::<S, dequant::Q4_1>(j, r0, r1),
+        QuantType::Q5_0 => task_fmt::<S, dequant::Q5_0>(j, r0, r1),
+        QuantType::Q5_1 => task_fmt::<S, dequant::Q5_1>(j, r0, r1),
         QuantType::Q8_0 => task_fmt::<S, dequant::Q8_0>(j, r0, r1),
         QuantType::Q4K => task_fmt::<S, dequant::Q4K>(j, r0, r1),
         QuantType::Q6K => task_fmt::<S, dequant::Q6K>(j, r0, r1),

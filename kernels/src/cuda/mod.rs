@@ -33,6 +33,8 @@ pub const KERNELS: &[&str] = &[
     "fw_matmul_bf16",
     "fw_matmul_q4_0",
     "fw_matmul_q4_1",
+    "fw_matmul_q5_0",
+    "fw_matmul_q5_1",
     "fw_matmul_q8_0",
     "fw_matmul_q4_k",
     "fw_matmul_q6_k",
@@ -41,6 +43,8 @@ pub const KERNELS: &[&str] = &[
     "fw_embed_bf16",
     "fw_embed_q4_0",
     "fw_embed_q4_1",
+    "fw_embed_q5_0",
+    "fw_embed_q5_1",
     "fw_embed_q8_0",
     "fw_embed_q4_k",
     "fw_embed_q6_k",
@@ -74,6 +78,8 @@ pub fn type_code(ty: QuantType) -> i32 {
         QuantType::Q8_0 => 5,
         QuantType::Q4K => 6,
         QuantType::Q6K => 7,
+        QuantType::Q5_0 => 8,
+        QuantType::Q5_1 => 9,
     }
 }
 
@@ -88,6 +94,8 @@ fn type_name(ty: QuantType) -> &'static str {
         QuantType::Q8_0 => "q8_0",
         QuantType::Q4K => "q4_k",
         QuantType::Q6K => "q6_k",
+        QuantType::Q5_0 => "q5_0",
+        QuantType::Q5_1 => "q5_1",
     }
 }
 

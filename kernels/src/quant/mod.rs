@@ -8,6 +8,8 @@ pub enum QuantType {
     BF16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     Q4K,
     Q6K,
@@ -27,6 +29,22 @@ pub struct BlockQ4_0 {
 pub struct BlockQ4_1 {
     pub d: u16,
     pub m: u16,
+    pub qs: [u8; QK / 2],
+}
+/// Q5_0: 32 values as `(q - 16) * d`, q of 5 bits: the low 4 in nibbles as Q4_0's (values 0..16
+/// low, 16..32 high), bit 4 of value j in bit j of `qh` (little-endian u32).
+#[repr(C)]
+pub struct BlockQ5_0 {
+    pub d: u16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK / 2],
+}
+/// Q5_1: 32 values as `q * d + m`, q of 5 bits laid out as Q5_0's.
+#[repr(C)]
+pub struct BlockQ5_1 {
+    pub d: u16,
+    pub m: u16,
+    pub qh: [u8; 4],
     pub qs: [u8; QK / 2],
 }
 /// Q8_0: 32 values as `qs[j] * d`.
@@ -54,17 +72,21 @@ pub struct BlockQ6K {
 
 const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
 const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
+const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
 const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
 
 impl QuantType {
-    pub const ALL: [QuantType; 8] = [
+    pub const ALL: [QuantType; 10] = [
         QuantType::F32,
         QuantType::F16,
         QuantType::BF16,
         QuantType::Q4_0,
         QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
         QuantType::Q8_0,
         QuantType::Q4K,
         QuantType::Q6K,
@@ -77,6 +99,8 @@ impl QuantType {
             QuantType::F16 => 1,
             QuantType::Q4_0 => 2,
             QuantType::Q4_1 => 3,
+            QuantType::Q5_0 => 6,
+            QuantType::Q5_1 => 7,
             QuantType::Q8_0 => 8,
             QuantType::Q4K => 12,
             QuantType::Q6K => 14,
@@ -96,6 +120,8 @@ impl QuantType {
             QuantType::BF16 => "BF16",
             QuantType::Q4_0 => "Q4_0",
             QuantType::Q4_1 => "Q4_1",
+            QuantType::Q5_0 => "Q5_0",
+            QuantType::Q5_1 => "Q5_1",
             QuantType::Q8_0 => "Q8_0",
             QuantType::Q4K => "Q4_K",
             QuantType::Q6K => "Q6_K",
@@ -106,7 +132,11 @@ impl QuantType {
     pub fn block_size(self) -> usize {
         match self {
             QuantType::F32 | QuantType::F16 | QuantType::BF16 => 1,
-            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 => QK,
+            QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::Q8_0 => QK,
             QuantType::Q4K | QuantType::Q6K => QK_K,
         }
     }
@@ -118,6 +148,8 @@ impl QuantType {
             QuantType::F16 | QuantType::BF16 => 2,
             QuantType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
             QuantType::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
+            QuantType::Q5_0 => std::mem::size_of::<BlockQ5_0>(),
+            QuantType::Q5_1 => std::mem::size_of::<BlockQ5_1>(),
             QuantType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
             QuantType::Q4K => std::mem::size_of::<BlockQ4K>(),
             QuantType::Q6K => std::mem::size_of::<BlockQ6K>(),

@@ -23,6 +23,8 @@ pub fn quantize(ty: QuantType, x: &[f32]) -> Vec<u8> {
             .for_each(|v| out.extend_from_slice(&f32_to_bf16(*v).to_le_bytes())),
         QuantType::Q4_0 => x.chunks(QK).for_each(|b| q4_0(b, &mut out)),
         QuantType::Q4_1 => x.chunks(QK).for_each(|b| q4_1(b, &mut out)),
+        QuantType::Q5_0 => x.chunks(QK).for_each(|b| q5_0(b, &mut out)),
+        QuantType::Q5_1 => x.chunks(QK).for_each(|b| q5_1(b, &mut out)),
         QuantType::Q8_0 => x.chunks(QK).for_each(|b| q8_0(b, &mut out)),
         QuantType::Q4K => x.chunks(QK_K).for_each(|b| q4_k(b, &mut out)),
         QuantType::Q6K => x.chunks(QK_K).for_each(|b| q6_k(b, &mut out)),
@@ -62,6 +64,51 @@ fn q4_1(x: &[f32], out: &mut Vec<u8>) {
         let hi = (((x[j + QK / 2] - min) * id + 0.5) as i32).clamp(0, 15) as u8;
         out.push(lo | (hi << 4));
     }
+}
+
+/// 5-bit codes of a block into Q5's layout: low nibbles as Q4's, bit 4 of value j in bit j of qh.
+fn push_q5(q: &[u8; QK], out: &mut Vec<u8>) {
+    let mut qh = 0u32;
+    for (j, &v) in q.iter().enumerate() {
+        qh |= ((v as u32 >> 4) & 1) << j;
+    }
+    out.extend_from_slice(&qh.to_le_bytes());
+    for j in 0..QK / 2 {
+        out.push((q[j] & 0xF) | ((q[j + QK / 2] & 0xF) << 4));
+    }
+}
+
+fn q5_0(x: &[f32], out: &mut Vec<u8>) {
+    // As ggml: the value of largest magnitude maps to -16.
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -16.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
+    let mut q = [0u8; QK];
+    for (c, &v) in q.iter_mut().zip(x) {
+        *c = ((v * id + 16.5) as i32).clamp(0, 31) as u8;
+    }
+    push_q5(&q, out);
+}
+
+fn q5_1(x: &[f32], out: &mut Vec<u8>) {
+    let min = x.iter().cloned().fold(f32::INFINITY, f32::min);
+    let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let d = (max - min) / 31.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
+    out.extend_from_slice(&f32_to_f16(min).to_le_bytes());
+    let mut q = [0u8; QK];
+    for (c, &v) in q.iter_mut().zip(x) {
+        *c = (((v - min) * id + 0.5) as i32).clamp(0, 31) as u8;
+    }
+    push_q5(&q, out);
 }
 
 fn q8_0(x: &[f32], out: &mut Vec<u8>) {
