@@ -8,12 +8,12 @@
 
 mod common;
 
-use common::Rng;
+use common::{seq, Rng};
 use flywheel_kernels::cpu::ops;
 use flywheel_kernels::cuda::{Gpu, GpuKv, KERNELS, PTXAS_REPORT};
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::quant::{f16_to_f32, f32_to_f16};
-use flywheel_kernels::reference::{self, AttnSeq, PagedKv, RopeLayout, F16};
+use flywheel_kernels::reference::{self, PagedKv, RopeLayout, F16};
 use flywheel_kernels::QuantType;
 
 /// The GPU, or None after saying why there is none (a failure where one is required).
@@ -395,26 +395,7 @@ fn attention_case<E: GpuKv>(
         .map(|i| (n_blocks - 2 - 2 * i) as u32)
         .collect();
     // The whole context of each, written through the GPU's cache writer.
-    let ctx = [
-        AttnSeq {
-            q_start: 0,
-            q_len: 21,
-            first_pos: 0,
-            block_table: &t1,
-        },
-        AttnSeq {
-            q_start: 21,
-            q_len: 38,
-            first_pos: 0,
-            block_table: &t2,
-        },
-        AttnSeq {
-            q_start: 59,
-            q_len: 14,
-            first_pos: 0,
-            block_table: &t3,
-        },
-    ];
+    let ctx = [seq(0, 21, 0, &t1), seq(21, 38, 0, &t2), seq(59, 14, 0, &t3)];
     let n_ctx = 73;
     let k = rng.vec(n_ctx * kv_dim, 1.0);
     let v = rng.vec(n_ctx * kv_dim, 1.0);
@@ -476,26 +457,7 @@ fn attention_case<E: GpuKv>(
     );
 
     // Queries: the prefill's 21, the decode's 1 at 37, the chunk's 5 at 9..14.
-    let seqs = [
-        AttnSeq {
-            q_start: 0,
-            q_len: 21,
-            first_pos: 0,
-            block_table: &t1,
-        },
-        AttnSeq {
-            q_start: 21,
-            q_len: 1,
-            first_pos: 37,
-            block_table: &t2,
-        },
-        AttnSeq {
-            q_start: 22,
-            q_len: 5,
-            first_pos: 9,
-            block_table: &t3,
-        },
-    ];
+    let seqs = [seq(0, 21, 0, &t1), seq(21, 1, 37, &t2), seq(22, 5, 9, &t3)];
     let n = 27;
     let q = rng.vec(n * n_heads * hd, 1.0);
     let mut want = vec![0f32; q.len()];
@@ -550,35 +512,17 @@ fn bad_shapes_are_refused_before_launch() {
         "x too short for 2 tokens"
     );
     let table = [3u32];
-    let seq = [AttnSeq {
-        q_start: 0,
-        q_len: 1,
-        first_pos: 0,
-        block_table: &table,
-    }];
-    assert!(g.tokens(&seq, 16, 3).is_err(), "block 3 of a 3-block cache");
-    let long = [AttnSeq {
-        q_start: 0,
-        q_len: 1,
-        first_pos: 16,
-        block_table: &[0],
-    }];
+    let past = [seq(0, 1, 0, &table)];
+    assert!(
+        g.tokens(&past, 16, 3).is_err(),
+        "block 3 of a 3-block cache"
+    );
+    let long = [seq(0, 1, 16, &[0])];
     assert!(
         g.tokens(&long, 16, 3).is_err(),
         "position 16 in one block of 16"
     );
-    let toks = g
-        .tokens(
-            &[AttnSeq {
-                q_start: 0,
-                q_len: 1,
-                first_pos: 0,
-                block_table: &[0],
-            }],
-            16,
-            1,
-        )
-        .unwrap();
+    let toks = g.tokens(&[seq(0, 1, 0, &[0])], 16, 1).unwrap();
     let kc = g.zeros::<f32>(16 * 64).unwrap();
     let mut out = g.zeros::<f32>(64).unwrap();
     assert!(

@@ -152,8 +152,6 @@ const GGML_MAX_DIMS: u32 = 4;
 /// Names of ggml type ids we recognise but cannot compute with, for error messages.
 fn ggml_type_name(id: u32) -> &'static str {
     match id {
-        6 => "Q5_0",
-        7 => "Q5_1",
         9 => "Q8_1",
         10 => "Q2_K",
         11 => "Q3_K",

@@ -1,6 +1,7 @@
 //! Shared by the kernel tests: a small deterministic generator (SplitMix64) so failures reproduce.
 #![allow(dead_code)]
 
+use flywheel_kernels::reference::AttnSeq;
 use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use std::time::Duration;
 
@@ -29,5 +30,15 @@ impl Rng {
     }
     pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+/// One sequence of a packed batch: rows `q_start..q_start + q_len`, the first at `first_pos`.
+pub fn seq(q_start: usize, q_len: usize, first_pos: usize, block_table: &[u32]) -> AttnSeq<'_> {
+    AttnSeq {
+        q_start,
+        q_len,
+        first_pos,
+        block_table,
     }
 }

@@ -24,6 +24,16 @@ use flywheel_kernels::reference::F16;
 use flywheel_kernels::{Cpu, Matmul};
 use std::ops::Range;
 
+/// A batch as rows: the tokens and their positions, each sequence's attention span, and the rows
+/// whose logits and whose hidden states are wanted.
+pub(super) struct Packed<'a> {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub attn: Vec<AttnSeq<'a>>,
+    pub logit_rows: Vec<usize>,
+    pub hidden_rows: Vec<usize>,
+}
+
 /// Which logits a sequence of the batch wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -160,29 +170,13 @@ impl Llama {
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let hidden = c.hidden;
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut logit_rows = Vec::new();
-        let mut hidden_rows = Vec::new();
-        let mut attn = Vec::with_capacity(batch.len());
-        for s in batch {
-            self.check_seq(s, cache.block_size)?;
-            let start = tokens.len();
-            match s.logits {
-                Logits::None => {}
-                Logits::Last => logit_rows.push(start + s.tokens.len() - 1),
-                Logits::All => logit_rows.extend(start..start + s.tokens.len()),
-                Logits::Hidden => hidden_rows.extend(start..start + s.tokens.len()),
-            }
-            attn.push(AttnSeq {
-                q_start: start,
-                q_len: s.tokens.len(),
-                first_pos: s.first_pos,
-                block_table: s.block_table,
-            });
-            tokens.extend_from_slice(s.tokens);
-            positions.extend((s.first_pos..s.first_pos + s.tokens.len()).map(|p| p as u32));
-        }
+        let Packed {
+            tokens,
+            positions,
+            attn,
+            logit_rows,
+            hidden_rows,
+        } = self.pack(batch, cache.block_size)?;
         let groups = adapter_groups(batch);
         let t = tokens.len();
         let (rope, rope_local) = self.rope_tables(&positions);
@@ -467,6 +461,43 @@ impl Llama {
         let mut a = LayerActs::default();
         self.layer(cpu, l, bufs, KvAccess::Read(cache), io, Some(&mut a), false);
         a
+    }
+
+    /// The batch packed into rows, each sequence checked (`check_seq`): what the CPU and the GPU
+    /// forward both start from.
+    pub(super) fn pack<'a>(
+        &self,
+        batch: &[BatchSeq<'a>],
+        block_size: usize,
+    ) -> Result<Packed<'a>, ModelError> {
+        let mut p = Packed {
+            tokens: Vec::new(),
+            positions: Vec::new(),
+            attn: Vec::with_capacity(batch.len()),
+            logit_rows: Vec::new(),
+            hidden_rows: Vec::new(),
+        };
+        for s in batch {
+            self.check_seq(s, block_size)?;
+            let start = p.tokens.len();
+            let rows = start..start + s.tokens.len();
+            match s.logits {
+                Logits::None => {}
+                Logits::Last => p.logit_rows.push(rows.end - 1),
+                Logits::All => p.logit_rows.extend(rows),
+                Logits::Hidden => p.hidden_rows.extend(rows),
+            }
+            p.attn.push(AttnSeq {
+                q_start: start,
+                q_len: s.tokens.len(),
+                first_pos: s.first_pos,
+                block_table: s.block_table,
+            });
+            p.tokens.extend_from_slice(s.tokens);
+            p.positions
+                .extend((s.first_pos..s.first_pos + s.tokens.len()).map(|p| p as u32));
+        }
+        Ok(p)
     }
 
     /// A sequence the forward can run over a cache of blocks of `block_size` positions.

@@ -15,7 +15,7 @@
 //! so does every step of a mixture of experts: its routing is read back and grouped on the host
 //! (`moe::route`, the CPU forward's own), each expert's rows then run as one product on the GPU.
 
-use super::forward::{adapter_groups, AdapterGroup, BatchSeq, Logits};
+use super::forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Packed};
 use super::moe::{ranges, route, MoeActs};
 use super::{Activation, ForwardBuffers, Llama, Mlp, ModelError, MoeConfig, Weight};
 use crate::adapter::{Method, Target};
@@ -328,30 +328,15 @@ impl GpuLlama {
     ) -> Result<(), ModelError> {
         let c = &model.config;
         self.step += 1;
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut logit_rows: Vec<u32> = Vec::new();
-        let mut hidden_rows: Vec<u32> = Vec::new();
-        let mut attn = Vec::with_capacity(batch.len());
-        for s in batch {
-            model.check_seq(s, self.block_size)?;
-            let start = tokens.len();
-            let rows = start as u32..(start + s.tokens.len()) as u32;
-            match s.logits {
-                Logits::None => {}
-                Logits::Last => logit_rows.push(rows.end - 1),
-                Logits::All => logit_rows.extend(rows),
-                Logits::Hidden => hidden_rows.extend(rows),
-            }
-            attn.push(AttnSeq {
-                q_start: start,
-                q_len: s.tokens.len(),
-                first_pos: s.first_pos,
-                block_table: s.block_table,
-            });
-            tokens.extend_from_slice(s.tokens);
-            positions.extend((s.first_pos..s.first_pos + s.tokens.len()).map(|p| p as u32));
-        }
+        let Packed {
+            mut tokens,
+            mut positions,
+            mut attn,
+            logit_rows,
+            hidden_rows,
+        } = model.pack(batch, self.block_size)?;
+        let mut logit_rows: Vec<u32> = logit_rows.into_iter().map(|r| r as u32).collect();
+        let hidden_rows: Vec<u32> = hidden_rows.into_iter().map(|r| r as u32).collect();
         let t = tokens.len();
         if t > self.max_tokens {
             return Err(ModelError::Batch(format!(
