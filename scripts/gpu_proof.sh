@@ -7,6 +7,9 @@
 #                                forward of every dense family against the CPU's, graphs = eager
 #                                bit for bit, adapters; compute-sanitizer memcheck and racecheck;
 #                                the server's HTTP tests on --device cuda
+#   scripts/gpu_proof.sh llamacpp  (optional, before speed; carry gpu-llamacpp from
+#                                scripts/gpu-llamacpp in its own call) llama.cpp's CUDA build of
+#                                llama-bench for sm_90 into gpu-bundle/llama-bench
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -70,8 +73,26 @@ speed)
     fi
   done
   ;;
+llamacpp)
+  L=gpu-llamacpp
+  [ -f "$L/llama.cpp.tar.gz" ] || { echo "no $L: run scripts/gpu-llamacpp and carry $L"; exit 99; }
+  rm -rf /tmp/llama.cpp && tar xzf "$L/llama.cpp.tar.gz" -C /tmp
+  printf '%s\n' 'llama_add_compile_flags()' 'add_subdirectory(llama-bench)' >/tmp/llama.cpp/tools/CMakeLists.txt
+  CMAKE=$(command -v cmake || true)
+  if [ -z "$CMAKE" ]; then
+    python3 -m zipfile -e "$L"/cmake-*.whl /tmp/cmake-wheel >/dev/null
+    CMAKE=$(find /tmp/cmake-wheel -path '*/bin/cmake' | head -1)
+    chmod +x "$CMAKE"
+  fi
+  step llamacpp-configure "$CMAKE" -S /tmp/llama.cpp -B /tmp/llama.cpp/build -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
+  step llamacpp-build "$CMAKE" --build /tmp/llama.cpp/build --target llama-bench -j "$(nproc)"
+  cp /tmp/llama.cpp/build/bin/llama-bench "$B/llama-bench" && echo "  built $B/llama-bench" | tee -a "$SUMMARY"
+  ;;
 *)
-  echo "usage: scripts/gpu_proof.sh check|speed" >&2
+  echo "usage: scripts/gpu_proof.sh check|llamacpp|speed" >&2
   exit 2
   ;;
 esac
