@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::naive::naive_logprobs;
 use common::{logprobs_all, python_json, write_tiny, TinySpec};
 use flywheel::kernels::{Cpu, QuantType};
 use flywheel::model::llama::Llama;
@@ -66,6 +67,75 @@ fn every_family_agrees_with_llama_cpp_on_the_same_file() {
             spec.arch
         );
     }
+}
+
+/// `src` quantized by llama.cpp's own quantizer (llama-quantize's code, through llama-cpp-python)
+/// to the Q4_K_M preset into `dst`; the formats of the file written (None: no llama_cpp).
+fn llama_quantize(src: &std::path::Path, dst: &std::path::Path) -> Option<Vec<String>> {
+    let script = r#"
+import ctypes, json, sys
+try:
+    import llama_cpp
+    from gguf import GGUFReader
+except ImportError:
+    print("null"); sys.exit(0)
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+p.nthread = 1
+assert llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)) == 0
+print(json.dumps(sorted({t.tensor_type.name for t in GGUFReader(sys.argv[2]).tensors})))
+"#;
+    python_json(script, &[src.to_str().unwrap(), dst.to_str().unwrap()])
+}
+
+/// Files as users make them: each family converted from transformers by llama.cpp's converter
+/// (tests/fixtures/hf) and quantized with llama-quantize's Q4_K_M preset, which on these 64-wide
+/// rows writes the Q5_0, Q5_1 and Q8_0 it falls back to where 256 does not divide a row. Our
+/// forward equals exact math on the file (the naive f64 forward, whose dequantization
+/// tests/quant_llamacpp.rs checks against llama.cpp's) as on our own files, and agrees with
+/// llama.cpp running the same file within what llama.cpp's 8-bit activations cost.
+#[test]
+fn llama_quantize_q4_k_m_files_of_every_family_load_and_agree() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    let dir = tempfile::tempdir().unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for family in ["llama3", "qwen2", "qwen3", "qwen3moe", "gemma3"] {
+        let path = dir.path().join(format!("{family}.Q4_K_M.gguf"));
+        let Some(types) = llama_quantize(&root.join(family).join("model.gguf"), &path) else {
+            eprintln!("skipped: llama_cpp (llama-cpp-python) or gguf is not installed");
+            return;
+        };
+        seen.extend(types);
+        let model = Llama::open(&path).unwrap();
+        let tokens: Vec<u32> = (0..24).map(|i| (i * 41 + 7) % 250 + 3).collect();
+        let got = logprobs_all(&model, &Cpu::detect(), &tokens, None);
+        let exact = naive_logprobs(&path, &tokens);
+        let to_naive = max_abs(&got, &exact);
+        let want = llamacpp_logprobs(&path, &tokens).expect("llama_cpp quantized the file");
+        let to_llamacpp = max_abs(&got, &want);
+        eprintln!("{family} Q4_K_M: max |Δ log-prob| vs naive {to_naive:.2e}, vs llama.cpp {to_llamacpp:.2e}");
+        assert!(to_naive < 1e-4, "{family}: vs the naive forward {to_naive}");
+        // llama.cpp rounds activations to 8 bits for these products; on these tiny random models
+        // that moves its log-probs by 0.2–0.6, while quantizing the weights moved exact math by
+        // 1.3–3.0 (measured). A misread file would differ from llama.cpp by the latter's order.
+        let orig = naive_logprobs(&root.join(family).join("model.gguf"), &tokens);
+        let quantization = max_abs_f64(&exact, &orig);
+        eprintln!("  quantizing the weights moved exact math by {quantization:.2e}");
+        assert!(
+            to_llamacpp < 0.3 * quantization,
+            "{family}: vs llama.cpp {to_llamacpp}, the quantization's own effect {quantization}"
+        );
+    }
+    for t in ["Q5_0", "Q5_1", "Q8_0"] {
+        assert!(seen.contains(t), "llama-quantize wrote no {t}: {seen:?}");
+    }
+}
+
+fn max_abs(a: &[Vec<f32>], b: &[Vec<f64>]) -> f64 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (*p as f64 - q).abs()))
+        .fold(0.0, f64::max)
 }
 
 /// llama.cpp's token ids for each text (None: no llama_cpp); with `special`, control tokens
@@ -191,4 +261,11 @@ fn sentencepiece_vocabularies_tokenize_like_llama_cpp() {
             );
         }
     }
+}
+
+fn max_abs_f64(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f64::max)
 }
