@@ -2,6 +2,10 @@
 //! feature, on a machine with an NVIDIA driver and a GPU of sm_80 or later). `--device auto`
 //! picks the GPU where one is usable and says at start-up why not otherwise.
 
+use super::EngineConfig;
+use crate::model::kv_cache::KvCache;
+use crate::model::llama::Llama;
+
 /// What `--device` / `engine.device` asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceChoice {
@@ -82,6 +86,56 @@ pub fn select(choice: DeviceChoice, cpu_reason: Option<&str>) -> Result<Device, 
                 Ok(Device::Cpu)
             }
         },
+    }
+}
+
+/// Where the forwards run and the KV cache lives.
+pub(super) enum Backend {
+    Cpu(KvCache),
+    #[cfg(feature = "cuda")]
+    Gpu(Box<crate::model::llama::GpuLlama>),
+}
+
+/// The KV cache (and, on a GPU, the model's copy there) on `device`.
+pub(super) fn backend(
+    model: &Llama,
+    cfg: &EngineConfig,
+    device: Device,
+) -> Result<Backend, String> {
+    let c = &model.config;
+    match device {
+        Device::Cpu => Ok(Backend::Cpu(KvCache::with_dtype(
+            c.num_layers,
+            c.kv_dim(),
+            cfg.block_size,
+            cfg.num_kv_blocks,
+            model.kv_dtype,
+        ))),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => {
+            let shape = crate::model::llama::GpuShape {
+                num_kv_blocks: cfg.num_kv_blocks,
+                block_size: cfg.block_size,
+                max_tokens: cfg.max_num_batched_tokens,
+                max_seqs: cfg.max_num_seqs,
+                max_model_len: c.context_length,
+                graphs: std::env::var("FLYWHEEL_CUDA_GRAPHS").as_deref() != Ok("0"),
+            };
+            let g = crate::model::llama::GpuLlama::new(gpu, model, shape)
+                .map_err(|e| format!("the CUDA engine: {e}"))?;
+            tracing::info!(
+                "device: cuda, {} ({} KV blocks of {}, decode graphs {})",
+                g.describe(),
+                cfg.num_kv_blocks,
+                cfg.block_size,
+                if shape.graphs {
+                    "on"
+                } else {
+                    "off (FLYWHEEL_CUDA_GRAPHS=0)"
+                }
+            );
+            Ok(Backend::Gpu(Box::new(g)))
+        }
     }
 }
 

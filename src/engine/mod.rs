@@ -13,7 +13,6 @@ pub mod scheduler;
 pub mod sequence;
 
 use crate::metrics::Metrics;
-use crate::model::kv_cache::KvCache;
 use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
 use crate::model::tokenizer::Tokenizer;
 use block_manager::BlockManager;
@@ -53,7 +52,7 @@ pub struct Engine {
     /// Shared with whoever else runs forwards on the same weights (the trainer, later): the pool
     /// serializes parallel regions, so each product keeps the cores for its own duration only.
     cpu: Arc<Cpu>,
-    backend: Backend,
+    backend: device::Backend,
     bufs: ForwardBuffers,
     sched: Scheduler,
     outputs: HashMap<SeqId, SeqOutput>,
@@ -61,13 +60,6 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     inbox: mpsc::Receiver<Command>,
     last_prefix: (u64, u64),
-}
-
-/// Where the forwards run and the KV cache lives.
-enum Backend {
-    Cpu(KvCache),
-    #[cfg(feature = "cuda")]
-    Gpu(Box<crate::model::llama::GpuLlama>),
 }
 
 impl Engine {
@@ -111,7 +103,7 @@ impl Engine {
             .stack_size(grammar_bounds::COMPILE_STACK)
             .spawn(move || {
                 let _guard = AliveGuard(alive);
-                let backend = match Engine::backend(&model, &cfg, device) {
+                let backend = match device::backend(&model, &cfg, device) {
                     Ok(b) => b,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -152,49 +144,6 @@ impl Engine {
             Err(_) => Err(std::io::Error::other(
                 "the engine stopped before it was ready (see the log)",
             )),
-        }
-    }
-
-    /// The KV cache (and, on a GPU, the model's copy there) on `device`.
-    fn backend(
-        model: &Llama,
-        cfg: &EngineConfig,
-        device: device::Device,
-    ) -> Result<Backend, String> {
-        let c = &model.config;
-        match device {
-            device::Device::Cpu => Ok(Backend::Cpu(KvCache::with_dtype(
-                c.num_layers,
-                c.kv_dim(),
-                cfg.block_size,
-                cfg.num_kv_blocks,
-                model.kv_dtype,
-            ))),
-            #[cfg(feature = "cuda")]
-            device::Device::Cuda(gpu) => {
-                let shape = crate::model::llama::GpuShape {
-                    num_kv_blocks: cfg.num_kv_blocks,
-                    block_size: cfg.block_size,
-                    max_tokens: cfg.max_num_batched_tokens,
-                    max_seqs: cfg.max_num_seqs,
-                    max_model_len: c.context_length,
-                    graphs: std::env::var("FLYWHEEL_CUDA_GRAPHS").as_deref() != Ok("0"),
-                };
-                let g = crate::model::llama::GpuLlama::new(gpu, model, shape)
-                    .map_err(|e| format!("the CUDA engine: {e}"))?;
-                tracing::info!(
-                    "device: cuda, {} ({} KV blocks of {}, decode graphs {})",
-                    g.describe(),
-                    cfg.num_kv_blocks,
-                    cfg.block_size,
-                    if shape.graphs {
-                        "on"
-                    } else {
-                        "off (FLYWHEEL_CUDA_GRAPHS=0)"
-                    }
-                );
-                Ok(Backend::Gpu(Box::new(g)))
-            }
         }
     }
 
@@ -391,9 +340,9 @@ impl Engine {
                 .expect("spawn the grammar mask thread")
             });
             let result = std::panic::catch_unwind(AssertUnwindSafe(|| match backend {
-                Backend::Cpu(cache) => model.forward_into(cpu, cache, &batch, bufs),
+                device::Backend::Cpu(cache) => model.forward_into(cpu, cache, &batch, bufs),
                 #[cfg(feature = "cuda")]
-                Backend::Gpu(g) => g.forward_into(model, &batch, bufs),
+                device::Backend::Gpu(g) => g.forward_into(model, &batch, bufs),
             }));
             // The thread catches its panics, so joining it does not fail.
             let ahead = masks.and_then(|h| h.join().ok()).unwrap_or_default();

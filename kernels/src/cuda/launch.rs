@@ -3,25 +3,24 @@
 //! and outputs are any device buffer or view of one (`DevicePtr`/`DevicePtrMut`), so that a
 //! forward works on rows of its buffers in place.
 
-use super::{check, type_name, DeviceMatrix, Gpu, GpuError, GpuKv, Result};
+use super::{check, type_name, DeviceMatrix, Gpu, Result};
 use crate::quant::QuantType;
-use crate::reference::{AttnSeq, RopeLayout};
+use crate::reference::RopeLayout;
 use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig, PushKernelArg,
 };
 
 /// Tokens per matmul block row-pass (`FW_MM_TOKENS`), warps per matmul block.
 const MM_TOKENS: usize = 8;
 const MM_WARPS: usize = 4;
 /// Threads of the row kernels and of the elementwise ones.
-const ROW_THREADS: u32 = 256;
+pub(super) const ROW_THREADS: u32 = 256;
 /// Warps of the attention kernel (`FW_ATT_WARPS`).
-const ATT_WARPS: u32 = 4;
+pub(super) const ATT_WARPS: u32 = 4;
 /// The largest head dimension the attention kernel takes (`FW_MAX_HEAD_DIM`).
 pub const ATT_MAX_HEAD_DIM: usize = 256;
 
-fn grid1(n: usize, threads: u32) -> LaunchConfig {
+pub(super) fn grid1(n: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u64).div_ceil(threads as u64).max(1) as u32, 1, 1),
         block_dim: (threads, 1, 1),
@@ -37,54 +36,28 @@ fn rows(n: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-fn len_at_least<T>(s: &impl DeviceSlice<T>, n: usize, what: &str) -> Result<()> {
+pub(super) fn len_at_least<T>(s: &impl DeviceSlice<T>, n: usize, what: &str) -> Result<()> {
     check(s.len() >= n, || {
         format!("{what}: {} values, {n} needed", s.len())
     })
 }
 
-/// The per-token metadata of a packed batch on the GPU (`FwTokens`): each token's position and
-/// where its sequence's block table starts, every table entry checked against the cache's size.
-/// Its buffers keep their addresses when rewritten (`Gpu::set_tokens`), so that a captured graph
-/// reads each step's values.
-pub struct Tokens {
-    pub n: usize,
-    pub block_size: usize,
-    pub n_blocks: usize,
-    block_tables: CudaSlice<u32>,
-    table_at: CudaSlice<i32>,
-    pos: CudaSlice<i32>,
-}
-
-impl Tokens {
-    /// The most tokens and block table entries it holds.
-    pub fn capacity(&self) -> (usize, usize) {
-        (self.pos.len(), self.block_tables.len())
-    }
-}
-
-/// `FwTokens` as the kernels take it: three device pointers.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct FwTokens {
-    block_tables: u64,
-    table_at: u64,
-    pos: u64,
-}
-// SAFETY: plain data with the C layout of `FwTokens` in cuda/kernels.cu.
-unsafe impl DeviceRepr for FwTokens {}
-
 impl Gpu {
-    fn ptr<T>(&self, s: &impl DevicePtr<T>) -> u64 {
+    pub(super) fn ptr<T>(&self, s: &impl DevicePtr<T>) -> u64 {
         // Event tracking is off (`Gpu::open`): the guard has nothing to record.
         s.device_ptr(self.stream()).0
     }
 
-    fn ptr_mut<T>(&self, s: &mut impl DevicePtrMut<T>) -> u64 {
+    pub(super) fn ptr_mut<T>(&self, s: &mut impl DevicePtrMut<T>) -> u64 {
         s.device_ptr_mut(self.stream()).0
     }
 
-    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
+    pub(super) fn launch(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &[&dyn Arg],
+    ) -> Result<()> {
         let mut b = self.stream().launch_builder(f);
         for a in args {
             a.push(&mut b);
@@ -93,89 +66,6 @@ impl Gpu {
         // kernel's parameters in its order and types.
         unsafe { b.launch(cfg) }?;
         Ok(())
-    }
-
-    /// Metadata buffers for up to `max_tokens` tokens and `max_table` block table entries.
-    pub fn tokens_with_capacity(&self, max_tokens: usize, max_table: usize) -> Result<Tokens> {
-        Ok(Tokens {
-            n: 0,
-            block_size: 1,
-            n_blocks: 0,
-            block_tables: self.zeros(max_table.max(1))?,
-            table_at: self.zeros(max_tokens.max(1))?,
-            pos: self.zeros(max_tokens.max(1))?,
-        })
-    }
-
-    /// The metadata of `seqs` (rows q_start..q_start+q_len, packed from 0) over a cache of
-    /// `n_blocks` blocks of `block_size` positions.
-    pub fn tokens(&self, seqs: &[AttnSeq], block_size: usize, n_blocks: usize) -> Result<Tokens> {
-        let n = seqs.iter().map(|s| s.q_start + s.q_len).max().unwrap_or(0);
-        let table: usize = seqs.iter().map(|s| s.block_table.len()).sum();
-        let mut t = self.tokens_with_capacity(n, table)?;
-        self.set_tokens(&mut t, seqs, block_size, n_blocks)?;
-        Ok(t)
-    }
-
-    /// Rewrite `t` in place (its buffers keep their addresses) for `seqs`.
-    pub fn set_tokens(
-        &self,
-        t: &mut Tokens,
-        seqs: &[AttnSeq],
-        block_size: usize,
-        n_blocks: usize,
-    ) -> Result<()> {
-        check(block_size > 0, || "a block size of 0".into())?;
-        let n = seqs.iter().map(|s| s.q_start + s.q_len).max().unwrap_or(0);
-        let (mut tables, mut table_at, mut pos) = (Vec::new(), vec![-1i32; n], vec![0i32; n]);
-        for s in seqs {
-            let end = s.first_pos + s.q_len;
-            check(end <= s.block_table.len() * block_size, || {
-                format!(
-                    "positions up to {end} with {} blocks of {block_size}",
-                    s.block_table.len()
-                )
-            })?;
-            check(
-                s.block_table.iter().all(|&b| (b as usize) < n_blocks),
-                || format!("a block table names a block past the cache's {n_blocks}"),
-            )?;
-            let at = i32::try_from(tables.len()).map_err(|_| GpuError("block tables".into()))?;
-            tables.extend_from_slice(s.block_table);
-            for i in 0..s.q_len {
-                let row = s.q_start + i;
-                check(table_at[row] < 0, || {
-                    format!("token {row} in two sequences")
-                })?;
-                table_at[row] = at;
-                pos[row] = (s.first_pos + i) as i32;
-            }
-        }
-        check(table_at.iter().all(|&a| a >= 0), || {
-            "the sequences leave a row of the batch out".into()
-        })?;
-        let (cap_tokens, cap_table) = t.capacity();
-        check(n <= cap_tokens && tables.len() <= cap_table, || {
-            format!(
-                "{n} tokens and {} table entries; the buffers hold {cap_tokens} and {cap_table}",
-                tables.len()
-            )
-        })?;
-        self.write(&tables, &mut t.block_tables)?;
-        self.write(&table_at, &mut t.table_at)?;
-        self.write(&pos, &mut t.pos)?;
-        t.n = n;
-        t.block_size = block_size;
-        t.n_blocks = n_blocks;
-        Ok(())
-    }
-
-    fn tokens_arg(&self, t: &Tokens) -> FwTokens {
-        FwTokens {
-            block_tables: self.ptr(&t.block_tables),
-            table_at: self.ptr(&t.table_at),
-            pos: self.ptr(&t.pos),
-        }
     }
 
     /// y (n, rows) = x (n, cols) · Wᵀ from W's blocks as stored.
@@ -527,99 +417,6 @@ impl Gpu {
         )
     }
 
-    fn cache_fits<E>(
-        &self,
-        t: &Tokens,
-        kv_dim: usize,
-        kc: &impl DeviceSlice<E>,
-        vc: &impl DeviceSlice<E>,
-    ) -> Result<()> {
-        let need = t.n_blocks * t.block_size * kv_dim;
-        len_at_least(kc, need, "K cache")?;
-        len_at_least(vc, need, "V cache")
-    }
-
-    /// Write the batch's K and V rows (tokens.n, kv_dim) into the cache at their positions.
-    pub fn kv_write<E: GpuKv>(
-        &self,
-        k: &impl DevicePtr<f32>,
-        v: &impl DevicePtr<f32>,
-        tokens: &Tokens,
-        kv_dim: usize,
-        kc: &mut impl DevicePtrMut<E>,
-        vc: &mut impl DevicePtrMut<E>,
-    ) -> Result<()> {
-        let n = tokens.n;
-        len_at_least(k, n * kv_dim, "kv_write k")?;
-        len_at_least(v, n * kv_dim, "kv_write v")?;
-        self.cache_fits(tokens, kv_dim, kc, vc)?;
-        if n * kv_dim == 0 {
-            return Ok(());
-        }
-        let f = self.function(&format!("fw_kv_write_{}", E::NAME))?;
-        let (kp, vp, kcp, vcp) = (self.ptr(k), self.ptr(v), self.ptr_mut(kc), self.ptr_mut(vc));
-        let (ni, kd, bs) = (n as i32, kv_dim as i32, tokens.block_size as i32);
-        let toks = self.tokens_arg(tokens);
-        // Every block table entry was checked against n_blocks (`set_tokens`, `cache_fits`).
-        self.launch(
-            f,
-            grid1(n * kv_dim, ROW_THREADS),
-            &[&kp, &vp, &ni, &kd, &bs, &toks, &kcp, &vcp],
-        )
-    }
-
-    /// Causal GQA attention of the batch's queries q (tokens.n, n_heads·head_dim) over the cache,
-    /// through a sliding window of `window` keys where given.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention<E: GpuKv>(
-        &self,
-        q: &impl DevicePtr<f32>,
-        out: &mut impl DevicePtrMut<f32>,
-        tokens: &Tokens,
-        kc: &impl DevicePtr<E>,
-        vc: &impl DevicePtr<E>,
-        n_heads: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-        scale: f32,
-        window: Option<usize>,
-    ) -> Result<()> {
-        check(
-            n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && n_heads <= 65535,
-            || format!("{n_heads} query heads over {n_kv_heads} KV heads"),
-        )?;
-        check((1..=ATT_MAX_HEAD_DIM).contains(&head_dim), || {
-            format!("head_dim {head_dim} (the kernel takes 1..={ATT_MAX_HEAD_DIM})")
-        })?;
-        let n = tokens.n;
-        len_at_least(q, n * n_heads * head_dim, "attention q")?;
-        len_at_least(out, n * n_heads * head_dim, "attention out")?;
-        self.cache_fits(tokens, n_kv_heads * head_dim, kc, vc)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let f = self.function(&format!("fw_attention_{}", E::NAME))?;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, n_heads as u32, 1),
-            block_dim: (ATT_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (qp, op, kp, vp) = (self.ptr(q), self.ptr_mut(out), self.ptr(kc), self.ptr(vc));
-        let (nh, nkv, hd, bs) = (
-            n_heads as i32,
-            n_kv_heads as i32,
-            head_dim as i32,
-            tokens.block_size as i32,
-        );
-        let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        let toks = self.tokens_arg(tokens);
-        self.launch(
-            f,
-            cfg,
-            &[&qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win],
-        )
-    }
-
     /// Log-softmax in place of `n` rows of `vocab` logits divided by `temperature`.
     pub fn log_softmax(
         &self,
@@ -658,7 +455,7 @@ impl Gpu {
 }
 
 /// A kernel argument: anything the launch builder takes by reference.
-trait Arg {
+pub(super) trait Arg {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
 }
 

@@ -7,8 +7,10 @@
 //! and no CUDA library, where `Gpu::open` says why it cannot run.
 
 mod launch;
+mod paged;
 
-pub use launch::{Tokens, ATT_MAX_HEAD_DIM};
+pub use launch::ATT_MAX_HEAD_DIM;
+pub use paged::Tokens;
 
 use crate::quant::QuantType;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
