@@ -9,5 +9,5 @@ pub mod plan;
 pub mod quant;
 pub mod reference;
 
-pub use cpu::{Cpu, Isa, Matmul, RopeLayout, ThreadPool};
+pub use cpu::{Cpu, Isa, Matmul, Precision, RopeLayout, ThreadPool};
 pub use quant::QuantType;

@@ -12,7 +12,13 @@ use flywheel_kernels::reference::{self, int8_applies};
 use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
 use std::time::Duration;
 
-const FORMATS: [QuantType; 3] = [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0];
+const FORMATS: [QuantType; 5] = [
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q8_0,
+    QuantType::Q4K,
+    QuantType::Q6K,
+];
 
 /// An int8 `Cpu` per kernel ISA this CPU runs (which ran and which were skipped is said, and
 /// whether AVX-512's take the VNNI kernels).
@@ -52,8 +58,9 @@ fn products_equal_the_twin(cpu: &Cpu) {
     let mut rng = Rng(31);
     let rows = 37;
     for ty in FORMATS {
-        // 32 and 96: an odd number of blocks (the last pair has one).
-        for cols in [32usize, 96, 576, 1536] {
+        // 32 and 96: an odd number of blocks (the last pair has one); K-quants: 1, 2, 6 and 9
+        // super-blocks.
+        for cols in cols_for(ty, &[32, 96, 576, 1536]) {
             let w = quantize(ty, &rng.vec(rows * cols, 1.0));
             // 1..8 rows in one group, 9 and 13 in two, 70 past one X_BLOCK.
             for n in [1usize, 2, 3, 5, 8, 9, 13, 70] {
@@ -82,6 +89,16 @@ fn products_equal_the_twin(cpu: &Cpu) {
     }
 }
 
+/// Row lengths to test for format `ty`: `small` for 32-value blocks, whole super-blocks for the
+/// K-quants.
+fn cols_for(ty: QuantType, small: &[usize]) -> Vec<usize> {
+    if ty.block_size() == 256 {
+        vec![256, 512, 1536, 2304]
+    } else {
+        small.to_vec()
+    }
+}
+
 #[test]
 fn int8_rows_do_not_depend_on_the_batch() {
     for cpu in int8_cpus(2) {
@@ -91,8 +108,9 @@ fn int8_rows_do_not_depend_on_the_batch() {
 
 fn rows_alone_as_in_a_batch(cpu: &Cpu) {
     let mut rng = Rng(32);
-    let (rows, cols, n) = (96, 576, 24);
+    let (rows, n) = (96, 24);
     for ty in FORMATS {
+        let cols = if ty.block_size() == 256 { 512 } else { 576 };
         let w = quantize(ty, &rng.vec(rows * cols, 1.0));
         let x = rng.vec(n * cols, 1.0);
         let mut all = vec![0.0; n * rows];
@@ -116,40 +134,57 @@ fn rows_alone_as_in_a_batch(cpu: &Cpu) {
 fn products_sharing_activations_equal_each_alone() {
     use flywheel_kernels::Matmul;
     let mut rng = Rng(36);
-    let (cols, n) = (96, 3);
-    let x = rng.vec(n * cols, 1.0);
-    let shapes = [
-        (QuantType::Q4_1, 40),
-        (QuantType::Q4_1, 24),
-        (QuantType::Q8_0, 24),
+    let n = 3;
+    // A Q4_K_M file's layer: Q4_K and Q6_K products on one input, with a Q8_0 one beside them.
+    let sets: [(usize, &[(QuantType, usize)]); 2] = [
+        (
+            96,
+            &[
+                (QuantType::Q4_1, 40),
+                (QuantType::Q4_1, 24),
+                (QuantType::Q8_0, 24),
+            ],
+        ),
+        (
+            512,
+            &[
+                (QuantType::Q4K, 40),
+                (QuantType::Q6K, 24),
+                (QuantType::Q4K, 8),
+                (QuantType::Q8_0, 16),
+            ],
+        ),
     ];
-    let ws: Vec<Vec<u8>> = shapes
-        .iter()
-        .map(|&(ty, rows)| quantize(ty, &rng.vec(rows * cols, 1.0)))
-        .collect();
-    for cpu in int8_cpus(2) {
-        let mut ys: Vec<Vec<f32>> = shapes.iter().map(|&(_, r)| vec![0.0; n * r]).collect();
-        let mut jobs: Vec<Matmul> = shapes
+    for (cols, shapes) in sets {
+        let x = rng.vec(n * cols, 1.0);
+        let ws: Vec<Vec<u8>> = shapes
             .iter()
-            .zip(&ws)
-            .zip(ys.iter_mut())
-            .map(|((&(ty, rows), w), y)| Matmul {
-                ty,
-                w,
-                rows,
-                cols,
-                x: &x,
-                y,
-            })
+            .map(|&(ty, rows)| quantize(ty, &rng.vec(rows * cols, 1.0)))
             .collect();
-        // On a fresh thread: its quantization buffer holds nothing from earlier products.
-        std::thread::scope(|t| {
-            t.spawn(|| cpu.matmul_many(&mut jobs));
-        });
-        for ((&(ty, rows), w), y) in shapes.iter().zip(&ws).zip(&ys) {
-            let mut alone = vec![0.0; n * rows];
-            cpu.matmul(ty, w, rows, cols, &x, &mut alone);
-            assert_eq!(&alone, y, "{:?} {ty:?} x {rows}", cpu.isa);
+        for cpu in int8_cpus(2) {
+            let mut ys: Vec<Vec<f32>> = shapes.iter().map(|&(_, r)| vec![0.0; n * r]).collect();
+            let mut jobs: Vec<Matmul> = shapes
+                .iter()
+                .zip(&ws)
+                .zip(ys.iter_mut())
+                .map(|((&(ty, rows), w), y)| Matmul {
+                    ty,
+                    w,
+                    rows,
+                    cols,
+                    x: &x,
+                    y,
+                })
+                .collect();
+            // On a fresh thread: its quantization buffer holds nothing from earlier products.
+            std::thread::scope(|t| {
+                t.spawn(|| cpu.matmul_many(&mut jobs));
+            });
+            for ((&(ty, rows), w), y) in shapes.iter().zip(&ws).zip(&ys) {
+                let mut alone = vec![0.0; n * rows];
+                cpu.matmul(ty, w, rows, cols, &x, &mut alone);
+                assert_eq!(&alone, y, "{:?} {ty:?} x {rows}", cpu.isa);
+            }
         }
     }
 }
@@ -162,8 +197,9 @@ fn int8_products_stay_within_the_activations_quantization_of_exact() {
     let Some(cpu) = int8_cpu(2) else { return };
     let exact = exact_cpu();
     let mut rng = Rng(33);
-    let (rows, cols, n) = (64, 576, 9);
+    let (rows, n) = (64, 9);
     for ty in FORMATS {
+        let cols = if ty.block_size() == 256 { 512 } else { 576 };
         let w = quantize(ty, &rng.vec(rows * cols, 1.0));
         let x = rng.vec(n * cols, 1.0);
         let (mut a, mut b) = (vec![0.0; n * rows], vec![0.0; n * rows]);
@@ -209,7 +245,7 @@ fn other_formats_stay_exact_under_int8() {
     let exact = exact_cpu();
     let mut rng = Rng(34);
     for (ty, cols) in [
-        (QuantType::Q4K, 512),
+        (QuantType::Q5_0, 512),
         (QuantType::F32, 64),
         (QuantType::F16, 48),
     ] {

@@ -297,6 +297,49 @@ impl Format for Q4K {
             }
         }
     }
+
+    /// The nibbles split into bytes with two AVX2 operations per 64 values, then per 32-value
+    /// block its codes widened and dequantized as `dequant` does (one fma: q·(d·sc) − dmin·m)
+    /// and dotted in value order (the canonical order, the same bits).
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            let mut codes = [_mm256_setzero_si256(); 8];
+            let nib = _mm256_set1_epi8(0x0F);
+            for c in 0..4 {
+                let b = _mm256_loadu_si256(src.add(16 + 32 * c) as *const __m256i);
+                codes[2 * c] = _mm256_and_si256(b, nib);
+                codes[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(b), nib);
+            }
+            let c8 = codes.as_ptr() as *const u8;
+            let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
+            let scales = std::slice::from_raw_parts(src.add(4), 12);
+            for blk in 0..8 {
+                let (sc, m) = scale_min_k4(blk, scales);
+                let (db, mb) = (S::splat(d * sc as f32), S::splat(-dmin * m as f32));
+                let mut c = 32 * blk;
+                while c < 32 * blk + 32 {
+                    let w = S::fma(S::cvt(S::load_u8(c8.add(c))), db, mb);
+                    for i in 0..N {
+                        acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
+                    }
+                    c += S::LANES;
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "x86_64 kernels only ({src:?}, {} rows, {})",
+            x.len(),
+            acc.len()
+        )
+    }
 }
 
 impl Format for Q6K {
@@ -334,6 +377,74 @@ impl Format for Q6K {
             }
         }
     }
+
+    /// In registers but for one stack pass: the super-block's 256 codes q − 32 decoded as bytes
+    /// (`q6k_groups`, 32 values per few instructions), then each 16-value sub-block's codes
+    /// widened, scaled by d·sc and dotted in value order: the values `dequant` gives, to the bit
+    /// ((q − 32)·(d·sc), exact integers times one f32), in the canonical order.
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            let mut codes = [_mm256_setzero_si256(); 8];
+            let k32 = _mm256_set1_epi8(32);
+            for hh in 0..2 {
+                let g = q6k_groups(src, hh);
+                for k in 0..4 {
+                    codes[4 * hh + k] = _mm256_sub_epi8(g[k], k32);
+                }
+            }
+            let c8 = codes.as_ptr() as *const u8;
+            let d = S::f16(src.add(208));
+            let sc = src.add(192) as *const i8;
+            for sub in 0..16 {
+                let s = S::splat(d * *sc.add(sub) as f32);
+                let mut c = 16 * sub;
+                while c < 16 * sub + 16 {
+                    let w = S::mul(S::cvt(S::load_i8(c8.add(c))), s);
+                    for i in 0..N {
+                        acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
+                    }
+                    c += S::LANES;
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "x86_64 kernels only ({src:?}, {} rows, {})",
+            x.len(),
+            acc.len()
+        )
+    }
+}
+
+/// Half `hh` (values 128·hh..128·hh+128) of a Q6_K super-block at `sb` as 6-bit codes q (0..64),
+/// four groups of 32 bytes in value order: group g is ql's low (g < 2) or high nibbles of bytes
+/// 32·(g%2).., with qh's bits 2g..2g+2 on top (`reference::dequantize_block`'s layout).
+/// AVX2 byte operations (every kernel ISA has them).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn q6k_groups(sb: *const u8, hh: usize) -> [std::arch::x86_64::__m256i; 4] {
+    use std::arch::x86_64::*;
+    let a = _mm256_loadu_si256(sb.add(64 * hh) as *const __m256i);
+    let b = _mm256_loadu_si256(sb.add(64 * hh + 32) as *const __m256i);
+    let h = _mm256_loadu_si256(sb.add(128 + 32 * hh) as *const __m256i);
+    let (nib, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    let (lo_a, lo_b) = (_mm256_and_si256(a, nib), _mm256_and_si256(b, nib));
+    let hi_a = _mm256_and_si256(_mm256_srli_epi16::<4>(a), nib);
+    let hi_b = _mm256_and_si256(_mm256_srli_epi16::<4>(b), nib);
+    // 16-bit shifts: the bits that cross into a neighbouring byte are masked off.
+    [
+        _mm256_or_si256(lo_a, _mm256_and_si256(_mm256_slli_epi16::<4>(h), top)),
+        _mm256_or_si256(lo_b, _mm256_and_si256(_mm256_slli_epi16::<2>(h), top)),
+        _mm256_or_si256(hi_a, _mm256_and_si256(h, top)),
+        _mm256_or_si256(hi_b, _mm256_and_si256(_mm256_srli_epi16::<2>(h), top)),
+    ]
 }
 
 /// Dequantize a whole row of `n` values (n a multiple of `F::BS`).

@@ -29,6 +29,14 @@ pub(crate) use x86::{
     block_bytes, pair_halves, q8_row_slots, quantize_rows, task, Q4_0, Q4_1, Q8_0,
 };
 
+/// The formats the VNNI kernels take; the others with int8 products (the K-quants) run AVX2's
+/// kernels on every CPU.
+pub(crate) const VNNI_FORMATS: [crate::quant::QuantType; 3] = [
+    crate::quant::QuantType::Q4_0,
+    crate::quant::QuantType::Q4_1,
+    crate::quant::QuantType::Q8_0,
+];
+
 /// How far ahead of a weight row's reads the kernels prefetch, in bytes. Decode streams the whole
 /// model once per token, and on Zen 4 (2 cores, 2 MB pages) 640 bytes left the loads waiting on
 /// the memory: 3072 made batch-1 decode 10-13% faster (`flywheel bench --precision int8 --batch

@@ -146,8 +146,10 @@ pub fn matmul_many(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matm
 
 fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
     let bf16 = precision == Precision::Bf16;
-    // Int8: the VNNI kernels where the CPU has them, else AVX2's (the same bits).
-    let vnni = isa == Isa::Avx512 && super::Features::get().avx512_vnni;
+    // Int8: the VNNI kernels where the CPU has them and they take the format, else AVX2's (the
+    // same bits).
+    let vnni_cpu = isa == Isa::Avx512 && super::Features::get().avx512_vnni;
+    let vnni = |ty: QuantType| vnni_cpu && super::int8::VNNI_FORMATS.contains(&ty);
     let int8 = |j: &Matmul| precision == Precision::Int8 && reference::int8_applies(j.ty, j.cols);
     // Int8: every job's activations quantized once, into one buffer on this thread.
     let q8_total: usize = jobs
@@ -213,7 +215,7 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
                 unsafe {
                     let base = xq_all.add(xq_used);
                     xq_used += q8_slots(n, j.cols);
-                    xq = if vnni {
+                    xq = if vnni(j.ty) {
                         super::int8::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base)
                     } else {
                         super::int8_avx2::quantize_rows(j.x.as_ptr(), n, j.cols, j.ty, base)
@@ -266,7 +268,7 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                _ if !j.xq.is_null() && vnni => super::int8::task(j, r0, r1),
+                _ if !j.xq.is_null() && vnni(j.ty) => super::int8::task(j, r0, r1),
                 #[cfg(target_arch = "x86_64")]
                 _ if !j.xq.is_null() => super::int8_avx2::task(j, r0, r1),
                 #[cfg(target_arch = "x86_64")]

@@ -3,15 +3,20 @@
 //!
 //! Activations are quantized per block of 32 values as llama.cpp's Q8 does (`quantize_block_q8`:
 //! d = max|x| / 127, q = x / d rounded to nearest even, −127..127). The weights' own integer
-//! codes (Q4_0: q − 8, Q4_1: q, Q8_0: q) are dotted with them exactly in integers, and each
-//! block's integer sums scaled in f32, in one order whatever the batch and the path:
+//! codes (Q4_0: q − 8, Q4_1: q, Q8_0: q, Q4_K: q, Q6_K: q − 32) are dotted with them exactly in
+//! integers, and each block's integer sums scaled in f32, in one order whatever the batch and the
+//! path. A block of 32 weights has a scale per half (values 0..16 and 16..32: Q6_K's 16-value
+//! sub-blocks; the two are equal for the other formats) and, for Q4_1 and Q4_K, a min m:
 //!
 //! - pairs of blocks (b, b+1), b even, in order (a missing last block counts as zeros); 16 f32
-//!   lanes A; lane L takes block b + L%2, values 4·(L/2)..4·(L/2)+4:
+//!   lanes A; lane L takes block b + L%2, values 4·(L/2)..4·(L/2)+4, whose half's scale is d_w:
 //!   A[L] = fma(Σ_k w_k·x_k as f32, d_w·d_x, A[L]);
-//! - Q4_1 only, m its min: 16 f32 lanes B, blocks in order:
+//! - Q4_1 and Q4_K only: 16 f32 lanes B, blocks in order:
 //!   B[b%16] = fma(m, d_x · (Σ of the block's codes as f32), B[b%16]);
-//! - y = the lanes (A + B for Q4_1) summed in the AVX-512 `reduce_add` order.
+//! - y = the lanes (A + B with a min) summed in the AVX-512 `reduce_add` order.
+//!
+//! A K-quant block's scale and min are its super-block's f16 scales times the block's integer
+//! ones (Q4_K: d·sc and −(dmin·m); Q6_K: d·sc per 16 values), products exact in f32.
 //!
 //! How the kernels lay it out in registers is theirs (`cpu::int8`).
 
@@ -23,8 +28,15 @@ pub const Q8_BLOCK: usize = 32;
 /// Whether a product in format `ty` over rows of `cols` values takes the int8 path under
 /// `Precision::Int8` (the others stay exact f32: a choice by format and shape, never by batch).
 pub fn int8_applies(ty: QuantType, cols: usize) -> bool {
-    matches!(ty, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
-        && cols.is_multiple_of(Q8_BLOCK)
+    matches!(
+        ty,
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4K | QuantType::Q6K
+    ) && cols.is_multiple_of(ty.block_size().max(Q8_BLOCK))
+}
+
+/// Whether the int8 products of format `ty` add a min term (lanes B).
+pub fn int8_has_min(ty: QuantType) -> bool {
+    matches!(ty, QuantType::Q4_1 | QuantType::Q4K)
 }
 
 /// Pairs of blocks in a row of `cols` values.
@@ -44,13 +56,39 @@ pub fn quantize_block_q8(x: &[f32]) -> ([i8; 32], f32) {
     (q, d)
 }
 
-/// Block `b` of a row as the int8 products read it: its 32 integer codes, its scale, its min
-/// (0 but for Q4_1).
-pub fn int8_codes(ty: QuantType, row: &[u8], b: usize) -> ([i32; 32], f32, f32) {
+/// Block `b` (of 32 values) of a row as the int8 products read it: its 32 integer codes, the
+/// scales of its halves (values 0..16, 16..32), its min (0 but for Q4_1 and Q4_K).
+pub fn int8_codes(ty: QuantType, row: &[u8], b: usize) -> ([i32; 32], [f32; 2], f32) {
     let bb = ty.block_bytes();
-    let blk = &row[b * bb..(b + 1) * bb];
-    let half = |at: usize| f16_to_f32(u16::from_le_bytes([blk[at], blk[at + 1]]));
     let mut c = [0i32; 32];
+    if matches!(ty, QuantType::Q4K | QuantType::Q6K) {
+        // Block j of the super-block at `blk`.
+        let (blk, j) = (&row[(b / 8) * bb..(b / 8 + 1) * bb], b % 8);
+        return if ty == QuantType::Q4K {
+            let (d, dmin) = (rd16(blk, 0), rd16(blk, 2));
+            let (sc, m) = scale_min_k4(j, &blk[4..16]);
+            let qs = &blk[16 + 32 * (j / 2)..][..32];
+            for k in 0..32 {
+                c[k] = (if j % 2 == 0 { qs[k] & 0xF } else { qs[k] >> 4 }) as i32;
+            }
+            let dw = d * sc as f32;
+            (c, [dw, dw], -(dmin * m as f32))
+        } else {
+            // Half h of 128 values; in it, group g of 32: low or high nibbles of ql[0..32] or
+            // ql[32..64], high bits 2g..2g+2 of qh.
+            let (h, g) = (j / 4, j % 4);
+            let ql = &blk[64 * h + 32 * (g % 2)..][..32];
+            let qh = &blk[128 + 32 * h..][..32];
+            for k in 0..32 {
+                let lo = if g < 2 { ql[k] & 0xF } else { ql[k] >> 4 };
+                c[k] = (lo | (((qh[k] >> (2 * g)) & 3) << 4)) as i32 - 32;
+            }
+            let d = rd16(blk, 208);
+            let sc = |k: usize| d * (blk[192 + 8 * h + 2 * g + k] as i8) as f32;
+            (c, [sc(0), sc(1)], 0.0)
+        };
+    }
+    let blk = &row[b * bb..(b + 1) * bb];
     match ty {
         QuantType::Q4_0 | QuantType::Q4_1 => {
             let (at, off) = if ty == QuantType::Q4_0 {
@@ -62,14 +100,18 @@ pub fn int8_codes(ty: QuantType, row: &[u8], b: usize) -> ([i32; 32], f32, f32) 
                 c[k] = (blk[at + k] & 0xF) as i32 - off;
                 c[16 + k] = (blk[at + k] >> 4) as i32 - off;
             }
-            let m = if ty == QuantType::Q4_1 { half(2) } else { 0.0 };
-            (c, half(0), m)
+            let m = if ty == QuantType::Q4_1 {
+                rd16(blk, 2)
+            } else {
+                0.0
+            };
+            (c, [rd16(blk, 0); 2], m)
         }
         QuantType::Q8_0 => {
             for k in 0..32 {
                 c[k] = blk[2 + k] as i8 as i32;
             }
-            (c, half(0), 0.0)
+            (c, [rd16(blk, 0); 2], 0.0)
         }
         _ => panic!("no int8 products for {ty:?}"),
     }
@@ -101,12 +143,12 @@ pub fn matmul_int8(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32],
     let rb = ty.row_bytes(cols).expect("whole blocks");
     for r in 0..rows {
         let row = &w[r * rb..(r + 1) * rb];
-        let wq: Vec<([i32; 32], f32, f32)> = (0..2 * np)
+        let wq: Vec<([i32; 32], [f32; 2], f32)> = (0..2 * np)
             .map(|b| {
                 if b < nb {
                     int8_codes(ty, row, b)
                 } else {
-                    ([0; 32], 0.0, 0.0)
+                    ([0; 32], [0.0; 2], 0.0)
                 }
             })
             .collect();
@@ -118,7 +160,7 @@ pub fn matmul_int8(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32],
                     let ((wc, dw, _), (xc, dx)) = (&wq[b], &xq[i][b]);
                     let first = 4 * (lane / 2);
                     let isum: i32 = (first..first + 4).map(|k| wc[k] * xc[k] as i32).sum();
-                    a[lane] = (isum as f32).mul_add(dw * dx, a[lane]);
+                    a[lane] = (isum as f32).mul_add(dw[first / 16] * dx, a[lane]);
                 }
             }
             for b in 0..nb {
@@ -126,7 +168,7 @@ pub fn matmul_int8(ty: QuantType, w: &[u8], rows: usize, cols: usize, x: &[f32],
                 let xsum: i32 = xc.iter().map(|&c| c as i32).sum();
                 mins[b % 16] = m.mul_add(dx * xsum as f32, mins[b % 16]);
             }
-            if ty == QuantType::Q4_1 {
+            if int8_has_min(ty) {
                 for l in 0..16 {
                     a[l] += mins[l];
                 }
