@@ -162,8 +162,8 @@ fn corrupt_and_unsupported_files_name_the_problem() {
         (bad_bool, &["flag", "bool"]),
         (bad_align, &["general.alignment", "power of two"]),
         (
-            tensor_file("w", &[256, 2], 10, 0, 200),
-            &["'w'", "type 10", "Q2_K"],
+            tensor_file("w", &[256, 2], 16, 0, 200),
+            &["'w'", "type 16", "IQ2_XXS"],
         ),
         (tensor_file("w", &[32, 2], 77, 0, 64), &["'w'", "type 77"]),
         (

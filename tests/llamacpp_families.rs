@@ -70,8 +70,13 @@ fn every_family_agrees_with_llama_cpp_on_the_same_file() {
 }
 
 /// `src` quantized by llama.cpp's own quantizer (llama-quantize's code, through llama-cpp-python)
-/// to the Q4_K_M preset into `dst`; the formats of the file written (None: no llama_cpp).
-fn llama_quantize(src: &std::path::Path, dst: &std::path::Path) -> Option<Vec<String>> {
+/// to `preset` (llama-quantize's name: Q4_K_M, Q2_K, IQ4_XS, ...) into `dst`; the formats of the
+/// file written (None: no llama_cpp).
+fn llama_quantize(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    preset: &str,
+) -> Option<Vec<String>> {
     let script = r#"
 import ctypes, json, sys
 try:
@@ -80,12 +85,39 @@ try:
 except ImportError:
     print("null"); sys.exit(0)
 p = llama_cpp.llama_model_quantize_default_params()
-p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+p.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
 p.nthread = 1
 assert llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)) == 0
 print(json.dumps(sorted({t.tensor_type.name for t in GGUFReader(sys.argv[2]).tensors})))
 "#;
-    python_json(script, &[src.to_str().unwrap(), dst.to_str().unwrap()])
+    python_json(
+        script,
+        &[src.to_str().unwrap(), dst.to_str().unwrap(), preset],
+    )
+}
+
+/// A quantized file against exact math on it (the naive f64 forward) and against llama.cpp
+/// running it: equal to the first within f32 rounding; within what llama.cpp's 8-bit activations
+/// cost of the second (measured relative to how far quantizing moved exact math from `orig`, the
+/// file before quantization: a misread block would differ by that effect's order).
+fn quantized_file_agrees(path: &std::path::Path, orig: &std::path::Path, what: &str) {
+    let model = Llama::open(path).unwrap();
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 41 + 7) % 250 + 3).collect();
+    let got = logprobs_all(&model, &Cpu::detect(), &tokens, None);
+    let exact = naive_logprobs(path, &tokens);
+    let to_naive = max_abs(&got, &exact);
+    let want = llamacpp_logprobs(path, &tokens).expect("llama_cpp quantized the file");
+    let to_llamacpp = max_abs(&got, &want);
+    let quantization = max_abs_f64(&exact, &naive_logprobs(orig, &tokens));
+    eprintln!(
+        "{what}: max |Δ log-prob| vs naive {to_naive:.2e}, vs llama.cpp {to_llamacpp:.2e}; \
+         quantizing the weights moved exact math by {quantization:.2e}"
+    );
+    assert!(to_naive < 1e-4, "{what}: vs the naive forward {to_naive}");
+    assert!(
+        to_llamacpp < 0.3 * quantization,
+        "{what}: vs llama.cpp {to_llamacpp}, the quantization's own effect {quantization}"
+    );
 }
 
 /// Files as users make them: each family converted from transformers by llama.cpp's converter
@@ -101,32 +133,48 @@ fn llama_quantize_q4_k_m_files_of_every_family_load_and_agree() {
     let mut seen = std::collections::BTreeSet::new();
     for family in ["llama3", "qwen2", "qwen3", "qwen3moe", "gemma3"] {
         let path = dir.path().join(format!("{family}.Q4_K_M.gguf"));
-        let Some(types) = llama_quantize(&root.join(family).join("model.gguf"), &path) else {
+        let orig = root.join(family).join("model.gguf");
+        let Some(types) = llama_quantize(&orig, &path, "Q4_K_M") else {
             eprintln!("skipped: llama_cpp (llama-cpp-python) or gguf is not installed");
             return;
         };
         seen.extend(types);
-        let model = Llama::open(&path).unwrap();
-        let tokens: Vec<u32> = (0..24).map(|i| (i * 41 + 7) % 250 + 3).collect();
-        let got = logprobs_all(&model, &Cpu::detect(), &tokens, None);
-        let exact = naive_logprobs(&path, &tokens);
-        let to_naive = max_abs(&got, &exact);
-        let want = llamacpp_logprobs(&path, &tokens).expect("llama_cpp quantized the file");
-        let to_llamacpp = max_abs(&got, &want);
-        eprintln!("{family} Q4_K_M: max |Δ log-prob| vs naive {to_naive:.2e}, vs llama.cpp {to_llamacpp:.2e}");
-        assert!(to_naive < 1e-4, "{family}: vs the naive forward {to_naive}");
         // llama.cpp rounds activations to 8 bits for these products; on these tiny random models
         // that moves its log-probs by 0.2–0.6, while quantizing the weights moved exact math by
-        // 1.3–3.0 (measured). A misread file would differ from llama.cpp by the latter's order.
-        let orig = naive_logprobs(&root.join(family).join("model.gguf"), &tokens);
-        let quantization = max_abs_f64(&exact, &orig);
-        eprintln!("  quantizing the weights moved exact math by {quantization:.2e}");
-        assert!(
-            to_llamacpp < 0.3 * quantization,
-            "{family}: vs llama.cpp {to_llamacpp}, the quantization's own effect {quantization}"
-        );
+        // 1.3–3.0 (measured).
+        quantized_file_agrees(&path, &orig, &format!("{family} Q4_K_M"));
     }
     for t in ["Q5_0", "Q5_1", "Q8_0"] {
+        assert!(seen.contains(t), "llama-quantize wrote no {t}: {seen:?}");
+    }
+}
+
+/// The other presets people download for small machines and for quality (Q2_K, Q3_K_M, Q5_K_M,
+/// IQ4_XS, IQ4_NL), by llama.cpp's quantizer on a Llama of rows 256 wide (so that the K-quants
+/// and IQ4_XS are written, not their 32-value fallbacks): each file loads and agrees as above,
+/// and between them they hold every type those presets write.
+#[test]
+fn llama_quantize_k_and_iq_presets_load_and_agree() {
+    let spec = TinySpec {
+        hidden: 256,
+        ffn: 512,
+        formats: [QuantType::F32; 8],
+        ctx: 64,
+        ..TinySpec::llama3()
+    };
+    let (dir, orig) = write_tiny(&spec);
+    let mut seen = std::collections::BTreeSet::new();
+    for preset in ["Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_XS", "IQ4_NL"] {
+        let path = dir.path().join(format!("llama.{preset}.gguf"));
+        let Some(types) = llama_quantize(&orig, &path, preset) else {
+            eprintln!("skipped: llama_cpp (llama-cpp-python) or gguf is not installed");
+            return;
+        };
+        eprintln!("{preset}: {types:?}");
+        seen.extend(types);
+        quantized_file_agrees(&path, &orig, &format!("llama {preset}"));
+    }
+    for t in ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"] {
         assert!(seen.contains(t), "llama-quantize wrote no {t}: {seen:?}");
     }
 }

@@ -29,6 +29,11 @@ enum FwType {
   FW_Q6K = 7,
   FW_Q5_0 = 8,
   FW_Q5_1 = 9,
+  FW_Q2K = 10,
+  FW_Q3K = 11,
+  FW_Q5K = 12,
+  FW_IQ4NL = 13,
+  FW_IQ4XS = 14,
 };
 
 // One product and one sum, each rounded once: nvcc would fuse `a * b - c` into an FMA, which the
@@ -106,11 +111,29 @@ FW_HD int fw_block_bytes(int ty) {
     case FW_Q4K: return 144;
     case FW_Q5_0: return 22;
     case FW_Q5_1: return 24;
+    case FW_Q2K: return 84;
+    case FW_Q3K: return 110;
+    case FW_Q5K: return 176;
+    case FW_IQ4NL: return 18;
+    case FW_IQ4XS: return 136;
     default: return 210;  // FW_Q6K
   }
 }
 FW_HD int fw_block_values(int ty) {
-  return ty <= FW_BF16 ? 1 : ((ty <= FW_Q8_0 || ty >= FW_Q5_0) ? 32 : 256);
+  switch (ty) {
+    case FW_F32: case FW_F16: case FW_BF16: return 1;
+    case FW_Q4_0: case FW_Q4_1: case FW_Q5_0: case FW_Q5_1: case FW_Q8_0: case FW_IQ4NL: return 32;
+    default: return 256;  // the K-quants and IQ4_XS
+  }
+}
+
+// IQ4_NL's and IQ4_XS's codebook (`quant::IQ4_VALUES`: −127, −104, −83, −65, −49, −35, −22, −10,
+// 1, 13, 25, 38, 53, 69, 89, 113) as bytes of two constants: an indexed local array would put a
+// stack frame in every product kernel.
+FW_HD float fw_iq4(int code) {
+  code &= 0xF;
+  const uint64_t half = code < 8 ? 0xf6eaddcfbfad9881ull : 0x7159453526190d01ull;
+  return (float)(int8_t)(uint8_t)(half >> (8 * (code & 7)));
 }
 
 // Unit `u` of a row: its values 32u .. 32u+32, dequantized into out[0..32]. A unit is a whole
@@ -177,6 +200,53 @@ FW_HD void fw_unit(const uint8_t* row, int u, float* out) {
     const uint8_t* q = b + 16 + 32 * (s / 2);
     const int shift = (s % 2) * 4;
     for (int l = 0; l < 32; l++) out[l] = fw_sub(fw_mul(d1, (float)((q[l] >> shift) & 0xF)), m1);
+  } else if (TY == FW_Q2K) {  // 16 scale/min bytes, 64 bytes of 2-bit codes, d, dmin
+    const uint8_t* b = row + (size_t)(u / 8) * 84;
+    const int s = u % 8;
+    const float d = fw_f16(fw_u16(b + 80)), dmin = fw_f16(fw_u16(b + 82));
+    const uint8_t* q = b + 16 + 32 * (s / 4);
+    const int shift = 2 * (s % 4);
+    for (int l = 0; l < 32; l++) {
+      const uint8_t sc = b[2 * s + l / 16];
+      const float dl = fw_mul(d, (float)(sc & 0xF)), ml = fw_mul(dmin, (float)(sc >> 4));
+      out[l] = fw_sub(fw_mul(dl, (float)((q[l] >> shift) & 3)), ml);
+    }
+  } else if (TY == FW_Q3K) {  // 32 high-bit bytes, 64 bytes of 2-bit codes, 12 scale bytes, d
+    const uint8_t* b = row + (size_t)(u / 8) * 110;
+    const int s = u % 8;
+    const float d = fw_f16(fw_u16(b + 108));
+    const uint8_t* q = b + 32 + 32 * (s / 4);
+    const int shift = 2 * (s % 4);
+    for (int l = 0; l < 32; l++) {
+      const int k = 2 * s + l / 16;
+      const int lo = (b[96 + k % 8] >> (4 * (k / 8))) & 0xF, hi = (b[104 + k % 4] >> (2 * (k / 4))) & 3;
+      const int code = ((q[l] >> shift) & 3) - 4 * (1 - ((b[l] >> s) & 1));
+      out[l] = fw_mul(fw_mul(d, (float)((lo | (hi << 4)) - 32)), (float)code);
+    }
+  } else if (TY == FW_Q5K) {  // d, dmin, 12 scale bytes (as Q4_K), 32 high-bit bytes, nibbles
+    const uint8_t* b = row + (size_t)(u / 8) * 176;
+    const int s = u % 8;
+    const float d = fw_f16(fw_u16(b)), dmin = fw_f16(fw_u16(b + 2));
+    uint8_t sc, mn;
+    fw_scale_min_k4(s, b + 4, &sc, &mn);
+    const float d1 = fw_mul(d, (float)sc), m1 = fw_mul(dmin, (float)mn);
+    const uint8_t* q = b + 48 + 32 * (s / 2);
+    const int shift = (s % 2) * 4;
+    for (int l = 0; l < 32; l++) {
+      const int code = ((q[l] >> shift) & 0xF) | (((b[16 + l] >> s) & 1) << 4);
+      out[l] = fw_sub(fw_mul(d1, (float)code), m1);
+    }
+  } else if (TY == FW_IQ4NL) {
+    const uint8_t* b = row + (size_t)u * 18;
+    const float d = fw_f16(fw_u16(b));
+    for (int l = 0; l < 32; l++) out[l] = fw_mul(d, fw_iq4(b[2 + l % 16] >> (4 * (l / 16))));
+  } else if (TY == FW_IQ4XS) {  // d, high scale bits (u16), low scale nibbles, nibbles
+    const uint8_t* b = row + (size_t)(u / 8) * 136;
+    const int s = u % 8;
+    const int lo = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF, hi = (fw_u16(b + 2) >> (2 * s)) & 3;
+    const float dl = fw_mul(fw_f16(fw_u16(b)), (float)((lo | (hi << 4)) - 32));
+    const uint8_t* q = b + 8 + 16 * s;
+    for (int l = 0; l < 32; l++) out[l] = fw_mul(dl, fw_iq4(q[l % 16] >> (4 * (l / 16))));
   } else {  // FW_Q6K: 128 low-bit bytes, 64 high-bit bytes, 16 scales, d
     const uint8_t* b = row + (size_t)(u / 8) * 210;
     const int s = u % 8, half = s / 4, k = s % 4;
@@ -204,6 +274,11 @@ FW_HD void fw_unit_any(int ty, const uint8_t* row, int u, float* out) {
     case FW_Q4K: fw_unit<FW_Q4K>(row, u, out); break;
     case FW_Q5_0: fw_unit<FW_Q5_0>(row, u, out); break;
     case FW_Q5_1: fw_unit<FW_Q5_1>(row, u, out); break;
+    case FW_Q2K: fw_unit<FW_Q2K>(row, u, out); break;
+    case FW_Q3K: fw_unit<FW_Q3K>(row, u, out); break;
+    case FW_Q5K: fw_unit<FW_Q5K>(row, u, out); break;
+    case FW_IQ4NL: fw_unit<FW_IQ4NL>(row, u, out); break;
+    case FW_IQ4XS: fw_unit<FW_IQ4XS>(row, u, out); break;
     default: fw_unit<FW_Q6K>(row, u, out); break;
   }
 }

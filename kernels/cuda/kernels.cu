@@ -138,6 +138,11 @@ FW_PER_TYPE(q5_1, FW_Q5_1)
 FW_PER_TYPE(q8_0, FW_Q8_0)
 FW_PER_TYPE(q4_k, FW_Q4K)
 FW_PER_TYPE(q6_k, FW_Q6K)
+FW_PER_TYPE(q2_k, FW_Q2K)
+FW_PER_TYPE(q3_k, FW_Q3K)
+FW_PER_TYPE(q5_k, FW_Q5K)
+FW_PER_TYPE(iq4_nl, FW_IQ4NL)
+FW_PER_TYPE(iq4_xs, FW_IQ4XS)
 
 // out = x / sqrt(mean(x²) + eps) · weight per row of d; grid (rows), FW_ROW_THREADS threads.
 extern "C" __global__ void fw_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight,

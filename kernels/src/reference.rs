@@ -4,7 +4,7 @@
 // Plain index loops are the point of the reference: they read like the math.
 #![allow(clippy::needless_range_loop)]
 
-use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, QK};
+use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, IQ4_VALUES, QK};
 
 // The backward ops' twins, and the BF16 and int8 products' emulation, in files of their own; their paths
 // stay `reference::*`.
@@ -86,6 +86,63 @@ pub fn dequantize_block(ty: QuantType, src: &[u8], dst: &mut [f32]) {
             let d = rd16(src, 0);
             for j in 0..QK {
                 dst[j] = (src[2 + j] as i8) as f32 * d;
+            }
+        }
+        QuantType::Q2K => {
+            // llama.cpp's order: (d·sc)·q − dmin·m.
+            let (d, dmin) = (rd16(src, 80), rd16(src, 82));
+            for v in 0..256 {
+                let sc = src[v / 16];
+                let (h, shift, l) = (v / 128, 2 * ((v % 128) / 32), v % 32);
+                let q = (src[16 + 32 * h + l] >> shift) & 3;
+                dst[v] = d * (sc & 0xF) as f32 * q as f32 - dmin * (sc >> 4) as f32;
+            }
+        }
+        QuantType::Q3K => {
+            let d = rd16(src, 108);
+            let sc = &src[96..108];
+            for v in 0..256 {
+                let k = v / 16;
+                let lo = (sc[k % 8] >> (4 * (k / 8))) & 0xF;
+                let hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+                let scale = (lo | (hi << 4)) as i32 - 32;
+                let (h, shift, l) = (v / 128, 2 * ((v % 128) / 32), v % 32);
+                let low = ((src[32 + 32 * h + l] >> shift) & 3) as i32;
+                let high = ((src[l] >> (v / 32)) & 1) as i32;
+                dst[v] = d * scale as f32 * (low - 4 * (1 - high)) as f32;
+            }
+        }
+        QuantType::Q5K => {
+            let (d, dmin) = (rd16(src, 0), rd16(src, 2));
+            let (scales, qh, qs) = (&src[4..16], &src[16..48], &src[48..176]);
+            for j in 0..8 {
+                let (sc, m) = scale_min_k4(j, scales);
+                let (dj, mj) = (d * sc as f32, dmin * m as f32);
+                for l in 0..32 {
+                    let low = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF;
+                    let q = low | (((qh[l] >> j) & 1) << 4);
+                    dst[32 * j + l] = dj * q as f32 - mj;
+                }
+            }
+        }
+        QuantType::IQ4NL => {
+            let d = rd16(src, 0);
+            for v in 0..32 {
+                let code = (src[2 + v % 16] >> (4 * (v / 16))) & 0xF;
+                dst[v] = d * IQ4_VALUES[code as usize] as f32;
+            }
+        }
+        QuantType::IQ4XS => {
+            let d = rd16(src, 0);
+            let sh = u16::from_le_bytes([src[2], src[3]]);
+            for j in 0..8 {
+                let lo = (src[4 + j / 2] >> (4 * (j % 2))) & 0xF;
+                let hi = ((sh >> (2 * j)) & 3) as u8;
+                let dj = d * ((lo | (hi << 4)) as i32 - 32) as f32;
+                for l in 0..32 {
+                    let code = (src[8 + 16 * j + l % 16] >> (4 * (l / 16))) & 0xF;
+                    dst[32 * j + l] = dj * IQ4_VALUES[code as usize] as f32;
+                }
             }
         }
         QuantType::Q4K => {

@@ -59,6 +59,12 @@ fn quantizers_round_trip_within_their_step() {
             QuantType::BF16 => 8e-3,
             QuantType::Q8_0 => 1e-2,
             QuantType::Q6K => 5e-2,
+            // Four levels over a sub-block's range of up to 2: half a step is 1/3, plus the
+            // 4-bit scale's rounding.
+            QuantType::Q2K => 0.4,
+            // Codes −4..3 with the largest magnitude at −4: a value of the other sign near it
+            // clamps to 3, a whole step (max/4) off.
+            QuantType::Q3K => 0.3,
             _ => 0.15,
         };
         let worst = x

@@ -153,11 +153,13 @@ const GGML_MAX_DIMS: u32 = 4;
 fn ggml_type_name(id: u32) -> &'static str {
     match id {
         9 => "Q8_1",
-        10 => "Q2_K",
-        11 => "Q3_K",
-        13 => "Q5_K",
         15 => "Q8_K",
-        16..=23 => "IQ*",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
         24 => "I8",
         25 => "I16",
         26 => "I32",

@@ -12,7 +12,7 @@
 // public entry points.
 #![allow(clippy::missing_safety_doc)]
 
-use super::dequant::{self, dequant_row, Format};
+use super::dequant::{dequant_row, per_format, Format};
 use super::matmul::scratch;
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Precision, Tasks};
@@ -169,18 +169,7 @@ unsafe fn lb_avx2(j: &Job, c0: usize, c1: usize) {
 
 #[inline(always)]
 unsafe fn lb_any<S: Simd>(j: &Job, c0: usize, c1: usize) {
-    match j.ty {
-        QuantType::F32 => lb::<S, dequant::F32>(j, c0, c1),
-        QuantType::F16 => lb::<S, dequant::F16>(j, c0, c1),
-        QuantType::BF16 => lb::<S, dequant::BF16>(j, c0, c1),
-        QuantType::Q4_0 => lb::<S, dequant::Q4_0>(j, c0, c1),
-        QuantType::Q4_1 => lb::<S, dequant::Q4_1>(j, c0, c1),
-        QuantType::Q5_0 => lb::<S, dequant::Q5_0>(j, c0, c1),
-        QuantType::Q5_1 => lb::<S, dequant::Q5_1>(j, c0, c1),
-        QuantType::Q8_0 => lb::<S, dequant::Q8_0>(j, c0, c1),
-        QuantType::Q4K => lb::<S, dequant::Q4K>(j, c0, c1),
-        QuantType::Q6K => lb::<S, dequant::Q6K>(j, c0, c1),
-    }
+    per_format!(j.ty, F => lb::<S, F>(j, c0, c1))
 }
 
 /// Columns c0..c1 of dx: zero them, then for each tile of `tile_rows` weight rows (dequantized into

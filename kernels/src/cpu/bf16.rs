@@ -28,7 +28,7 @@ pub(crate) use x86::{backward_task, round_pairs, round_rows, task, BackwardJob};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::dequant::{self, dequant_row, Format};
+    use super::super::dequant::{dequant_row, per_format, Format};
     use super::super::matmul::{scratch, store_tile, JobRef, X_BLOCK};
     use super::super::simd::{Avx512, Simd};
     use crate::quant::QuantType;
@@ -91,18 +91,7 @@ mod x86 {
     /// then W[2p][c]·dy[2p] (`reference::linear_backward_bf16`), pairs in row order.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")]
     pub unsafe fn backward_task(j: &BackwardJob, c0: usize, c1: usize) {
-        match j.ty {
-            QuantType::F32 => backward_fmt::<dequant::F32>(j, c0, c1),
-            QuantType::F16 => backward_fmt::<dequant::F16>(j, c0, c1),
-            QuantType::BF16 => backward_fmt::<dequant::BF16>(j, c0, c1),
-            QuantType::Q4_0 => backward_fmt::<dequant::Q4_0>(j, c0, c1),
-            QuantType::Q4_1 => backward_fmt::<dequant::Q4_1>(j, c0, c1),
-            QuantType::Q5_0 => backward_fmt::<dequant::Q5_0>(j, c0, c1),
-            QuantType::Q5_1 => backward_fmt::<dequant::Q5_1>(j, c0, c1),
-            QuantType::Q8_0 => backward_fmt::<dequant::Q8_0>(j, c0, c1),
-            QuantType::Q4K => backward_fmt::<dequant::Q4K>(j, c0, c1),
-            QuantType::Q6K => backward_fmt::<dequant::Q6K>(j, c0, c1),
-        }
+        per_format!(j.ty, F => backward_fmt::<F>(j, c0, c1))
     }
 
     #[inline(always)]
@@ -261,18 +250,7 @@ mod x86 {
     /// Rows `r0..r1` of the product whose activations `j.xb` are already rounded.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")]
     pub unsafe fn task(j: &JobRef, r0: usize, r1: usize) {
-        match j.ty {
-            QuantType::F32 => task_fmt::<dequant::F32>(j, r0, r1),
-            QuantType::F16 => task_fmt::<dequant::F16>(j, r0, r1),
-            QuantType::BF16 => task_fmt::<dequant::BF16>(j, r0, r1),
-            QuantType::Q4_0 => task_fmt::<dequant::Q4_0>(j, r0, r1),
-            QuantType::Q4_1 => task_fmt::<dequant::Q4_1>(j, r0, r1),
-            QuantType::Q5_0 => task_fmt::<dequant::Q5_0>(j, r0, r1),
-            QuantType::Q5_1 => task_fmt::<dequant::Q5_1>(j, r0, r1),
-            QuantType::Q8_0 => task_fmt::<dequant::Q8_0>(j, r0, r1),
-            QuantType::Q4K => task_fmt::<dequant::Q4K>(j, r0, r1),
-            QuantType::Q6K => task_fmt::<dequant::Q6K>(j, r0, r1),
-        }
+        per_format!(j.ty, F => task_fmt::<F>(j, r0, r1))
     }
 
     #[inline(always)]

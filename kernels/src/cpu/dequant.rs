@@ -9,6 +9,78 @@ use super::Isa;
 use crate::quant::QuantType;
 use crate::reference::scale_min_k4;
 
+/// `$body` with `$F` the `Format` of the runtime type `$ty`: the one place a type picks its
+/// monomorphized kernels (products, backward, dequantization, on every path).
+macro_rules! per_format {
+    ($ty:expr, $F:ident => $body:expr) => {{
+        use $crate::cpu::dequant as fmt;
+        use $crate::quant::QuantType as T;
+        match $ty {
+            T::F32 => {
+                type $F = fmt::F32;
+                $body
+            }
+            T::F16 => {
+                type $F = fmt::F16;
+                $body
+            }
+            T::BF16 => {
+                type $F = fmt::BF16;
+                $body
+            }
+            T::Q4_0 => {
+                type $F = fmt::Q4_0;
+                $body
+            }
+            T::Q4_1 => {
+                type $F = fmt::Q4_1;
+                $body
+            }
+            T::Q5_0 => {
+                type $F = fmt::Q5_0;
+                $body
+            }
+            T::Q5_1 => {
+                type $F = fmt::Q5_1;
+                $body
+            }
+            T::Q8_0 => {
+                type $F = fmt::Q8_0;
+                $body
+            }
+            T::Q2K => {
+                type $F = fmt::Q2K;
+                $body
+            }
+            T::Q3K => {
+                type $F = fmt::Q3K;
+                $body
+            }
+            T::Q4K => {
+                type $F = fmt::Q4K;
+                $body
+            }
+            T::Q5K => {
+                type $F = fmt::Q5K;
+                $body
+            }
+            T::Q6K => {
+                type $F = fmt::Q6K;
+                $body
+            }
+            T::IQ4NL => {
+                type $F = fmt::IQ4NL;
+                $body
+            }
+            T::IQ4XS => {
+                type $F = fmt::IQ4XS;
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use per_format;
+
 /// A block format known at compile time, so the matmul drivers monomorphize per format.
 pub trait Format {
     const TY: QuantType;
@@ -63,6 +135,165 @@ pub struct Q5_1;
 pub struct Q8_0;
 pub struct Q4K;
 pub struct Q6K;
+pub struct Q2K;
+pub struct Q3K;
+pub struct Q5K;
+pub struct IQ4NL;
+pub struct IQ4XS;
+
+impl Format for Q2K {
+    const TY: QuantType = QuantType::Q2K;
+    const BS: usize = 256;
+    const BB: usize = 84;
+    /// Byte l of half h holds values 128h + 32s + l at bits 2s; (d·sc)·q is exact, so one fma
+    /// equals the reference's product then difference.
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let (d, dmin) = (S::f16(src.add(80)), S::f16(src.add(82)));
+        for h in 0..2 {
+            let mut l = 0;
+            while l < 32 {
+                let mut b = S::load_u8(src.add(16 + 32 * h + l));
+                for s in 0..4 {
+                    let v = 128 * h + 32 * s + l;
+                    let sc = *src.add(v / 16);
+                    let dl = S::splat(d * (sc & 0xF) as f32);
+                    let ml = S::splat(-(dmin * (sc >> 4) as f32));
+                    S::store(dst.add(v), S::fma(S::cvt(S::and_i(b, 3)), dl, ml));
+                    b = S::srl::<2>(b);
+                }
+                l += S::LANES;
+            }
+        }
+    }
+}
+
+impl Format for Q3K {
+    const TY: QuantType = QuantType::Q3K;
+    const BS: usize = 256;
+    const BB: usize = 110;
+    /// Q2_K's low bits (after 32 bytes of high bits: value v's in bit v/32 of byte v%32), codes
+    /// q = low + 4·high − 4, 6-bit scales − 32; (d·sc)·q exact.
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let d = S::f16(src.add(108));
+        let sc = std::slice::from_raw_parts(src.add(96), 12);
+        let mut dl = [0.0f32; 16];
+        for (k, v) in dl.iter_mut().enumerate() {
+            let lo = (sc[k % 8] >> (4 * (k / 8))) & 0xF;
+            let hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+            *v = d * ((lo | (hi << 4)) as i32 - 32) as f32;
+        }
+        let mut l = 0;
+        while l < 32 {
+            let mut hm = S::load_u8(src.add(l));
+            for h in 0..2 {
+                let mut b = S::load_u8(src.add(32 + 32 * h + l));
+                for s in 0..4 {
+                    let v = 128 * h + 32 * s + l;
+                    let q = S::or_i(S::and_i(b, 3), S::sll::<2>(S::and_i(hm, 1)));
+                    let q = S::add_i(q, S::splat_i(-4));
+                    S::store(dst.add(v), S::mul(S::cvt(q), S::splat(dl[v / 16])));
+                    b = S::srl::<2>(b);
+                    hm = S::srl::<1>(hm);
+                }
+            }
+            l += S::LANES;
+        }
+    }
+}
+
+/// 16 bytes of IQ4 nibbles (value j low, j+16 high) looked up in the codebook into 32 signed
+/// bytes at `out`, in value order (`pshufb`: every kernel ISA has SSSE3).
+#[inline(always)]
+unsafe fn iq4_lookup(qs: *const u8, out: *mut i8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        let table = _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr() as *const __m128i);
+        let b = _mm_loadu_si128(qs as *const __m128i);
+        let nib = _mm_set1_epi8(0x0F);
+        let lo = _mm_shuffle_epi8(table, _mm_and_si128(b, nib));
+        let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(b), nib));
+        _mm_storeu_si128(out as *mut __m128i, lo);
+        _mm_storeu_si128(out.add(16) as *mut __m128i, hi);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("x86_64 kernels only ({qs:?}, {out:?})")
+}
+
+/// 32 looked-up IQ4 values times `scale` (the reference's d·value: exact integers times one f32).
+#[inline(always)]
+unsafe fn iq4_scale<S: Simd>(qs: *const u8, scale: f32, dst: *mut f32) {
+    let mut codes = [0i8; 32];
+    iq4_lookup(qs, codes.as_mut_ptr());
+    let (c8, sv) = (codes.as_ptr() as *const u8, S::splat(scale));
+    let mut c = 0;
+    while c < 32 {
+        S::store(dst.add(c), S::mul(S::cvt(S::load_i8(c8.add(c))), sv));
+        c += S::LANES;
+    }
+}
+
+impl Format for IQ4NL {
+    const TY: QuantType = QuantType::IQ4NL;
+    const BS: usize = 32;
+    const BB: usize = 18;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        iq4_scale::<S>(src.add(2), S::f16(src), dst);
+    }
+}
+
+impl Format for IQ4XS {
+    const TY: QuantType = QuantType::IQ4XS;
+    const BS: usize = 256;
+    const BB: usize = 136;
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let d = S::f16(src);
+        let sh = u16::from_le_bytes([*src.add(2), *src.add(3)]);
+        for j in 0..8 {
+            let lo = (*src.add(4 + j / 2) >> (4 * (j % 2))) & 0xF;
+            let hi = ((sh >> (2 * j)) & 3) as u8;
+            let dj = d * ((lo | (hi << 4)) as i32 - 32) as f32;
+            iq4_scale::<S>(src.add(8 + 16 * j), dj, dst.add(32 * j));
+        }
+    }
+}
+
+impl Format for Q5K {
+    const TY: QuantType = QuantType::Q5K;
+    const BS: usize = 256;
+    const BB: usize = 176;
+    /// Q4_K's decoding with the fifth bit from `qh` (bit j of byte l: value l of sub-block j);
+    /// q·(d·sc) is exact, so one fma equals the reference's product then difference.
+    #[inline(always)]
+    unsafe fn dequant<S: Simd>(src: *const u8, dst: *mut f32) {
+        let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
+        let scales = std::slice::from_raw_parts(src.add(4), 12);
+        let (qh, qs) = (src.add(16), src.add(48));
+        let mut dm = [(S::zero(), S::zero()); 8];
+        for (j, v) in dm.iter_mut().enumerate() {
+            let (sc, m) = scale_min_k4(j, scales);
+            *v = (S::splat(d * sc as f32), S::splat(-dmin * m as f32));
+        }
+        let mut l = 0;
+        while l < 32 {
+            let mut h = S::load_u8(qh.add(l));
+            for c in 0..4 {
+                let b = S::load_u8(qs.add(32 * c + l));
+                let lo = S::or_i(S::and_i(b, 0xF), S::sll::<4>(S::and_i(h, 1)));
+                let hi = S::or_i(S::srl::<4>(b), S::sll::<4>(S::and_i(S::srl::<1>(h), 1)));
+                let ((d1, m1), (d2, m2)) = (dm[2 * c], dm[2 * c + 1]);
+                S::store(dst.add(64 * c + l), S::fma(S::cvt(lo), d1, m1));
+                S::store(dst.add(64 * c + 32 + l), S::fma(S::cvt(hi), d2, m2));
+                h = S::srl::<2>(h);
+            }
+            l += S::LANES;
+        }
+    }
+}
 
 // Element formats are dequantized in runs of LANES elements: BS is the lane count's multiple 16
 // so one "block" is 16 values; rows of these formats must have a multiple of 16 values.
@@ -526,16 +757,5 @@ unsafe fn dequant_avx2(ty: QuantType, src: *const u8, dst: *mut f32, n: usize) {
 
 #[inline(always)]
 unsafe fn dequant_any<S: Simd>(ty: QuantType, src: *const u8, dst: *mut f32, n: usize) {
-    match ty {
-        QuantType::F32 => dequant_row::<S, F32>(src, dst, n),
-        QuantType::F16 => dequant_row::<S, F16>(src, dst, n),
-        QuantType::BF16 => dequant_row::<S, BF16>(src, dst, n),
-        QuantType::Q4_0 => dequant_row::<S, Q4_0>(src, dst, n),
-        QuantType::Q4_1 => dequant_row::<S, Q4_1>(src, dst, n),
-        QuantType::Q5_0 => dequant_row::<S, Q5_0>(src, dst, n),
-        QuantType::Q5_1 => dequant_row::<S, Q5_1>(src, dst, n),
-        QuantType::Q8_0 => dequant_row::<S, Q8_0>(src, dst, n),
-        QuantType::Q4K => dequant_row::<S, Q4K>(src, dst, n),
-        QuantType::Q6K => dequant_row::<S, Q6K>(src, dst, n),
-    }
+    per_format!(ty, F => dequant_row::<S, F>(src, dst, n))
 }

@@ -28,7 +28,7 @@
 // the lengths and rows the `JobRef` states.
 #![allow(clippy::missing_safety_doc)]
 
-use super::dequant::{self, dequant_row, Format};
+use super::dequant::{dequant_row, per_format, Format};
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Precision, Tasks};
 use crate::quant::QuantType;
@@ -294,18 +294,7 @@ unsafe fn task_avx2(j: &JobRef, r0: usize, r1: usize) {
 
 #[inline(always)]
 unsafe fn task_generic<S: Simd>(j: &JobRef, r0: usize, r1: usize) {
-    match j.ty {
-        QuantType::F32 => task_fmt::<S, dequant::F32>(j, r0, r1),
-        QuantType::F16 => task_fmt::<S, dequant::F16>(j, r0, r1),
-        QuantType::BF16 => task_fmt::<S, dequant::BF16>(j, r0, r1),
-        QuantType::Q4_0 => task_fmt::<S, dequant::Q4_0>(j, r0, r1),
-        QuantType::Q4_1 => task_fmt::<S, dequant::Q4_1>(j, r0, r1),
-        QuantType::Q5_0 => task_fmt::<S, dequant::Q5_0>(j, r0, r1),
-        QuantType::Q5_1 => task_fmt::<S, dequant::Q5_1>(j, r0, r1),
-        QuantType::Q8_0 => task_fmt::<S, dequant::Q8_0>(j, r0, r1),
-        QuantType::Q4K => task_fmt::<S, dequant::Q4K>(j, r0, r1),
-        QuantType::Q6K => task_fmt::<S, dequant::Q6K>(j, r0, r1),
-    }
+    per_format!(j.ty, F => task_fmt::<S, F>(j, r0, r1))
 }
 
 /// A thread-local scratch buffer of at least `len` floats. The pointer stays valid until the next

@@ -40,6 +40,11 @@ pub const KERNELS: &[&str] = &[
     "fw_matmul_q8_0",
     "fw_matmul_q4_k",
     "fw_matmul_q6_k",
+    "fw_matmul_q2_k",
+    "fw_matmul_q3_k",
+    "fw_matmul_q5_k",
+    "fw_matmul_iq4_nl",
+    "fw_matmul_iq4_xs",
     "fw_embed_f32",
     "fw_embed_f16",
     "fw_embed_bf16",
@@ -50,6 +55,11 @@ pub const KERNELS: &[&str] = &[
     "fw_embed_q8_0",
     "fw_embed_q4_k",
     "fw_embed_q6_k",
+    "fw_embed_q2_k",
+    "fw_embed_q3_k",
+    "fw_embed_q5_k",
+    "fw_embed_iq4_nl",
+    "fw_embed_iq4_xs",
     "fw_rmsnorm",
     "fw_rope",
     "fw_swiglu",
@@ -82,6 +92,11 @@ pub fn type_code(ty: QuantType) -> i32 {
         QuantType::Q6K => 7,
         QuantType::Q5_0 => 8,
         QuantType::Q5_1 => 9,
+        QuantType::Q2K => 10,
+        QuantType::Q3K => 11,
+        QuantType::Q5K => 12,
+        QuantType::IQ4NL => 13,
+        QuantType::IQ4XS => 14,
     }
 }
 
@@ -98,6 +113,11 @@ fn type_name(ty: QuantType) -> &'static str {
         QuantType::Q6K => "q6_k",
         QuantType::Q5_0 => "q5_0",
         QuantType::Q5_1 => "q5_1",
+        QuantType::Q2K => "q2_k",
+        QuantType::Q3K => "q3_k",
+        QuantType::Q5K => "q5_k",
+        QuantType::IQ4NL => "iq4_nl",
+        QuantType::IQ4XS => "iq4_xs",
     }
 }
 

@@ -11,8 +11,13 @@ pub enum QuantType {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
+    Q5K,
     Q6K,
+    IQ4NL,
+    IQ4XS,
 }
 
 pub const QK: usize = 32;
@@ -61,6 +66,56 @@ pub struct BlockQ4K {
     pub scales: [u8; 12],
     pub qs: [u8; QK_K / 2],
 }
+/// Q2_K: 256 values in 16 sub-blocks of 16 as `d·sc·q − dmin·m`, q of 2 bits (byte l of each
+/// 32-byte half holds values l, l+32, l+64, l+96 of that half at bits 0, 2, 4, 6), a 4-bit
+/// scale (low nibble) and min (high nibble) per sub-block.
+#[repr(C)]
+pub struct BlockQ2K {
+    pub scales: [u8; QK_K / 16],
+    pub qs: [u8; QK_K / 4],
+    pub d: u16,
+    pub dmin: u16,
+}
+/// Q3_K: 256 values in 16 sub-blocks of 16 as `d·(sc − 32)·(q − 4·(1 − h))`: q's 2 low bits as
+/// Q2_K's, the high bit h of value v in bit v/32 of `hmask[v % 32]`, 6-bit scales (low nibbles in
+/// bytes 0..8, two high bits in bytes 8..12).
+#[repr(C)]
+pub struct BlockQ3K {
+    pub hmask: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 4],
+    pub scales: [u8; 12],
+    pub d: u16,
+}
+/// Q5_K: Q4_K's scales and mins with a fifth bit: bit j of `qh[l]` is bit 4 of value l of
+/// sub-block j.
+#[repr(C)]
+pub struct BlockQ5K {
+    pub d: u16,
+    pub dmin: u16,
+    pub scales: [u8; 12],
+    pub qh: [u8; QK_K / 8],
+    pub qs: [u8; QK_K / 2],
+}
+/// IQ4_NL: 32 values as `d · IQ4_VALUES[nibble]` (nibbles as Q4_0's).
+#[repr(C)]
+pub struct BlockIQ4NL {
+    pub d: u16,
+    pub qs: [u8; QK / 2],
+}
+/// IQ4_XS: 256 values in 8 sub-blocks of 32 as `d · (sc − 32) · IQ4_VALUES[nibble]`, 6-bit
+/// scales (low nibbles in `scales_l`, two high bits each in `scales_h`); sub-block j's nibbles
+/// are bytes 16j.. as IQ4_NL's.
+#[repr(C)]
+pub struct BlockIQ4XS {
+    pub d: u16,
+    pub scales_h: u16,
+    pub scales_l: [u8; QK_K / 64],
+    pub qs: [u8; QK_K / 2],
+}
+/// The non-linear 4-bit codebook of IQ4_NL and IQ4_XS.
+pub const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 /// Q6_K: 256 values in 16 sub-blocks of 16, each with an 8-bit signed scale; 4 low bits + 2 high bits.
 #[repr(C)]
 pub struct BlockQ6K {
@@ -77,9 +132,14 @@ const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
 const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
+const _: () = assert!(std::mem::size_of::<BlockQ2K>() == 84);
+const _: () = assert!(std::mem::size_of::<BlockQ3K>() == 110);
+const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
+const _: () = assert!(std::mem::size_of::<BlockIQ4NL>() == 18);
+const _: () = assert!(std::mem::size_of::<BlockIQ4XS>() == 136);
 
 impl QuantType {
-    pub const ALL: [QuantType; 10] = [
+    pub const ALL: [QuantType; 15] = [
         QuantType::F32,
         QuantType::F16,
         QuantType::BF16,
@@ -88,8 +148,13 @@ impl QuantType {
         QuantType::Q5_0,
         QuantType::Q5_1,
         QuantType::Q8_0,
+        QuantType::Q2K,
+        QuantType::Q3K,
         QuantType::Q4K,
+        QuantType::Q5K,
         QuantType::Q6K,
+        QuantType::IQ4NL,
+        QuantType::IQ4XS,
     ];
 
     /// The ggml type id used in GGUF tensor infos.
@@ -102,8 +167,13 @@ impl QuantType {
             QuantType::Q5_0 => 6,
             QuantType::Q5_1 => 7,
             QuantType::Q8_0 => 8,
+            QuantType::Q2K => 10,
+            QuantType::Q3K => 11,
             QuantType::Q4K => 12,
+            QuantType::Q5K => 13,
             QuantType::Q6K => 14,
+            QuantType::IQ4NL => 20,
+            QuantType::IQ4XS => 23,
             QuantType::BF16 => 30,
         }
     }
@@ -123,26 +193,37 @@ impl QuantType {
             QuantType::Q5_0 => "Q5_0",
             QuantType::Q5_1 => "Q5_1",
             QuantType::Q8_0 => "Q8_0",
+            QuantType::Q2K => "Q2_K",
+            QuantType::Q3K => "Q3_K",
             QuantType::Q4K => "Q4_K",
+            QuantType::Q5K => "Q5_K",
             QuantType::Q6K => "Q6_K",
+            QuantType::IQ4NL => "IQ4_NL",
+            QuantType::IQ4XS => "IQ4_XS",
         }
     }
 
     /// Values per block.
-    pub fn block_size(self) -> usize {
+    pub const fn block_size(self) -> usize {
         match self {
             QuantType::F32 | QuantType::F16 | QuantType::BF16 => 1,
             QuantType::Q4_0
             | QuantType::Q4_1
             | QuantType::Q5_0
             | QuantType::Q5_1
-            | QuantType::Q8_0 => QK,
-            QuantType::Q4K | QuantType::Q6K => QK_K,
+            | QuantType::Q8_0
+            | QuantType::IQ4NL => QK,
+            QuantType::Q2K
+            | QuantType::Q3K
+            | QuantType::Q4K
+            | QuantType::Q5K
+            | QuantType::Q6K
+            | QuantType::IQ4XS => QK_K,
         }
     }
 
     /// Bytes per block.
-    pub fn block_bytes(self) -> usize {
+    pub const fn block_bytes(self) -> usize {
         match self {
             QuantType::F32 => 4,
             QuantType::F16 | QuantType::BF16 => 2,
@@ -153,6 +234,11 @@ impl QuantType {
             QuantType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
             QuantType::Q4K => std::mem::size_of::<BlockQ4K>(),
             QuantType::Q6K => std::mem::size_of::<BlockQ6K>(),
+            QuantType::Q2K => std::mem::size_of::<BlockQ2K>(),
+            QuantType::Q3K => std::mem::size_of::<BlockQ3K>(),
+            QuantType::Q5K => std::mem::size_of::<BlockQ5K>(),
+            QuantType::IQ4NL => std::mem::size_of::<BlockIQ4NL>(),
+            QuantType::IQ4XS => std::mem::size_of::<BlockIQ4XS>(),
         }
     }
 

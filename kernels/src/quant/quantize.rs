@@ -28,6 +28,11 @@ pub fn quantize(ty: QuantType, x: &[f32]) -> Vec<u8> {
         QuantType::Q8_0 => x.chunks(QK).for_each(|b| q8_0(b, &mut out)),
         QuantType::Q4K => x.chunks(QK_K).for_each(|b| q4_k(b, &mut out)),
         QuantType::Q6K => x.chunks(QK_K).for_each(|b| q6_k(b, &mut out)),
+        QuantType::Q2K => x.chunks(QK_K).for_each(|b| q2_k(b, &mut out)),
+        QuantType::Q3K => x.chunks(QK_K).for_each(|b| q3_k(b, &mut out)),
+        QuantType::Q5K => x.chunks(QK_K).for_each(|b| q5_k(b, &mut out)),
+        QuantType::IQ4NL => x.chunks(QK).for_each(|b| iq4_nl(b, &mut out)),
+        QuantType::IQ4XS => x.chunks(QK_K).for_each(|b| iq4_xs(b, &mut out)),
     }
     out
 }
@@ -151,13 +156,7 @@ fn q4_k(x: &[f32], out: &mut Vec<u8>) {
     }
     out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
     out.extend_from_slice(&f32_to_f16(dmin).to_le_bytes());
-    let mut packed = [0u8; 12];
-    for j in 0..4 {
-        packed[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
-        packed[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
-        packed[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
-    }
-    out.extend_from_slice(&packed);
+    out.extend_from_slice(&pack_k4(&sc, &m));
     let mut q = [0u8; 256];
     for s in 0..8 {
         let step = d * sc[s] as f32;
@@ -226,4 +225,211 @@ fn q6_k(x: &[f32], out: &mut Vec<u8>) {
 
 fn f16_round(x: f32) -> f32 {
     super::f16_to_f32(f32_to_f16(x))
+}
+
+/// Per sub-block of `x`, the affine step and offset of `levels` levels: (max − min)/levels and
+/// −min (min at most 0).
+fn affine(x: &[f32], sub: usize, levels: f32) -> (Vec<f32>, Vec<f32>) {
+    x.chunks(sub)
+        .map(|c| {
+            let lo = c.iter().cloned().fold(f32::INFINITY, f32::min).min(0.0);
+            let hi = c.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            ((hi - lo) / levels, -lo)
+        })
+        .unzip()
+}
+
+/// Integer multiples of a super-scale for `v` (in 0..=max): the f16 super-scale and the codes.
+fn super_scale(v: &[f32], max: f32) -> (f32, Vec<u8>) {
+    let d = f16_round(v.iter().cloned().fold(0.0f32, f32::max) / max);
+    let q = v
+        .iter()
+        .map(|&s| {
+            if d > 0.0 {
+                (s / d).round().clamp(0.0, max) as u8
+            } else {
+                0
+            }
+        })
+        .collect();
+    (d, q)
+}
+
+/// Affine codes in 0..=levels of each value given its sub-block's step and offset.
+fn affine_codes(x: &[f32], sub: usize, step: &[f32], off: &[f32], levels: f32) -> Vec<u8> {
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let (st, o) = (step[i / sub], off[i / sub]);
+            if st > 0.0 {
+                ((v + o) / st).round().clamp(0.0, levels) as u8
+            } else {
+                0
+            }
+        })
+        .collect()
+}
+
+fn q2_k(x: &[f32], out: &mut Vec<u8>) {
+    // Sixteen sub-blocks of 16: value = d*sc*q - dmin*m, 4-bit sc and m, q in 0..4.
+    let (steps, offs) = affine(x, 16, 3.0);
+    let (d, sc) = super_scale(&steps, 15.0);
+    let (dmin, m) = super_scale(&offs, 15.0);
+    let step: Vec<f32> = sc.iter().map(|&s| d * s as f32).collect();
+    let off: Vec<f32> = m.iter().map(|&s| dmin * s as f32).collect();
+    let q = affine_codes(x, 16, &step, &off, 3.0);
+    out.extend((0..16).map(|k| sc[k] | (m[k] << 4)));
+    for h in 0..2 {
+        for l in 0..32 {
+            out.push((0..4).fold(0u8, |b, s| b | (q[128 * h + 32 * s + l] << (2 * s))));
+        }
+    }
+    out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
+    out.extend_from_slice(&f32_to_f16(dmin).to_le_bytes());
+}
+
+fn q3_k(x: &[f32], out: &mut Vec<u8>) {
+    // Sixteen sub-blocks of 16: value = d*(sc-32)*q, q in -4..4 (the largest magnitude to -4).
+    let subs: Vec<f32> = x
+        .chunks(16)
+        .map(|c| {
+            c.iter()
+                .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+                / -4.0
+        })
+        .collect();
+    let d = f16_round(subs.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 31.0);
+    let sc: Vec<i32> = subs
+        .iter()
+        .map(|&s| {
+            if d > 0.0 {
+                (s / d).round().clamp(-32.0, 31.0) as i32
+            } else {
+                0
+            }
+        })
+        .collect();
+    let q: Vec<u8> = x
+        .iter()
+        .enumerate()
+        .map(|(v, &val)| {
+            let step = d * sc[v / 16] as f32;
+            let q = if step != 0.0 {
+                (val / step).round().clamp(-4.0, 3.0) as i32
+            } else {
+                0
+            };
+            (q + 4) as u8
+        })
+        .collect();
+    let mut hmask = [0u8; 32];
+    for (v, &c) in q.iter().enumerate() {
+        hmask[v % 32] |= (c >> 2) << (v / 32);
+    }
+    out.extend_from_slice(&hmask);
+    for h in 0..2 {
+        for l in 0..32 {
+            out.push((0..4).fold(0u8, |b, s| b | ((q[128 * h + 32 * s + l] & 3) << (2 * s))));
+        }
+    }
+    let mut packed = [0u8; 12];
+    for (k, &s) in sc.iter().enumerate() {
+        let u = (s + 32) as u8;
+        packed[k % 8] |= (u & 0xF) << (4 * (k / 8));
+        packed[8 + k % 4] |= (u >> 4) << (2 * (k / 4));
+    }
+    out.extend_from_slice(&packed);
+    out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
+}
+
+fn q5_k(x: &[f32], out: &mut Vec<u8>) {
+    // Eight sub-blocks of 32: value = d*sc*q - dmin*m, 6-bit sc and m (packed as Q4_K's), q in
+    // 0..32.
+    let (steps, offs) = affine(x, 32, 31.0);
+    let (d, sc) = super_scale(&steps, 63.0);
+    let (dmin, m) = super_scale(&offs, 63.0);
+    let step: Vec<f32> = sc.iter().map(|&s| d * s as f32).collect();
+    let off: Vec<f32> = m.iter().map(|&s| dmin * s as f32).collect();
+    let q = affine_codes(x, 32, &step, &off, 31.0);
+    out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
+    out.extend_from_slice(&f32_to_f16(dmin).to_le_bytes());
+    out.extend_from_slice(&pack_k4(&sc, &m));
+    out.extend((0..32).map(|l| (0..8).fold(0u8, |b, j| b | ((q[32 * j + l] >> 4) << j))));
+    for c in 0..4 {
+        for l in 0..32 {
+            out.push((q[c * 64 + l] & 0xF) | ((q[c * 64 + 32 + l] & 0xF) << 4));
+        }
+    }
+}
+
+/// The codebook index nearest to `v` (in units of the block's scale).
+fn iq4_code(v: f32) -> u8 {
+    (0..16u8)
+        .min_by(|&a, &b| {
+            let da = (v - super::IQ4_VALUES[a as usize] as f32).abs();
+            let db = (v - super::IQ4_VALUES[b as usize] as f32).abs();
+            da.total_cmp(&db)
+        })
+        .unwrap_or(0)
+}
+
+/// 32 values as IQ4 nibbles at scale `step` (value l's nibble: byte l % 16, high for l ≥ 16).
+fn iq4_nibbles(x: &[f32], step: f32, out: &mut Vec<u8>) {
+    let inv = if step != 0.0 { 1.0 / step } else { 0.0 };
+    for l in 0..16 {
+        out.push(iq4_code(x[l] * inv) | (iq4_code(x[l + 16] * inv) << 4));
+    }
+}
+
+/// The value of largest magnitude, with its sign.
+fn signed_amax(x: &[f32]) -> f32 {
+    x.iter()
+        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+}
+
+fn iq4_nl(x: &[f32], out: &mut Vec<u8>) {
+    // The largest magnitude maps to the codebook's −127.
+    let d = f16_round(signed_amax(x) / -127.0);
+    out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
+    iq4_nibbles(x, d, out);
+}
+
+fn iq4_xs(x: &[f32], out: &mut Vec<u8>) {
+    // Eight sub-blocks of 32 at d*(sc-32), sc of 6 bits.
+    let subs: Vec<f32> = x.chunks(32).map(|c| signed_amax(c) / -127.0).collect();
+    let d = f16_round(subs.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 31.0);
+    let sc: Vec<i32> = subs
+        .iter()
+        .map(|&s| {
+            if d > 0.0 {
+                (s / d).round().clamp(-32.0, 31.0) as i32
+            } else {
+                0
+            }
+        })
+        .collect();
+    let (mut lo, mut hi) = ([0u8; 4], 0u16);
+    for (j, &s) in sc.iter().enumerate() {
+        let u = (s + 32) as u8;
+        lo[j / 2] |= (u & 0xF) << (4 * (j % 2));
+        hi |= ((u >> 4) as u16) << (2 * j);
+    }
+    out.extend_from_slice(&f32_to_f16(d).to_le_bytes());
+    out.extend_from_slice(&hi.to_le_bytes());
+    out.extend_from_slice(&lo);
+    for (j, c) in x.chunks(32).enumerate() {
+        iq4_nibbles(c, d * sc[j] as f32, out);
+    }
+}
+
+/// Q4_K's and Q5_K's eight 6-bit scales and mins in their 12 bytes (`reference::scale_min_k4`
+/// reads them back).
+fn pack_k4(sc: &[u8], m: &[u8]) -> [u8; 12] {
+    let mut packed = [0u8; 12];
+    for j in 0..4 {
+        packed[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+        packed[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+        packed[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
+    }
+    packed
 }
