@@ -203,13 +203,16 @@ enum Cmd {
         device: String,
     },
     /// Write a GGUF of a real model's shape with random weights (speed does not depend on the
-    /// values): smollm2-135m (the default model's shape and formats) or llama-1b (Llama 3.2 1B,
-    /// Q4_K_M's mix).
+    /// values): smollm2-135m (the default model's shape and formats), llama-1b, llama-3b (Llama
+    /// 3.2 1B/3B) or llama-8b (Llama 3.1 8B), in Q4_K_M's mix unless --quant says otherwise.
     RandomModel {
         #[arg(long)]
         shape: String,
         #[arg(long)]
         out: PathBuf,
+        /// llama-quantize's preset: q4_k_m (the shape's own formats), q8_0 or q4_0.
+        #[arg(long, default_value = "q4_k_m")]
+        quant: String,
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
@@ -530,8 +533,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 d => anyhow::bail!("--device '{d}': expected cpu or cuda"),
             }
         }
-        Cmd::RandomModel { shape, out, seed } => {
-            let s = flywheel::model::random::shape(&shape).map_err(|e| anyhow::anyhow!(e))?;
+        Cmd::RandomModel {
+            shape,
+            out,
+            quant,
+            seed,
+        } => {
+            let s = flywheel::model::random::shape(&shape)
+                .and_then(|s| flywheel::model::random::with_quant(s, &quant))
+                .map_err(|e| anyhow::anyhow!(e))?;
             flywheel::model::random::write(&s, seed)
                 .write(&out)
                 .with_context(|| format!("writing {}", out.display()))?;

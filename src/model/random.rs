@@ -58,18 +58,63 @@ pub const SHAPES: &[Shape] = &[
         kv_heads: 8,
         vocab: 128256,
         tied: true,
-        formats: [
-            QuantType::Q4K,
-            QuantType::Q4K,
-            QuantType::Q6K,
-            QuantType::Q4K,
-            QuantType::Q4K,
-            QuantType::Q4K,
-            QuantType::Q6K,
-            QuantType::Q6K,
-        ],
+        formats: Q4_K_M,
+    },
+    // Llama 3.2 3B, Q4_K_M's mix.
+    Shape {
+        name: "llama-3b",
+        layers: 28,
+        hidden: 3072,
+        ffn: 8192,
+        heads: 24,
+        kv_heads: 8,
+        vocab: 128256,
+        tied: true,
+        formats: Q4_K_M,
+    },
+    // Llama 3.1 8B, Q4_K_M's mix, its own output matrix.
+    Shape {
+        name: "llama-8b",
+        layers: 32,
+        hidden: 4096,
+        ffn: 14336,
+        heads: 32,
+        kv_heads: 8,
+        vocab: 128256,
+        tied: false,
+        formats: Q4_K_M,
     },
 ];
+
+/// llama-quantize's Q4_K_M mix on these shapes: Q4_K, with Q6_K for V, down and the embedding or
+/// output matrix (its per-layer alternation of V and down between Q4_K and Q6_K is averaged out:
+/// Q6_K on all of them reads a little more memory than the real file).
+const Q4_K_M: [QuantType; 8] = [
+    QuantType::Q4K,
+    QuantType::Q4K,
+    QuantType::Q6K,
+    QuantType::Q4K,
+    QuantType::Q4K,
+    QuantType::Q4K,
+    QuantType::Q6K,
+    QuantType::Q6K,
+];
+
+/// `s` in another of llama-quantize's presets: `q4_k_m` (the shape's own formats), `q8_0` (all
+/// Q8_0) or `q4_0` (Q4_0, with Q6_K for the embedding or output matrix as llama-quantize writes).
+pub fn with_quant(s: Shape, quant: &str) -> Result<Shape, String> {
+    let formats = match quant {
+        "q4_k_m" => return Ok(s),
+        "q8_0" => [QuantType::Q8_0; 8],
+        "q4_0" => {
+            let mut f = [QuantType::Q4_0; 8];
+            f[7] = QuantType::Q6K;
+            f
+        }
+        q => return Err(format!("no preset '{q}' (q4_k_m, q8_0, q4_0)")),
+    };
+    Ok(Shape { formats, ..s })
+}
 
 pub fn shape(name: &str) -> Result<Shape, String> {
     SHAPES
@@ -228,5 +273,8 @@ mod tests {
         let ids = t.encode("hello").unwrap();
         assert_eq!(t.decode(&ids), "hello");
         assert!(shape("nope").unwrap_err().contains("llama-1b"));
+        let q8 = with_quant(shape("llama-8b").unwrap(), "q8_0").unwrap();
+        assert_eq!((q8.formats[7], q8.tied), (QuantType::Q8_0, false));
+        assert!(with_quant(q8, "q3").is_err());
     }
 }

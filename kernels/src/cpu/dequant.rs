@@ -166,6 +166,35 @@ impl Format for Q2K {
             }
         }
     }
+    /// The 2-bit codes split into bytes (four shifts and masks per 128 values), then dotted per
+    /// sub-block: the values `dequant` gives (one fma each), in the canonical order.
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for h in 0..2 {
+                let g = two_bit_groups(src.add(16 + 32 * h));
+                codes[4 * h..4 * h + 4].copy_from_slice(&g);
+            }
+            let (d, dmin) = (S::f16(src.add(80)), S::f16(src.add(82)));
+            let sc = |k: usize| *src.add(k);
+            let scale: [f32; 16] = std::array::from_fn(|k| d * (sc(k) & 0xF) as f32);
+            let min: [f32; 16] = std::array::from_fn(|k| -(dmin * (sc(k) >> 4) as f32));
+            dot_codes16::<S, N, true>(codes.as_ptr() as *const u8, &scale, &min, x, acc);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "x86_64 kernels only ({src:?}, {} rows, {})",
+            x.len(),
+            acc.len()
+        )
+    }
 }
 
 impl Format for Q3K {
@@ -199,6 +228,87 @@ impl Format for Q3K {
                 }
             }
             l += S::LANES;
+        }
+    }
+    /// Codes low + 4·high − 4 formed as bytes (the high bit of group g is bit g of `hmask`'s
+    /// bytes), then dotted per sub-block as `dequant`'s values, in the canonical order.
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            let mut codes = [_mm256_setzero_si256(); 8];
+            let hm = _mm256_loadu_si256(src as *const __m256i);
+            let four = _mm256_set1_epi8(4);
+            for h in 0..2 {
+                let g = two_bit_groups(src.add(32 + 32 * h));
+                for (s, low) in g.into_iter().enumerate() {
+                    let bit = _mm256_set1_epi8((1u8 << (4 * h + s)) as i8);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                    let high4 = _mm256_and_si256(set, four);
+                    let q = _mm256_sub_epi8(_mm256_add_epi8(low, high4), four);
+                    codes[4 * h + s] = q;
+                }
+            }
+            let d = S::f16(src.add(108));
+            let sc = std::slice::from_raw_parts(src.add(96), 12);
+            let scale: [f32; 16] = std::array::from_fn(|k| {
+                let lo = (sc[k % 8] >> (4 * (k / 8))) & 0xF;
+                let hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+                d * ((lo | (hi << 4)) as i32 - 32) as f32
+            });
+            dot_codes16::<S, N, false>(codes.as_ptr() as *const u8, &scale, &[0.0; 16], x, acc);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!(
+            "x86_64 kernels only ({src:?}, {} rows, {})",
+            x.len(),
+            acc.len()
+        )
+    }
+}
+
+/// 32 bytes of 2-bit codes (byte l holds values l, l+32, l+64, l+96 at bits 0, 2, 4, 6) as four
+/// groups of 32 code bytes in value order.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn two_bit_groups(q: *const u8) -> [std::arch::x86_64::__m256i; 4] {
+    use std::arch::x86_64::*;
+    let b = _mm256_loadu_si256(q as *const __m256i);
+    let m = _mm256_set1_epi8(3);
+    [
+        _mm256_and_si256(b, m),
+        _mm256_and_si256(_mm256_srli_epi16::<2>(b), m),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(b), m),
+        _mm256_and_si256(_mm256_srli_epi16::<6>(b), m),
+    ]
+}
+
+/// 256 signed byte codes at `c8` (value order) dotted with N rows: value v's weight is
+/// code·scale[v/16] (+ min[v/16] in one fma with MIN), products accumulated LANES values at a
+/// time in value order (the canonical order).
+#[inline(always)]
+unsafe fn dot_codes16<S: Simd, const N: usize, const MIN: bool>(
+    c8: *const u8,
+    scale: &[f32; 16],
+    min: &[f32; 16],
+    x: &[*const f32; N],
+    acc: &mut [[S::V; 2]; N],
+) {
+    for sub in 0..16 {
+        let (s, m) = (S::splat(scale[sub]), S::splat(min[sub]));
+        let mut c = 16 * sub;
+        while c < 16 * sub + 16 {
+            let q = S::cvt(S::load_i8(c8.add(c)));
+            let w = if MIN { S::fma(q, s, m) } else { S::mul(q, s) };
+            for i in 0..N {
+                acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
+            }
+            c += S::LANES;
         }
     }
 }
@@ -630,20 +740,10 @@ impl Format for Q6K {
                     codes[4 * hh + k] = _mm256_sub_epi8(g[k], k32);
                 }
             }
-            let c8 = codes.as_ptr() as *const u8;
             let d = S::f16(src.add(208));
             let sc = src.add(192) as *const i8;
-            for sub in 0..16 {
-                let s = S::splat(d * *sc.add(sub) as f32);
-                let mut c = 16 * sub;
-                while c < 16 * sub + 16 {
-                    let w = S::mul(S::cvt(S::load_i8(c8.add(c))), s);
-                    for i in 0..N {
-                        acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
-                    }
-                    c += S::LANES;
-                }
-            }
+            let scale: [f32; 16] = std::array::from_fn(|k| d * *sc.add(k) as f32);
+            dot_codes16::<S, N, false>(codes.as_ptr() as *const u8, &scale, &[0.0; 16], x, acc);
         }
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!(

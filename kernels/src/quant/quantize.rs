@@ -290,25 +290,8 @@ fn q2_k(x: &[f32], out: &mut Vec<u8>) {
 
 fn q3_k(x: &[f32], out: &mut Vec<u8>) {
     // Sixteen sub-blocks of 16: value = d*(sc-32)*q, q in -4..4 (the largest magnitude to -4).
-    let subs: Vec<f32> = x
-        .chunks(16)
-        .map(|c| {
-            c.iter()
-                .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
-                / -4.0
-        })
-        .collect();
-    let d = f16_round(subs.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 31.0);
-    let sc: Vec<i32> = subs
-        .iter()
-        .map(|&s| {
-            if d > 0.0 {
-                (s / d).round().clamp(-32.0, 31.0) as i32
-            } else {
-                0
-            }
-        })
-        .collect();
+    let subs: Vec<f32> = x.chunks(16).map(|c| signed_amax(c) / -4.0).collect();
+    let (d, sc) = signed_scales(&subs);
     let q: Vec<u8> = x
         .iter()
         .enumerate()
@@ -397,17 +380,7 @@ fn iq4_nl(x: &[f32], out: &mut Vec<u8>) {
 fn iq4_xs(x: &[f32], out: &mut Vec<u8>) {
     // Eight sub-blocks of 32 at d*(sc-32), sc of 6 bits.
     let subs: Vec<f32> = x.chunks(32).map(|c| signed_amax(c) / -127.0).collect();
-    let d = f16_round(subs.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 31.0);
-    let sc: Vec<i32> = subs
-        .iter()
-        .map(|&s| {
-            if d > 0.0 {
-                (s / d).round().clamp(-32.0, 31.0) as i32
-            } else {
-                0
-            }
-        })
-        .collect();
+    let (d, sc) = signed_scales(&subs);
     let (mut lo, mut hi) = ([0u8; 4], 0u16);
     for (j, &s) in sc.iter().enumerate() {
         let u = (s + 32) as u8;
@@ -432,4 +405,21 @@ fn pack_k4(sc: &[u8], m: &[u8]) -> [u8; 12] {
         packed[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
     }
     packed
+}
+
+/// Signed sub-block scales as 6-bit codes − 32 times an f16 super-scale (Q3_K's and IQ4_XS's):
+/// the super-scale and the codes (−32..31).
+fn signed_scales(subs: &[f32]) -> (f32, Vec<i32>) {
+    let d = f16_round(subs.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 31.0);
+    let sc = subs
+        .iter()
+        .map(|&s| {
+            if d > 0.0 {
+                (s / d).round().clamp(-32.0, 31.0) as i32
+            } else {
+                0
+            }
+        })
+        .collect();
+    (d, sc)
 }
