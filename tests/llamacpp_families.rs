@@ -150,29 +150,38 @@ fn llama_quantize_q4_k_m_files_of_every_family_load_and_agree() {
 }
 
 /// The other presets people download for small machines and for quality (Q2_K, Q3_K_M, Q5_K_M,
-/// IQ4_XS, IQ4_NL), by llama.cpp's quantizer on a Llama of rows 256 wide (so that the K-quants
-/// and IQ4_XS are written, not their 32-value fallbacks): each file loads and agrees as above,
-/// and between them they hold every type those presets write.
+/// IQ4_XS, IQ4_NL), by llama.cpp's quantizer on each family with rows 256 wide (so that the
+/// K-quants and IQ4_XS are written, not their 32-value fallbacks), one preset per family and
+/// every preset on Llama: each file loads and agrees as above, and between them they hold every
+/// type those presets write.
 #[test]
 fn llama_quantize_k_and_iq_presets_load_and_agree() {
-    let spec = TinySpec {
-        hidden: 256,
-        ffn: 512,
-        formats: [QuantType::F32; 8],
-        ctx: 64,
-        ..TinySpec::llama3()
-    };
-    let (dir, orig) = write_tiny(&spec);
+    let presets = ["Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_XS", "IQ4_NL"];
     let mut seen = std::collections::BTreeSet::new();
-    for preset in ["Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_XS", "IQ4_NL"] {
-        let path = dir.path().join(format!("llama.{preset}.gguf"));
+    let families = TinySpec::families();
+    let runs = presets.iter().map(|&p| (TinySpec::llama3(), p)).chain(
+        families
+            .into_iter()
+            .filter(|f| f.seed != TinySpec::llama3().seed)
+            .zip(presets),
+    );
+    for (family, preset) in runs {
+        let spec = TinySpec {
+            hidden: 256,
+            ffn: 512,
+            formats: [QuantType::F32; 8],
+            ctx: 64,
+            ..family
+        };
+        let (dir, orig) = write_tiny(&spec);
+        let path = dir.path().join(format!("{preset}.gguf"));
         let Some(types) = llama_quantize(&orig, &path, preset) else {
             eprintln!("skipped: llama_cpp (llama-cpp-python) or gguf is not installed");
             return;
         };
-        eprintln!("{preset}: {types:?}");
+        eprintln!("{} {preset}: {types:?}", spec.arch);
         seen.extend(types);
-        quantized_file_agrees(&path, &orig, &format!("llama {preset}"));
+        quantized_file_agrees(&path, &orig, &format!("{} {preset}", spec.arch));
     }
     for t in ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"] {
         assert!(seen.contains(t), "llama-quantize wrote no {t}: {seen:?}");
