@@ -2,7 +2,7 @@
 //! see `reference::PagedKv`), generic over the ISA, with its twin in `reference`. Each query's
 //! result is computed the same way whatever else is in the batch.
 
-use super::matmul::scratch as thread_scratch;
+use super::job::scratch as thread_scratch;
 use super::ops::{exp_shifted, max_of};
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Tasks};

@@ -13,7 +13,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 use super::dequant::{dequant_row, per_format, Format};
-use super::matmul::scratch;
+use super::job::scratch;
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Precision, Tasks};
 use crate::quant::QuantType;

@@ -45,7 +45,7 @@ pub(crate) const PREFETCH_AHEAD: usize = 3072;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::matmul::{JobRef, X_BLOCK};
+    use super::super::job::{JobRef, X_BLOCK};
     use super::super::simd::{Avx512, Simd};
     use super::PREFETCH_AHEAD;
     use crate::quant::QuantType;

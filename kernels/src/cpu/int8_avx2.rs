@@ -28,7 +28,7 @@ pub(crate) use x86::{quantize_rows, task};
 mod x86 {
     use super::super::dequant::q6k_groups;
     use super::super::int8::{block_bytes, pair_halves, q8_row_slots, Q4_0, Q4_1, Q8_0};
-    use super::super::matmul::{JobRef, X_BLOCK};
+    use super::super::job::{JobRef, X_BLOCK};
     use super::super::simd::{Avx2, Simd};
     use crate::quant::QuantType;
     use crate::reference::{int8_has_min, q8_pairs};
@@ -552,7 +552,7 @@ mod x86 {
     /// (`rows_k`); more decode each weight row once per X_BLOCK rows into a panel on this thread.
     #[inline(always)]
     unsafe fn task_k<const FMT: u8>(j: &JobRef, r0: usize, r1: usize) {
-        let panel = super::super::matmul::scratch(&K_PANEL, k_panel_slots(j.cols)) as *mut KBlock;
+        let panel = super::super::job::scratch(&K_PANEL, k_panel_slots(j.cols)) as *mut KBlock;
         let mut ib = 0;
         while ib < j.n {
             let ie = (ib + X_BLOCK).min(j.n);

@@ -29,6 +29,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 use super::dequant::{dequant_row, per_format, Format};
+use super::job::{scratch, store_tile, JobRef, X_BLOCK};
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Precision, Tasks};
 use crate::quant::QuantType;
@@ -64,32 +65,7 @@ impl Matmul<'_> {
 
 /// Batches of at least this many rows take the `dot_panel` path.
 pub const DOT_MIN_ROWS: usize = 8;
-/// Activation rows swept per weight panel before moving on (they stay in L2).
-pub(crate) const X_BLOCK: usize = 64;
 const MAX_JOBS: usize = 8;
-
-pub(crate) struct JobRef {
-    pub ty: QuantType,
-    pub w: *const u8,
-    pub row_bytes: usize,
-    pub rows: usize,
-    pub cols: usize,
-    pub x: *const f32,
-    /// The activations rounded to BF16 (`Precision::Bf16`), or null: the exact f32 path.
-    pub xb: *const u16,
-    /// The activations quantized to int8 (`Precision::Int8`, `int8::quantize_rows`: codes,
-    /// per-lane scales and corrections, per-block sums), or null.
-    pub xq: *const i8,
-    pub xd: *const f32,
-    pub xc: *const i32,
-    pub xs: *const f32,
-    pub n: usize,
-    pub y: *mut f32,
-    /// Batches of DOT_MIN_ROWS rows or more: dequantized panel, dot-form tiles.
-    pub dot_panel: bool,
-    rows_per_task: usize,
-}
-unsafe impl Sync for JobRef {}
 
 thread_local! {
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -297,21 +273,6 @@ unsafe fn task_generic<S: Simd>(j: &JobRef, r0: usize, r1: usize) {
     per_format!(j.ty, F => task_fmt::<S, F>(j, r0, r1))
 }
 
-/// A thread-local scratch buffer of at least `len` floats. The pointer stays valid until the next
-/// call on this thread for the same buffer (kernels never nest).
-pub(crate) fn scratch(
-    key: &'static std::thread::LocalKey<RefCell<Vec<f32>>>,
-    len: usize,
-) -> *mut f32 {
-    key.with(|b| {
-        let mut b = b.borrow_mut();
-        if b.len() < len {
-            b.resize(len, 0.0);
-        }
-        b.as_mut_ptr()
-    })
-}
-
 // No closures below this line on hot paths: a closure does not inherit the caller's target
 // features, so the intrinsics inside it would not inline.
 #[inline(always)]
@@ -510,27 +471,6 @@ unsafe fn dot_tile<S: Simd, const WR: usize, const XR: usize>(
         c += l;
     }
     store_tile::<S, WR, XR>(j, &acc, r0, w0, wr, i0, ie);
-}
-
-/// A tile's sums into y: weight rows r0+w0.. (wr of them) x activation rows i0..ie (at most XR);
-/// the padding rows' sums are dropped. Shared by the f32 and BF16 tiles.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(crate) unsafe fn store_tile<S: Simd, const WR: usize, const XR: usize>(
-    j: &JobRef,
-    acc: &[[S::V; XR]; WR],
-    r0: usize,
-    w0: usize,
-    wr: usize,
-    i0: usize,
-    ie: usize,
-) {
-    let xr = (ie - i0).min(XR);
-    for (a, acca) in acc.iter().enumerate().take(wr) {
-        for (i, v) in acca.iter().enumerate().take(xr) {
-            *j.y.add((i0 + i) * j.rows + r0 + w0 + a) = S::reduce_add(*v);
-        }
-    }
 }
 
 /// Dot product of two f32 vectors of length `n`.

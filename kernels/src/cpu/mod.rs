@@ -11,6 +11,7 @@ pub mod features;
 pub mod gate;
 mod int8;
 mod int8_avx2;
+mod job;
 pub mod matmul;
 pub mod ops;
 pub mod pool;
