@@ -12,11 +12,13 @@ use flywheel_kernels::reference::{self, int8_applies};
 use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
 use std::time::Duration;
 
-const FORMATS: [QuantType; 5] = [
+const FORMATS: [QuantType; 7] = [
     QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q8_0,
+    QuantType::Q3K,
     QuantType::Q4K,
+    QuantType::Q5K,
     QuantType::Q6K,
 ];
 
@@ -151,6 +153,8 @@ fn products_sharing_activations_equal_each_alone() {
                 (QuantType::Q4K, 40),
                 (QuantType::Q6K, 24),
                 (QuantType::Q4K, 8),
+                (QuantType::Q5K, 8),
+                (QuantType::Q3K, 8),
                 (QuantType::Q8_0, 16),
             ],
         ),

@@ -276,7 +276,7 @@ impl Format for Q3K {
 /// groups of 32 code bytes in value order.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn two_bit_groups(q: *const u8) -> [std::arch::x86_64::__m256i; 4] {
+pub(crate) unsafe fn two_bit_groups(q: *const u8) -> [std::arch::x86_64::__m256i; 4] {
     use std::arch::x86_64::*;
     let b = _mm256_loadu_si256(q as *const __m256i);
     let m = _mm256_set1_epi8(3);

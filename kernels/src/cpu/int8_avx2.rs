@@ -26,7 +26,7 @@ pub(crate) use x86::{quantize_rows, task};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::dequant::q6k_groups;
+    use super::super::dequant::{q6k_groups, two_bit_groups};
     use super::super::int8::{block_bytes, pair_halves, q8_row_slots, Q4_0, Q4_1, Q8_0};
     use super::super::job::{JobRef, X_BLOCK};
     use super::super::simd::{Avx2, Simd};
@@ -37,6 +37,27 @@ mod x86 {
     /// The K-quant formats, as the kernels' const parameter (after `cpu::int8`'s).
     const Q4K: u8 = 3;
     const Q6K: u8 = 4;
+    const Q5K: u8 = 5;
+    const Q3K: u8 = 6;
+
+    /// Bytes of a super-block of the K-quant format FMT.
+    #[inline(always)]
+    fn k_bytes<const FMT: u8>() -> usize {
+        match FMT {
+            Q4K => 144,
+            Q5K => 176,
+            Q3K => 110,
+            _ => 210,
+        }
+    }
+
+    /// `to` in each byte of `v` whose bit k is set, else 0.
+    #[inline(always)]
+    unsafe fn bit_to(v: __m256i, k: usize, to: i8) -> __m256i {
+        let bit = _mm256_set1_epi8((1u8 << k) as i8);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(to))
+    }
 
     /// One block's 32 codes in value order, its scale, and the sums of its 8 groups of 4 codes.
     #[inline(always)]
@@ -101,6 +122,7 @@ mod x86 {
         let (c, s) = (d.add(n * sd) as *mut i32, d.add(n * (sd + sc)));
         let off = match ty {
             QuantType::Q4_0 => -8,
+            QuantType::Q3K => -4,
             QuantType::Q6K => -32,
             QuantType::Q8_0 => -128,
             _ => 0,
@@ -162,6 +184,8 @@ mod x86 {
             QuantType::Q8_0 => task_fmt::<Q8_0>(j, r0, r1),
             QuantType::Q4K => task_k::<Q4K>(j, r0, r1),
             QuantType::Q6K => task_k::<Q6K>(j, r0, r1),
+            QuantType::Q5K => task_k::<Q5K>(j, r0, r1),
+            QuantType::Q3K => task_k::<Q3K>(j, r0, r1),
             ty => unreachable!("no int8 products for {ty:?}"),
         }
     }
@@ -349,12 +373,48 @@ mod x86 {
         _mm256_and_si256(_mm256_srli_epi16::<4>(v), _mm256_set1_epi8(0x0F))
     }
 
-    /// Pair `pp` (blocks 2pp, 2pp+1) of a Q4_K super-block: the low and high nibbles of the same
-    /// 32 bytes, interleaved into the pair layout.
+    /// Pair `pp` (blocks 2pp, 2pp+1) of Q4_K's (or Q5_K's) nibbles at `qs`: the low and high
+    /// nibbles of the same 32 bytes, in value order.
     #[inline(always)]
-    unsafe fn q4k_pair(sb: *const u8, pp: usize) -> (__m256i, __m256i) {
-        let b = _mm256_loadu_si256(sb.add(16 + 32 * pp) as *const __m256i);
-        interleave(low_nibbles(b), high_nibbles(b))
+    unsafe fn q4k_nibbles(qs: *const u8, pp: usize) -> (__m256i, __m256i) {
+        let b = _mm256_loadu_si256(qs.add(32 * pp) as *const __m256i);
+        (low_nibbles(b), high_nibbles(b))
+    }
+
+    /// Half `hh` (pairs 2hh and 2hh+1) of a Q3_K super-block in the pair layout: codes
+    /// low + 4·high (0..8; the −4 comes with the activations' corrections).
+    #[inline(always)]
+    unsafe fn q3k_half(sb: *const u8, hh: usize) -> [(__m256i, __m256i); 2] {
+        let hm = _mm256_loadu_si256(sb as *const __m256i);
+        let g = two_bit_groups(sb.add(32 + 32 * hh));
+        let mut c = g;
+        for (s, v) in c.iter_mut().enumerate() {
+            *v = _mm256_or_si256(*v, bit_to(hm, 4 * hh + s, 4));
+        }
+        [interleave(c[0], c[1]), interleave(c[2], c[3])]
+    }
+
+    /// The 16 sub-block scales d·(sc − 32) of a Q3_K super-block as two f32 vectors.
+    #[inline(always)]
+    unsafe fn q3k_scales(sb: *const u8) -> [__m256; 2] {
+        let d = _mm256_set1_ps(crate::quant::f16_to_f32(
+            (sb.add(108) as *const u16).read_unaligned(),
+        ));
+        let sc = sb.add(96);
+        let mut v = [0i8; 16];
+        for (k, x) in v.iter_mut().enumerate() {
+            let lo = (*sc.add(k % 8) >> (4 * (k / 8))) & 0xF;
+            let hi = (*sc.add(8 + k % 4) >> (2 * (k / 4))) & 3;
+            *x = (lo | (hi << 4)) as i8 - 32;
+        }
+        let b = _mm_loadu_si128(v.as_ptr() as *const __m128i);
+        [
+            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))),
+            _mm256_mul_ps(
+                d,
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))),
+            ),
+        ]
     }
 
     /// Half `hh` (128 values, pairs 2hh and 2hh+1) of a Q6_K super-block in the pair layout:
@@ -405,11 +465,22 @@ mod x86 {
             scales: [[_mm256_setzero_ps(); 2]; 4],
             mins: _mm256_setzero_ps(),
         };
-        if FMT == Q4K {
+        if FMT == Q4K || FMT == Q5K {
             let (sc, m) = q4k_scales(sb);
             k.mins = m;
+            let qh = _mm256_loadu_si256(sb.add(16) as *const __m256i);
             for pp in 0..4 {
-                let (c0, c1) = q4k_pair(sb, pp);
+                let (mut lo, mut hi) = if FMT == Q4K {
+                    q4k_nibbles(sb.add(16), pp)
+                } else {
+                    q4k_nibbles(sb.add(48), pp)
+                };
+                if FMT == Q5K {
+                    // The fifth bit of block j: bit j of qh's bytes.
+                    lo = _mm256_or_si256(lo, bit_to(qh, 2 * pp, 0x10));
+                    hi = _mm256_or_si256(hi, bit_to(qh, 2 * pp + 1, 0x10));
+                }
+                let (c0, c1) = interleave(lo, hi);
                 k.codes[pp] = [c0, c1];
                 let idx = _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1);
                 let idx = _mm256_add_epi32(idx, _mm256_set1_epi32(2 * pp as i32));
@@ -417,9 +488,18 @@ mod x86 {
                 k.scales[pp] = [v, v];
             }
         } else {
-            let sc = q6k_scales(sb);
+            // Q6_K and Q3_K: 16 sub-block scales, codes by halves of 128 values.
+            let sc = if FMT == Q6K {
+                q6k_scales(sb)
+            } else {
+                q3k_scales(sb)
+            };
             for hh in 0..2 {
-                let half = q6k_half(sb, hh);
+                let half = if FMT == Q6K {
+                    q6k_half(sb, hh)
+                } else {
+                    q3k_half(sb, hh)
+                };
                 for q in 0..2 {
                     let pp = 2 * hh + q;
                     k.codes[pp] = [half[q].0, half[q].1];
@@ -460,7 +540,7 @@ mod x86 {
                     let x = _mm256_loadu_si256(j.xq.add(at * 4 + 32 * h) as *const _);
                     let mut isum =
                         _mm256_madd_epi16(_mm256_maddubs_epi16(kb.codes[pp][h], x), ones);
-                    if FMT == Q6K {
+                    if FMT == Q6K || FMT == Q3K {
                         let c = _mm256_loadu_si256(j.xc.add(at + 8 * h) as *const _);
                         isum = _mm256_add_epi32(isum, c);
                     }
@@ -469,7 +549,7 @@ mod x86 {
                 }
             }
         }
-        if FMT == Q4K {
+        if FMT == Q4K || FMT == Q5K {
             for i in 0..N {
                 let sv = _mm256_loadu_ps(j.xs.add((i0 + i) * nb16 + 8 * s));
                 mins[i][s % 2] = _mm256_fmadd_ps(kb.mins, sv, mins[i][s % 2]);
@@ -487,7 +567,7 @@ mod x86 {
         i0: usize,
     ) {
         for i in 0..N {
-            let v = if FMT == Q4K {
+            let v = if FMT == Q4K || FMT == Q5K {
                 [
                     _mm256_add_ps(acc[i][0], mins[i][0]),
                     _mm256_add_ps(acc[i][1], mins[i][1]),
@@ -504,7 +584,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn rows_k<const FMT: u8, const N: usize>(j: &JobRef, r: usize, i0: usize) {
         let w = j.w.add(r * j.row_bytes);
-        let bb = if FMT == Q4K { 144 } else { 210 };
+        let bb = k_bytes::<FMT>();
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         let mut mins = [[_mm256_setzero_ps(); 2]; N];
         for s in 0..j.cols / 256 {
@@ -525,7 +605,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn decode_row_k<const FMT: u8>(j: &JobRef, r: usize, panel: *mut KBlock) {
         let w = j.w.add(r * j.row_bytes);
-        let bb = if FMT == Q4K { 144 } else { 210 };
+        let bb = k_bytes::<FMT>();
         for s in 0..j.cols / 256 {
             panel.add(s).write_unaligned(decode_k::<FMT>(w.add(s * bb)));
         }

@@ -3,20 +3,22 @@
 //!
 //! Activations are quantized per block of 32 values as llama.cpp's Q8 does (`quantize_block_q8`:
 //! d = max|x| / 127, q = x / d rounded to nearest even, −127..127). The weights' own integer
-//! codes (Q4_0: q − 8, Q4_1: q, Q8_0: q, Q4_K: q, Q6_K: q − 32) are dotted with them exactly in
-//! integers, and each block's integer sums scaled in f32, in one order whatever the batch and the
-//! path. A block of 32 weights has a scale per half (values 0..16 and 16..32: Q6_K's 16-value
-//! sub-blocks; the two are equal for the other formats) and, for Q4_1 and Q4_K, a min m:
+//! codes (Q4_0: q − 8, Q4_1: q, Q8_0: q, Q3_K: q − 4, Q4_K and Q5_K: q, Q6_K: q − 32) are dotted
+//! with them exactly in integers, and each block's integer sums scaled in f32, in one order
+//! whatever the batch and the path. A block of 32 weights has a scale per half (values 0..16 and 16..32: Q6_K's 16-value
+//! and Q3_K's sub-blocks; the two are equal for the other formats) and, for Q4_1, Q4_K and Q5_K,
+//! a min m:
 //!
 //! - pairs of blocks (b, b+1), b even, in order (a missing last block counts as zeros); 16 f32
 //!   lanes A; lane L takes block b + L%2, values 4·(L/2)..4·(L/2)+4, whose half's scale is d_w:
 //!   A[L] = fma(Σ_k w_k·x_k as f32, d_w·d_x, A[L]);
-//! - Q4_1 and Q4_K only: 16 f32 lanes B, blocks in order:
+//! - Q4_1, Q4_K and Q5_K only: 16 f32 lanes B, blocks in order:
 //!   B[b%16] = fma(m, d_x · (Σ of the block's codes as f32), B[b%16]);
 //! - y = the lanes (A + B with a min) summed in the AVX-512 `reduce_add` order.
 //!
 //! A K-quant block's scale and min are its super-block's f16 scales times the block's integer
-//! ones (Q4_K: d·sc and −(dmin·m); Q6_K: d·sc per 16 values), products exact in f32.
+//! ones (Q4_K, Q5_K: d·sc and −(dmin·m); Q3_K: d·(sc − 32), Q6_K: d·sc per 16 values), products
+//! exact in f32.
 //!
 //! How the kernels lay it out in registers is theirs (`cpu::int8`).
 
@@ -30,13 +32,19 @@ pub const Q8_BLOCK: usize = 32;
 pub fn int8_applies(ty: QuantType, cols: usize) -> bool {
     matches!(
         ty,
-        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4K | QuantType::Q6K
+        QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q8_0
+            | QuantType::Q3K
+            | QuantType::Q4K
+            | QuantType::Q5K
+            | QuantType::Q6K
     ) && cols.is_multiple_of(ty.block_size().max(Q8_BLOCK))
 }
 
 /// Whether the int8 products of format `ty` add a min term (lanes B).
 pub fn int8_has_min(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_1 | QuantType::Q4K)
+    matches!(ty, QuantType::Q4_1 | QuantType::Q4K | QuantType::Q5K)
 }
 
 /// Pairs of blocks in a row of `cols` values.
@@ -61,18 +69,41 @@ pub fn quantize_block_q8(x: &[f32]) -> ([i8; 32], f32) {
 pub fn int8_codes(ty: QuantType, row: &[u8], b: usize) -> ([i32; 32], [f32; 2], f32) {
     let bb = ty.block_bytes();
     let mut c = [0i32; 32];
-    if matches!(ty, QuantType::Q4K | QuantType::Q6K) {
+    if ty.block_size() == 256 {
         // Block j of the super-block at `blk`.
         let (blk, j) = (&row[(b / 8) * bb..(b / 8 + 1) * bb], b % 8);
-        return if ty == QuantType::Q4K {
+        return if matches!(ty, QuantType::Q4K | QuantType::Q5K) {
+            // Q5_K: Q4_K's scales and nibbles (after 32 bytes of fifth bits) plus bit j of qh.
+            let q5 = ty == QuantType::Q5K;
             let (d, dmin) = (rd16(blk, 0), rd16(blk, 2));
             let (sc, m) = scale_min_k4(j, &blk[4..16]);
-            let qs = &blk[16 + 32 * (j / 2)..][..32];
+            let qs = &blk[if q5 { 48 } else { 16 } + 32 * (j / 2)..][..32];
             for k in 0..32 {
-                c[k] = (if j % 2 == 0 { qs[k] & 0xF } else { qs[k] >> 4 }) as i32;
+                let low = (if j % 2 == 0 { qs[k] & 0xF } else { qs[k] >> 4 }) as i32;
+                let high = if q5 {
+                    ((blk[16 + k] >> j) & 1) as i32
+                } else {
+                    0
+                };
+                c[k] = low | (high << 4);
             }
             let dw = d * sc as f32;
             (c, [dw, dw], -(dmin * m as f32))
+        } else if ty == QuantType::Q3K {
+            // Low bits as Q2_K's (after 32 bytes of high bits), q = low + 4·high − 4; the
+            // halves' 6-bit scales − 32 (sub-blocks 2j, 2j+1).
+            let qs = &blk[32 + 32 * (j / 4)..][..32];
+            for k in 0..32 {
+                let low = ((qs[k] >> (2 * (j % 4))) & 3) as i32;
+                c[k] = low + 4 * ((blk[k] >> j) & 1) as i32 - 4;
+            }
+            let d = rd16(blk, 108);
+            let sc = |k: usize| {
+                let lo = (blk[96 + k % 8] >> (4 * (k / 8))) & 0xF;
+                let hi = (blk[104 + k % 4] >> (2 * (k / 4))) & 3;
+                d * ((lo | (hi << 4)) as i32 - 32) as f32
+            };
+            (c, [sc(2 * j), sc(2 * j + 1)], 0.0)
         } else {
             // Half h of 128 values; in it, group g of 32: low or high nibbles of ql[0..32] or
             // ql[32..64], high bits 2g..2g+2 of qh.
