@@ -536,6 +536,18 @@ mod x86 {
             let p = 4 * s + pp;
             for i in 0..N {
                 let at = ((i0 + i) * np + p) * 16;
+                // The activations' scales are the same in both halves (lanes [d_b, d_b+1] × 4),
+                // and so are Q4_K's and Q5_K's weight scales: one product serves both.
+                let xd = _mm256_loadu_ps(j.xd.add(at));
+                let sc0 = _mm256_mul_ps(kb.scales[pp][0], xd);
+                let sc = [
+                    sc0,
+                    if FMT == Q4K || FMT == Q5K {
+                        sc0
+                    } else {
+                        _mm256_mul_ps(kb.scales[pp][1], xd)
+                    },
+                ];
                 for h in 0..2 {
                     let x = _mm256_loadu_si256(j.xq.add(at * 4 + 32 * h) as *const _);
                     let mut isum =
@@ -544,8 +556,7 @@ mod x86 {
                         let c = _mm256_loadu_si256(j.xc.add(at + 8 * h) as *const _);
                         isum = _mm256_add_epi32(isum, c);
                     }
-                    let sc = _mm256_mul_ps(kb.scales[pp][h], _mm256_loadu_ps(j.xd.add(at + 8 * h)));
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc[i][h]);
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc[h], acc[i][h]);
                 }
             }
         }
