@@ -325,18 +325,28 @@ unsafe fn dot_rows<S: Simd, F: Format>(j: &JobRef, r0: usize, r1: usize) {
     }
     // Fused: each weight block is decoded in registers and used for up to 8 activation rows
     // (4 with AVX2).
+    // (Two matches: the AVX2 instances never name the groups of 5..8, so they are not compiled.)
     let group = if S::LANES >= 16 { 8 } else { 4 };
     let mut i0 = 0;
     while i0 < j.n {
-        match (j.n - i0).min(group) {
-            1 => fused_rows::<S, F, 1>(j, r0, r1, i0),
-            2 => fused_rows::<S, F, 2>(j, r0, r1, i0),
-            3 => fused_rows::<S, F, 3>(j, r0, r1, i0),
-            4 => fused_rows::<S, F, 4>(j, r0, r1, i0),
-            5 => fused_rows::<S, F, 5>(j, r0, r1, i0),
-            6 => fused_rows::<S, F, 6>(j, r0, r1, i0),
-            7 => fused_rows::<S, F, 7>(j, r0, r1, i0),
-            _ => fused_rows::<S, F, 8>(j, r0, r1, i0),
+        if S::LANES >= 16 {
+            match (j.n - i0).min(group) {
+                1 => fused_rows::<S, F, 1>(j, r0, r1, i0),
+                2 => fused_rows::<S, F, 2>(j, r0, r1, i0),
+                3 => fused_rows::<S, F, 3>(j, r0, r1, i0),
+                4 => fused_rows::<S, F, 4>(j, r0, r1, i0),
+                5 => fused_rows::<S, F, 5>(j, r0, r1, i0),
+                6 => fused_rows::<S, F, 6>(j, r0, r1, i0),
+                7 => fused_rows::<S, F, 7>(j, r0, r1, i0),
+                _ => fused_rows::<S, F, 8>(j, r0, r1, i0),
+            }
+        } else {
+            match (j.n - i0).min(group) {
+                1 => fused_rows::<S, F, 1>(j, r0, r1, i0),
+                2 => fused_rows::<S, F, 2>(j, r0, r1, i0),
+                3 => fused_rows::<S, F, 3>(j, r0, r1, i0),
+                _ => fused_rows::<S, F, 4>(j, r0, r1, i0),
+            }
         }
         i0 += group;
     }
