@@ -165,6 +165,7 @@ fn every_family_forwards_on_the_gpu_as_on_the_cpu() {
     }
     let mut specs: Vec<TinySpec> = TinySpec::families().into_iter().collect();
     specs.push(TinySpec::k_quants());
+    specs.push(TinySpec::k_and_iq());
     specs.push(TinySpec::q5());
     for spec in &specs {
         for dtype in [KvDtype::F16, KvDtype::F32] {

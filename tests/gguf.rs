@@ -222,6 +222,12 @@ fn model_loading_names_missing_and_misshapen_tensors() {
         flywheel::model::llama::SUPPORTED_ARCHITECTURES,
         ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"]
     );
+    // One family entry per supported architecture, in that order.
+    let families: Vec<&str> = flywheel::model::llama::FAMILIES
+        .iter()
+        .map(|f| f.arch)
+        .collect();
+    assert_eq!(families, flywheel::model::llama::SUPPORTED_ARCHITECTURES);
 }
 
 #[test]

@@ -81,20 +81,11 @@ fn served_log_probs_equal_the_training_forward_bitwise_in_int8() {
     }
 }
 
-/// The same on a model of the K-quant and IQ4 types (rows 256 wide: Q2_K, Q3_K, Q5_K, IQ4_XS,
-/// IQ4_NL, Q4_K, Q6_K and a Q3_K embedding and tied head), exact and in int8 (Q4_K and Q6_K take
-/// it).
+/// The same on a model of every K-quant and IQ4 type (`TinySpec::k_and_iq`), exact and in int8
+/// (Q3_K, Q4_K, Q5_K and Q6_K take it).
 #[test]
 fn served_log_probs_equal_the_training_forward_bitwise_on_the_k_and_iq_types() {
-    use flywheel::kernels::QuantType::*;
-    let spec = TinySpec {
-        hidden: 256,
-        ffn: 512,
-        formats: [Q2K, Q3K, Q5K, IQ4XS, IQ4NL, Q4K, Q6K, Q3K],
-        // A seed whose completions run past one LM-head chunk (asserted in served_equal_training).
-        seed: 14,
-        ..TinySpec::small()
-    };
+    let spec = TinySpec::k_and_iq();
     let exact = served_equal_training(&spec, Precision::Exact);
     if Cpu::detect().with_precision(Precision::Int8).is_ok() {
         let int8 = served_equal_training(&spec, Precision::Int8);

@@ -172,6 +172,20 @@ impl TinySpec {
             ..TinySpec::small()
         }
     }
+
+    /// Every K-quant and IQ4 type (rows 256 wide): Q2_K, Q3_K, Q5_K, IQ4_XS, IQ4_NL, Q4_K, Q6_K
+    /// and a Q3_K embedding and tied head.
+    pub fn k_and_iq() -> TinySpec {
+        use QuantType::*;
+        TinySpec {
+            hidden: 256,
+            ffn: 512,
+            formats: [Q2K, Q3K, Q5K, IQ4XS, IQ4NL, Q4K, Q6K, Q3K],
+            // A seed whose completions run past one LM-head chunk (tests/train.rs asserts it).
+            seed: 14,
+            ..TinySpec::small()
+        }
+    }
 }
 
 /// GPT-2's byte-to-char table.

@@ -176,6 +176,86 @@ pub struct Experts {
 /// The `general.architecture` values this build reads.
 pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"];
 
+/// What a family's GGUF means beyond the keys every family shares: one entry per
+/// `general.architecture`, so that a new family is an entry here plus its tests. What a file
+/// carries itself (Qwen2's q/k/v biases, Qwen3's q/k norms, experts, Llama 3's RoPE factors) is
+/// read from the file whatever the family.
+#[derive(Clone, Copy, Debug)]
+pub struct Family {
+    pub arch: &'static str,
+    /// Which dims RoPE pairs: llama.cpp's converter permutes LLaMA's q/k rows for adjacent pairs
+    /// and keeps the other families' NeoX order.
+    pub rope_layout: RopeLayout,
+    /// The MLP's gate activation.
+    pub activation: Activation,
+    /// RMSNorms of the attention's and the MLP's outputs before their residual adds.
+    pub post_norms: bool,
+    /// Embedding rows times √hidden.
+    pub embed_scale: bool,
+    /// Sliding-window layers (`attention.sliding_window`), every `global_every`-th layer global
+    /// unless the file says (`attention.sliding_window_pattern`).
+    pub sliding_window: bool,
+    pub global_every: usize,
+    /// The layer count of the model whose q is scaled by (hidden / heads)^-½ rather than
+    /// head_dim^-½ when the file has no `attention.scale` (llama.cpp's rule: Gemma 3 27B).
+    pub wide_q_scale_layers: Option<usize>,
+}
+
+const DEFAULT_FAMILY: Family = Family {
+    arch: "llama",
+    rope_layout: RopeLayout::Adjacent,
+    activation: Activation::Silu,
+    post_norms: false,
+    embed_scale: false,
+    sliding_window: false,
+    global_every: 6,
+    wide_q_scale_layers: None,
+};
+
+/// The families, in `SUPPORTED_ARCHITECTURES`' order.
+pub const FAMILIES: &[Family] = &[
+    DEFAULT_FAMILY,
+    Family {
+        arch: "qwen2",
+        rope_layout: RopeLayout::Neox,
+        ..DEFAULT_FAMILY
+    },
+    Family {
+        arch: "qwen3",
+        rope_layout: RopeLayout::Neox,
+        ..DEFAULT_FAMILY
+    },
+    Family {
+        arch: "qwen3moe",
+        rope_layout: RopeLayout::Neox,
+        ..DEFAULT_FAMILY
+    },
+    Family {
+        arch: "gemma3",
+        rope_layout: RopeLayout::Neox,
+        activation: Activation::GeluTanh,
+        post_norms: true,
+        embed_scale: true,
+        sliding_window: true,
+        global_every: 6,
+        wide_q_scale_layers: Some(62),
+    },
+];
+
+/// The family of `arch`, or an error naming the supported ones.
+pub fn family(arch: &str) -> Result<Family, ModelError> {
+    FAMILIES
+        .iter()
+        .find(|f| f.arch == arch)
+        .copied()
+        .ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "general.architecture = '{arch}': supported are {}",
+                SUPPORTED_ARCHITECTURES.join(", ")
+            ))
+        })
+}
+
 pub struct Llama {
     pub config: LlamaConfig,
     pub gguf: Gguf,
@@ -202,19 +282,7 @@ impl Llama {
 
     pub fn from_gguf(g: Gguf) -> Result<Llama, ModelError> {
         let arch = g.get_str("general.architecture")?.to_string();
-        // What differs between the families read so far: the RoPE layout (llama.cpp's converter
-        // permutes LLaMA's q/k rows for adjacent pairs and keeps the others' NeoX order) and
-        // Qwen2's q/k/v biases and Qwen3's per-head q/k norms (read below when the file has them).
-        let rope_layout = match arch.as_str() {
-            "llama" => RopeLayout::Adjacent,
-            "qwen2" | "qwen3" | "qwen3moe" | "gemma3" => RopeLayout::Neox,
-            _ => {
-                return Err(ModelError::Unsupported(format!(
-                    "general.architecture = '{arch}': supported are {}",
-                    SUPPORTED_ARCHITECTURES.join(", ")
-                )))
-            }
-        };
+        let fam = family(&arch)?;
         let k = |s: &str| format!("{arch}.{s}");
         let hidden = g.get_usize(&k("embedding_length"))?;
         let num_heads = g.get_usize(&k("attention.head_count"))?;
@@ -271,7 +339,6 @@ impl Llama {
                 })
             }
         };
-        let gemma = arch == "gemma3";
         let opt_f32 = |key: &str| -> Result<Option<f32>, ModelError> {
             match g.get(&k(key)) {
                 Some(_) => Ok(Some(g.get_f32(&k(key))?)),
@@ -290,10 +357,12 @@ impl Llama {
         // rule (head_dim, but hidden / heads for the 62-layer 27B) unless the file says.
         let attn_scale = match opt_f32("attention.scale")? {
             Some(s) => s,
-            None if gemma && num_layers == 62 => 1.0 / ((hidden / num_heads) as f32).sqrt(),
+            None if fam.wide_q_scale_layers == Some(num_layers) => {
+                1.0 / ((hidden / num_heads) as f32).sqrt()
+            }
             None => 1.0 / (head_dim as f32).sqrt(),
         };
-        let sliding_window = match (gemma, g.get(&k("attention.sliding_window"))) {
+        let sliding_window = match (fam.sliding_window, g.get(&k("attention.sliding_window"))) {
             (true, Some(_)) => {
                 Some(g.get_usize(&k("attention.sliding_window"))?).filter(|&w| w > 0)
             }
@@ -309,18 +378,17 @@ impl Llama {
             }
         };
         let config = LlamaConfig {
-            activation: if gemma {
-                Activation::GeluTanh
-            } else {
-                Activation::Silu
-            },
+            activation: fam.activation,
             attn_scale,
-            post_norms: gemma,
-            embed_scale: gemma.then(|| (hidden as f32).sqrt()),
+            post_norms: fam.post_norms,
+            embed_scale: fam.embed_scale.then(|| (hidden as f32).sqrt()),
             sliding_window,
             global_every: match g.get(&k("attention.sliding_window_pattern")) {
-                Some(v) => v.as_i64().filter(|&p| p > 0).unwrap_or(6) as usize,
-                None => 6,
+                Some(v) => v
+                    .as_i64()
+                    .filter(|&p| p > 0)
+                    .map_or(fam.global_every, |p| p as usize),
+                None => fam.global_every,
             },
             rope_local_base: 10000.0,
             rope_scale,
@@ -335,7 +403,7 @@ impl Llama {
             num_kv_heads,
             head_dim,
             rope_dim,
-            rope_layout,
+            rope_layout: fam.rope_layout,
             rope_base: match g.get(&k("rope.freq_base")) {
                 Some(_) => g.get_f32(&k("rope.freq_base"))?,
                 None => 10000.0,
