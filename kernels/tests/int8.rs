@@ -12,14 +12,16 @@ use flywheel_kernels::reference::{self, int8_applies};
 use flywheel_kernels::{Cpu, Isa, QuantType, ThreadPool};
 use std::time::Duration;
 
-const FORMATS: [QuantType; 7] = [
+const FORMATS: [QuantType; 9] = [
     QuantType::Q4_0,
     QuantType::Q4_1,
     QuantType::Q8_0,
+    QuantType::IQ4NL,
     QuantType::Q3K,
     QuantType::Q4K,
     QuantType::Q5K,
     QuantType::Q6K,
+    QuantType::IQ4XS,
 ];
 
 /// An int8 `Cpu` per kernel ISA this CPU runs (which ran and which were skipped is said, and
@@ -155,6 +157,8 @@ fn products_sharing_activations_equal_each_alone() {
                 (QuantType::Q4K, 8),
                 (QuantType::Q5K, 8),
                 (QuantType::Q3K, 8),
+                (QuantType::IQ4XS, 8),
+                (QuantType::IQ4NL, 8),
                 (QuantType::Q8_0, 16),
             ],
         ),

@@ -26,7 +26,7 @@
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{
-    block_bytes, pair_halves, q8_row_slots, quantize_rows, task, Q4_0, Q4_1, Q8_0,
+    block_bytes, pair_halves, q8_row_slots, quantize_rows, task, IQ4NL, Q4_0, Q4_1, Q8_0,
 };
 
 /// The formats the VNNI kernels take; the others with int8 products (the K-quants) run AVX2's
@@ -56,6 +56,8 @@ mod x86 {
     pub(crate) const Q4_0: u8 = 0;
     pub(crate) const Q4_1: u8 = 1;
     pub(crate) const Q8_0: u8 = 2;
+    /// IQ4_NL (AVX2's kernels only): Q8_0's path with codes looked up in the codebook.
+    pub(crate) const IQ4NL: u8 = 7;
 
     /// Dword L of a pair's codes: block L%2's dword L/2 (8-bit codes), or its dword (L/2)%4 of
     /// nibbles (4-bit: values 16.. are the high nibbles of the same bytes).
@@ -209,7 +211,7 @@ mod x86 {
     #[inline(always)]
     pub(crate) fn block_bytes<const FMT: u8>() -> usize {
         match FMT {
-            Q4_0 => 18,
+            Q4_0 | IQ4NL => 18,
             Q4_1 => 20,
             _ => 34,
         }

@@ -27,7 +27,7 @@ pub(crate) use x86::{quantize_rows, task};
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::dequant::{q6k_groups, two_bit_groups};
-    use super::super::int8::{block_bytes, pair_halves, q8_row_slots, Q4_0, Q4_1, Q8_0};
+    use super::super::int8::{block_bytes, pair_halves, q8_row_slots, IQ4NL, Q4_0, Q4_1, Q8_0};
     use super::super::job::{JobRef, X_BLOCK};
     use super::super::simd::{Avx2, Simd};
     use crate::quant::QuantType;
@@ -39,7 +39,21 @@ mod x86 {
     const Q6K: u8 = 4;
     const Q5K: u8 = 5;
     const Q3K: u8 = 6;
+    const IQ4XS: u8 = 8;
 
+    /// 16 bytes of IQ4 nibbles (value k: byte k % 16, high nibble for k ≥ 16) as the codebook's
+    /// 32 signed values, in value order.
+    #[inline(always)]
+    unsafe fn iq4_values(qs: *const u8) -> __m256i {
+        let b = _mm_loadu_si128(qs as *const __m128i);
+        let nib = _mm_set1_epi8(0x0F);
+        let idx = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(b), nib),
+            _mm_and_si128(b, nib),
+        );
+        let t = _mm_loadu_si128(crate::quant::IQ4_VALUES.as_ptr() as *const __m128i);
+        _mm256_shuffle_epi8(_mm256_set_m128i(t, t), idx)
+    }
     /// Bytes of a super-block of the K-quant format FMT.
     #[inline(always)]
     fn k_bytes<const FMT: u8>() -> usize {
@@ -47,6 +61,7 @@ mod x86 {
             Q4K => 144,
             Q5K => 176,
             Q3K => 110,
+            IQ4XS => 136,
             _ => 210,
         }
     }
@@ -186,6 +201,8 @@ mod x86 {
             QuantType::Q6K => task_k::<Q6K>(j, r0, r1),
             QuantType::Q5K => task_k::<Q5K>(j, r0, r1),
             QuantType::Q3K => task_k::<Q3K>(j, r0, r1),
+            QuantType::IQ4XS => task_k::<IQ4XS>(j, r0, r1),
+            QuantType::IQ4NL => task_fmt::<IQ4NL>(j, r0, r1),
             ty => unreachable!("no int8 products for {ty:?}"),
         }
     }
@@ -223,10 +240,10 @@ mod x86 {
         let bb = block_bytes::<FMT>();
         let p0 = w.add(2 * p * bb);
         let p1 = if two { p0.add(bb) } else { p0 };
-        if FMT == Q8_0 {
-            let a = _mm256_loadu_si256(p0.add(2) as *const __m256i);
+        if FMT == Q8_0 || FMT == IQ4NL {
+            let a = signed_codes::<FMT>(p0);
             let b = if two {
-                _mm256_loadu_si256(p1.add(2) as *const __m256i)
+                signed_codes::<FMT>(p1)
             } else {
                 _mm256_setzero_si256()
             };
@@ -245,6 +262,16 @@ mod x86 {
             let lo = _mm256_and_si256(z, nib);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(z), nib);
             ([lo, hi], [_mm256_setzero_si256(); 2])
+        }
+    }
+
+    /// A block's 32 signed codes: Q8_0's bytes, or IQ4_NL's looked up in the codebook.
+    #[inline(always)]
+    unsafe fn signed_codes<const FMT: u8>(block: *const u8) -> __m256i {
+        if FMT == Q8_0 {
+            _mm256_loadu_si256(block.add(2) as *const __m256i)
+        } else {
+            iq4_values(block.add(2))
         }
     }
 
@@ -282,7 +309,7 @@ mod x86 {
                     let at = ((i0 + i) * np + p) * 16;
                     for h in 0..2 {
                         let mut x = _mm256_loadu_si256(j.xq.add(at * 4 + 32 * h) as *const _);
-                        if FMT == Q8_0 {
+                        if FMT == Q8_0 || FMT == IQ4NL {
                             // x negated where w < 0: (x ^ m) - m.
                             x = _mm256_sub_epi8(_mm256_xor_si256(x, neg[h]), neg[h]);
                         }
@@ -465,7 +492,32 @@ mod x86 {
             scales: [[_mm256_setzero_ps(); 2]; 4],
             mins: _mm256_setzero_ps(),
         };
-        if FMT == Q4K || FMT == Q5K {
+        if FMT == IQ4XS {
+            // Signed codebook values (dot_k takes |w| and x negated where w < 0); a scale per
+            // block, d·(sc − 32).
+            let d = crate::quant::f16_to_f32((sb as *const u16).read_unaligned());
+            let sh = (sb.add(2) as *const u16).read_unaligned();
+            let mut v = [0i32; 8];
+            for (j, x) in v.iter_mut().enumerate() {
+                let lo = (*sb.add(4 + j / 2) >> (4 * (j % 2))) & 0xF;
+                let hi = ((sh >> (2 * j)) & 3) as u8;
+                *x = (lo | (hi << 4)) as i32 - 32;
+            }
+            let sc = _mm256_mul_ps(
+                _mm256_set1_ps(d),
+                _mm256_cvtepi32_ps(_mm256_loadu_si256(v.as_ptr() as *const __m256i)),
+            );
+            for pp in 0..4 {
+                let a = iq4_values(sb.add(8 + 32 * pp));
+                let b = iq4_values(sb.add(8 + 32 * pp + 16));
+                let (c0, c1) = interleave(a, b);
+                k.codes[pp] = [c0, c1];
+                let idx = _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1);
+                let idx = _mm256_add_epi32(idx, _mm256_set1_epi32(2 * pp as i32));
+                let v = _mm256_permutevar8x32_ps(sc, idx);
+                k.scales[pp] = [v, v];
+            }
+        } else if FMT == Q4K || FMT == Q5K {
             let (sc, m) = q4k_scales(sb);
             k.mins = m;
             let qh = _mm256_loadu_si256(sb.add(16) as *const __m256i);
@@ -542,16 +594,21 @@ mod x86 {
                 let sc0 = _mm256_mul_ps(kb.scales[pp][0], xd);
                 let sc = [
                     sc0,
-                    if FMT == Q4K || FMT == Q5K {
+                    if FMT == Q4K || FMT == Q5K || FMT == IQ4XS {
                         sc0
                     } else {
                         _mm256_mul_ps(kb.scales[pp][1], xd)
                     },
                 ];
                 for h in 0..2 {
-                    let x = _mm256_loadu_si256(j.xq.add(at * 4 + 32 * h) as *const _);
-                    let mut isum =
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(kb.codes[pp][h], x), ones);
+                    let mut x = _mm256_loadu_si256(j.xq.add(at * 4 + 32 * h) as *const _);
+                    let mut w = kb.codes[pp][h];
+                    if FMT == IQ4XS {
+                        // |w| · (x negated where w < 0): the codebook has no zero.
+                        x = _mm256_sign_epi8(x, w);
+                        w = _mm256_abs_epi8(w);
+                    }
+                    let mut isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
                     if FMT == Q6K || FMT == Q3K {
                         let c = _mm256_loadu_si256(j.xc.add(at + 8 * h) as *const _);
                         isum = _mm256_add_epi32(isum, c);

@@ -105,8 +105,8 @@ pub enum Precision {
     Bf16,
     /// Activations quantized per block of 32 to int8 and dotted with the weights' 4/8-bit codes
     /// (`vpdpbusd` with AVX512_VNNI, `vpmaddubsw` on AVX2: the same bits), block scales in f32:
-    /// llama.cpp's arithmetic, for Q4_0, Q4_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K weights (others,
-    /// and the LM head, stay exact). The input gradient runs in BF16 where the CPU has it, else in f32.
+    /// llama.cpp's arithmetic, for Q4_0, Q4_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS
+    /// weights (others, and the LM head, stay exact). The input gradient runs in BF16 where the CPU has it, else in f32.
     Int8,
 }
 

@@ -3,11 +3,11 @@
 //!
 //! Activations are quantized per block of 32 values as llama.cpp's Q8 does (`quantize_block_q8`:
 //! d = max|x| / 127, q = x / d rounded to nearest even, −127..127). The weights' own integer
-//! codes (Q4_0: q − 8, Q4_1: q, Q8_0: q, Q3_K: q − 4, Q4_K and Q5_K: q, Q6_K: q − 32) are dotted
-//! with them exactly in integers, and each block's integer sums scaled in f32, in one order
-//! whatever the batch and the path. A block of 32 weights has a scale per half (values 0..16 and 16..32: Q6_K's 16-value
-//! and Q3_K's sub-blocks; the two are equal for the other formats) and, for Q4_1, Q4_K and Q5_K,
-//! a min m:
+//! codes (Q4_0: q − 8, Q4_1: q, Q8_0: q, Q3_K: q − 4, Q4_K and Q5_K: q, Q6_K: q − 32, IQ4_NL and
+//! IQ4_XS: the codebook's value) are dotted with them exactly in integers, and each block's
+//! integer sums scaled in f32, in one order whatever the batch and the path. A block of 32
+//! weights has a scale per half (values 0..16 and 16..32: Q6_K's and Q3_K's 16-value
+//! sub-blocks; the two are equal for the other formats) and, for Q4_1, Q4_K and Q5_K, a min m:
 //!
 //! - pairs of blocks (b, b+1), b even, in order (a missing last block counts as zeros); 16 f32
 //!   lanes A; lane L takes block b + L%2, values 4·(L/2)..4·(L/2)+4, whose half's scale is d_w:
@@ -39,6 +39,8 @@ pub fn int8_applies(ty: QuantType, cols: usize) -> bool {
             | QuantType::Q4K
             | QuantType::Q5K
             | QuantType::Q6K
+            | QuantType::IQ4NL
+            | QuantType::IQ4XS
     ) && cols.is_multiple_of(ty.block_size().max(Q8_BLOCK))
 }
 
@@ -89,6 +91,17 @@ pub fn int8_codes(ty: QuantType, row: &[u8], b: usize) -> ([i32; 32], [f32; 2], 
             }
             let dw = d * sc as f32;
             (c, [dw, dw], -(dmin * m as f32))
+        } else if ty == QuantType::IQ4XS {
+            // Sub-block j's nibbles at 8 + 16j (value k: byte k % 16, high for k ≥ 16), its
+            // scale d·(sc − 32).
+            for k in 0..32 {
+                let code = (blk[8 + 16 * j + k % 16] >> (4 * (k / 16))) & 0xF;
+                c[k] = IQ4_VALUES[code as usize] as i32;
+            }
+            let lo = (blk[4 + j / 2] >> (4 * (j % 2))) & 0xF;
+            let hi = ((u16::from_le_bytes([blk[2], blk[3]]) >> (2 * j)) & 3) as u8;
+            let dw = rd16(blk, 0) * ((lo | (hi << 4)) as i32 - 32) as f32;
+            (c, [dw, dw], 0.0)
         } else if ty == QuantType::Q3K {
             // Low bits as Q2_K's (after 32 bytes of high bits), q = low + 4·high − 4; the
             // halves' 6-bit scales − 32 (sub-blocks 2j, 2j+1).
@@ -141,6 +154,13 @@ pub fn int8_codes(ty: QuantType, row: &[u8], b: usize) -> ([i32; 32], [f32; 2], 
         QuantType::Q8_0 => {
             for k in 0..32 {
                 c[k] = blk[2 + k] as i8 as i32;
+            }
+            (c, [rd16(blk, 0); 2], 0.0)
+        }
+        QuantType::IQ4NL => {
+            for k in 0..32 {
+                let code = (blk[2 + k % 16] >> (4 * (k / 16))) & 0xF;
+                c[k] = IQ4_VALUES[code as usize] as i32;
             }
             (c, [rd16(blk, 0); 2], 0.0)
         }
