@@ -12,7 +12,8 @@
 // public entry points.
 #![allow(clippy::missing_safety_doc)]
 
-use super::dequant::{dequant_row, per_format, Format};
+use super::dequant::{dequant_row, Format};
+use super::formats::per_format;
 use super::job::scratch;
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Precision, Tasks};

@@ -28,7 +28,8 @@ pub(crate) use x86::{backward_task, round_pairs, round_rows, task, BackwardJob};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::dequant::{dequant_row, per_format, Format};
+    use super::super::dequant::{dequant_row, Format};
+    use super::super::formats::per_format;
     use super::super::job::{scratch, store_tile, JobRef, X_BLOCK};
     use super::super::simd::{Avx512, Simd};
     use crate::quant::QuantType;

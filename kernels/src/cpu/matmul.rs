@@ -28,7 +28,8 @@
 // the lengths and rows the `JobRef` states.
 #![allow(clippy::missing_safety_doc)]
 
-use super::dequant::{dequant_row, per_format, Format};
+use super::dequant::{dequant_row, Format};
+use super::formats::per_format;
 use super::job::{scratch, store_tile, JobRef, X_BLOCK};
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Precision, Tasks};
@@ -245,6 +246,10 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 _ if !j.xq.is_null() && vnni(j.ty) => super::int8::task(j, r0, r1),
+                #[cfg(target_arch = "x86_64")]
+                _ if !j.xq.is_null() && super::int8_kquant::FORMATS.contains(&j.ty) => {
+                    super::int8_kquant::task(j, r0, r1)
+                }
                 #[cfg(target_arch = "x86_64")]
                 _ if !j.xq.is_null() => super::int8_avx2::task(j, r0, r1),
                 #[cfg(target_arch = "x86_64")]

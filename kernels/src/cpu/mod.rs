@@ -7,10 +7,13 @@ pub mod attention_backward;
 pub mod backward;
 mod bf16;
 pub mod dequant;
+pub mod dequant_k;
 pub mod features;
+mod formats;
 pub mod gate;
 mod int8;
 mod int8_avx2;
+mod int8_kquant;
 mod job;
 pub mod matmul;
 pub mod ops;
@@ -432,7 +435,7 @@ impl Cpu {
     }
 
     pub fn dequantize_row(&self, ty: QuantType, src: &[u8], dst: &mut [f32]) {
-        dequant::dequantize_row(self.isa, ty, src, dst)
+        formats::dequantize_row(self.isa, ty, src, dst)
     }
 
     pub fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
