@@ -5,6 +5,7 @@
 
 mod activations;
 mod buffers;
+mod family;
 mod forward;
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -21,6 +22,8 @@ use super::gguf::{Gguf, GgufError, TensorInfo, WeightMemory};
 use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::{QuantType, RopeLayout};
 use std::path::Path;
+
+pub use family::{family, Family, FAMILIES};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -175,86 +178,6 @@ pub struct Experts {
 
 /// The `general.architecture` values this build reads.
 pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"];
-
-/// What a family's GGUF means beyond the keys every family shares: one entry per
-/// `general.architecture`, so that a new family is an entry here plus its tests. What a file
-/// carries itself (Qwen2's q/k/v biases, Qwen3's q/k norms, experts, Llama 3's RoPE factors) is
-/// read from the file whatever the family.
-#[derive(Clone, Copy, Debug)]
-pub struct Family {
-    pub arch: &'static str,
-    /// Which dims RoPE pairs: llama.cpp's converter permutes LLaMA's q/k rows for adjacent pairs
-    /// and keeps the other families' NeoX order.
-    pub rope_layout: RopeLayout,
-    /// The MLP's gate activation.
-    pub activation: Activation,
-    /// RMSNorms of the attention's and the MLP's outputs before their residual adds.
-    pub post_norms: bool,
-    /// Embedding rows times √hidden.
-    pub embed_scale: bool,
-    /// Sliding-window layers (`attention.sliding_window`), every `global_every`-th layer global
-    /// unless the file says (`attention.sliding_window_pattern`).
-    pub sliding_window: bool,
-    pub global_every: usize,
-    /// The layer count of the model whose q is scaled by (hidden / heads)^-½ rather than
-    /// head_dim^-½ when the file has no `attention.scale` (llama.cpp's rule: Gemma 3 27B).
-    pub wide_q_scale_layers: Option<usize>,
-}
-
-const DEFAULT_FAMILY: Family = Family {
-    arch: "llama",
-    rope_layout: RopeLayout::Adjacent,
-    activation: Activation::Silu,
-    post_norms: false,
-    embed_scale: false,
-    sliding_window: false,
-    global_every: 6,
-    wide_q_scale_layers: None,
-};
-
-/// The families, in `SUPPORTED_ARCHITECTURES`' order.
-pub const FAMILIES: &[Family] = &[
-    DEFAULT_FAMILY,
-    Family {
-        arch: "qwen2",
-        rope_layout: RopeLayout::Neox,
-        ..DEFAULT_FAMILY
-    },
-    Family {
-        arch: "qwen3",
-        rope_layout: RopeLayout::Neox,
-        ..DEFAULT_FAMILY
-    },
-    Family {
-        arch: "qwen3moe",
-        rope_layout: RopeLayout::Neox,
-        ..DEFAULT_FAMILY
-    },
-    Family {
-        arch: "gemma3",
-        rope_layout: RopeLayout::Neox,
-        activation: Activation::GeluTanh,
-        post_norms: true,
-        embed_scale: true,
-        sliding_window: true,
-        global_every: 6,
-        wide_q_scale_layers: Some(62),
-    },
-];
-
-/// The family of `arch`, or an error naming the supported ones.
-pub fn family(arch: &str) -> Result<Family, ModelError> {
-    FAMILIES
-        .iter()
-        .find(|f| f.arch == arch)
-        .copied()
-        .ok_or_else(|| {
-            ModelError::Unsupported(format!(
-                "general.architecture = '{arch}': supported are {}",
-                SUPPORTED_ARCHITECTURES.join(", ")
-            ))
-        })
-}
 
 pub struct Llama {
     pub config: LlamaConfig,
