@@ -8,6 +8,7 @@
 //
 // Launch shapes are the host's (`cuda::launch`); every kernel checks its own bounds.
 #include "common.cuh"
+#include "units.cuh"
 
 #define FW_WARP 32
 // Tokens a matmul block keeps in registers: one pass over a weight row serves this many.
@@ -56,28 +57,32 @@ __device__ float fw_block_max(float v) {
 }
 
 // y (n, rows) = x (n, cols) · Wᵀ, W `rows` rows of `row_bytes` bytes in format TY. One warp per
-// weight row; grid (ceil(rows / warps per block), ceil(n / FW_MM_TOKENS)). Lane l takes units
-// l, l+32, …: each unit is dequantized once and dotted with up to FW_MM_TOKENS rows of x. A
-// (row, token)'s sum runs in the same order whatever n is: batch-invariant.
-template <int TY>
+// weight row; grid (ceil(rows / warps per block), ceil(n / NT)). Lane l takes units l, l+32, …:
+// each unit is dequantized once (`fw_unit_fast`) and dotted with up to NT rows of x. A (row,
+// token)'s sum runs in the same order whatever n and NT are: batch-invariant. NT is 1 for a
+// batch of one token (decode at batch 1: fewer registers, more warps in flight), else
+// FW_MM_TOKENS.
+template <int TY, int NT>
 __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                long long row_bytes, const float* __restrict__ x,
                                                int n, float* __restrict__ y) {
   const int lane = threadIdx.x % FW_WARP;
   const int r = blockIdx.x * (blockDim.x / FW_WARP) + threadIdx.x / FW_WARP;
   if (r >= rows) return;
-  const int t0 = blockIdx.y * FW_MM_TOKENS;
-  const int nt = min(FW_MM_TOKENS, n - t0);
+  const int t0 = blockIdx.y * NT;
+  const int nt = min(NT, n - t0);
   const uint8_t* row = w + (size_t)r * row_bytes;
-  float acc[FW_MM_TOKENS];
+  float acc[NT];
 #pragma unroll
-  for (int t = 0; t < FW_MM_TOKENS; t++) acc[t] = 0.0f;
+  for (int t = 0; t < NT; t++) acc[t] = 0.0f;
   const int units = cols / 32;
+  // At one token, two units' loads in flight per lane (registers allow it there).
+#pragma unroll(NT == 1 ? 2 : 1)
   for (int u = lane; u < units; u += FW_WARP) {
     float v[32];
-    fw_unit<TY>(row, u, v);
+    fw_unit_fast<TY>(row, u, v);
 #pragma unroll
-    for (int t = 0; t < FW_MM_TOKENS; t++) {
+    for (int t = 0; t < NT; t++) {
       if (t < nt) {
         const float4* xr = (const float4*)(x + (size_t)(t0 + t) * cols + u * 32);
         float s = 0.0f;
@@ -94,7 +99,7 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
     }
   }
 #pragma unroll
-  for (int t = 0; t < FW_MM_TOKENS; t++) {
+  for (int t = 0; t < NT; t++) {
     const float s = fw_warp_sum(acc[t]);
     if (lane == 0 && t < nt) y[(size_t)(t0 + t) * rows + r] = s;
   }
@@ -121,7 +126,12 @@ __device__ __forceinline__ void fw_embed_body(const uint8_t* __restrict__ table,
   extern "C" __global__ void fw_matmul_##NAME(const uint8_t* w, int rows, int cols,              \
                                               long long row_bytes, const float* x, int n,       \
                                               float* y) {                                        \
-    fw_matmul_body<TY>(w, rows, cols, row_bytes, x, n, y);                                      \
+    fw_matmul_body<TY, FW_MM_TOKENS>(w, rows, cols, row_bytes, x, n, y);                        \
+  }                                                                                              \
+  extern "C" __global__ void fw_matmul1_##NAME(const uint8_t* w, int rows, int cols,             \
+                                               long long row_bytes, const float* x, int n,      \
+                                               float* y) {                                       \
+    fw_matmul_body<TY, 1>(w, rows, cols, row_bytes, x, n, y);                                   \
   }                                                                                              \
   extern "C" __global__ void fw_embed_##NAME(const uint8_t* table, long long row_bytes,          \
                                              const uint32_t* tokens, int cols, float* out) {     \

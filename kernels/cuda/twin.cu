@@ -1,7 +1,9 @@
 // The host twin of common.cuh's helpers: the same source as the GPU's, compiled for the CPU, so
 // that `kernels/tests/cuda_twin.rs` compares them with the CPU kernels on machines with no GPU.
 //
-//   fw_twin dequant TYPE ROWS COLS ROW_BYTES   stdin: the rows' bytes; stdout: ROWS·COLS f32
+//   fw_twin dequant TYPE ROWS COLS ROW_BYTES   stdin: the rows' bytes; stdout: ROWS·COLS f32, by
+//                                              `fw_unit_fast`, checked equal to `fw_unit` with
+//                                              the rows at every byte alignment (exit 3 if not)
 //   fw_twin kv BLOCK_SIZE KV_DIM POSITIONS     stdin: the block table (u32); stdout: per position,
 //                                              its V offset, then each dim's K index (u64 each)
 //   fw_twin first_key POS WINDOW               stdout: the first position seen, in text
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "units.cuh"
 
 static std::vector<unsigned char> read_all() {
   std::vector<unsigned char> v;
@@ -26,9 +29,29 @@ int main(int argc, char** argv) {
     std::vector<unsigned char> in = read_all();
     if ((long)in.size() != rows * row_bytes || cols % 32) return 2;
     std::vector<float> out((size_t)rows * cols);
-    for (int r = 0; r < rows; r++)
-      for (int u = 0; u < cols / 32; u++)
-        fw_unit_any(ty, in.data() + (size_t)r * row_bytes, u, out.data() + (size_t)r * cols + 32 * u);
+    std::vector<unsigned char> shifted(in.size() + 16);
+    for (int shift = 0; shift < 4; shift++) {
+      memcpy(shifted.data() + shift, in.data(), in.size());
+      for (int r = 0; r < rows; r++)
+        for (int u = 0; u < cols / 32; u++) {
+          const unsigned char* row = shifted.data() + shift + (size_t)r * row_bytes;
+          float slow[32];
+          float* fast = out.data() + (size_t)r * cols + 32 * u;
+          fw_unit_any(ty, row, u, slow);
+          fw_unit_fast_any(ty, row, u, fast);
+          for (int j = 0; j < 32; j++) {
+            uint32_t a, b;
+            memcpy(&a, &slow[j], 4);
+            memcpy(&b, &fast[j], 4);
+            const bool both_nan = slow[j] != slow[j] && fast[j] != fast[j];
+            if (a != b && !both_nan) {
+              fprintf(stderr, "type %d row %d unit %d value %d shift %d: fw_unit %g, fw_unit_fast %g\n",
+                      ty, r, u, j, shift, slow[j], fast[j]);
+              return 3;
+            }
+          }
+        }
+    }
     fwrite(out.data(), 4, out.size(), stdout);
     return 0;
   }

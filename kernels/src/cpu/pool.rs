@@ -449,13 +449,19 @@ mod tests {
     #[test]
     fn background_work_marked_between_its_kernels_gets_its_share() {
         let _timed = timed();
-        let marked = share_with_gaps(true);
-        let unmarked = share_with_gaps(false);
-        assert!(marked > 0.18 && marked < 0.35, "marked {marked}");
-        assert!(
-            marked > unmarked * 1.3,
-            "marked {marked} unmarked {unmarked}"
-        );
+        // A timing measurement on a shared 2-core machine (other tests' threads run beside it):
+        // it must hold in one of three tries (CI once saw unmarked 0.175 against marked 0.216,
+        // with the other tests of this binary running). Marking that did nothing fails all three.
+        let mut tries = Vec::new();
+        for _ in 0..3 {
+            let marked = share_with_gaps(true);
+            let unmarked = share_with_gaps(false);
+            if marked > 0.18 && marked < 0.35 && marked > unmarked * 1.3 {
+                return;
+            }
+            tries.push((marked, unmarked));
+        }
+        panic!("(marked, unmarked) shares in three tries: {tries:?}");
     }
 
     /// Two callers (serving and training share a pool) run jobs of changing sizes on more

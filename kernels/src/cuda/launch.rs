@@ -102,13 +102,15 @@ impl Gpu {
         if n == 0 || rows == 0 {
             return Ok(());
         }
-        let f = self.function(&format!("fw_matmul_{}", type_name(ty)))?;
+        // One token (decode at batch 1): the kernel that keeps one token's sums, same order.
+        let (kernel, tokens) = if n == 1 {
+            ("fw_matmul1", 1)
+        } else {
+            ("fw_matmul", MM_TOKENS)
+        };
+        let f = self.function(&format!("{kernel}_{}", type_name(ty)))?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                rows.div_ceil(MM_WARPS) as u32,
-                n.div_ceil(MM_TOKENS) as u32,
-                1,
-            ),
+            grid_dim: (rows.div_ceil(MM_WARPS) as u32, n.div_ceil(tokens) as u32, 1),
             block_dim: ((MM_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };

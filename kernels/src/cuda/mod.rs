@@ -45,6 +45,21 @@ pub const KERNELS: &[&str] = &[
     "fw_matmul_q5_k",
     "fw_matmul_iq4_nl",
     "fw_matmul_iq4_xs",
+    "fw_matmul1_f32",
+    "fw_matmul1_f16",
+    "fw_matmul1_bf16",
+    "fw_matmul1_q4_0",
+    "fw_matmul1_q4_1",
+    "fw_matmul1_q5_0",
+    "fw_matmul1_q5_1",
+    "fw_matmul1_q8_0",
+    "fw_matmul1_q4_k",
+    "fw_matmul1_q6_k",
+    "fw_matmul1_q2_k",
+    "fw_matmul1_q3_k",
+    "fw_matmul1_q5_k",
+    "fw_matmul1_iq4_nl",
+    "fw_matmul1_iq4_xs",
     "fw_embed_f32",
     "fw_embed_f16",
     "fw_embed_bf16",
@@ -342,12 +357,16 @@ impl Gpu {
         check(bytes.len() == rows * row_bytes, || {
             format!("{} bytes for {rows}×{cols} {}", bytes.len(), ty.name())
         })?;
+        // Padded to 16 bytes past a multiple of 16: the products load whole aligned words and
+        // may read up to 5 bytes past the last block (`cuda/units.cuh`).
+        let mut data = self.zeros::<u8>(bytes.len().next_multiple_of(16) + 16)?;
+        self.write(bytes, &mut data)?;
         Ok(DeviceMatrix {
             ty,
             rows,
             cols,
             row_bytes,
-            data: self.upload(bytes)?,
+            data,
         })
     }
 
