@@ -82,6 +82,9 @@ build_llamacpp() {
   [ -f "$L/llama.cpp.tar.gz" ] || { echo "no $L: run scripts/gpu-llamacpp and carry $L"; return 99; }
   rm -rf /tmp/llama.cpp && tar xzf "$L/llama.cpp.tar.gz" -C /tmp
   printf '%s\n' 'llama_add_compile_flags()' 'add_subdirectory(llama-bench)' >/tmp/llama.cpp/tools/CMakeLists.txt
+  # The sdist ships the CUDA template instances' generator, not the instances (the first lent
+  # run's configure stopped on the missing fattn-vec-instance-f16-f16.cu).
+  (cd /tmp/llama.cpp/ggml/src/ggml-cuda/template-instances && python3 generate_cu_files.py)
   CMAKE=$(command -v cmake || true)
   if [ -z "$CMAKE" ]; then
     python3 -m zipfile -e "$L"/cmake-*.whl /tmp/cmake-wheel >/dev/null

@@ -12,7 +12,7 @@
 
 #define FW_WARP 32
 // Tokens a matmul block keeps in registers: one pass over a weight row serves this many.
-#define FW_MM_TOKENS 8
+#define FW_MM_TOKENS 16
 // Threads per block of the row kernels (RMSNorm, log-softmax, argmax, embedding).
 #define FW_ROW_THREADS 256
 // Warps per block of the attention kernel.
@@ -57,11 +57,12 @@ __device__ float fw_block_max(float v) {
 }
 
 // y (n, rows) = x (n, cols) · Wᵀ, W `rows` rows of `row_bytes` bytes in format TY. One warp per
-// weight row; grid (ceil(rows / warps per block), ceil(n / NT)). Lane l takes units l, l+32, …:
-// each unit is dequantized once (`fw_unit_fast`) and dotted with up to NT rows of x. A (row,
-// token)'s sum runs in the same order whatever n and NT are: batch-invariant. NT is 1 for a
-// batch of one token (decode at batch 1: fewer registers, more warps in flight), else
-// FW_MM_TOKENS.
+// weight row; grid (ceil(rows / warps per block), ceil(n / NT)). A unit (32 values) goes to 8
+// lanes, 4 values each (`fw_part`): lane l takes part l % 8 of units l / 8, l / 8 + 4, …, so a
+// warp's loads of x and of the codes are contiguous. Each lane accumulates its values in that
+// order for up to NT tokens, then the warp sums its lanes. A (row, token)'s sum runs in the same
+// order whatever n and NT are: batch-invariant. NT is 1 for a batch of one token (decode at
+// batch 1: fewer registers, more loads in flight), else FW_MM_TOKENS.
 template <int TY, int NT>
 __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                long long row_bytes, const float* __restrict__ x,
@@ -71,30 +72,25 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
   if (r >= rows) return;
   const int t0 = blockIdx.y * NT;
   const int nt = min(NT, n - t0);
+  const int part = lane % 8;
   const uint8_t* row = w + (size_t)r * row_bytes;
+  const float* xt = x + (size_t)t0 * cols + 4 * part;
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; t++) acc[t] = 0.0f;
   const int units = cols / 32;
-  // At one token, two units' loads in flight per lane (registers allow it there).
-#pragma unroll(NT == 1 ? 2 : 1)
-  for (int u = lane; u < units; u += FW_WARP) {
-    float v[32];
-    fw_unit_fast<TY>(row, u, v);
+#pragma unroll(NT == 1 ? 4 : 1)
+  for (int u = lane / 8; u < units; u += FW_WARP / 8) {
+    float v[4];
+    fw_part<TY>(row, u, part, v);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
       if (t < nt) {
-        const float4* xr = (const float4*)(x + (size_t)(t0 + t) * cols + u * 32);
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-          const float4 a = xr[j];
-          s = fmaf(v[4 * j], a.x, s);
-          s = fmaf(v[4 * j + 1], a.y, s);
-          s = fmaf(v[4 * j + 2], a.z, s);
-          s = fmaf(v[4 * j + 3], a.w, s);
-        }
-        acc[t] += s;
+        const float4 a = *(const float4*)(xt + (size_t)t * cols + 32 * u);
+        acc[t] = fmaf(v[0], a.x, acc[t]);
+        acc[t] = fmaf(v[1], a.y, acc[t]);
+        acc[t] = fmaf(v[2], a.z, acc[t]);
+        acc[t] = fmaf(v[3], a.w, acc[t]);
       }
     }
   }

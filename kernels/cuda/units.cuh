@@ -250,3 +250,159 @@ FW_HD void fw_unit_fast_any(int ty, const uint8_t* row, int u, float* out) {
     default: fw_unit_fast<FW_Q6K>(row, u, out); break;
   }
 }
+
+// Values 4·part .. 4·part+4 (part 0..7) of unit `u` of a row: `fw_unit`'s values, bit for bit,
+// from one or two words of codes and the unit's scales. The product kernels give a unit to 8
+// lanes, a part each, so that a warp's loads of x (and of the codes) are contiguous: with a
+// unit per lane every float4 of x a warp loaded touched 32 cache lines, the limit of the first
+// lent run (docs/gpu.md).
+template <int TY>
+FW_HD void fw_part(const uint8_t* row, int u, int part, float* out) {
+  const int hi4 = part >= 4 ? 4 : 0;  // the 16-value halves of the 32-value formats' bytes
+  if (TY == FW_F32) {
+    uint32_t w[4];
+    fw_words<4>(row + (size_t)u * 128 + 16 * part, w);
+#pragma unroll
+    for (int i = 0; i < 4; i++) out[i] = fw_bits_to_float(w[i]);
+  } else if (TY == FW_F16 || TY == FW_BF16) {
+    uint32_t w[2];
+    fw_words<2>(row + (size_t)u * 64 + 8 * part, w);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const uint32_t h = (w[i / 2] >> (16 * (i % 2))) & 0xFFFF;
+      out[i] = TY == FW_F16 ? fw_f16((uint16_t)h) : fw_bits_to_float(h << 16);
+    }
+  } else if (TY == FW_Q4_0 || TY == FW_IQ4NL) {
+    const uint8_t* b = row + (size_t)u * 18;
+    const float d = fw_f16((uint16_t)fw_u16_at(b));
+    uint32_t q;
+    fw_words<1>(b + 2 + 4 * (part & 3), &q);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const uint32_t c = ((q >> (8 * i)) >> hi4) & 0xF;
+      out[i] = TY == FW_Q4_0 ? fw_mul((float)((int)c - 8), d) : fw_mul(d, fw_iq4((int)c));
+    }
+  } else if (TY == FW_Q4_1) {
+    const uint8_t* b = row + (size_t)u * 20;
+    const float d = fw_f16((uint16_t)fw_u16_at(b)), m = fw_f16((uint16_t)fw_u16_at(b + 2));
+    uint32_t q;
+    fw_words<1>(b + 4 + 4 * (part & 3), &q);
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+      out[i] = fw_add(fw_mul((float)(((q >> (8 * i)) >> hi4) & 0xF), d), m);
+  } else if (TY == FW_Q5_0 || TY == FW_Q5_1) {
+    const bool q51 = TY == FW_Q5_1;
+    const uint8_t* b = row + (size_t)u * (q51 ? 24 : 22);
+    const float d = fw_f16((uint16_t)fw_u16_at(b)), m = q51 ? fw_f16((uint16_t)fw_u16_at(b + 2)) : 0.0f;
+    uint32_t qh, q;
+    fw_words<1>(b + (q51 ? 4 : 2), &qh);
+    fw_words<1>(b + (q51 ? 8 : 6) + 4 * (part & 3), &q);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int j = 4 * part + i;  // bit 4 of value j is bit j of qh
+      const int c = (int)((((q >> (8 * i)) >> hi4) & 0xF) | (((qh >> j) & 1) << 4));
+      out[i] = q51 ? fw_add(fw_mul((float)c, d), m) : fw_mul((float)(c - 16), d);
+    }
+  } else if (TY == FW_Q8_0) {
+    const uint8_t* b = row + (size_t)u * 34;
+    const float d = fw_f16((uint16_t)fw_u16_at(b));
+    uint32_t q;
+    fw_words<1>(b + 2 + 4 * part, &q);
+#pragma unroll
+    for (int i = 0; i < 4; i++) out[i] = fw_mul((float)(int8_t)(uint8_t)(q >> (8 * i)), d);
+  } else if (TY == FW_Q4K || TY == FW_Q5K) {
+    const bool q5 = TY == FW_Q5K;
+    const uint8_t* b = row + (size_t)(u / 8) * (q5 ? 176 : 144);
+    const int s = u % 8;
+    uint32_t hd[4];
+    fw_words<4>(b, hd);
+    const float d = fw_f16((uint16_t)(hd[0] & 0xFFFF)), dmin = fw_f16((uint16_t)(hd[0] >> 16));
+    uint32_t sc, mn;
+    fw_scale_min_k4_words(s, hd + 1, &sc, &mn);
+    const float d1 = fw_mul(d, (float)sc), m1 = fw_mul(dmin, (float)mn);
+    uint32_t q, h = 0;
+    fw_words<1>(b + (q5 ? 48 : 16) + 32 * (s / 2) + 4 * part, &q);
+    if (q5) fw_words<1>(b + 16 + 4 * part, &h);
+    const int shift = (s % 2) * 4;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      uint32_t code = (q >> (8 * i + shift)) & 0xF;
+      if (q5) code |= ((h >> (8 * i + s)) & 1) << 4;
+      out[i] = fw_sub(fw_mul(d1, (float)code), m1);
+    }
+  } else if (TY == FW_Q2K) {
+    const uint8_t* b = row + (size_t)(u / 8) * 84;
+    const int s = u % 8;
+    const float d = fw_f16((uint16_t)fw_u16_at(b + 80)), dmin = fw_f16((uint16_t)fw_u16_at(b + 82));
+    const uint32_t sc = (fw_u16_at(b + 2 * s) >> (8 * (part / 4))) & 0xFF;
+    const float dl = fw_mul(d, (float)(sc & 0xF)), ml = fw_mul(dmin, (float)(sc >> 4));
+    uint32_t q;
+    fw_words<1>(b + 16 + 32 * (s / 4) + 4 * part, &q);
+    const int shift = 2 * (s % 4);
+#pragma unroll
+    for (int i = 0; i < 4; i++) out[i] = fw_sub(fw_mul(dl, (float)((q >> (8 * i + shift)) & 3)), ml);
+  } else if (TY == FW_Q3K) {
+    const uint8_t* b = row + (size_t)(u / 8) * 110;
+    const int s = u % 8;
+    const float d = fw_f16((uint16_t)fw_u16_at(b + 108));
+    uint32_t hm, q, sw[3];
+    fw_words<1>(b + 4 * part, &hm);
+    fw_words<1>(b + 32 + 32 * (s / 4) + 4 * part, &q);
+    fw_words<3>(b + 96, sw);
+    const int k = 2 * s + part / 4;
+    const uint32_t lo = ((sw[(k % 8) / 4] >> (8 * (k % 4))) >> (4 * (k / 8))) & 0xF;
+    const uint32_t hi = ((sw[2] >> (8 * (k % 4))) >> (2 * (k / 4))) & 3;
+    const float ds = fw_mul(d, (float)((int)(lo | (hi << 4)) - 32));
+    const int shift = 2 * (s % 4);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int code = (int)((q >> (8 * i + shift)) & 3) - 4 * (1 - (int)((hm >> (8 * i + s)) & 1));
+      out[i] = fw_mul(ds, (float)code);
+    }
+  } else if (TY == FW_IQ4XS) {
+    const uint8_t* b = row + (size_t)(u / 8) * 136;
+    const int s = u % 8;
+    uint32_t hd[2];
+    fw_words<2>(b, hd);
+    const uint32_t lo = (hd[1] >> (8 * (s / 2) + 4 * (s % 2))) & 0xF, hi = ((hd[0] >> 16) >> (2 * s)) & 3;
+    const float dl = fw_mul(fw_f16((uint16_t)(hd[0] & 0xFFFF)), (float)((int)(lo | (hi << 4)) - 32));
+    uint32_t q;
+    fw_words<1>(b + 8 + 16 * s + 4 * (part & 3), &q);
+#pragma unroll
+    for (int i = 0; i < 4; i++) out[i] = fw_mul(dl, fw_iq4((int)(((q >> (8 * i)) >> hi4) & 0xF)));
+  } else {  // FW_Q6K
+    const uint8_t* b = row + (size_t)(u / 8) * 210;
+    const int s = u % 8, half = s / 4, k = s % 4;
+    uint32_t ql, qh;
+    fw_words<1>(b + 64 * half + (k % 2) * 32 + 4 * part, &ql);
+    fw_words<1>(b + 128 + 32 * half + 4 * part, &qh);
+    const uint32_t sc = (fw_u16_at(b + 192 + 8 * half + 2 * k) >> (8 * (part / 4))) & 0xFF;
+    const float ds = fw_mul(fw_f16((uint16_t)fw_u16_at(b + 208)), (float)(int8_t)(uint8_t)sc);
+    const int lshift = (k / 2) * 4, hshift = 2 * k;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int q = (int)(((ql >> (8 * i + lshift)) & 0xF) | (((qh >> (8 * i + hshift)) & 3) << 4)) - 32;
+      out[i] = fw_mul(ds, (float)q);
+    }
+  }
+}
+
+FW_HD void fw_part_any(int ty, const uint8_t* row, int u, int part, float* out) {
+  switch (ty) {
+    case FW_F32: fw_part<FW_F32>(row, u, part, out); break;
+    case FW_F16: fw_part<FW_F16>(row, u, part, out); break;
+    case FW_BF16: fw_part<FW_BF16>(row, u, part, out); break;
+    case FW_Q4_0: fw_part<FW_Q4_0>(row, u, part, out); break;
+    case FW_Q4_1: fw_part<FW_Q4_1>(row, u, part, out); break;
+    case FW_Q8_0: fw_part<FW_Q8_0>(row, u, part, out); break;
+    case FW_Q4K: fw_part<FW_Q4K>(row, u, part, out); break;
+    case FW_Q5_0: fw_part<FW_Q5_0>(row, u, part, out); break;
+    case FW_Q5_1: fw_part<FW_Q5_1>(row, u, part, out); break;
+    case FW_Q2K: fw_part<FW_Q2K>(row, u, part, out); break;
+    case FW_Q3K: fw_part<FW_Q3K>(row, u, part, out); break;
+    case FW_Q5K: fw_part<FW_Q5K>(row, u, part, out); break;
+    case FW_IQ4NL: fw_part<FW_IQ4NL>(row, u, part, out); break;
+    case FW_IQ4XS: fw_part<FW_IQ4XS>(row, u, part, out); break;
+    default: fw_part<FW_Q6K>(row, u, part, out); break;
+  }
+}

@@ -11,7 +11,7 @@ use cudarc::driver::{
 };
 
 /// Tokens per matmul block row-pass (`FW_MM_TOKENS`), warps per matmul block.
-const MM_TOKENS: usize = 8;
+const MM_TOKENS: usize = 16;
 const MM_WARPS: usize = 4;
 /// Threads of the row kernels and of the elementwise ones.
 pub(super) const ROW_THREADS: u32 = 256;
