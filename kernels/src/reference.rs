@@ -424,6 +424,31 @@ pub struct AttnSeq<'a> {
     pub block_table: &'a [u32],
 }
 
+/// What a layer's attention does beyond causal softmax(scale·q·k): a sliding window of keys (a
+/// query at position p sees p − window + 1 ..= p), and Gemma 2's soft-capping of the scaled
+/// scores, s → cap·tanh(s / cap). An `Option<usize>` converts to a window alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttnOpts {
+    pub window: Option<usize>,
+    pub softcap: Option<f32>,
+}
+
+impl From<Option<usize>> for AttnOpts {
+    fn from(window: Option<usize>) -> AttnOpts {
+        AttnOpts {
+            window,
+            softcap: None,
+        }
+    }
+}
+
+/// Soft-capping of one scaled score: the same f32 operations on every CPU path, so that the
+/// reference, the SIMD kernels and the training backward agree on it.
+#[inline]
+pub fn softcap(s: f32, cap: f32) -> f32 {
+    cap * (s / cap).tanh()
+}
+
 /// Causal grouped-query attention over paged KV. q and out are (num_tokens, n_heads * head_dim).
 #[allow(clippy::too_many_arguments)]
 pub fn attention<E: KvElem>(
@@ -439,8 +464,7 @@ pub fn attention<E: KvElem>(
     attention_windowed(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale, None)
 }
 
-/// `attention` where a query at position p sees only keys p − window + 1 ..= p when `window`
-/// is given (a sliding-window layer).
+/// `attention` through a sliding window and with soft-capping as `opts` says (`AttnOpts`).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_windowed<E: KvElem>(
     q: &[f32],
@@ -451,8 +475,12 @@ pub fn attention_windowed<E: KvElem>(
     n_kv_heads: usize,
     head_dim: usize,
     scale: f32,
-    window: Option<usize>,
+    opts: impl Into<AttnOpts>,
 ) {
+    let AttnOpts {
+        window,
+        softcap: cap,
+    } = opts.into();
     let qdim = n_heads * head_dim;
     let group = n_heads / n_kv_heads;
     for s in seqs {
@@ -473,6 +501,9 @@ pub fn attention_windowed<E: KvElem>(
                         })
                         .sum();
                     *sc = (dot * scale as f64) as f32;
+                    if let Some(c) = cap {
+                        *sc = softcap(*sc, c);
+                    }
                 }
                 softmax(&mut scores);
                 let mut acc = vec![0.0f64; head_dim];

@@ -1,12 +1,12 @@
 //! Paged attention against the scalar reference: every block size, grouping and head dim the
-//! kernels take (and the scalar fallback), sliding windows, batch invariance, and the f16 KV
-//! cache (over halves, the same bits as over the same values in f32).
+//! kernels take (and the scalar fallback), sliding windows, Gemma 2's soft-capping, batch
+//! invariance, and the f16 KV cache (over halves, the same bits as over the same values in f32).
 
 mod common;
 
 use common::{cpu, fast_isas, Rng};
 use flywheel_kernels::cpu::ops;
-use flywheel_kernels::reference::{self, AttnSeq, PagedKv, F16};
+use flywheel_kernels::reference::{self, AttnOpts, AttnSeq, PagedKv, F16};
 use flywheel_kernels::Isa;
 
 #[test]
@@ -26,7 +26,16 @@ fn paged_attention_matches_reference() {
             // Full causal attention, and sliding windows (one key; a window inside a block; one
             // spanning blocks).
             for window in [None, Some(1), Some(3), Some(19)] {
-                paged_attention_case(bs, n_heads, n_kv, hd, window);
+                paged_attention_case(bs, n_heads, n_kv, hd, window.into());
+            }
+            // Soft-capped scores (Gemma 2), with and without a window: a cap near the scores'
+            // size bends them (a missing or misplaced cap fails the comparison).
+            for window in [None, Some(3)] {
+                let opts = AttnOpts {
+                    window,
+                    softcap: Some(0.3),
+                };
+                paged_attention_case(bs, n_heads, n_kv, hd, opts);
             }
         }
     }
@@ -131,7 +140,8 @@ fn f16_kv_attention_is_the_f32_attention_of_the_rounded_values() {
     }
 }
 
-fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize, window: Option<usize>) {
+fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize, opts: AttnOpts) {
+    let window = opts.window;
     let mut rng = Rng(6 + bs as u64);
     let kv_dim = n_kv * hd;
     let num_blocks = 160 / bs + 8;
@@ -176,7 +186,28 @@ fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize, windo
     let num_tokens = 27;
     let q = rng.vec(num_tokens * n_heads * hd, 1.0);
     let mut want = vec![0.0; q.len()];
-    reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125, window);
+    reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125, opts);
+    if let Some(cap) = opts.softcap {
+        // The cap changes the result (it is applied).
+        let mut uncapped = vec![0.0; q.len()];
+        reference::attention_windowed(
+            &q,
+            &mut uncapped,
+            &seqs,
+            kv,
+            n_heads,
+            n_kv,
+            hd,
+            0.125,
+            window,
+        );
+        let moved = want
+            .iter()
+            .zip(&uncapped)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(moved > 1e-3, "a soft-cap of {cap} moved nothing ({moved})");
+    }
     if let Some(w) = window {
         // The windowed reference is the full one over the window's keys alone: a sequence
         // whose block table starts at its window (positions shifted by whole blocks).
@@ -190,7 +221,13 @@ fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize, windo
         }];
         let mut full = vec![0.0; q.len()];
         if (i + 1 - w.min(i + 1)).is_multiple_of(bs) {
-            reference::attention(&q, &mut full, &shifted, kv, n_heads, n_kv, hd, 0.125);
+            let capped = AttnOpts {
+                window: None,
+                ..opts
+            };
+            reference::attention_windowed(
+                &q, &mut full, &shifted, kv, n_heads, n_kv, hd, 0.125, capped,
+            );
             let qdim = n_heads * hd;
             assert_eq!(
                 &full[i * qdim..(i + 1) * qdim],
@@ -202,11 +239,11 @@ fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize, windo
         for threads in [1, 2] {
             let c = cpu(isa, threads);
             let mut got = vec![f32::NAN; q.len()];
-            c.attention_windowed(&q, &mut got, &seqs, kv, n_heads, n_kv, hd, 0.125, window);
+            c.attention_windowed(&q, &mut got, &seqs, kv, n_heads, n_kv, hd, 0.125, opts);
             for i in 0..q.len() {
                 assert!(
                     (got[i] - want[i]).abs() < 2e-6,
-                    "bs={bs} heads={n_heads}/{n_kv} hd={hd} {isa:?} t={threads} window {window:?} i={i}: {} vs {}",
+                    "bs={bs} heads={n_heads}/{n_kv} hd={hd} {isa:?} t={threads} {opts:?} i={i}: {} vs {}",
                     got[i],
                     want[i]
                 );
@@ -231,7 +268,7 @@ fn paged_attention_case(bs: usize, n_heads: usize, n_kv: usize, hd: usize, windo
                     n_kv,
                     hd,
                     0.125,
-                    window,
+                    opts,
                 );
                 let chunk = &got[i * qdim..(i + 1) * qdim];
                 assert!(

@@ -7,7 +7,7 @@ mod common;
 use common::Rng;
 use flywheel_kernels::cpu::ops::rope_table;
 use flywheel_kernels::quant::quantize::quantize;
-use flywheel_kernels::reference;
+use flywheel_kernels::reference::{self, AttnOpts};
 use flywheel_kernels::{Cpu, Isa, QuantType, RopeLayout, ThreadPool};
 use std::time::Duration;
 
@@ -259,11 +259,19 @@ fn block_outer_accumulates_like_the_reference() {
 #[test]
 fn attention_backward_matches_finite_differences() {
     for window in [None, Some(1), Some(3)] {
-        attention_backward_fd(window);
+        attention_backward_fd(window.into());
+    }
+    // Gemma 2's soft-capping, with and without a window.
+    for window in [None, Some(3)] {
+        attention_backward_fd(AttnOpts {
+            window,
+            softcap: Some(0.7),
+        });
     }
 }
 
-fn attention_backward_fd(window: Option<usize>) {
+fn attention_backward_fd(opts: AttnOpts) {
+    let window = opts.window;
     let mut rng = Rng(36);
     let (h, hkv, d, t) = (4, 2, 8, 6);
     let scale = 1.0 / (d as f32).sqrt();
@@ -281,12 +289,14 @@ fn attention_backward_fd(window: Option<usize>) {
         &dout,
         (h, hkv, d),
         scale,
-        window,
+        opts,
         &mut dq,
         &mut dk,
         &mut dv,
     );
-    // The forward in f64: out (t, h·d), causal softmax attention with GQA, over the window.
+    // The forward in f64: out (t, h·d), causal softmax attention with GQA, over the window, the
+    // scores soft-capped.
+    let cap = |x: f64| opts.softcap.map_or(x, |c| c as f64 * (x / c as f64).tanh());
     let lo = |i: usize| (i + 1).saturating_sub(window.unwrap_or(usize::MAX));
     let fwd = |q: &[f64], k: &[f64], v: &[f64]| -> Vec<f64> {
         let mut out = vec![0.0; t * h * d];
@@ -300,6 +310,7 @@ fn attention_backward_fd(window: Option<usize>) {
                             .sum::<f64>()
                             * scale as f64
                     })
+                    .map(cap)
                     .collect();
                 let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = s.iter().map(|x| (x - mx).exp()).sum();
@@ -336,7 +347,7 @@ fn attention_backward_fd(window: Option<usize>) {
     for c in cpus() {
         let (mut a, mut b, mut e) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
         c.attention_backward_windowed(
-            &q, &k, &v, &dout, h, hkv, d, scale, window, &mut a, &mut b, &mut e,
+            &q, &k, &v, &dout, h, hkv, d, scale, opts, &mut a, &mut b, &mut e,
         );
         close(&a, &f64s(&dq), 1e-5, "dq fast");
         close(&b, &f64s(&dk), 1e-5, "dk fast");
@@ -399,7 +410,20 @@ fn attention_backward_tiled_matches_the_twin_at_model_sizes() {
         let q = rng.vec(t * h * d, 1.5);
         let (k, v) = (rng.vec(n * hkv * d, 1.5), rng.vec(n * hkv * d, 1.0));
         let dout = rng.vec(t * h * d, 1.0);
-        for window in [None, Some(5), Some(17)] {
+        for opts in [
+            None.into(),
+            Some(5).into(),
+            Some(17).into(),
+            AttnOpts {
+                window: None,
+                softcap: Some(0.5),
+            },
+            AttnOpts {
+                window: Some(5),
+                softcap: Some(0.5),
+            },
+        ] {
+            let window: AttnOpts = opts;
             let (mut dq, mut dk, mut dv) =
                 (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
             reference::attention_backward_windowed(

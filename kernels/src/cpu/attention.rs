@@ -6,7 +6,7 @@ use super::job::scratch as thread_scratch;
 use super::ops::{exp_shifted, max_of};
 use super::simd::{Avx2, Avx512, Simd};
 use super::{Isa, Tasks};
-use crate::reference::{self, AttnSeq, KvElem, PagedKv, F16};
+use crate::reference::{self, AttnOpts, AttnSeq, KvElem, PagedKv, F16};
 use std::cell::RefCell;
 
 thread_local! {
@@ -46,8 +46,20 @@ struct AttnArgs<'a, E: KvElem> {
     scale: f32,
     /// Keys a query sees: its own position and the `window − 1` before it (usize::MAX: all).
     window: usize,
+    /// Soft-capping of the scaled scores (`reference::softcap`).
+    softcap: Option<f32>,
 }
 unsafe impl<E: KvElem> Sync for AttnArgs<'_, E> {}
+
+/// Soft-caps scores in place (`reference::softcap`, scalar: the same bits on every path).
+#[inline(always)]
+unsafe fn cap_scores(p: *mut f32, n: usize, cap: Option<f32>) {
+    if let Some(c) = cap {
+        for x in std::slice::from_raw_parts_mut(p, n) {
+            *x = reference::softcap(*x, c);
+        }
+    }
+}
 
 /// The first key position a query at `pos` sees through a sliding window of `window` keys.
 #[inline(always)]
@@ -56,7 +68,8 @@ fn first_key(pos: usize, window: usize) -> usize {
 }
 
 /// Causal grouped-query attention over paged KV; q and out are (num_tokens, n_heads * head_dim).
-/// With `window`, a query at position p sees keys p − window + 1 ..= p (a sliding-window layer).
+/// With a window, a query at position p sees keys p − window + 1 ..= p (a sliding-window layer);
+/// with a soft-cap, the scaled scores are capped before the softmax (`AttnOpts`).
 #[allow(clippy::too_many_arguments)]
 pub fn attention<E: KvLoad>(
     isa: Isa,
@@ -69,8 +82,9 @@ pub fn attention<E: KvLoad>(
     n_kv_heads: usize,
     head_dim: usize,
     scale: f32,
-    window: Option<usize>,
+    opts: AttnOpts,
 ) {
+    let window = opts.window;
     assert_eq!(q.len(), out.len());
     assert!(window != Some(0), "a window holds at least one key");
     assert_eq!(n_heads % n_kv_heads, 0);
@@ -87,9 +101,7 @@ pub fn attention<E: KvLoad>(
         );
     }
     if isa == Isa::Reference {
-        reference::attention_windowed(
-            q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale, window,
-        );
+        reference::attention_windowed(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale, opts);
         return;
     }
     let args = AttnArgs {
@@ -101,6 +113,7 @@ pub fn attention<E: KvLoad>(
         head_dim,
         scale,
         window: window.unwrap_or(usize::MAX),
+        softcap: opts.softcap,
     };
     let l = isa.lanes();
     let grouped = kv.block_size.is_multiple_of(l)
@@ -315,6 +328,7 @@ unsafe fn finish_query<S: Simd, E: KvLoad, const G: usize, const NV: usize>(
     let mut inv_sum = [0.0f32; G];
     for (g, inv) in inv_sum.iter_mut().enumerate() {
         let sg = sc.add(g * stride + lo);
+        cap_scores(sg, n_ctx - lo, a.softcap);
         let max = max_of::<S>(sg, n_ctx - lo);
         *inv = 1.0 / exp_shifted::<S>(sg, n_ctx - lo, max);
     }
@@ -375,7 +389,10 @@ unsafe fn attn_g<S: Simd, E: KvLoad>(a: &AttnArgs<E>, s: &AttnSeq, h: usize, i0:
             for d in 0..hd {
                 acc += *qh.add(d) * (*kp.add(a.kv.k_index(s.block_table, p, kv_off + d))).to_f32();
             }
-            let v = acc * a.scale;
+            let mut v = acc * a.scale;
+            if let Some(c) = a.softcap {
+                v = reference::softcap(v, c);
+            }
             *sc.add(p) = v;
             max = max.max(v);
         }

@@ -14,6 +14,7 @@
 use super::simd::{exp, Avx2, Avx512, Simd};
 use super::small_gemm::gemm;
 use super::{Isa, Tasks};
+use crate::reference::{softcap, AttnOpts};
 
 /// Query rows per block of the tiled kernel.
 const BQ: usize = 8;
@@ -28,17 +29,19 @@ const BQ: usize = 8;
 /// into its dk, dv.
 #[allow(clippy::too_many_arguments)]
 ///
-/// With `window`, the row at position p sees only keys p − window + 1 ..= p (a sliding-window
-/// layer): P is zero outside, so nothing flows to the keys it does not see.
+/// With a window, the row at position p sees only keys p − window + 1 ..= p (a sliding-window
+/// layer): P is zero outside, so nothing flows to the keys it does not see. With a soft-cap c
+/// (Gemma 2) P = softmax(c·tanh(s / c)) and dS is scaled by 1 − tanh²(s / c) (`AttnOpts`).
 pub fn attention_backward(
     isa: Isa,
     pool: Tasks,
     (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
     (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
     scale: f32,
-    window: Option<usize>,
+    opts: AttnOpts,
     (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
+    let window = opts.window;
     let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
     let t = q.len() / qd;
     let tk = k.len() / kvd;
@@ -74,6 +77,7 @@ pub fn attention_backward(
         kvd,
         scale,
         window: window.unwrap_or(usize::MAX),
+        softcap: opts.softcap,
     };
     assert!(window != Some(0), "a window holds at least one key");
     let task = |g: usize| {
@@ -133,6 +137,7 @@ struct AttnJob {
     scale: f32,
     /// Keys a row sees: its own and the `window − 1` before it (usize::MAX: all).
     window: usize,
+    softcap: Option<f32>,
 }
 // SAFETY: tasks write disjoint memory (see `attention_backward`).
 unsafe impl Sync for AttnJob {}
@@ -198,7 +203,10 @@ unsafe fn tiled<S: Simd>(j: &AttnJob, h: usize) {
             let (pr, dr) = (p.as_mut_ptr().add(r * nkp), ds.as_mut_ptr().add(r * nkp));
             let n = off + i0 + r + 1;
             let lo = n.saturating_sub(j.window);
-            softmax_grad_row::<S>(pr, dr, lo, n, nkbp, j.scale);
+            match j.softcap {
+                None => softmax_grad_row::<S>(pr, dr, lo, n, nkbp, j.scale),
+                Some(c) => softmax_grad_row_capped(pr, dr, lo, n, nkbp, j.scale, c),
+            }
         }
         let dqb = j.dq.add(i0 * qd + qc);
         gemm::<S>(
@@ -293,6 +301,51 @@ unsafe fn softmax_grad_row<S: Simd>(
     }
 }
 
+/// `softmax_grad_row` with soft-capped scores (Gemma 2), scalar: c·tanh(scale·raw / c) is what
+/// the forward's softmax saw (`reference::softcap`, the same bits), and dS takes the cap's slope
+/// 1 − tanh².
+unsafe fn softmax_grad_row_capped(
+    p: *mut f32,
+    d: *mut f32,
+    lo: usize,
+    n: usize,
+    width: usize,
+    scale: f32,
+    cap: f32,
+) {
+    let (p, d) = (
+        std::slice::from_raw_parts_mut(p, width),
+        std::slice::from_raw_parts_mut(d, width),
+    );
+    let mut slope = vec![0.0f32; n - lo];
+    let mut mx = f32::NEG_INFINITY;
+    for (x, g) in p[lo..n].iter_mut().zip(&mut slope) {
+        let c = softcap(*x * scale, cap);
+        let t = c / cap;
+        *g = 1.0 - t * t;
+        *x = c;
+        mx = mx.max(c);
+    }
+    let mut z = 0.0f32;
+    for x in &mut p[lo..n] {
+        *x = (*x - mx).exp();
+        z += *x;
+    }
+    let inv = 1.0 / z;
+    let mut dd = 0.0f32;
+    for c in lo..n {
+        p[c] *= inv;
+        dd += p[c] * d[c];
+    }
+    for c in 0..width {
+        if (lo..n).contains(&c) {
+            d[c] = p[c] * (d[c] - dd) * slope[c - lo] * scale;
+        } else {
+            (p[c], d[c]) = (0.0, 0.0);
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn rows_avx512(j: &AttnJob, g: usize) {
     rows::<Avx512>(j, g)
@@ -330,6 +383,8 @@ unsafe fn rows<S: Simd>(j: &AttnJob, g: usize) {
         std::ptr::write_bytes(j.dv.add(r * kvd + kc), 0, hd);
     }
     let mut p = vec![0.0f32; off + t];
+    // d(capped score)/d(score) per key (1 without a cap).
+    let mut slope = vec![1.0f32; off + t];
     let mut o = vec![0.0f32; hd];
     for h in g * j.group..(g + 1) * j.group {
         let qc = h * hd;
@@ -340,6 +395,11 @@ unsafe fn rows<S: Simd>(j: &AttnJob, g: usize) {
             let mut mx = f32::NEG_INFINITY;
             for (jj, pj) in p.iter_mut().enumerate().take(off + i + 1).skip(lo) {
                 *pj = j.scale * dot::<S>(qi, j.k.add(jj * kvd + kc), hd);
+                if let Some(c) = j.softcap {
+                    *pj = softcap(*pj, c);
+                    let t = *pj / c;
+                    slope[jj] = 1.0 - t * t;
+                }
                 mx = mx.max(*pj);
             }
             let mut z = 0.0f32;
@@ -358,7 +418,7 @@ unsafe fn rows<S: Simd>(j: &AttnJob, g: usize) {
             std::ptr::write_bytes(dqi, 0, hd);
             for (jj, pj) in p.iter().enumerate().take(off + i + 1).skip(lo) {
                 let dp = dot::<S>(di, j.v.add(jj * kvd + kc), hd);
-                let ds = pj * (dp - dot_do) * j.scale;
+                let ds = pj * (dp - dot_do) * slope[jj] * j.scale;
                 axpy::<S>(ds, j.k.add(jj * kvd + kc), dqi, hd);
                 axpy::<S>(ds, qi, j.dk.add(jj * kvd + kc), hd);
                 axpy::<S>(*pj, di, j.dv.add(jj * kvd + kc), hd);

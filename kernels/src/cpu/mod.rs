@@ -400,7 +400,8 @@ impl Cpu {
         )
     }
 
-    /// `attention_backward` through a sliding window of `window` keys (None: every earlier key).
+    /// `attention_backward` through a sliding window and with soft-capping as `opts` says
+    /// (`reference::AttnOpts`; an `Option<usize>` is a window alone).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward_windowed(
         &self,
@@ -412,15 +413,16 @@ impl Cpu {
         n_kv_heads: usize,
         head_dim: usize,
         scale: f32,
-        window: Option<usize>,
+        opts: impl Into<crate::reference::AttnOpts>,
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
     ) {
         let heads = (n_heads, n_kv_heads, head_dim);
+        let opts = opts.into();
         match self.isa {
             Isa::Reference => crate::reference::attention_backward_windowed(
-                q, k, v, dout, heads, scale, window, dq, dk, dv,
+                q, k, v, dout, heads, scale, opts, dq, dk, dv,
             ),
             _ => attention_backward::attention_backward(
                 self.isa,
@@ -428,7 +430,7 @@ impl Cpu {
                 (q, k, v, dout),
                 heads,
                 scale,
-                window,
+                opts,
                 (dq, dk, dv),
             ),
         }
@@ -506,7 +508,8 @@ impl Cpu {
         self.attention_windowed(q, out, seqs, kv, n_heads, n_kv_heads, head_dim, scale, None)
     }
 
-    /// `attention` through a sliding window of `window` keys (None: every earlier key).
+    /// `attention` through a sliding window and with soft-capping as `opts` says
+    /// (`reference::AttnOpts`; an `Option<usize>` is a window alone).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_windowed<E: attention::KvLoad>(
         &self,
@@ -518,7 +521,7 @@ impl Cpu {
         n_kv_heads: usize,
         head_dim: usize,
         scale: f32,
-        window: Option<usize>,
+        opts: impl Into<crate::reference::AttnOpts>,
     ) {
         attention::attention(
             self.isa,
@@ -531,7 +534,7 @@ impl Cpu {
             n_kv_heads,
             head_dim,
             scale,
-            window,
+            opts.into(),
         )
     }
 }

@@ -120,7 +120,8 @@ pub fn attention_backward(
     attention_backward_windowed(q, k, v, dout, heads, scale, None, dq, dk, dv)
 }
 
-/// `attention_backward` where query i sees only the `window` keys up to its own position.
+/// `attention_backward` through a sliding window and with soft-capping as `opts` says
+/// (`AttnOpts`): with a cap c the scores are c·tanh(s / c), whose derivative 1 − tanh² scales dS.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_windowed(
     q: &[f32],
@@ -129,11 +130,12 @@ pub fn attention_backward_windowed(
     dout: &[f32],
     (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
     scale: f32,
-    window: Option<usize>,
+    opts: impl Into<crate::reference::AttnOpts>,
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
 ) {
+    let crate::reference::AttnOpts { window, softcap } = opts.into();
     let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
     let t = q.len() / qd;
     let off = k.len() / kvd - t;
@@ -147,14 +149,24 @@ pub fn attention_backward_windowed(
             let qi = |c: usize| q[i * qd + qc + c] as f64;
             let di = |c: usize| dout[i * qd + qc + c] as f64;
             let lo = (off + i + 1).saturating_sub(window.unwrap_or(usize::MAX));
-            // Scores of keys lo..=off+i, indexed from 0.
-            let s: Vec<f64> = (lo..=off + i)
+            // Scores of keys lo..=off+i, indexed from 0, and d(capped)/d(score) of each.
+            let raw: Vec<f64> = (lo..=off + i)
                 .map(|j| {
                     sc * (0..head_dim)
                         .map(|c| qi(c) * k[j * kvd + kc + c] as f64)
                         .sum::<f64>()
                 })
                 .collect();
+            let (s, slope): (Vec<f64>, Vec<f64>) = raw
+                .iter()
+                .map(|&x| match softcap {
+                    Some(c) => {
+                        let t = (x / c as f64).tanh();
+                        (c as f64 * t, 1.0 - t * t)
+                    }
+                    None => (x, 1.0),
+                })
+                .unzip();
             let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
             let z: f64 = e.iter().sum();
@@ -176,7 +188,7 @@ pub fn attention_backward_windowed(
                     .map(|c| di(c) * v[j * kvd + kc + c] as f64)
                     .sum();
                 let pj = p[j - lo];
-                let ds = pj * (dp - dot_do) * sc;
+                let ds = pj * (dp - dot_do) * slope[j - lo] * sc;
                 for c in 0..head_dim {
                     dqi[c] += ds * k[j * kvd + kc + c] as f64;
                     dk64[j * kvd + kc + c] += ds * qi(c);
