@@ -220,7 +220,7 @@ fn model_loading_names_missing_and_misshapen_tensors() {
     }
     assert_eq!(
         flywheel::model::llama::SUPPORTED_ARCHITECTURES,
-        ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"]
+        ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2"]
     );
     // One family entry per supported architecture, in that order.
     let families: Vec<&str> = flywheel::model::llama::FAMILIES

@@ -221,3 +221,53 @@ fn incremental_detokenization_equals_whole_decoding_even_on_invalid_utf8() {
         assert_eq!(text, tok.decode(&ids), "{ids:?}");
     }
 }
+
+/// Gemma 2's soft-caps: the file's keys where it has them (0 turns one off), llama.cpp's 50 and
+/// 30 where it does not; no other family caps unless its file says. The tiny Gemma 2's caps bend
+/// its scores and logits (so the families' comparisons with the naive forward and llama.cpp
+/// would fail without them).
+#[test]
+fn gemma2_soft_caps_come_from_the_file_or_the_family() {
+    let caps = |spec: &TinySpec| {
+        let (_dir, path) = write_tiny(spec);
+        let c = Llama::open(&path).unwrap().config;
+        (c.attn_softcap, c.final_softcap)
+    };
+    let gemma2 = TinySpec::gemma2();
+    assert_eq!(caps(&gemma2), (Some(0.5), Some(2.0)));
+    let defaults = TinySpec {
+        softcaps: None,
+        ..gemma2
+    };
+    assert_eq!(caps(&defaults), (Some(50.0), Some(30.0)));
+    let off = TinySpec {
+        softcaps: Some((0.0, 0.0)),
+        ..gemma2
+    };
+    assert_eq!(caps(&off), (None, None));
+    assert_eq!(caps(&TinySpec::gemma3()), (None, None));
+    let gemma3_capped = TinySpec {
+        softcaps: Some((0.5, 2.0)),
+        ..TinySpec::gemma3()
+    };
+    assert_eq!(caps(&gemma3_capped), (Some(0.5), Some(2.0)));
+    // The caps matter on this model: exact math with and without them differs.
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 250 + 3).collect();
+    let (_d1, capped) = write_tiny(&gemma2);
+    let (_d2, uncapped) = write_tiny(&off);
+    let d = max_diff_f64(
+        &naive_logprobs(&capped, &tokens),
+        &naive_logprobs(&uncapped, &tokens),
+    );
+    assert!(
+        d > 0.1,
+        "the tiny Gemma 2's caps move its log-probs by only {d}"
+    );
+}
+
+fn max_diff_f64(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f64::max)
+}

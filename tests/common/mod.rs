@@ -64,6 +64,8 @@ pub struct TinySpec {
     /// Extra tokens (byte-level BPE vocabularies), each one token of this text, appended at the
     /// end of the vocabulary: a test can make the model say a whole phrase with one logit bias.
     pub extra_tokens: &'static [&'static str],
+    /// `attn_logit_softcapping` and `final_logit_softcapping` (Gemma 2), written when set.
+    pub softcaps: Option<(f32, f32)>,
 }
 
 impl TinySpec {
@@ -88,6 +90,7 @@ impl TinySpec {
             window: None,
             spm: None,
             extra_tokens: &[],
+            softcaps: None,
         }
     }
 
@@ -134,6 +137,19 @@ impl TinySpec {
             spm: Some(false),
             seed: 29,
             ..TinySpec::small()
+        }
+    }
+
+    /// A Gemma 2: Gemma 3's layout without q/k norms, every other layer global (a window of 5
+    /// keys on the others), one RoPE base, and soft-caps small enough to bend these scores and
+    /// logits (a missing cap fails the comparisons).
+    pub fn gemma2() -> TinySpec {
+        TinySpec {
+            arch: "gemma2",
+            layers: 4,
+            softcaps: Some((0.5, 2.0)),
+            seed: 37,
+            ..TinySpec::gemma3()
         }
     }
 
@@ -343,6 +359,10 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
     if let Some(win) = s.window {
         w.meta(&k("attention.sliding_window"), Value::U32(win as u32));
     }
+    if let Some((attn, fin)) = s.softcaps {
+        w.meta(&k("attn_logit_softcapping"), Value::F32(attn))
+            .meta(&k("final_logit_softcapping"), Value::F32(fin));
+    }
     if let Some((e, used, ef)) = s.experts {
         w.meta(&k("expert_count"), Value::U32(e as u32))
             .meta(&k("expert_used_count"), Value::U32(used as u32))
@@ -442,7 +462,7 @@ pub fn tiny_model(spec: &TinySpec) -> TinyModel {
                 }
             }
         }
-        if a == "gemma3" {
+        if a.starts_with("gemma") {
             // As llama.cpp's converter writes Gemma's norms: 1 + w.
             for t in ["post_attention_norm", "post_ffw_norm"] {
                 let norm: Vec<f32> = (0..s.hidden).map(|_| 1.0 + 0.3 * rng.uniform()).collect();
@@ -588,8 +608,8 @@ pub fn python_json<T: serde::de::DeserializeOwned>(script: &str, args: &[&str]) 
 
 impl TinySpec {
     /// One tiny model of each family: llama (SmolLM2's shape), Llama 3, Qwen2, Qwen3, Qwen3-MoE,
-    /// Gemma 3.
-    pub fn families() -> [TinySpec; 6] {
+    /// Gemma 3, Gemma 2.
+    pub fn families() -> [TinySpec; 7] {
         [
             TinySpec::small(),
             TinySpec::llama3(),
@@ -597,6 +617,7 @@ impl TinySpec {
             TinySpec::qwen3(),
             TinySpec::qwen3moe(),
             TinySpec::gemma3(),
+            TinySpec::gemma2(),
         ]
     }
 }

@@ -68,15 +68,34 @@ pub fn naive_logprobs_with(
     } else {
         mat(&g, "token_embd.weight")
     };
+    let (_, final_cap) = softcaps(&g);
     naive_hidden_with(path, tokens, project)
         .iter()
         .map(|x| {
-            let logits = matvec(&out, x);
+            let logits: Vec<f64> = matvec(&out, x)
+                .into_iter()
+                .map(|z| final_cap.map_or(z, |c| c * (z / c).tanh()))
+                .collect();
             let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let lse = mx + logits.iter().map(|v| (v - mx).exp()).sum::<f64>().ln();
             logits.iter().map(|v| v - lse).collect()
         })
         .collect()
+}
+
+/// Gemma 2's soft-caps of the attention scores and the final logits, c·tanh(x / c): the file's
+/// keys (0: none), else Gemma 2's 50 and 30 (as llama.cpp).
+pub fn softcaps(g: &Gguf) -> (Option<f64>, Option<f64>) {
+    let arch = g.get_str("general.architecture").unwrap().to_string();
+    let gemma2 = arch == "gemma2";
+    let cap = |key: &str, default: f64| match g.get(&format!("{arch}.{key}")) {
+        Some(v) => Some(v.as_f64().unwrap()).filter(|&c| c != 0.0),
+        None => gemma2.then_some(default),
+    };
+    (
+        cap("attn_logit_softcapping", 50.0),
+        cap("final_logit_softcapping", 30.0),
+    )
 }
 
 /// Every position's final hidden state after the output norm (what the head reads; what an
@@ -111,8 +130,15 @@ pub fn naive_hidden_with(
         Vec::new()
     };
     // Gemma 3: embeddings times √hidden, post-norms, GeGLU, and sliding-window layers (all but
-    // every 6th) with their own RoPE base.
-    let gemma = arch == "gemma3";
+    // every 6th) with their own RoPE base. Gemma 2: the same with every other layer global, one
+    // RoPE base, and soft-capped scores.
+    let gemma = arch.starts_with("gemma");
+    let (period, local_base) = if arch == "gemma2" {
+        (2, base)
+    } else {
+        (6, 10000.0)
+    };
+    let (score_cap, _) = softcaps(&g);
     let window = g
         .get(&format!("{arch}.attention.sliding_window"))
         .map(|v| v.as_f64().unwrap() as usize);
@@ -132,9 +158,9 @@ pub fn naive_hidden_with(
         let dense = |n: &str| if moe.is_none() { m(n) } else { Vec::new() };
         let (wg, wu, wd) = (dense("ffn_gate"), dense("ffn_up"), dense("ffn_down"));
         let (an, fnorm) = (m("attn_norm")[0].clone(), m("ffn_norm")[0].clone());
-        let local = gemma && window.is_some() && (l + 1) % 6 != 0;
+        let local = gemma && window.is_some() && (l + 1) % period != 0;
         let (base, win) = if local {
-            (10000.0, window.unwrap())
+            (local_base, window.unwrap())
         } else {
             (base, usize::MAX)
         };
@@ -187,6 +213,7 @@ pub fn naive_hidden_with(
                             .sum::<f64>()
                             / (hd as f64).sqrt()
                     })
+                    .map(|x| score_cap.map_or(x, |c| c * (x / c).tanh()))
                     .collect();
                 let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();

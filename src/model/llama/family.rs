@@ -24,8 +24,15 @@ pub struct Family {
     pub sliding_window: bool,
     pub global_every: usize,
     /// The layer count of the model whose q is scaled by (hidden / heads)^-½ rather than
-    /// head_dim^-½ when the file has no `attention.scale` (llama.cpp's rule: Gemma 3 27B).
+    /// head_dim^-½ when the file has no `attention.scale` (llama.cpp's rule: Gemma 2 and 3 27B).
     pub wide_q_scale_layers: Option<usize>,
+    /// The sliding-window layers' RoPE base (Gemma 3: 10⁴); None: `rope.freq_base`, as the
+    /// global layers (Gemma 2).
+    pub local_rope_base: Option<f32>,
+    /// Soft-capping of the attention scores and of the final logits, c·tanh(x / c), where the file
+    /// does not set `attn_logit_softcapping` / `final_logit_softcapping` (llama.cpp's defaults
+    /// for Gemma 2: 50 and 30). A file's own keys apply in every family; 0 turns one off.
+    pub softcaps: Option<(f32, f32)>,
 }
 
 const DEFAULT_FAMILY: Family = Family {
@@ -37,6 +44,8 @@ const DEFAULT_FAMILY: Family = Family {
     sliding_window: false,
     global_every: 6,
     wide_q_scale_layers: None,
+    local_rope_base: None,
+    softcaps: None,
 };
 
 /// The families, in `SUPPORTED_ARCHITECTURES`' order.
@@ -66,6 +75,22 @@ pub const FAMILIES: &[Family] = &[
         sliding_window: true,
         global_every: 6,
         wide_q_scale_layers: Some(62),
+        local_rope_base: Some(10000.0),
+        softcaps: None,
+    },
+    // Gemma 3's layout before q/k norms: every other layer global, one RoPE base, scores and
+    // logits soft-capped.
+    Family {
+        arch: "gemma2",
+        rope_layout: RopeLayout::Neox,
+        activation: Activation::GeluTanh,
+        post_norms: true,
+        embed_scale: true,
+        sliding_window: true,
+        global_every: 2,
+        wide_q_scale_layers: Some(46),
+        local_rope_base: None,
+        softcaps: Some((50.0, 30.0)),
     },
 ];
 

@@ -233,6 +233,7 @@ impl Llama {
                 x: normed,
                 y: logits,
             });
+            c.cap_logits(&mut logits[..m * c.vocab_size]);
         }
         Ok(())
     }
@@ -348,7 +349,7 @@ impl Llama {
             c.num_kv_heads,
             c.head_dim,
             c.attn_scale,
-            c.window(l),
+            c.attn_opts(l),
         );
         match cache.layer(l) {
             LayerKv::F32(kv) => {

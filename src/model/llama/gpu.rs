@@ -169,6 +169,13 @@ impl GpuLlama {
     /// what the GPU path does not run (heads over 256) or what does not fit.
     pub fn new(gpu: Gpu, model: &Llama, shape: GpuShape) -> Result<GpuLlama, ModelError> {
         let c = &model.config;
+        if c.attn_softcap.is_some() || c.final_softcap.is_some() {
+            return Err(ModelError::Unsupported(
+                "soft-capping (Gemma 2) on the GPU: its kernels do not cap yet; serve with \
+                 --device cpu"
+                    .into(),
+            ));
+        }
         if c.head_dim > ATT_MAX_HEAD_DIM {
             return Err(ModelError::Unsupported(format!(
                 "head_dim {} on the GPU (its attention takes up to {ATT_MAX_HEAD_DIM})",

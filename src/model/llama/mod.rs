@@ -68,13 +68,18 @@ pub struct LlamaConfig {
     pub attn_scale: f32,
     /// The embedding rows are multiplied by this (Gemma: √hidden).
     pub embed_scale: Option<f32>,
-    /// Gemma 3's local layers: a sliding window of this many keys, and their own RoPE base;
-    /// every `global_every`-th layer attends globally with `rope_base` (and `rope_scale`).
+    /// Gemma's local layers: a sliding window of this many keys, and their RoPE base (Gemma 3's
+    /// own, Gemma 2's `rope_base`); every `global_every`-th layer attends globally with
+    /// `rope_base` (and `rope_scale`).
     pub sliding_window: Option<usize>,
     pub global_every: usize,
     pub rope_local_base: f32,
     /// Linear RoPE scaling of the global layers (positions divided by it; 1: none).
     pub rope_scale: f32,
+    /// Gemma 2's soft-capping of the scaled attention scores, c·tanh(s / c).
+    pub attn_softcap: Option<f32>,
+    /// Gemma 2's soft-capping of the final logits, c·tanh(z / c).
+    pub final_softcap: Option<f32>,
 }
 
 /// The MLP's gate activation.
@@ -109,6 +114,23 @@ impl LlamaConfig {
     pub fn window(&self, l: usize) -> Option<usize> {
         self.sliding_window
             .filter(|_| !(l + 1).is_multiple_of(self.global_every))
+    }
+
+    /// What layer `l`'s attention does beyond causal softmax: its window and the soft-cap.
+    pub fn attn_opts(&self, l: usize) -> flywheel_kernels::reference::AttnOpts {
+        flywheel_kernels::reference::AttnOpts {
+            window: self.window(l),
+            softcap: self.attn_softcap,
+        }
+    }
+
+    /// Soft-caps rows of logits in place (Gemma 2's final soft-capping; nothing without it).
+    pub fn cap_logits(&self, logits: &mut [f32]) {
+        if let Some(c) = self.final_softcap {
+            for z in logits {
+                *z = flywheel_kernels::reference::softcap(*z, c);
+            }
+        }
     }
 }
 
@@ -177,7 +199,8 @@ pub struct Experts {
 }
 
 /// The `general.architecture` values this build reads.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] =
+    &["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2"];
 
 pub struct Llama {
     pub config: LlamaConfig,
@@ -268,13 +291,17 @@ impl Llama {
                 None => Ok(None),
             }
         };
-        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
-            if opt_f32(key)?.is_some_and(|v| v != 0.0) {
-                return Err(ModelError::Unsupported(format!(
-                    "{arch}.{key}: logit soft-capping (Gemma 2) is not supported"
-                )));
+        // The file's cap where it has one (0: none), else the family's (Gemma 2: always on).
+        let softcap = |key: &str, default: Option<f32>| -> Result<Option<f32>, ModelError> {
+            match opt_f32(key)? {
+                Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v)),
+                Some(0.0) => Ok(None),
+                Some(v) => Err(ModelError::Unsupported(format!("{arch}.{key} = {v}"))),
+                None => Ok(default),
             }
-        }
+        };
+        let attn_softcap = softcap("attn_logit_softcapping", fam.softcaps.map(|c| c.0))?;
+        let final_softcap = softcap("final_logit_softcapping", fam.softcaps.map(|c| c.1))?;
         let num_layers = g.get_usize(&k("block_count"))?;
         // Gemma 3 scales q by query_pre_attn_scalar^-½, which its GGUF does not carry: llama.cpp's
         // rule (head_dim, but hidden / heads for the 62-layer 27B) unless the file says.
@@ -313,8 +340,10 @@ impl Llama {
                     .map_or(fam.global_every, |p| p as usize),
                 None => fam.global_every,
             },
-            rope_local_base: 10000.0,
+            rope_local_base: 0.0, // set below from the family and the global base
             rope_scale,
+            attn_softcap,
+            final_softcap,
             num_layers,
             hidden,
             ffn: match moe {
@@ -336,6 +365,8 @@ impl Llama {
             qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
             vocab_size,
         };
+        let mut config = config;
+        config.rope_local_base = fam.local_rope_base.unwrap_or(config.rope_base);
         let c = &config;
         let token_embd = weight(&g, "token_embd.weight", c.vocab_size, c.hidden)?;
         let mut layers = Vec::with_capacity(c.num_layers);

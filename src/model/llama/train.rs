@@ -190,7 +190,7 @@ impl Llama {
             .iter()
             .map(|s| Vec::with_capacity(s.tokens.len() - s.prompt_len))
             .collect();
-        self.head_chunks(cpu, seqs, &bufs.x, temperature, |chunk, rows| {
+        self.head_chunks(cpu, seqs, &bufs.x, temperature, |chunk, rows, _| {
             for (k, &(i, _, tok)) in chunk.iter().enumerate() {
                 logps[i].push(rows[k * vocab + tok as usize]);
             }
@@ -241,7 +241,7 @@ impl Llama {
         let mut head_grad = vec![0.0f32; num_tokens * h];
         let (mut entropy, mut scored) = (0.0f64, 0usize);
         let (mut dz, mut dn) = (Vec::new(), Vec::new());
-        self.head_chunks(cpu, seqs, &final_x, temperature, |chunk, rows| {
+        self.head_chunks(cpu, seqs, &final_x, temperature, |chunk, rows, slopes| {
             dz.resize(rows.len(), 0.0);
             for (k, &(i, _, tok)) in chunk.iter().enumerate() {
                 let row = &rows[k * c.vocab_size..(k + 1) * c.vocab_size];
@@ -249,6 +249,11 @@ impl Llama {
                 let d = &mut dz[k * c.vocab_size..(k + 1) * c.vocab_size];
                 entropy += cpu.softmax_backward_row(row, inv_t, d);
                 d[tok as usize] += inv_t;
+                // Through the final soft-cap (Gemma 2): dz_raw = dz · (1 − tanh²).
+                if !slopes.is_empty() {
+                    let g = &slopes[k * c.vocab_size..(k + 1) * c.vocab_size];
+                    d.iter_mut().zip(g).for_each(|(x, g)| *x *= g);
+                }
                 scored += 1;
             }
             dn.resize(chunk.len() * h, 0.0);
@@ -279,20 +284,22 @@ impl Llama {
     }
 
     /// The scored rows (sequence, row in the batch, target token), HEAD_CHUNK at a time: their
-    /// log-softmax(logits / T) rows (from the final hidden state `final_x`) are handed to `f`.
+    /// log-softmax(logits / T) rows (from the final hidden state `final_x`) are handed to `f`,
+    /// with the final soft-cap's slope at each logit (Gemma 2; empty without a cap).
     fn head_chunks(
         &self,
         cpu: &Cpu,
         seqs: &[TrainSeq],
         final_x: &[f32],
         temperature: f32,
-        mut f: impl FnMut(&[(usize, usize, u32)], &[f32]),
+        mut f: impl FnMut(&[(usize, usize, u32)], &[f32], &[f32]),
     ) {
         let c = &self.config;
         let h = c.hidden;
         let mut xs = Vec::new();
         let mut normed = Vec::new();
         let mut logits = Vec::new();
+        let mut slopes = Vec::new();
         for chunk in scored_rows(seqs).chunks(HEAD_CHUNK) {
             xs.clear();
             for &(_, r, _) in chunk {
@@ -309,10 +316,15 @@ impl Llama {
                 x: &normed,
                 y: &mut logits,
             });
+            c.cap_logits(&mut logits);
+            if let Some(cap) = c.final_softcap {
+                slopes.clear();
+                slopes.extend(logits.iter().map(|z| 1.0 - (z / cap) * (z / cap)));
+            }
             for row in logits.chunks_mut(c.vocab_size) {
                 scale_and_normalize(cpu, row, temperature);
             }
-            f(chunk, &logits);
+            f(chunk, &logits, &slopes);
         }
     }
 }

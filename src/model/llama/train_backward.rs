@@ -182,7 +182,7 @@ impl Llama {
                 attention_backward_seq(
                     cpu,
                     &self.config,
-                    c.window(l),
+                    c.attn_opts(l),
                     &attn,
                     i,
                     s.prefix,
@@ -287,7 +287,7 @@ impl Llama {
 fn attention_backward_seq(
     cpu: &Cpu,
     c: &crate::model::llama::LlamaConfig,
-    window: Option<usize>,
+    window: flywheel_kernels::reference::AttnOpts,
     attn: &[AttnSeq],
     i: usize,
     prefix: Option<usize>,
