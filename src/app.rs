@@ -278,15 +278,9 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         let _ = online.set(o);
     }
     // The trainer's forwards run on the CPU: serving stays there under auto, so that the served
-    // log-probs are the trainer's to the bit (and so does a model the GPU cannot run yet).
-    let softcapped = model.config.attn_softcap.is_some() || model.config.final_softcap.is_some();
-    let cpu_reason =
-        (!cfg.learn.is_empty())
-            .then_some(
-                "adapters learn here and the trainer runs on the CPU (train = serve, bitwise)",
-            )
-            .or(softcapped
-                .then_some("the model soft-caps (Gemma 2), which the GPU kernels do not yet"));
+    // log-probs are the trainer's to the bit.
+    let cpu_reason = (!cfg.learn.is_empty())
+        .then_some("adapters learn here and the trainer runs on the CPU (train = serve, bitwise)");
     let device =
         crate::engine::device::select(cfg.device, cpu_reason).map_err(|e| anyhow::anyhow!(e))?;
     let (engine, _join) = Engine::start_on(

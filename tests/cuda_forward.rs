@@ -163,11 +163,7 @@ fn every_family_forwards_on_the_gpu_as_on_the_cpu() {
     if gpu().is_none() {
         return;
     }
-    // Gemma 2's soft-capping is not in the GPU kernels yet (GpuLlama::new refuses it).
-    let mut specs: Vec<TinySpec> = TinySpec::families()
-        .into_iter()
-        .filter(|s| s.softcaps.is_none())
-        .collect();
+    let mut specs: Vec<TinySpec> = TinySpec::families().into_iter().collect();
     specs.push(TinySpec::k_quants());
     specs.push(TinySpec::k_and_iq());
     specs.push(TinySpec::q5());

@@ -302,7 +302,8 @@ __device__ __forceinline__ void fw_kv_write_body(const float* __restrict__ k,
 }
 
 // Causal grouped-query attention over the paged cache: out (n, n_heads·head_dim) for queries q
-// of the same shape, token t seeing positions fw_first_key(pos[t], window) ..= pos[t].
+// of the same shape, token t seeing positions fw_first_key(pos[t], window) ..= pos[t]; with
+// softcap > 0 (Gemma 2) the scaled scores are softcap·tanh(s / softcap) before the softmax.
 // Grid (n, n_heads), FW_ATT_WARPS warps. A warp takes 32 positions at a time, one per lane: the
 // lane scores its key (K is transposed per block, so the warp's loads of one dim are adjacent),
 // then the warp adds the 32 weighted V rows, lane l holding dims l, l+32, …; an online softmax
@@ -313,7 +314,7 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
                                                   const E* __restrict__ kc,
                                                   const E* __restrict__ vc, int n_heads,
                                                   int n_kv_heads, int head_dim, int block_size,
-                                                  float scale, int window) {
+                                                  float scale, int window, float softcap) {
   __shared__ float qs[FW_MAX_HEAD_DIM];
   __shared__ float wm[FW_ATT_WARPS], wl[FW_ATT_WARPS];
   __shared__ float wacc[FW_ATT_WARPS][FW_MAX_HEAD_DIM];
@@ -343,6 +344,8 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
       for (int d = 0; d < head_dim; d++) dot = fmaf(qs[d], fw_load(kc + k0 + (size_t)d * block_size), dot);
       sc = dot;
     }
+    // A select, not a branch on p: a branch here gave the kernel a stack frame on sm_80.
+    if (softcap > 0.0f) sc = p <= pos ? softcap * tanhf(sc / softcap) : -INFINITY;
     const float m_new = fmaxf(m, fw_warp_max(sc));
     const float pr = p <= pos ? expf(sc - m_new) : 0.0f;
     const float corr = expf(m - m_new);  // 0 on the first chunk (m = −inf)
@@ -392,9 +395,9 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
   extern "C" __global__ void __launch_bounds__(FW_ATT_WARPS * FW_WARP)                           \
       fw_attention_##NAME(const float* q, float* out, FwTokens toks, const E* kc, const E* vc,    \
                           int n_heads, int n_kv_heads, int head_dim, int block_size, float scale,  \
-                          int window) {                                                            \
+                          int window, float softcap) {                                             \
     fw_attention_body<E>(q, out, toks, kc, vc, n_heads, n_kv_heads, head_dim, block_size, scale,  \
-                         window);                                                                  \
+                         window, softcap);                                                         \
   }
 
 FW_PER_KV(f32, float)

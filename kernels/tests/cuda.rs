@@ -13,7 +13,7 @@ use flywheel_kernels::cpu::ops;
 use flywheel_kernels::cuda::{Gpu, GpuKv, KERNELS, PTXAS_REPORT};
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::quant::{f16_to_f32, f32_to_f16};
-use flywheel_kernels::reference::{self, PagedKv, RopeLayout, F16};
+use flywheel_kernels::reference::{self, AttnOpts, PagedKv, RopeLayout, F16};
 use flywheel_kernels::QuantType;
 
 /// The GPU, or None after saying why there is none (a failure where one is required).
@@ -364,12 +364,20 @@ fn paged_attention_and_cache_writes_match_the_cpu() {
     let Some(g) = gpu() else { return };
     for (n_heads, n_kv, hd) in [(8, 2, 64), (4, 4, 128), (6, 1, 80), (2, 1, 256)] {
         for window in [None, Some(1), Some(19)] {
-            attention_case::<f32>(&g, 16, n_heads, n_kv, hd, window);
-            attention_case::<u16>(&g, 16, n_heads, n_kv, hd, window);
+            attention_case::<f32>(&g, 16, n_heads, n_kv, hd, window.into());
+            attention_case::<u16>(&g, 16, n_heads, n_kv, hd, window.into());
+        }
+        // Gemma 2's soft-capped scores, with and without a window.
+        for window in [None, Some(19)] {
+            let opts = AttnOpts {
+                window,
+                softcap: Some(0.3),
+            };
+            attention_case::<f32>(&g, 16, n_heads, n_kv, hd, opts);
         }
     }
-    attention_case::<u16>(&g, 32, 8, 2, 64, None);
-    attention_case::<f32>(&g, 7, 8, 2, 64, Some(9));
+    attention_case::<u16>(&g, 32, 8, 2, 64, None.into());
+    attention_case::<f32>(&g, 7, 8, 2, 64, Some(9).into());
 }
 
 fn attention_case<E: GpuKv>(
@@ -378,7 +386,7 @@ fn attention_case<E: GpuKv>(
     n_heads: usize,
     n_kv: usize,
     hd: usize,
-    window: Option<usize>,
+    window: AttnOpts,
 ) {
     let half = E::NAME == "f16";
     let mut rng = Rng(17 + hd as u64);

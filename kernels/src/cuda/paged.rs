@@ -164,7 +164,8 @@ impl Gpu {
     }
 
     /// Causal GQA attention of the batch's queries q (tokens.n, n_heads·head_dim) over the cache,
-    /// through a sliding window of `window` keys where given.
+    /// through a sliding window and with soft-capped scores as `opts` says
+    /// (`reference::AttnOpts`; an `Option<usize>` is a window alone).
     #[allow(clippy::too_many_arguments)]
     pub fn attention<E: GpuKv>(
         &self,
@@ -177,8 +178,12 @@ impl Gpu {
         n_kv_heads: usize,
         head_dim: usize,
         scale: f32,
-        window: Option<usize>,
+        opts: impl Into<crate::reference::AttnOpts>,
     ) -> Result<()> {
+        let crate::reference::AttnOpts { window, softcap } = opts.into();
+        check(softcap.is_none_or(|c| c.is_finite() && c > 0.0), || {
+            format!("soft-cap {softcap:?} (a positive number)")
+        })?;
         check(
             n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && n_heads <= 65535,
             || format!("{n_heads} query heads over {n_kv_heads} KV heads"),
@@ -207,11 +212,14 @@ impl Gpu {
             tokens.block_size as i32,
         );
         let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let cap = softcap.unwrap_or(0.0);
         let toks = self.tokens_arg(tokens);
         self.launch(
             f,
             cfg,
-            &[&qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win],
+            &[
+                &qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win, &cap,
+            ],
         )
     }
 }

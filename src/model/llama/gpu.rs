@@ -169,13 +169,6 @@ impl GpuLlama {
     /// what the GPU path does not run (heads over 256) or what does not fit.
     pub fn new(gpu: Gpu, model: &Llama, shape: GpuShape) -> Result<GpuLlama, ModelError> {
         let c = &model.config;
-        if c.attn_softcap.is_some() || c.final_softcap.is_some() {
-            return Err(ModelError::Unsupported(
-                "soft-capping (Gemma 2) on the GPU: its kernels do not cap yet; serve with \
-                 --device cpu"
-                    .into(),
-            ));
-        }
         if c.head_dim > ATT_MAX_HEAD_DIM {
             return Err(ModelError::Unsupported(format!(
                 "head_dim {} on the GPU (its attention takes up to {ATT_MAX_HEAD_DIM})",
@@ -393,6 +386,8 @@ impl GpuLlama {
             bufs.logits.resize(t * vocab, 0.0);
             self.gpu
                 .read_into(&self.acts.logits.slice(..t * vocab), &mut bufs.logits)?;
+            // The final soft-cap (Gemma 2) on the host, where sampling reads the logits.
+            c.cap_logits(&mut bufs.logits);
             return Ok(());
         }
         self.body(model, n, &groups)?;
@@ -413,6 +408,7 @@ impl GpuLlama {
             let out = &mut bufs.logits[at..at + chunk.len() * vocab];
             self.gpu
                 .read_into(&self.acts.logits.slice(..out.len()), out)?;
+            c.cap_logits(out);
         }
         Ok(())
     }
@@ -489,7 +485,7 @@ impl GpuLlama {
             g.rope(&mut a.q, rope, n, c.num_heads, hd, rd, lay)?;
             g.rope(&mut a.k, rope, n, c.num_kv_heads, hd, rd, lay)?;
             let (heads, kv_heads, scale, window) =
-                (c.num_heads, c.num_kv_heads, c.attn_scale, c.window(l));
+                (c.num_heads, c.num_kv_heads, c.attn_scale, c.attn_opts(l));
             let shape = (heads, kv_heads, hd, scale, window);
             let (q, k, v) = (&a.q, &a.k, &a.v);
             match cache {

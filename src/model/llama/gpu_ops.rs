@@ -2,6 +2,7 @@
 //! mixture of experts, attention over the cache, the residual with its optional post-norm.
 
 use super::*;
+use flywheel_kernels::reference::AttnOpts;
 
 impl GpuLlama {
     /// Copy the step's adapter versions to the GPU (once per version), dropping versions no step
@@ -133,7 +134,7 @@ pub(super) fn attend<E: GpuKv>(
     kv_dim: usize,
     kc: &mut CudaSlice<E>,
     vc: &mut CudaSlice<E>,
-    (heads, kv_heads, hd, scale, window): (usize, usize, usize, f32, Option<usize>),
+    (heads, kv_heads, hd, scale, window): (usize, usize, usize, f32, AttnOpts),
 ) -> Result<(), GpuError> {
     g.kv_write(k, v, meta, kv_dim, kc, vc)?;
     g.attention(q, att, meta, kc, vc, heads, kv_heads, hd, scale, window)
