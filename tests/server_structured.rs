@@ -568,3 +568,26 @@ fn objects_that_list_properties_close_without_additional_properties_false() {
     );
     assert_eq!(s.post("/v1/chat/completions", &b).status, 200);
 }
+
+/// An integer a schema leaves unbounded (a tool's `"limit": {"type": "integer"}`) closes within
+/// 16 digits, as llama.cpp's converter bounds it: a model that keeps writing digits (a small
+/// model greedy, a random one at temperature 1) otherwise runs to `max_tokens`.
+#[test]
+fn unbounded_integers_close_within_sixteen_digits() {
+    let (_d, s) = start_wide();
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}},
+                        "required": ["n"]});
+    for seed in 0..8 {
+        let b = chat(
+            "a number",
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+                   "seed": seed, "temperature": 1.0, "max_tokens": 60}),
+        );
+        let r = s.post("/v1/chat/completions", &b);
+        let c = &r.json()["choices"][0];
+        assert_eq!(c["finish_reason"], "stop", "{c}");
+        let v: Value = serde_json::from_str(c["message"]["content"].as_str().unwrap()).unwrap();
+        let n = v["n"].as_i64().unwrap_or_else(|| panic!("{v}"));
+        assert!(n.unsigned_abs() < 1 << 53, "{n}");
+    }
+}

@@ -84,12 +84,20 @@ const SCHEMA_MAPS: [&str; 5] = [
     "dependentSchemas",
 ];
 
+/// The largest integer generated where a schema sets no bound: 2^53 − 1, the largest that JSON
+/// readers hold exactly (I-JSON, RFC 7493; JavaScript's `MAX_SAFE_INTEGER`): 16 digits, as
+/// llama.cpp's grammar converter allows (`[1-9][0-9]{0,15}`).
+pub const INTEGER_BOUND: i64 = (1 << 53) - 1;
+
 /// For generation, as llama.cpp's and vLLM's grammar converters do: an object schema that lists
 /// `properties` admits only those unless it says `additionalProperties` (true or a schema) — a
 /// small model otherwise writes keys until its budget ends (every LangChain `@tool`, most
-/// hand-written tools, leave it out). Objects without `properties` stay free-form. Walks only
-/// schema positions (never `const`, `enum`, `default` or `examples` data); JSON nests at most
-/// 128 levels, and so does this.
+/// hand-written tools, leave it out). Objects without `properties` stay free-form. An integer
+/// without `minimum`/`maximum` gets ±`INTEGER_BOUND` (16 digits, as llama.cpp; numbers stay
+/// free: a bound would also forbid exponents): greedy, a small
+/// model otherwise writes `"limit": 1000000…` until `max_tokens`. Walks only schema positions
+/// (never `const`, `enum`, `default` or `examples` data); JSON nests at most 128 levels, and so
+/// does this.
 pub fn close_objects(schema: &mut Value) {
     let Value::Object(o) = schema else {
         return;
@@ -97,6 +105,7 @@ pub fn close_objects(schema: &mut Value) {
     if o.contains_key("properties") && !o.contains_key("additionalProperties") {
         o.insert("additionalProperties".into(), Value::Bool(false));
     }
+    bound_integer(o);
     for (k, v) in o.iter_mut() {
         let k = k.as_str();
         if SCHEMA_MAPS.contains(&k) {
@@ -110,6 +119,47 @@ pub fn close_objects(schema: &mut Value) {
         } else if ONE_SCHEMA.contains(&k) {
             close_objects(v);
         }
+    }
+}
+
+/// Missing bounds of an integer-only schema (`type` "integer", or a list with "integer" and no
+/// "number", which the bounds would also limit); a bound that would leave no value (a given
+/// `minimum` above `INTEGER_BOUND`) is not added, nor one where `enum` or `const` lists the
+/// values.
+fn bound_integer(o: &mut serde_json::Map<String, Value>) {
+    if o.contains_key("enum") || o.contains_key("const") {
+        return;
+    }
+    let integer = match o.get("type") {
+        Some(Value::String(t)) => t == "integer",
+        Some(Value::Array(ts)) => {
+            ts.iter().any(|t| t == "integer") && !ts.iter().any(|t| t == "number")
+        }
+        _ => false,
+    };
+    if !integer {
+        return;
+    }
+    let given = |keys: [&str; 2]| -> Vec<f64> {
+        keys.iter()
+            .filter_map(|k| o.get(*k).and_then(Value::as_f64))
+            .collect()
+    };
+    let (lows, highs) = (
+        given(["minimum", "exclusiveMinimum"]),
+        given(["maximum", "exclusiveMaximum"]),
+    );
+    let bound = INTEGER_BOUND as f64;
+    let no_key = |keys: [&str; 2]| keys.iter().all(|k| !o.contains_key(*k));
+    let (add_low, add_high) = (
+        no_key(["minimum", "exclusiveMinimum"]) && highs.iter().all(|&h| h >= -bound),
+        no_key(["maximum", "exclusiveMaximum"]) && lows.iter().all(|&l| l <= bound),
+    );
+    if add_low {
+        o.insert("minimum".into(), Value::from(-INTEGER_BOUND));
+    }
+    if add_high {
+        o.insert("maximum".into(), Value::from(INTEGER_BOUND));
     }
 }
 
@@ -304,5 +354,39 @@ mod tests {
             s["$defs"]["D"]["additionalProperties"],
             json!({"type": "string"})
         );
+    }
+
+    #[test]
+    fn integers_without_bounds_get_sixteen_digits() {
+        let b = INTEGER_BOUND;
+        let mut s = json!({"type": "object", "properties": {
+            "free": {"type": "integer"},
+            "low": {"type": "integer", "minimum": 3},
+            "high": {"type": ["integer", "null"], "exclusiveMaximum": 10},
+            "huge": {"type": "integer", "minimum": 1e17},
+            "num": {"type": "number"},
+            "either": {"type": ["integer", "number"]},
+            "listed": {"type": "integer", "enum": [1, 2]}}});
+        close_objects(&mut s);
+        let p = &s["properties"];
+        assert_eq!(
+            (&p["free"]["minimum"], &p["free"]["maximum"]),
+            (&json!(-b), &json!(b))
+        );
+        assert_eq!(
+            (&p["low"]["minimum"], &p["low"]["maximum"]),
+            (&json!(3), &json!(b))
+        );
+        assert_eq!(p["high"]["minimum"], json!(-b));
+        assert!(p["high"].get("maximum").is_none(), "{}", p["high"]);
+        assert!(p["huge"].get("maximum").is_none(), "no empty range");
+        for k in ["num", "either", "listed"] {
+            assert!(
+                p[k].get("minimum").is_none() && p[k].get("maximum").is_none(),
+                "{k}"
+            );
+        }
+        assert_eq!(b.to_string().len(), 16);
+        assert_eq!(b as f64 as i64, b, "exact as a JSON reader's f64");
     }
 }

@@ -1,5 +1,6 @@
 """LiteLLM against the server as its users call it (`openai/<model>` with `api_base`), on the
-default model: a plain tools dict (no `additionalProperties`) forced with `tool_choice`, a
+default model: a plain tools dict (no `additionalProperties`, an unbounded integer: greedy, the
+model writes `"limit": 1000…` until the server bounds it) forced with `tool_choice`, a
 pydantic `response_format` with a nested object, a per-request chat template in `extra_body`,
 and `litellm.responses` (the Responses API). Skipped when litellm is not installed."""
 
@@ -43,7 +44,7 @@ def test_litellm_tools_structured_outputs_templates_and_responses(base):
                                                         "limit": {"type": "integer"}},
                        "required": ["query"]}}}]
     r = litellm.completion(**args(base), messages=[{"role": "user", "content": "find cats"}],
-                           tools=tools, tool_choice="required", max_tokens=100)
+                           tools=tools, tool_choice="required", max_tokens=100, temperature=0)
     assert r.choices[0].finish_reason == "tool_calls"
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "search"

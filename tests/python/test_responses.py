@@ -61,7 +61,8 @@ def test_agents_sdk_default_agent_and_runner(base):
         # A function tool the model must call; the run stops on its output.
         tooled = agents.Agent(
             name="t", instructions="Use the tool.", tools=[get_weather], model=model,
-            model_settings=agents.ModelSettings(tool_choice="required", max_tokens=64),
+            model_settings=agents.ModelSettings(tool_choice="required", max_tokens=64,
+                                                temperature=0),
             tool_use_behavior="stop_on_first_tool")
         r = await agents.Runner.run(tooled, "Weather in Paris?")
         calls = [i for i in r.new_items if i.type == "tool_call_item"]
@@ -99,7 +100,8 @@ def test_openai_sdk_responses_conversation_tools_and_stream(base):
                                                               "b": {"type": "integer"}},
                              "required": ["a", "b"]}}]
     r = c.responses.create(model=MODEL.stem, input="What is 2 + 3?", tools=tools,
-                           tool_choice={"type": "function", "name": "add"}, max_output_tokens=64)
+                           tool_choice={"type": "function", "name": "add"}, max_output_tokens=64,
+                           temperature=0)
     call = [o for o in r.output if o.type == "function_call"][0]
     assert call.name == "add" and set(json.loads(call.arguments)) == {"a", "b"}
     r = c.responses.create(model=MODEL.stem, previous_response_id=r.id, max_output_tokens=16,
