@@ -223,11 +223,11 @@ fn incremental_detokenization_equals_whole_decoding_even_on_invalid_utf8() {
 }
 
 /// Gemma 2's soft-caps: the file's keys where it has them (0 turns one off), llama.cpp's 50 and
-/// 30 where it does not; no other family caps unless its file says. The tiny Gemma 2's caps bend
+/// 30 where it does not (and its window of 4096); no other family caps unless its file says. The tiny Gemma 2's caps bend
 /// its scores and logits (so the families' comparisons with the naive forward and llama.cpp
 /// would fail without them).
 #[test]
-fn gemma2_soft_caps_come_from_the_file_or_the_family() {
+fn gemma2_soft_caps_and_window_come_from_the_file_or_the_family() {
     let caps = |spec: &TinySpec| {
         let (_dir, path) = write_tiny(spec);
         let c = Llama::open(&path).unwrap().config;
@@ -251,6 +251,25 @@ fn gemma2_soft_caps_come_from_the_file_or_the_family() {
         ..TinySpec::gemma3()
     };
     assert_eq!(caps(&gemma3_capped), (Some(0.5), Some(2.0)));
+    // Without `attention.sliding_window`, Gemma 2's window is llama.cpp's 4096; Gemma 3's file
+    // must say (none: every layer global).
+    let window = |spec: &TinySpec| {
+        let (_dir, path) = write_tiny(spec);
+        Llama::open(&path).unwrap().config.sliding_window
+    };
+    assert_eq!(window(&gemma2), Some(5));
+    assert_eq!(
+        window(&TinySpec {
+            window: None,
+            ..gemma2
+        }),
+        Some(4096)
+    );
+    let gemma3 = TinySpec {
+        window: None,
+        ..TinySpec::gemma3()
+    };
+    assert_eq!(window(&gemma3), None);
     // The caps matter on this model: exact math with and without them differs.
     let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 250 + 3).collect();
     let (_d1, capped) = write_tiny(&gemma2);

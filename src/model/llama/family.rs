@@ -23,6 +23,9 @@ pub struct Family {
     /// unless the file says (`attention.sliding_window_pattern`).
     pub sliding_window: bool,
     pub global_every: usize,
+    /// The window where the file has no `attention.sliding_window` (llama.cpp's default for
+    /// Gemma 2: 4096); None: no sliding layers then.
+    pub default_window: Option<usize>,
     /// The layer count of the model whose q is scaled by (hidden / heads)^-½ rather than
     /// head_dim^-½ when the file has no `attention.scale` (llama.cpp's rule: Gemma 2 and 3 27B).
     pub wide_q_scale_layers: Option<usize>,
@@ -43,6 +46,7 @@ const DEFAULT_FAMILY: Family = Family {
     embed_scale: false,
     sliding_window: false,
     global_every: 6,
+    default_window: None,
     wide_q_scale_layers: None,
     local_rope_base: None,
     softcaps: None,
@@ -74,6 +78,7 @@ pub const FAMILIES: &[Family] = &[
         embed_scale: true,
         sliding_window: true,
         global_every: 6,
+        default_window: None,
         wide_q_scale_layers: Some(62),
         local_rope_base: Some(10000.0),
         softcaps: None,
@@ -88,6 +93,7 @@ pub const FAMILIES: &[Family] = &[
         embed_scale: true,
         sliding_window: true,
         global_every: 2,
+        default_window: Some(4096),
         wide_q_scale_layers: Some(46),
         local_rope_base: None,
         softcaps: Some((50.0, 30.0)),

@@ -316,7 +316,8 @@ impl Llama {
             (true, Some(_)) => {
                 Some(g.get_usize(&k("attention.sliding_window"))?).filter(|&w| w > 0)
             }
-            _ => None,
+            (true, None) => fam.default_window,
+            (false, _) => None,
         };
         let rope_scale = match g.get(&k("rope.scaling.type")).and_then(|v| v.as_str()) {
             None | Some("none") => 1.0,
