@@ -156,6 +156,7 @@ pub fn generate(
         max_num_seqs: 1,
         max_num_batched_tokens: 512,
         num_kv_blocks: (prompt.len() + opts.max_tokens + 1).div_ceil(BLOCK_SIZE),
+        num_window_blocks: None,
         block_size: BLOCK_SIZE,
         enable_prefix_caching: false,
         max_pending_requests: 1,
@@ -227,17 +228,41 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     }
     let tokenizer = Arc::new(tokenizer);
     let c = &model.config;
-    let fit = cfg.fit_context(c.num_layers, c.kv_dim(), c.context_length)?;
+    // The trainer's forwards run on the CPU: serving stays there under auto, so that the served
+    // log-probs are the trainer's to the bit.
+    let cpu_reason = (!cfg.learn.is_empty())
+        .then_some("adapters learn here and the trainer runs on the CPU (train = serve, bitwise)");
+    let device =
+        crate::engine::device::select(cfg.device, cpu_reason).map_err(|e| anyhow::anyhow!(e))?;
+    // The CPU's cache keeps the sliding-window layers' K/V in a pool of their own.
+    let windows = c
+        .sliding_window
+        .filter(|_| matches!(device, crate::engine::device::Device::Cpu))
+        .map(|window| crate::config::WindowLayers {
+            layers: (0..c.num_layers).filter(|&l| c.window(l).is_some()).count(),
+            window,
+        });
+    let fit = cfg.fit_context(c.num_layers, c.kv_dim(), c.context_length, windows)?;
     if let Some(note) = &fit.note {
         tracing::warn!("{note}");
     }
     let (max_model_len, num_kv_blocks) = (fit.max_model_len, fit.num_kv_blocks);
+    if let (Some(w), Some(pool)) = (windows, fit.num_window_blocks) {
+        tracing::info!(
+            "KV cache: the {} sliding-window layers (window {}) keep {pool} blocks of their own; \
+             the other {} layers {num_kv_blocks}",
+            w.layers,
+            w.window,
+            c.num_layers - w.layers
+        );
+    }
     let vocab_size = c.vocab_size;
     let cpu = compute(Some(cfg.threads), false, cfg.precision)?;
     let ecfg = EngineConfig {
         max_num_seqs: cfg.max_num_seqs,
         max_num_batched_tokens: cfg.max_num_batched_tokens,
         num_kv_blocks,
+        num_window_blocks: fit.num_window_blocks,
         block_size: cfg.block_size,
         enable_prefix_caching: cfg.enable_prefix_caching,
         max_pending_requests: cfg.max_pending_requests,
@@ -277,12 +302,6 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         let o = TrainerHandle::start(cfg.online.clone(), &cfg.learn, compute, metrics.clone())?;
         let _ = online.set(o);
     }
-    // The trainer's forwards run on the CPU: serving stays there under auto, so that the served
-    // log-probs are the trainer's to the bit.
-    let cpu_reason = (!cfg.learn.is_empty())
-        .then_some("adapters learn here and the trainer runs on the CPU (train = serve, bitwise)");
-    let device =
-        crate::engine::device::select(cfg.device, cpu_reason).map_err(|e| anyhow::anyhow!(e))?;
     let (engine, _join) = Engine::start_on(
         model.clone(),
         tokenizer.clone(),

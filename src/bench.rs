@@ -135,6 +135,7 @@ pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyho
                 tokens,
                 first_pos: 0,
                 block_table: &table,
+                window_table: &[],
                 logits: Logits::Last,
                 adapter,
             }],

@@ -44,6 +44,7 @@ impl Bench {
                 tokens: prompt,
                 first_pos: 0,
                 block_table: &table,
+                window_table: &[],
                 logits: Logits::Last,
                 adapter: None,
             }],
@@ -71,6 +72,7 @@ impl Bench {
                     tokens: &s[s.len() - new..],
                     first_pos: s.len() - new,
                     block_table: t,
+                    window_table: &[],
                     logits: Logits::Last,
                     adapter: None,
                 })

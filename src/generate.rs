@@ -178,6 +178,7 @@ pub fn decode_batch(
             tokens: p,
             first_pos: 0,
             block_table: t,
+            window_table: &[],
             logits: Logits::Last,
             adapter,
         })
@@ -199,6 +200,7 @@ pub fn decode_batch(
                 tokens: &last[i],
                 first_pos: pos[i],
                 block_table: &tables[i],
+                window_table: &[],
                 logits: Logits::Last,
                 adapter,
             })

@@ -357,6 +357,7 @@ fn run_batch(
             tokens: t,
             first_pos: 0,
             block_table: table,
+            window_table: &[],
             logits: Logits::All,
             adapter: *a,
         })

@@ -62,6 +62,7 @@ fn batch<'a>(seqs: &'a [Seq], steps: &'a [(usize, usize, Logits)]) -> Vec<BatchS
                 tokens: &s.tokens[s.tokens.len() - new..],
                 first_pos: s.tokens.len() - new,
                 block_table: &s.table,
+                window_table: &[],
                 logits,
                 adapter: s.adapter.as_deref(),
             }

@@ -90,7 +90,7 @@ fn the_context_is_fitted_to_the_kv_cache_unless_it_is_set() {
     };
     let none = CliOverrides::default();
     let small = cfg("[engine]\nkv_cache_mb = 1\n", &none);
-    let f = small.fit_context(30, 192, 8192).unwrap();
+    let f = small.fit_context(30, 192, 8192, None).unwrap();
     assert_eq!((f.max_model_len, f.num_kv_blocks), (16, 1));
     assert!(f.note.unwrap().contains("max_model_len is 16"));
     // Set, it must fit: an error naming the setting and what it needs.
@@ -98,7 +98,10 @@ fn the_context_is_fitted_to_the_kv_cache_unless_it_is_set() {
         "[engine]\nkv_cache_mb = 1\n[model]\nmax_model_len = 8192\n",
         &none,
     );
-    let e = set.fit_context(30, 192, 8192).unwrap_err().to_string();
+    let e = set
+        .fit_context(30, 192, 8192, None)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("kv_cache_mb") && e.contains("needs 512"), "{e}");
     // The flag wins over the file, and is capped by the model's context with a note.
     let flag = CliOverrides {
@@ -106,22 +109,63 @@ fn the_context_is_fitted_to_the_kv_cache_unless_it_is_set() {
         ..CliOverrides::default()
     };
     let big = cfg("[engine]\nkv_cache_mb = 1024\n", &flag);
-    let f = big.fit_context(30, 192, 8192).unwrap();
+    let f = big.fit_context(30, 192, 8192, None).unwrap();
     assert_eq!((f.max_model_len, f.num_kv_blocks), (8192, 1456));
     assert!(f.note.is_some());
     // Fits: the model's context, no note.
     let roomy = cfg("[engine]\nkv_cache_mb = 1024\n", &none);
-    let f = roomy.fit_context(30, 192, 4096).unwrap();
+    let f = roomy.fit_context(30, 192, 4096, None).unwrap();
     assert_eq!((f.max_model_len, f.note), (4096, None));
     let tiny = cfg("[engine]\nkv_cache_mb = 1\n", &none);
-    assert!(tiny.fit_context(300, 192, 8192).is_err());
+    assert!(tiny.fit_context(300, 192, 8192, None).is_err());
     // f16 (the default): twice the tokens in the same memory.
     let half = RawConfig::from_toml("[engine]\nkv_cache_mb = 1\n")
         .unwrap()
         .validate(&none)
         .unwrap();
     assert_eq!(half.kv_dtype, KvDtype::F16);
-    assert_eq!(half.fit_context(30, 192, 8192).unwrap().max_model_len, 32);
+    assert_eq!(
+        half.fit_context(30, 192, 8192, None).unwrap().max_model_len,
+        32
+    );
+}
+
+/// Window-sized KV on real Gemma 3 shapes (f16 K/V, 1 GiB, blocks of 16): the sliding-window
+/// layers' pool holds what `max_num_seqs` sequences can read of them; the global layers get the
+/// rest, where that gains anything.
+#[test]
+fn sliding_window_layers_take_only_their_windows_memory() {
+    let fit = |seqs: usize, layers, kv_dim, sliding, window, ctx| {
+        let toml = format!("[engine]\nmax_num_seqs = {seqs}\n");
+        let c = RawConfig::from_toml(&toml).unwrap();
+        let c = c.validate(&CliOverrides::default()).unwrap();
+        let w = WindowLayers {
+            layers: sliding,
+            window,
+        };
+        let f = c.fit_context(layers, kv_dim, ctx, Some(w)).unwrap();
+        let all = c.fit_context(layers, kv_dim, ctx, None).unwrap();
+        (f, all)
+    };
+    // Gemma 3 1B (26 layers, 22 with a window of 512, one KV head of 256), 64 sequences: the
+    // global layers' blocks from 2520 (40k tokens) to 4328 (69k).
+    let (f, all) = fit(64, 26, 256, 22, 512, 32768);
+    assert_eq!(all.num_kv_blocks, 2520);
+    assert_eq!((f.num_kv_blocks, f.num_window_blocks), (4328, Some(2192)));
+    assert_eq!(f.max_model_len, 32768);
+    // Gemma 3 4B (34 layers, 29 with a window of 1024, 4 KV heads of 256), 128k context: 7.7k
+    // tokens fit with every layer global; with 4 sequences 26k, with one 45k.
+    let (f, all) = fit(4, 34, 1024, 29, 1024, 131072);
+    assert_eq!((all.max_model_len, f.max_model_len), (7696, 26432));
+    assert_eq!(f.num_window_blocks, Some(280));
+    let (f, _) = fit(1, 34, 1024, 29, 1024, 131072);
+    assert_eq!(f.max_model_len, 44816);
+    // 8 sequences' windows need more than the global layers' share: no pool.
+    let (f, all) = fit(8, 34, 1024, 29, 1024, 131072);
+    assert_eq!(
+        (f.num_window_blocks, f.num_kv_blocks),
+        (None, all.num_kv_blocks)
+    );
 }
 
 #[test]

@@ -96,6 +96,20 @@ pub(super) enum Backend {
     Gpu(Box<crate::model::llama::GpuLlama>),
 }
 
+/// The window pool the block manager keeps for `backend`'s cache: (window, blocks), where its
+/// sliding-window layers hold their own blocks (the CPU's cache; the GPU's takes one pool).
+pub(super) fn window_pool(
+    model: &Llama,
+    cfg: &EngineConfig,
+    backend: &Backend,
+) -> Option<(usize, usize)> {
+    match backend {
+        Backend::Cpu(_) => Some((model.config.sliding_window?, cfg.num_window_blocks?)),
+        #[cfg(feature = "cuda")]
+        Backend::Gpu(_) => None,
+    }
+}
+
 /// The KV cache (and, on a GPU, the model's copy there) on `device`.
 pub(super) fn backend(
     model: &Llama,
@@ -104,13 +118,25 @@ pub(super) fn backend(
 ) -> Result<Backend, String> {
     let c = &model.config;
     match device {
-        Device::Cpu => Ok(Backend::Cpu(KvCache::with_dtype(
-            c.num_layers,
-            c.kv_dim(),
-            cfg.block_size,
-            cfg.num_kv_blocks,
-            model.kv_dtype,
-        ))),
+        Device::Cpu => Ok(Backend::Cpu(
+            match (cfg.num_window_blocks, c.sliding_window) {
+                (Some(n), Some(_)) => KvCache::with_window_pool(
+                    c.kv_dim(),
+                    cfg.block_size,
+                    cfg.num_kv_blocks,
+                    model.kv_dtype,
+                    (0..c.num_layers).map(|l| c.window(l).is_some()).collect(),
+                    n,
+                ),
+                _ => KvCache::with_dtype(
+                    c.num_layers,
+                    c.kv_dim(),
+                    cfg.block_size,
+                    cfg.num_kv_blocks,
+                    model.kv_dtype,
+                ),
+            },
+        )),
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
             let shape = crate::model::llama::GpuShape {

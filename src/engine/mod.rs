@@ -38,6 +38,9 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub num_kv_blocks: usize,
+    /// The sliding-window layers' own pool of blocks (`block_manager::WindowPool`), where the
+    /// model has such layers and the CPU serves; None: they take blocks of the global pool.
+    pub num_window_blocks: Option<usize>,
     pub block_size: usize,
     pub enable_prefix_caching: bool,
     /// Requests admitted (queued or running) at once; more get `SubmitError::QueueFull`.
@@ -110,8 +113,11 @@ impl Engine {
                         return;
                     }
                 };
-                let blocks =
+                let mut blocks =
                     BlockManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching);
+                if let Some(pool) = device::window_pool(&model, &cfg, &backend) {
+                    blocks = blocks.with_window_pool(pool.0, pool.1);
+                }
                 metrics.kv_blocks_total.set(cfg.num_kv_blocks as i64);
                 let sched = Scheduler::new(
                     SchedulerConfig {
@@ -281,6 +287,7 @@ impl Engine {
                     tokens: &s.tokens[c.start..c.start + c.len],
                     first_pos: c.start,
                     block_table: s.table.ids(),
+                    window_table: s.table.window_ids(),
                     logits: if s.embed {
                         Logits::Hidden
                     } else if scores_prompt(s, c) {
@@ -513,8 +520,9 @@ impl Engine {
             let mut tokens = parent.tokens[..parent.prompt_len].to_vec();
             tokens.push(s.token);
             // Share the parent's full prompt blocks; the rest of the prompt is recomputed.
-            let full = parent.prompt_len / bs;
-            let table = parent.table.share_prefix(full);
+            // (With a window pool, fewer where the window's blocks were given back.)
+            let table = parent.table.share_prefix(parent.prompt_len / bs);
+            let full = table.num_blocks();
             let mut seq = Sequence::new(child_id, tokens, table, parent.adapter.clone());
             (seq.client, seq.request) = (parent.client, parent.request);
             seq.prompt_len = parent.prompt_len;

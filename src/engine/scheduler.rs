@@ -167,7 +167,7 @@ impl Scheduler {
             }
             let len = remaining
                 .min(budget)
-                .min(capacity(&self.blocks, s).saturating_sub(s.num_computed));
+                .min(capacity(s).saturating_sub(s.num_computed));
             if len == 0 || !s.table.ensure(s.num_computed + len) {
                 continue;
             }
@@ -201,7 +201,7 @@ impl Scheduler {
             let remaining = s.num_remaining();
             let len = remaining
                 .min(budget)
-                .min(capacity(&self.blocks, &s).saturating_sub(s.num_computed));
+                .min(capacity(&s).saturating_sub(s.num_computed));
             if len == 0 || !s.table.ensure(s.num_computed + len) {
                 // Not now: give back what a prefix match took, keep its place in line.
                 s.table.clear();
@@ -317,9 +317,9 @@ impl Loads {
     }
 }
 
-/// Positions `s` could cover with its blocks plus every free one.
-fn capacity(blocks: &BlockManager, s: &Sequence) -> usize {
-    (s.table.num_blocks() + blocks.num_free()) * blocks.block_size()
+/// Positions `s` could cover with its blocks plus every free one (of each pool).
+fn capacity(s: &Sequence) -> usize {
+    s.table.capacity()
 }
 
 #[cfg(test)]

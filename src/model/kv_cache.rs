@@ -1,5 +1,6 @@
 //! Paged KV storage: per layer, `num_blocks` blocks of `block_size` token slots of K and V (f32,
-//! or IEEE halves).
+//! or IEEE halves); with a window pool (`with_window_pool`), the sliding-window layers hold
+//! `window_blocks` blocks each instead, addressed by the sequences' window tables.
 //! Which block belongs to which sequence is the caller's business (a block table per sequence);
 //! `BlockAllocator` is the simple free list used until the engine's block manager owns this.
 
@@ -49,6 +50,11 @@ pub struct KvCache {
     pub num_blocks: usize,
     pub block_size: usize,
     pub kv_dim: usize,
+    /// Per layer: its blocks and where its K (and V) start in the store.
+    layer_blocks: Vec<usize>,
+    layer_start: Vec<usize>,
+    /// Which layers keep their K/V in the window pool.
+    windowed: Vec<bool>,
 }
 
 /// One layer's K/V as the attention reads them, in the cache's element type.
@@ -78,7 +84,52 @@ impl KvCache {
         num_blocks: usize,
         dtype: KvDtype,
     ) -> KvCache {
-        let n = num_layers * num_blocks * block_size * kv_dim;
+        let windowed = vec![false; num_layers];
+        KvCache::with_layout(kv_dim, block_size, num_blocks, dtype, windowed, 0)
+    }
+
+    /// A cache whose `windowed` layers hold `window_blocks` blocks each (the block manager's
+    /// window pool: `BlockTable::window_ids` address them), the others `num_blocks`.
+    pub fn with_window_pool(
+        kv_dim: usize,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+        windowed: Vec<bool>,
+        window_blocks: usize,
+    ) -> KvCache {
+        KvCache::with_layout(
+            kv_dim,
+            block_size,
+            num_blocks,
+            dtype,
+            windowed,
+            window_blocks,
+        )
+    }
+
+    fn with_layout(
+        kv_dim: usize,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+        windowed: Vec<bool>,
+        window_blocks: usize,
+    ) -> KvCache {
+        let num_layers = windowed.len();
+        let layer_blocks: Vec<usize> = windowed
+            .iter()
+            .map(|&w| if w { window_blocks } else { num_blocks })
+            .collect();
+        let layer_start: Vec<usize> = layer_blocks
+            .iter()
+            .scan(0, |at, &b| {
+                let start = *at;
+                *at += b * block_size * kv_dim;
+                Some(start)
+            })
+            .collect();
+        let n = layer_blocks.iter().sum::<usize>() * block_size * kv_dim;
         let store = match dtype {
             KvDtype::F32 => Store::F32 {
                 k: touched(n, 0.0),
@@ -95,7 +146,21 @@ impl KvCache {
             num_blocks,
             block_size,
             kv_dim,
+            layer_blocks,
+            layer_start,
+            windowed,
         }
+    }
+
+    /// Layer `l` keeps its K/V in the window pool (its sequences' window tables address it).
+    pub fn windowed(&self, l: usize) -> bool {
+        self.windowed[l]
+    }
+
+    /// The bytes of K and V held.
+    pub fn bytes(&self) -> usize {
+        let elems = self.layer_blocks.iter().sum::<usize>() * self.block_size * self.kv_dim;
+        2 * elems * self.dtype().bytes()
     }
 
     pub fn dtype(&self) -> KvDtype {
@@ -105,23 +170,25 @@ impl KvCache {
         }
     }
 
-    fn layer_len(&self) -> usize {
-        self.num_blocks * self.block_size * self.kv_dim
+    /// Layer `l`'s span of the store.
+    fn span(&self, l: usize) -> std::ops::Range<usize> {
+        let start = self.layer_start[l];
+        start..start + self.layer_blocks[l] * self.block_size * self.kv_dim
     }
 
     pub fn layer(&self, l: usize) -> LayerKv<'_> {
-        let n = self.layer_len();
+        let r = self.span(l);
         let (block_size, kv_dim) = (self.block_size, self.kv_dim);
         match &self.store {
             Store::F32 { k, v } => LayerKv::F32(PagedKv {
-                k: &k[l * n..(l + 1) * n],
-                v: &v[l * n..(l + 1) * n],
+                k: &k[r.clone()],
+                v: &v[r],
                 block_size,
                 kv_dim,
             }),
             Store::F16 { k, v } => LayerKv::F16(PagedKv {
-                k: &k[l * n..(l + 1) * n],
-                v: &v[l * n..(l + 1) * n],
+                k: &k[r.clone()],
+                v: &v[r],
                 block_size,
                 kv_dim,
             }),
@@ -131,13 +198,16 @@ impl KvCache {
     /// Where position `pos` of the sequence with `block_table` lives in layer `l`: its V row's
     /// offset, its K block's start, and its slot in the block.
     fn place(&self, l: usize, block_table: &[u32], pos: usize) -> (usize, usize, usize) {
-        let n = self.layer_len();
+        let start = self.layer_start[l];
         let block = block_table[pos / self.block_size] as usize;
-        assert!(block < self.num_blocks, "block id {block} out of range");
+        assert!(
+            block < self.layer_blocks[l],
+            "block id {block} out of range"
+        );
         let (bs, slot, kvd) = (self.block_size, pos % self.block_size, self.kv_dim);
         (
-            l * n + (block * bs + slot) * kvd,
-            l * n + block * bs * kvd,
+            start + (block * bs + slot) * kvd,
+            start + block * bs * kvd,
             slot,
         )
     }

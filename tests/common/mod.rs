@@ -473,6 +473,7 @@ pub fn logprobs_all(
                 tokens,
                 first_pos: 0,
                 block_table: &table,
+                window_table: &[],
                 logits: Logits::All,
                 adapter,
             }],

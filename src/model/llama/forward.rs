@@ -30,6 +30,9 @@ pub(super) struct Packed<'a> {
     pub tokens: Vec<u32>,
     pub positions: Vec<u32>,
     pub attn: Vec<AttnSeq<'a>>,
+    /// The same spans through the window tables (`BatchSeq::window_table`; the block tables
+    /// where a sequence has none).
+    pub attn_window: Vec<AttnSeq<'a>>,
     pub logit_rows: Vec<usize>,
     pub hidden_rows: Vec<usize>,
 }
@@ -54,6 +57,10 @@ pub struct BatchSeq<'a> {
     pub tokens: &'a [u32],
     pub first_pos: usize,
     pub block_table: &'a [u32],
+    /// The sliding-window layers' blocks where the cache keeps them in a window pool
+    /// (`KvCache::windowed`, `BlockTable::window_ids`: the same positions, `SLID` before the
+    /// window); empty otherwise.
+    pub window_table: &'a [u32],
     pub logits: Logits,
     /// The adapter version the sequence runs through; None: the base model.
     pub adapter: Option<&'a AdapterWeights>,
@@ -70,6 +77,8 @@ pub(super) enum KvAccess<'c, 'b> {
 /// their positions, and the adapter groups of their rows.
 pub(super) struct LayerIo<'a> {
     pub attn: &'a [AttnSeq<'a>],
+    /// Through the window tables: what a layer the cache keeps windowed reads.
+    pub attn_window: &'a [AttnSeq<'a>],
     /// The global layers' RoPE table and the sliding-window layers' (`Llama::rope_tables`).
     pub rope: &'a [f32],
     pub rope_local: &'a [f32],
@@ -174,6 +183,7 @@ impl Llama {
             tokens,
             positions,
             attn,
+            attn_window,
             logit_rows,
             hidden_rows,
         } = self.pack(batch, cache.block_size)?;
@@ -195,6 +205,7 @@ impl Llama {
             }
             let io = LayerIo {
                 attn: &attn,
+                attn_window: &attn_window,
                 rope: &rope,
                 rope_local: &rope_local,
                 groups: &groups,
@@ -328,15 +339,21 @@ impl Llama {
         }
         let cache: &KvCache = match kv {
             KvAccess::Write(cache, batch) => {
-                for (s, a) in batch.iter().zip(io.attn) {
+                let spans = if cache.windowed(l) {
+                    io.attn_window
+                } else {
+                    io.attn
+                };
+                for (s, a) in batch.iter().zip(spans) {
+                    let table = a.block_table;
                     for i in 0..a.q_len {
                         let (row, pos) = ((a.q_start + i) * kvd, s.first_pos + i);
                         let row = row..row + kvd;
                         if f16 {
                             let (kr, vr) = (&k16[row.clone()], &v16[row]);
-                            cache.write_f16(l, s.block_table, pos, kr, vr);
+                            cache.write_f16(l, table, pos, kr, vr);
                         } else {
-                            cache.write(l, s.block_table, pos, &k[row.clone()], &v[row]);
+                            cache.write(l, table, pos, &k[row.clone()], &v[row]);
                         }
                     }
                 }
@@ -351,12 +368,17 @@ impl Llama {
             c.attn_scale,
             c.attn_opts(l),
         );
+        let spans = if cache.windowed(l) {
+            io.attn_window
+        } else {
+            io.attn
+        };
         match cache.layer(l) {
             LayerKv::F32(kv) => {
-                cpu.attention_windowed(q, att, io.attn, kv, heads, kv_heads, hd, scale, window)
+                cpu.attention_windowed(q, att, spans, kv, heads, kv_heads, hd, scale, window)
             }
             LayerKv::F16(kv) => {
-                cpu.attention_windowed(q, att, io.attn, kv, heads, kv_heads, hd, scale, window)
+                cpu.attention_windowed(q, att, spans, kv, heads, kv_heads, hd, scale, window)
             }
         }
         let mut o = [Projection {
@@ -475,6 +497,7 @@ impl Llama {
             tokens: Vec::new(),
             positions: Vec::new(),
             attn: Vec::with_capacity(batch.len()),
+            attn_window: Vec::with_capacity(batch.len()),
             logit_rows: Vec::new(),
             hidden_rows: Vec::new(),
         };
@@ -488,11 +511,20 @@ impl Llama {
                 Logits::All => p.logit_rows.extend(rows),
                 Logits::Hidden => p.hidden_rows.extend(rows),
             }
-            p.attn.push(AttnSeq {
+            let span = AttnSeq {
                 q_start: start,
                 q_len: s.tokens.len(),
                 first_pos: s.first_pos,
                 block_table: s.block_table,
+            };
+            p.attn.push(span);
+            let window_table = match s.window_table {
+                [] => s.block_table,
+                t => t,
+            };
+            p.attn_window.push(AttnSeq {
+                block_table: window_table,
+                ..span
             });
             p.tokens.extend_from_slice(s.tokens);
             p.positions
@@ -512,6 +544,13 @@ impl Llama {
             return Err(ModelError::Batch(format!(
                 "{end} positions exceed the context length {}",
                 c.context_length
+            )));
+        }
+        if !s.window_table.is_empty() && s.window_table.len() != s.block_table.len() {
+            return Err(ModelError::Batch(format!(
+                "the window table has {} blocks, the block table {}",
+                s.window_table.len(),
+                s.block_table.len()
             )));
         }
         if s.block_table.len() * block_size < end {

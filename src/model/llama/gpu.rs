@@ -332,6 +332,8 @@ impl GpuLlama {
             mut tokens,
             mut positions,
             mut attn,
+            // The GPU's cache keeps every layer in one pool (no window pool).
+            attn_window: _,
             logit_rows,
             hidden_rows,
         } = model.pack(batch, self.block_size)?;

@@ -161,6 +161,7 @@ impl Llama {
                 tokens: s.tokens,
                 first_pos: p,
                 block_table: t,
+                window_table: &[],
                 logits: Logits::None,
                 adapter,
             })

@@ -45,6 +45,7 @@ impl Llama {
                 tokens: s.tokens,
                 first_pos: p,
                 block_table: tb,
+                window_table: &[],
                 logits: Logits::None,
                 adapter: Some(adapter),
             })
@@ -67,6 +68,7 @@ impl Llama {
         let mut bufs = ForwardBuffers::default();
         let io = LayerIo {
             attn: &attn,
+            attn_window: &attn,
             rope: &rope,
             rope_local: &rope_local,
             groups: &groups,
