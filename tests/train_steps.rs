@@ -54,7 +54,7 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
     let samples = parse_jsonl(data, None).unwrap();
     let mut w = identity(&model, oft());
     let before = mean_logp(&model, &w, &samples);
-    let loss = LossConfig::named("sft", 8, 1).unwrap();
+    let loss = LossConfig::named("sft".parse().unwrap(), 8, 1);
     let mut opt = AdamW::new(
         AdamWConfig {
             lr: 1e-2,
@@ -62,7 +62,7 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
         },
         w.layout.num_params,
     );
-    let batches = grouped(&samples, "sft");
+    let batches = grouped(&samples, "sft".parse().unwrap());
     assert_eq!(batches.len(), 2);
     for _ in 0..6 {
         let refs: Vec<_> = batches.iter().collect();
@@ -104,7 +104,7 @@ fn grpo_step(
     opt: &mut flywheel::train::optim::AdamW,
     batch: &flywheel::train::offline::Batch,
 ) -> AdapterWeights {
-    let loss = flywheel::train::loss::LossConfig::named("grpo", 3, 4).unwrap();
+    let loss = flywheel::train::loss::LossConfig::named("grpo".parse().unwrap(), 3, 4);
     let cpu = Cpu::detect();
     let (next, _) = flywheel::train::offline::step(
         model,
@@ -151,7 +151,7 @@ fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
     data += &format!("{{\"prompt_token_ids\": [9, 9], \"completion_token_ids\": {long:?}, \"reward\": 1, \"group\": \"g3\"}}\n");
     data += "{\"prompt_token_ids\": [9, 9], \"completion_token_ids\": [7, 8], \"reward\": 0, \"group\": \"g3\"}\n";
     let samples = parse_jsonl(&data, None).unwrap();
-    let batches = grouped(&samples, "grpo");
+    let batches = grouped(&samples, "grpo".parse().unwrap());
     let refs: Vec<_> = batches.iter().collect();
     for (name, method, kl) in [("oft", oft(), 0.0), ("lora", lora(), 0.05)] {
         let id = identity(&model, method);
@@ -161,7 +161,7 @@ fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
             *p += 1e-3 * ((i % 7) as f32 - 3.0);
         }
         let w = AdapterWeights::new(id.layout.clone(), params).unwrap();
-        let mut loss = LossConfig::named("grpo", 40, 6).unwrap();
+        let mut loss = LossConfig::named("grpo".parse().unwrap(), 40, 6);
         loss.kl_coef = kl;
         let run = |max_tokens: usize| {
             let mut opt = AdamW::new(
@@ -258,7 +258,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
             },
             w.layout.num_params,
         );
-        let batches = grouped(&samples, "grpo");
+        let batches = grouped(&samples, "grpo".parse().unwrap());
         assert_eq!(batches.len(), 1);
         for _ in 0..6 {
             w = grpo_step(&model, &w, &mut opt, &batches[0]);
@@ -275,7 +275,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
     for s in &mut forced {
         s.forced = (0..s.completion.len() as u32).collect();
     }
-    let batches = grouped(&forced, "grpo");
+    let batches = grouped(&forced, "grpo".parse().unwrap());
     let w = identity(&model, oft());
     let mut opt = AdamW::new(
         AdamWConfig {
@@ -289,7 +289,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
     assert_eq!(next.params, w.params, "forced tokens trained");
     // A group whose rewards are all equal carries no signal.
     let flat = parse_jsonl(&data.replace("\"reward\": 1", "\"reward\": 0"), None).unwrap();
-    assert!(grouped(&flat, "grpo").is_empty());
+    assert!(grouped(&flat, "grpo".parse().unwrap()).is_empty());
 }
 
 /// SFT data as text: `messages` split at the assistant's answer by the chat template (the answer

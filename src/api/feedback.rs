@@ -443,12 +443,7 @@ pub async fn train(
     // The adapter's size, within the limits, before anything is allocated.
     let shape = learner::adapter_config(&cfg, &ready.model.config);
     if let Err(e) = ready.registry.limits.layout(shape, &ready.model.config) {
-        let param = if cfg.method == "lora" {
-            "lora_r"
-        } else {
-            "oft_block_size"
-        };
-        return Err(ApiError::invalid(param, e.to_string()));
+        return Err(ApiError::invalid(cfg.method.size_setting(), e.to_string()));
     }
     // Starting the trainer opens (and may migrate) the rollout log: off the async threads.
     let st = state.clone();

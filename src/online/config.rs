@@ -2,6 +2,7 @@
 //! table per learning adapter (also `serve --learn NAME` and `POST /v1/adapters/{name}/train`).
 
 use super::share_policy::SharePolicy;
+use crate::train::loss::LossName;
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -118,12 +119,43 @@ impl Role {
     }
 }
 
+/// What a learning adapter trains: OFT's orthogonal blocks or LoRA's low-rank updates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LearnMethod {
+    Oft,
+    Lora,
+}
+
+impl LearnMethod {
+    pub fn name(self) -> &'static str {
+        match self {
+            LearnMethod::Oft => "oft",
+            LearnMethod::Lora => "lora",
+        }
+    }
+
+    /// The setting that sizes it (`oft_block_size`, `lora_r`).
+    pub fn size_setting(self) -> &'static str {
+        match self {
+            LearnMethod::Oft => "oft_block_size",
+            LearnMethod::Lora => "lora_r",
+        }
+    }
+}
+
+impl std::fmt::Display for LearnMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A learning adapter's validated settings.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct LearnConfig {
     pub name: String,
-    pub method: String,
-    pub loss: String,
+    pub method: LearnMethod,
+    pub loss: LossName,
     pub lr: f32,
     pub groups_per_step: usize,
     pub kl_coef: f32,
@@ -209,17 +241,22 @@ impl RawLearn {
         if let Err(why) = crate::adapter::registry::check_adapter_name(&self.name) {
             return Err(("name", format!("'{}' {why}", self.name)));
         }
-        let method = self.method.unwrap_or_else(|| "oft".into());
-        if !matches!(method.as_str(), "oft" | "lora") {
-            return Err(("method", format!("'{method}': oft or lora")));
-        }
-        let loss = self.loss.unwrap_or_else(|| "grpo".into());
-        if crate::train::loss::LossConfig::named(&loss, 1, 1).is_none() || loss == "sft" {
-            return Err((
-                "loss",
-                format!("'{loss}': grpo, dapo, dr_grpo, gspo or masked_is"),
-            ));
-        }
+        let method = match self.method.as_deref() {
+            None | Some("oft") => LearnMethod::Oft,
+            Some("lora") => LearnMethod::Lora,
+            Some(other) => return Err(("method", format!("'{other}': oft or lora"))),
+        };
+        // SFT needs no reward: not a loss to learn from rewards with.
+        let loss = match self.loss.as_deref().unwrap_or("grpo").parse() {
+            Ok(l) if l != LossName::Sft => l,
+            _ => {
+                let loss = self.loss.unwrap_or_default();
+                return Err((
+                    "loss",
+                    format!("'{loss}': grpo, dapo, dr_grpo, gspo or masked_is"),
+                ));
+            }
+        };
         let c = LearnConfig {
             name: self.name,
             method,
@@ -247,5 +284,38 @@ impl RawLearn {
             }
         }
         Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Method and loss are checked once, into types, and shown as they were written.
+    #[test]
+    fn method_and_loss_are_typed_and_shown_as_written() {
+        let raw = |method: Option<&str>, loss: Option<&str>| RawLearn {
+            name: "a".into(),
+            method: method.map(Into::into),
+            loss: loss.map(Into::into),
+            ..RawLearn::default()
+        };
+        let c = raw(None, None).validate().unwrap();
+        assert_eq!((c.method, c.loss), (LearnMethod::Oft, LossName::Grpo));
+        let c = raw(Some("lora"), Some("dr_grpo")).validate().unwrap();
+        assert_eq!((c.method, c.loss), (LearnMethod::Lora, LossName::DrGrpo));
+        let shown = serde_json::to_value(&c).unwrap();
+        assert_eq!(
+            (&shown["method"], &shown["loss"]),
+            (&"lora".into(), &"dr_grpo".into())
+        );
+        assert_eq!(c.method.size_setting(), "lora_r");
+        let e = raw(Some("dora"), None).validate().unwrap_err();
+        assert_eq!(e, ("method", "'dora': oft or lora".to_string()));
+        for bad in ["sft", "ppo"] {
+            let e = raw(None, Some(bad)).validate().unwrap_err();
+            assert_eq!(e.0, "loss");
+            assert!(e.1.starts_with(&format!("'{bad}': grpo")), "{}", e.1);
+        }
     }
 }

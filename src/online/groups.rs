@@ -4,7 +4,7 @@
 //! no database: unit-tested on values.
 
 use super::records::{Member, PendingGroup};
-use crate::train::loss::{unit_advantages, LossConfig};
+use crate::train::loss::{unit_advantages, LossConfig, LossName};
 use std::collections::BTreeMap;
 
 /// The rules a group is judged by (from `[online]`).
@@ -69,7 +69,7 @@ pub fn form(
     first_version: u64,
     now: f64,
     rules: &Rules,
-    loss: &str,
+    loss: LossName,
 ) -> Plan {
     let mut plan = Plan::default();
     let key = |m: &Member| (m.id.clone(), m.choice);
@@ -153,7 +153,7 @@ fn units<'a>(members: impl Iterator<Item = &'a Member>) -> usize {
 
 /// Whether the group's advantages, computed as the step computes them (f32 rewards, an
 /// episode's turns as one unit), carry a signal.
-fn has_signal(g: &PendingGroup, loss: &str) -> bool {
+fn has_signal(g: &PendingGroup, loss: LossName) -> bool {
     let rewards: Vec<f32> = g
         .members
         .iter()
@@ -248,7 +248,7 @@ mod tests {
                 ],
             ),
         ];
-        let p = form(pending, 6, 1, 1.0, &rules(), "grpo");
+        let p = form(pending, 6, 1, 1.0, &rules(), LossName::Grpo);
         assert_eq!(p.ready.len(), 1);
         assert_eq!(p.ready[0].group_id, "a");
         assert_eq!(p.waiting, 1);
@@ -267,10 +267,10 @@ mod tests {
             ],
         );
         assert_eq!(
-            form(vec![g.clone()], 5, 1, 5.0, &rules(), "grpo").waiting,
+            form(vec![g.clone()], 5, 1, 5.0, &rules(), LossName::Grpo).waiting,
             1
         );
-        let p = form(vec![g], 5, 1, 11.0, &rules(), "grpo");
+        let p = form(vec![g], 5, 1, 11.0, &rules(), LossName::Grpo);
         assert_eq!(p.ready[0].members.len(), 2);
         assert_eq!(reasons(&p), vec![("timeout", 1)]);
     }
@@ -291,7 +291,7 @@ mod tests {
                 ],
             ),
         ];
-        let p = form(pending, 9, 9, 1.0, &rules(), "grpo");
+        let p = form(pending, 9, 9, 1.0, &rules(), LossName::Grpo);
         assert!(p.ready.is_empty());
         assert_eq!(
             reasons(&p),
@@ -310,7 +310,7 @@ mod tests {
                 member("a", 1, 7, Some(0.0), 0.0),
             ],
         );
-        let p = form(vec![g], 5, 1, 1.0, &rules(), "grpo");
+        let p = form(vec![g], 5, 1, 1.0, &rules(), LossName::Grpo);
         assert!(p.ready.is_empty());
         assert_eq!(reasons(&p), vec![("stale", 2)]);
     }
@@ -328,7 +328,7 @@ mod tests {
                 member("a", 1, 5, Some(b), 0.0),
             ],
         );
-        let p = form(vec![g], 5, 1, 1.0, &rules(), "grpo");
+        let p = form(vec![g], 5, 1, 1.0, &rules(), LossName::Grpo);
         assert!(p.ready.is_empty());
         assert_eq!(reasons(&p), vec![("no_variance", 2)]);
     }
@@ -346,7 +346,7 @@ mod tests {
             0,
             vec![turn("a", "e1", 1.0), turn("b", "e1", 0.0)],
         )];
-        let p = form(one, 5, 1, 100.0, &rules(), "grpo");
+        let p = form(one, 5, 1, 100.0, &rules(), LossName::Grpo);
         assert_eq!((p.ready.len(), p.waiting), (0, 1));
         assert!(p.dropped.is_empty());
         // Two episodes with different rewards (3 turns and 1): all four turns train.
@@ -360,7 +360,7 @@ mod tests {
                 turn("d", "e1", 1.0),
             ],
         )];
-        let p = form(two, 5, 1, 100.0, &rules(), "grpo");
+        let p = form(two, 5, 1, 100.0, &rules(), LossName::Grpo);
         assert_eq!(p.ready.len(), 1);
         assert_eq!(p.ready[0].members.len(), 4);
     }

@@ -10,7 +10,7 @@ use super::checkpoint::{
     checkpoint_rel, load_checkpoint, max_version_on_disk, remove_dir, verify_checkpoint,
     write_checkpoint, MANIFEST_FILE,
 };
-use super::config::{LearnConfig, OnlineConfig};
+use super::config::{LearnConfig, LearnMethod, OnlineConfig};
 use super::groups::{self, Rules};
 use super::lineage::{Checkpoint, Lineage};
 use super::records::{LogError, PendingGroup};
@@ -76,13 +76,13 @@ pub struct Learner {
 
 /// The adapter `cfg` learns on `base`: its method on every projection the base has to adapt.
 pub fn adapter_config(cfg: &LearnConfig, base: &impl AdapterBase) -> AdapterConfig {
-    let method = match cfg.method.as_str() {
-        "lora" => Method::Lora(LoraConfig {
+    let method = match cfg.method {
+        LearnMethod::Lora => Method::Lora(LoraConfig {
             r: cfg.lora_r,
             alpha: 2.0 * cfg.lora_r as f32,
             use_rslora: false,
         }),
-        _ => Method::Oft(OftConfig {
+        LearnMethod::Oft => Method::Oft(OftConfig {
             block_size: cfg.oft_block_size,
             ..OftConfig::default()
         }),
@@ -214,14 +214,14 @@ impl Learner {
         let (lineage, weights, opt, min_version) = match (lineage, resumed) {
             (_, Some((l, cp, (w, opt)))) => {
                 // A lineage keeps its shape: the settings say what the checkpoint holds.
-                let requested = (cfg.method.clone(), cfg.oft_block_size, cfg.lora_r);
+                let requested = (cfg.method, cfg.oft_block_size, cfg.lora_r);
                 match &w.layout.config.method {
                     Method::Oft(o) => {
-                        (cfg.method, cfg.oft_block_size) = ("oft".into(), o.block_size)
+                        (cfg.method, cfg.oft_block_size) = (LearnMethod::Oft, o.block_size)
                     }
-                    Method::Lora(r) => (cfg.method, cfg.lora_r) = ("lora".into(), r.r),
+                    Method::Lora(r) => (cfg.method, cfg.lora_r) = (LearnMethod::Lora, r.r),
                 }
-                if requested != (cfg.method.clone(), cfg.oft_block_size, cfg.lora_r) {
+                if requested != (cfg.method, cfg.oft_block_size, cfg.lora_r) {
                     tracing::warn!(adapter = name, method = %cfg.method, "resumed with the shape of its lineage, not the one asked for");
                 }
                 // The same number only if no later version was ever seen (then it is the same
@@ -330,7 +330,7 @@ impl Learner {
             self.lineage.first_version,
             now_secs(),
             &rules,
-            &self.cfg.loss,
+            self.cfg.loss,
         );
         for (reason, members) in &plan.dropped {
             env.log.drop_members(members, reason.as_str())?;
@@ -373,7 +373,7 @@ impl Learner {
         let loss = self.loss_config(&samples, batch.len())?;
         let t = batch[0].members[0].temperature;
         let temperature = if is_greedy(t) { 1.0 } else { t };
-        let groups = grouped(&samples, &self.cfg.loss);
+        let groups = grouped(&samples, self.cfg.loss);
         let refs: Vec<_> = groups.iter().collect();
         // The step works on a copy: the learner's optimizer changes only once all is durable.
         let mut opt = self.opt.clone();
@@ -496,8 +496,7 @@ impl Learner {
             .max()
             .unwrap_or(1);
         let group_size = samples.len() / num_groups.max(1);
-        let mut loss = LossConfig::named(&c.loss, max_len, group_size)
-            .ok_or_else(|| TrainError::new(ErrorKind::Step, format!("unknown loss {}", c.loss)))?;
+        let mut loss = LossConfig::named(c.loss, max_len, group_size);
         loss.kl_coef = c.kl_coef;
         if let Objective::Clipped { eps_low, eps_high } = &mut loss.objective {
             *eps_low = c.clip_low.unwrap_or(*eps_low);
@@ -563,7 +562,7 @@ impl Learner {
     /// Replace the settings (the adapter's shape stays: method, block size, rank).
     pub fn configure(&mut self, cfg: LearnConfig) -> Result<(), String> {
         let c = &self.cfg;
-        let shape = |c: &LearnConfig| (c.method.clone(), c.oft_block_size, c.lora_r);
+        let shape = |c: &LearnConfig| (c.method, c.oft_block_size, c.lora_r);
         if shape(c) != shape(&cfg) {
             return Err(format!(
                 "'{}' learns with {} (oft_block_size {}, lora_r {}): a learning adapter's shape \

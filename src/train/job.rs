@@ -2,7 +2,7 @@
 //! folder, its optimizer state when present, or a new identity adapter), the data, and the loop
 //! of steps over its groups in turn.
 
-use super::loss::LossConfig;
+use super::loss::{LossConfig, LossName};
 use super::offline::{grouped, parse_jsonl, step, Batch, StepStats};
 use super::optim::{self, AdamW, AdamWConfig};
 use crate::adapter::{
@@ -114,9 +114,11 @@ pub fn run(
         .map(|s| s.completion.len())
         .max()
         .unwrap_or(1);
-    let loss = &job.loss;
-    let mut cfg = LossConfig::named(loss, max_len, samples.len().max(1))
-        .with_context(|| format!("--loss {loss}: grpo, dapo, dr_grpo, gspo, masked_is or sft"))?;
+    let loss: LossName = job
+        .loss
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--loss {e}"))?;
+    let mut cfg = LossConfig::named(loss, max_len, samples.len().max(1));
     cfg.kl_coef = job.kl_coef;
     let (mut w, mut opt) = start_state(&job.start, &model.config, &job.base_model)?;
     opt.config.lr = job.lr;

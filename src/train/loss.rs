@@ -108,6 +108,56 @@ pub enum Objective {
     Sft,
 }
 
+/// The named losses (`LossConfig::named`), as settings and requests spell them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossName {
+    Grpo,
+    Dapo,
+    DrGrpo,
+    Gspo,
+    MaskedIs,
+    Sft,
+}
+
+impl LossName {
+    pub const ALL: [LossName; 6] = [
+        LossName::Grpo,
+        LossName::Dapo,
+        LossName::DrGrpo,
+        LossName::Gspo,
+        LossName::MaskedIs,
+        LossName::Sft,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LossName::Grpo => "grpo",
+            LossName::Dapo => "dapo",
+            LossName::DrGrpo => "dr_grpo",
+            LossName::Gspo => "gspo",
+            LossName::MaskedIs => "masked_is",
+            LossName::Sft => "sft",
+        }
+    }
+}
+
+impl std::str::FromStr for LossName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<LossName, String> {
+        LossName::ALL
+            .into_iter()
+            .find(|n| n.name() == s)
+            .ok_or_else(|| format!("'{s}': grpo, dapo, dr_grpo, gspo, masked_is or sft"))
+    }
+}
+
+impl std::fmt::Display for LossName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A loss: its objective, normalization, KL coefficient to the reference policy (k3 estimator),
 /// and an optional truncated-IS weight min(π_old/μ, cap) per token.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -120,26 +170,26 @@ pub struct LossConfig {
 
 impl LossConfig {
     /// The named variants: grpo, dapo, dr_grpo, gspo, masked_is, sft (defaults of their papers).
-    pub fn named(name: &str, max_tokens: usize, group_size: usize) -> Option<LossConfig> {
+    pub fn named(name: LossName, max_tokens: usize, group_size: usize) -> LossConfig {
         let clipped = |lo, hi| Objective::Clipped {
             eps_low: lo,
             eps_high: hi,
         };
         let (objective, normalization) = match name {
-            "grpo" => (clipped(0.2, 0.2), Normalization::PerSequence),
-            "dapo" => (clipped(0.2, 0.28), Normalization::PerToken),
-            "dr_grpo" => (
+            LossName::Grpo => (clipped(0.2, 0.2), Normalization::PerSequence),
+            LossName::Dapo => (clipped(0.2, 0.28), Normalization::PerToken),
+            LossName::DrGrpo => (
                 clipped(0.2, 0.2),
                 Normalization::Constant((group_size * max_tokens).max(1) as f32),
             ),
-            "gspo" => (
+            LossName::Gspo => (
                 Objective::SequenceClipped {
                     eps_low: 3e-4,
                     eps_high: 4e-4,
                 },
                 Normalization::PerSequence,
             ),
-            "masked_is" => (
+            LossName::MaskedIs => (
                 Objective::MaskedIs {
                     token_low: 0.125,
                     token_high: 8.0,
@@ -149,20 +199,19 @@ impl LossConfig {
                 },
                 Normalization::PerToken,
             ),
-            "sft" => (Objective::Sft, Normalization::PerToken),
-            _ => return None,
+            LossName::Sft => (Objective::Sft, Normalization::PerToken),
         };
-        Some(LossConfig {
+        LossConfig {
             objective,
             normalization,
             kl_coef: 0.0,
             tis_cap: None,
-        })
+        }
     }
 
     /// The advantage kind that goes with the loss (Dr. GRPO: mean only).
-    pub fn advantage_kind(name: &str) -> AdvantageKind {
-        if name == "dr_grpo" {
+    pub fn advantage_kind(name: LossName) -> AdvantageKind {
+        if name == LossName::DrGrpo {
             AdvantageKind::DrGrpo
         } else {
             AdvantageKind::Grpo { eps: 1e-4 }
@@ -414,7 +463,7 @@ mod tests {
         let adv = [1.2f32, -0.7, 0.4];
         let mut cfgs: Vec<(String, LossConfig)> = ["grpo", "dapo", "dr_grpo", "gspo", "sft"]
             .iter()
-            .map(|n| (n.to_string(), LossConfig::named(n, 4, 3).unwrap()))
+            .map(|n| (n.to_string(), LossConfig::named(n.parse().unwrap(), 4, 3)))
             .collect();
         for (name, c) in cfgs.iter_mut() {
             c.kl_coef = 0.05;
@@ -464,7 +513,7 @@ mod tests {
 
     #[test]
     fn clipping_stops_the_gradient_where_the_ratio_left_its_range() {
-        let cfg = LossConfig::named("dapo", 8, 2).unwrap();
+        let cfg = LossConfig::named(LossName::Dapo, 8, 2);
         // Token 0: r = e^0.5 ≈ 1.65 > 1.28 with A > 0: clipped. Token 1: r = 1: not clipped.
         let (st, g) = policy_loss(&cfg, &[seq(&[-0.5, -1.0], &[-1.0, -1.0], 1.0)]);
         assert_eq!(g[0][0], 0.0);
@@ -482,7 +531,7 @@ mod tests {
         let s1 = [-1.0f32, -1.0];
         let s2 = [-1.0f32, -1.0, -1.0, -1.0];
         let seqs = [seq(&s1, &s1, 1.0), seq(&s2, &s2, 1.0)];
-        let mut cfg = LossConfig::named("grpo", 4, 2).unwrap();
+        let mut cfg = LossConfig::named(LossName::Grpo, 4, 2);
         let (st, g) = policy_loss(&cfg, &seqs);
         // Per sequence: each sequence weighs 1/2, its tokens 1/(2n); r = 1 so loss = −mean A = −1.
         assert!((st.loss + 1.0).abs() < 1e-9);
@@ -497,7 +546,7 @@ mod tests {
 
     #[test]
     fn masked_is_drops_tokens_and_sequences_outside_the_bounds() {
-        let cfg = LossConfig::named("masked_is", 4, 2).unwrap();
+        let cfg = LossConfig::named(LossName::MaskedIs, 4, 2);
         // Token ratios 1, e^3 (> 8: masked), 1; sequence mean log r = 1 → e ≈ 2.7 (kept).
         let (st, g) = policy_loss(&cfg, &[seq(&[-1.0, 1.0, -1.0], &[-1.0, -2.0, -1.0], 2.0)]);
         assert_eq!(g[0][1], 0.0);
@@ -512,7 +561,7 @@ mod tests {
 
     #[test]
     fn kl_is_k3_and_zero_at_the_reference() {
-        let mut cfg = LossConfig::named("sft", 4, 1).unwrap();
+        let mut cfg = LossConfig::named(LossName::Sft, 4, 1);
         cfg.kl_coef = 0.1;
         let lp = [-1.0f32, -2.0];
         let s = SeqInput {

@@ -2,7 +2,7 @@
 //! SFT) → group advantages → the loss → train forward/backward → AdamW, one step per batch of
 //! groups, one JSON line of statistics per step. The online trainer will call the same `step`.
 
-use super::loss::{policy_loss, unit_advantages, LossConfig, SeqInput};
+use super::loss::{policy_loss, unit_advantages, LossConfig, LossName, SeqInput};
 use super::optim::AdamW;
 use super::pack::Packed;
 use crate::adapter::AdapterWeights;
@@ -42,7 +42,7 @@ pub struct Batch<'a> {
 /// Group the samples (in order of first appearance) and give each usable group its advantages;
 /// groups without reward variance are dropped (no signal), except for SFT where every sample
 /// counts with advantage 1.
-pub fn grouped<'a>(samples: &'a [Sample], loss_name: &str) -> Vec<Batch<'a>> {
+pub fn grouped<'a>(samples: &'a [Sample], loss_name: LossName) -> Vec<Batch<'a>> {
     let mut order: Vec<&str> = Vec::new();
     for s in samples {
         if !order.contains(&s.group.as_str()) {
@@ -54,7 +54,7 @@ pub fn grouped<'a>(samples: &'a [Sample], loss_name: &str) -> Vec<Batch<'a>> {
         .into_iter()
         .filter_map(|g| {
             let members: Vec<&Sample> = samples.iter().filter(|s| s.group == g).collect();
-            let advantages = if loss_name == "sft" {
+            let advantages = if loss_name == LossName::Sft {
                 vec![1.0; members.len()]
             } else {
                 let rewards: Vec<f32> = members.iter().map(|s| s.reward).collect();
