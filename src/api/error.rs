@@ -1,6 +1,7 @@
 //! The one mapping from failures to HTTP status + OpenAI error body
 //! `{"error": {"message", "type", "param", "code"}}`.
 
+use crate::online::records::{FeedbackError, Refusal};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -175,6 +176,176 @@ impl From<crate::online::records::LogError> for ApiError {
             LogError::Pg(_) | LogError::Conflict(_) => {
                 ApiError::internal(format!("the rollout log failed: {e}"))
             }
+        }
+    }
+}
+
+/// An id as echoed in a message: at most 80 characters (ids are 40; a client's may be anything).
+pub fn clip(id: &str) -> String {
+    match id.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &id[..i]),
+        None => id.to_string(),
+    }
+}
+
+/// A server-side error as a caller may see it: whole for the admin, without paths for others.
+pub fn shown(why: &str, admin: bool) -> String {
+    if admin {
+        why.to_string()
+    } else {
+        crate::util::hide_paths(why)
+    }
+}
+
+/// What a reward was posted for, as its errors name it.
+pub enum Rewarded<'a> {
+    /// Completions: `[i].id` in a list body, `id` in a single object.
+    Completions {
+        list: bool,
+    },
+    Episode(&'a str),
+}
+
+impl ApiError {
+    /// 404 for an episode this key has no completion of.
+    pub fn episode_not_found(episode: &str) -> ApiError {
+        ApiError {
+            param: Some("episode".into()),
+            code: Some("episode_not_found"),
+            ..ApiError::not_found(format!(
+                "no episode '{}' of this key (its completions are recorded once they finish)",
+                clip(episode)
+            ))
+        }
+    }
+
+    /// A reward the rollout log did not record; `admin` sees a failed trainer's error whole.
+    pub fn feedback(e: FeedbackError, of: Rewarded, admin: bool) -> ApiError {
+        let list = matches!(of, Rewarded::Completions { list: true });
+        let field = |index: usize, f: &str| {
+            if list {
+                format!("[{index}].{f}")
+            } else {
+                f.to_string()
+            }
+        };
+        match (e, of) {
+            (FeedbackError::Log(e), _) => ApiError::from(e),
+            (FeedbackError::EpisodeNotFound { episode }, Rewarded::Episode(_)) => {
+                ApiError::episode_not_found(&episode)
+            }
+            (FeedbackError::EpisodeConflict { episode, old }, Rewarded::Episode(_)) => {
+                ApiError::conflict(
+                    "reward",
+                    format!("episode '{}' already has the reward {old}", clip(&episode)),
+                )
+            }
+            (
+                FeedbackError::Refused {
+                    adapter,
+                    why: Refusal::Failed(why),
+                    ..
+                },
+                Rewarded::Episode(episode),
+            ) => ApiError {
+                param: Some("episode".into()),
+                code: Some("trainer_failed"),
+                ..ApiError::unavailable(format!(
+                    "episode '{}' belongs to '{adapter}', whose trainer has failed ({}); the \
+                     reward was not recorded",
+                    clip(episode),
+                    shown(&why, admin)
+                ))
+            },
+            (FeedbackError::Refused { adapter, .. }, Rewarded::Episode(episode)) => ApiError {
+                code: Some("adapter_not_learning"),
+                ..ApiError::conflict(
+                    "episode",
+                    format!(
+                        "episode '{}' belongs to '{adapter}', which no longer learns",
+                        clip(episode)
+                    ),
+                )
+            },
+            (FeedbackError::NotFound { index, id, choice }, Rewarded::Completions { .. }) => {
+                ApiError {
+                    param: Some(field(index, "id")),
+                    code: Some("completion_not_found"),
+                    ..ApiError::not_found(format!(
+                        "no completion '{}' with choice {choice} (a completion is recorded once \
+                         all its choices have finished: before the response, or before a \
+                         stream's chunk that finishes the last one)",
+                        clip(&id)
+                    ))
+                }
+            }
+            (FeedbackError::Forbidden { index, id }, Rewarded::Completions { .. }) => ApiError {
+                param: Some(field(index, "id")),
+                ..ApiError::forbidden(
+                    "not_owner",
+                    format!(
+                        "completion '{id}' was made with another key; only that key or the \
+                         admin key may reward it"
+                    ),
+                )
+            },
+            (
+                FeedbackError::Refused {
+                    index,
+                    id,
+                    adapter,
+                    why: Refusal::Failed(why),
+                },
+                Rewarded::Completions { .. },
+            ) => ApiError {
+                param: Some(field(index, "id")),
+                code: Some("trainer_failed"),
+                ..ApiError::unavailable(format!(
+                    "completion '{id}' belongs to '{adapter}', whose trainer has failed ({}); \
+                     the reward was not recorded. An operator resumes it with POST \
+                     /v1/train/{adapter}/resume",
+                    shown(&why, admin)
+                ))
+            },
+            (
+                FeedbackError::Refused {
+                    index, id, adapter, ..
+                },
+                Rewarded::Completions { .. },
+            ) => ApiError {
+                code: Some("adapter_not_learning"),
+                ..ApiError::conflict(
+                    &field(index, "id"),
+                    format!(
+                        "completion '{id}' belongs to '{adapter}', which no longer learns \
+                         (deleted or re-created since): the reward would not be trained on"
+                    ),
+                )
+            },
+            (
+                FeedbackError::Conflict {
+                    index,
+                    id,
+                    choice,
+                    old,
+                },
+                Rewarded::Completions { .. },
+            ) => ApiError::conflict(
+                &field(index, "reward"),
+                format!("completion '{id}' choice {choice} already has the reward {old}"),
+            ),
+            (FeedbackError::EpisodeTurn { index, id }, Rewarded::Completions { .. }) => {
+                ApiError::invalid(
+                    &field(index, "id"),
+                    format!(
+                        "completion '{}' is a turn of an episode: reward the episode \
+                         ({{\"episode\", \"reward\"}})",
+                        clip(&id)
+                    ),
+                )
+            }
+            // What the other route's log calls return: not this one's.
+            (e, _) => ApiError::internal(e.to_string()),
         }
     }
 }

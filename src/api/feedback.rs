@@ -4,12 +4,12 @@
 //! `train_policy`).
 
 use super::body::JsonBody;
-use super::error::ApiError;
+use super::error::{clip, shown, ApiError, Rewarded};
 use super::openai::Fields;
 use super::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
 use crate::online::learner::{self, ErrorKind};
-use crate::online::records::{FeedbackError, Refusal, Reward};
+use crate::online::records::Reward;
 use crate::online::trainer::{CommandError, TrainerHandle};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -17,28 +17,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-/// A server-side error as a caller may see it: whole for the admin, without paths for others.
-fn shown(why: &str, admin: bool) -> String {
-    if admin {
-        why.to_string()
-    } else {
-        crate::util::hide_paths(why)
-    }
-}
-
 fn is_admin(state: &AppState, headers: &HeaderMap) -> bool {
     state
         .admin_key
         .as_deref()
         .is_some_and(|k| key_matches(bearer_of(headers), k))
-}
-
-/// An id as echoed in a message: at most 80 characters (ids are 40; a client's may be anything).
-fn clip(id: &str) -> String {
-    match id.char_indices().nth(80) {
-        Some((i, _)) => format!("{}...", &id[..i]),
-        None => id.to_string(),
-    }
 }
 
 /// One reward item; `at` is its place in a list (None for a single object).
@@ -129,81 +112,9 @@ pub async fn post(
     let o = online.clone();
     let r =
         blocking(move || Ok(o.log.post_rewards(&items, &key, admin, &|a| o.accepts(a)))).await?;
-    let field = |index: usize, f: &str| {
-        if list {
-            format!("[{index}].{f}")
-        } else {
-            f.to_string()
-        }
-    };
     match r {
         Ok(new) => Ok(acknowledge(&online, new, n, json!({}))),
-        Err(FeedbackError::NotFound { index, id, choice }) => Err(ApiError {
-            param: Some(field(index, "id")),
-            code: Some("completion_not_found"),
-            ..ApiError::not_found(format!(
-                "no completion '{}' with choice {choice} (a completion is recorded once all its \
-                 choices have finished: before the response, or before a stream's chunk that \
-                 finishes the last one)",
-                clip(&id)
-            ))
-        }),
-        Err(FeedbackError::Forbidden { index, id }) => Err(ApiError {
-            param: Some(field(index, "id")),
-            ..ApiError::forbidden(
-                "not_owner",
-                format!(
-                    "completion '{id}' was made with another key; only that key or the admin key may reward it"
-                ),
-            )
-        }),
-        Err(FeedbackError::Refused {
-            index,
-            id,
-            adapter,
-            why: Refusal::Failed(why),
-        }) => Err(ApiError {
-            param: Some(field(index, "id")),
-            code: Some("trainer_failed"),
-            ..ApiError::unavailable(format!(
-                "completion '{id}' belongs to '{adapter}', whose trainer has failed ({}); the \
-                 reward was not recorded. An operator resumes it with POST /v1/train/{adapter}/resume",
-                shown(&why, admin)
-            ))
-        }),
-        Err(FeedbackError::Refused {
-            index, id, adapter, ..
-        }) => Err(ApiError {
-            code: Some("adapter_not_learning"),
-            ..ApiError::conflict(
-                &field(index, "id"),
-                format!(
-                    "completion '{id}' belongs to '{adapter}', which no longer learns (deleted \
-                     or re-created since): the reward would not be trained on"
-                ),
-            )
-        }),
-        Err(FeedbackError::Conflict {
-            index,
-            id,
-            choice,
-            old,
-        }) => Err(ApiError::conflict(
-            &field(index, "reward"),
-            format!("completion '{id}' choice {choice} already has the reward {old}"),
-        )),
-        Err(FeedbackError::EpisodeTurn { index, id }) => Err(ApiError::invalid(
-            &field(index, "id"),
-            format!(
-                "completion '{}' is a turn of an episode: reward the episode \
-                 ({{\"episode\", \"reward\"}})",
-                clip(&id)
-            ),
-        )),
-        Err(e @ (FeedbackError::EpisodeNotFound { .. } | FeedbackError::EpisodeConflict { .. })) => {
-            Err(ApiError::internal(e.to_string()))
-        }
-        Err(FeedbackError::Log(e)) => Err(ApiError::from(e)),
+        Err(e) => Err(ApiError::feedback(e, Rewarded::Completions { list }, admin)),
     }
 }
 
@@ -250,16 +161,8 @@ async fn post_episode(
         .ok_or_else(|| ApiError::invalid("episode", "'episode' must have 1 to 256 characters"))?
         .to_string();
     let reward = parse_reward(o, "reward", lo, hi)?;
-    let not_found = |e: &str| ApiError {
-        param: Some("episode".into()),
-        code: Some("episode_not_found"),
-        ..ApiError::not_found(format!(
-            "no episode '{}' of this key (its completions are recorded once they finish)",
-            clip(e)
-        ))
-    };
     let Some(online) = ready.online.get().cloned() else {
-        return Err(not_found(&episode));
+        return Err(ApiError::episode_not_found(&episode));
     };
     let key = bearer_of(headers).to_string();
     let admin = is_admin(state, headers);
@@ -272,37 +175,7 @@ async fn post_episode(
     .await?;
     match r {
         Ok(new) => Ok(acknowledge(&online, new, 1, json!({"episode": episode}))),
-        Err(FeedbackError::EpisodeNotFound { episode }) => Err(not_found(&episode)),
-        Err(FeedbackError::EpisodeConflict { episode, old }) => Err(ApiError::conflict(
-            "reward",
-            format!("episode '{}' already has the reward {old}", clip(&episode)),
-        )),
-        Err(FeedbackError::Refused {
-            adapter,
-            why: Refusal::Failed(why),
-            ..
-        }) => Err(ApiError {
-            param: Some("episode".into()),
-            code: Some("trainer_failed"),
-            ..ApiError::unavailable(format!(
-                "episode '{}' belongs to '{adapter}', whose trainer has failed ({}); the \
-                 reward was not recorded",
-                clip(&episode),
-                shown(&why, admin)
-            ))
-        }),
-        Err(FeedbackError::Refused { adapter, .. }) => Err(ApiError {
-            code: Some("adapter_not_learning"),
-            ..ApiError::conflict(
-                "episode",
-                format!(
-                    "episode '{}' belongs to '{adapter}', which no longer learns",
-                    clip(&episode)
-                ),
-            )
-        }),
-        Err(FeedbackError::Log(e)) => Err(ApiError::from(e)),
-        Err(e) => Err(ApiError::internal(e.to_string())),
+        Err(e) => Err(ApiError::feedback(e, Rewarded::Episode(&episode), admin)),
     }
 }
 
