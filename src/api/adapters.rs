@@ -7,7 +7,7 @@
 use super::body::JsonBody;
 use super::error::ApiError;
 use super::openai::Fields;
-use super::{blocking, AppState, Ready};
+use super::state::{blocking, AppState, Ready};
 use crate::adapter::registry::{RegistryError, Slot};
 use crate::adapter::{
     peft, AdapterBase, AdapterConfig, AdapterError, AdapterWeights, LoraConfig, Method, OftConfig,

@@ -4,7 +4,7 @@
 
 use super::error::ApiError;
 use super::job::Job;
-use super::AppState;
+use super::state::AppState;
 use crate::engine::{Admission, ClientId, GenerateRequest, RequestStream, SubmitError};
 use std::sync::Arc;
 

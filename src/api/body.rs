@@ -3,7 +3,7 @@
 //! (400), each in the OpenAI error shape.
 
 use super::error::ApiError;
-use super::AppState;
+use super::state::AppState;
 use axum::extract::{FromRequest, Request};
 use axum::http::{header, StatusCode};
 use serde_json::Value;

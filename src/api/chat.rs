@@ -9,8 +9,8 @@ use super::messages::{
 use super::openai::{check_scoring, parse_chat_logprobs, parse_common, Fields};
 use super::reasoning;
 use super::respond::respond;
+use super::state::{blocking, AppState};
 use super::structured::output_grammar;
-use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
 
@@ -68,7 +68,7 @@ pub(super) async fn run_chat(
             (
                 o.log.clone(),
                 ep.clone(),
-                super::bearer_of(headers).to_string(),
+                super::state::bearer_of(headers).to_string(),
             )
         }),
         _ => None,
@@ -103,7 +103,7 @@ pub(super) async fn run_chat(
         echo: None,
         adapter,
         prompt_param: "messages",
-        key: super::bearer_of(headers).to_string(),
+        key: super::state::bearer_of(headers).to_string(),
         tools: tool_mode,
         constraint,
         reasoning: reasons.then_some(thinking_at_start),

@@ -7,8 +7,8 @@ use super::openai::{
     check_scoring, parse_common, parse_completion_logprobs, parse_prompts, Fields, Prompt,
 };
 use super::respond::{respond, respond_many};
+use super::state::{blocking, AppState};
 use super::structured::output_grammar;
-use super::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
 
@@ -54,7 +54,7 @@ pub async fn completions(
             .collect::<Result<Vec<_>, ApiError>>()
     })
     .await?;
-    let key = super::bearer_of(&headers).to_string();
+    let key = super::state::bearer_of(&headers).to_string();
     let several = encoded.len() > 1;
     let mut jobs = Vec::with_capacity(encoded.len());
     for (prompt_ids, text) in encoded {

@@ -4,7 +4,7 @@
 //! sent as a form is taken) from a user's browser.
 
 use super::error::ApiError;
-use super::AppState;
+use super::state::AppState;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;

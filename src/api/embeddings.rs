@@ -9,7 +9,7 @@ use super::body::JsonBody;
 use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::openai::{parse_common, token_id_list, type_error, Fields};
-use super::{blocking, AppState};
+use super::state::{blocking, AppState};
 use crate::engine::{EngineEvent, GenerateRequest};
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -151,7 +151,7 @@ pub async fn embeddings(
         echo: None,
         adapter,
         prompt_param: "input",
-        key: super::bearer_of(&headers).to_string(),
+        key: super::state::bearer_of(&headers).to_string(),
         tools: None,
         constraint: None,
         reasoning: None,

@@ -6,7 +6,7 @@
 use super::body::JsonBody;
 use super::error::{clip, shown, ApiError, Rewarded};
 use super::openai::Fields;
-use super::{bearer_of, blocking, key_matches, AppState};
+use super::state::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
 use crate::online::learner::{self, ErrorKind};
 use crate::online::records::Reward;

@@ -11,8 +11,8 @@ use super::error::ApiError;
 use super::job::{Flavor, Job};
 use super::openai::{parse_common, Fields, MAX_TOP_LOGPROBS};
 use super::respond::respond;
+use super::state::AppState;
 use super::structured::output_grammar;
-use super::AppState;
 use axum::extract::State;
 use axum::response::Response;
 use serde_json::{Map, Value};
@@ -111,7 +111,7 @@ pub async fn generate(
         echo: None,
         adapter,
         prompt_param: "token_ids",
-        key: super::bearer_of(&headers).to_string(),
+        key: super::state::bearer_of(&headers).to_string(),
         tools: None,
         constraint,
         reasoning: None,

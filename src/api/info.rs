@@ -5,7 +5,7 @@ use super::body::JsonBody;
 use super::error::ApiError;
 use super::messages::{parse_chat_render, parse_messages, render_param, request_tools};
 use super::openai::Fields;
-use super::{blocking, AppState};
+use super::state::{blocking, AppState};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};

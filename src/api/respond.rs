@@ -9,12 +9,13 @@ use super::reasoning::{self, ReasoningStream};
 use super::request::{engine_request, truncate_prompt};
 use super::rollout::{log_choices, Served};
 use super::scoring::{legacy_prompt, vllm_prompt_logprobs};
+use super::state::AppState;
 use super::tools::{self, ToolCall, ToolCallDelta, ToolMode, ToolStream};
+use super::wire;
 use super::wire::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Completion, Delta,
     PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, Usage,
 };
-use super::{wire, AppState};
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
 use crate::engine::{EngineEvent, FinishReason, RequestStream, StopReason};
 use crate::model::tokenizer::Tokenizer;

@@ -5,59 +5,18 @@
 //! learning adapters: a turn through one is logged under the response's id and rewardable like
 //! a chat turn); its answer becomes output items (reasoning, message, function calls), streamed
 //! as the Responses events when asked. Stored responses live in memory (the newest
-//! `STORE_CAPACITY`), readable only with the key that made them.
+//! `response_store::STORE_CAPACITY`), readable only with the key that made them.
 
 use super::body::JsonBody;
 use super::error::ApiError;
 use super::openai::{type_error, Fields};
-use super::AppState;
+use super::response_store::{Stored, STORE_CAPACITY};
+use super::state::AppState;
 use crate::util::{random_id, unix_now};
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
-use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
-
-/// Stored responses kept at most (the oldest are forgotten).
-pub const STORE_CAPACITY: usize = 1024;
-
-/// A stored response: its body, the conversation it continues (input items, its own output
-/// last), and whose key made it.
-struct Stored {
-    body: Value,
-    items: Vec<Value>,
-    key: String,
-}
-
-/// The stored responses, oldest first out.
-#[derive(Default)]
-pub struct ResponseStore {
-    inner: Mutex<(HashMap<String, Stored>, VecDeque<String>)>,
-}
-
-impl ResponseStore {
-    fn put(&self, id: String, s: Stored) {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *g;
-        if map.insert(id.clone(), s).is_none() {
-            order.push_back(id);
-        }
-        while order.len() > STORE_CAPACITY {
-            if let Some(old) = order.pop_front() {
-                map.remove(&old);
-            }
-        }
-    }
-
-    /// The stored response `id` as `key` may see it (another key's is not found).
-    fn get(&self, id: &str, key: &str) -> Option<(Value, Vec<Value>)> {
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.0.get(id)
-            .filter(|s| s.key == key)
-            .map(|s| (s.body.clone(), s.items.clone()))
-    }
-}
 
 /// Responses fields this server does not implement: a 400 naming them unless neutral.
 fn refuse_unimplemented(f: &Fields) -> Result<(), ApiError> {
@@ -374,7 +333,7 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let f = Fields::parse(&body)?;
     refuse_unimplemented(&f)?;
-    let key = super::bearer_of(&headers).to_string();
+    let key = super::state::bearer_of(&headers).to_string();
     let model = f
         .str("model")?
         .ok_or_else(|| ApiError::invalid("model", "'model' is required"))?
@@ -534,7 +493,7 @@ pub async fn get(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let key = super::bearer_of(&headers);
+    let key = super::state::bearer_of(&headers);
     match state.responses.get(&id, key) {
         Some((body, _)) => Ok((
             StatusCode::OK,

@@ -80,7 +80,7 @@ pub async fn log_choices(
         })
         .collect();
     let (log, n, name) = (online.log.clone(), recs.len(), a.name.to_string());
-    super::blocking(move || log.log_completions(&recs).map_err(ApiError::from)).await?;
+    super::state::blocking(move || log.log_completions(&recs).map_err(ApiError::from)).await?;
     online
         .metrics
         .rollouts_logged

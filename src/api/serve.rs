@@ -3,7 +3,8 @@
 //! whose request head does not arrive within `header_read_timeout_secs` (slow-loris clients),
 //! and on SIGTERM/SIGINT stop accepting and drain for up to the shutdown timeout.
 
-use super::{router, AppState, Limits, Ready};
+use super::router;
+use super::state::{AppState, Limits, Ready};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use hyper_util::rt::{TokioIo, TokioTimer};

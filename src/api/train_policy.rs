@@ -5,7 +5,7 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::AppState;
+use super::state::AppState;
 use crate::online::share_policy::{PolicyView, SharePolicy, Steering};
 use axum::extract::State;
 use axum::Json;
