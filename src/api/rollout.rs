@@ -5,10 +5,9 @@
 
 use super::error::ApiError;
 use super::job::Job;
-use crate::online::records::CompletionRecord;
+use crate::online::records::{CompletionRecord, GroupKey, LoggedParams};
 use crate::online::trainer::TrainerHandle;
 use crate::policy::is_greedy;
-use serde_json::json;
 
 /// One choice as served.
 pub struct Served<'a> {
@@ -36,25 +35,42 @@ pub async fn log_choices(
         return Ok(());
     };
     let p = &job.params;
-    let (group_id, group_size) = match (&p.group, &p.episode) {
-        (Some(g), _) => (format!("key:{}:{g}", online.log.key_hash(&job.key)), 0),
+    let key_hash = online.log.key_hash(&job.key);
+    let (group, group_size) = match (&p.group, &p.episode) {
+        (Some(group), _) => (
+            GroupKey::Client {
+                key_hash: &key_hash,
+                group,
+            },
+            0,
+        ),
         // An episode without a group is a group of its own (no baseline: it waits for one).
-        (None, Some(e)) => (format!("ep:{}:{e}", online.log.key_hash(&job.key)), 0),
-        (None, None) => match part {
-            None => (format!("req:{id}"), p.n as u32),
-            Some(k) => (format!("req:{id}/{k}"), p.n as u32),
-        },
+        (None, Some(episode)) => (
+            GroupKey::Episode {
+                key_hash: &key_hash,
+                episode,
+            },
+            0,
+        ),
+        (None, None) => (GroupKey::Request { id, part }, p.n as u32),
     };
+    let group_id = group.to_string();
     let sp = &p.sampling;
-    let params = json!({
-        "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-        "min_p": sp.min_p, "presence_penalty": sp.presence_penalty,
-        "frequency_penalty": sp.frequency_penalty,
-        "repetition_penalty": sp.repetition_penalty, "logit_bias": sp.logit_bias.len(),
-        "constrained": sp.constrained,
-        "seed": p.seed, "max_tokens": p.max_tokens, "n": p.n,
-    })
-    .to_string();
+    let params = LoggedParams {
+        temperature: sp.temperature,
+        top_p: sp.top_p,
+        top_k: sp.top_k,
+        min_p: sp.min_p,
+        presence_penalty: sp.presence_penalty,
+        frequency_penalty: sp.frequency_penalty,
+        repetition_penalty: sp.repetition_penalty,
+        logit_bias: sp.logit_bias.len(),
+        constrained: sp.constrained,
+        seed: p.seed,
+        max_tokens: p.max_tokens,
+        n: p.n,
+    }
+    .encode();
     // Greedy answers are not draws from the policy either.
     let policy_sampled = sp.samples_the_policy() && !is_greedy(sp.temperature);
     let recs: Vec<CompletionRecord> = choices

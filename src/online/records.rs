@@ -30,6 +30,56 @@ pub enum Refusal {
     NotLearning,
 }
 
+/// Which group a completion trains in: the rewards of a group are compared with each other.
+/// Stored as text (`Display`: `key:HASH:GROUP`, `ep:HASH:EPISODE`, `req:ID` or `req:ID/PART`);
+/// the encoding is persistent (a restart reads it back), so it never changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupKey<'a> {
+    /// A client's `group`, scoped to its key (by the key's hash).
+    Client { key_hash: &'a str, group: &'a str },
+    /// An episode without a group: a group of its own, scoped to its key.
+    Episode { key_hash: &'a str, episode: &'a str },
+    /// A request's choices (its `n`), per prompt (`part`) when it has several.
+    Request { id: &'a str, part: Option<usize> },
+}
+
+impl std::fmt::Display for GroupKey<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GroupKey::Client { key_hash, group } => write!(f, "key:{key_hash}:{group}"),
+            GroupKey::Episode { key_hash, episode } => write!(f, "ep:{key_hash}:{episode}"),
+            GroupKey::Request { id, part: None } => write!(f, "req:{id}"),
+            GroupKey::Request { id, part: Some(k) } => write!(f, "req:{id}/{k}"),
+        }
+    }
+}
+
+/// The sampling parameters a completion was drawn with, as logged (stored as JSON text: a
+/// record of what was asked, not read back by the trainer).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct LoggedParams {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    /// How many tokens the request biased.
+    pub logit_bias: usize,
+    pub constrained: bool,
+    pub seed: Option<u64>,
+    pub max_tokens: Option<usize>,
+    pub n: usize,
+}
+
+impl LoggedParams {
+    /// The stored text.
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).expect("plain fields serialize")
+    }
+}
+
 /// One served completion (a choice of a request) to log.
 #[derive(Clone, Debug)]
 pub struct CompletionRecord {
@@ -37,6 +87,7 @@ pub struct CompletionRecord {
     pub choice: u32,
     pub adapter: String,
     pub version: u64,
+    /// `GroupKey`'s encoding.
     pub group_id: String,
     /// Members the group will have (the request's `n`); 0 when unknown (client groups).
     pub group_size: u32,
@@ -47,7 +98,7 @@ pub struct CompletionRecord {
     pub temperature: f32,
     /// Drawn from exactly that distribution (no truncation, penalty or bias).
     pub policy_sampled: bool,
-    /// The sampling parameters as sent (JSON).
+    /// The sampling parameters as sent (`LoggedParams::encode`).
     pub params: String,
     pub finish_reason: String,
     /// The bearer key that made it ("" without one), stored hashed.
@@ -297,4 +348,55 @@ pub fn bytes_u32(v: &[u32]) -> Vec<u8> {
 
 pub fn bytes_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stored encodings: a restart reads group keys back, so they never change.
+    #[test]
+    fn group_keys_and_params_keep_their_stored_encoding() {
+        let (key_hash, id) = ("9f2c", "cmpl-abc");
+        let keys = [
+            GroupKey::Client {
+                key_hash,
+                group: "g1",
+            },
+            GroupKey::Episode {
+                key_hash,
+                episode: "e:7",
+            },
+            GroupKey::Request { id, part: None },
+            GroupKey::Request { id, part: Some(2) },
+        ];
+        let text: Vec<String> = keys.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            text,
+            [
+                "key:9f2c:g1",
+                "ep:9f2c:e:7",
+                "req:cmpl-abc",
+                "req:cmpl-abc/2"
+            ]
+        );
+        let p = LoggedParams {
+            temperature: 0.7,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.5,
+            repetition_penalty: 1.0,
+            logit_bias: 2,
+            constrained: false,
+            seed: Some(3),
+            max_tokens: None,
+            n: 4,
+        };
+        assert_eq!(
+            p.encode(),
+            r#"{"temperature":0.7,"top_p":1.0,"top_k":0,"min_p":0.0,"presence_penalty":0.0,"frequency_penalty":0.5,"repetition_penalty":1.0,"logit_bias":2,"constrained":false,"seed":3,"max_tokens":null,"n":4}"#
+        );
+    }
 }
