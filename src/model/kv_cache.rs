@@ -85,30 +85,12 @@ impl KvCache {
         dtype: KvDtype,
     ) -> KvCache {
         let windowed = vec![false; num_layers];
-        KvCache::with_layout(kv_dim, block_size, num_blocks, dtype, windowed, 0)
+        KvCache::with_window_pool(kv_dim, block_size, num_blocks, dtype, windowed, 0)
     }
 
     /// A cache whose `windowed` layers hold `window_blocks` blocks each (the block manager's
     /// window pool: `BlockTable::window_ids` address them), the others `num_blocks`.
     pub fn with_window_pool(
-        kv_dim: usize,
-        block_size: usize,
-        num_blocks: usize,
-        dtype: KvDtype,
-        windowed: Vec<bool>,
-        window_blocks: usize,
-    ) -> KvCache {
-        KvCache::with_layout(
-            kv_dim,
-            block_size,
-            num_blocks,
-            dtype,
-            windowed,
-            window_blocks,
-        )
-    }
-
-    fn with_layout(
         kv_dim: usize,
         block_size: usize,
         num_blocks: usize,
