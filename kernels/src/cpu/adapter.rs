@@ -10,9 +10,10 @@
 // `oft_rotate`.
 #![allow(clippy::missing_safety_doc)]
 
+use super::isa::Isa;
+use super::pool::Tasks;
 use super::simd::{Avx2, Avx512, Simd};
 use super::small_gemm::gemm;
-use super::{Isa, Tasks};
 use crate::reference;
 
 /// Rows computed together: each matrix vector loaded feeds this many FMAs.

@@ -2,10 +2,11 @@
 //! see `reference::PagedKv`), generic over the ISA, with its twin in `reference`. Each query's
 //! result is computed the same way whatever else is in the batch.
 
+use super::isa::Isa;
 use super::job::scratch as thread_scratch;
 use super::ops::{exp_shifted, max_of};
+use super::pool::Tasks;
 use super::simd::{Avx2, Avx512, Simd};
-use super::{Isa, Tasks};
 use crate::reference::{self, AttnOpts, AttnSeq, KvElem, PagedKv, F16};
 use std::cell::RefCell;
 

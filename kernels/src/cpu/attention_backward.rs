@@ -11,9 +11,10 @@
 // public entry point.
 #![allow(clippy::missing_safety_doc)]
 
+use super::isa::Isa;
+use super::pool::Tasks;
 use super::simd::{exp, Avx2, Avx512, Simd};
 use super::small_gemm::gemm;
-use super::{Isa, Tasks};
 use crate::reference::{softcap, AttnOpts};
 
 /// Query rows per block of the tiled kernel.

@@ -14,9 +14,10 @@
 
 use super::dequant::{dequant_row, Format};
 use super::formats::per_format;
+use super::isa::{Isa, Precision};
 use super::job::scratch;
+use super::pool::Tasks;
 use super::simd::{Avx2, Avx512, Simd};
-use super::{Isa, Precision, Tasks};
 use crate::quant::QuantType;
 use crate::reference;
 use std::cell::RefCell;

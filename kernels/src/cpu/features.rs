@@ -6,8 +6,18 @@
 //! `flywheel bench` print: the kernels in use and the instruction sets present but not used by
 //! any path yet.
 
-use super::{Isa, Precision};
 use std::sync::OnceLock;
+
+/// The kernels and products in use, as `Features::report` names them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PathsInUse {
+    pub kernels: &'static str,
+    pub products: &'static str,
+    /// How the products compute.
+    pub how: &'static str,
+    /// The features those paths use.
+    pub uses: Vec<&'static str>,
+}
 
 /// The instruction-set extensions that matter to the kernels.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -134,30 +144,11 @@ impl Features {
         ]
     }
 
-    /// The features the kernels of an ISA use at a precision.
-    fn used_by(isa: Isa, precision: Precision) -> Vec<&'static str> {
-        let mut v = match isa {
-            Isa::Reference => vec![],
-            Isa::Avx2 => vec!["avx2", "fma", "f16c"],
-            Isa::Avx512 => vec![
-                "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-            ],
-        };
-        if isa != Isa::Reference {
-            if precision == Precision::Int8 && isa == Isa::Avx512 && Features::get().avx512_vnni {
-                v.push("avx512_vnni");
-            }
-            if precision.backward(isa) == Precision::Bf16 {
-                v.push("avx512_bf16");
-            }
-        }
-        v
-    }
-
     /// What runs and what is left: `kernels=avx512 products=exact (f32 FMA on dequantized
-    /// weights) uses [...]; present, not used by any path yet: [...]`.
-    pub fn report(&self, isa: Isa, precision: Precision) -> String {
-        let used = Features::used_by(isa, precision);
+    /// weights) uses [...]; present, not used by any path yet: [...]` (`paths`: from
+    /// `isa::paths_in_use`).
+    pub fn report(&self, paths: &PathsInUse) -> String {
+        let used = &paths.uses;
         let present: Vec<&str> = self
             .named()
             .iter()
@@ -179,19 +170,12 @@ impl Features {
                 "; capped at AVX2 by {MAX_ISA_VAR}=avx2 (what the CPU has beyond it is hidden)"
             ));
         }
-        let how = match precision {
-            Precision::Exact => "f32 FMA on dequantized weights",
-            Precision::Bf16 => "vdpbf16ps on BF16-rounded weights and activations, f32 sums",
-            Precision::Int8 => {
-                "int8 activations x the weights' 4/8-bit codes (vpdpbusd with AVX512_VNNI, else \
-                 vpmaddubsw), f32 block scales; input gradients in BF16 where present"
-            }
-        };
         format!(
-            "kernels={} products={} ({how}) uses [{}]; present, not used by any path yet: \
+            "kernels={} products={} ({}) uses [{}]; present, not used by any path yet: \
              [{}]{amx}",
-            isa.name(),
-            precision.name(),
+            paths.kernels,
+            paths.products,
+            paths.how,
             used.join(" "),
             idle.join(" ")
         )
@@ -274,41 +258,5 @@ mod tests {
             );
         }
         assert_eq!(f.amx == Amx::Granted, f.amx_tile, "{:?}", f.amx);
-        eprintln!("{}", f.report(Isa::detect(), Precision::Exact));
-    }
-
-    #[test]
-    fn the_report_names_the_kernels_and_what_they_leave() {
-        let f = Features {
-            avx2: true,
-            fma: true,
-            f16c: true,
-            avx512_bf16: true,
-            ..Features::default()
-        };
-        let r = f.report(Isa::Avx2, Precision::Exact);
-        assert!(r.starts_with("kernels=avx2 products=exact "), "{r}");
-        assert!(r.contains("uses [avx2 fma f16c]"), "{r}");
-        assert!(r.contains("not used by any path yet: [avx512_bf16]"), "{r}");
-        assert!(!r.contains("AMX"), "{r}");
-        let amx = Features {
-            amx_tile: true,
-            amx: Amx::Refused("errno 22".into()),
-            ..f
-        };
-        assert!(amx
-            .report(Isa::Avx2, Precision::Exact)
-            .contains("refused by Linux: errno 22"));
-        let b = Features {
-            avx512f: true,
-            ..amx
-        }
-        .report(Isa::Avx512, Precision::Bf16);
-        assert!(b.starts_with("kernels=avx512 products=bf16 "), "{b}");
-        assert!(b.contains(" avx512_bf16]; present"), "{b}");
-        let capped = Features { capped: true, ..f };
-        assert!(capped
-            .report(Isa::Avx2, Precision::Exact)
-            .contains("capped at AVX2 by FLYWHEEL_MAX_ISA=avx2"));
     }
 }

@@ -4,8 +4,8 @@
 #![allow(clippy::missing_safety_doc)]
 
 use super::dequant::dequant_row;
+use super::isa::Isa;
 use super::simd::{Avx2, Avx512, Simd};
-use super::Isa;
 use crate::quant::QuantType;
 
 /// `$body` with `$F` the `Format` of the runtime type `$ty`: the one place a type picks its

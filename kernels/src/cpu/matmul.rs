@@ -30,9 +30,10 @@
 
 use super::dequant::{dequant_row, Format};
 use super::formats::per_format;
+use super::isa::{Isa, Precision};
 use super::job::{scratch, store_tile, JobRef, X_BLOCK};
+use super::pool::Tasks;
 use super::simd::{Avx2, Avx512, Simd};
-use super::{Isa, Precision, Tasks};
 use crate::quant::QuantType;
 use crate::reference;
 use std::cell::RefCell;

@@ -1,9 +1,9 @@
 //! Elementwise and row ops (RMSNorm, RoPE, SwiGLU, log-softmax), each generic over the ISA, each
 //! with its twin in `reference`. Attention lives in `attention.rs`.
 
+use super::isa::Isa;
 use super::matmul::dot;
 use super::simd::{exp, Avx2, Avx512, Simd};
-use super::Isa;
 use crate::reference;
 pub use crate::reference::RopeLayout;
 
