@@ -16,6 +16,9 @@ pub struct Metrics {
     pub num_requests_waiting: IntGauge,
     pub kv_blocks_used: IntGauge,
     pub kv_blocks_total: IntGauge,
+    /// The sliding-window layers' own pool (0 without one).
+    pub kv_window_blocks_used: IntGauge,
+    pub kv_window_blocks_total: IntGauge,
     pub kv_cache_usage_perc: prometheus::Gauge,
     pub prefix_cache_queries: IntCounter,
     pub prefix_cache_hits: IntCounter,
@@ -122,6 +125,14 @@ impl Metrics {
             num_requests_waiting: gauge("num_requests_waiting", "Sequences waiting to run."),
             kv_blocks_used: gauge("kv_cache_blocks_used", "KV cache blocks in use."),
             kv_blocks_total: gauge("kv_cache_blocks", "KV cache blocks in all (used or free)."),
+            kv_window_blocks_used: gauge(
+                "kv_cache_window_blocks_used",
+                "Blocks in use of the sliding-window layers' own KV pool.",
+            ),
+            kv_window_blocks_total: gauge(
+                "kv_cache_window_blocks",
+                "Blocks of the sliding-window layers' own KV pool (0: none).",
+            ),
             kv_cache_usage_perc: reg(
                 &registry,
                 prometheus::Gauge::new("kv_cache_usage_perc", "KV cache use, 0 to 1.")

@@ -66,6 +66,11 @@ fn window_sized_kv_serves_the_same_bits_as_the_full_cache() {
             "{log}"
         );
         assert!(!full.stderr().contains("sliding-window layers"));
+        assert!(pooled.metric("flywheel_kv_cache_window_blocks") > 0.0);
+        assert_eq!(full.metric("flywheel_kv_cache_window_blocks"), 0.0);
+        // Every sequence ended: nothing of either pool is held.
+        wait_for_no_blocks(&pooled);
+        assert_eq!(pooled.metric("flywheel_kv_cache_window_blocks_used"), 0.0);
         // The repeated prompt hit the prefix cache (window blocks included) at least as much as
         // without the pool (whose global layers have less room to keep blocks cached).
         let hits = |s: &Server| s.metric("flywheel_prefix_cache_hits_total");

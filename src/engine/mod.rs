@@ -119,6 +119,8 @@ impl Engine {
                     blocks = blocks.with_window_pool(pool.0, pool.1);
                 }
                 metrics.kv_blocks_total.set(cfg.num_kv_blocks as i64);
+                let window_blocks = blocks.stats().num_window_blocks;
+                metrics.kv_window_blocks_total.set(window_blocks as i64);
                 let sched = Scheduler::new(
                     SchedulerConfig {
                         max_num_seqs: cfg.max_num_seqs,
@@ -560,6 +562,8 @@ impl Engine {
         m.num_requests_running.set(self.sched.num_running() as i64);
         m.num_requests_waiting.set(self.sched.num_waiting() as i64);
         let st = self.sched.blocks().stats();
+        // The window pool's first: a reader that sees the global pool empty sees it too.
+        m.kv_window_blocks_used.set(st.num_window_used as i64);
         m.kv_blocks_used.set(st.num_used as i64);
         m.kv_cache_usage_perc
             .set(st.num_used as f64 / st.num_blocks.max(1) as f64);
