@@ -339,11 +339,14 @@ impl BlockTable {
         }
         let lo = inner.first_window_block(num_computed).min(self.win.len());
         if let Some(w) = inner.win.as_mut() {
-            for id in &mut self.win[..lo] {
-                if *id != SLID {
-                    w.pool.release(*id);
-                    *id = SLID;
-                }
+            // Given-back blocks are always a prefix: walk back from `lo` to the last one only.
+            for id in self.win[..lo]
+                .iter_mut()
+                .rev()
+                .take_while(|id| **id != SLID)
+            {
+                w.pool.release(*id);
+                *id = SLID;
             }
         }
     }
