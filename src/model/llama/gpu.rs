@@ -15,8 +15,9 @@
 //! so does every step of a mixture of experts: its routing is read back and grouped on the host
 //! (`moe::route`, the CPU forward's own), each expert's rows then run as one product on the GPU.
 
-use super::forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Packed};
+use super::forward::{adapter_groups, AdapterGroup};
 use super::moe::{ranges, route, MoeActs};
+use super::pack::{BatchSeq, Logits, Packed};
 use super::{Activation, ForwardBuffers, Llama, Mlp, ModelError, MoeConfig, Weight};
 use crate::adapter::{Method, Target};
 use crate::model::kv_cache::KvDtype;

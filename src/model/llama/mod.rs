@@ -10,12 +10,14 @@ mod forward;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod moe;
+mod pack;
 mod train;
 
 pub use buffers::{AdapterScratch, ForwardBuffers};
-pub use forward::{adapter_groups, AdapterGroup, BatchSeq, Logits, Projection};
+pub use forward::{adapter_groups, AdapterGroup, Projection};
 #[cfg(feature = "cuda")]
 pub use gpu::{GpuLlama, GpuShape};
+pub use pack::{BatchSeq, Logits};
 pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, HEAD_CHUNK, TRAIN_BLOCK};
 
 use super::gguf::{Gguf, GgufError, TensorInfo, WeightMemory};
