@@ -11,13 +11,14 @@ use crate::metrics::Metrics;
 use crate::model::gguf::WeightMemory;
 use crate::model::llama::Llama;
 use crate::model::tokenizer::Tokenizer;
-use crate::online::trainer::{Compute, TrainerHandle};
+use crate::online::start::Online;
+use crate::online::trainer::Compute;
 use crate::train::job::OfflineJob;
 use anyhow::Context;
 use flywheel_kernels::cpu::Precision;
 use flywheel_kernels::{Cpu, Isa, ThreadPool};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The model a command runs on.
@@ -292,15 +293,14 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     }
     let model = Arc::new(model);
     let cpu = Arc::new(cpu);
-    let online = OnceLock::new();
+    let compute = Compute {
+        model: model.clone(),
+        cpu: cpu.clone(),
+        registry: registry.clone(),
+    };
+    let online = Online::new(cfg.online.clone(), compute, metrics.clone());
     if !cfg.learn.is_empty() {
-        let compute = Compute {
-            model: model.clone(),
-            cpu: cpu.clone(),
-            registry: registry.clone(),
-        };
-        let o = TrainerHandle::start(cfg.online.clone(), &cfg.learn, compute, metrics.clone())?;
-        let _ = online.set(o);
+        online.start_with(&cfg.learn)?;
     }
     let (engine, _join) = Engine::start_on(
         model.clone(),
@@ -321,7 +321,6 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         model,
         cpu,
         online,
-        online_cfg: cfg.online.clone(),
         metrics,
         grammars: Default::default(),
     })

@@ -10,12 +10,13 @@ use common::pg::Pg;
 use flywheel::online::lineage::Checkpoint;
 use flywheel::online::log::SqliteLog;
 use flywheel::online::log_pg::PgLog;
-use flywheel::online::records::{CompletionRecord, FeedbackError, LogError, Refusal, Reward};
-use flywheel::online::store::RolloutStore;
+use flywheel::online::records::{Accepting, CompletionRecord, FeedbackError, LogError, Reward};
+use flywheel::online::store::{Announcement, RolloutStore};
 use std::sync::Arc;
 
-fn open(_: &str) -> Result<(), Refusal> {
-    Ok(())
+/// Every adapter these tests log completions of learns.
+fn running() -> Accepting {
+    Accepting::running(["a", "b"])
 }
 
 fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
@@ -78,18 +79,18 @@ fn rewards_are_checked_recorded_once_and_survive_a_reopen() {
         log.log_completions(&[rec("c1", 0, "k1"), rec("c1", 1, "k1")])
             .unwrap();
         assert!(log
-            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &running())
             .unwrap());
         // A repeat of the same reward is not new; another value conflicts.
         assert!(!log
-            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &running())
             .unwrap());
         assert!(matches!(
-            log.post_rewards(&[reward("c1", 0, 0.5)], "k1", false, &open),
+            log.post_rewards(&[reward("c1", 0, 0.5)], "k1", false, &running()),
             Err(FeedbackError::Conflict { .. })
         ));
         assert!(matches!(
-            log.post_rewards(&[reward("c1", 1, 0.0)], "k2", false, &open),
+            log.post_rewards(&[reward("c1", 1, 0.0)], "k2", false, &running()),
             Err(FeedbackError::Forbidden { .. })
         ));
         // All or none: the unknown second item leaves the first unrecorded.
@@ -98,13 +99,13 @@ fn rewards_are_checked_recorded_once_and_survive_a_reopen() {
                 &[reward("c1", 1, 0.0), reward("c9", 0, 1.0)],
                 "k1",
                 false,
-                &open
+                &running()
             ),
             Err(FeedbackError::NotFound { index: 1, .. })
         ));
         assert_eq!(log.feedback("c1").unwrap()[1].1.reward, None);
         assert!(log
-            .post_rewards(&[reward("c1", 1, 0.0)], "k2", true, &open)
+            .post_rewards(&[reward("c1", 1, 0.0)], "k2", true, &running())
             .unwrap());
         let groups = log.pending_groups("a").unwrap();
         assert_eq!(groups.len(), 1, "{kind}");
@@ -135,7 +136,7 @@ fn rewards_are_checked_recorded_once_and_survive_a_reopen() {
         // The key is stored hashed, and the same key still owns its completions.
         assert_ne!(info[0].0, "k1");
         assert!(!log
-            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &open)
+            .post_rewards(&[reward("c1", 0, 1.0)], "k1", false, &running())
             .unwrap());
         // A step that would consume a member twice is refused whole: no checkpoint recorded.
         let cp2 = Checkpoint {
@@ -172,13 +173,7 @@ fn a_refused_adapter_records_nothing_of_the_request() {
         let mut other = rec("c2", 0, "k");
         other.adapter = "b".into();
         log.log_completions(&[rec("c1", 0, "k"), other]).unwrap();
-        let only_a = |a: &str| {
-            if a == "a" {
-                Ok(())
-            } else {
-                Err(Refusal::Failed("broken".into()))
-            }
-        };
+        let only_a = Accepting::new([("a".into(), Ok(())), ("b".into(), Err("broken".into()))]);
         let r = log.post_rewards(
             &[reward("c1", 0, 1.0), reward("c2", 0, 1.0)],
             "k",
@@ -191,7 +186,7 @@ fn a_refused_adapter_records_nothing_of_the_request() {
         );
         assert_eq!(log.feedback("c1").unwrap()[0].1.reward, None);
         // Dropped members are not pending.
-        log.post_rewards(&[reward("c1", 0, 1.0)], "k", false, &open)
+        log.post_rewards(&[reward("c1", 0, 1.0)], "k", false, &running())
             .unwrap();
         assert_eq!(log.pending_groups("a").unwrap().len(), 1);
         log.drop_members(&[("c1".into(), 0)], "stale").unwrap();
@@ -220,17 +215,21 @@ fn an_episode_is_rewarded_once_for_all_its_turns() {
         log.log_completions(&[turn("t2", "k")]).unwrap();
         log.log_completions(&[turn("o1", "other")]).unwrap();
         assert!(matches!(
-            log.post_rewards(&[reward("t1", 0, 1.0)], "k", false, &open),
+            log.post_rewards(&[reward("t1", 0, 1.0)], "k", false, &running()),
             Err(FeedbackError::EpisodeTurn { .. })
         ));
-        assert!(log.post_episode_reward("task-1", 0.5, "k", &open).unwrap());
-        assert!(!log.post_episode_reward("task-1", 0.5, "k", &open).unwrap());
+        assert!(log
+            .post_episode_reward("task-1", 0.5, "k", &running())
+            .unwrap());
+        assert!(!log
+            .post_episode_reward("task-1", 0.5, "k", &running())
+            .unwrap());
         assert!(matches!(
-            log.post_episode_reward("task-1", 1.0, "k", &open),
+            log.post_episode_reward("task-1", 1.0, "k", &running()),
             Err(FeedbackError::EpisodeConflict { .. })
         ));
         assert!(matches!(
-            log.post_episode_reward("nope", 1.0, "k", &open),
+            log.post_episode_reward("nope", 1.0, "k", &running()),
             Err(FeedbackError::EpisodeNotFound { .. })
         ));
         // A late turn takes the stored reward.
@@ -291,7 +290,12 @@ fn racing_writers_record_each_thing_once() {
             std::thread::spawn(move || {
                 (0..n)
                     .map(|i| {
-                        log.post_rewards(&[reward(&format!("r{i}"), 0, value)], "k", false, &open)
+                        log.post_rewards(
+                            &[reward(&format!("r{i}"), 0, value)],
+                            "k",
+                            false,
+                            &running(),
+                        )
                     })
                     .map(|r| match r {
                         Ok(new) => Ok(new),
@@ -354,7 +358,9 @@ fn racing_writers_record_each_thing_once() {
         }])
         .unwrap();
         let t = turns(a.clone());
-        assert!(b.post_episode_reward("race", 0.25, "k", &open).unwrap());
+        assert!(b
+            .post_episode_reward("race", 0.25, "k", &running())
+            .unwrap());
         t.join().unwrap();
         let (all, r) = a.episode_feedback("race", "k").unwrap();
         assert_eq!((all.len(), r), (n + 1, Some(0.25)), "{kind}");
@@ -385,9 +391,21 @@ fn postgres_replicas_migrate_together_and_survive_a_restart() {
     // A listener hears a step committed through another handle (LISTEN/NOTIFY).
     let heard = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let h2 = heard.clone();
-    logs[1].subscribe(Box::new(move || {
-        h2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }));
+    logs[1].subscribe(
+        Announcement::Steps,
+        Box::new(move || {
+            h2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }),
+    );
+    // And one that hears rewards recorded through another handle (what wakes a trainer).
+    let rewards_heard = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let r2 = rewards_heard.clone();
+    logs[2].subscribe(
+        Announcement::Rewards,
+        Box::new(move || {
+            r2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }),
+    );
     let heard_now = || heard.load(std::sync::atomic::Ordering::SeqCst);
     let wait_heard = |more_than: usize| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
@@ -412,11 +430,25 @@ fn postgres_replicas_migrate_together_and_survive_a_restart() {
     let log = &logs[0];
     log.log_completions(&[rec("c1", 0, "k"), rec("c1", 1, "k")])
         .unwrap();
+    let rewards_now = || rewards_heard.load(std::sync::atomic::Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while rewards_now() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no catch-up call");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let before = rewards_now();
     assert!(log
-        .post_rewards(&[reward("c1", 0, 1.0)], "k", false, &open)
+        .post_rewards(&[reward("c1", 0, 1.0)], "k", false, &running())
         .unwrap());
+    while rewards_now() <= before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the reward was not announced"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     pg.stop();
-    let r = log.post_rewards(&[reward("c1", 1, 0.0)], "k", false, &open);
+    let r = log.post_rewards(&[reward("c1", 1, 0.0)], "k", false, &running());
     assert!(
         matches!(r, Err(FeedbackError::Log(LogError::Pg(_)))),
         "{r:?}"
@@ -433,7 +465,7 @@ fn postgres_replicas_migrate_together_and_survive_a_restart() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     assert!(log
-        .post_rewards(&[reward("c1", 1, 0.0)], "k", false, &open)
+        .post_rewards(&[reward("c1", 1, 0.0)], "k", false, &running())
         .unwrap());
     let info = logs[1].feedback("c1").unwrap();
     assert_eq!(
@@ -459,7 +491,7 @@ fn a_deleted_or_truncated_database_is_noticed_and_stays_unusable() {
                 drop(SqliteLog::open(&path).unwrap());
             }
         }
-        let r = log.post_rewards(&[reward("c1", 0, 1.0)], "k", false, &open);
+        let r = log.post_rewards(&[reward("c1", 0, 1.0)], "k", false, &running());
         assert!(
             matches!(r, Err(FeedbackError::Log(LogError::Broken(_)))),
             "{how}: {r:?}"

@@ -78,7 +78,7 @@ pub async fn post(
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let cfg = &ready.online_cfg;
+    let cfg = &ready.online.cfg();
     let (lo, hi) = (cfg.reward_min, cfg.reward_max);
     if let Some(o) = body.as_object().filter(|o| o.contains_key("episode")) {
         return post_episode(&state, &headers, o, lo, hi).await;
@@ -109,9 +109,8 @@ pub async fn post(
     let (key, admin) = (bearer_of(&headers).to_string(), is_admin(&state, &headers));
     let list = body.is_array();
     let n = items.len();
-    let o = online.clone();
-    let r =
-        blocking(move || Ok(o.log.post_rewards(&items, &key, admin, &|a| o.accepts(a)))).await?;
+    let (log, accepting) = (online.log.clone(), online.accepting());
+    let r = blocking(move || Ok(log.post_rewards(&items, &key, admin, &accepting))).await?;
     match r {
         Ok(new) => Ok(acknowledge(&online, new, n, json!({}))),
         Err(e) => Err(ApiError::feedback(e, Rewarded::Completions { list }, admin)),
@@ -166,13 +165,8 @@ async fn post_episode(
     };
     let key = bearer_of(headers).to_string();
     let admin = is_admin(state, headers);
-    let (o2, ep) = (online.clone(), episode.clone());
-    let r = blocking(move || {
-        Ok(o2
-            .log
-            .post_episode_reward(&ep, reward, &key, &|a| o2.accepts(a)))
-    })
-    .await?;
+    let (log, accepting, ep) = (online.log.clone(), online.accepting(), episode.clone());
+    let r = blocking(move || Ok(log.post_episode_reward(&ep, reward, &key, &accepting))).await?;
     match r {
         Ok(new) => Ok(acknowledge(&online, new, 1, json!({"episode": episode}))),
         Err(e) => Err(ApiError::feedback(e, Rewarded::Episode(&episode), admin)),
@@ -322,7 +316,8 @@ pub async fn train(
     let st = state.clone();
     let online = blocking(move || {
         st.ready()?
-            .online_or_start()
+            .online
+            .get_or_start()
             .cloned()
             .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))
     })

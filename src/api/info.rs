@@ -239,7 +239,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
             }
         }
         if r.online.get().is_none() {
-            m.train_share.set(r.online_cfg.share.train_share);
+            m.train_share.set(r.online.cfg().share.train_share);
         }
     }
     (

@@ -9,8 +9,8 @@ use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
 use crate::model::llama::Llama;
 use crate::model::tokenizer::Tokenizer;
-use crate::online::config::OnlineConfig;
-use crate::online::trainer::{Compute, TrainerHandle};
+use crate::online::start::Online;
+use crate::online::trainer::TrainerHandle;
 use axum::http::header;
 use flywheel_kernels::Cpu;
 use std::ops::Deref;
@@ -32,8 +32,7 @@ pub struct Ready {
     pub cpu: Arc<Cpu>,
     /// The rollout log and trainer: started with the server when it has learning adapters,
     /// else on the first `POST /v1/adapters/{name}/train`.
-    pub online: OnceLock<TrainerHandle>,
-    pub online_cfg: OnlineConfig,
+    pub online: Online,
     pub metrics: Arc<Metrics>,
     /// Constrained decoding's compiler for this vocabulary, built on first use.
     pub grammars: Arc<OnceLock<Result<Arc<Grammars>, String>>>,
@@ -77,33 +76,9 @@ impl Ready {
         .await
     }
 
-    /// The online side, started now if it was not.
-    pub fn online_or_start(&self) -> anyhow::Result<&TrainerHandle> {
-        if let Some(o) = self.online.get() {
-            return Ok(o);
-        }
-        static START: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _g = START.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(o) = self.online.get() {
-            return Ok(o);
-        }
-        let o = TrainerHandle::start(
-            self.online_cfg.clone(),
-            &[],
-            Compute {
-                model: self.model.clone(),
-                cpu: self.cpu.clone(),
-                registry: self.registry.clone(),
-            },
-            self.metrics.clone(),
-        )?;
-        let _ = self.online.set(o);
-        Ok(self.online.get().expect("just set"))
-    }
-
-    /// The online side if `name` is a learning adapter.
+    /// The trainer if `name` is a learning adapter.
     pub fn learning(&self, name: &str) -> Option<&TrainerHandle> {
-        self.online.get().filter(|o| o.is_learning(name))
+        self.online.learning(name)
     }
 }
 

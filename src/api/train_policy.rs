@@ -15,7 +15,9 @@ pub fn view(state: &AppState) -> Result<PolicyView, ApiError> {
     let ready = state.ready()?;
     Ok(match ready.online.get() {
         Some(o) => o.policy(),
-        None => Steering::new(ready.online_cfg.share.clone()).view().clone(),
+        None => Steering::new(ready.online.cfg().share.clone())
+            .view()
+            .clone(),
     })
 }
 

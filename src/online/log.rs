@@ -16,8 +16,8 @@ use super::records::{
     RewardRow, CHOICE_INFO, EPISODE_TRAINED,
 };
 use super::records::{
-    ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, Member, PendingGroup,
-    Refusal, Reward, Turn,
+    Accepting, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, Member,
+    PendingGroup, Reward, Turn,
 };
 use crate::util::now_secs;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
@@ -271,7 +271,7 @@ impl SqliteLog {
         items: &[Reward],
         key: &str,
         admin: bool,
-        accepts: &dyn Fn(&str) -> Result<(), Refusal>,
+        accepts: &Accepting,
     ) -> Result<bool, FeedbackError> {
         let kh = self.key_hash(key);
         let mut c = self.conn()?;

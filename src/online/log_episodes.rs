@@ -17,7 +17,7 @@ impl SqliteLog {
         episode: &str,
         reward: f64,
         key: &str,
-        accepts: &dyn Fn(&str) -> Result<(), Refusal>,
+        accepts: &Accepting,
     ) -> Result<bool, FeedbackError> {
         let ep = self.episode_key(&self.key_hash(key), episode);
         let mut c = self.conn()?;

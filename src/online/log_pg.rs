@@ -19,7 +19,7 @@ use super::records::{
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, Member,
     PendingGroup, Reward, Turn, CHOICE_INFO, EPISODE_TRAINED,
 };
-use super::store::{redact, Accepts, RolloutStore};
+use super::store::{redact, Accepts, Announcement, RolloutStore};
 use crate::util::now_secs;
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, NoTls, Row, Transaction};
@@ -27,7 +27,23 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 /// The channel a committed step is announced on (payload `adapter:version`).
-const NOTIFY_CHANNEL: &str = "flywheel_versions";
+const STEPS_CHANNEL: &str = "flywheel_versions";
+/// The channel new rewards are announced on (no payload: the trainer reads what is pending).
+const REWARDS_CHANNEL: &str = "flywheel_rewards";
+
+/// The channel `what` is announced on.
+fn channel(what: Announcement) -> &'static str {
+    match what {
+        Announcement::Steps => STEPS_CHANNEL,
+        Announcement::Rewards => REWARDS_CHANNEL,
+    }
+}
+
+/// Announce new rewards, delivered to the listeners when (and only if) `tx` commits.
+fn announce_rewards(tx: &mut Transaction) -> Result<(), postgres::Error> {
+    tx.execute("SELECT pg_notify($1, '')", &[&REWARDS_CHANNEL])?;
+    Ok(())
+}
 
 pub struct PgLog {
     config: postgres::Config,
@@ -183,6 +199,9 @@ impl RolloutStore for PgLog {
                 any_new = true;
             }
         }
+        if any_new {
+            announce_rewards(&mut tx)?;
+        }
         tx.commit()?;
         Ok(any_new)
     }
@@ -309,6 +328,7 @@ impl RolloutStore for PgLog {
              WHERE episode = $1 AND reward IS NULL",
             &[&ep, &reward, &now],
         )?;
+        announce_rewards(&mut tx)?;
         tx.commit()?;
         Ok(true)
     }
@@ -502,7 +522,7 @@ impl RolloutStore for PgLog {
         // Delivered to the listeners when (and only if) the step commits.
         tx.execute(
             "SELECT pg_notify($1, $2)",
-            &[&NOTIFY_CHANNEL, &format!("{adapter}:{}", cp.version)],
+            &[&STEPS_CHANNEL, &format!("{adapter}:{}", cp.version)],
         )?;
         Ok(tx.commit()?)
     }
@@ -526,8 +546,8 @@ impl RolloutStore for PgLog {
         self.take_claim(adapter)
     }
 
-    fn subscribe(&self, wake: Box<dyn Fn() + Send + Sync>) {
-        self.listen(wake)
+    fn subscribe(&self, what: Announcement, wake: Box<dyn Fn() + Send + Sync>) {
+        self.listen(channel(what), wake)
     }
 }
 

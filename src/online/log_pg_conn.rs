@@ -224,13 +224,14 @@ impl PgLog {
         Ok(())
     }
 
-    /// A thread that LISTENs for committed steps and calls `wake` (`RolloutStore::subscribe`).
-    pub(super) fn listen(&self, wake: Box<dyn Fn() + Send + Sync>) {
+    /// A thread that LISTENs on `channel` and calls `wake` for each notification, and once
+    /// after each (re)connection (`RolloutStore::subscribe`).
+    pub(super) fn listen(&self, channel: &'static str, wake: Box<dyn Fn() + Send + Sync>) {
         let config = self.config.clone();
         let shown = self.shown.clone();
         let listen = move || loop {
             match config.connect(NoTls) {
-                Ok(mut c) => match c.batch_execute(&format!("LISTEN {NOTIFY_CHANNEL}")) {
+                Ok(mut c) => match c.batch_execute(&format!("LISTEN {channel}")) {
                     Ok(()) => {
                         // Catch up on whatever was announced while not listening.
                         wake();
@@ -251,7 +252,7 @@ impl PgLog {
             .name("flywheel-pg-listen".into())
             .spawn(listen)
         {
-            tracing::error!(error = %e, "no LISTEN thread: new versions are found by polling");
+            tracing::error!(error = %e, channel, "no LISTEN thread: what it announces is found by polling");
         }
     }
 }

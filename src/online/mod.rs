@@ -1,10 +1,12 @@
 //! Serving while learning. `store` is the rollout store's trait (completions, rewards,
 //! episodes, and the record of training: lineages, checkpoints), implemented on SQLite by `log`
 //! (with `lineage`) and on PostgreSQL by `log_pg`; `groups` decides which rewarded groups train
-//! (pure); `learner` is one learning adapter and its step, `checkpoint` its folders on disk,
-//! `adapter_store` their copies in object storage (shared by a trainer and serving replicas);
-//! `trainer` is the thread that owns the learners and the `TrainerHandle` the server talks to
-//! it with; `share_policy` is how it splits the cores with serving (fixed or steered).
+//! (pure); `learner` is one learning adapter in its role (a `Learner` that trains, or a serving
+//! replica's `Follower`), `checkpoint` its folders on disk, `adapter_store` their copies in
+//! object storage (shared by a trainer and serving replicas); `trainer` is the thread that owns
+//! the learners and the `TrainerHandle` the server talks to it with; `start` is the online side
+//! as the server holds it (started with the server or on first use); `share_policy` is how the
+//! trainer splits the cores with serving (fixed or steered).
 
 pub mod adapter_store;
 pub mod checkpoint;
@@ -17,5 +19,6 @@ pub mod log_pg;
 pub mod open_store;
 pub mod records;
 pub mod share_policy;
+pub mod start;
 pub mod store;
 pub mod trainer;

@@ -4,6 +4,8 @@
 //! store makes the same way (`judge_reward`, `judge_episode_reward`); and how token ids and
 //! log-probs are stored (little-endian bytes).
 
+use std::collections::BTreeMap;
+
 /// Why the log cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
@@ -28,6 +30,51 @@ pub enum Refusal {
     Failed(String),
     /// The adapter no longer learns (deleted, or its lineage ended).
     NotLearning,
+}
+
+/// Which adapters take rewards now, as a value: the trainer's answer taken before a store's
+/// transaction, so a store never calls back into the trainer from inside one.
+#[derive(Clone, Debug)]
+pub struct Accepting {
+    /// Why every adapter refuses (the trainer thread has stopped), if so.
+    stopped: Option<String>,
+    /// The learning adapters: Ok, or why a failed one refuses. Others: `Refusal::NotLearning`.
+    adapters: BTreeMap<String, Result<(), String>>,
+}
+
+impl Accepting {
+    /// `adapters` learn: each Ok, or failed with the reason.
+    pub fn new(adapters: impl IntoIterator<Item = (String, Result<(), String>)>) -> Accepting {
+        Accepting {
+            stopped: None,
+            adapters: adapters.into_iter().collect(),
+        }
+    }
+
+    /// Each of `names` learns and takes rewards.
+    pub fn running<S: AsRef<str>>(names: impl IntoIterator<Item = S>) -> Accepting {
+        Accepting::new(names.into_iter().map(|n| (n.as_ref().to_string(), Ok(()))))
+    }
+
+    /// None does: `why`.
+    pub fn stopped(why: impl Into<String>) -> Accepting {
+        Accepting {
+            stopped: Some(why.into()),
+            adapters: BTreeMap::new(),
+        }
+    }
+
+    /// Whether rewards for completions of `adapter` are taken.
+    pub fn check(&self, adapter: &str) -> Result<(), Refusal> {
+        if let Some(why) = &self.stopped {
+            return Err(Refusal::Failed(why.clone()));
+        }
+        match self.adapters.get(adapter) {
+            None => Err(Refusal::NotLearning),
+            Some(Err(why)) => Err(Refusal::Failed(why.clone())),
+            Some(Ok(())) => Ok(()),
+        }
+    }
 }
 
 /// Which group a completion trains in: the rewards of a group are compared with each other.
@@ -190,7 +237,7 @@ pub fn judge_reward(
     row: Option<RewardRow>,
     kh: &str,
     admin: bool,
-    accepts: &dyn Fn(&str) -> Result<(), Refusal>,
+    accepts: &Accepting,
 ) -> Result<bool, FeedbackError> {
     let Some((owner, old, adapter, episode)) = row else {
         return Err(FeedbackError::NotFound {
@@ -219,7 +266,7 @@ pub fn judge_reward(
             choice: it.choice,
             old: o,
         }),
-        None => match accepts(&adapter) {
+        None => match accepts.check(&adapter) {
             Ok(()) => Ok(true),
             Err(why) => Err(FeedbackError::Refused {
                 index,
@@ -238,7 +285,7 @@ pub fn judge_episode_reward(
     reward: f64,
     adapters: Vec<String>,
     old: Option<f64>,
-    accepts: &dyn Fn(&str) -> Result<(), Refusal>,
+    accepts: &Accepting,
 ) -> Result<bool, FeedbackError> {
     if adapters.is_empty() {
         return Err(FeedbackError::EpisodeNotFound {
@@ -256,7 +303,7 @@ pub fn judge_episode_reward(
         None => {}
     }
     for adapter in adapters {
-        if let Err(why) = accepts(&adapter) {
+        if let Err(why) = accepts.check(&adapter) {
             return Err(FeedbackError::Refused {
                 index: 0,
                 id: episode.to_string(),

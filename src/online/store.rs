@@ -15,12 +15,21 @@
 use super::lineage::{Checkpoint, Lineage};
 use super::log::SqliteLog;
 use super::records::{
-    ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, PendingGroup,
-    Refusal, Reward, Turn,
+    Accepting, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError,
+    PendingGroup, Reward, Turn,
 };
 
-/// Whether a completion's adapter takes rewards now (the caller's rule, per adapter).
-pub type Accepts<'a> = &'a dyn Fn(&str) -> Result<(), Refusal>;
+/// What one process hears of another's work through a shared store (`RolloutStore::subscribe`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Announcement {
+    /// A committed step (a new version): what serving replicas follow.
+    Steps,
+    /// A new reward recorded (by any replica): what the trainer trains on.
+    Rewards,
+}
+
+/// Which completions' adapters take rewards now (the trainer's answer, as a value).
+pub type Accepts<'a> = &'a Accepting;
 
 pub trait RolloutStore: Send + Sync {
     /// "sqlite" or "postgres", for logs and `/v1/train/status`.
@@ -86,10 +95,10 @@ pub trait RolloutStore: Send + Sync {
     ) -> Result<(), LogError>;
     /// Forget the checkpoints no longer needed; returns their relative paths.
     fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError>;
-    /// Call `wake` soon after any process commits a step (PostgreSQL: LISTEN/NOTIFY, also once
+    /// Call `wake` soon after any process makes `what` (PostgreSQL: LISTEN/NOTIFY, also once
     /// after each (re)connection, so a notification missed while disconnected only delays).
-    /// SQLite has one process: nothing to hear.
-    fn subscribe(&self, _wake: Box<dyn Fn() + Send + Sync>) {}
+    /// SQLite has one process: nothing to hear (its trainer is told in-process).
+    fn subscribe(&self, _what: Announcement, _wake: Box<dyn Fn() + Send + Sync>) {}
     /// Hold the right to train `adapter` (one trainer per adapter): taken at a learner's start
     /// and checked before each step; `LogError::Conflict` while another process holds it.
     /// PostgreSQL: a session advisory lock on a connection of its own, re-taken if that

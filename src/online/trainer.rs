@@ -21,11 +21,11 @@
 use super::adapter_store::AdapterStore;
 use super::checkpoint::sweep_temporaries;
 use super::config::{LearnConfig, OnlineConfig};
-use super::learner::{Env, Learner, State, Status, TrainError};
+use super::learner::{Env, Member, State, Status, TrainError};
 use super::open_store::open_store;
-use super::records::Refusal;
+use super::records::Accepting;
 use super::share_policy::{PolicyView, SharePolicy, Steering};
-use super::store::RolloutStore;
+use super::store::{Announcement, RolloutStore};
 
 mod thread;
 use crate::adapter::registry::Registry;
@@ -46,6 +46,7 @@ pub const MAX_FAILURES: u32 = 5;
 const MAX_STEPS_IN_A_ROW: usize = 16;
 
 /// Everything the trainer computes with.
+#[derive(Clone)]
 pub struct Compute {
     pub model: Arc<Llama>,
     pub cpu: Arc<Cpu>,
@@ -104,13 +105,16 @@ pub enum CommandError {
 
 struct Trainer {
     env: Env,
-    learners: BTreeMap<String, Learner>,
+    learners: BTreeMap<String, Box<dyn Member>>,
     shared: Arc<Shared>,
     rx: mpsc::Receiver<Command>,
     last_prune: f64,
     log_ok: bool,
     /// Set by `Command::Stop`: no further step; the thread ends.
     stopping: bool,
+    /// Whether it applies the store's retention (one process prunes a shared store: the one
+    /// that trains).
+    prunes: bool,
     /// The split of the cores with serving (the gate's share).
     steering: Steering,
 }
@@ -165,13 +169,21 @@ impl TrainerHandle {
             sweep_temporaries(&cfg.data_dir);
         }
         let (tx, rx) = mpsc::channel();
-        if !cfg.role.trains() {
-            // A replica hears of the trainer's steps at once (polling stays the catch-up).
-            let wake = tx.clone();
-            log.subscribe(Box::new(move || {
+        // Woken at once by what it works on: a trainer by rewards (recorded in-process, it is
+        // told by `notify`; by another replica, the store announces them), a serving replica by
+        // committed steps. Polling (at most 500 ms apart) stays the catch-up and the clock for
+        // group timeouts and retries.
+        let heard = match cfg.role.trains() {
+            true => Announcement::Rewards,
+            false => Announcement::Steps,
+        };
+        let wake = tx.clone();
+        log.subscribe(
+            heard,
+            Box::new(move || {
                 let _ = wake.send(Command::Wake);
-            }));
-        }
+            }),
+        );
         let steering = Steering::new(cfg.share.clone());
         let shared = Arc::new(Shared {
             status: RwLock::new(BTreeMap::new()),
@@ -194,6 +206,7 @@ impl TrainerHandle {
             last_prune: now_secs(),
             log_ok: true,
             stopping: false,
+            prunes: cfg.role.trains(),
             steering,
         };
         std::thread::Builder::new()
@@ -298,20 +311,21 @@ impl TrainerHandle {
         s
     }
 
-    /// Whether rewards for completions of `adapter` are taken now.
-    pub fn accepts(&self, adapter: &str) -> Result<(), Refusal> {
+    /// Which adapters take rewards now (a value for the rollout store to judge rewards by).
+    pub fn accepting(&self) -> Accepting {
         if !self.is_alive() {
-            return Err(Refusal::Failed("the trainer thread has stopped".into()));
+            return Accepting::stopped("the trainer thread has stopped");
         }
-        match self.read().get(adapter) {
-            None => Err(Refusal::NotLearning),
-            Some(s) if s.state == State::Failed => Err(Refusal::Failed(
-                s.last_error
+        Accepting::new(self.read().iter().map(|(name, s)| {
+            let ok = match s.state {
+                State::Failed => Err(s
+                    .last_error
                     .as_ref()
-                    .map_or_else(|| "failed".to_string(), |e| e.to_string()),
-            )),
-            Some(_) => Ok(()),
-        }
+                    .map_or_else(|| "failed".to_string(), |e| e.to_string())),
+                _ => Ok(()),
+            };
+            (name.clone(), ok)
+        }))
     }
 
     /// Ok while the trainer runs and the rollout log is usable (readiness).

@@ -3,7 +3,7 @@
 //! step) and its failure rules (backoff, `MAX_FAILURES`, an unusable log fails every learner).
 
 use super::{Command, CommandError, Shared, Trainer, MAX_FAILURES, MAX_STEPS_IN_A_ROW};
-use crate::online::learner::{ErrorKind, Learner, State, Status, TrainError};
+use crate::online::learner::{self, ErrorKind, State, Status, TrainError};
 use crate::online::share_policy::Totals;
 use crate::util::now_secs;
 use std::collections::BTreeMap;
@@ -58,7 +58,7 @@ impl Trainer {
     fn steer(&mut self) {
         let mut t = Totals::default();
         for l in self.learners.values() {
-            let st = &l.status;
+            let st = l.status();
             t.steps += st.steps;
             t.trained += st.trained;
             t.stale += st.dropped.get("stale").copied().unwrap_or(0);
@@ -114,8 +114,8 @@ impl Trainer {
         let soonest = self
             .learners
             .values()
-            .filter(|l| l.status.state == State::Running)
-            .filter_map(|l| l.status.retry_at)
+            .filter(|l| l.status().state == State::Running)
+            .filter_map(|l| l.status().retry_at)
             .fold(0.5f64, |w, at| w.min((at - now).max(0.0)));
         Duration::from_secs_f64(soonest)
     }
@@ -144,9 +144,9 @@ impl Trainer {
             Command::Add(cfg, reply) => {
                 let name = cfg.name.clone();
                 let r = match self.learners.get(&name) {
-                    Some(l) => Ok(l.status.clone()),
-                    None => Learner::start(cfg, &self.env).map(|l| {
-                        let s = l.status.clone();
+                    Some(l) => Ok(l.status().clone()),
+                    None => learner::start(cfg, &self.env).map(|l| {
+                        let s = l.status().clone();
                         self.learners.insert(name.clone(), l);
                         s
                     }),
@@ -163,7 +163,7 @@ impl Trainer {
                     None => Err(CommandError::NotLearning(cfg.name)),
                     Some(l) => l
                         .configure(cfg)
-                        .map(|_| l.status.clone())
+                        .map(|_| l.status().clone())
                         .map_err(CommandError::Conflict),
                 };
                 self.publish_status();
@@ -173,19 +173,20 @@ impl Trainer {
                 let r = match self.learners.get_mut(&name) {
                     None => Err(CommandError::NotLearning(name)),
                     Some(l) => {
-                        l.status.state = if paused {
+                        let s = l.status_mut();
+                        s.state = if paused {
                             State::Paused
                         } else {
                             State::Running
                         };
-                        l.status.consecutive_failures = 0;
-                        l.status.retry_at = None;
+                        s.consecutive_failures = 0;
+                        s.retry_at = None;
                         self.env
                             .metrics
                             .train_learner_ok
                             .with_label_values(&[&name])
                             .set(1);
-                        Ok(l.status.clone())
+                        Ok(l.status().clone())
                     }
                 };
                 self.publish_status();
@@ -218,15 +219,16 @@ impl Trainer {
             let Some(l) = self.learners.get_mut(name) else {
                 return;
             };
-            let waiting = l.status.retry_at.is_some_and(|at| now_secs() < at);
-            if l.status.state != State::Running || waiting {
+            let waiting = l.status().retry_at.is_some_and(|at| now_secs() < at);
+            if l.status().state != State::Running || waiting {
                 return;
             }
-            match l.step(&self.env) {
+            match l.turn(&self.env) {
                 Ok(None) => return,
                 Ok(Some(_)) => {
-                    l.status.consecutive_failures = 0;
-                    l.status.retry_at = None;
+                    let s = l.status_mut();
+                    s.consecutive_failures = 0;
+                    s.retry_at = None;
                 }
                 Err(e) => {
                     self.fail(name, e, false);
@@ -256,12 +258,11 @@ impl Trainer {
         let Some(l) = self.learners.get_mut(name) else {
             return;
         };
-        let s = &mut l.status;
+        // A follower (a serving replica) never gives up (`Member::gives_up`).
+        let gives_up_at = l.gives_up().then_some(MAX_FAILURES);
+        let s = l.status_mut();
         s.consecutive_failures += 1;
-        // A serving replica that cannot follow (a version it cannot fetch or verify, the store
-        // down) keeps serving the version it has and keeps trying, backing off: its lag metric
-        // and status say so.
-        let gives_up = self.env.cfg.role.trains() && s.consecutive_failures >= MAX_FAILURES;
+        let gives_up = gives_up_at.is_some_and(|n| s.consecutive_failures >= n);
         let failed = fatal || gives_up;
         if failed {
             s.state = State::Failed;
@@ -298,7 +299,7 @@ impl Trainer {
     fn prune(&mut self) {
         let now = now_secs();
         // One process prunes a shared store: the trainer.
-        if now - self.last_prune < 600.0 || !self.log_ok || !self.env.cfg.role.trains() {
+        if now - self.last_prune < 600.0 || !self.log_ok || !self.prunes {
             return;
         }
         self.last_prune = now;
@@ -316,7 +317,7 @@ impl Trainer {
         let s: BTreeMap<String, Status> = self
             .learners
             .iter()
-            .map(|(k, l)| (k.clone(), l.status.clone()))
+            .map(|(k, l)| (k.clone(), l.status().clone()))
             .collect();
         *self
             .shared

@@ -1,0 +1,149 @@
+//! A serving replica's learning adapter (`--role serve`): it never trains; each turn of the
+//! trainer thread (woken by the store's notification of a committed step, at most 500 ms apart)
+//! it follows the trainer: fetch, verify, publish.
+
+use super::copies::Needed;
+use super::{
+    adopt_shape, identity, newest_intact, publish_at_start, reconfigure, Env, ErrorKind, Member,
+    Status, StepReport, TrainError,
+};
+use crate::adapter::peft;
+use crate::adapter::registry::Publisher;
+use crate::online::checkpoint::remove_dir;
+use crate::online::config::LearnConfig;
+use crate::online::lineage::Lineage;
+use std::path::PathBuf;
+
+pub(super) struct Follower {
+    cfg: LearnConfig,
+    /// The trainer's lineage whose version it serves.
+    lineage: Lineage,
+    status: Status,
+    /// Its copy of the version it serves, fetched from the adapter store (removed once it
+    /// follows to the next).
+    fetched: Option<PathBuf>,
+}
+
+impl Follower {
+    /// Serve the newest checkpoint of the trainer's lineage that verifies (its identity if it has
+    /// none yet), under the trainer's version number. Refused when there is no lineage yet, or
+    /// when none of its checkpoints verifies: a replica does not serve unverified versions.
+    pub(super) fn start(mut cfg: LearnConfig, env: &Env) -> Result<Follower, TrainError> {
+        let name = cfg.name.clone();
+        let start_err = |e: String| TrainError::new(ErrorKind::Start, e);
+        let Some(lineage) = env.log.active_lineage(&name)? else {
+            return Err(start_err(format!(
+                "no lineage of '{name}' in the rollout store yet: a serving replica follows the \
+                 trainer's, so start the trainer (--role train) first"
+            )));
+        };
+        let (model, limits) = (&env.model.config, &env.registry.limits);
+        let found = newest_intact(env, &name, &lineage, Needed::Adapter, |dir| {
+            peft::load_within(dir, model, limits).map_err(|e| e.to_string())
+        })?;
+        let (weights, version, steps, fetched) = match found.resumed {
+            Some((cp, w, fetched)) => {
+                adopt_shape(&mut cfg, &w);
+                tracing::info!(adapter = %name, version = cp.version, step = cp.step, "following the trainer's lineage");
+                (w, cp.version, cp.step, fetched)
+            }
+            None if found.num_checkpoints > 0 => {
+                return Err(start_err(format!(
+                    "none of the {} checkpoints of '{name}' could be verified (see the \
+                     warnings): a serving replica does not serve unverified versions",
+                    found.num_checkpoints
+                )))
+            }
+            // Not trained yet: the identity the lineage began with, under the trainer's number.
+            None => {
+                let w = identity(&cfg, env).map_err(|e| start_err(e.to_string()))?;
+                (w, lineage.first_version, 0, None)
+            }
+        };
+        let status = publish_at_start(env, &cfg, &lineage, weights, version, steps)?;
+        Ok(Follower {
+            cfg,
+            lineage,
+            status,
+            fetched,
+        })
+    }
+
+    /// Publish the trainer's newest checkpoint (its lineage's, in the shared store; its files in
+    /// the shared data directory or the adapter store) under the trainer's version number, if
+    /// newer than the one served.
+    fn follow(&mut self, env: &Env) -> Result<(), TrainError> {
+        let name = self.cfg.name.clone();
+        let Some(l) = env.log.active_lineage(&name)? else {
+            return Ok(());
+        };
+        let Some((cp, committed)) = env.log.newest_checkpoint(l.id)? else {
+            return Ok(());
+        };
+        let lag = env.metrics.replica_version_lag.with_label_values(&[&name]);
+        lag.set(cp.version.saturating_sub(self.status.version) as i64);
+        if l.id == self.lineage.id && cp.version <= self.status.version {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        // Never serve what cannot be verified: the files loaded, against the manifest the
+        // trainer wrote last (fetched from the adapter store first if there is one).
+        let (dir, fetched) = env
+            .local_checkpoint(&cp, l.id, Needed::Adapter)
+            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        let w = peft::load_within(&dir, &env.model.config, &env.registry.limits)
+            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        let who = Publisher::Claim {
+            id: l.id,
+            min_version: cp.version,
+        };
+        let (v, _) = env
+            .registry
+            .publish_as(&name, w, who)
+            .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
+        tracing::info!(
+            adapter = %name, version = v.version, step = cp.step,
+            load_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "followed the trainer to a new version"
+        );
+        // The copy fetched for the version served before is not needed any more.
+        if let Some(old) = std::mem::replace(&mut self.fetched, fetched.then(|| dir.clone())) {
+            if old != dir {
+                if let Err(e) = remove_dir(&old) {
+                    tracing::warn!(path = %old.display(), error = %e, "cannot remove a fetched version");
+                }
+            }
+        }
+        self.lineage = l;
+        self.status.lineage = l.id;
+        self.status.version = v.version;
+        self.status.steps = cp.step;
+        lag.set(0);
+        env.metrics
+            .replica_propagation_seconds
+            .observe((crate::util::now_secs() - committed).max(0.0));
+        Ok(())
+    }
+}
+
+impl Member for Follower {
+    fn status(&self) -> &Status {
+        &self.status
+    }
+
+    fn status_mut(&mut self) -> &mut Status {
+        &mut self.status
+    }
+
+    fn turn(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError> {
+        self.follow(env).map(|()| None)
+    }
+
+    fn configure(&mut self, cfg: LearnConfig) -> Result<(), String> {
+        reconfigure(&mut self.cfg, &mut self.status, cfg)
+    }
+
+    fn gives_up(&self) -> bool {
+        false
+    }
+}

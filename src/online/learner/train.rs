@@ -1,0 +1,484 @@
+//! A learning adapter in a process that trains (`--role train` or `all`): `start` resumes the
+//! newest intact checkpoint of its lineage (or begins a lineage with the identity) under the
+//! adapter's claim; each turn, `step` takes one GRPO-family step if a batch is ready — a plan
+//! (`plan`: groups formed and drops recorded, the batch, its samples and loss), the step computed
+//! on a copy of the optimizer (`compute`), then an ordered commit, each a function: `write` the
+//! checkpoint → `upload` it → `commit` it with its consumed groups → `publish` → `retire` old
+//! ones. Until the commit, the learner is as before, whatever fails.
+
+use super::copies::{sweep_orphans, Needed};
+use super::{
+    adopt_shape, identity, newest_intact, publish_at_start, reconfigure, show_step, Env, ErrorKind,
+    Member, Status, StepReport, TrainError,
+};
+use crate::adapter::registry::Publisher;
+use crate::adapter::AdapterWeights;
+use crate::online::checkpoint::{
+    checkpoint_rel, load_checkpoint, max_version_on_disk, remove_dir, write_checkpoint,
+};
+use crate::online::config::LearnConfig;
+use crate::online::groups::{self, Rules};
+use crate::online::lineage::{Checkpoint, Lineage};
+use crate::online::records::{LogError, PendingGroup};
+use crate::policy::is_greedy;
+use crate::train::loss::{LossConfig, Objective};
+use crate::train::offline::{grouped, step, Sample, StepStats};
+use crate::train::optim::{AdamW, AdamWConfig};
+use crate::util::now_secs;
+use std::path::PathBuf;
+
+pub(super) struct Learner {
+    cfg: LearnConfig,
+    lineage: Lineage,
+    opt: AdamW,
+    status: Status,
+}
+
+/// A fresh optimizer for `num_params` parameters.
+fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
+    let c = AdamWConfig {
+        lr: cfg.lr,
+        ..AdamWConfig::default()
+    };
+    AdamW::new(c, num_params)
+}
+
+/// How long a starting trainer waits for another's claim on its adapter before refusing.
+const CLAIM_WAIT_SECS: f64 = 10.0;
+
+/// A step's plan: the batch of ready groups, its samples, loss and temperature.
+struct Plan {
+    batch: Vec<PendingGroup>,
+    samples: Vec<Sample>,
+    loss: LossConfig,
+    temperature: f32,
+}
+
+impl Learner {
+    /// Resume `cfg.name`'s lineage from its newest intact checkpoint, or begin a lineage with the
+    /// identity adapter; publish it either way. A broken newest checkpoint is skipped with a
+    /// warning. Versions continue above every version the name ever had.
+    pub(super) fn start(mut cfg: LearnConfig, env: &Env) -> Result<Learner, TrainError> {
+        let name = cfg.name.clone();
+        let name = name.as_str();
+        let start_err = |e: &dyn std::fmt::Display| TrainError::new(ErrorKind::Start, e);
+        let recorded = env.log.max_version(name)?;
+        // Folders the store does not know of (it was lost, or replaced): their numbers were
+        // served, so the lineage continues above them and never writes over them.
+        let on_disk = max_version_on_disk(&env.cfg.data_dir, name);
+        if on_disk > recorded {
+            tracing::warn!(
+                adapter = name,
+                recorded,
+                on_disk,
+                "checkpoint folders above every version the rollout store records (was it lost \
+                 or replaced?): versions continue above them, and the folders are left as they are"
+            );
+        }
+        let max_seen = recorded.max(on_disk).max(env.registry.last_version(name));
+        // A trainer restarted right after a crash may find the claim still held while the
+        // database notices the dead connection: wait a little, then refuse.
+        let deadline = now_secs() + CLAIM_WAIT_SECS;
+        loop {
+            match env.log.claim_trainer(name) {
+                Ok(()) => break,
+                Err(LogError::Conflict(_)) if now_secs() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(200))
+                }
+                Err(e) => return Err(start_err(&e)),
+            }
+        }
+        let lineage = env.log.active_lineage(name)?;
+        let found = match &lineage {
+            Some(l) => Some(newest_intact(env, name, l, Needed::Resume, |dir| {
+                load_checkpoint(dir, &env.model.config, &env.registry.limits)
+            })?),
+            None => None,
+        };
+        let num_checkpoints = found.as_ref().map_or(0, |f| f.num_checkpoints);
+        let resumed = found.and_then(|f| f.resumed);
+        let (lineage, weights, opt, min_version) = match (lineage, resumed) {
+            (Some(l), Some((cp, (w, opt), _))) => {
+                adopt_shape(&mut cfg, &w);
+                // The same number only if no later version was ever seen (then it is the same
+                // weights); else a new number for these older weights.
+                let v = if cp.version >= max_seen {
+                    cp.version
+                } else {
+                    max_seen + 1
+                };
+                tracing::info!(
+                    adapter = name,
+                    checkpoint = cp.version,
+                    version = v,
+                    step = cp.step,
+                    "learning adapter resumed"
+                );
+                (l, w, opt, v)
+            }
+            (l, _) => {
+                let w = identity(&cfg, env).map_err(|e| start_err(&e))?;
+                let opt = adamw(&cfg, w.layout.num_params);
+                let (l, v) = match l {
+                    // Never trained: the identity it started with, under the same number.
+                    Some(l) if num_checkpoints == 0 && max_seen <= l.first_version => {
+                        (l, l.first_version)
+                    }
+                    Some(l) => {
+                        tracing::warn!(
+                            adapter = name,
+                            "no intact checkpoint in its lineage: starting again from the identity"
+                        );
+                        (l, max_seen + 1)
+                    }
+                    None => (env.log.begin_lineage(name, max_seen + 1)?, max_seen + 1),
+                };
+                tracing::info!(adapter = name, method = %cfg.method, lineage = l.id, version = v, "learning adapter created");
+                (l, w, opt, v)
+            }
+        };
+        let status = publish_at_start(env, &cfg, &lineage, weights, min_version, opt.step)?;
+        Ok(Learner {
+            cfg,
+            lineage,
+            opt,
+            status,
+        })
+    }
+
+    /// Form groups (recording drops), and take one step if a batch is ready: Ok(None) when none
+    /// was. On any error, optimizer and adapter are as before.
+    fn step(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError> {
+        let name = self.cfg.name.clone();
+        env.log.claim_trainer(&name)?;
+        let slot = env.registry.get(&name).ok_or_else(|| {
+            TrainError::new(ErrorKind::Publish, format!("the adapter '{name}' is gone"))
+        })?;
+        let cur = slot.current();
+        let pending = env.log.pending_groups(&name)?;
+        let Some(plan) = self.plan(env, pending, cur.version)? else {
+            return Ok(None);
+        };
+        // The step works on a copy: the learner's optimizer changes only once all is durable.
+        let (next, opt, stats) = self.compute(env, &cur.weights, &plan)?;
+        let version = cur.version + 1;
+        let rel = self.write(env, version, &next, &opt)?;
+        upload(env, &rel)?;
+        let report = StepReport {
+            stats,
+            version,
+            groups: plan.batch.len(),
+            staleness_max: plan
+                .batch
+                .iter()
+                .flat_map(|g| g.members.iter().map(|m| cur.version - m.version))
+                .max()
+                .unwrap_or(0),
+        };
+        let cp = Checkpoint {
+            version,
+            step: opt.step,
+            path: rel,
+        };
+        self.commit(env, &cp, &report, &plan.batch)?;
+        // Durable: the step is taken, whatever happens next.
+        self.opt = opt;
+        self.publish(env, next, version)?;
+        self.record(env, &report, &plan.batch, cur.version);
+        self.retire(env);
+        tracing::info!(adapter = %name, step = cp.step, version, loss = report.stats.loss, "trained");
+        Ok(Some(report))
+    }
+
+    /// The groups formed from `pending` (drops recorded in the store, the metrics and the
+    /// status), and the step to take if a batch is ready.
+    fn plan(
+        &mut self,
+        env: &Env,
+        pending: Vec<PendingGroup>,
+        current: u64,
+    ) -> Result<Option<Plan>, TrainError> {
+        let name = self.cfg.name.as_str();
+        let rules = Rules {
+            max_off_policy_steps: env.cfg.max_off_policy_steps,
+            group_timeout_secs: env.cfg.group_timeout_secs,
+            train_off_policy_samples: env.cfg.train_off_policy_samples,
+        };
+        let formed = groups::form(
+            pending,
+            current,
+            self.lineage.first_version,
+            now_secs(),
+            &rules,
+            self.cfg.loss,
+        );
+        for (reason, members) in &formed.dropped {
+            env.log.drop_members(members, reason.as_str())?;
+            let n = members.len() as u64;
+            env.metrics
+                .train_groups_dropped
+                .with_label_values(&[name, reason.as_str()])
+                .inc_by(n);
+            *self
+                .status
+                .dropped
+                .entry(reason.as_str().to_string())
+                .or_default() += n;
+        }
+        let num_pending = formed.waiting + formed.ready.len();
+        self.status.pending_groups = num_pending;
+        env.metrics
+            .train_pending_groups
+            .with_label_values(&[name])
+            .set(num_pending as i64);
+        let batch = self.batch(formed.ready, env.cfg.max_step_tokens);
+        if batch.is_empty() {
+            return Ok(None);
+        }
+        let samples: Vec<Sample> = batch
+            .iter()
+            .flat_map(|g| {
+                g.members.iter().map(|m| Sample {
+                    prompt: m.prompt.clone(),
+                    completion: m.completion.clone(),
+                    reward: m.reward.unwrap_or(0.0) as f32,
+                    group: g.group_id.clone(),
+                    behavior: Some(m.logprobs.clone()),
+                    sampled_by_current: m.version == current,
+                    episode: m.episode.clone(),
+                    forced: m.forced.clone(),
+                })
+            })
+            .collect();
+        let loss = self.loss_config(&samples, batch.len());
+        let t = batch[0].members[0].temperature;
+        Ok(Some(Plan {
+            batch,
+            samples,
+            loss,
+            temperature: if is_greedy(t) { 1.0 } else { t },
+        }))
+    }
+
+    /// The step of `plan` from `weights`, on a copy of the optimizer: the next weights, the
+    /// optimizer after the step, and the step's statistics.
+    fn compute(
+        &self,
+        env: &Env,
+        weights: &AdapterWeights,
+        plan: &Plan,
+    ) -> Result<(AdapterWeights, AdamW, StepStats), TrainError> {
+        let groups = grouped(&plan.samples, self.cfg.loss);
+        let refs: Vec<_> = groups.iter().collect();
+        let mut opt = self.opt.clone();
+        opt.config.lr = self.cfg.lr;
+        // The step's own work between its kernels counts as background work too: the grant
+        // serving's steps give training is not lost to those gaps (kernels' `gate`).
+        let _work = env.cpu.pool.gate.background_work();
+        let (next, stats) = step(
+            &env.model,
+            &env.cpu,
+            weights,
+            &mut opt,
+            &plan.loss,
+            &refs,
+            plan.temperature,
+            env.cfg.activation_mb << 20,
+            env.cfg.max_step_tokens,
+        )
+        .map_err(|e| TrainError::new(ErrorKind::Step, e))?;
+        Ok((next, opt, stats))
+    }
+
+    /// Write version `version`'s checkpoint in the data directory; its folder (relative).
+    fn write(
+        &self,
+        env: &Env,
+        version: u64,
+        next: &AdapterWeights,
+        opt: &AdamW,
+    ) -> Result<String, TrainError> {
+        let mut rel = checkpoint_rel(&self.cfg.name, version);
+        if env.adapters.is_some() {
+            // In object storage a name is written once: a version number retried after a
+            // failed commit gets a folder of its own.
+            rel = format!("{rel}-{:016x}", crate::util::random_u64());
+        }
+        let at = (version, self.lineage.id);
+        write_checkpoint(&env.cfg.data_dir, &rel, at, next, opt)
+            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        Ok(rel)
+    }
+
+    /// Commit the checkpoint `cp`, its report and the groups `batch` consumed, in one transaction.
+    fn commit(
+        &self,
+        env: &Env,
+        cp: &Checkpoint,
+        report: &StepReport,
+        batch: &[PendingGroup],
+    ) -> Result<(), TrainError> {
+        let consumed: Vec<(String, u32)> = batch
+            .iter()
+            .flat_map(|g| g.members.iter().map(|m| (m.id.clone(), m.choice)))
+            .collect();
+        let stats_json = serde_json::to_string(report).unwrap_or_default();
+        let name = &self.cfg.name;
+        env.log
+            .commit_step(name, self.lineage.id, cp, &stats_json, &consumed)?;
+        Ok(())
+    }
+
+    /// Serve the committed weights as `version`. Fails only when the adapter was deleted
+    /// meanwhile (its lineage has ended).
+    fn publish(&self, env: &Env, next: AdapterWeights, version: u64) -> Result<(), TrainError> {
+        let name = &self.cfg.name;
+        let (v, _) = env
+            .registry
+            .publish_as(name, next, Publisher::Owner(self.lineage.id))
+            .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
+        if v.version != version {
+            tracing::warn!(adapter = %name, expected = version, got = v.version, "another publisher numbered this adapter's versions");
+        }
+        Ok(())
+    }
+
+    /// Up to `groups_per_step` ready groups of the first one's temperature, within the token
+    /// budget (the first always).
+    fn batch(&self, ready: Vec<PendingGroup>, max_tokens: usize) -> Vec<PendingGroup> {
+        let Some(t) = ready.first().map(|g| g.members[0].temperature) else {
+            return Vec::new();
+        };
+        let mut batch: Vec<PendingGroup> = Vec::new();
+        let mut tokens = 0;
+        for g in ready {
+            let n: usize = g
+                .members
+                .iter()
+                .map(|m| m.prompt.len() + m.completion.len())
+                .sum();
+            let same_t = g.members.iter().all(|m| m.temperature == t);
+            if same_t && (batch.is_empty() || tokens + n <= max_tokens) {
+                batch.push(g);
+                tokens += n;
+            }
+            if batch.len() == self.cfg.groups_per_step {
+                break;
+            }
+        }
+        batch
+    }
+
+    fn loss_config(&self, samples: &[Sample], num_groups: usize) -> LossConfig {
+        let c = &self.cfg;
+        let max_len = samples
+            .iter()
+            .map(|s| s.completion.len())
+            .max()
+            .unwrap_or(1);
+        let group_size = samples.len() / num_groups.max(1);
+        let mut loss = LossConfig::named(c.loss, max_len, group_size);
+        loss.kl_coef = c.kl_coef;
+        if let Objective::Clipped { eps_low, eps_high } = &mut loss.objective {
+            *eps_low = c.clip_low.unwrap_or(*eps_low);
+            *eps_high = c.clip_high.unwrap_or(*eps_high);
+        }
+        loss
+    }
+
+    fn record(&mut self, env: &Env, r: &StepReport, batch: &[PendingGroup], cur: u64) {
+        let name = self.cfg.name.as_str();
+        let m = &env.metrics;
+        let s = &r.stats;
+        m.train_steps.with_label_values(&[name]).inc();
+        m.train_step_seconds
+            .with_label_values(&[name])
+            .observe(s.seconds);
+        m.train_tokens
+            .with_label_values(&[name])
+            .inc_by(s.tokens as u64);
+        show_step(env, name, r);
+        let mut trained = 0;
+        for g in batch {
+            for mem in &g.members {
+                m.train_staleness
+                    .with_label_values(&[name])
+                    .observe((cur - mem.version) as f64);
+                trained += 1;
+            }
+        }
+        m.train_samples_trained
+            .with_label_values(&[name])
+            .inc_by(trained);
+        let st = &mut self.status;
+        st.trained += trained;
+        st.version = r.version;
+        st.steps = s.step;
+        st.last = Some(r.clone());
+    }
+
+    /// Remove checkpoints no longer needed (the newest two of the lineage stay).
+    fn retire(&self, env: &Env) {
+        let mut retired = std::collections::BTreeSet::new();
+        match env.log.retire_checkpoints(&self.cfg.name, 2) {
+            Ok(paths) => {
+                retired.extend(paths.iter().cloned());
+                for p in paths {
+                    let dir: PathBuf = env.cfg.data_dir.join(&p);
+                    if let Err(e) = remove_dir(&dir) {
+                        tracing::warn!(path = %dir.display(), error = %e, "cannot remove an old checkpoint");
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(adapter = %self.cfg.name, error = %e, "checkpoint retention failed")
+            }
+        }
+        // In the adapter store: the retired versions, and uploads no row ever named.
+        if env.adapters.is_some() {
+            sweep_orphans(env, &self.cfg.name, self.lineage.id, &retired);
+        }
+    }
+}
+
+/// Upload the checkpoint folder `rel` to the adapter store, if there is one (manifest last),
+/// before its version's row is committed: a replica that hears of it finds it complete. A failed
+/// upload removes the local folder.
+fn upload(env: &Env, rel: &str) -> Result<(), TrainError> {
+    let Some(store) = &env.adapters else {
+        return Ok(());
+    };
+    let t0 = std::time::Instant::now();
+    let dir = env.cfg.data_dir.join(rel);
+    if let Err(e) = store.upload(&dir, rel) {
+        let _ = remove_dir(&dir);
+        return Err(TrainError::new(ErrorKind::Checkpoint, format!("{e:#}")));
+    }
+    env.metrics
+        .adapter_store_seconds
+        .with_label_values(&["upload"])
+        .observe(t0.elapsed().as_secs_f64());
+    Ok(())
+}
+
+impl Member for Learner {
+    fn status(&self) -> &Status {
+        &self.status
+    }
+
+    fn status_mut(&mut self) -> &mut Status {
+        &mut self.status
+    }
+
+    fn turn(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError> {
+        self.step(env)
+    }
+
+    fn configure(&mut self, cfg: LearnConfig) -> Result<(), String> {
+        reconfigure(&mut self.cfg, &mut self.status, cfg)
+    }
+
+    fn gives_up(&self) -> bool {
+        true
+    }
+}
