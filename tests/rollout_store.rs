@@ -7,10 +7,12 @@
 mod common;
 
 use common::pg::Pg;
-use flywheel::online::lineage::Checkpoint;
-use flywheel::online::log::SqliteLog;
-use flywheel::online::log_pg::PgLog;
-use flywheel::online::records::{Accepting, CompletionRecord, FeedbackError, LogError, Reward};
+use flywheel::online::store::postgres::PgLog;
+use flywheel::online::store::records::Checkpoint;
+use flywheel::online::store::records::{
+    Accepting, CompletionRecord, FeedbackError, LogError, Reward,
+};
+use flywheel::online::store::sqlite::SqliteLog;
 use flywheel::online::store::{Announcement, RolloutStore};
 use std::sync::Arc;
 

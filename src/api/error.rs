@@ -1,7 +1,7 @@
 //! The one mapping from failures to HTTP status + OpenAI error body
 //! `{"error": {"message", "type", "param", "code"}}`.
 
-use crate::online::records::{FeedbackError, Refusal};
+use crate::online::store::records::{FeedbackError, Refusal};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -142,9 +142,9 @@ impl IntoResponse for ApiError {
 }
 
 /// The rollout log's errors: 503 once its database became unusable, 500 otherwise.
-impl From<crate::online::records::LogError> for ApiError {
-    fn from(e: crate::online::records::LogError) -> ApiError {
-        use crate::online::records::LogError;
+impl From<crate::online::store::records::LogError> for ApiError {
+    fn from(e: crate::online::store::records::LogError) -> ApiError {
+        use crate::online::store::records::LogError;
         match e {
             LogError::Broken(_) => ApiError {
                 code: Some("rollout_log_unavailable"),

@@ -9,7 +9,7 @@ use super::openai::Fields;
 use super::state::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
 use crate::online::learner::{self, ErrorKind};
-use crate::online::records::Reward;
+use crate::online::store::records::Reward;
 use crate::online::trainer::{CommandError, TrainerHandle};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};

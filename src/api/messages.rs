@@ -6,7 +6,7 @@
 use super::error::ApiError;
 use super::openai::{type_error, Fields};
 use super::structured::Structured;
-use super::tool_grammar::{generic_history, generic_messages, tool_grammar, Forced};
+use super::tools::grammar::{generic_history, generic_messages, tool_grammar, Forced};
 use super::tools::{ToolFormat, ToolMode};
 use crate::model::tokenizer::ChatRender;
 use serde_json::{Map, Value};

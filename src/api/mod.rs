@@ -26,7 +26,6 @@ pub mod scoring;
 pub mod serve;
 pub mod state;
 pub mod structured;
-pub mod tool_grammar;
 pub mod tools;
 pub mod train_policy;
 pub mod wire;

@@ -5,7 +5,7 @@
 
 use super::error::ApiError;
 use super::job::Job;
-use crate::online::records::{CompletionRecord, GroupKey, LoggedParams};
+use crate::online::store::records::{CompletionRecord, GroupKey, LoggedParams};
 use crate::online::trainer::TrainerHandle;
 use crate::policy::is_greedy;
 

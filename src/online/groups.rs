@@ -3,7 +3,7 @@
 //! ready to train, which members are dropped (and why), and how many groups still wait. No model,
 //! no database: unit-tested on values.
 
-use super::records::{Member, PendingGroup};
+use super::store::records::{Member, PendingGroup};
 use crate::train::loss::{unit_advantages, LossConfig, LossName};
 use std::collections::BTreeMap;
 

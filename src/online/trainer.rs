@@ -22,9 +22,9 @@ use super::adapter_store::AdapterStore;
 use super::checkpoint::sweep_temporaries;
 use super::config::{LearnConfig, OnlineConfig};
 use super::learner::{Env, Member, State, Status, TrainError};
-use super::open_store::open_store;
-use super::records::Accepting;
 use super::share_policy::{PolicyView, SharePolicy, Steering};
+use super::store::open::open_store;
+use super::store::records::Accepting;
 use super::store::{Announcement, RolloutStore};
 
 mod thread;

@@ -5,7 +5,7 @@
 use super::Env;
 use crate::adapter::peft;
 use crate::online::checkpoint::{adapter_rel, remove_dir, verify_checkpoint, MANIFEST_FILE};
-use crate::online::lineage::Checkpoint;
+use crate::online::store::records::Checkpoint;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 

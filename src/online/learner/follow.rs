@@ -11,7 +11,7 @@ use crate::adapter::peft;
 use crate::adapter::registry::Publisher;
 use crate::online::checkpoint::remove_dir;
 use crate::online::config::LearnConfig;
-use crate::online::lineage::Lineage;
+use crate::online::store::records::Lineage;
 use std::path::PathBuf;
 
 pub(super) struct Follower {

@@ -21,7 +21,7 @@ pub use status::{ErrorKind, State, Status, StepReport, TrainError};
 
 use super::adapter_store::AdapterStore;
 use super::config::{LearnConfig, LearnMethod, OnlineConfig};
-use super::lineage::{Checkpoint, Lineage};
+use super::store::records::{Checkpoint, Lineage};
 use super::store::RolloutStore;
 use crate::adapter::registry::{Publisher, Registry};
 use crate::adapter::{AdapterBase, AdapterConfig, AdapterError, AdapterWeights, Method};

@@ -2,7 +2,7 @@
 //! `flywheel_train_errors_total` show them), its last step and its status.
 
 use super::LearnConfig;
-use crate::online::records::LogError;
+use crate::online::store::records::LogError;
 use crate::train::offline::StepStats;
 use crate::util::now_secs;
 use std::collections::BTreeMap;

@@ -18,8 +18,8 @@ use crate::online::checkpoint::{
 };
 use crate::online::config::LearnConfig;
 use crate::online::groups::{self, Rules};
-use crate::online::lineage::{Checkpoint, Lineage};
-use crate::online::records::{LogError, PendingGroup};
+use crate::online::store::records::{Checkpoint, Lineage};
+use crate::online::store::records::{LogError, PendingGroup};
 use crate::policy::is_greedy;
 use crate::train::loss::{LossConfig, Objective};
 use crate::train::offline::{grouped, step, Sample, StepStats};

@@ -505,5 +505,4 @@ pub async fn get(
     }
 }
 
-#[path = "responses_stream.rs"]
 mod stream;

@@ -13,13 +13,13 @@
 //!   next call reconnects, so a restarted database costs the calls made while it was down
 //!   (their errors are 503s: nothing was acknowledged). Called from blocking threads only.
 
-use super::lineage::{already_consumed, Checkpoint, Lineage};
+use super::records::{already_consumed, Checkpoint, Lineage};
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, Member,
     PendingGroup, Reward, Turn, CHOICE_INFO, EPISODE_TRAINED,
 };
-use super::store::{redact, Accepts, Announcement, RolloutStore};
+use super::{redact, Accepts, Announcement, RolloutStore};
 use crate::util::now_secs;
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, NoTls, Row, Transaction};
@@ -551,5 +551,4 @@ impl RolloutStore for PgLog {
     }
 }
 
-#[path = "log_pg_conn.rs"]
 mod conn;

@@ -7,35 +7,10 @@
 //! that directory (a copied data directory is self-contained) in the same transaction as the
 //! completions the step consumed.
 
-use super::log::SqliteLog;
-use super::records::{History, LogError};
+use super::SqliteLog;
+use crate::online::store::records::{already_consumed, Checkpoint, History, Lineage, LogError};
 use crate::util::now_secs;
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
-
-/// A lineage of a learning adapter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Lineage {
-    pub id: u64,
-    /// Its first version: completions sampled below it belong to an earlier lineage.
-    pub first_version: u64,
-}
-
-/// A checkpoint of a lineage.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Checkpoint {
-    pub version: u64,
-    /// The optimizer's step count.
-    pub step: u64,
-    /// Relative to the data directory.
-    pub path: String,
-}
-
-/// A step that would consume a member twice (or one that is gone): the whole step is refused.
-pub(super) fn already_consumed(id: &str, choice: u32) -> LogError {
-    LogError::Conflict(format!(
-        "completion '{id}' choice {choice} is consumed already (or gone): the step is not recorded"
-    ))
-}
 
 impl SqliteLog {
     /// The lineage `adapter` learns in now, if any.

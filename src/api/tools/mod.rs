@@ -7,11 +7,13 @@
 //! - **generic** (templates that render no tools, as llama.cpp's server does for them): the
 //!   answer is one JSON object, `{"tool_call": {"name", "arguments"}}` (or `{"tool_calls":
 //!   [...]}` when several are allowed) or `{"response": "..."}`; constrained decoding keeps it
-//!   so (see `tool_grammar`).
+//!   so (see `grammar`).
 //!
 //! Non-streaming, the final text is split into content and calls. Streaming, `ToolStream` passes
 //! text through until a call could be starting, holds it from there, and hands the calls over at
 //! the end: the openai SDK assembles `delta.tool_calls` whatever their split.
+
+pub mod grammar;
 
 use serde::Serialize;
 use serde_json::Value;

@@ -5,7 +5,7 @@
 //! call or a response, as llama.cpp's server does), with the conversation's earlier calls and
 //! tool results written back in that format.
 
-use super::tools::ToolFormat;
+use super::ToolFormat;
 use crate::engine::constraint::{compact_schema, GrammarSpec};
 use serde_json::{json, Map, Value};
 

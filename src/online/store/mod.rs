@@ -1,23 +1,30 @@
 //! The rollout store: what the server and the trainer keep durably (completions served through a
 //! learning adapter, their rewards, episodes, lineages and checkpoints), behind one trait with
 //! two implementations and one test suite (`tests/rollout_store.rs`):
-//! - `SqliteLog` (`online::log`): one process, one file in the data directory; the default.
-//! - `PgLog` (`online::log_pg`): PostgreSQL, shared by serving replicas and a trainer on other
-//!   machines (`--rollout-store postgres://...`).
+//! - `sqlite::SqliteLog`: one process, one file in the data directory; the default.
+//! - `postgres::PgLog`: PostgreSQL, shared by serving replicas and a trainer on other machines
+//!   (`--rollout-store postgres://...`).
 //!
-//! `online::open_store` picks one from the configuration.
+//! `records` is their shared vocabulary (what is logged, rewarded, trained; lineages and
+//! checkpoints; the errors and the decisions every store makes the same way); `open` picks one
+//! store from the configuration.
 //!
 //! The promises are the same: a method that returns Ok has committed; a batch of rewards is all
 //! or none; a completion is rewarded only by the key that made it (or an admin); a repeated
 //! reward is idempotent and a different one a conflict; a step's checkpoint and the members it
 //! consumed commit together, and a member is consumed at most once.
 
-use super::lineage::{Checkpoint, Lineage};
-use super::log::SqliteLog;
-use super::records::{
+pub mod open;
+pub mod postgres;
+pub mod records;
+pub mod sqlite;
+
+use records::{
     Accepting, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError,
     PendingGroup, Reward, Turn,
 };
+use records::{Checkpoint, Lineage};
+use sqlite::SqliteLog;
 
 /// What one process hears of another's work through a shared store (`RolloutStore::subscribe`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,8 +1,8 @@
 //! Opening the rollout store the configuration names (`online.rollout_store`).
 
-use super::log::SqliteLog;
-use super::log_pg::PgLog;
-use super::store::{redact, RolloutStore};
+use super::postgres::PgLog;
+use super::sqlite::SqliteLog;
+use super::{redact, RolloutStore};
 use std::path::Path;
 use std::sync::Arc;
 

@@ -348,5 +348,4 @@ fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
 }
 
 #[cfg(test)]
-#[path = "sampler_tests.rs"]
 mod tests;

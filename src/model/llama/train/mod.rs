@@ -344,5 +344,4 @@ fn scored_rows(seqs: &[TrainSeq]) -> Vec<(usize, usize, u32)> {
     scored
 }
 
-#[path = "train_backward.rs"]
 mod backward;

@@ -553,5 +553,4 @@ async fn collect_response(r: Responder, stream: RequestStream) -> Result<Respons
     Ok((StatusCode::OK, axum::Json(r.final_body())).into_response())
 }
 
-#[path = "respond_stream.rs"]
 mod stream;

@@ -397,9 +397,8 @@ impl SqliteLog {
     }
 }
 
-#[path = "log_episodes.rs"]
 mod episodes;
+mod lineage;
 
 #[cfg(test)]
-#[path = "log_tests.rs"]
 mod tests;

@@ -577,6 +577,5 @@ impl GpuLlama {
     }
 }
 
-#[path = "gpu_ops.rs"]
 mod ops;
 use ops::{attend, cudarc_mode, residual, Experts, Projector};

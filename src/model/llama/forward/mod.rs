@@ -482,5 +482,4 @@ pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {
     }
 }
 
-#[path = "project.rs"]
 mod project;

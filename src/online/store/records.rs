@@ -6,6 +6,31 @@
 
 use std::collections::BTreeMap;
 
+/// A lineage of a learning adapter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lineage {
+    pub id: u64,
+    /// Its first version: completions sampled below it belong to an earlier lineage.
+    pub first_version: u64,
+}
+
+/// A checkpoint of a lineage.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Checkpoint {
+    pub version: u64,
+    /// The optimizer's step count.
+    pub step: u64,
+    /// Relative to the data directory.
+    pub path: String,
+}
+
+/// A step that would consume a member twice (or one that is gone): the whole step is refused.
+pub(crate) fn already_consumed(id: &str, choice: u32) -> LogError {
+    LogError::Conflict(format!(
+        "completion '{id}' choice {choice} is consumed already (or gone): the step is not recorded"
+    ))
+}
+
 /// Why the log cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
