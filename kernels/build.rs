@@ -3,8 +3,9 @@
 //! tests, and build the host twin of the shared helpers (`cuda/twin.cu`). Without the feature,
 //! nothing: the CPU build needs no CUDA.
 //!
-//! nvcc is found at $FLYWHEEL_NVCC, $CUDA_HOME/bin, the workspace's target/cuda-venv (where
-//! `scripts/cuda-toolkit` installs PyPI's toolkit) or PATH. It must be 13.0: the lent GPUs' driver
+//! nvcc is found at $FLYWHEEL_NVCC, $CUDA_HOME/bin, $FLYWHEEL_CUDA_VENV or
+//! ~/.cache/flywheel/cuda-13.0.2-venv (where `scripts/cuda-toolkit` installs PyPI's toolkit), the
+//! workspace's target/cuda-venv (where it did before), or PATH. It must be 13.0: the lent GPUs' driver
 //! (580, CUDA 13.0) cannot load the PTX that a later nvcc writes.
 
 use std::path::{Path, PathBuf};
@@ -15,13 +16,14 @@ fn main() {
     println!("cargo:rerun-if-changed=cuda");
     println!("cargo:rerun-if-env-changed=FLYWHEEL_NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=FLYWHEEL_CUDA_VENV");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
     let nvcc = find_nvcc().unwrap_or_else(|| {
         panic!(
             "the cuda feature needs nvcc 13.0 and none was found: run scripts/cuda-toolkit \
-             (PyPI's cuda-toolkit 13.0.2 into target/cuda-venv), or set FLYWHEEL_NVCC"
+             (PyPI's cuda-toolkit 13.0.2 into ~/.cache/flywheel), or set FLYWHEEL_NVCC"
         )
     });
     let version = run(Command::new(&nvcc).arg("--version"), "nvcc --version");
@@ -92,8 +94,16 @@ fn find_nvcc() -> Option<PathBuf> {
         .unwrap_or_else(|| {
             PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("../target")
         });
-    let lib = target.join("cuda-venv/lib");
-    if let Ok(entries) = std::fs::read_dir(&lib) {
+    let cache = std::env::var_os("FLYWHEEL_CUDA_VENV")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let home = PathBuf::from(std::env::var_os("HOME")?);
+            Some(home.join(".cache/flywheel/cuda-13.0.2-venv"))
+        });
+    for venv in cache.into_iter().chain([target.join("cuda-venv")]) {
+        let Ok(entries) = std::fs::read_dir(venv.join("lib")) else {
+            continue;
+        };
         for e in entries.flatten() {
             let p = e.path().join("site-packages/nvidia/cu13/bin/nvcc");
             if p.exists() {

@@ -1,13 +1,16 @@
 """The `verifiers` RL library's train client as prime-rl runs it: it renders chats itself with a
 Hugging Face tokenizer (here the model's own, written by `flywheel export-tokenizer`, no hub)
 and calls `POST /inference/v1/generate` with token ids. It needs openai<3, so it runs in its own
-virtual environment, `target/verifiers-venv` (scripts/test makes it); skipped without it.
+virtual environment, `$FLYWHEEL_VERIFIERS_VENV` (scripts/test makes it, by default in
+`~/.cache/flywheel/verifiers-0.4.0-venv`: outside the checkout, so that a fresh checkout does not
+install it again); skipped without it.
 
 Checked: a two-turn rollout completes; the client's rendering of each chat is the server's own
 (`/tokenize` of the messages); the completion log-probs it got back are the ones the server
 scores for those tokens, to the bit."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -17,7 +20,9 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from flywheel_server import BIN, MODEL, ROOT, http, running  # noqa: E402
 
-VENV_PY = ROOT / "target" / "verifiers-venv" / "bin" / "python"
+VENV = os.environ.get("FLYWHEEL_VERIFIERS_VENV") or os.path.expanduser(
+    "~/.cache/flywheel/verifiers-0.4.0-venv")
+VENV_PY = pathlib.Path(VENV) / "bin" / "python"
 if not VENV_PY.exists():
     pytest.skip(f"no {VENV_PY} (scripts/test makes it: the verifiers library pins openai<3)",
                 allow_module_level=True)
