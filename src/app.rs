@@ -8,8 +8,8 @@ use crate::config::{Config, PrecisionChoice};
 use crate::engine::{Engine, EngineConfig};
 use crate::generate::{GenerateOptions, GenerateOutput, BLOCK_SIZE};
 use crate::metrics::Metrics;
+use crate::model::decoder::Decoder;
 use crate::model::gguf::WeightMemory;
-use crate::model::llama::Llama;
 use crate::model::tokenizer::Tokenizer;
 use crate::online::start::Online;
 use crate::online::trainer::Compute;
@@ -38,7 +38,7 @@ pub struct ModelSpec {
 
 /// A loaded model, its tokenizer and the compute pool.
 pub struct Base {
-    pub model: Arc<Llama>,
+    pub model: Arc<Decoder>,
     pub tokenizer: Arc<Tokenizer>,
     pub cpu: Arc<Cpu>,
 }
@@ -81,7 +81,7 @@ pub fn compute(
 }
 
 /// Says where the weights are (and whether the kernel really gave 2 MB pages).
-fn log_weights(model: &Llama) {
+fn log_weights(model: &Decoder) {
     let mb = model.gguf.bytes().len() as f64 / 1e6;
     if model.gguf.huge_pages() {
         let huge = std::fs::read_to_string("/proc/self/smaps_rollup")
@@ -108,7 +108,7 @@ fn log_weights(model: &Llama) {
 impl Base {
     pub fn load(spec: &ModelSpec) -> anyhow::Result<Base> {
         let path = crate::fetch::ensure_model(&spec.path)?;
-        let model = Llama::open_in(&path, spec.weights)
+        let model = Decoder::open_in(&path, spec.weights)
             .with_context(|| format!("loading {}", path.display()))?;
         log_weights(&model);
         let tokenizer = Tokenizer::from_gguf(&model.gguf).context("building the tokenizer")?;
@@ -210,7 +210,7 @@ fn chat_template_name(value: &str) -> &str {
 /// threads while answering 503).
 pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     let path = crate::fetch::ensure_model(&cfg.model_path)?;
-    let mut model = Llama::open_in(&path, cfg.weights)?;
+    let mut model = Decoder::open_in(&path, cfg.weights)?;
     model.kv_dtype = cfg.kv_dtype;
     log_weights(&model);
     let mut tokenizer = Tokenizer::from_gguf(&model.gguf)?;

@@ -6,8 +6,8 @@ use crate::adapter::{
     peft, AdapterBase, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig,
 };
 use crate::generate::{decode_batch, BLOCK_SIZE};
+use crate::model::decoder::{BatchSeq, Decoder, Logits};
 use crate::model::kv_cache::KvCache;
-use crate::model::llama::{BatchSeq, Llama, Logits};
 use crate::model::tokenizer::Tokenizer;
 use flywheel_kernels::Cpu;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,7 +28,7 @@ pub struct BenchOptions {
 
 /// `oft` (b=32) or `lora` (r=16, α=32) on every projection the model adapts (all seven, or a
 /// MoE's attention) with random values, or a PEFT folder.
-pub fn adapter_for(model: &Llama, spec: &str) -> anyhow::Result<AdapterWeights> {
+pub fn adapter_for(model: &Decoder, spec: &str) -> anyhow::Result<AdapterWeights> {
     let method = match spec {
         "oft" => Method::Oft(OftConfig::default()),
         "lora" => Method::Lora(LoraConfig {
@@ -97,7 +97,7 @@ fn read_bandwidth(cpu: &Cpu, huge_pages: bool) -> anyhow::Result<f64> {
 }
 
 /// Run the tests and print a table and one JSON line.
-pub fn run(model: &Llama, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyhow::Result<()> {
+pub fn run(model: &Decoder, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> anyhow::Result<()> {
     let huge = model.gguf.huge_pages();
     let stop = Arc::new(AtomicBool::new(false));
     let peer = o.busy_peer.then(|| {
@@ -288,7 +288,7 @@ pub struct TrainShape {
 /// a shared prompt counted once per sequence) of the median step and the peak RSS, as a table
 /// and one JSON line.
 pub fn run_train(
-    model: &Llama,
+    model: &Decoder,
     cpu: &Cpu,
     adapter: AdapterWeights,
     shape: &TrainShape,

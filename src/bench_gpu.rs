@@ -4,18 +4,18 @@
 
 use crate::bench::{median, BenchOptions};
 use crate::generate::BLOCK_SIZE;
-use crate::model::llama::{BatchSeq, ForwardBuffers, GpuLlama, GpuShape, Llama, Logits};
+use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
 use flywheel_kernels::cuda::Gpu;
 use std::time::Instant;
 
 /// One engine (graphs on or off) and the cache blocks each decode sequence owns.
 struct Bench {
-    gpu: GpuLlama,
+    gpu: GpuDecoder,
     bufs: ForwardBuffers,
 }
 
 impl Bench {
-    fn new(model: &Llama, o: &BenchOptions, graphs: bool) -> anyhow::Result<Bench> {
+    fn new(model: &Decoder, o: &BenchOptions, graphs: bool) -> anyhow::Result<Bench> {
         let max_b = o.batches.iter().copied().max().unwrap_or(1);
         let per_seq = (8 + o.decode_tokens).div_ceil(BLOCK_SIZE);
         let blocks = (o.prompt_tokens.div_ceil(BLOCK_SIZE)).max(max_b * per_seq);
@@ -27,7 +27,7 @@ impl Bench {
             max_model_len: o.prompt_tokens.max(8 + o.decode_tokens),
             graphs,
         };
-        let gpu = GpuLlama::new(Gpu::open(0)?, model, shape)?;
+        let gpu = GpuDecoder::new(Gpu::open(0)?, model, shape)?;
         Ok(Bench {
             gpu,
             bufs: ForwardBuffers::default(),
@@ -35,7 +35,7 @@ impl Bench {
     }
 
     /// Seconds to prefill `prompt` (one sequence from position 0).
-    fn prefill(&mut self, model: &Llama, prompt: &[u32]) -> anyhow::Result<f64> {
+    fn prefill(&mut self, model: &Decoder, prompt: &[u32]) -> anyhow::Result<f64> {
         let table: Vec<u32> = (0..prompt.len().div_ceil(BLOCK_SIZE) as u32).collect();
         let t = Instant::now();
         self.gpu.forward_into(
@@ -55,7 +55,7 @@ impl Bench {
 
     /// Seconds for `steps` decode steps of `b` sequences (8-token prompts, greedy), the
     /// logits back on the host each step as the engine has them.
-    fn decode(&mut self, model: &Llama, b: usize, steps: usize) -> anyhow::Result<f64> {
+    fn decode(&mut self, model: &Decoder, b: usize, steps: usize) -> anyhow::Result<f64> {
         let per_seq = (8 + steps).div_ceil(BLOCK_SIZE);
         let tables: Vec<Vec<u32>> = (0..b)
             .map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect())
@@ -114,7 +114,7 @@ fn copy_bandwidth() -> anyhow::Result<f64> {
 }
 
 /// Run the tests on GPU 0 and print a table and one JSON line.
-pub fn run(model: &Llama, o: &BenchOptions) -> anyhow::Result<()> {
+pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
     anyhow::ensure!(
         o.adapter.is_none(),
         "--adapter is not measured on the GPU yet"

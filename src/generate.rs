@@ -6,8 +6,8 @@
 use crate::adapter::registry::AdapterVersion;
 use crate::engine::sampler::{SamplingParams, TopLogprob};
 use crate::engine::{EngineEvent, EngineHandle, FinishReason, GenerateRequest, StopReason};
+use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, Logits};
 use crate::model::kv_cache::{BlockAllocator, KvCache};
-use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
 use flywheel_kernels::Cpu;
 use std::sync::Arc;
 use std::time::Instant;
@@ -149,7 +149,7 @@ pub fn generate(
 /// Decode `steps` tokens for each of `batch` sequences (each after its own short prompt) as one
 /// packed batch per step; returns seconds spent decoding. Greedy, for benchmarking the forward.
 pub fn decode_batch(
-    model: &Llama,
+    model: &Decoder,
     cpu: &Cpu,
     prompts: &[Vec<u32>],
     steps: usize,

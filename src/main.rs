@@ -141,7 +141,7 @@ enum Cmd {
         #[arg(long, default_value_t = 1.0)]
         temperature: f32,
         /// Memory for the activations a step keeps (layers beyond it are recomputed).
-        #[arg(long, default_value_t = flywheel::model::llama::ACTIVATION_BUDGET >> 20)]
+        #[arg(long, default_value_t = flywheel::model::decoder::ACTIVATION_BUDGET >> 20)]
         activation_mb: usize,
     },
     /// Print the token ids of the text on stdin.
@@ -195,7 +195,7 @@ enum Cmd {
         #[arg(long, default_value = "f32")]
         kv_cache_dtype: String,
         /// Memory for the activations a training step keeps (layers beyond it are recomputed).
-        #[arg(long, default_value_t = flywheel::model::llama::ACTIVATION_BUDGET >> 20)]
+        #[arg(long, default_value_t = flywheel::model::decoder::ACTIVATION_BUDGET >> 20)]
         activation_mb: usize,
         /// cpu, or cuda: the CUDA engine on GPU 0 (decode through graphs and eagerly, alternating;
         /// builds with --features cuda).
@@ -522,7 +522,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 "cpu" => flywheel::bench::run(model, tok, cpu, &opts),
                 #[cfg(feature = "cuda")]
                 "cuda" => {
-                    let mut model = flywheel::model::llama::Llama::open(&m.model)?;
+                    let mut model = flywheel::model::decoder::Decoder::open(&m.model)?;
                     model.kv_dtype = opts.kv_dtype;
                     flywheel::bench_gpu::run(&model, &opts)
                 }

@@ -11,8 +11,8 @@ use flywheel::adapter::{
     peft, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
+use flywheel::model::decoder::{BatchSeq, Decoder, Logits};
 use flywheel::model::kv_cache::KvCache;
-use flywheel::model::llama::{BatchSeq, Llama, Logits};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,14 +49,14 @@ fn lora(r: usize, alpha: f32, targets: &[Target]) -> AdapterConfig {
 }
 
 /// An adapter of `config` with every parameter uniform in ±scale.
-fn random_adapter(model: &Llama, config: AdapterConfig, seed: u64, scale: f32) -> AdapterWeights {
+fn random_adapter(model: &Decoder, config: AdapterConfig, seed: u64, scale: f32) -> AdapterWeights {
     let layout = Arc::new(AdapterLayout::new(config, &model.config).unwrap());
     let params = Rng(seed).vec(layout.num_params, scale);
     AdapterWeights::new(layout, params).unwrap()
 }
 
 fn run(
-    model: &Llama,
+    model: &Decoder,
     cpu: &Cpu,
     tokens: &[u32],
     adapter: Option<&AdapterWeights>,
@@ -157,7 +157,7 @@ fn naive_project(w: &AdapterWeights, l: usize, t: usize, wm: &[Vec<f64>], x: &[f
 fn oft_and_lora_match_the_independent_implementation() {
     let spec = TinySpec::small();
     let (_dir, path) = write_tiny(&spec);
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let tokens: Vec<u32> = (0..17).map(|i| (i * 41 + 7) % 250 + 3).collect();
     let cases = [
         ("oft b=16 all", oft(16, &Target::ALL), 0.2),
@@ -198,7 +198,7 @@ fn oft_and_lora_match_the_independent_implementation() {
 #[test]
 fn identity_adapters_give_the_base_logits_bitwise() {
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let tokens: Vec<u32> = (0..21).map(|i| (i * 13 + 2) % 250 + 3).collect();
     for isa in Isa::available() {
         let c = cpu(isa);
@@ -226,7 +226,7 @@ fn identity_adapters_give_the_base_logits_bitwise() {
 #[test]
 fn peft_fixture_loads_and_gives_pefts_log_probs() {
     let dir = fixtures();
-    let model = Llama::open(dir.join("tiny.gguf")).unwrap();
+    let model = Decoder::open(dir.join("tiny.gguf")).unwrap();
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let tokens: Vec<u32> = expected["tokens"]
@@ -271,7 +271,7 @@ fn peft_fixture_loads_and_gives_pefts_log_probs() {
 #[test]
 fn saving_writes_pefts_format_and_loads_back_to_the_bit() {
     let dir = fixtures();
-    let model = Llama::open(dir.join("tiny.gguf")).unwrap();
+    let model = Decoder::open(dir.join("tiny.gguf")).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let c = cpu(Isa::detect());
     let tokens = [3u32, 9, 27, 81, 50, 7];
@@ -332,7 +332,7 @@ fn saving_writes_pefts_format_and_loads_back_to_the_bit() {
 
 /// One engine-style packed batch: every sequence's logits at all positions, in order.
 fn run_batch(
-    model: &Llama,
+    model: &Decoder,
     cpu: &Cpu,
     seqs: &[(&[u32], Option<&AdapterWeights>)],
 ) -> Vec<Vec<f32>> {
@@ -372,7 +372,7 @@ fn run_batch(
 #[test]
 fn mixed_batches_keep_every_row_bitwise() {
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let oft1 = random_adapter(&model, oft(32, &Target::ALL), 1, 0.1);
     let oft2 = random_adapter(&model, oft(32, &Target::ALL), 2, 0.1);
     let lora1 = random_adapter(&model, lora(8, 16.0, &Target::ALL), 3, 0.2);
@@ -456,7 +456,7 @@ fn write_adapter(dir: &Path, config: &serde_json::Value, tensors: &[(&str, Vec<u
 #[test]
 fn malformed_adapters_are_refused_by_name() {
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let cfg = serde_json::json!({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["v_proj"]});
     let name = |l: usize, s: &str| {
@@ -521,7 +521,7 @@ fn malformed_adapters_are_refused_by_name() {
     assert!(e.contains("oft_block_size"), "{e}");
     // An adapter made for a model of other dimensions (the PEFT fixture's 64-wide model, here 64
     // wide too but with another FFN width) is refused by the tensor that does not fit.
-    let other = Llama::open(fixtures().join("tiny.gguf")).unwrap();
+    let other = Decoder::open(fixtures().join("tiny.gguf")).unwrap();
     let e = peft::load(&fixtures().join("oft"), &model.config)
         .map(|_| ())
         .unwrap_err()
@@ -539,7 +539,7 @@ fn malformed_adapters_are_refused_by_name() {
 fn moe_models_refuse_adapters_on_their_experts() {
     use flywheel::adapter::AdapterBase;
     let (_dir, path) = write_tiny(&TinySpec::qwen3moe());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let shape = model.config.adapter_shape();
     assert_eq!(
         shape.default_targets(),
@@ -556,6 +556,6 @@ fn moe_models_refuse_adapters_on_their_experts() {
     }
     // A dense model keeps all seven.
     let (_d, dense) = write_tiny(&TinySpec::qwen3());
-    let dense = Llama::open(&dense).unwrap();
+    let dense = Decoder::open(&dense).unwrap();
     assert_eq!(dense.config.adapter_shape().default_targets(), Target::ALL);
 }

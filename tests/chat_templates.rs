@@ -5,7 +5,7 @@
 mod common;
 
 use common::{python_json, write_tiny, TinySpec};
-use flywheel::model::llama::Llama;
+use flywheel::model::decoder::Decoder;
 use flywheel::model::tokenizer::{ChatMessage, Tokenizer};
 
 const TEMPLATE: &str = r#"{{- bos_token }}
@@ -58,7 +58,7 @@ fn multi_line_templates_render_as_transformers_renders_them() {
         chat_template: Some(TEMPLATE),
         ..TinySpec::small()
     });
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let tok = Tokenizer::from_gguf(&model.gguf).unwrap();
     let conversations = [
         r#"[{"role": "user", "content": "  hi there  "}]"#,
@@ -161,7 +161,7 @@ fn the_families_own_templates_render_as_transformers_renders_them_tools_included
             chat_template: Some(leaked),
             ..TinySpec::small()
         });
-        let model = Llama::open(&gguf).unwrap();
+        let model = Decoder::open(&gguf).unwrap();
         let tok = Tokenizer::from_gguf(&model.gguf).unwrap();
         for (msgs, tools) in [
             (plain, "null"),
@@ -197,7 +197,7 @@ fn the_families_own_templates_render_as_transformers_renders_them_tools_included
 #[test]
 fn exported_tokenizer_encodes_as_the_server() {
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let tok = Tokenizer::from_gguf(&model.gguf).unwrap();
     let (json, config) = tok.hf_files().unwrap();
     let hf: tokenizers::Tokenizer = json.parse().unwrap();

@@ -387,7 +387,7 @@ fn train_writes_a_peft_adapter_and_optimizer_state_and_resumes() {
 #[test]
 fn train_runs_on_every_family() {
     use flywheel::adapter::{peft, AdapterBase};
-    use flywheel::model::llama::Llama;
+    use flywheel::model::decoder::Decoder;
     for spec in TinySpec::families() {
         let (dir, path) = write_tiny(&spec);
         let data = dir.path().join("data.jsonl");
@@ -420,7 +420,7 @@ fn train_runs_on_every_family() {
         );
         assert!(ok, "{}: {err}", spec.arch);
         assert_eq!(stdout.lines().count(), 4, "{}: {stdout}", spec.arch);
-        let model = Llama::open(&path).unwrap();
+        let model = Decoder::open(&path).unwrap();
         let w = peft::load(&out, &model.config).unwrap();
         assert_eq!(
             w.layout.config.targets,
@@ -428,7 +428,7 @@ fn train_runs_on_every_family() {
             "{}",
             spec.arch
         );
-        let seq = [flywheel::model::llama::TrainSeq::whole(
+        let seq = [flywheel::model::decoder::TrainSeq::whole(
             &[5, 6, 7, 40, 41, 42],
             3,
         )];

@@ -13,8 +13,8 @@ use flywheel::adapter::{
 };
 use flywheel::kernels::cuda::Gpu;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
+use flywheel::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
 use flywheel::model::kv_cache::{KvCache, KvDtype};
-use flywheel::model::llama::{BatchSeq, ForwardBuffers, GpuLlama, GpuShape, Llama, Logits};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,7 +78,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn adapter(model: &Llama, method: Method, seed: u64) -> Arc<AdapterWeights> {
+fn adapter(model: &Decoder, method: Method, seed: u64) -> Arc<AdapterWeights> {
     let config = AdapterConfig {
         method,
         targets: Target::ALL.to_vec(),
@@ -93,12 +93,12 @@ fn adapter(model: &Llama, method: Method, seed: u64) -> Arc<AdapterWeights> {
 /// and 5 sequences (buckets 2, 4 and 8, two of them padded), on the CPU and the GPU.
 fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, g: Gpu) {
     let (_dir, path) = write_tiny(spec);
-    let mut model = Llama::open(&path).unwrap();
+    let mut model = Decoder::open(&path).unwrap();
     model.kv_dtype = dtype;
     let c = model.config.clone();
     let cpu = Cpu::new(Isa::detect(), ThreadPool::new(2, Duration::from_micros(50)));
     let mut cache = KvCache::with_dtype(c.num_layers, c.kv_dim(), BS, BLOCKS, dtype);
-    let mut gl = GpuLlama::new(g, &model, shape(true)).unwrap();
+    let mut gl = GpuDecoder::new(g, &model, shape(true)).unwrap();
     let mut rng = Rng(spec.seed);
     let mut seqs: Vec<Seq> = (0..5)
         .map(|i| Seq {
@@ -185,10 +185,10 @@ fn every_family_forwards_on_the_gpu_as_on_the_cpu() {
 fn graph_replays_equal_eager_launches_bit_for_bit() {
     let Some(g1) = gpu() else { return };
     let (_dir, path) = write_tiny(&TinySpec::llama3());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let vocab = model.config.vocab_size as u64;
-    let mut graphs = GpuLlama::new(g1, &model, shape(true)).unwrap();
-    let mut eager = GpuLlama::new(gpu().unwrap(), &model, shape(false)).unwrap();
+    let mut graphs = GpuDecoder::new(g1, &model, shape(true)).unwrap();
+    let mut eager = GpuDecoder::new(gpu().unwrap(), &model, shape(false)).unwrap();
     let lora = Method::Lora(LoraConfig {
         r: 4,
         alpha: 8.0,

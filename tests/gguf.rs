@@ -194,12 +194,12 @@ fn corrupt_and_unsupported_files_name_the_problem() {
 
 #[test]
 fn model_loading_names_missing_and_misshapen_tensors() {
-    use flywheel::model::llama::Llama;
+    use flywheel::model::decoder::Decoder;
     let g = open_bytes(&tiny_model(&TinySpec::small()).bytes).unwrap();
-    assert!(Llama::from_gguf(g).is_ok());
+    assert!(Decoder::from_gguf(g).is_ok());
     let mut w = GgufWriter::new();
     w.meta("general.architecture", Value::String("llama".into()));
-    let e = Llama::from_gguf(open_bytes(&w.to_bytes()).unwrap())
+    let e = Decoder::from_gguf(open_bytes(&w.to_bytes()).unwrap())
         .err()
         .unwrap()
         .to_string();
@@ -209,25 +209,25 @@ fn model_loading_names_missing_and_misshapen_tensors() {
     );
     let mut w = GgufWriter::new();
     w.meta("general.architecture", Value::String("mamba".into()));
-    let e = Llama::from_gguf(open_bytes(&w.to_bytes()).unwrap())
+    let e = Decoder::from_gguf(open_bytes(&w.to_bytes()).unwrap())
         .err()
         .unwrap()
         .to_string();
     // The error names what is supported.
     assert!(e.contains("mamba"), "{e}");
-    for arch in flywheel::model::llama::SUPPORTED_ARCHITECTURES {
+    for arch in flywheel::model::decoder::SUPPORTED_ARCHITECTURES {
         assert!(e.contains(arch), "{arch}: {e}");
     }
     assert_eq!(
-        flywheel::model::llama::SUPPORTED_ARCHITECTURES,
+        flywheel::model::decoder::SUPPORTED_ARCHITECTURES,
         ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2"]
     );
     // One family entry per supported architecture, in that order.
-    let families: Vec<&str> = flywheel::model::llama::FAMILIES
+    let families: Vec<&str> = flywheel::model::decoder::FAMILIES
         .iter()
         .map(|f| f.arch)
         .collect();
-    assert_eq!(families, flywheel::model::llama::SUPPORTED_ARCHITECTURES);
+    assert_eq!(families, flywheel::model::decoder::SUPPORTED_ARCHITECTURES);
 }
 
 #[test]

@@ -10,7 +10,7 @@ mod common;
 use common::logprobs_all;
 use flywheel::adapter::peft;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
-use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET};
+use flywheel::model::decoder::{Decoder, TrainSeq, ACTIVATION_BUDGET};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -54,7 +54,7 @@ fn expected(family: &str) -> Expected {
 fn every_family_gives_transformers_log_probs() {
     for family in FAMILIES {
         let e = expected(family);
-        let model = Llama::open(dir(family).join("model.gguf")).unwrap();
+        let model = Decoder::open(dir(family).join("model.gguf")).unwrap();
         for cpu in cpus() {
             let got = logprobs_all(&model, &cpu, &e.tokens, None);
             let d = got
@@ -78,7 +78,7 @@ fn every_family_gives_transformers_log_probs() {
 fn every_family_gives_pefts_adapter_log_probs_and_gradients() {
     for family in FAMILIES {
         let e = expected(family);
-        let model = Llama::open(dir(family).join("model.gguf")).unwrap();
+        let model = Decoder::open(dir(family).join("model.gguf")).unwrap();
         let seqs = [TrainSeq::whole(&e.tokens, e.prompt_len)];
         for kind in ["lora", "oft"] {
             let w = peft::load(&dir(family).join(kind), &model.config).unwrap();

@@ -8,7 +8,7 @@ mod common;
 use common::naive::naive_logprobs;
 use common::{logprobs_all, python_json, write_tiny, TinySpec};
 use flywheel::kernels::{Cpu, QuantType};
-use flywheel::model::llama::Llama;
+use flywheel::model::decoder::Decoder;
 
 /// llama.cpp's log-probs of the next token after each prefix of `tokens` (None: no llama_cpp).
 fn llamacpp_logprobs(path: &std::path::Path, tokens: &[u32]) -> Option<Vec<Vec<f64>>> {
@@ -48,7 +48,7 @@ fn every_family_agrees_with_llama_cpp_on_the_same_file() {
             eprintln!("skipped: llama_cpp (llama-cpp-python) is not installed");
             return;
         };
-        let model = Llama::open(&path).unwrap();
+        let model = Decoder::open(&path).unwrap();
         let got = logprobs_all(&model, &Cpu::detect(), &tokens, None);
         let d = got
             .iter()
@@ -105,7 +105,7 @@ print(json.dumps(sorted({t.tensor_type.name for t in GGUFReader(sys.argv[2]).ten
 /// cost of the second (measured relative to how far quantizing moved exact math from `orig`, the
 /// file before quantization: a misread block would differ by that effect's order).
 fn quantized_file_agrees(path: &std::path::Path, orig: &std::path::Path, what: &str) {
-    let model = Llama::open(path).unwrap();
+    let model = Decoder::open(path).unwrap();
     let tokens: Vec<u32> = (0..24).map(|i| (i * 41 + 7) % 250 + 3).collect();
     let got = logprobs_all(&model, &Cpu::detect(), &tokens, None);
     let exact = naive_logprobs(path, &tokens);
@@ -246,7 +246,7 @@ fn qwen2_and_llama3_pre_tokenizers_split_like_llama_cpp() {
             eprintln!("skipped: llama_cpp (llama-cpp-python) is not installed");
             return;
         };
-        let model = Llama::open(&path).unwrap();
+        let model = Decoder::open(&path).unwrap();
         let tok = flywheel::model::tokenizer::Tokenizer::from_gguf(&model.gguf).unwrap();
         for (t, w) in texts.iter().zip(&want) {
             assert_eq!(&tok.encode(t).unwrap(), w, "{pre}: {t:?}");
@@ -281,7 +281,7 @@ fn sentencepiece_vocabularies_tokenize_like_llama_cpp() {
             eprintln!("skipped: llama_cpp (llama-cpp-python) is not installed");
             return;
         };
-        let model = Llama::open(&path).unwrap();
+        let model = Decoder::open(&path).unwrap();
         let tok = flywheel::model::tokenizer::Tokenizer::from_gguf(&model.gguf).unwrap();
         for (t, w) in texts.iter().zip(&want) {
             let got = tok.encode(t).unwrap();

@@ -6,16 +6,16 @@ mod common;
 use common::naive::naive_logprobs;
 use common::{write_tiny, TinySpec};
 use flywheel::kernels::{reference, Cpu, Isa, ThreadPool};
+use flywheel::model::decoder::{BatchSeq, Decoder, Logits};
 use flywheel::model::gguf::Gguf;
 use flywheel::model::kv_cache::{BlockAllocator, KvCache};
-use flywheel::model::llama::{BatchSeq, Llama, Logits};
 use std::time::Duration;
 
 fn cpu(isa: Isa) -> Cpu {
     Cpu::new(isa, ThreadPool::new(2, Duration::from_micros(50)))
 }
 
-fn run_all(model: &Llama, cpu: &Cpu, tokens: &[u32]) -> Vec<Vec<f32>> {
+fn run_all(model: &Decoder, cpu: &Cpu, tokens: &[u32]) -> Vec<Vec<f32>> {
     common::logprobs_all(model, cpu, tokens, None)
 }
 
@@ -39,7 +39,7 @@ fn reference_kernels_match_the_naive_implementation() {
         let (_dir, path) = write_tiny(&spec);
         let tokens: Vec<u32> = (0..19).map(|i| (i * 37 + 5) % 250 + 3).collect();
         let want = naive_logprobs(&path, &tokens);
-        let model = Llama::open(&path).unwrap();
+        let model = Decoder::open(&path).unwrap();
         let got = run_all(&model, &cpu(Isa::Reference), &tokens);
         let d = max_diff(&got, &want);
         eprintln!(
@@ -64,7 +64,7 @@ fn fast_kernels_match_the_naive_implementation() {
         let (_dir, path) = write_tiny(&spec);
         let tokens: Vec<u32> = (0..40).map(|i| (i * 53 + 1) % 250 + 3).collect();
         let want = naive_logprobs(&path, &tokens);
-        let model = Llama::open(&path).unwrap();
+        let model = Decoder::open(&path).unwrap();
         for isa in Isa::available() {
             let d = max_diff(&run_all(&model, &cpu(isa), &tokens), &want);
             eprintln!(
@@ -90,7 +90,7 @@ fn packed_batches_and_chunked_prefill_agree_exactly_with_single_runs() {
 
 fn packed_equals_single(spec: &TinySpec) {
     let (_dir, path) = write_tiny(spec);
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let c = cpu(Isa::detect());
     let a: Vec<u32> = (0..23).map(|i| (i * 7 + 3) % 250 + 3).collect();
     let b: Vec<u32> = (0..9).map(|i| (i * 11 + 1) % 250 + 3).collect();
@@ -179,7 +179,7 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
 #[test]
 fn bad_batches_are_errors_not_panics() {
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let c = cpu(Isa::detect());
     let mut cache = KvCache::new(model.config.num_layers, model.config.kv_dim(), 4, 4);
     let table = [0u32, 1];
@@ -234,7 +234,7 @@ fn incremental_detokenization_equals_whole_decoding_even_on_invalid_utf8() {
 fn gemma2_soft_caps_and_window_come_from_the_file_or_the_family() {
     let caps = |spec: &TinySpec| {
         let (_dir, path) = write_tiny(spec);
-        let c = Llama::open(&path).unwrap().config;
+        let c = Decoder::open(&path).unwrap().config;
         (c.attn_softcap, c.final_softcap)
     };
     let gemma2 = TinySpec::gemma2();
@@ -259,7 +259,7 @@ fn gemma2_soft_caps_and_window_come_from_the_file_or_the_family() {
     // must say (none: every layer global).
     let window = |spec: &TinySpec| {
         let (_dir, path) = write_tiny(spec);
-        Llama::open(&path).unwrap().config.sliding_window
+        Decoder::open(&path).unwrap().config.sliding_window
     };
     assert_eq!(window(&gemma2), Some(5));
     assert_eq!(

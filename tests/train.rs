@@ -17,8 +17,8 @@ use flywheel::generate::GenerateOptions;
 use flywheel::kernels::cpu::Precision;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::metrics::Metrics;
+use flywheel::model::decoder::{Decoder, TrainSeq, ACTIVATION_BUDGET, HEAD_CHUNK};
 use flywheel::model::kv_cache::KvDtype;
-use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET, HEAD_CHUNK};
 use flywheel::model::tokenizer::Tokenizer;
 use flywheel::train::pack::Packed;
 use std::sync::Arc;
@@ -29,7 +29,7 @@ fn cpu(isa: Isa) -> Cpu {
 }
 
 fn adapter(
-    model: &Llama,
+    model: &Decoder,
     method: Method,
     targets: &[Target],
     seed: u64,
@@ -123,7 +123,7 @@ fn served_equal_training_kv(spec: &TinySpec, precision: Precision, kv: KvDtype) 
     let detect = || Cpu::detect().with_precision(precision).unwrap();
     let mut served_all = Vec::new();
     let (_dir, path) = write_tiny(spec);
-    let mut model = Llama::open(&path).unwrap();
+    let mut model = Decoder::open(&path).unwrap();
     model.kv_dtype = kv;
     let model = Arc::new(model);
     let tok = Arc::new(Tokenizer::from_gguf(&model.gguf).unwrap());
@@ -218,7 +218,7 @@ fn adapter_gradients_equal_finite_differences() {
 
 fn gradients_equal_finite_differences(spec: &TinySpec) {
     let (_dir, path) = write_tiny(spec);
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let c = cpu(Isa::Reference);
     let t1: Vec<u32> = (0..9).map(|t| (t * 29 + 4) % 250 + 3).collect();
     let t2: Vec<u32> = (0..7).map(|t| (t * 13 + 11) % 250 + 3).collect();
@@ -296,7 +296,7 @@ fn gradients_equal_finite_differences(spec: &TinySpec) {
 /// dL/dθ for dL/dlog π of token j of sequence i = `gl(i, len)[j]`, keeping `budget` bytes of
 /// activations.
 fn gradient(
-    model: &Llama,
+    model: &Decoder,
     c: &Cpu,
     seqs: &[TrainSeq],
     w: &AdapterWeights,
@@ -326,7 +326,7 @@ fn kept_and_recomputed_activations_give_the_same_gradient() {
 
 fn kept_and_recomputed_case(spec: &TinySpec) {
     let (_dir, path) = write_tiny(spec);
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let t1: Vec<u32> = (0..21).map(|t| (t * 29 + 4) % 250 + 3).collect();
     let t2: Vec<u32> = (0..13).map(|t| (t * 13 + 11) % 250 + 3).collect();
     let seqs = [TrainSeq::whole(&t1, 6), TrainSeq::whole(&t2, 3)];
@@ -376,7 +376,7 @@ fn kept_and_recomputed_case(spec: &TinySpec) {
 #[test]
 fn a_shared_prompt_equals_the_unshared_batch() {
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let prompt: Vec<u32> = (0..37).map(|t| (t * 31 + 7) % 250 + 3).collect();
     let other: Vec<u32> = (0..20).map(|t| (t * 7 + 1) % 250 + 3).collect();
     let comps: Vec<Vec<u32>> = (0..3)

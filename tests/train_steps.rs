@@ -9,12 +9,12 @@ use common::adapters::{lora, oft};
 use common::{write_tiny, TinySpec};
 use flywheel::adapter::{AdapterConfig, AdapterLayout, AdapterWeights, Method, Target};
 use flywheel::kernels::Cpu;
-use flywheel::model::llama::{Llama, TrainSeq, ACTIVATION_BUDGET};
+use flywheel::model::decoder::{Decoder, TrainSeq, ACTIVATION_BUDGET};
 use flywheel::model::tokenizer::Tokenizer;
 use std::sync::Arc;
 
 fn mean_logp(
-    model: &Llama,
+    model: &Decoder,
     w: &AdapterWeights,
     samples: &[flywheel::train::offline::Sample],
 ) -> Vec<f64> {
@@ -33,7 +33,7 @@ fn mean_logp(
         .collect()
 }
 
-fn identity(model: &Llama, method: Method) -> AdapterWeights {
+fn identity(model: &Decoder, method: Method) -> AdapterWeights {
     let cfg = AdapterConfig {
         method,
         targets: Target::ALL.to_vec(),
@@ -48,7 +48,7 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
     use flywheel::train::offline::{grouped, parse_jsonl, step};
     use flywheel::train::optim::{AdamW, AdamWConfig};
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let data = "{\"prompt_token_ids\": [5, 6, 7], \"completion_token_ids\": [40, 41, 42, 43]}\n\
                 {\"prompt_token_ids\": [9, 8], \"completion_token_ids\": [100, 101, 102]}\n";
     let samples = parse_jsonl(data, None).unwrap();
@@ -99,7 +99,7 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
 
 /// One GRPO step of `batch` from `w`.
 fn grpo_step(
-    model: &Llama,
+    model: &Decoder,
     w: &AdapterWeights,
     opt: &mut flywheel::train::optim::AdamW,
     batch: &flywheel::train::offline::Batch,
@@ -130,7 +130,7 @@ fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
     use flywheel::train::offline::{grouped, parse_jsonl, step};
     use flywheel::train::optim::{AdamW, AdamWConfig};
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let cpu = Cpu::detect();
     let mut data = String::new();
     for g in 0..3 {
@@ -231,7 +231,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
     use flywheel::train::offline::{grouped, parse_jsonl};
     use flywheel::train::optim::{AdamW, AdamWConfig};
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let completions = [[30u32, 31, 32], [60, 61, 62], [90, 91, 92], [120, 121, 122]];
     let data: String = completions
         .iter()
@@ -298,7 +298,7 @@ fn grpo_steps_raise_the_probability_of_the_rewarded_completion() {
 fn text_and_messages_lines_tokenize_into_prompt_and_completion() {
     use flywheel::train::offline::parse_jsonl;
     let (_dir, path) = write_tiny(&TinySpec::small());
-    let model = Llama::open(&path).unwrap();
+    let model = Decoder::open(&path).unwrap();
     let tok = Tokenizer::from_gguf(&model.gguf).unwrap();
     let data = r#"{"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]}
 {"prompt": "abc", "completion": " def", "group": "g"}

@@ -7,7 +7,7 @@ use crate::adapter::registry::{Pinned, Registry};
 use crate::engine::constraint::{GrammarSpec, Grammars};
 use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
-use crate::model::llama::Llama;
+use crate::model::decoder::Decoder;
 use crate::model::tokenizer::Tokenizer;
 use crate::online::start::Online;
 use crate::online::trainer::TrainerHandle;
@@ -28,7 +28,7 @@ pub struct Ready {
     pub registry: Arc<Registry>,
     /// The model and the compute seam the engine runs on, shared (mmapped weights, one pool) with
     /// whatever else runs forwards beside it.
-    pub model: Arc<Llama>,
+    pub model: Arc<Decoder>,
     pub cpu: Arc<Cpu>,
     /// The rollout log and trainer: started with the server when it has learning adapters,
     /// else on the first `POST /v1/adapters/{name}/train`.

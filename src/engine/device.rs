@@ -3,8 +3,8 @@
 //! picks the GPU where one is usable and says at start-up why not otherwise.
 
 use super::EngineConfig;
+use crate::model::decoder::Decoder;
 use crate::model::kv_cache::KvCache;
-use crate::model::llama::Llama;
 
 /// What `--device` / `engine.device` asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -93,13 +93,13 @@ pub fn select(choice: DeviceChoice, cpu_reason: Option<&str>) -> Result<Device, 
 pub(super) enum Backend {
     Cpu(KvCache),
     #[cfg(feature = "cuda")]
-    Gpu(Box<crate::model::llama::GpuLlama>),
+    Gpu(Box<crate::model::decoder::GpuDecoder>),
 }
 
 /// The window pool the block manager keeps for `backend`'s cache: (window, blocks), where its
 /// sliding-window layers hold their own blocks (the CPU's cache; the GPU's takes one pool).
 pub(super) fn window_pool(
-    model: &Llama,
+    model: &Decoder,
     cfg: &EngineConfig,
     backend: &Backend,
 ) -> Option<(usize, usize)> {
@@ -112,7 +112,7 @@ pub(super) fn window_pool(
 
 /// The KV cache (and, on a GPU, the model's copy there) on `device`.
 pub(super) fn backend(
-    model: &Llama,
+    model: &Decoder,
     cfg: &EngineConfig,
     device: Device,
 ) -> Result<Backend, String> {
@@ -139,7 +139,7 @@ pub(super) fn backend(
         )),
         #[cfg(feature = "cuda")]
         Device::Cuda(gpu) => {
-            let shape = crate::model::llama::GpuShape {
+            let shape = crate::model::decoder::GpuShape {
                 num_kv_blocks: cfg.num_kv_blocks,
                 block_size: cfg.block_size,
                 max_tokens: cfg.max_num_batched_tokens,
@@ -147,7 +147,7 @@ pub(super) fn backend(
                 max_model_len: c.context_length,
                 graphs: std::env::var("FLYWHEEL_CUDA_GRAPHS").as_deref() != Ok("0"),
             };
-            let g = crate::model::llama::GpuLlama::new(gpu, model, shape)
+            let g = crate::model::decoder::GpuDecoder::new(gpu, model, shape)
                 .map_err(|e| format!("the CUDA engine: {e}"))?;
             tracing::info!(
                 "device: cuda, {} ({} KV blocks of {}, decode graphs {})",

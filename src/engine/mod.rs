@@ -13,7 +13,7 @@ pub mod scheduler;
 pub mod sequence;
 
 use crate::metrics::Metrics;
-use crate::model::llama::{BatchSeq, ForwardBuffers, Llama, Logits};
+use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, Logits};
 use crate::model::tokenizer::Tokenizer;
 use block_manager::BlockManager;
 use constraint::Constraint;
@@ -50,7 +50,7 @@ pub struct EngineConfig {
 }
 
 pub struct Engine {
-    model: Arc<Llama>,
+    model: Arc<Decoder>,
     tokenizer: Arc<Tokenizer>,
     /// Shared with whoever else runs forwards on the same weights (the trainer, later): the pool
     /// serializes parallel regions, so each product keeps the cores for its own duration only.
@@ -68,7 +68,7 @@ pub struct Engine {
 impl Engine {
     /// `start_on` the CPU.
     pub fn start(
-        model: Arc<Llama>,
+        model: Arc<Decoder>,
         tokenizer: Arc<Tokenizer>,
         cpu: Arc<Cpu>,
         cfg: EngineConfig,
@@ -82,7 +82,7 @@ impl Engine {
     /// 768 MB cache touched). It
     /// stops when every handle is dropped and no work is left.
     pub fn start_on(
-        model: Arc<Llama>,
+        model: Arc<Decoder>,
         tokenizer: Arc<Tokenizer>,
         cpu: Arc<Cpu>,
         cfg: EngineConfig,

@@ -258,7 +258,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.gguf");
         write(&s, 1).write(&path).unwrap();
-        let m = crate::model::llama::Llama::open(&path).unwrap();
+        let m = crate::model::decoder::Decoder::open(&path).unwrap();
         assert_eq!(
             (
                 m.config.num_layers,

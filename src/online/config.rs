@@ -191,7 +191,7 @@ impl RawOnline {
             },
             activation_mb: self
                 .activation_mb
-                .unwrap_or(crate::model::llama::ACTIVATION_BUDGET >> 20),
+                .unwrap_or(crate::model::decoder::ACTIVATION_BUDGET >> 20),
         };
         if let Err((field, why)) = c.share.validate() {
             let key = if field == "train_share" {

@@ -30,7 +30,7 @@ use super::store::{Announcement, RolloutStore};
 mod thread;
 use crate::adapter::registry::Registry;
 use crate::metrics::Metrics;
-use crate::model::llama::Llama;
+use crate::model::decoder::Decoder;
 use crate::util::now_secs;
 use flywheel_kernels::Cpu;
 use std::collections::BTreeMap;
@@ -48,7 +48,7 @@ const MAX_STEPS_IN_A_ROW: usize = 16;
 /// Everything the trainer computes with.
 #[derive(Clone)]
 pub struct Compute {
-    pub model: Arc<Llama>,
+    pub model: Arc<Decoder>,
     pub cpu: Arc<Cpu>,
     pub registry: Arc<Registry>,
 }

@@ -8,7 +8,7 @@ use super::optim::{self, AdamW, AdamWConfig};
 use crate::adapter::{
     peft, AdapterBase, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method,
 };
-use crate::model::llama::Llama;
+use crate::model::decoder::Decoder;
 use crate::model::tokenizer::Tokenizer;
 use anyhow::Context;
 use flywheel_kernels::Cpu;
@@ -98,7 +98,7 @@ pub fn start_state(
 /// Run `job`: `job.steps` steps over the data's groups in turn, `on_step` after each. Returns
 /// the adapter and optimizer at the end.
 pub fn run(
-    model: &Llama,
+    model: &Decoder,
     cpu: &Cpu,
     tok: &Tokenizer,
     job: &OfflineJob,

@@ -8,13 +8,13 @@ pub mod optim;
 pub mod pack;
 
 use crate::adapter::AdapterWeights;
-use crate::model::llama::{Llama, ModelError, TrainSeq};
+use crate::model::decoder::{Decoder, ModelError, TrainSeq};
 use flywheel_kernels::Cpu;
 
 /// The objective J = Σ over completion tokens of log π(token | prefix) (temperature 1, the adapter
 /// on), the completion's log-probs, and dJ/dθ in the adapter's layout (`flywheel grad`).
 pub fn objective_grad(
-    model: &Llama,
+    model: &Decoder,
     cpu: &Cpu,
     adapter: &AdapterWeights,
     tokens: &[u32],
@@ -26,7 +26,7 @@ pub fn objective_grad(
         &seqs,
         adapter,
         1.0,
-        crate::model::llama::ACTIVATION_BUDGET,
+        crate::model::decoder::ACTIVATION_BUDGET,
     )?;
     let ones: Vec<Vec<f32>> = logps.iter().map(|l| vec![1.0; l.len()]).collect();
     let mut grads = vec![0.0f32; adapter.layout.num_params];

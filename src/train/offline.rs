@@ -6,7 +6,7 @@ use super::loss::{policy_loss, unit_advantages, LossConfig, LossName, SeqInput};
 use super::optim::AdamW;
 use super::pack::Packed;
 use crate::adapter::AdapterWeights;
-use crate::model::llama::Llama;
+use crate::model::decoder::Decoder;
 use crate::model::tokenizer::{ChatMessage, Tokenizer};
 use flywheel_kernels::Cpu;
 use serde_json::Value;
@@ -114,7 +114,7 @@ pub struct StepStats {
 /// gradient as one pass, at the cost of one more forward.
 #[allow(clippy::too_many_arguments)]
 pub fn step(
-    model: &Llama,
+    model: &Decoder,
     cpu: &Cpu,
     weights: &AdapterWeights,
     opt: &mut AdamW,

@@ -3,7 +3,7 @@
 //! prefix sequence that the samples continue; the rest of the prompt (1..=TRAIN_BLOCK tokens, so
 //! that every sample scores its first token from a row of its own) is repeated per sample.
 
-use crate::model::llama::{TrainSeq, TRAIN_BLOCK};
+use crate::model::decoder::{TrainSeq, TRAIN_BLOCK};
 use std::collections::HashMap;
 
 /// Training sequences for a batch, and which one holds each sample's completion.

@@ -5,7 +5,7 @@ use super::Rng;
 use flywheel::adapter::{
     peft, AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
-use flywheel::model::llama::Llama;
+use flywheel::model::decoder::Decoder;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,7 +13,7 @@ use std::sync::Arc;
 /// A PEFT folder for the test model with random values (written by our saver, which
 /// tests/adapters.rs checks against PEFT's own files).
 pub fn random_peft(model_path: &Path, dir: &Path, method: Method, seed: u64) -> PathBuf {
-    let model = Llama::open(model_path).unwrap();
+    let model = Decoder::open(model_path).unwrap();
     let cfg = AdapterConfig {
         method,
         targets: Target::ALL.to_vec(),

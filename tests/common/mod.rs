@@ -451,12 +451,12 @@ pub fn write_tiny(spec: &TinySpec) -> (tempfile::TempDir, std::path::PathBuf) {
 /// Log-probs at every position of `tokens`, one sequence alone (blocks of 4 tokens, in reverse
 /// order, so that paging is exercised), optionally through an adapter.
 pub fn logprobs_all(
-    model: &flywheel::model::llama::Llama,
+    model: &flywheel::model::decoder::Decoder,
     cpu: &flywheel::kernels::Cpu,
     tokens: &[u32],
     adapter: Option<&flywheel::adapter::AdapterWeights>,
 ) -> Vec<Vec<f32>> {
-    use flywheel::model::llama::{BatchSeq, Logits};
+    use flywheel::model::decoder::{BatchSeq, Logits};
     let bs = 4;
     let table: Vec<u32> = (0..tokens.len().div_ceil(bs) as u32).rev().collect();
     let mut cache = flywheel::model::kv_cache::KvCache::new(

@@ -27,7 +27,7 @@ use crate::adapter::registry::{Publisher, Registry};
 use crate::adapter::{AdapterBase, AdapterConfig, AdapterError, AdapterWeights, Method};
 use crate::adapter::{LoraConfig, OftConfig};
 use crate::metrics::Metrics;
-use crate::model::llama::Llama;
+use crate::model::decoder::Decoder;
 use flywheel_kernels::Cpu;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -36,7 +36,7 @@ use std::sync::Arc;
 pub struct Env {
     pub cfg: OnlineConfig,
     pub log: Arc<dyn RolloutStore>,
-    pub model: Arc<Llama>,
+    pub model: Arc<Decoder>,
     pub cpu: Arc<Cpu>,
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,

@@ -2,7 +2,7 @@
 //! spans through the block and window tables, the rows whose logits or hidden states are
 //! wanted), each sequence checked first.
 
-use super::{Llama, ModelError};
+use super::{Decoder, ModelError};
 use crate::adapter::{AdapterBase, AdapterWeights};
 use flywheel_kernels::reference::AttnSeq;
 
@@ -48,7 +48,7 @@ pub(super) struct Packed<'a> {
     pub hidden_rows: Vec<usize>,
 }
 
-impl Llama {
+impl Decoder {
     /// The batch packed into rows, each sequence checked (`check_seq`): what the CPU and the GPU
     /// forward both start from.
     pub(super) fn pack<'a>(

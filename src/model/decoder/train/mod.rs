@@ -16,7 +16,7 @@
 use super::activations::{layer_act_bytes, ActStore};
 use super::buffers::ForwardBuffers;
 use super::forward::{adapter_groups, add_in_place, LayerIo};
-use super::{Activation, BatchSeq, Llama, Logits, Mlp, ModelError, Weight};
+use super::{Activation, BatchSeq, Decoder, Logits, Mlp, ModelError, Weight};
 use crate::adapter::{lora, oft, AdapterWeights, Method, Target};
 use crate::model::kv_cache::KvCache;
 use crate::policy::scale_and_normalize;
@@ -88,7 +88,7 @@ pub struct TrainState {
 /// 30 layers of SmolLM2-135M.
 pub const ACTIVATION_BUDGET: usize = 1300 << 20;
 
-impl Llama {
+impl Decoder {
     /// Bytes one layer's kept activations take for `tokens` tokens (the unit of the activation
     /// budget of `train_forward`).
     pub fn layer_activation_bytes(&self, tokens: usize) -> usize {

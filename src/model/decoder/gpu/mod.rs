@@ -1,4 +1,4 @@
-//! The forward pass on a CUDA GPU (feature `cuda`). `GpuLlama` holds the base's weights on the
+//! The forward pass on a CUDA GPU (feature `cuda`). `GpuDecoder` holds the base's weights on the
 //! GPU as stored (GGUF blocks, one copy there, never dequantized as a whole), the KV cache (the
 //! block manager's blocks in the CPU's layout, plus one scratch block that graph padding writes
 //! into), the activations, the adapter versions in use, and one CUDA graph per decode bucket.
@@ -18,7 +18,7 @@
 use super::forward::{adapter_groups, AdapterGroup};
 use super::moe::{ranges, route, MoeActs};
 use super::pack::{BatchSeq, Logits, Packed};
-use super::{Activation, ForwardBuffers, Llama, Mlp, ModelError, MoeConfig, Weight};
+use super::{Activation, Decoder, ForwardBuffers, Mlp, ModelError, MoeConfig, Weight};
 use crate::adapter::{Method, Target};
 use crate::model::kv_cache::KvDtype;
 use flywheel_kernels::cuda::{
@@ -128,7 +128,7 @@ struct GpuAdapter {
     last_step: u64,
 }
 
-pub struct GpuLlama {
+pub struct GpuDecoder {
     gpu: Gpu,
     layers: Vec<GpuLayer>,
     embd: DeviceMatrix,
@@ -150,7 +150,7 @@ pub struct GpuLlama {
     routing: MoeActs,
 }
 
-/// What `GpuLlama::new` sizes its buffers for.
+/// What `GpuDecoder::new` sizes its buffers for.
 #[derive(Clone, Copy, Debug)]
 pub struct GpuShape {
     pub num_kv_blocks: usize,
@@ -165,10 +165,10 @@ pub struct GpuShape {
     pub graphs: bool,
 }
 
-impl GpuLlama {
+impl GpuDecoder {
     /// Copy `model`'s weights to `gpu` and allocate its cache and activations; an error naming
     /// what the GPU path does not run (heads over 256) or what does not fit.
-    pub fn new(gpu: Gpu, model: &Llama, shape: GpuShape) -> Result<GpuLlama, ModelError> {
+    pub fn new(gpu: Gpu, model: &Decoder, shape: GpuShape) -> Result<GpuDecoder, ModelError> {
         let c = &model.config;
         if c.head_dim > ATT_MAX_HEAD_DIM {
             return Err(ModelError::Unsupported(format!(
@@ -289,7 +289,7 @@ impl GpuLlama {
         let per_seq = shape.max_model_len.div_ceil(shape.block_size);
         let meta = gpu.tokens_with_capacity(t, shape.max_seqs.max(1) * per_seq + t)?;
         gpu.synchronize()?;
-        Ok(GpuLlama {
+        Ok(GpuDecoder {
             layers,
             embd,
             output,
@@ -323,7 +323,7 @@ impl GpuLlama {
     /// `Llama::forward_into` on the GPU: the logits (and hidden rows) in `bufs`, on the host.
     pub fn forward_into(
         &mut self,
-        model: &Llama,
+        model: &Decoder,
         batch: &[BatchSeq],
         bufs: &mut ForwardBuffers,
     ) -> Result<(), ModelError> {
@@ -417,7 +417,7 @@ impl GpuLlama {
     }
 
     /// Capture the decode step of `n` rows (the layers and the head over every row).
-    fn capture(&mut self, model: &Llama, n: usize) -> Result<CudaGraph, ModelError> {
+    fn capture(&mut self, model: &Decoder, n: usize) -> Result<CudaGraph, ModelError> {
         let stream = self.gpu.stream().clone();
         stream
             .begin_capture(cudarc_mode::THREAD_LOCAL)
@@ -435,10 +435,15 @@ impl GpuLlama {
     }
 
     /// The embedding and every layer over rows 0..n of the step's buffers.
-    fn body(&mut self, model: &Llama, n: usize, groups: &[AdapterGroup]) -> Result<(), ModelError> {
+    fn body(
+        &mut self,
+        model: &Decoder,
+        n: usize,
+        groups: &[AdapterGroup],
+    ) -> Result<(), ModelError> {
         let c = &model.config;
         let (h, kvd, f) = (c.hidden, c.kv_dim(), c.ffn);
-        let GpuLlama {
+        let GpuDecoder {
             gpu: g,
             layers,
             embd,
@@ -555,13 +560,13 @@ impl GpuLlama {
     }
 
     /// normed (rows.len(), hidden) = the output norm of the rows `rows` of x.
-    fn final_norm(&mut self, model: &Llama, rows: &[u32]) -> Result<(), ModelError> {
+    fn final_norm(&mut self, model: &Decoder, rows: &[u32]) -> Result<(), ModelError> {
         self.gpu.write(rows, &mut self.acts.rows)?;
         self.norm_rows(model, rows.len())
     }
 
     /// normed = the output norm of the first m rows named in `acts.rows`.
-    fn norm_rows(&mut self, model: &Llama, m: usize) -> Result<(), ModelError> {
+    fn norm_rows(&mut self, model: &Decoder, m: usize) -> Result<(), ModelError> {
         let (c, a, g) = (&model.config, &mut self.acts, &self.gpu);
         g.gather_rows(&a.x, &a.rows, m, c.hidden, &mut a.xs)?;
         g.rmsnorm(&a.xs, &self.output_norm, c.eps, m, &mut a.normed)?;

@@ -17,7 +17,7 @@ use super::activations::{ActStore, LayerActs};
 use super::buffers::{AdapterScratch, ForwardBuffers};
 use super::moe::MoeActs;
 use super::pack::{BatchSeq, Packed};
-use super::{Activation, Llama, Mlp, ModelError, Weight};
+use super::{Activation, Decoder, Mlp, ModelError, Weight};
 use crate::adapter::{lora, AdapterWeights, Method, Target};
 use crate::model::kv_cache::{KvCache, KvDtype, LayerKv};
 use flywheel_kernels::reference::AttnSeq;
@@ -46,7 +46,7 @@ pub(super) struct LayerIo<'a> {
 
 impl LayerIo<'_> {
     /// Layer `l`'s RoPE table.
-    pub fn rope_of(&self, c: &super::LlamaConfig, l: usize) -> &[f32] {
+    pub fn rope_of(&self, c: &super::DecoderConfig, l: usize) -> &[f32] {
         match c.window(l) {
             Some(_) => self.rope_local,
             None => self.rope,
@@ -89,7 +89,7 @@ pub struct Projection<'a> {
     pub y: &'a mut [f32],
 }
 
-impl Llama {
+impl Decoder {
     /// Run the batch; write K/V of its tokens into `cache`; return the wanted logits, sequence by
     /// sequence, as rows of `vocab_size` (Last: one row; All: one row per token).
     pub fn forward(

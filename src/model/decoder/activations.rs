@@ -36,7 +36,7 @@ pub(super) struct ActStore {
 }
 
 /// Bytes of one layer's `LayerActs` for `t` tokens.
-pub(super) fn layer_act_bytes(c: &super::LlamaConfig, t: usize) -> usize {
+pub(super) fn layer_act_bytes(c: &super::DecoderConfig, t: usize) -> usize {
     let qk_lin = if c.qk_norm { c.q_dim() + c.kv_dim() } else { 0 };
     let moe = c
         .moe

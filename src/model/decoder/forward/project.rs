@@ -4,7 +4,7 @@
 
 use super::*;
 
-impl Llama {
+impl Decoder {
     /// The projections of layer `l` that share the input `x` (T, in), as one parallel region of
     /// base products, each through the adapters of `groups`: OFT groups' rows of the input are
     /// rotated first (into scratch, one input per projection), LoRA deltas are added after.

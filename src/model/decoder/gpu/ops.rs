@@ -4,7 +4,7 @@
 use super::*;
 use flywheel_kernels::reference::AttnOpts;
 
-impl GpuLlama {
+impl GpuDecoder {
     /// Copy the step's adapter versions to the GPU (once per version), dropping versions no step
     /// has used for a while beyond `ADAPTERS_KEPT`.
     pub(super) fn upload_adapters(&mut self, groups: &[AdapterGroup]) -> Result<(), ModelError> {

@@ -14,7 +14,7 @@
 //! is frozen, but its softmax weights the experts' outputs: dz = the softmax's Jacobian times
 //! ⟨dy, expert output⟩, then dx += dz · W_router).
 
-use super::{Experts, Llama, MoeConfig, Weight};
+use super::{Decoder, Experts, MoeConfig, Weight};
 use flywheel_kernels::{Cpu, Matmul};
 
 /// One token's choice: the expert and its weight in the token's output.
@@ -66,7 +66,7 @@ pub(super) fn ranges(
     })
 }
 
-impl Llama {
+impl Decoder {
     /// y (T, hidden) = the mixture of experts of `m` (T, hidden); `a` receives what the backward
     /// needs (its buffers are reused from call to call).
     pub(super) fn moe_forward(

@@ -1,7 +1,10 @@
-//! The Llama-family model: its configuration and weights, loaded from GGUF and kept in their block
-//! formats (one copy: read into 2 MB pages or mapped; never dequantized as a whole, never copied
-//! again). `forward` runs a packed batch
-//! (each sequence optionally through its own adapter version); `buffers` holds its activations.
+//! The decoder-only transformer every supported family is (`Decoder`): its configuration and
+//! weights, loaded from GGUF and kept in their block formats (one copy: read into 2 MB pages or
+//! mapped; never dequantized as a whole, never copied again). What each `general.architecture`
+//! means (RoPE layout, activation, norms, embedding scale, window rule, soft-caps, experts) is one
+//! entry of `family`'s table. `forward` runs a packed batch (each sequence optionally through its
+//! own adapter version; `pack` lays it out); `train` is the training forward and backward; `moe`
+//! the experts; `buffers` and `activations` hold the activations; `gpu` the same on CUDA.
 
 mod activations;
 mod buffers;
@@ -16,7 +19,7 @@ mod train;
 pub use buffers::{AdapterScratch, ForwardBuffers};
 pub use forward::{adapter_groups, AdapterGroup, Projection};
 #[cfg(feature = "cuda")]
-pub use gpu::{GpuLlama, GpuShape};
+pub use gpu::{GpuDecoder, GpuShape};
 pub use pack::{BatchSeq, Logits};
 pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, HEAD_CHUNK, TRAIN_BLOCK};
 
@@ -42,7 +45,7 @@ pub enum ModelError {
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
-pub struct LlamaConfig {
+pub struct DecoderConfig {
     pub num_layers: usize,
     pub hidden: usize,
     pub ffn: usize,
@@ -104,7 +107,7 @@ pub struct MoeConfig {
     pub norm_topk: bool,
 }
 
-impl LlamaConfig {
+impl DecoderConfig {
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
     }
@@ -136,7 +139,7 @@ impl LlamaConfig {
     }
 }
 
-impl crate::adapter::AdapterBase for LlamaConfig {
+impl crate::adapter::AdapterBase for DecoderConfig {
     fn adapter_shape(&self) -> crate::adapter::BaseShape {
         crate::adapter::BaseShape {
             num_layers: self.num_layers,
@@ -204,8 +207,8 @@ pub struct Experts {
 pub const SUPPORTED_ARCHITECTURES: &[&str] =
     &["llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2"];
 
-pub struct Llama {
-    pub config: LlamaConfig,
+pub struct Decoder {
+    pub config: DecoderConfig,
     pub gguf: Gguf,
     /// Llama 3's RoPE frequency factors (`rope_freqs.weight`, rope_dim / 2): each pair's angle
     /// is divided by its factor. None: plain RoPE.
@@ -219,16 +222,16 @@ pub struct Llama {
     pub kv_dtype: crate::model::kv_cache::KvDtype,
 }
 
-impl Llama {
-    pub fn open(path: impl AsRef<Path>) -> Result<Llama, ModelError> {
-        Llama::from_gguf(Gguf::open(path)?)
+impl Decoder {
+    pub fn open(path: impl AsRef<Path>) -> Result<Decoder, ModelError> {
+        Decoder::from_gguf(Gguf::open(path)?)
     }
 
-    pub fn open_in(path: impl AsRef<Path>, memory: WeightMemory) -> Result<Llama, ModelError> {
-        Llama::from_gguf(Gguf::open_in(path, memory)?)
+    pub fn open_in(path: impl AsRef<Path>, memory: WeightMemory) -> Result<Decoder, ModelError> {
+        Decoder::from_gguf(Gguf::open_in(path, memory)?)
     }
 
-    pub fn from_gguf(g: Gguf) -> Result<Llama, ModelError> {
+    pub fn from_gguf(g: Gguf) -> Result<Decoder, ModelError> {
         let arch = g.get_str("general.architecture")?.to_string();
         let fam = family(&arch)?;
         let k = |s: &str| format!("{arch}.{s}");
@@ -330,7 +333,7 @@ impl Llama {
                 )))
             }
         };
-        let config = LlamaConfig {
+        let config = DecoderConfig {
             activation: fam.activation,
             attn_scale,
             post_norms: fam.post_norms,
@@ -436,7 +439,7 @@ impl Llama {
             Some(_) => weight(&g, "output.weight", c.vocab_size, c.hidden)?,
             None => token_embd.clone(),
         };
-        Ok(Llama {
+        Ok(Decoder {
             config,
             gguf: g,
             rope_freqs,

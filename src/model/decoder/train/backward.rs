@@ -6,7 +6,7 @@
 
 use super::*;
 
-impl Llama {
+impl Decoder {
     /// Add dL/dθ of every adapter parameter to `grads` (the adapter's flat layout), given dL/dlog π
     /// of every completion token (`grad_logp`, as `train_forward` returned the log-probs). The
     /// state is consumed: each layer's kept activations are freed once its backward is done.
@@ -288,7 +288,7 @@ impl Llama {
 #[allow(clippy::too_many_arguments)]
 fn attention_backward_seq(
     cpu: &Cpu,
-    c: &crate::model::llama::LlamaConfig,
+    c: &crate::model::decoder::DecoderConfig,
     window: flywheel_kernels::reference::AttnOpts,
     attn: &[AttnSeq],
     i: usize,

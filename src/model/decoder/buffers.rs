@@ -1,6 +1,6 @@
 //! The activations of one forward pass, owned by the caller and reused from step to step.
 
-use super::LlamaConfig;
+use super::DecoderConfig;
 
 /// The activations of one forward pass, kept by the caller and reused.
 #[derive(Default)]
@@ -48,7 +48,7 @@ pub struct LoraScratch {
 impl ForwardBuffers {
     /// Set every buffer's length for `t` tokens and `m` logit rows (growing only touches the
     /// new part).
-    pub(super) fn size(&mut self, t: usize, m: usize, c: &LlamaConfig) {
+    pub(super) fn size(&mut self, t: usize, m: usize, c: &DecoderConfig) {
         let (h, qd, kvd, f) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
         for (b, len) in [
             (&mut self.x, t * h),
