@@ -2,7 +2,9 @@
 //! concurrency; reports output tokens/s, requests/s, TTFT and inter-token latency percentiles and
 //! errors, as a table and as JSON with the machine described. With `--peer-url` the identical
 //! workload runs against a second server in the same invocation, alternating, and the ratios are
-//! printed. Every loop is bounded by a count and by a deadline.
+//! printed. Every loop is bounded by a count and by a deadline. With `--feedback`, each finished
+//! request's choices are rewarded (`POST /v1/feedback`, a list) and the time to the
+//! acknowledgement is reported too: a learning adapter's reward latency under load.
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
@@ -67,6 +69,10 @@ struct Args {
     /// Write the JSON report here as well as printing it.
     #[arg(long)]
     json_out: Option<std::path::PathBuf>,
+    /// Reward each finished request's choices (Flywheel's `POST /v1/feedback`; rewards 0, 0.5, 1
+    /// in turn, so groups differ) and report the acknowledgement's latency (p50/p90/p99).
+    #[arg(long, default_value_t = false)]
+    feedback: bool,
 }
 
 const PROMPTS: &[&str] = &[
@@ -111,6 +117,11 @@ struct Sample {
     output_tokens: usize,
     ttft: Option<f64>,
     gaps: Vec<f64>,
+    /// The completion's id and the choices seen (for `--feedback`).
+    id: Option<String>,
+    choices: std::collections::BTreeSet<u64>,
+    /// Seconds from posting the rewards to their acknowledgement (`--feedback`).
+    feedback: Option<f64>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -130,6 +141,10 @@ struct Report {
     itl_p50: f64,
     itl_p90: f64,
     itl_p99: f64,
+    /// Reward acknowledgement latency (`--feedback`; NaN, shown as null, without).
+    feedback_p50: f64,
+    feedback_p90: f64,
+    feedback_p99: f64,
 }
 
 fn percentile(v: &mut [f64], q: f64) -> f64 {
@@ -258,6 +273,14 @@ async fn one_request(
                     s.error = Some(format!("stream error: {v}"));
                     return s;
                 }
+                if s.id.is_none() {
+                    s.id = v.get("id").and_then(Value::as_str).map(str::to_string);
+                }
+                for c in v.get("choices").and_then(Value::as_array).into_iter().flatten() {
+                    if let Some(i) = c.get("index").and_then(Value::as_u64) {
+                        s.choices.insert(i);
+                    }
+                }
                 if let Some(n) = v
                     .pointer("/usage/completion_tokens")
                     .and_then(Value::as_u64)
@@ -314,7 +337,11 @@ async fn run_workload(
                     break;
                 }
                 let p = &prompts[i % prompts.len()];
-                out.push(one_request(&client, &t, &args, p, deadline).await);
+                let mut s = one_request(&client, &t, &args, p, deadline).await;
+                if args.feedback && s.ok {
+                    reward(&client, &t, &args, &mut s, i).await;
+                }
+                out.push(s);
             }
             out
         }));
@@ -328,6 +355,7 @@ async fn run_workload(
     let output_tokens: usize = ok.iter().map(|s| s.output_tokens).sum();
     let mut ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft).collect();
     let mut gaps: Vec<f64> = ok.iter().flat_map(|s| s.gaps.iter().copied()).collect();
+    let mut feedback: Vec<f64> = ok.iter().filter_map(|s| s.feedback).collect();
     Report {
         url: t.url.clone(),
         model: t.model.clone(),
@@ -344,6 +372,53 @@ async fn run_workload(
         itl_p50: percentile(&mut gaps, 0.5),
         itl_p90: percentile(&mut gaps, 0.9),
         itl_p99: percentile(&mut gaps, 0.99),
+        feedback_p50: percentile(&mut feedback, 0.5),
+        feedback_p90: percentile(&mut feedback, 0.9),
+        feedback_p99: percentile(&mut feedback, 0.99),
+    }
+}
+
+/// Reward every choice of `s` (request number `i`) in one `POST /v1/feedback`, timing the
+/// acknowledgement; a failure makes the sample an error.
+async fn reward(client: &HttpClient, t: &Target, args: &Args, s: &mut Sample, i: usize) {
+    let Some(id) = s.id.clone() else {
+        s.ok = false;
+        s.error = Some("no completion id to reward".into());
+        return;
+    };
+    let items: Vec<Value> = s
+        .choices
+        .iter()
+        .map(|&c| json!({"id": id, "choice": c, "reward": ((i + c as usize) % 3) as f64 / 2.0}))
+        .collect();
+    let mut req = hyper::Request::post(format!("{}/v1/feedback", t.url))
+        .header("content-type", "application/json");
+    if let Some(k) = &args.api_key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let Ok(req) = req.body(Full::new(Bytes::from(Value::from(items).to_string()))) else {
+        return;
+    };
+    let start = Instant::now();
+    match client.request(req).await {
+        Ok(r) if r.status().is_success() => {
+            let _ = r.into_body().collect().await;
+            s.feedback = Some(start.elapsed().as_secs_f64());
+        }
+        Ok(r) => {
+            let status = r.status();
+            let body = r.into_body().collect().await.map(|b| b.to_bytes());
+            s.ok = false;
+            s.error = Some(format!(
+                "feedback: HTTP {status}: {}",
+                body.map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default()
+            ));
+        }
+        Err(e) => {
+            s.ok = false;
+            s.error = Some(format!("feedback: {e}"));
+        }
     }
 }
 
@@ -367,6 +442,9 @@ fn median_report(rs: &[Report]) -> Report {
     r.itl_p50 = med(&|r| r.itl_p50);
     r.itl_p90 = med(&|r| r.itl_p90);
     r.itl_p99 = med(&|r| r.itl_p99);
+    r.feedback_p50 = med(&|r| r.feedback_p50);
+    r.feedback_p90 = med(&|r| r.feedback_p90);
+    r.feedback_p99 = med(&|r| r.feedback_p99);
     r
 }
 
@@ -432,6 +510,15 @@ fn print_table(rows: &[(&str, &Report)]) {
             r.itl_p90 * 1e3,
             r.itl_p99 * 1e3
         );
+        if r.feedback_p50.is_finite() {
+            println!(
+                "{:<8} reward acknowledged: p50 {:.1}ms, p90 {:.1}ms, p99 {:.1}ms",
+                "",
+                r.feedback_p50 * 1e3,
+                r.feedback_p90 * 1e3,
+                r.feedback_p99 * 1e3
+            );
+        }
     }
 }
 
