@@ -276,7 +276,12 @@ async fn one_request(
                 if s.id.is_none() {
                     s.id = v.get("id").and_then(Value::as_str).map(str::to_string);
                 }
-                for c in v.get("choices").and_then(Value::as_array).into_iter().flatten() {
+                for c in v
+                    .get("choices")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
                     if let Some(i) = c.get("index").and_then(Value::as_u64) {
                         s.choices.insert(i);
                     }

@@ -5,6 +5,7 @@ pub mod adapters;
 pub mod naive;
 pub mod online;
 pub mod pg;
+pub mod replicas;
 pub mod s3;
 pub mod server;
 mod vocab;

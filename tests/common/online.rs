@@ -130,3 +130,10 @@ pub fn reward(c: &Client, id: &str, n: usize, status: u16) -> Response {
 pub fn learning_config() -> String {
     config("max_off_policy_steps = 1000")
 }
+
+/// Rewards in [-1, 1]; nothing sampled by an older version trains (unless a test says so).
+pub fn signed_rewards(max_off_policy_steps: u64) -> String {
+    config(&format!(
+        "reward_min = -1.0\nreward_max = 1.0\nmax_off_policy_steps = {max_off_policy_steps}"
+    ))
+}
