@@ -4,9 +4,60 @@
 //! parent fsynced), read back checked, and their leftovers swept. A serving replica verifies
 //! the manifest before it serves a checkpoint it did not write.
 
-use crate::adapter::{peft, AdapterBase, AdapterLimits, AdapterWeights};
+use crate::adapter::{peft, AdapterBase, AdapterError, AdapterLimits, AdapterWeights};
 use crate::train::optim::{AdamW, OptimError};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Why a checkpoint folder cannot be used; each names the folder or the file.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+    #[error(transparent)]
+    Optimizer(#[from] OptimError),
+    #[error("{}: the optimizer holds {values} values for an adapter of {params} parameters", dir.display())]
+    OptimizerSize {
+        dir: PathBuf,
+        values: usize,
+        params: usize,
+    },
+    #[error("{}: not in the data directory", dir.display())]
+    Missing { dir: PathBuf },
+    #[error("{}: no manifest ({error})", dir.display())]
+    NoManifest { dir: PathBuf, error: std::io::Error },
+    #[error("{}: unreadable manifest ({error})", dir.display())]
+    BadManifest {
+        dir: PathBuf,
+        error: serde_json::Error,
+    },
+    #[error("{}: the manifest is of version {found_version} of lineage {found_lineage}, not version {version} of lineage {lineage}", dir.display())]
+    OtherVersion {
+        dir: PathBuf,
+        found_version: serde_json::Value,
+        found_lineage: serde_json::Value,
+        version: u64,
+        lineage: u64,
+    },
+    #[error("{}: the manifest lists no {file}", dir.display())]
+    Unlisted { dir: PathBuf, file: String },
+    #[error("{}: {error}", path.display())]
+    Unreadable {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{}: SHA-256 {got}, the manifest says {want}", path.display())]
+    Altered {
+        path: PathBuf,
+        got: String,
+        want: String,
+    },
+    /// Not at hand, and fetching it from the adapter store failed.
+    #[error("{missing}; fetching it: {error}")]
+    Fetch {
+        missing: Box<CheckpointError>,
+        error: String,
+    },
+}
 
 /// The folder of a learning adapter's checkpoints, relative to the data directory.
 pub fn adapter_rel(name: &str) -> String {
@@ -50,16 +101,15 @@ pub fn load_checkpoint(
     dir: &Path,
     model: &impl AdapterBase,
     limits: &AdapterLimits,
-) -> Result<(AdapterWeights, AdamW), String> {
-    let w = peft::load_within(dir, model, limits).map_err(|e| e.to_string())?;
-    let opt = AdamW::load(dir).map_err(|e: OptimError| e.to_string())?;
+) -> Result<(AdapterWeights, AdamW), CheckpointError> {
+    let w = peft::load_within(dir, model, limits)?;
+    let opt = AdamW::load(dir)?;
     if opt.m.len() != w.layout.num_params {
-        return Err(format!(
-            "{}: the optimizer holds {} values for an adapter of {} parameters",
-            dir.display(),
-            opt.m.len(),
-            w.layout.num_params
-        ));
+        return Err(CheckpointError::OptimizerSize {
+            dir: dir.to_path_buf(),
+            values: opt.m.len(),
+            params: w.layout.num_params,
+        });
     }
     Ok((w, opt))
 }
@@ -100,28 +150,39 @@ pub fn verify_checkpoint(
     version: u64,
     lineage: u64,
     needed: &[&str],
-) -> Result<(), String> {
-    let shown = dir.display();
+) -> Result<(), CheckpointError> {
+    let d = || dir.to_path_buf();
     let text = std::fs::read_to_string(dir.join(MANIFEST_FILE))
-        .map_err(|e| format!("{shown}: no manifest ({e})"))?;
-    let m: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{shown}: unreadable manifest ({e})"))?;
+        .map_err(|error| CheckpointError::NoManifest { dir: d(), error })?;
+    let m: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|error| CheckpointError::BadManifest { dir: d(), error })?;
     if m["version"].as_u64() != Some(version) || m["lineage"].as_u64() != Some(lineage) {
-        return Err(format!(
-            "{shown}: the manifest is of version {} of lineage {}, not version {version} of \
-             lineage {lineage}",
-            m["version"], m["lineage"]
-        ));
+        return Err(CheckpointError::OtherVersion {
+            dir: d(),
+            found_version: m["version"].clone(),
+            found_lineage: m["lineage"].clone(),
+            version,
+            lineage,
+        });
     }
     for name in needed {
         let want = m["files"][*name]
             .as_str()
-            .ok_or_else(|| format!("{shown}: the manifest lists no {name}"))?;
-        let got = sha256_hex(&dir.join(name)).map_err(|e| format!("{shown}/{name}: {e}"))?;
+            .ok_or_else(|| CheckpointError::Unlisted {
+                dir: d(),
+                file: name.to_string(),
+            })?;
+        let path = dir.join(name);
+        let got = sha256_hex(&path).map_err(|error| CheckpointError::Unreadable {
+            path: path.clone(),
+            error,
+        })?;
         if got != want {
-            return Err(format!(
-                "{shown}/{name}: SHA-256 {got}, the manifest says {want}"
-            ));
+            return Err(CheckpointError::Altered {
+                path,
+                got,
+                want: want.to_string(),
+            });
         }
     }
     Ok(())

@@ -4,7 +4,9 @@
 
 use super::Env;
 use crate::adapter::peft;
-use crate::online::checkpoint::{adapter_rel, remove_dir, verify_checkpoint, MANIFEST_FILE};
+use crate::online::checkpoint::{
+    adapter_rel, remove_dir, verify_checkpoint, CheckpointError, MANIFEST_FILE,
+};
 use crate::online::store::records::Checkpoint;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -44,12 +46,12 @@ impl Env {
         cp: &Checkpoint,
         lineage: u64,
         needed: Needed,
-    ) -> Result<(PathBuf, bool), String> {
+    ) -> Result<(PathBuf, bool), CheckpointError> {
         let dir = self.cfg.data_dir.join(&cp.path);
         let follow = needed == Needed::Adapter;
         let needed = needed.files();
         let here = match follow {
-            _ if !dir.is_dir() => Err(format!("{}: not in the data directory", dir.display())),
+            _ if !dir.is_dir() => Err(CheckpointError::Missing { dir: dir.clone() }),
             false if !dir.join(MANIFEST_FILE).exists() => Ok(()), // written before manifests
             _ => verify_checkpoint(&dir, cp.version, lineage, needed),
         };
@@ -63,7 +65,10 @@ impl Env {
         let t0 = std::time::Instant::now();
         store
             .fetch(&cp.path, &dir, needed)
-            .map_err(|e| format!("{missing}; fetching it: {e:#}"))?;
+            .map_err(|e| CheckpointError::Fetch {
+                missing: Box::new(missing),
+                error: format!("{e:#}"),
+            })?;
         verify_checkpoint(&dir, cp.version, lineage, needed)?;
         let secs = t0.elapsed().as_secs_f64();
         self.metrics

@@ -39,7 +39,7 @@ impl Follower {
         };
         let (model, limits) = (&env.model.config, &env.registry.limits);
         let found = newest_intact(env, &name, &lineage, Needed::Adapter, |dir| {
-            peft::load_within(dir, model, limits).map_err(|e| e.to_string())
+            Ok(peft::load_within(dir, model, limits)?)
         })?;
         let (weights, version, steps, fetched) = match found.resumed {
             Some((cp, w, fetched)) => {

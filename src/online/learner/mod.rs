@@ -20,6 +20,7 @@ mod train;
 pub use status::{ErrorKind, State, Status, StepReport, TrainError};
 
 use super::adapter_store::AdapterStore;
+use super::checkpoint::CheckpointError;
 use super::config::{LearnConfig, LearnMethod, OnlineConfig};
 use super::store::records::{Checkpoint, Lineage};
 use super::store::RolloutStore;
@@ -111,7 +112,7 @@ fn newest_intact<T>(
     name: &str,
     lineage: &Lineage,
     needed: copies::Needed,
-    load: impl Fn(&Path) -> Result<T, String>,
+    load: impl Fn(&Path) -> Result<T, CheckpointError>,
 ) -> Result<Found<T>, TrainError> {
     let cps = env.log.checkpoints(lineage.id)?;
     let num_checkpoints = cps.len();
