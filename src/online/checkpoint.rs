@@ -30,11 +30,11 @@ pub enum CheckpointError {
         dir: PathBuf,
         error: serde_json::Error,
     },
-    #[error("{}: the manifest is of version {found_version} of lineage {found_lineage}, not version {version} of lineage {lineage}", dir.display())]
+    /// `found`: the version and lineage the manifest names.
+    #[error("{}: the manifest is of {found}, not version {version} of lineage {lineage}", dir.display())]
     OtherVersion {
         dir: PathBuf,
-        found_version: serde_json::Value,
-        found_lineage: serde_json::Value,
+        found: String,
         version: u64,
         lineage: u64,
     },
@@ -159,8 +159,7 @@ pub fn verify_checkpoint(
     if m["version"].as_u64() != Some(version) || m["lineage"].as_u64() != Some(lineage) {
         return Err(CheckpointError::OtherVersion {
             dir: d(),
-            found_version: m["version"].clone(),
-            found_lineage: m["lineage"].clone(),
+            found: format!("version {} of lineage {}", m["version"], m["lineage"]),
             version,
             lineage,
         });
