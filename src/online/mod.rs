@@ -1,6 +1,6 @@
 //! Serving while learning. `store` is the rollout store's trait (completions, rewards,
-//! episodes, and the record of training: lineages, checkpoints), implemented on SQLite by `log`
-//! (with `lineage`) and on PostgreSQL by `log_pg`; `groups` decides which rewarded groups train
+//! episodes, and the record of training: lineages, checkpoints), implemented on SQLite by
+//! `store::sqlite` and on PostgreSQL by `store::postgres`; `groups` decides which rewarded groups train
 //! (pure); `learner` is one learning adapter in its role (a `Learner` that trains, or a serving
 //! replica's `Follower`), `checkpoint` its folders on disk, `adapter_store` their copies in
 //! object storage (shared by a trainer and serving replicas); `trainer` is the thread that owns

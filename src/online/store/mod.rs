@@ -130,8 +130,8 @@ pub fn redact(url: &str) -> String {
     }
 }
 
-/// SQLite's implementation: the methods of `SqliteLog` (spread over `log`, `log_episodes` and
-/// `lineage` by subject).
+/// SQLite's implementation: the methods of `SqliteLog` (spread over `sqlite/mod.rs`,
+/// `sqlite/episodes.rs` and `sqlite/lineage.rs` by subject).
 impl RolloutStore for SqliteLog {
     fn kind(&self) -> &'static str {
         "sqlite"

@@ -1,6 +1,7 @@
-//! The rollout store's vocabulary, shared by its implementations (SQLite in `log`, PostgreSQL
-//! in `log_pg`) and their callers: what is logged (`CompletionRecord`), rewarded (`Reward`),
-//! shown (`ChoiceInfo`) and trained (`Member`, `PendingGroup`); the errors; the decisions every
+//! The rollout store's vocabulary, shared by its implementations (`sqlite`, `postgres`) and their
+//! callers: what is logged (`CompletionRecord`), rewarded (`Reward`, judged against `Accepting`),
+//! shown (`ChoiceInfo`) and trained (`Member`, `PendingGroup`); the record of training
+//! (`Lineage`, `Checkpoint`); the errors; the decisions every
 //! store makes the same way (`judge_reward`, `judge_episode_reward`); and how token ids and
 //! log-probs are stored (little-endian bytes).
 

@@ -5,7 +5,7 @@
 //!
 //! `forward_into` keeps `Llama::forward_into`'s contract: the same batch in, the wanted logits
 //! (and hidden rows) in `ForwardBuffers` on the host, for the engine's sampler. The steps are the
-//! CPU forward's (`forward.rs`) in its order; each kernel has its CPU twin (kernels/tests/cuda.rs).
+//! CPU forward's (`forward/`) in its order; each kernel has its CPU twin (kernels/tests/cuda.rs).
 //!
 //! Decode steps (every sequence one token, wanting its next-token logits, no adapter) replay a
 //! graph captured once per batch bucket (`plan::graph_bucket`), the batch padded with rows that

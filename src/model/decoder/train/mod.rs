@@ -8,7 +8,7 @@
 //! bit. While a chunk's log-probs are at hand, the head's backward runs too: d log π(token)/d(normed
 //! hidden) = (onehot − softmax)/T · W_out, one row per scored token (the loss only scales it).
 //!
-//! Backward (`train_backward.rs`): layer by layer, last first, into the adapter's parameters only
+//! Backward (`backward.rs`): layer by layer, last first, into the adapter's parameters only
 //! (OFT through the rotation to θ, LoRA into A and B; frozen linears' dx = dy·W from dequantized
 //! tiles). Memory: the checkpoints (L × T × hidden), the kept activations (at most the
 //! budget), one layer's gradients, and one chunk of logits (never T × vocab).

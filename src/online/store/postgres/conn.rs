@@ -1,7 +1,8 @@
 //! PostgreSQL's connections for the rollout store: the schema's migrations (applied once,
 //! under an advisory lock, whoever starts first), the pool of blocking clients (validated on
 //! checkout, a broken one replaced), the trainer's claim on an adapter (a session advisory lock
-//! on a connection of its own) and the LISTEN thread that hears committed steps.
+//! on a connection of its own) and the LISTEN threads that hear what the store announces
+//! (committed steps, new rewards).
 
 use super::*;
 

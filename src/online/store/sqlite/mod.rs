@@ -264,7 +264,7 @@ impl SqliteLog {
 
     /// Record rewards, all or none (one transaction, committed before this returns). `key` is
     /// the caller's bearer key; `admin` callers may reward any completion; `accepts` says
-    /// whether a completion's adapter takes rewards now. Ok(true) when at least one reward is
+    /// which completions' adapters take rewards now (the trainer's answer, a value). Ok(true) when at least one reward is
     /// new, Ok(false) when every one repeats a stored reward.
     pub fn post_rewards(
         &self,
