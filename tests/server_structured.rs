@@ -413,6 +413,25 @@ fn the_generic_format_serves_templates_without_tools() {
         }
         assert_eq!(v["usage"]["prompt_tokens"], auto_prompt, "{v}");
     }
+    // A follow-up turn that does not send the tools again: the history is still written in the
+    // generic format, and `/tokenize` renders the prompt chat renders.
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "tiny", "max_tokens": 1, "messages": convo}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+    let t = s.post("/tokenize", &json!({"messages": convo})).json();
+    assert_eq!(t["count"], r.json()["usage"]["prompt_tokens"], "{t}");
+    let text = s
+        .post("/detokenize", &json!({"tokens": t["tokens"]}))
+        .json()["prompt"]
+        .clone();
+    assert!(
+        text.as_str()
+            .unwrap()
+            .contains(r#"{"tool_response": {"tool": "weather""#),
+        "{text}"
+    );
     let r = s.post(
         "/v1/chat/completions",
         &chat("x", json!({"tools": weather_tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}})),

@@ -2,15 +2,13 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::job::{Flavor, Job};
-use super::messages::{
-    history_without_tools, parse_chat_render, parse_messages, render_param, request_tools,
-};
-use super::openai::{check_scoring, parse_chat_logprobs, parse_common, Fields};
+use super::generation::{Dialect, Generation};
+use super::job::Flavor;
+use super::messages::Conversation;
+use super::openai::Fields;
 use super::reasoning;
 use super::respond::respond;
 use super::state::{blocking, AppState};
-use super::structured::output_grammar;
 use axum::extract::State;
 use axum::response::Response;
 
@@ -31,39 +29,15 @@ pub(super) async fn run_chat(
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let f = Fields::parse(body)?;
-    let render = parse_chat_render(&f)?;
-    let mut params = parse_common(&f, ready.vocab_size)?;
-    parse_chat_logprobs(&f, &mut params)?;
-    check_scoring(&f, &mut params, false)?;
-    let messages = parse_messages(&f)?;
-    // The template (the request's, else the model's) renders the tools and teaches the calls'
-    // format (else the generic format).
-    let template = render
-        .template
-        .as_deref()
-        .or(ready.tokenizer.chat_template());
-    let tools = request_tools(&f, template)?;
-    let reasons = template.is_some_and(reasoning::template_reasons);
-    let (messages, tool_defs, tool_mode, tool_grammar) = match &tools {
-        Some(t) => {
-            let (m, defs) = t.render_inputs(messages);
-            (m, defs, t.mode, t.grammar()?)
-        }
-        None => (history_without_tools(messages, template), None, None, None),
-    };
-    let grammar = output_grammar(&f, tool_grammar)?;
-    let (_, adapter) = state.resolve_model(&params.model)?;
-    let constraint = match grammar {
-        Some(g) => {
-            params.sampling.constrained = true;
-            Some(ready.compile(g.field, g.spec).await?)
-        }
-        None => None,
-    };
+    let conversation = Conversation::parse(&f, ready.tokenizer.chat_template())?;
+    let tool_grammar = conversation.tool_grammar()?;
+    let generation = Generation::validate(state, &f, Dialect::Chat, tool_grammar).await?;
+    let (tool_mode, reasons) = (conversation.tool_mode(), conversation.reasons);
+    let inputs = conversation.into_inputs();
     let tok = ready.tokenizer.clone();
     // A turn of an episode through a learning adapter continues the episode's last turn with
     // the very tokens it sampled where the conversation re-renders them (token in, token out).
-    let last_turn = match (&params.episode, &adapter) {
+    let last_turn = match (&generation.params.episode, &generation.adapter) {
         (Some(ep), Some(a)) => ready.learning(&a.name).map(|o| {
             (
                 o.log.clone(),
@@ -74,9 +48,7 @@ pub(super) async fn run_chat(
         _ => None,
     };
     let (prompt_ids, thinking_at_start) = blocking(move || {
-        let text = tok
-            .render_chat_with(&messages, tool_defs.as_ref(), &render)
-            .map_err(|e| ApiError::invalid(render_param(&render), e.to_string()))?;
+        let text = inputs.render(&tok)?;
         let at_start = reasoning::starts_thinking(&text);
         if let Some((log, ep, key)) = last_turn {
             if let Some((prompt, completion)) = log.last_turn(&ep, &key).map_err(ApiError::from)? {
@@ -96,18 +68,9 @@ pub(super) async fn run_chat(
             .map_err(|e| ApiError::invalid("messages", e.to_string()))
     })
     .await?;
-    let job = Job {
-        flavor: Flavor::Chat,
-        params,
-        prompt_ids,
-        echo: None,
-        adapter,
-        prompt_param: "messages",
-        key: super::state::bearer_of(headers).to_string(),
-        tools: tool_mode,
-        constraint,
-        reasoning: reasons.then_some(thinking_at_start),
-        id,
-    };
+    let mut job = generation.job(Flavor::Chat, prompt_ids, "messages", headers);
+    job.tools = tool_mode;
+    job.reasoning = reasons.then_some(thinking_at_start);
+    job.id = id;
     respond(state, job).await
 }

@@ -2,13 +2,11 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::job::{Flavor, Job};
-use super::openai::{
-    check_scoring, parse_common, parse_completion_logprobs, parse_prompts, Fields, Prompt,
-};
+use super::generation::{Dialect, Generation};
+use super::job::Flavor;
+use super::openai::{parse_prompts, Fields, Prompt};
 use super::respond::{respond, respond_many};
 use super::state::{blocking, AppState};
-use super::structured::output_grammar;
 use axum::extract::State;
 use axum::response::Response;
 
@@ -19,19 +17,9 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let f = Fields::parse(&body)?;
-    let mut params = parse_common(&f, ready.vocab_size)?;
-    parse_completion_logprobs(&f, &mut params)?;
     let prompts = parse_prompts(&f, ready.vocab_size)?;
     let echo = f.bool("echo")?.unwrap_or(false);
-    check_scoring(&f, &mut params, echo)?;
-    let (_, adapter) = state.resolve_model(&params.model)?;
-    let constraint = match output_grammar(&f, None)? {
-        Some(g) => {
-            params.sampling.constrained = true;
-            Some(ready.compile(g.field, g.spec).await?)
-        }
-        None => None,
-    };
+    let generation = Generation::validate(&state, &f, Dialect::Completion { echo }, None).await?;
     let tok = ready.tokenizer.clone();
     let encoded = blocking(move || {
         prompts
@@ -54,28 +42,22 @@ pub async fn completions(
             .collect::<Result<Vec<_>, ApiError>>()
     })
     .await?;
-    let key = super::state::bearer_of(&headers).to_string();
     let several = encoded.len() > 1;
-    let mut jobs = Vec::with_capacity(encoded.len());
-    for (prompt_ids, text) in encoded {
-        jobs.push(Job {
-            flavor: Flavor::Completion,
-            params: params.clone(),
-            prompt_ids,
-            echo: echo.then_some(text),
-            // Each prompt holds its own pin of the same version.
-            adapter: adapter.clone(),
-            prompt_param: "prompt",
-            key: key.clone(),
-            tools: None,
-            constraint: constraint.clone(),
-            reasoning: None,
-            id: None,
-        });
-    }
+    // Each prompt holds its own pin of the same version.
+    let jobs: Vec<_> = encoded
+        .into_iter()
+        .map(|(prompt_ids, text)| {
+            let mut job =
+                generation
+                    .clone()
+                    .job(Flavor::Completion, prompt_ids, "prompt", &headers);
+            job.echo = echo.then_some(text);
+            job
+        })
+        .collect();
     if several {
         respond_many(&state, jobs).await
     } else {
-        respond(&state, jobs.pop().expect("one prompt")).await
+        respond(&state, jobs.into_iter().next().expect("one prompt")).await
     }
 }

@@ -8,11 +8,11 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::job::{Flavor, Job};
-use super::openai::{parse_common, Fields, MAX_TOP_LOGPROBS};
+use super::generation::{Dialect, Generation};
+use super::job::Flavor;
+use super::openai::Fields;
 use super::respond::respond;
 use super::state::AppState;
-use super::structured::output_grammar;
 use axum::extract::State;
 use axum::response::Response;
 use serde_json::{Map, Value};
@@ -84,39 +84,8 @@ pub async fn generate(
     }
     let fv = Value::Object(fields);
     let sf = Fields::parse(&fv)?;
-    let mut params = parse_common(&sf, ready.vocab_size).map_err(in_sampling_params)?;
-    // logprobs: k returns the sampled token's and the k best (vLLM); 0 the sampled one's.
-    if let Some(k) = sf
-        .int_in("logprobs", 0, MAX_TOP_LOGPROBS as i128)
-        .map_err(in_sampling_params)?
-    {
-        params.logprobs = true;
-        params.sampling.top_logprobs = k as usize;
-    }
-    params.return_tokens_as_token_ids = true;
-    let (_, adapter) = state.resolve_model(&params.model)?;
-    // vLLM's sampling_params.structured_outputs (json, regex, choice, grammar).
-    let constraint = match output_grammar(&sf, None).map_err(in_sampling_params)? {
-        Some(g) => {
-            params.sampling.constrained = true;
-            let field = format!("sampling_params.{}", g.field);
-            Some(ready.compile(field, g.spec).await?)
-        }
-        None => None,
-    };
-    let job = Job {
-        flavor: Flavor::Generate,
-        params,
-        prompt_ids,
-        echo: None,
-        adapter,
-        prompt_param: "token_ids",
-        key: super::state::bearer_of(&headers).to_string(),
-        tools: None,
-        constraint,
-        reasoning: None,
-        id: None,
-    };
+    let generation = Generation::validate(&state, &sf, Dialect::Generate, None).await?;
+    let job = generation.job(Flavor::Generate, prompt_ids, "token_ids", &headers);
     respond(&state, job).await
 }
 
@@ -159,9 +128,4 @@ fn sampling_fields(sp: &Map<String, Value>) -> Result<Map<String, Value>, ApiErr
         }
     }
     Ok(out)
-}
-
-/// An error about a sampling parameter names it under `sampling_params`.
-fn in_sampling_params(e: ApiError) -> ApiError {
-    e.within("sampling_params")
 }

@@ -3,7 +3,7 @@
 
 use super::body::JsonBody;
 use super::error::ApiError;
-use super::messages::{parse_chat_render, parse_messages, render_param, request_tools};
+use super::messages::Conversation;
 use super::openai::Fields;
 use super::state::{blocking, AppState};
 use axum::extract::State;
@@ -100,18 +100,10 @@ pub async fn tokenize(
     let chat = f.get("messages").is_some();
     let special = f.bool("add_special_tokens")?.unwrap_or(!chat);
     let tokens = if chat {
-        let msgs = parse_messages(&f)?;
-        // As chat: the template's tools, or the generic format's conversation.
-        let render = parse_chat_render(&f)?;
-        let template = render.template.as_deref().or(tok.chat_template());
-        let (msgs, tools) = match request_tools(&f, template)? {
-            Some(t) => t.render_inputs(msgs),
-            None => (msgs, None),
-        };
+        // As chat renders it: the template's tools, or the generic format's conversation.
+        let inputs = Conversation::parse(&f, tok.chat_template())?.into_inputs();
         blocking(move || {
-            let text = tok
-                .render_chat_with(&msgs, tools.as_ref(), &render)
-                .map_err(|e| ApiError::invalid(render_param(&render), e.to_string()))?;
+            let text = inputs.render(&tok)?;
             tok.encode_with(&text, special)
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))
         })

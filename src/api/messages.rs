@@ -5,11 +5,101 @@
 
 use super::error::ApiError;
 use super::openai::{type_error, Fields};
+use super::reasoning;
 use super::structured::Structured;
 use super::tools::grammar::{generic_history, generic_messages, tool_grammar, Forced};
 use super::tools::{ToolFormat, ToolMode};
-use crate::model::tokenizer::ChatRender;
+use crate::model::conversation::{
+    Call, CallFunction, FunctionDef, FunctionKind, Message, Role, ToolDef,
+};
+use crate::model::tokenizer::{ChatRender, Tokenizer};
 use serde_json::{Map, Value};
+
+/// A chat request's conversation, validated: its messages, its tools and how they are rendered,
+/// and what its template does with them. Chat (and so the Responses API) and `/tokenize` read
+/// messages through it, so both render the same prompt.
+pub struct Conversation {
+    pub messages: Vec<Message>,
+    pub tools: Option<RequestTools>,
+    pub render: ChatRender,
+    /// Whether the template renders tools itself (else earlier calls and results are written in
+    /// the generic format).
+    renders_tools: bool,
+    /// Whether the template writes a reasoning block.
+    pub reasons: bool,
+}
+
+impl Conversation {
+    /// The request's conversation on a model whose own chat template is `model_template` (the
+    /// request's `chat_template` wins): `chat_template*`, `messages`, `tools`, `tool_choice`.
+    pub fn parse(f: &Fields, model_template: Option<&str>) -> Result<Conversation, ApiError> {
+        let render = parse_chat_render(f)?;
+        let messages = parse_messages(f)?;
+        // The template (the request's, else the model's) renders the tools and teaches the
+        // calls' format (else the generic format).
+        let template = render.template.as_deref().or(model_template);
+        let tools = request_tools(f, template)?;
+        Ok(Conversation {
+            renders_tools: template.and_then(ToolFormat::of_template).is_some(),
+            reasons: template.is_some_and(reasoning::template_reasons),
+            messages,
+            tools,
+            render,
+        })
+    }
+
+    /// How the answer's tool calls are read (None: not at all).
+    pub fn tool_mode(&self) -> Option<ToolMode> {
+        self.tools.as_ref().and_then(|t| t.mode)
+    }
+
+    /// The grammar the tools impose on the answer (forced calls, the generic format).
+    pub fn tool_grammar(&self) -> Result<Option<Structured>, ApiError> {
+        match &self.tools {
+            Some(t) => t.grammar(),
+            None => Ok(None),
+        }
+    }
+
+    /// What the template is handed: the generic format rewrites the conversation (and hands the
+    /// template no tools); a conversation with tool traffic but no tools is written in it when
+    /// the template renders no tools.
+    pub fn into_inputs(self) -> ChatInputs {
+        let (messages, tools) = match self.tools {
+            Some(t) => t.render_inputs(self.messages),
+            None if self.renders_tools => (self.messages, None),
+            None => (history_without_tools(self.messages), None),
+        };
+        ChatInputs {
+            messages,
+            tools,
+            render: self.render,
+        }
+    }
+}
+
+/// A conversation as its template renders it.
+pub struct ChatInputs {
+    pub messages: Vec<Message>,
+    pub tools: Option<Vec<ToolDef>>,
+    pub render: ChatRender,
+}
+
+impl ChatInputs {
+    /// The prompt's text; a template's error is a 400 naming the request's template when it sent
+    /// one, else `messages`.
+    pub fn render(&self, tok: &Tokenizer) -> Result<String, ApiError> {
+        tok.render_chat_with(&self.messages, self.tools.as_deref(), &self.render)
+            .map_err(|e| {
+                let param = if self.render.template.is_some() {
+                    "chat_template"
+                } else {
+                    "messages"
+                };
+                ApiError::invalid(param, e.to_string())
+            })
+    }
+}
 
 /// `messages` as the chat template reads them: roles system (developer is read as system), user,
 /// assistant, tool; content a string, a list of text parts (joined) or, for an assistant turn
@@ -17,7 +107,7 @@ use serde_json::{Map, Value};
 /// arguments}}`, string arguments parsed as JSON as vLLM does, since templates print them with
 /// `tojson`); a tool result's `tool_call_id` and `name`; an assistant turn's `reasoning_content`
 /// (reasoning models' templates read it). Other fields are dropped.
-pub fn parse_messages(f: &Fields) -> Result<Value, ApiError> {
+fn parse_messages(f: &Fields) -> Result<Vec<Message>, ApiError> {
     let list = f
         .get("messages")
         .ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?
@@ -26,28 +116,25 @@ pub fn parse_messages(f: &Fields) -> Result<Value, ApiError> {
     if list.is_empty() {
         return Err(ApiError::invalid("messages", "'messages' is empty"));
     }
-    let mut out = Vec::with_capacity(list.len());
-    for (i, m) in list.iter().enumerate() {
-        out.push(parse_message(i, m)?);
-    }
-    Ok(Value::Array(out))
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| parse_message(i, m))
+        .collect()
 }
 
-fn parse_message(i: usize, m: &Value) -> Result<Value, ApiError> {
+fn parse_message(i: usize, m: &Value) -> Result<Message, ApiError> {
     let bad = |what: &str| ApiError::invalid(&format!("messages[{i}]"), what.to_string());
     let o = m
         .as_object()
         .ok_or_else(|| bad("a message must be an object"))?;
-    let role = o
+    let role_name = o
         .get("role")
         .and_then(Value::as_str)
         .ok_or_else(|| bad("'role' must be a string"))?;
-    if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
-        return Err(bad(&format!("unknown role '{role}'")));
-    }
+    let role = Role::parse(role_name).ok_or_else(|| bad(&format!("unknown role '{role_name}'")))?;
     let content = match o.get("content") {
-        None | Some(Value::Null) => Value::Null,
-        Some(Value::String(s)) => Value::String(s.clone()),
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
             for p in parts {
@@ -59,74 +146,79 @@ fn parse_message(i: usize, m: &Value) -> Result<Value, ApiError> {
                     _ => return Err(bad("only text content parts are supported")),
                 }
             }
-            Value::String(text)
+            Some(text)
         }
         Some(_) => return Err(bad("'content' must be a string or a list of parts")),
     };
-    let role = if role == "developer" { "system" } else { role };
-    let mut msg = Map::new();
-    msg.insert("role".into(), Value::String(role.into()));
     let calls = o.get("tool_calls").filter(|v| !v.is_null());
-    // A missing content is an empty string, except beside tool calls (templates test for it).
-    let content = match (&content, calls) {
-        (Value::Null, None) => Value::String(String::new()),
-        _ => content,
+    let tool_calls = match calls {
+        None => None,
+        Some(_) if role != Role::Assistant => {
+            return Err(bad("only assistant messages carry 'tool_calls'"))
+        }
+        Some(calls) => {
+            let list = calls
+                .as_array()
+                .ok_or_else(|| bad("'tool_calls' must be a list"))?;
+            let mut parsed = Vec::with_capacity(list.len());
+            for c in list {
+                parsed.push(parse_call(c).map_err(bad)?);
+            }
+            Some(parsed)
+        }
     };
-    msg.insert("content".into(), content);
-    if let Some(calls) = calls {
-        if role != "assistant" {
-            return Err(bad("only assistant messages carry 'tool_calls'"));
-        }
-        let list = calls
-            .as_array()
-            .ok_or_else(|| bad("'tool_calls' must be a list"))?;
-        let mut parsed = Vec::with_capacity(list.len());
-        for c in list {
-            let func = c
-                .get("function")
-                .and_then(Value::as_object)
-                .ok_or_else(|| bad("each tool call needs a 'function' object"))?;
-            let name = func
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("each tool call needs 'function.name'"))?;
-            let arguments = match func.get("arguments") {
-                None | Some(Value::Null) => Value::Object(Map::new()),
-                Some(Value::String(s)) => serde_json::from_str::<Value>(s)
-                    .ok()
-                    .filter(Value::is_object)
-                    .unwrap_or_else(|| Value::String(s.clone())),
-                Some(v @ Value::Object(_)) => v.clone(),
-                Some(_) => return Err(bad("'function.arguments' must be a JSON string")),
-            };
-            let mut call = Map::new();
-            if let Some(id) = c.get("id").and_then(Value::as_str) {
-                call.insert("id".into(), Value::String(id.into()));
-            }
-            call.insert("type".into(), Value::String("function".into()));
-            call.insert(
-                "function".into(),
-                serde_json::json!({"name": name, "arguments": arguments}),
-            );
-            parsed.push(Value::Object(call));
-        }
-        msg.insert("tool_calls".into(), Value::Array(parsed));
-    }
-    for k in ["tool_call_id", "name", "reasoning_content"] {
-        match o.get(k) {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) => {
-                msg.insert(k.into(), Value::String(s.clone()));
-            }
-            Some(_) => return Err(bad(&format!("'{k}' must be a string"))),
-        }
-    }
-    Ok(Value::Object(msg))
+    let text_field = |k: &str| match o.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(bad(&format!("'{k}' must be a string"))),
+    };
+    Ok(Message {
+        role,
+        // A missing content is an empty string, except beside tool calls (templates test for
+        // it).
+        content: match (content, &tool_calls) {
+            (None, None) => Some(String::new()),
+            (c, _) => c,
+        },
+        tool_calls,
+        tool_call_id: text_field("tool_call_id")?,
+        name: text_field("name")?,
+        reasoning_content: text_field("reasoning_content")?,
+    })
+}
+
+/// One of an assistant message's `tool_calls`; the error says what is wrong with it.
+fn parse_call(c: &Value) -> Result<Call, &'static str> {
+    let func = c
+        .get("function")
+        .and_then(Value::as_object)
+        .ok_or("each tool call needs a 'function' object")?;
+    let name = func
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or("each tool call needs 'function.name'")?;
+    let arguments = match func.get("arguments") {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+            .ok()
+            .filter(Value::is_object)
+            .unwrap_or_else(|| Value::String(s.clone())),
+        Some(v @ Value::Object(_)) => v.clone(),
+        Some(_) => return Err("'function.arguments' must be a JSON string"),
+    };
+    Ok(Call {
+        id: c.get("id").and_then(Value::as_str).map(str::to_string),
+        kind: FunctionKind::Function,
+        function: CallFunction {
+            name: name.to_string(),
+            arguments,
+        },
+    })
 }
 
 /// The tool definitions (`tools`, or the legacy `functions`) as the chat template reads them:
 /// `[{"type": "function", "function": {"name", "description"?, "parameters"?}}]`.
-pub fn parse_tools(f: &Fields) -> Result<Option<Value>, ApiError> {
+fn parse_tools(f: &Fields) -> Result<Option<Vec<ToolDef>>, ApiError> {
     let (name, list, legacy) = match (f.get("tools"), f.get("functions")) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
@@ -162,51 +254,44 @@ pub fn parse_tools(f: &Fields) -> Result<Option<Value>, ApiError> {
             .and_then(Value::as_str)
             .filter(|n| !n.is_empty() && n.len() <= 64)
             .ok_or_else(|| bad("a function needs a 'name' of 1 to 64 characters"))?;
-        let mut fm = Map::new();
-        fm.insert("name".into(), Value::String(fname.into()));
-        match o.get("description") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(d)) => {
-                fm.insert("description".into(), Value::String(d.clone()));
-            }
+        let description = match o.get("description") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(d)) => Some(d.clone()),
             Some(_) => return Err(bad("'description' must be a string")),
-        }
-        match o.get("parameters") {
-            None | Some(Value::Null) => {}
-            Some(p @ Value::Object(_)) => {
-                fm.insert("parameters".into(), p.clone());
-            }
+        };
+        let parameters = match o.get("parameters") {
+            None | Some(Value::Null) => None,
+            Some(p @ Value::Object(_)) => Some(p.clone()),
             Some(_) => return Err(bad("'parameters' must be a JSON Schema object")),
-        }
-        if let Some(s) = o.get("strict").filter(|v| !v.is_null()) {
-            fm.insert("strict".into(), s.clone());
-        }
-        out.push(serde_json::json!({"type": "function", "function": Value::Object(fm)}));
+        };
+        out.push(ToolDef {
+            kind: FunctionKind::Function,
+            function: FunctionDef {
+                name: fname.to_string(),
+                description,
+                parameters,
+                strict: o.get("strict").filter(|v| !v.is_null()).cloned(),
+            },
+        });
     }
-    Ok(Some(Value::Array(out)))
+    Ok(Some(out))
 }
 
 /// A request's tools: their definitions, how the answer's calls are read (None with
 /// `tool_choice: "none"`), and what `tool_choice` forces.
 pub struct RequestTools {
-    pub defs: Value,
+    pub defs: Vec<ToolDef>,
     pub mode: Option<ToolMode>,
     pub forced: Forced,
 }
 
 impl RequestTools {
-    /// Whether the tools are described in a system message (generic format) rather than by the
-    /// template.
-    pub fn generic(&self) -> bool {
-        self.mode.is_some_and(|m| m.format == ToolFormat::Generic)
-    }
-
     /// The conversation and tool definitions the template renders: the generic format rewrites
     /// the conversation (with "none" too) and hands the template no tools.
-    pub fn render_inputs(&self, messages: Value) -> (Value, Option<Value>) {
+    fn render_inputs(&self, messages: Vec<Message>) -> (Vec<Message>, Option<Vec<ToolDef>>) {
         match self.mode {
             Some(m) if m.format == ToolFormat::Generic => {
-                (generic_messages(&messages, &self.defs, m.parallel), None)
+                (generic_messages(messages, &self.defs, m.parallel), None)
             }
             _ => (messages, Some(self.defs.clone())),
         }
@@ -226,28 +311,21 @@ impl RequestTools {
 }
 
 /// A conversation with tool calls or results but no `tools` in the request (a follow-up turn
-/// that does not resend them) on a template that renders no tools: the history written as the
+/// that does not resend them) for a template that renders no tools: the history written as the
 /// generic format writes it, so the template sees only text.
-pub fn history_without_tools(messages: Value, template: Option<&str>) -> Value {
-    if template.and_then(ToolFormat::of_template).is_some() {
-        return messages;
-    }
-    let list = messages.as_array().cloned().unwrap_or_default();
-    let has_tools = list
-        .iter()
-        .any(|m| m["role"] == "tool" || m.get("tool_calls").is_some_and(|c| !c.is_null()));
-    if !has_tools {
+fn history_without_tools(messages: Vec<Message>) -> Vec<Message> {
+    if !messages.iter().any(Message::is_tool_traffic) {
         return messages;
     }
     // Parallel calls are written as a list (the generic format's answer when it allows several).
-    Value::Array(generic_history(list, true))
+    generic_history(messages, true)
 }
 
 /// The request's `tools` (or legacy `functions`) on a model with chat template `template`: calls
 /// in the template's own format, or the generic format when it renders no tools.
-pub fn request_tools(f: &Fields, template: Option<&str>) -> Result<Option<RequestTools>, ApiError> {
+fn request_tools(f: &Fields, template: Option<&str>) -> Result<Option<RequestTools>, ApiError> {
     let defs = parse_tools(f)?;
-    let forced = parse_tool_choice(f, defs.as_ref())?;
+    let forced = parse_tool_choice(f, defs.as_deref())?;
     let Some(defs) = defs else {
         return Ok(None);
     };
@@ -279,7 +357,7 @@ pub fn request_tools(f: &Fields, template: Option<&str>) -> Result<Option<Reques
 /// `tool_choice` (`function_call`, legacy): "none" (None), "auto" (the default), "required", or
 /// a named function (`{"type": "function", "function": {"name"}}`; legacy `{"name"}`) that must
 /// be one of the tools. `parallel_tool_calls` must be a boolean.
-fn parse_tool_choice(f: &Fields, defs: Option<&Value>) -> Result<Option<Forced>, ApiError> {
+fn parse_tool_choice(f: &Fields, defs: Option<&[ToolDef]>) -> Result<Option<Forced>, ApiError> {
     f.bool("parallel_tool_calls")?;
     let mut forced = Some(Forced::Auto);
     for name in ["tool_choice", "function_call"] {
@@ -304,11 +382,7 @@ fn parse_tool_choice(f: &Fields, defs: Option<&Value>) -> Result<Option<Forced>,
                     .or_else(|| o.get("name"))
                     .and_then(Value::as_str)
                     .ok_or_else(bad)?;
-                let known = defs
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .any(|t| t["function"]["name"].as_str() == Some(fname));
+                let known = defs.into_iter().flatten().any(|t| t.function.name == fname);
                 if !known {
                     return Err(ApiError::invalid(
                         name,
@@ -339,7 +413,7 @@ const TEMPLATE_VARIABLES: [&str; 5] = [
 /// `chat_template` (the template's text), `chat_template_kwargs` (extra variables, e.g.
 /// `enable_thinking`), `add_generation_prompt` (default true) and `continue_final_message`
 /// (default false; not with `add_generation_prompt`, as in vLLM). Chat's `echo` is refused.
-pub fn parse_chat_render(f: &Fields) -> Result<ChatRender, ApiError> {
+fn parse_chat_render(f: &Fields) -> Result<ChatRender, ApiError> {
     if let Some(v) = f.get("echo").filter(|v| **v != Value::Bool(false)) {
         return Err(ApiError::invalid(
             "echo",
@@ -383,13 +457,4 @@ pub fn parse_chat_render(f: &Fields) -> Result<ChatRender, ApiError> {
         continue_final_message,
         kwargs,
     })
-}
-
-/// The field a template error is blamed on: the request's template when it sent one.
-pub fn render_param(render: &ChatRender) -> &'static str {
-    if render.template.is_some() {
-        "chat_template"
-    } else {
-        "messages"
-    }
 }

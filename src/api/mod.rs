@@ -12,6 +12,7 @@ mod embeddings;
 pub mod error;
 pub mod feedback;
 pub mod generate;
+mod generation;
 pub mod info;
 pub mod job;
 pub mod messages;

@@ -2,6 +2,7 @@
 //! family's forward and backward).
 
 pub mod chat_template;
+pub mod conversation;
 pub mod decoder;
 pub mod gguf;
 pub mod gguf_writer;

@@ -3,8 +3,10 @@
 //! byte-level BPE (vocab, merges, pre-tokenizer by `tokenizer.ggml.pre`, control tokens as special),
 //! a byte table for exact incremental detokenization, and `tokenizer.chat_template` via minijinja.
 
+use super::conversation::ToolDef;
 use super::gguf::{Gguf, GgufError, Value};
 use super::spm::{Spm, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
+use serde::Serialize;
 use std::collections::HashMap;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -381,18 +383,16 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        let messages =
-            serde_json::to_value(messages).map_err(|e| TokenizerError::Template(e.to_string()))?;
-        self.render_chat(&messages, None, add_generation_prompt)
+        self.render_chat(messages, None::<&[ToolDef]>, add_generation_prompt)
     }
 
     /// Render the chat template with messages as OpenAI's API gives them (any fields: tool calls,
-    /// tool results, names) and the tool definitions, as transformers' `apply_chat_template`
-    /// renders them.
-    pub fn render_chat(
+    /// tool results, names; typed as [`Message`](super::conversation::Message) or raw JSON) and
+    /// the tool definitions, as transformers' `apply_chat_template` renders them.
+    pub fn render_chat<M: Serialize, T: Serialize>(
         &self,
-        messages: &serde_json::Value,
-        tools: Option<&serde_json::Value>,
+        messages: &[M],
+        tools: Option<&[T]>,
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
         let how = ChatRender {
@@ -405,10 +405,10 @@ impl Tokenizer {
     /// [`Tokenizer::render_chat`] with a request's choices: its own template, the template's
     /// extra variables (`chat_template_kwargs`), and `continue_final_message` (the last message
     /// left open, cut where its content ends, as transformers cuts it).
-    pub fn render_chat_with(
+    pub fn render_chat_with<M: Serialize, T: Serialize>(
         &self,
-        messages: &serde_json::Value,
-        tools: Option<&serde_json::Value>,
+        messages: &[M],
+        tools: Option<&[T]>,
         how: &ChatRender,
     ) -> Result<String, TokenizerError> {
         let tmpl = how
@@ -423,7 +423,9 @@ impl Tokenizer {
                         .into(),
                 )
             })?;
-        let mut messages = messages.clone();
+        // As JSON, in the order the fields were written: the final message may be edited below.
+        let mut messages =
+            serde_json::to_value(messages).map_err(|e| TokenizerError::Template(e.to_string()))?;
         let mut cont = None;
         if how.continue_final_message {
             let last = messages

@@ -7,7 +7,9 @@
 
 use super::ToolFormat;
 use crate::engine::constraint::{compact_schema, GrammarSpec};
-use serde_json::{json, Map, Value};
+use crate::model::conversation::{Message, Role, ToolDef};
+use serde_json::{json, Value};
+use std::collections::HashMap;
 
 /// What `tool_choice` asks for (with tools and a mode other than "none").
 #[derive(Clone, Debug, PartialEq)]
@@ -25,22 +27,10 @@ pub enum Forced {
     None,
 }
 
-/// The functions of `defs` (`[{"type": "function", "function": {...}}]`): (name, parameters
-/// schema).
-fn functions(defs: &Value) -> Vec<(String, Value)> {
-    defs.as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|t| {
-            let f = t.get("function")?;
-            let name = f.get("name")?.as_str()?.to_string();
-            let params = f
-                .get("parameters")
-                .filter(|p| p.is_object())
-                .cloned()
-                .unwrap_or_else(|| json!({"type": "object"}));
-            Some((name, params))
-        })
+/// The functions of `defs`: (name, parameters schema).
+fn functions(defs: &[ToolDef]) -> Vec<(String, Value)> {
+    defs.iter()
+        .map(|t| (t.function.name.clone(), t.parameters()))
         .collect()
 }
 
@@ -68,7 +58,7 @@ fn call_schema(funcs: &[(String, Value)], forced: &Forced, args_key: &str) -> Va
 /// or the generic format's call-or-response object (always).
 pub fn tool_grammar(
     format: ToolFormat,
-    defs: &Value,
+    defs: &[ToolDef],
     forced: &Forced,
     parallel: bool,
 ) -> Result<Option<GrammarSpec>, String> {
@@ -170,13 +160,10 @@ pub fn spaced_json(v: &Value) -> String {
 /// object, earlier plain answers as `{"response": ...}`, tool results as user turns
 /// `{"tool_response": {"tool": name, "content": ...}}` (templates without tool support know no
 /// tool role).
-pub fn generic_messages(messages: &Value, defs: &Value, parallel: bool) -> Value {
-    let list = messages.as_array().cloned().unwrap_or_default();
+pub fn generic_messages(messages: Vec<Message>, defs: &[ToolDef], parallel: bool) -> Vec<Message> {
     let tools: Vec<Value> = defs
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|t| t.get("function").cloned())
+        .iter()
+        .map(|t| serde_json::to_value(&t.function).unwrap_or_default())
         .collect();
     let call_shape = if parallel {
         r#"{"tool_calls": [{"name": <tool name>, "arguments": {...}}, ...]}"#
@@ -188,37 +175,35 @@ pub fn generic_messages(messages: &Value, defs: &Value, parallel: bool) -> Value
          tools, or {{\"response\": <your answer>}} to answer the user.",
         spaced_json(&Value::Array(tools))
     );
-    let mut out = generic_history(list, parallel);
+    let mut out = generic_history(messages, parallel);
     match out.first_mut() {
-        Some(first) if first.get("role").and_then(Value::as_str) == Some("system") => {
-            let c = first["content"].as_str().unwrap_or("").to_string();
-            first["content"] = Value::String(format!("{c}\n\n{guide}"));
+        Some(first) if first.role == Role::System => {
+            let c = first.content.as_deref().unwrap_or("");
+            first.content = Some(format!("{c}\n\n{guide}"));
         }
-        _ => out.insert(0, json!({"role": "system", "content": guide})),
+        _ => out.insert(0, Message::text(Role::System, guide)),
     }
-    Value::Array(out)
+    out
 }
 
 /// A conversation's tool calls and results as the generic format writes them (calls as the
 /// assistant's JSON, results as user turns), for a template that renders neither.
-pub fn generic_history(list: Vec<Value>, parallel: bool) -> Vec<Value> {
-    let mut names: Map<String, Value> = Map::new();
+pub fn generic_history(list: Vec<Message>, parallel: bool) -> Vec<Message> {
+    let mut names: HashMap<String, String> = HashMap::new();
     let mut out = Vec::with_capacity(list.len() + 1);
     for m in list {
-        let role = m.get("role").and_then(Value::as_str).unwrap_or("");
-        let content = m.get("content").cloned().unwrap_or(Value::Null);
-        match role {
-            "assistant" => {
-                let answer = match m.get("tool_calls").and_then(Value::as_array) {
+        match m.role {
+            Role::Assistant => {
+                let answer = match &m.tool_calls {
                     Some(calls) => {
                         let calls: Vec<Value> = calls
                             .iter()
                             .map(|c| {
-                                let f = &c["function"];
-                                if let Some(id) = c.get("id").and_then(Value::as_str) {
-                                    names.insert(id.into(), f["name"].clone());
+                                let f = &c.function;
+                                if let Some(id) = &c.id {
+                                    names.insert(id.clone(), f.name.clone());
                                 }
-                                json!({"name": f["name"], "arguments": f["arguments"]})
+                                json!({"name": f.name, "arguments": f.arguments})
                             })
                             .collect();
                         if parallel {
@@ -227,21 +212,17 @@ pub fn generic_history(list: Vec<Value>, parallel: bool) -> Vec<Value> {
                             json!({"tool_call": calls.into_iter().next().unwrap_or_default()})
                         }
                     }
-                    None => json!({"response": content.as_str().unwrap_or("")}),
+                    None => json!({"response": m.content.as_deref().unwrap_or("")}),
                 };
-                out.push(json!({"role": "assistant", "content": spaced_json(&answer)}));
+                out.push(Message::text(Role::Assistant, spaced_json(&answer)));
             }
-            "tool" => {
+            Role::Tool => {
                 let name = m
-                    .get("name")
-                    .cloned()
-                    .or_else(|| {
-                        let id = m.get("tool_call_id")?.as_str()?;
-                        names.get(id).cloned()
-                    })
-                    .unwrap_or(Value::Null);
-                let r = json!({"tool_response": {"tool": name, "content": content}});
-                out.push(json!({"role": "user", "content": spaced_json(&r)}));
+                    .name
+                    .clone()
+                    .or_else(|| names.get(m.tool_call_id.as_ref()?).cloned());
+                let r = json!({"tool_response": {"tool": name, "content": m.content}});
+                out.push(Message::text(Role::User, spaced_json(&r)));
             }
             _ => out.push(m),
         }
@@ -253,11 +234,12 @@ pub fn generic_history(list: Vec<Value>, parallel: bool) -> Vec<Value> {
 mod tests {
     use super::*;
 
-    fn defs() -> Value {
-        json!([
+    fn defs() -> Vec<ToolDef> {
+        serde_json::from_value(json!([
             {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}},
             {"type": "function", "function": {"name": "now"}},
-        ])
+        ]))
+        .unwrap()
     }
 
     #[test]
@@ -304,13 +286,14 @@ mod tests {
 
     #[test]
     fn generic_conversations_are_rewritten() {
-        let msgs = json!([
+        let msgs: Vec<Message> = serde_json::from_value(json!([
             {"role": "user", "content": "2+3?"},
             {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "5"},
             {"role": "assistant", "content": "5"},
-        ]);
-        let out = generic_messages(&msgs, &defs(), false);
+        ]))
+        .unwrap();
+        let out = serde_json::to_value(generic_messages(msgs, &defs(), false)).unwrap();
         let out = out.as_array().unwrap();
         assert_eq!(out.len(), 5);
         assert_eq!(out[0]["role"], "system");
