@@ -233,8 +233,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     // log-probs are the trainer's to the bit.
     let cpu_reason = (!cfg.learn.is_empty())
         .then_some("adapters learn here and the trainer runs on the CPU (train = serve, bitwise)");
-    let device =
-        crate::engine::device::select(cfg.device, cpu_reason).map_err(|e| anyhow::anyhow!(e))?;
+    let device = crate::engine::device::select(cfg.device, cpu_reason)?;
     // The CPU's cache keeps the sliding-window layers' K/V in a pool of their own.
     let windows = c
         .sliding_window

@@ -107,9 +107,8 @@ pub fn generate(
                 ..
             }) => break (reason, stop_reason),
             Some(EngineEvent::PromptLogprobs(_) | EngineEvent::Embedding(_)) => {}
-            Some(EngineEvent::Error(e) | EngineEvent::GrammarFailed(e)) => {
-                anyhow::bail!("generation failed: {e}")
-            }
+            Some(EngineEvent::Error(e)) => anyhow::bail!("generation failed: {e}"),
+            Some(EngineEvent::GrammarFailed(e)) => anyhow::bail!("generation failed: {e}"),
             None => anyhow::bail!("the engine stopped"),
         }
     };

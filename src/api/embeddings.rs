@@ -182,8 +182,9 @@ pub async fn embeddings(
         let v = loop {
             match s.rx.recv().await {
                 Some(EngineEvent::Embedding(v)) => break v,
-                Some(EngineEvent::Error(e) | EngineEvent::GrammarFailed(e)) => {
-                    return Err(ApiError::internal(e))
+                Some(EngineEvent::Error(e)) => return Err(ApiError::internal(e)),
+                Some(EngineEvent::GrammarFailed(e)) => {
+                    return Err(ApiError::internal(e.to_string()))
                 }
                 Some(_) => {}
                 None => return Err(ApiError::internal("the engine stopped")),

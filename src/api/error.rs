@@ -1,7 +1,9 @@
 //! The one mapping from failures to HTTP status + OpenAI error body
 //! `{"error": {"message", "type", "param", "code"}}`.
 
+use crate::online::learner::ErrorKind;
 use crate::online::store::records::{FeedbackError, Refusal};
+use crate::online::trainer::CommandError;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -142,6 +144,31 @@ impl IntoResponse for ApiError {
 }
 
 /// The rollout log's errors: 503 once its database became unusable, 500 otherwise.
+/// The trainer's answers to commands, as HTTP errors.
+impl From<CommandError> for ApiError {
+    fn from(e: CommandError) -> ApiError {
+        match e {
+            CommandError::NotLearning(name) => ApiError {
+                code: Some("adapter_not_learning"),
+                ..ApiError::not_found(format!("'{name}' is not a learning adapter"))
+            },
+            CommandError::Conflict(m) => ApiError {
+                code: Some("adapter_shape_fixed"),
+                ..ApiError::conflict("method", m.to_string())
+            },
+            CommandError::Train(e) if e.kind == ErrorKind::Database => ApiError {
+                code: Some("rollout_log_unavailable"),
+                ..ApiError::unavailable(e.to_string())
+            },
+            CommandError::Train(e) => ApiError {
+                code: Some("trainer_start_failed"),
+                ..ApiError::internal(e.to_string())
+            },
+            CommandError::Stopped => ApiError::unavailable(CommandError::Stopped.to_string()),
+        }
+    }
+}
+
 impl From<crate::online::store::records::LogError> for ApiError {
     fn from(e: crate::online::store::records::LogError) -> ApiError {
         use crate::online::store::records::LogError;

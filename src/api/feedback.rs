@@ -8,7 +8,7 @@ use super::error::{clip, shown, ApiError, Rewarded};
 use super::openai::Fields;
 use super::state::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
-use crate::online::learner::{self, ErrorKind};
+use crate::online::learner;
 use crate::online::store::records::Reward;
 use crate::online::trainer::{CommandError, TrainerHandle};
 use axum::extract::{Path, State};
@@ -246,29 +246,6 @@ pub async fn get(
     ))
 }
 
-/// The trainer's answers to commands, as HTTP errors.
-fn command_error(e: CommandError) -> ApiError {
-    match e {
-        CommandError::NotLearning(name) => ApiError {
-            code: Some("adapter_not_learning"),
-            ..ApiError::not_found(format!("'{name}' is not a learning adapter"))
-        },
-        CommandError::Conflict(m) => ApiError {
-            code: Some("adapter_shape_fixed"),
-            ..ApiError::conflict("method", m)
-        },
-        CommandError::Train(e) if e.kind == ErrorKind::Database => ApiError {
-            code: Some("rollout_log_unavailable"),
-            ..ApiError::unavailable(e.to_string())
-        },
-        CommandError::Train(e) => ApiError {
-            code: Some("trainer_start_failed"),
-            ..ApiError::internal(e.to_string())
-        },
-        CommandError::Stopped => ApiError::unavailable(CommandError::Stopped.to_string()),
-    }
-}
-
 /// `POST /v1/adapters/{name}/train` (admin): make `name` a learning adapter (created as the
 /// identity or resumed from its checkpoint), or change a learning adapter's settings (its shape
 /// stays: method, block size and rank are fixed for its lineage).
@@ -322,7 +299,7 @@ pub async fn train(
             .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))
     })
     .await?;
-    let (status, created) = online.train(cfg).await.map_err(command_error)?;
+    let (status, created) = online.train(cfg).await.map_err(ApiError::from)?;
     let code = if created {
         StatusCode::CREATED
     } else {
@@ -340,11 +317,11 @@ async fn set_paused(state: &AppState, name: &str, paused: bool) -> Result<Json<V
     let online = ready
         .online
         .get()
-        .ok_or_else(|| command_error(CommandError::NotLearning(name.to_string())))?;
+        .ok_or_else(|| ApiError::from(CommandError::NotLearning(name.to_string())))?;
     let status = online
         .set_paused(name, paused)
         .await
-        .map_err(command_error)?;
+        .map_err(ApiError::from)?;
     Ok(Json(
         json!({"object": "train.adapter", "id": name, "status": status}),
     ))

@@ -6,6 +6,7 @@ use super::error::ApiError;
 use super::messages::Conversation;
 use super::openai::Fields;
 use super::state::{blocking, AppState};
+use crate::online::trainer::Unhealthy;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -145,11 +146,11 @@ pub async fn detokenize(
 /// 200 when the model is loaded and the engine thread alive; 503 otherwise.
 /// The learning side's health (None: not learning), asked on the blocking pool: a rollout log
 /// on PostgreSQL answers over the network.
-pub async fn learning_health(state: &AppState) -> Option<Result<(), String>> {
+pub async fn learning_health(state: &AppState) -> Option<Result<(), Unhealthy>> {
     let st = state.clone();
     tokio::task::spawn_blocking(move || st.ready().ok()?.online.get().map(|o| o.health()))
         .await
-        .unwrap_or_else(|_| Some(Err("the health check failed".into())))
+        .unwrap_or_else(|_| Some(Err(Unhealthy::Unchecked)))
 }
 
 pub async fn health(State(state): State<AppState>) -> Response {
@@ -169,7 +170,7 @@ pub async fn health(State(state): State<AppState>) -> Response {
             .online
             .get()
             .is_some_and(|o| o.cfg.role == crate::online::config::Role::Serve);
-        let why = crate::util::hide_paths(&why);
+        let why = crate::util::hide_paths(&why.to_string());
         if replica {
             let learning = json!({"state": "unavailable", "reason": why});
             return (

@@ -302,7 +302,7 @@ impl RequestTools {
         let Some(m) = self.mode else { return Ok(None) };
         let field = if m.legacy { "functions" } else { "tools" };
         let spec = tool_grammar(m.format, &self.defs, &self.forced, m.parallel)
-            .map_err(|e| ApiError::invalid(field, e))?;
+            .map_err(|e| ApiError::invalid(field, e.to_string()))?;
         Ok(spec.map(|spec| Structured {
             field: field.into(),
             spec,

@@ -4,7 +4,7 @@
 
 use super::error::ApiError;
 use crate::adapter::registry::{Pinned, Registry};
-use crate::engine::constraint::{GrammarSpec, Grammars};
+use crate::engine::constraint::{GrammarError, GrammarSpec, Grammars};
 use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
 use crate::model::decoder::Decoder;
@@ -35,7 +35,7 @@ pub struct Ready {
     pub online: Online,
     pub metrics: Arc<Metrics>,
     /// Constrained decoding's compiler for this vocabulary, built on first use.
-    pub grammars: Arc<OnceLock<Result<Arc<Grammars>, String>>>,
+    pub grammars: Arc<OnceLock<Result<Arc<Grammars>, GrammarError>>>,
 }
 
 impl Ready {

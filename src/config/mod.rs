@@ -239,10 +239,15 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path}: {message}")]
-    Parse { path: PathBuf, message: String },
+    #[error("{path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
     #[error("invalid setting {key}: {message}")]
     Invalid { key: &'static str, message: String },
+    #[error("invalid setting {0}")]
+    Online(#[from] crate::online::config::InvalidSetting),
 }
 
 fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
@@ -258,14 +263,14 @@ impl RawConfig {
             path: path.to_path_buf(),
             source,
         })?;
-        RawConfig::from_toml(&text).map_err(|message| ConfigError::Parse {
+        RawConfig::from_toml(&text).map_err(|source| ConfigError::Parse {
             path: path.to_path_buf(),
-            message,
+            source,
         })
     }
 
-    pub fn from_toml(text: &str) -> Result<RawConfig, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+    pub fn from_toml(text: &str) -> Result<RawConfig, toml::de::Error> {
+        toml::from_str(text)
     }
 
     /// Apply the CLI flags and defaults, and check every value.
@@ -281,9 +286,7 @@ impl RawConfig {
         if let Some(r) = &cli.role {
             raw_online.role = Some(r.clone());
         }
-        let mut online = raw_online
-            .validate()
-            .map_err(|msg| invalid("online", msg))?;
+        let mut online = raw_online.validate()?;
         if let Some(d) = &cli.data_dir {
             online.data_dir = d.clone();
         }

@@ -26,7 +26,9 @@ fn the_example_file_parses_and_cli_flags_win() {
 
 #[test]
 fn typos_and_bad_values_are_rejected_by_name() {
-    let e = RawConfig::from_toml("[engine]\nmax_num_seq = 3\n").unwrap_err();
+    let e = RawConfig::from_toml("[engine]\nmax_num_seq = 3\n")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("max_num_seq"), "{e}");
     let raw = RawConfig::from_toml("[engine]\nblock_size = 12\n").unwrap();
     let e = raw.validate(&CliOverrides::default()).unwrap_err();

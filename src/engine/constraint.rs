@@ -7,6 +7,7 @@
 //! it shares little. A constrained token is not a draw from the policy: such completions are
 //! logged off-policy (`SamplingParams::constrained`).
 
+pub use super::grammar_error::GrammarError;
 use crate::model::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -18,13 +19,13 @@ use std::sync::Arc;
 pub use llguidance::toktrie::SimpleVob as TokenMask;
 
 /// llguidance's message without the parser state it appends.
-fn message(e: impl std::fmt::Display) -> String {
+fn library(e: impl std::fmt::Display) -> GrammarError {
     let e = e.to_string();
     let first = e.split("\n<state>").next().unwrap_or(&e).trim();
-    match first {
+    GrammarError::Library(match first {
         "NoExtensionBias" => "no token of the vocabulary can continue it (NoExtensionBias)".into(),
         _ => first.to_string(),
-    }
+    })
 }
 
 /// What a request constrains its output to.
@@ -53,12 +54,10 @@ fn compact_json() -> Value {
 
 /// `schema` as generated: objects closed (`close_objects`) and the compact-JSON options attached
 /// (replacing any the caller set).
-pub fn compact_schema(schema: &Value) -> Result<Value, String> {
+pub fn compact_schema(schema: &Value) -> Result<Value, GrammarError> {
     let mut s = schema.clone();
     close_objects(&mut s);
-    let o = s
-        .as_object_mut()
-        .ok_or_else(|| "a JSON Schema must be an object".to_string())?;
+    let o = s.as_object_mut().ok_or(GrammarError::NotAnObject)?;
     o.insert("x-guidance".into(), compact_json());
     Ok(s)
 }
@@ -212,7 +211,7 @@ pub struct Grammars {
 
 impl Grammars {
     /// `vocab_size`: the logits' width (at least the tokenizer's vocabulary).
-    pub fn new(tok: Arc<Tokenizer>, vocab_size: usize) -> Result<Grammars, String> {
+    pub fn new(tok: Arc<Tokenizer>, vocab_size: usize) -> Result<Grammars, GrammarError> {
         let n = vocab_size.max(tok.vocab_size());
         let words: Vec<Vec<u8>> = (0..n as u32)
             .map(|i| {
@@ -229,7 +228,7 @@ impl Grammars {
         let eos = tok.eos_id.unwrap_or(0);
         let trie = TokTrie::from(&TokRxInfo::new(n as u32, eos), &words);
         let env: llguidance::toktrie::TokEnv = Arc::new(Vocab { trie, tok });
-        let mut factory = ParserFactory::new_simple(&env).map_err(message)?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(library)?;
         factory.quiet();
         Ok(Grammars { factory, eos })
     }
@@ -237,7 +236,7 @@ impl Grammars {
     /// Compile `spec` into a fresh constraint; the library's message when it rejects it, or the
     /// bound it exceeds (`grammar_bounds`: checked first, since compiling recurses as deep as the
     /// grammar). Run it on a thread with `grammar_bounds::COMPILE_STACK` of stack.
-    pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, String> {
+    pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint, GrammarError> {
         use super::grammar_bounds as bounds;
         match spec {
             GrammarSpec::Json(schema) => bounds::check_schema(schema)?,
@@ -250,20 +249,20 @@ impl Grammars {
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
             GrammarSpec::Choice(list) => {
                 if list.is_empty() {
-                    return Err("the choice list is empty".into());
+                    return Err(GrammarError::EmptyChoice);
                 }
                 let alts: Vec<String> = list.iter().map(|s| regex_literal(s)).collect();
                 TopLevelGrammar::from_regex(&format!("({})", alts.join("|")))
             }
             GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         };
-        let parser = self.factory.create_parser(grammar).map_err(message)?;
+        let parser = self.factory.create_parser(grammar).map_err(library)?;
         let mut m = Matcher::new(Ok(parser));
         if let Some(e) = m.get_error() {
-            return Err(message(e));
+            return Err(library(e));
         }
         // A grammar that allows nothing at all is refused now rather than failing mid-request.
-        m.compute_mask().map_err(message)?;
+        m.compute_mask().map_err(library)?;
         Ok(Constraint { m, eos: self.eos })
     }
 }
@@ -292,8 +291,8 @@ impl std::fmt::Debug for Constraint {
 impl Constraint {
     /// The tokens allowed next; where the grammar may end, `end_tokens` are allowed too (only
     /// they, once it must end).
-    pub fn mask(&mut self, end_tokens: &[u32]) -> Result<TokenMask, String> {
-        let mut mask = self.m.compute_mask_or_eos().map_err(message)?;
+    pub fn mask(&mut self, end_tokens: &[u32]) -> Result<TokenMask, GrammarError> {
+        let mut mask = self.m.compute_mask_or_eos().map_err(library)?;
         if mask.is_allowed(self.eos) {
             for &t in end_tokens {
                 if (t as usize) < mask.len() {
@@ -302,14 +301,14 @@ impl Constraint {
             }
         }
         if mask.is_zero() {
-            return Err("the grammar allows no token here".into());
+            return Err(GrammarError::NoTokenAllowed);
         }
         Ok(mask)
     }
 
     /// Follow token `t` (drawn from the last mask).
-    pub fn advance(&mut self, t: u32) -> Result<(), String> {
-        self.m.consume_token(t).map_err(message)
+    pub fn advance(&mut self, t: u32) -> Result<(), GrammarError> {
+        self.m.consume_token(t).map_err(library)
     }
 }
 

@@ -28,6 +28,24 @@ impl std::str::FromStr for DeviceChoice {
     }
 }
 
+/// Why the engine cannot run where it was asked to.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("this build has no CUDA engine (build with `--features cuda`)")]
+    NotBuilt,
+    /// The driver or the GPU refused (no library, no device, too old a GPU).
+    #[cfg(feature = "cuda")]
+    #[error("{0}")]
+    Gpu(#[from] flywheel_kernels::cuda::GpuError),
+    /// `--device cuda` was asked for and cannot be honoured.
+    #[error("--device cuda: {0}")]
+    Requested(Box<DeviceError>),
+    /// The model cannot be put on the GPU.
+    #[cfg(feature = "cuda")]
+    #[error("the CUDA engine: {0}")]
+    Engine(#[from] crate::model::decoder::ModelError),
+}
+
 /// Where the engine runs, decided.
 pub enum Device {
     Cpu,
@@ -46,30 +64,28 @@ impl Device {
 }
 
 /// The GPU, or why this build or this machine has none usable.
-fn open_gpu() -> Result<Device, String> {
+fn open_gpu() -> Result<Device, DeviceError> {
     #[cfg(feature = "cuda")]
     {
-        flywheel_kernels::cuda::Gpu::open(0)
-            .map(Device::Cuda)
-            .map_err(|e| e.to_string())
+        Ok(Device::Cuda(flywheel_kernels::cuda::Gpu::open(0)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        Err("this build has no CUDA engine (build with `--features cuda`)".into())
+        Err(DeviceError::NotBuilt)
     }
 }
 
 /// The device for `choice`; `cpu_reason` is why the CPU should serve even where a GPU is usable
 /// (auto only; e.g. learning, whose trainer runs on the CPU). The line saying what was chosen
 /// and why goes to the log; an explicit `cuda` that cannot be honoured is an error.
-pub fn select(choice: DeviceChoice, cpu_reason: Option<&str>) -> Result<Device, String> {
+pub fn select(choice: DeviceChoice, cpu_reason: Option<&str>) -> Result<Device, DeviceError> {
     match choice {
         DeviceChoice::Cpu => {
             tracing::info!("device: cpu (--device cpu)");
             Ok(Device::Cpu)
         }
         DeviceChoice::Cuda => {
-            let d = open_gpu().map_err(|why| format!("--device cuda: {why}"))?;
+            let d = open_gpu().map_err(|why| DeviceError::Requested(Box::new(why)))?;
             if let Some(r) = cpu_reason {
                 tracing::warn!("device: cuda although {r}");
             }
@@ -115,7 +131,7 @@ pub(super) fn backend(
     model: &Decoder,
     cfg: &EngineConfig,
     device: Device,
-) -> Result<Backend, String> {
+) -> Result<Backend, DeviceError> {
     let c = &model.config;
     match device {
         Device::Cpu => Ok(Backend::Cpu(
@@ -147,8 +163,7 @@ pub(super) fn backend(
                 max_model_len: c.context_length,
                 graphs: std::env::var("FLYWHEEL_CUDA_GRAPHS").as_deref() != Ok("0"),
             };
-            let g = crate::model::decoder::GpuDecoder::new(gpu, model, shape)
-                .map_err(|e| format!("the CUDA engine: {e}"))?;
+            let g = crate::model::decoder::GpuDecoder::new(gpu, model, shape)?;
             tracing::info!(
                 "device: cuda, {} ({} KV blocks of {}, decode graphs {})",
                 g.describe(),
@@ -199,7 +214,7 @@ mod tests {
             return;
         }
         assert_eq!(select(DeviceChoice::Auto, None).unwrap().name(), "cpu");
-        let err = select(DeviceChoice::Cuda, None).err().unwrap();
+        let err = select(DeviceChoice::Cuda, None).err().unwrap().to_string();
         assert!(err.starts_with("--device cuda: "), "{err}");
     }
 }

@@ -6,6 +6,7 @@
 //!
 //! The checks themselves recurse at most `MAX_DEPTH` deep and visit at most `MAX_VISITS` nodes.
 
+use super::grammar_error::GrammarError;
 use serde_json::Value;
 use std::collections::HashMap;
 
@@ -22,31 +23,35 @@ pub const MAX_VISITS: usize = 1 << 20;
 pub const COMPILE_STACK: usize = 64 << 20;
 
 /// A regular expression: its size and group nesting.
-pub fn check_regex(rx: &str) -> Result<(), String> {
+pub fn check_regex(rx: &str) -> Result<(), GrammarError> {
     size(rx.len())?;
     nesting(rx, Syntax::Regex)
 }
 
 /// A choice of strings: their size together.
-pub fn check_choice(list: &[String]) -> Result<(), String> {
+pub fn check_choice(list: &[String]) -> Result<(), GrammarError> {
     size(list.iter().map(|s| s.len() + 1).sum())
 }
 
-fn size(n: usize) -> Result<(), String> {
+fn size(n: usize) -> Result<(), GrammarError> {
     if n > MAX_GRAMMAR_BYTES {
-        return Err(format!(
-            "the grammar is {n} bytes; at most {MAX_GRAMMAR_BYTES} are accepted"
-        ));
+        return Err(GrammarError::TooLarge {
+            bytes: n,
+            max: MAX_GRAMMAR_BYTES,
+        });
     }
     Ok(())
 }
 
-fn too_deep(what: &str) -> String {
-    format!("{what} nests deeper than {MAX_DEPTH} levels, the most accepted")
+fn too_deep(what: &'static str) -> GrammarError {
+    GrammarError::TooDeep {
+        what,
+        max: MAX_DEPTH,
+    }
 }
 
 /// A JSON Schema: its size, and its depth with every local `$ref` followed.
-pub fn check_schema(schema: &Value) -> Result<(), String> {
+pub fn check_schema(schema: &Value) -> Result<(), GrammarError> {
     size(serde_json::to_string(schema).map(|s| s.len()).unwrap_or(0))?;
     let mut walk = SchemaWalk {
         root: schema,
@@ -65,15 +70,13 @@ struct SchemaWalk<'a> {
 }
 
 impl<'a> SchemaWalk<'a> {
-    fn visit(&mut self, v: &'a Value, depth: usize) -> Result<(), String> {
+    fn visit(&mut self, v: &'a Value, depth: usize) -> Result<(), GrammarError> {
         if depth > MAX_DEPTH {
             return Err(too_deep("the JSON Schema (with its $refs followed)"));
         }
         self.visits += 1;
         if self.visits > MAX_VISITS {
-            return Err(format!(
-                "the JSON Schema's $refs reach more than {MAX_VISITS} schemas; simplify it"
-            ));
+            return Err(GrammarError::SchemaTooWide { max: MAX_VISITS });
         }
         match v {
             Value::Object(o) => {
@@ -139,7 +142,7 @@ enum Syntax {
 }
 
 /// Bracket nesting (`(`, `[`, `{`) outside string literals, regex literals (Lark) and escapes.
-fn nesting(text: &str, syntax: Syntax) -> Result<(), String> {
+fn nesting(text: &str, syntax: Syntax) -> Result<(), GrammarError> {
     let what = match syntax {
         Syntax::Regex => "the regular expression",
         Syntax::Lark => "the grammar",
@@ -210,7 +213,7 @@ fn skip_literal(chars: &mut std::iter::Peekable<std::str::Chars>, quote: char) {
 /// A Lark grammar: its size, bracket nesting, the longest chain of rules each naming the next
 /// (a rule named again on its own chain is recursion, compiled lazily), and every embedded
 /// `%json` schema.
-pub fn check_lark(g: &str) -> Result<(), String> {
+pub fn check_lark(g: &str) -> Result<(), GrammarError> {
     size(g.len())?;
     nesting(g, Syntax::Lark)?;
     for schema in embedded_json(g) {
@@ -234,7 +237,7 @@ fn chain<'a>(
     on_path: &mut Vec<&'a str>,
     visits: &mut usize,
     depth: usize,
-) -> Result<usize, String> {
+) -> Result<usize, GrammarError> {
     if depth > MAX_DEPTH {
         return Err(too_deep("a chain of the grammar's rules"));
     }
@@ -246,9 +249,7 @@ fn chain<'a>(
     }
     *visits += 1;
     if *visits > MAX_VISITS {
-        return Err(format!(
-            "the grammar's rules reach more than {MAX_VISITS} others; simplify it"
-        ));
+        return Err(GrammarError::RulesTooWide { max: MAX_VISITS });
     }
     on_path.push(name);
     let mut below = 0;
@@ -374,7 +375,7 @@ mod tests {
     #[test]
     fn a_schema_whose_refs_chain_deep_is_refused_and_a_shallow_one_passes() {
         assert!(check_schema(&ref_chain(10)).is_ok());
-        let e = check_schema(&ref_chain(700)).unwrap_err();
+        let e = check_schema(&ref_chain(700)).unwrap_err().to_string();
         assert!(e.contains("128"), "{e}");
     }
 
@@ -404,7 +405,9 @@ mod tests {
             );
         }
         defs.insert("d40".into(), json!({"type": "null"}));
-        let e = check_schema(&json!({"$defs": defs, "$ref": "#/$defs/d0"})).unwrap_err();
+        let e = check_schema(&json!({"$defs": defs, "$ref": "#/$defs/d0"}))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("simplify"), "{e}");
     }
 
@@ -418,7 +421,7 @@ mod tests {
             g + &format!("r{n}: \"b\"\n")
         };
         assert!(check_lark(&chain(50)).is_ok());
-        let e = check_lark(&chain(700)).unwrap_err();
+        let e = check_lark(&chain(700)).unwrap_err().to_string();
         assert!(e.contains("rules"), "{e}");
         // Recursion is not depth.
         let rec = "start: expr\nexpr: term | expr \"+\" term\nterm: \"1\" | \"(\" expr \")\"\n";
@@ -453,7 +456,7 @@ mod tests {
         assert!(check_regex(&deep).is_err());
         assert!(check_regex(&"[(((((((]+".repeat(100)).is_ok());
         let big = "a".repeat(MAX_GRAMMAR_BYTES + 1);
-        assert!(check_regex(&big).unwrap_err().contains("bytes"));
+        assert!(check_regex(&big).unwrap_err().to_string().contains("bytes"));
         assert!(check_choice(&["x".repeat(MAX_GRAMMAR_BYTES)]).is_err());
     }
 }

@@ -88,7 +88,7 @@ pub enum EngineEvent {
     Error(String),
     /// A choice's grammar cannot go on (the vocabulary cannot spell what it requires, or the
     /// grammar library failed): the request ends; no more events follow.
-    GrammarFailed(String),
+    GrammarFailed(super::constraint::GrammarError),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

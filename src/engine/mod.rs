@@ -6,6 +6,7 @@ pub mod block_manager;
 pub mod constraint;
 pub mod device;
 pub mod grammar_bounds;
+pub mod grammar_error;
 mod handle;
 pub mod output;
 pub mod sampler;
@@ -16,7 +17,7 @@ use crate::metrics::Metrics;
 use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, Logits};
 use crate::model::tokenizer::Tokenizer;
 use block_manager::BlockManager;
-use constraint::Constraint;
+use constraint::{Constraint, GrammarError};
 use flywheel_kernels::Cpu;
 pub use handle::{
     Admission, ClientId, EngineEvent, EngineHandle, FinishReason, GenerateRequest, RequestStream,
@@ -90,7 +91,7 @@ impl Engine {
         device: device::Device,
     ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
         let (tx, inbox) = mpsc::channel();
-        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), String>>(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), device::DeviceError>>(1);
         let alive = Arc::new(AtomicBool::new(true));
         let handle = EngineHandle {
             tx,
@@ -339,9 +340,7 @@ impl Engine {
                         .map(|(id, ends, mut k)| {
                             // A grammar that panics fails its own request (at sampling), no other.
                             let m = std::panic::catch_unwind(AssertUnwindSafe(|| k.mask(&ends)))
-                                .unwrap_or_else(|p| {
-                                    Err(format!("grammar panicked: {}", panic_text(&p)))
-                                });
+                                .unwrap_or_else(|p| Err(GrammarError::Panicked(panic_text(&p))));
                             (id, k, m)
                         })
                         .collect::<Vec<_>>()

@@ -2,7 +2,7 @@
 //! incremental detokenization, stop-string matching (text that could begin a stop string is held
 //! back until it cannot), timings, and the channel its events go to.
 
-use super::constraint::{Constraint, TokenMask};
+use super::constraint::{Constraint, GrammarError, TokenMask};
 use super::sampler::{self, PromptLogprob, Sampled};
 use super::{EngineEvent, FinishReason, GenerateRequest, StopReason};
 use crate::metrics::Metrics;
@@ -81,7 +81,7 @@ pub struct SeqOutput {
     /// Constrained decoding: where this choice stands in its grammar, and the mask for its next
     /// token when it was computed ahead (beside the forward pass that makes the logits).
     pub constraint: Option<Constraint>,
-    pub next_mask: Option<Result<TokenMask, String>>,
+    pub next_mask: Option<Result<TokenMask, GrammarError>>,
     /// Embedding requests: the sum of the prompt positions' hidden states seen so far, and how
     /// many (a preempted sequence recomputes its prompt: positions are added once).
     pub embed_sum: Vec<f64>,
@@ -143,7 +143,7 @@ impl SeqOutput {
         cpu: &Cpu,
         logits: &mut [f32],
         generated: &[u32],
-    ) -> Result<Sampled, String> {
+    ) -> Result<Sampled, GrammarError> {
         self.prepare_mask();
         let mask = self.next_mask.take().transpose()?;
         let p = &self.req.req.sampling;

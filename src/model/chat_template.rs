@@ -56,23 +56,40 @@ pub const BUILTIN: [(&str, &str); 6] = [
 /// `--chat-template VALUE` / `model.chat_template`: one of [`BUILTIN`]'s names, a file holding a
 /// template, or the template itself (text with `{{` or `{%`), as vLLM's `--chat-template` reads
 /// it.
-pub fn resolve(value: &str) -> Result<String, String> {
+pub fn resolve(value: &str) -> Result<String, TemplateSourceError> {
     if let Some((_, t)) = BUILTIN.iter().find(|(n, _)| *n == value) {
         return Ok((*t).to_string());
     }
     let path = std::path::Path::new(value);
     if path.is_file() {
-        return std::fs::read_to_string(path)
-            .map_err(|e| format!("chat template file {}: {e}", path.display()));
+        return std::fs::read_to_string(path).map_err(|source| TemplateSourceError::Read {
+            path: path.to_path_buf(),
+            source,
+        });
     }
     if value.contains("{{") || value.contains("{%") {
         return Ok(value.to_string());
     }
-    let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
-    Err(format!(
-        "'{value}' is neither a file, a jinja template nor a built-in template ({})",
-        names.join(", ")
-    ))
+    Err(TemplateSourceError::Unknown {
+        value: value.to_string(),
+        names: BUILTIN
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+/// Why `--chat-template` names no template.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateSourceError {
+    #[error("chat template file {path}: {source}")]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("'{value}' is neither a file, a jinja template nor a built-in template ({names})")]
+    Unknown { value: String, names: String },
 }
 
 /// Render `template` with `ctx` (messages, tools, special tokens, add_generation_prompt).

@@ -36,46 +36,6 @@ impl Drop for AdapterStore {
     }
 }
 
-/// Check `url`'s scheme and `options`' keys (what `[online]` validation can know).
-pub fn check_url(url: &str, options: &BTreeMap<String, String>) -> Result<(), String> {
-    if let Some(dir) = url.strip_prefix("file://") {
-        if !dir.starts_with('/') {
-            return Err(format!(
-                "online.adapter_store '{url}': a file:// URL names an absolute folder \
-                 (file:///shared/adapters)"
-            ));
-        }
-        if let Some(k) = options.keys().next() {
-            return Err(format!(
-                "online.adapter_store_options.{k}: a file:// store takes no options"
-            ));
-        }
-        return Ok(());
-    }
-    let Some(rest) = url.strip_prefix("s3://") else {
-        return Err(format!(
-            "online.adapter_store '{url}': file:///dir or s3://bucket/prefix"
-        ));
-    };
-    if rest.split('/').next().unwrap_or("").is_empty() {
-        return Err(format!(
-            "online.adapter_store '{url}': name the bucket (s3://bucket/prefix)"
-        ));
-    }
-    for k in options.keys() {
-        if k.to_ascii_lowercase()
-            .parse::<object_store::aws::AmazonS3ConfigKey>()
-            .is_err()
-        {
-            return Err(format!(
-                "online.adapter_store_options.{k}: not an S3 setting of object_store \
-                 (aws_endpoint, aws_region, aws_allow_http, aws_access_key_id, ...)"
-            ));
-        }
-    }
-    Ok(())
-}
-
 fn key_under(prefix: &Key, rel: &str) -> Key {
     rel.split('/')
         .filter(|p| !p.is_empty())
@@ -85,7 +45,7 @@ fn key_under(prefix: &Key, rel: &str) -> Key {
 impl AdapterStore {
     /// Open `url` (checked by `check_url`); a file:// folder is created if missing.
     pub fn open(url: &str, options: &BTreeMap<String, String>) -> anyhow::Result<AdapterStore> {
-        check_url(url, options).map_err(anyhow::Error::msg)?;
+        super::config::check_url(url, options)?;
         // A failing store fails a step (retried with backoff) instead of holding the trainer
         // for object_store's default three minutes.
         let retry = object_store::RetryConfig {
@@ -293,29 +253,5 @@ impl AdapterStore {
             .collect();
         out.sort();
         Ok(out)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn urls_and_options_are_checked() {
-        let none = BTreeMap::new();
-        assert!(check_url("file:///tmp/x", &none).is_ok());
-        assert!(check_url("s3://bucket/some/prefix", &none).is_ok());
-        assert!(check_url("s3://bucket", &none).is_ok());
-        for bad in ["file://relative", "s3:///prefix", "gs://b/p", "/tmp/x"] {
-            assert!(check_url(bad, &none).is_err(), "{bad}");
-        }
-        let mut opts = BTreeMap::new();
-        opts.insert("aws_endpoint".to_string(), "http://127.0.0.1:9".to_string());
-        assert!(check_url("s3://b/p", &opts).is_ok());
-        let e = check_url("file:///tmp/x", &opts).unwrap_err();
-        assert!(e.contains("aws_endpoint"), "{e}");
-        opts.insert("endpointt".to_string(), "x".to_string());
-        let e = check_url("s3://b/p", &opts).unwrap_err();
-        assert!(e.contains("endpointt"), "{e}");
     }
 }

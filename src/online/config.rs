@@ -102,13 +102,14 @@ pub enum Role {
 }
 
 impl Role {
-    pub fn parse(s: &str) -> Result<Role, String> {
+    pub fn parse(s: &str) -> Result<Role, InvalidSetting> {
         match s {
             "all" => Ok(Role::All),
             "train" => Ok(Role::Train),
             "serve" => Ok(Role::Serve),
-            other => Err(format!(
-                "online.role must be \"all\", \"train\" or \"serve\", not \"{other}\""
+            other => Err(InvalidSetting::new(
+                "role",
+                format!("must be \"all\", \"train\" or \"serve\", not \"{other}\""),
             )),
         }
     }
@@ -165,8 +166,25 @@ pub struct LearnConfig {
     pub lora_r: usize,
 }
 
+/// A setting of `[online]` that cannot be honoured: its key (under `online.`) and why.
+#[derive(Debug, thiserror::Error)]
+#[error("online.{key} {why}")]
+pub struct InvalidSetting {
+    pub key: String,
+    pub why: String,
+}
+
+impl InvalidSetting {
+    pub fn new(key: impl Into<String>, why: impl Into<String>) -> InvalidSetting {
+        InvalidSetting {
+            key: key.into(),
+            why: why.into(),
+        }
+    }
+}
+
 impl RawOnline {
-    pub fn validate(self) -> Result<OnlineConfig, String> {
+    pub fn validate(self) -> Result<OnlineConfig, InvalidSetting> {
         let c = OnlineConfig {
             data_dir: self.data_dir.unwrap_or_else(|| PathBuf::from("data")),
             rollout_store: self.rollout_store.filter(|s| !s.is_empty()),
@@ -199,33 +217,87 @@ impl RawOnline {
             } else {
                 format!("train_{field}")
             };
-            return Err(format!("online.{key} {why}"));
+            return Err(InvalidSetting::new(key, why));
         }
         if !(c.reward_min.is_finite() && c.reward_max.is_finite() && c.reward_min < c.reward_max) {
-            return Err("online.reward_min must be below online.reward_max, both finite".into());
+            return Err(InvalidSetting::new(
+                "reward_min",
+                "must be below online.reward_max, both finite",
+            ));
         }
         if !(c.group_timeout_secs > 0.0 && c.retention_days > 0.0) {
-            return Err("online.group_timeout_secs and online.retention_days must be > 0".into());
+            return Err(InvalidSetting::new(
+                "group_timeout_secs",
+                "and online.retention_days must be > 0",
+            ));
         }
         if c.role == Role::Serve && c.rollout_store.is_none() {
-            return Err(
-                "online.role \"serve\" follows a trainer through a shared rollout store: \
-                        give online.rollout_store (postgres://...)"
-                    .into(),
-            );
+            return Err(InvalidSetting::new(
+                "role",
+                "\"serve\" follows a trainer through a shared rollout store: give \
+                 online.rollout_store (postgres://...)",
+            ));
         }
         if let Some(url) = &c.adapter_store {
-            super::adapter_store::check_url(url, &c.adapter_store_options)?;
+            check_url(url, &c.adapter_store_options)?;
         } else if let Some(k) = c.adapter_store_options.keys().next() {
-            return Err(format!(
-                "online.adapter_store_options.{k} is set but online.adapter_store is not"
+            return Err(InvalidSetting::new(
+                format!("adapter_store_options.{k}"),
+                "is set but online.adapter_store is not",
             ));
         }
         if c.max_step_tokens < 64 {
-            return Err("online.max_step_tokens must be at least 64".into());
+            return Err(InvalidSetting::new(
+                "max_step_tokens",
+                "must be at least 64",
+            ));
         }
         Ok(c)
     }
+}
+
+/// Check `url`'s scheme and `options`' keys (what `[online]` validation can know).
+pub fn check_url(
+    url: &str,
+    options: &std::collections::BTreeMap<String, String>,
+) -> Result<(), InvalidSetting> {
+    let url_error = |why: &str| InvalidSetting::new("adapter_store", format!("'{url}': {why}"));
+    let option_error = |k: &str, why: &str| {
+        InvalidSetting::new(format!("adapter_store_options.{k}"), why.to_string())
+    };
+    if let Some(dir) = url.strip_prefix("file://") {
+        if !dir.starts_with('/') {
+            return Err(url_error(
+                "a file:// URL names an absolute folder (file:///shared/adapters)",
+            ));
+        }
+        if let Some(k) = options.keys().next() {
+            return Err(option_error(
+                k,
+                "is set, and a file:// store takes no options",
+            ));
+        }
+        return Ok(());
+    }
+    let Some(rest) = url.strip_prefix("s3://") else {
+        return Err(url_error("file:///dir or s3://bucket/prefix"));
+    };
+    if rest.split('/').next().unwrap_or("").is_empty() {
+        return Err(url_error("name the bucket (s3://bucket/prefix)"));
+    }
+    for k in options.keys() {
+        if k.to_ascii_lowercase()
+            .parse::<object_store::aws::AmazonS3ConfigKey>()
+            .is_err()
+        {
+            return Err(option_error(
+                k,
+                "is not an S3 setting of object_store (aws_endpoint, aws_region, \
+                 aws_allow_http, aws_access_key_id, ...)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl RawLearn {
@@ -317,5 +389,24 @@ mod tests {
             assert_eq!(e.0, "loss");
             assert!(e.1.starts_with(&format!("'{bad}': grpo")), "{}", e.1);
         }
+    }
+
+    #[test]
+    fn urls_and_options_are_checked() {
+        let none = std::collections::BTreeMap::new();
+        assert!(check_url("file:///tmp/x", &none).is_ok());
+        assert!(check_url("s3://bucket/some/prefix", &none).is_ok());
+        assert!(check_url("s3://bucket", &none).is_ok());
+        for bad in ["file://relative", "s3:///prefix", "gs://b/p", "/tmp/x"] {
+            assert!(check_url(bad, &none).is_err(), "{bad}");
+        }
+        let mut opts = std::collections::BTreeMap::new();
+        opts.insert("aws_endpoint".to_string(), "http://127.0.0.1:9".to_string());
+        assert!(check_url("s3://b/p", &opts).is_ok());
+        let e = check_url("file:///tmp/x", &opts).unwrap_err().to_string();
+        assert!(e.contains("aws_endpoint"), "{e}");
+        opts.insert("endpointt".to_string(), "x".to_string());
+        let e = check_url("s3://b/p", &opts).unwrap_err().to_string();
+        assert!(e.contains("endpointt"), "{e}");
     }
 }

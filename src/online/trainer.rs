@@ -89,13 +89,25 @@ pub struct TrainerHandle {
     pub metrics: Arc<Metrics>,
 }
 
+/// Why learning cannot go on now (readiness).
+#[derive(Debug, thiserror::Error)]
+pub enum Unhealthy {
+    #[error("the trainer thread has stopped")]
+    Stopped,
+    #[error(transparent)]
+    Log(#[from] super::store::records::LogError),
+    /// The health check itself did not finish.
+    #[error("the health check failed")]
+    Unchecked,
+}
+
 /// Why a command was not carried out.
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {
     #[error("'{0}' is not a learning adapter")]
     NotLearning(String),
-    #[error("{0}")]
-    Conflict(String),
+    #[error(transparent)]
+    Conflict(#[from] super::learner::ShapeChanged),
     #[error(transparent)]
     Train(#[from] TrainError),
     /// No answer: the thread has ended, or the command panicked (counted and logged).
@@ -329,10 +341,10 @@ impl TrainerHandle {
     }
 
     /// Ok while the trainer runs and the rollout log is usable (readiness).
-    pub fn health(&self) -> Result<(), String> {
+    pub fn health(&self) -> Result<(), Unhealthy> {
         if !self.is_alive() {
-            return Err("the trainer thread has stopped".into());
+            return Err(Unhealthy::Stopped);
         }
-        self.log.check().map_err(|e| e.to_string())
+        Ok(self.log.check()?)
     }
 }

@@ -41,6 +41,27 @@ pub struct Cpu {
     background: bool,
 }
 
+/// A precision whose products this CPU's kernels lack (`Cpu::with_precision`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrecisionUnsupported {
+    pub precision: Precision,
+    pub isa: Isa,
+}
+
+impl std::fmt::Display for PrecisionUnsupported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} products need {} (this CPU's kernels: {})",
+            self.precision.name(),
+            self.precision.needs(),
+            self.isa.name()
+        )
+    }
+}
+
+impl std::error::Error for PrecisionUnsupported {}
+
 impl Cpu {
     pub fn new(isa: Isa, pool: ThreadPool) -> Cpu {
         Cpu {
@@ -53,14 +74,12 @@ impl Cpu {
 
     /// The same kernels with the base's products in `precision`; an error naming what the CPU
     /// lacks where it cannot.
-    pub fn with_precision(mut self, precision: Precision) -> Result<Cpu, String> {
+    pub fn with_precision(mut self, precision: Precision) -> Result<Cpu, PrecisionUnsupported> {
         if !precision.supported(self.isa) {
-            return Err(format!(
-                "{} products need {} (this CPU's kernels: {})",
-                precision.name(),
-                precision.needs(),
-                self.isa.name()
-            ));
+            return Err(PrecisionUnsupported {
+                precision,
+                isa: self.isa,
+            });
         }
         self.precision = precision;
         Ok(self)

@@ -16,6 +16,7 @@ use super::wire::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Completion, Delta,
     PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, Usage,
 };
+use crate::engine::constraint::GrammarError;
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
 use crate::engine::{EngineEvent, FinishReason, RequestStream, StopReason};
 use crate::model::tokenizer::Tokenizer;
@@ -31,7 +32,7 @@ use stream::stream_response;
 
 /// A 400 for a constraint the model's vocabulary cannot follow to its end (found while
 /// generating): the request asked for what this model cannot write.
-pub(super) fn grammar_failed(job: &Job, e: &str) -> ApiError {
+pub(super) fn grammar_failed(job: &Job, e: &GrammarError) -> ApiError {
     let field = job.constraint.as_ref().map_or("", |c| c.field.as_str());
     ApiError::invalid(
         field,

@@ -6,7 +6,7 @@
 //! tool results written back in that format.
 
 use super::ToolFormat;
-use crate::engine::constraint::{compact_schema, GrammarSpec};
+use crate::engine::constraint::{compact_schema, GrammarError, GrammarSpec};
 use crate::model::conversation::{Message, Role, ToolDef};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -61,7 +61,7 @@ pub fn tool_grammar(
     defs: &[ToolDef],
     forced: &Forced,
     parallel: bool,
-) -> Result<Option<GrammarSpec>, String> {
+) -> Result<Option<GrammarSpec>, GrammarError> {
     let funcs = functions(defs);
     let several = parallel && !matches!(forced, Forced::Named(_));
     Ok(match (format, forced) {

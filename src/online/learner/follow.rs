@@ -139,7 +139,7 @@ impl Member for Follower {
         self.follow(env).map(|()| None)
     }
 
-    fn configure(&mut self, cfg: LearnConfig) -> Result<(), String> {
+    fn configure(&mut self, cfg: LearnConfig) -> Result<(), super::ShapeChanged> {
         reconfigure(&mut self.cfg, &mut self.status, cfg)
     }
 

@@ -55,7 +55,7 @@ pub trait Member: Send {
     /// it serves and (a learner's) optimizer are as before.
     fn turn(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError>;
     /// Replace the settings (the adapter's shape stays: method, block size, rank).
-    fn configure(&mut self, cfg: LearnConfig) -> Result<(), String>;
+    fn configure(&mut self, cfg: LearnConfig) -> Result<(), ShapeChanged>;
     /// Whether `MAX_FAILURES` failures in a row fail it. A `Learner` does; a `Follower` that
     /// cannot follow (a version it cannot fetch or verify, the store down) keeps serving the
     /// version it has and keeps trying, backing off: its lag metric and status say so.
@@ -200,15 +200,33 @@ fn publish_at_start(
     })
 }
 
+/// A new configuration that would change a learning adapter's shape, which its lineage fixes.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "'{name}' learns with {method} (oft_block_size {oft_block_size}, lora_r {lora_r}): a learning \
+     adapter's shape cannot change; DELETE it and train it again to start a new lineage"
+)]
+pub struct ShapeChanged {
+    name: String,
+    method: crate::online::config::LearnMethod,
+    oft_block_size: usize,
+    lora_r: usize,
+}
+
 /// Replace `cur` (and the status's copy) by `new`, unless its shape differs.
-fn reconfigure(cur: &mut LearnConfig, status: &mut Status, new: LearnConfig) -> Result<(), String> {
+fn reconfigure(
+    cur: &mut LearnConfig,
+    status: &mut Status,
+    new: LearnConfig,
+) -> Result<(), ShapeChanged> {
     let shape = |c: &LearnConfig| (c.method, c.oft_block_size, c.lora_r);
     if shape(cur) != shape(&new) {
-        return Err(format!(
-            "'{}' learns with {} (oft_block_size {}, lora_r {}): a learning adapter's shape \
-             cannot change; DELETE it and train it again to start a new lineage",
-            cur.name, cur.method, cur.oft_block_size, cur.lora_r
-        ));
+        return Err(ShapeChanged {
+            name: cur.name.clone(),
+            method: cur.method,
+            oft_block_size: cur.oft_block_size,
+            lora_r: cur.lora_r,
+        });
     }
     status.config = new.clone();
     *cur = new;

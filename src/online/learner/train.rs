@@ -474,7 +474,7 @@ impl Member for Learner {
         self.step(env)
     }
 
-    fn configure(&mut self, cfg: LearnConfig) -> Result<(), String> {
+    fn configure(&mut self, cfg: LearnConfig) -> Result<(), super::ShapeChanged> {
         reconfigure(&mut self.cfg, &mut self.status, cfg)
     }
 
