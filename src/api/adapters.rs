@@ -265,8 +265,8 @@ fn new_config(f: &Fields, kind: &str, state: &AppState) -> Result<AdapterConfig,
 async fn remove(r: &Ready, name: &str) -> Result<bool, ApiError> {
     let learning = r.registry.get(name).is_some_and(|s| s.owner().is_some());
     match r.learning(name) {
-        Some(t) if learning => {
-            t.remove(name).await.map(|_| true).map_err(|e| {
+        Some(l) if learning => {
+            l.trainer.remove(name).await.map(|_| true).map_err(|e| {
                 ApiError::unavailable(format!("the trainer could not end '{name}': {e}"))
             })
         }

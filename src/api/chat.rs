@@ -38,9 +38,9 @@ pub(super) async fn run_chat(
     // A turn of an episode through a learning adapter continues the episode's last turn with
     // the very tokens it sampled where the conversation re-renders them (token in, token out).
     let last_turn = match (&generation.params.episode, &generation.adapter) {
-        (Some(ep), Some(a)) => ready.learning(&a.name).map(|o| {
+        (Some(ep), Some(a)) => ready.learning(&a.name).map(|l| {
             (
-                o.log.clone(),
+                l.store.clone(),
                 ep.clone(),
                 super::state::bearer_of(headers).to_string(),
             )

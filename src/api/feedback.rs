@@ -9,6 +9,7 @@ use super::openai::Fields;
 use super::state::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
 use crate::online::learner;
+use crate::online::start::Learning;
 use crate::online::store::records::Reward;
 use crate::online::trainer::{CommandError, TrainerHandle};
 use axum::extract::{Path, State};
@@ -97,7 +98,11 @@ pub async fn post(
             .collect::<Result<_, _>>()?,
         v => vec![parse_item(v, None, lo, hi)?],
     };
-    let Some(online) = ready.online.get().cloned() else {
+    let Some(Learning {
+        store: log,
+        trainer: online,
+    }) = ready.online.started()
+    else {
         return Err(ApiError {
             code: Some("completion_not_found"),
             ..ApiError::not_found(format!(
@@ -109,10 +114,10 @@ pub async fn post(
     let (key, admin) = (bearer_of(&headers).to_string(), is_admin(&state, &headers));
     let list = body.is_array();
     let n = items.len();
-    let (log, accepting) = (online.log.clone(), online.accepting());
+    let (log, accepting) = (log.clone(), online.accepting());
     let r = blocking(move || Ok(log.post_rewards(&items, &key, admin, &accepting))).await?;
     match r {
-        Ok(new) => Ok(acknowledge(&online, new, n, json!({}))),
+        Ok(new) => Ok(acknowledge(online, new, n, json!({}))),
         Err(e) => Err(ApiError::feedback(e, Rewarded::Completions { list }, admin)),
     }
 }
@@ -160,15 +165,19 @@ async fn post_episode(
         .ok_or_else(|| ApiError::invalid("episode", "'episode' must have 1 to 256 characters"))?
         .to_string();
     let reward = parse_reward(o, "reward", lo, hi)?;
-    let Some(online) = ready.online.get().cloned() else {
+    let Some(Learning {
+        store: log,
+        trainer: online,
+    }) = ready.online.started()
+    else {
         return Err(ApiError::episode_not_found(&episode));
     };
     let key = bearer_of(headers).to_string();
     let admin = is_admin(state, headers);
-    let (log, accepting, ep) = (online.log.clone(), online.accepting(), episode.clone());
+    let (log, accepting, ep) = (log.clone(), online.accepting(), episode.clone());
     let r = blocking(move || Ok(log.post_episode_reward(&ep, reward, &key, &accepting))).await?;
     match r {
-        Ok(new) => Ok(acknowledge(&online, new, 1, json!({"episode": episode}))),
+        Ok(new) => Ok(acknowledge(online, new, 1, json!({"episode": episode}))),
         Err(e) => Err(ApiError::feedback(e, Rewarded::Episode(&episode), admin)),
     }
 }
@@ -190,9 +199,9 @@ pub async fn get_episode(
         code: Some("episode_not_found"),
         ..ApiError::not_found(format!("no episode '{}' of this key", clip(&episode)))
     };
-    let online = ready.online.get().cloned().ok_or_else(not_found)?;
+    let log = &ready.online.started().ok_or_else(not_found)?.store;
     let (log, key, ep) = (
-        online.log.clone(),
+        log.clone(),
         bearer_of(&headers).to_string(),
         episode.clone(),
     );
@@ -226,8 +235,7 @@ pub async fn get(
         code: Some("completion_not_found"),
         ..ApiError::not_found(format!("no completion '{}'", clip(&id)))
     };
-    let online = ready.online.get().cloned().ok_or_else(not_found)?;
-    let log = online.log.clone();
+    let log = ready.online.started().ok_or_else(not_found)?.store.clone();
     let key = log.key_hash(bearer_of(&headers));
     let q = id.clone();
     let rows = blocking(move || log.feedback(&q).map_err(ApiError::from)).await?;
@@ -258,7 +266,7 @@ pub async fn train(
     // On a learning adapter, the fields not given keep their current values.
     let mut merged = ready
         .learning(&name)
-        .and_then(|o| o.status().remove(&name))
+        .and_then(|l| l.trainer.status().remove(&name))
         .map(|s| json!(s.config))
         .unwrap_or_else(|| json!({}));
     match body {

@@ -5,8 +5,8 @@
 
 use super::error::ApiError;
 use super::job::Job;
+use crate::online::start::Learning;
 use crate::online::store::records::{CompletionRecord, GroupKey, LoggedParams};
-use crate::online::trainer::TrainerHandle;
 use crate::policy::is_greedy;
 
 /// One choice as served.
@@ -24,7 +24,7 @@ pub struct Served<'a> {
 /// `first_choice` numbers the choices as the response does (a request of several prompts: prompt
 /// × n + i); each such prompt's choices are a group of their own (`part`).
 pub async fn log_choices(
-    online: &TrainerHandle,
+    online: &Learning,
     job: &Job,
     id: &str,
     choices: &[Served<'_>],
@@ -35,7 +35,7 @@ pub async fn log_choices(
         return Ok(());
     };
     let p = &job.params;
-    let key_hash = online.log.key_hash(&job.key);
+    let key_hash = online.store.key_hash(&job.key);
     let (group, group_size) = match (&p.group, &p.episode) {
         (Some(group), _) => (
             GroupKey::Client {
@@ -95,9 +95,10 @@ pub async fn log_choices(
             episode: p.episode.clone(),
         })
         .collect();
-    let (log, n, name) = (online.log.clone(), recs.len(), a.name.to_string());
+    let (log, n, name) = (online.store.clone(), recs.len(), a.name.to_string());
     super::state::blocking(move || log.log_completions(&recs).map_err(ApiError::from)).await?;
     online
+        .trainer
         .metrics
         .rollouts_logged
         .with_label_values(&[&name])

@@ -9,8 +9,7 @@ use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
 use crate::model::decoder::Decoder;
 use crate::model::tokenizer::Tokenizer;
-use crate::online::start::Online;
-use crate::online::trainer::TrainerHandle;
+use crate::online::start::{Learning, Online};
 use axum::http::header;
 use flywheel_kernels::Cpu;
 use std::ops::Deref;
@@ -76,8 +75,8 @@ impl Ready {
         .await
     }
 
-    /// The trainer if `name` is a learning adapter.
-    pub fn learning(&self, name: &str) -> Option<&TrainerHandle> {
+    /// The rollout store and the trainer if `name` is a learning adapter.
+    pub fn learning(&self, name: &str) -> Option<&Learning> {
         self.online.learning(name)
     }
 }

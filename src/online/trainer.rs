@@ -19,11 +19,9 @@
 //! This file holds the handle and the start-up; the thread's loop is in `trainer/thread.rs`.
 
 use super::adapter_store::AdapterStore;
-use super::checkpoint::sweep_temporaries;
 use super::config::{LearnConfig, OnlineConfig};
 use super::learner::{Env, Member, State, Status, TrainError};
 use super::share_policy::{PolicyView, SharePolicy, Steering};
-use super::store::open::open_store;
 use super::store::records::Accepting;
 use super::store::{Announcement, RolloutStore};
 
@@ -84,7 +82,7 @@ struct Shared {
 pub struct TrainerHandle {
     tx: mpsc::Sender<Command>,
     shared: Arc<Shared>,
-    pub log: Arc<dyn RolloutStore>,
+    log: Arc<dyn RolloutStore>,
     pub cfg: OnlineConfig,
     pub metrics: Arc<Metrics>,
 }
@@ -131,55 +129,26 @@ struct Trainer {
     steering: Steering,
 }
 
-/// Check that `dir` exists (created if needed) and takes files; the error names the path.
-fn check_writable(dir: &std::path::Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| {
-        anyhow::anyhow!(
-            "the data directory {} cannot be created: {e}",
-            dir.display()
-        )
-    })?;
-    let probe = dir.join(format!(".probe-{:016x}", crate::util::random_u64()));
-    std::fs::write(&probe, b"probe")
-        .and_then(|_| std::fs::remove_file(&probe))
-        .map_err(|e| anyhow::anyhow!("the data directory {} is not writable: {e}", dir.display()))
+/// The stores the online side writes to, opened once.
+pub struct Stores {
+    /// The rollout store (`online.rollout_store`: SQLite in the data directory by default).
+    pub log: Arc<dyn RolloutStore>,
+    /// Where versions are published besides the data directory (`online.adapter_store`).
+    pub adapters: Option<Arc<AdapterStore>>,
 }
 
 impl TrainerHandle {
-    /// Open the rollout log in `cfg.data_dir` (which must be writable), remove leftover
-    /// temporary checkpoints, start the trainer thread, and add each of `learn` (an error in one
-    /// of them is returned: the server does not start half-learning). Blocking.
+    /// Start the trainer thread over the opened stores (`Online` opens them) and add each of
+    /// `learn` (an error in one of them is returned: the server does not start half-learning).
+    /// Blocking.
     pub fn start(
         cfg: OnlineConfig,
         learn: &[LearnConfig],
         compute: Compute,
         metrics: Arc<Metrics>,
+        stores: Stores,
     ) -> anyhow::Result<TrainerHandle> {
-        // A serving replica only reads the shared data directory (the trainer's checkpoints),
-        // unless it fetches them from an adapter store into it.
-        let adapters = match &cfg.adapter_store {
-            Some(url) => Some(Arc::new(AdapterStore::open(
-                url,
-                &cfg.adapter_store_options,
-            )?)),
-            None => None,
-        };
-        let writes = cfg.role.trains() || adapters.is_some();
-        if writes {
-            check_writable(&cfg.data_dir)?;
-        } else {
-            anyhow::ensure!(
-                cfg.data_dir.is_dir(),
-                "the shared data directory {} is not there (a serving replica reads the \
-                 trainer's checkpoints in it)",
-                cfg.data_dir.display()
-            );
-        }
-        let log = open_store(cfg.rollout_store.as_deref(), &cfg.data_dir)?;
-        metrics.rollout_log_ok.set(1);
-        if writes {
-            sweep_temporaries(&cfg.data_dir);
-        }
+        let Stores { log, adapters } = stores;
         let (tx, rx) = mpsc::channel();
         // Woken at once by what it works on: a trainer by rewards (recorded in-process, it is
         // told by `notify`; by another replica, the store announces them), a serving replica by

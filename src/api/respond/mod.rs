@@ -20,7 +20,7 @@ use crate::engine::constraint::GrammarError;
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
 use crate::engine::{EngineEvent, FinishReason, RequestStream, StopReason};
 use crate::model::tokenizer::Tokenizer;
-use crate::online::trainer::TrainerHandle;
+use crate::online::start::Learning;
 use crate::util::{random_id, unix_now};
 use axum::body::{Body, Bytes};
 use axum::http::{header, StatusCode};
@@ -190,7 +190,7 @@ struct Responder {
     /// The prompt's scores, once the engine sent them (requests with prompt log-probs).
     prompt_scores: Option<Vec<PromptLogprob>>,
     /// Set when the adapter is learning: the choices go to the rollout log.
-    online: Option<TrainerHandle>,
+    online: Option<Learning>,
     /// The index of this prompt's first choice in the response (several prompts: prompt × n).
     first_choice: usize,
     /// Which prompt of a several-prompt request this is (its choices are their own group).
