@@ -87,7 +87,112 @@ fn api_key_is_required_when_set() {
         )
         .unwrap();
     assert_eq!(ok.status, 200);
+    // The Tinker SDK's header carries the key as well.
+    let ok = s
+        .try_request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&body),
+            &[("X-API-Key", "sekrit")],
+        )
+        .unwrap();
+    assert_eq!(ok.status, 200);
+    let r = s
+        .try_request("GET", "/v1/models", None, &[("X-API-Key", "wrong")])
+        .unwrap();
+    assert_error(&r, 401, None);
     assert_eq!(s.get("/health").status, 200, "health stays open");
+}
+
+/// The Tinker API's sessions (the official SDK's own run is in tests/python/test_tinker.py):
+/// opened for a key and seen only with it, heartbeats recorded, every bad field a 400 naming it.
+#[test]
+fn tinker_sessions_belong_to_their_key_and_bad_fields_are_named() {
+    let (_d, s) = start(CONFIG, &["--api-key", "tml-a", "--admin-key", "tml-admin"]);
+    let as_key = |key: &str, method: &str, path: &str, body: Option<&Value>| {
+        let body = body.map(Value::to_string);
+        s.try_request(method, path, body.as_deref(), &[("X-API-Key", key)])
+            .unwrap()
+    };
+    let r = as_key(
+        "tml-a",
+        "POST",
+        "/api/v1/client/config",
+        Some(&json!({"sdk_version": "0.38.0"})),
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.json()["pjwt_auth_enabled"], false);
+    let r = as_key("tml-a", "GET", "/api/v1/healthz", None);
+    assert_eq!(r.json(), json!({"status": "ok"}));
+    let open = json!({"tags": ["t"], "user_metadata": {"run": "1"}, "sdk_version": "0.38.0",
+                      "display_name": "mine", "type": "create_session"});
+    let r = as_key("tml-a", "POST", "/api/v1/create_session", Some(&open));
+    assert_eq!(r.status, 200, "{r:?}");
+    let id = r.json()["session_id"].as_str().unwrap().to_string();
+    assert!(id.len() > 32, "{id}");
+    let path = format!("/api/v1/sessions/{id}");
+    let before = as_key("tml-a", "GET", &path, None).json();
+    assert_eq!(before["user_metadata"], json!({"run": "1"}));
+    assert_eq!(before["display_name"], "mine");
+    std::thread::sleep(Duration::from_millis(20));
+    let beat = json!({"session_id": id, "type": "session_heartbeat"});
+    let r = as_key("tml-a", "POST", "/api/v1/session_heartbeat", Some(&beat));
+    assert_eq!(r.json(), json!({"type": "session_heartbeat"}));
+    let after = as_key("tml-a", "GET", &path, None).json();
+    assert!(after["last_heartbeat_at"].as_f64() > before["last_heartbeat_at"].as_f64());
+    // Another key (the admin's) sees no such session and cannot keep it alive.
+    let r = as_key("tml-admin", "GET", &path, None);
+    assert_error(&r, 404, None);
+    assert_eq!(r.json()["error"]["code"], "session_not_found");
+    assert_error(
+        &as_key(
+            "tml-admin",
+            "POST",
+            "/api/v1/session_heartbeat",
+            Some(&beat),
+        ),
+        404,
+        None,
+    );
+    assert_error(&as_key("tml-b", "GET", &path, None), 401, None);
+    for (body, field) in [
+        (json!({"tags": "t"}), "tags"),
+        (json!({"tags": [1]}), "tags"),
+        (json!({"user_metadata": {"n": 1}}), "user_metadata"),
+        (json!({"display_name": 3}), "display_name"),
+        (json!({"type": "create_model"}), "type"),
+    ] {
+        let r = as_key("tml-a", "POST", "/api/v1/create_session", Some(&body));
+        assert_error(&r, 400, Some(field));
+    }
+    let r = as_key(
+        "tml-a",
+        "POST",
+        "/api/v1/session_heartbeat",
+        Some(&json!({})),
+    );
+    assert_error(&r, 400, Some("session_id"));
+    let r = as_key("tml-a", "GET", &format!("{path}?access_scope=all"), None);
+    assert_error(&r, 400, Some("access_scope"));
+    let r = as_key(
+        "tml-a",
+        "GET",
+        &format!("{path}?access_scope=accessible"),
+        None,
+    );
+    assert_eq!(r.status, 200);
+    let r = as_key(
+        "tml-a",
+        "POST",
+        "/api/v1/telemetry",
+        Some(&json!({"events": []})),
+    );
+    assert_eq!(r.json(), json!({"status": "accepted"}));
+    assert_error(
+        &as_key("tml-a", "POST", "/api/v1/telemetry", Some(&json!({}))),
+        400,
+        Some("events"),
+    );
 }
 
 #[test]

@@ -93,6 +93,8 @@ pub struct Shared {
     pub limits: Limits,
     /// The Responses API's stored responses (`previous_response_id`).
     pub responses: super::response_store::ResponseStore,
+    /// The Tinker API's open sessions.
+    pub tinker_sessions: super::tinker::session::Sessions,
 }
 
 /// What a request body may be.
@@ -146,6 +148,7 @@ impl AppState {
             retry_after_secs,
             limits: Limits::default(),
             responses: Default::default(),
+            tinker_sessions: Default::default(),
         }))
     }
 
@@ -186,15 +189,18 @@ impl AppState {
     }
 }
 
-/// The bearer token in `headers` ("" when absent). The scheme is matched case-insensitively
-/// (RFC 7235), the token exactly.
+/// The caller's key in `headers` ("" when absent): the bearer token (the scheme matched
+/// case-insensitively, RFC 7235; the token exactly), else `X-API-Key` (the Tinker SDK's
+/// header).
 pub fn bearer_of(headers: &axum::http::HeaderMap) -> &str {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map_or("", |(_, token)| token.trim_start_matches(' '))
+        .map(|(_, token)| token.trim_start_matches(' '))
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+        .unwrap_or("")
 }
 
 /// Constant-time comparison of a given key with the configured one.

@@ -503,6 +503,35 @@ def test_feedback_and_training_follow_the_contract():
         check("POST", f"/v1/train/contract-learn2/{action}", route=R, key="wrong", expect=401)
 
 
+def test_tinker_routes_follow_the_contract():
+    """The Tinker API's first routes (the SDK's own run: test_tinker.py)."""
+    for path in ["/api/v1/healthz", "/api/v1/get_server_capabilities"]:
+        check("GET", path)
+        check("GET", path, key="wrong", expect=401)
+    check("POST", "/api/v1/client/config", {"sdk_version": "0.38.0"})
+    check("POST", "/api/v1/client/config", {"sdk_version": 3}, expect=400)
+    check("POST", "/api/v1/client/config", {}, key="wrong", expect=401)
+    _, _, created = check("POST", "/api/v1/create_session",
+                          {"tags": ["a"], "user_metadata": {"k": "v"}, "sdk_version": "0.38.0"})
+    check("POST", "/api/v1/create_session", {"tags": "a"}, expect=400)
+    check("POST", "/api/v1/create_session", {}, key="wrong", expect=401)
+    sid = created["session_id"]
+    beat = {"session_id": sid, "type": "session_heartbeat"}
+    check("POST", "/api/v1/session_heartbeat", beat)
+    check("POST", "/api/v1/session_heartbeat", {}, expect=400)
+    check("POST", "/api/v1/session_heartbeat", beat, key="wrong", expect=401)
+    check("POST", "/api/v1/session_heartbeat", {"session_id": "session-none"}, expect=404)
+    R = "/api/v1/sessions/{id}"
+    _, _, got = check("GET", f"/api/v1/sessions/{sid}", route=R)
+    assert got["user_metadata"] == {"k": "v"}
+    check("GET", f"/api/v1/sessions/{sid}?access_scope=all", route=R, expect=400)
+    check("GET", f"/api/v1/sessions/{sid}", route=R, key="wrong", expect=401)
+    check("GET", "/api/v1/sessions/session-none", route=R, expect=404)
+    check("POST", "/api/v1/telemetry", {"events": [], "session_id": sid})
+    check("POST", "/api/v1/telemetry", {"events": 1}, expect=400)
+    check("POST", "/api/v1/telemetry", {"events": []}, key="wrong", expect=401)
+
+
 def test_every_documented_path_and_status_was_exercised():
     """Runs last in this module: the contract documents nothing the tests above did not see,
     except statuses that cannot be provoked from outside (500, 503 while loading)."""

@@ -1,0 +1,198 @@
+//! Tinker sessions: `create_session` opens one for the caller's key, keeping what the SDK says
+//! of it (tags, metadata, SDK version, project, display name); `session_heartbeat` (every 10 s
+//! from the SDK) keeps it alive. Held in memory: the newest `MAX_SESSIONS`, each seen only with
+//! the key that opened it. (Training runs, which must survive a restart, live in the rollout
+//! store, not here.)
+
+use super::super::body::JsonBody;
+use super::super::error::ApiError;
+use super::super::openai::{type_error, Fields};
+use super::super::state::{bearer_of, AppState};
+use crate::util::{now_secs, random_id};
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::Json;
+use serde_json::{json, Map, Value};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+/// Sessions kept at most (the oldest are forgotten).
+pub const MAX_SESSIONS: usize = 4096;
+
+/// One session as its client described it.
+#[derive(Clone, Debug)]
+pub struct Session {
+    pub key: String,
+    pub tags: Vec<String>,
+    pub user_metadata: Map<String, Value>,
+    pub sdk_version: String,
+    pub project_id: Option<String>,
+    pub display_name: Option<String>,
+    pub created_at: f64,
+    pub last_heartbeat: f64,
+}
+
+/// The open sessions, oldest first out.
+#[derive(Default)]
+pub struct Sessions {
+    inner: Mutex<(HashMap<String, Session>, VecDeque<String>)>,
+}
+
+impl Sessions {
+    fn open(&self, s: Session) -> String {
+        let id = random_id("session-");
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order) = &mut *g;
+        map.insert(id.clone(), s);
+        order.push_back(id.clone());
+        while order.len() > MAX_SESSIONS {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+        id
+    }
+
+    /// Note a heartbeat of session `id` from `key`; false when `key` has no such session.
+    fn beat(&self, id: &str, key: &str) -> bool {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        match g.0.get_mut(id).filter(|s| s.key == key) {
+            Some(s) => {
+                s.last_heartbeat = now_secs();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Session `id` as `key` may see it.
+    pub fn get(&self, id: &str, key: &str) -> Option<Session> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.0.get(id).filter(|s| s.key == key).cloned()
+    }
+}
+
+/// The request's `type` tag, which the SDK sends with every body: absent or `want`.
+fn check_type(f: &Fields, want: &str) -> Result<(), ApiError> {
+    match f.str("type")? {
+        None => Ok(()),
+        Some(t) if t == want => Ok(()),
+        Some(t) => Err(ApiError::invalid(
+            "type",
+            format!("'type' is '{t}'; this route takes '{want}'"),
+        )),
+    }
+}
+
+/// An optional string field (null is absent).
+fn optional_str(f: &Fields, name: &str) -> Result<Option<String>, ApiError> {
+    match f.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(type_error(name, "a string")),
+    }
+}
+
+/// `POST /api/v1/create_session`: `{tags, user_metadata, sdk_version, project_id?,
+/// display_name?}` -> `{"type": "create_session", "session_id"}`.
+pub async fn create(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    state.ready()?;
+    let f = Fields::parse(&body)?;
+    check_type(&f, "create_session")?;
+    let tags = match f.get("tags") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| t.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| type_error("tags", "a list of strings"))?,
+        Some(_) => return Err(type_error("tags", "a list of strings")),
+    };
+    let user_metadata = match f.get("user_metadata") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(o)) if o.values().all(Value::is_string) => o.clone(),
+        Some(_) => return Err(type_error("user_metadata", "an object of strings")),
+    };
+    let now = now_secs();
+    let id = state.tinker_sessions.open(Session {
+        key: bearer_of(&headers).to_string(),
+        tags,
+        user_metadata,
+        sdk_version: optional_str(&f, "sdk_version")?.unwrap_or_default(),
+        project_id: optional_str(&f, "project_id")?,
+        display_name: optional_str(&f, "display_name")?,
+        created_at: now,
+        last_heartbeat: now,
+    });
+    Ok(Json(json!({"type": "create_session", "session_id": id})))
+}
+
+/// `POST /api/v1/session_heartbeat`: `{session_id}`; 404 for a session this key did not open
+/// (or one forgotten).
+pub async fn heartbeat(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let f = Fields::parse(&body)?;
+    check_type(&f, "session_heartbeat")?;
+    let id = f
+        .str("session_id")?
+        .ok_or_else(|| ApiError::invalid("session_id", "'session_id' is required"))?;
+    if !state.tinker_sessions.beat(id, bearer_of(&headers)) {
+        return Err(not_found(id));
+    }
+    Ok(Json(json!({"type": "session_heartbeat"})))
+}
+
+/// `GET /api/v1/sessions/{id}` (`access_scope`: "owned", the default, or "accessible": the same
+/// here, where a key sees only its own): `{training_run_ids, sampler_ids, user_metadata,
+/// display_name}` as the SDK reads it, and when the session was opened and last heard from
+/// (`created_at`, `last_heartbeat_at`, Unix seconds).
+pub async fn get(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    for (k, v) in &query {
+        match (k.as_str(), v.as_str()) {
+            ("access_scope", "owned" | "accessible") => {}
+            ("access_scope", _) => {
+                return Err(ApiError::invalid(
+                    "access_scope",
+                    "'access_scope' must be \"owned\" or \"accessible\"",
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    k,
+                    format!("'{k}' is not a parameter of this route"),
+                ))
+            }
+        }
+    }
+    let s = state
+        .tinker_sessions
+        .get(&id, bearer_of(&headers))
+        .ok_or_else(|| not_found(&id))?;
+    Ok(Json(json!({
+        "training_run_ids": [],
+        "sampler_ids": [],
+        "user_metadata": s.user_metadata,
+        "display_name": s.display_name,
+        "created_at": s.created_at,
+        "last_heartbeat_at": s.last_heartbeat,
+    })))
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError {
+        code: Some("session_not_found"),
+        ..ApiError::not_found(format!("no session '{}'", super::super::error::clip(id)))
+    }
+}

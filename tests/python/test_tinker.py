@@ -1,0 +1,77 @@
+"""Thinking Machines' Tinker SDK (`tinker` 0.38, the official client, unchanged) against
+Flywheel's Tinker API. The SDK pins its own dependencies, so it runs in its own virtual
+environment, `$FLYWHEEL_TINKER_VENV` (scripts/test makes it, by default in
+`~/.cache/flywheel/tinker-0.38.0-venv`, outside the checkout); skipped without it.
+
+Checked so far (the calls every client makes before it trains), with the SDK's telemetry on as
+users run it: a `RestClient` with a `tml-` key lists the served model (neither trainable nor
+sampleable through this API yet); a `ServiceClient` reads the server's flags and opens a session
+whose heartbeats the server records, and the `RestClient` reads it back; the session is the
+key's alone; another key is refused."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from flywheel_server import MODEL, ROOT, http, running  # noqa: E402
+
+VENV = os.environ.get("FLYWHEEL_TINKER_VENV") or os.path.expanduser(
+    "~/.cache/flywheel/tinker-0.38.0-venv")
+VENV_PY = pathlib.Path(VENV) / "bin" / "python"
+if not VENV_PY.exists():
+    pytest.skip(f"no {VENV_PY} (scripts/test makes it: the tinker SDK pins its own dependencies)",
+                allow_module_level=True)
+
+KEY = "tml-flywheel-test"
+ADMIN = "tml-flywheel-admin"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running(["--api-key", KEY, "--admin-key", ADMIN]) as url:
+        yield url
+
+
+def sdk(server, key):
+    return subprocess.run(
+        [str(VENV_PY), str(ROOT / "tests/python/clients/tinker_session.py"), server, key],
+        capture_output=True, text=True, timeout=120)
+
+
+def test_a_service_client_opens_a_session_and_sees_the_model(server):
+    out = sdk(server, KEY)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    st, _, body = http("GET", f"{server}/v1/models", key=KEY)
+    context = json.loads(body)["data"][0]["max_model_len"]
+    assert got["models"] == [{"model_name": MODEL.stem, "max_context_length": context,
+                              "trainable": False, "sampleable": False}]
+    sid = got["session_id"]
+    assert got["session"] == {"training_run_ids": [], "sampler_ids": [], "user_metadata": {},
+                              "display_name": None}
+    # The session is the key's, and the SDK's heartbeat (every 10 s) reached it.
+    st, _, body = http("GET", f"{server}/api/v1/sessions/{sid}", key=KEY)
+    assert st == 200, body
+    s = json.loads(body)
+    assert s["training_run_ids"] == [] and s["sampler_ids"] == []
+    assert s["last_heartbeat_at"] > s["created_at"], s
+    # Another key (the admin's, also accepted here) does not see it; an unknown key is refused.
+    st, _, _ = http("GET", f"{server}/api/v1/sessions/{sid}", key=ADMIN)
+    assert st == 404
+    st, _, _ = http("GET", f"{server}/api/v1/sessions/{sid}", key="tml-someone-else")
+    assert st == 401
+    st, _, body = http("POST", f"{server}/api/v1/session_heartbeat",
+                       {"session_id": "session-nope"}, key=KEY)
+    assert st == 404 and json.loads(body)["error"]["code"] == "session_not_found"
+
+
+def test_a_key_the_server_does_not_know_is_refused(server):
+    out = sdk(server, "tml-wrong")
+    assert out.returncode != 0
+    assert "401" in out.stderr or "Unauthorized" in out.stderr or "AuthenticationError" in out.stderr, \
+        out.stderr[-2000:]
