@@ -15,6 +15,20 @@ MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "test-key"
 
 
+def venv_python(env, default, why):
+    """The Python of a client library's own virtual environment (`$env`, else
+    ~/.cache/flywheel/`default`, made by scripts/test because the library pins `why`); the
+    calling test module is skipped without it."""
+    import os
+    import pytest
+
+    venv = os.environ.get(env) or os.path.expanduser(f"~/.cache/flywheel/{default}")
+    python = pathlib.Path(venv) / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no {python} (scripts/test makes it: {why})", allow_module_level=True)
+    return python
+
+
 @contextlib.contextmanager
 def running(args=(), timeout=60):
     """A server for the length of a `with` block (a module fixture's body): its base URL."""

@@ -10,7 +10,6 @@ whose heartbeats the server records, and the `RestClient` reads it back; the ses
 key's alone; another key is refused."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -18,14 +17,10 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from flywheel_server import MODEL, ROOT, http, running  # noqa: E402
+from flywheel_server import MODEL, ROOT, http, running, venv_python  # noqa: E402
 
-VENV = os.environ.get("FLYWHEEL_TINKER_VENV") or os.path.expanduser(
-    "~/.cache/flywheel/tinker-0.38.0-venv")
-VENV_PY = pathlib.Path(VENV) / "bin" / "python"
-if not VENV_PY.exists():
-    pytest.skip(f"no {VENV_PY} (scripts/test makes it: the tinker SDK pins its own dependencies)",
-                allow_module_level=True)
+VENV_PY = venv_python("FLYWHEEL_TINKER_VENV", "tinker-0.38.0-venv",
+                      "the tinker SDK pins its own dependencies")
 
 KEY = "tml-flywheel-test"
 ADMIN = "tml-flywheel-admin"

@@ -10,7 +10,6 @@ Checked: a two-turn rollout completes; the client's rendering of each chat is th
 scores for those tokens, to the bit."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -18,14 +17,10 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from flywheel_server import BIN, MODEL, ROOT, http, running  # noqa: E402
+from flywheel_server import BIN, MODEL, ROOT, http, running, venv_python  # noqa: E402
 
-VENV = os.environ.get("FLYWHEEL_VERIFIERS_VENV") or os.path.expanduser(
-    "~/.cache/flywheel/verifiers-0.4.0-venv")
-VENV_PY = pathlib.Path(VENV) / "bin" / "python"
-if not VENV_PY.exists():
-    pytest.skip(f"no {VENV_PY} (scripts/test makes it: the verifiers library pins openai<3)",
-                allow_module_level=True)
+VENV_PY = venv_python("FLYWHEEL_VERIFIERS_VENV", "verifiers-0.4.0-venv",
+                      "the verifiers library pins openai<3")
 
 
 @pytest.fixture(scope="module")
