@@ -539,3 +539,120 @@ fn health_is_ready_only_once_the_kv_cache_is_in_memory() {
         .unwrap();
     assert!(rss_kb > 700 << 10, "RSS {rss_kb} kB at readiness");
 }
+
+/// Tinker training runs: created on the served base for a session of the key, answered through a
+/// future, read back with `get_info`, listed by their session; LoRA on the LM head and other
+/// optimizers are refused by name, and a run is its key's alone.
+#[test]
+fn tinker_runs_are_created_through_futures_and_refuse_what_is_not_served() {
+    let (_d, s) = start(CONFIG, &["--api-key", "tml-a", "--admin-key", "tml-admin"]);
+    let call = |key: &str, path: &str, body: &Value| {
+        s.try_request("POST", path, Some(&body.to_string()), &[("X-API-Key", key)])
+            .unwrap()
+    };
+    let model = s
+        .try_request("GET", "/v1/models", None, &[("X-API-Key", "tml-a")])
+        .unwrap()
+        .json()["data"][0]["id"]
+        .clone();
+    let sid = call("tml-a", "/api/v1/create_session", &json!({"tags": []})).json()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let lora = json!({"rank": 4, "seed": 3, "train_unembed": false});
+    let create = json!({"session_id": sid, "model_seq_id": 0, "base_model": model,
+                        "lora_config": lora, "optimizer_config": {"type": "adamw"},
+                        "user_metadata": {"who": "me"}, "type": "create_model"});
+    let r = call("tml-a", "/api/v1/create_model", &create);
+    assert_eq!(r.status, 200, "{r:?}");
+    let want = format!("{sid}:train:0");
+    assert_eq!(r.json()["model_id"], want.as_str());
+    let req = r.json()["request_id"].clone();
+    let done = call(
+        "tml-a",
+        "/api/v1/retrieve_future",
+        &json!({"request_id": req}),
+    );
+    assert_eq!(
+        done.json(),
+        json!({"type": "create_model", "model_id": want})
+    );
+    // Only its key sees the future, the run and the session's list.
+    let r = call(
+        "tml-admin",
+        "/api/v1/retrieve_future",
+        &json!({"request_id": req}),
+    );
+    assert_error(&r, 410, None);
+    assert_eq!(r.json()["error"]["code"], "future_not_found");
+    let info = call("tml-a", "/api/v1/get_info", &json!({"model_id": want})).json();
+    assert_eq!(info["lora_rank"], 4);
+    assert_eq!(info["is_lora"], true);
+    assert_eq!(info["model_data"]["model_name"], model);
+    assert_eq!(info["user_metadata"], json!({"who": "me"}));
+    // Seven projections of rank 4 on the tiny model: (in + out) × 4 parameters each.
+    assert!(info["num_parameters"].as_u64().unwrap() > 0, "{info}");
+    let r = call("tml-admin", "/api/v1/get_info", &json!({"model_id": want}));
+    assert_error(&r, 404, Some("model_id"));
+    let session = s
+        .try_request(
+            "GET",
+            &format!("/api/v1/sessions/{sid}"),
+            None,
+            &[("X-API-Key", "tml-a")],
+        )
+        .unwrap()
+        .json();
+    assert_eq!(session["training_run_ids"], json!([want]));
+    // The same run again is a conflict; bad fields are named.
+    let r = call("tml-a", "/api/v1/create_model", &create);
+    assert_error(&r, 409, Some("model_seq_id"));
+    for (patch, field, status) in [
+        (
+            json!({"lora_config": {"rank": 4}}),
+            "lora_config.train_unembed",
+            400,
+        ),
+        (
+            json!({"lora_config": {"rank": 0, "train_unembed": false}}),
+            "lora_config.rank",
+            400,
+        ),
+        (
+            json!({"lora_config": {"rank": 4, "train_unembed": false, "alpha": 8}}),
+            "lora_config.alpha",
+            400,
+        ),
+        (
+            json!({"lora_config": {"rank": 4, "train_unembed": false, "train_attn": false,
+                                "train_mlp": false}}),
+            "lora_config",
+            400,
+        ),
+        (json!({"lora_config": null}), "lora_config", 400),
+        (
+            json!({"optimizer_config": {"type": "dimuon", "version": 1}}),
+            "optimizer_config",
+            400,
+        ),
+        (json!({"base_model": "Qwen/Qwen3-8B"}), "base_model", 404),
+        (json!({"model_seq_id": -1}), "model_seq_id", 400),
+        (json!({"session_id": "session-none"}), "session_id", 404),
+    ] {
+        let mut b = create.clone();
+        for (k, v) in patch.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b["model_seq_id"] = patch.get("model_seq_id").cloned().unwrap_or(json!(1));
+        let r = call("tml-a", "/api/v1/create_model", &b);
+        assert_error(
+            &r,
+            status,
+            if field == "session_id" {
+                None
+            } else {
+                Some(field)
+            },
+        );
+    }
+}

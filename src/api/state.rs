@@ -93,8 +93,10 @@ pub struct Shared {
     pub limits: Limits,
     /// The Responses API's stored responses (`previous_response_id`).
     pub responses: super::response_store::ResponseStore,
-    /// The Tinker API's open sessions.
+    /// The Tinker API's open sessions, training runs and call results.
     pub tinker_sessions: super::tinker::session::Sessions,
+    pub tinker_runs: super::tinker::runs::Runs,
+    pub tinker_futures: super::tinker::futures::Futures,
 }
 
 /// What a request body may be.
@@ -149,6 +151,8 @@ impl AppState {
             limits: Limits::default(),
             responses: Default::default(),
             tinker_sessions: Default::default(),
+            tinker_runs: Default::default(),
+            tinker_futures: Default::default(),
         }))
     }
 

@@ -527,6 +527,25 @@ def test_tinker_routes_follow_the_contract():
     check("GET", f"/api/v1/sessions/{sid}?access_scope=all", route=R, expect=400)
     check("GET", f"/api/v1/sessions/{sid}", route=R, key="wrong", expect=401)
     check("GET", "/api/v1/sessions/session-none", route=R, expect=404)
+    _, _, models = check("GET", "/v1/models")
+    base = models["data"][0]["id"]
+    run = {"session_id": sid, "model_seq_id": 0, "base_model": base,
+           "lora_config": {"rank": 4, "train_unembed": False}}
+    _, _, fut = check("POST", "/api/v1/create_model", run)
+    check("POST", "/api/v1/create_model", run, expect=409)
+    check("POST", "/api/v1/create_model", {**run, "lora_config": {"rank": 4}}, expect=400)
+    check("POST", "/api/v1/create_model", {**run, "base_model": "nope"}, expect=404)
+    check("POST", "/api/v1/create_model", run, key="wrong", expect=401)
+    _, _, done = check("POST", "/api/v1/retrieve_future", {"request_id": fut["request_id"]})
+    assert done == {"type": "create_model", "model_id": fut["model_id"]}
+    check("POST", "/api/v1/retrieve_future", {}, expect=400)
+    check("POST", "/api/v1/retrieve_future", {"request_id": "req-none"}, expect=410)
+    check("POST", "/api/v1/retrieve_future", {"request_id": "x"}, key="wrong", expect=401)
+    _, _, info = check("POST", "/api/v1/get_info", {"model_id": fut["model_id"]})
+    assert info["lora_rank"] == 4
+    check("POST", "/api/v1/get_info", {}, expect=400)
+    check("POST", "/api/v1/get_info", {"model_id": "nope"}, expect=404)
+    check("POST", "/api/v1/get_info", {"model_id": "nope"}, key="wrong", expect=401)
     check("POST", "/api/v1/telemetry", {"events": [], "session_id": sid})
     check("POST", "/api/v1/telemetry", {"events": 1}, expect=400)
     check("POST", "/api/v1/telemetry", {"events": []}, key="wrong", expect=401)

@@ -3,11 +3,13 @@ Flywheel's Tinker API. The SDK pins its own dependencies, so it runs in its own 
 environment, `$FLYWHEEL_TINKER_VENV` (scripts/test makes it, by default in
 `~/.cache/flywheel/tinker-0.38.0-venv`, outside the checkout); skipped without it.
 
-Checked so far (the calls every client makes before it trains), with the SDK's telemetry on as
-users run it: a `RestClient` with a `tml-` key lists the served model (neither trainable nor
-sampleable through this API yet); a `ServiceClient` reads the server's flags and opens a session
-whose heartbeats the server records, and the `RestClient` reads it back; the session is the
-key's alone; another key is refused."""
+Checked so far, with the SDK's telemetry on as users run it: a `RestClient` with a `tml-` key
+lists the served model (neither trainable nor sampleable through this API yet); a
+`ServiceClient` reads the server's flags and opens a session whose heartbeats the server records,
+and the `RestClient` reads it back; the session is the key's alone; another key is refused. A
+LoRA training client is created on the served model (`create_model` through a future,
+`get_info`) with the id the SDK computes, and listed in its session; the SDK's default of LoRA on
+the LM head is refused by name."""
 
 import json
 import pathlib
@@ -63,6 +65,23 @@ def test_a_service_client_opens_a_session_and_sees_the_model(server):
     st, _, body = http("POST", f"{server}/api/v1/session_heartbeat",
                        {"session_id": "session-nope"}, key=KEY)
     assert st == 404 and json.loads(body)["error"]["code"] == "session_not_found"
+
+
+def test_a_training_client_is_created_on_the_served_model(server):
+    out = subprocess.run(
+        [str(VENV_PY), str(ROOT / "tests/python/clients/tinker_run.py"), server, KEY, MODEL.stem],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # The id the SDK computes from its session and its count of training clients.
+    assert got["model_id"] == f"{got['session_id']}:train:0"
+    info = got["info"]
+    assert info["model_id"] == got["model_id"] and info["is_lora"] and info["lora_rank"] == 8
+    assert info["model_data"]["model_name"] == MODEL.stem
+    assert info["model_data"]["arch"] == "llama"
+    assert got["session_runs"] == [got["model_id"]]
+    # The SDK's defaults train the LM head too, which this server does not yet: refused by name.
+    assert got["refused"] and "train_unembed" in got["refused"], got["refused"]
 
 
 def test_a_key_the_server_does_not_know_is_refused(server):

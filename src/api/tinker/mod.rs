@@ -1,20 +1,23 @@
 //! Thinking Machines' Tinker training API (`/api/v1/...`) as its official SDK (`tinker` 0.38)
-//! calls it. This part serves what every client does before it trains or samples: it reads the
-//! server's feature flags (`client/config`), opens a session and keeps it alive with heartbeats,
-//! and lists the models it can train and sample (`get_server_capabilities`). Training runs,
-//! futures, `forward_backward` (protobuf) and sampling are the next parts; `docs/tinker.md` holds
-//! the protocol as read from the SDK. The caller's key travels in `X-API-Key` (the SDK's header),
-//! checked like a bearer key.
+//! calls it. Served so far: what every client does before it trains or samples (the server's
+//! feature flags, sessions and their heartbeats, the models), training runs created on the
+//! served base (`create_model`, `get_info`) and the futures their calls answer with
+//! (`retrieve_future`). `forward_backward` (protobuf), `optim_step` and sampling are the next
+//! parts; `docs/tinker.md` holds the protocol as read from the SDK. The caller's key travels in
+//! `X-API-Key` (the SDK's header), checked like a bearer key.
 
+pub mod futures;
+pub mod runs;
 pub mod session;
 
 use super::body::JsonBody;
 use super::error::ApiError;
+use super::openai::{type_error, Fields};
 use super::state::AppState;
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 /// The routes (under the API key, like the OpenAI ones).
 pub fn routes() -> Router<AppState> {
@@ -26,6 +29,9 @@ pub fn routes() -> Router<AppState> {
         .route("/api/v1/session_heartbeat", post(session::heartbeat))
         .route("/api/v1/sessions/{id}", get(session::get))
         .route("/api/v1/telemetry", post(telemetry))
+        .route("/api/v1/create_model", post(runs::create))
+        .route("/api/v1/get_info", post(runs::info))
+        .route("/api/v1/retrieve_future", post(futures::retrieve))
 }
 
 /// `GET /api/v1/healthz`: ok while the model is loaded and the engine runs.
@@ -46,7 +52,7 @@ async fn client_config(
     JsonBody(body): JsonBody,
 ) -> Result<Json<Value>, ApiError> {
     state.ready()?;
-    let f = super::openai::Fields::parse(&body)?;
+    let f = Fields::parse(&body)?;
     f.str("sdk_version")?;
     Ok(Json(json!({
         "pjwt_auth_enabled": false,
@@ -76,11 +82,11 @@ async fn capabilities(State(state): State<AppState>) -> Result<Json<Value>, ApiE
 /// client). Meant for Thinking Machines; here each event goes to the server's log (debug, error
 /// events at warn) and is otherwise dropped: `{"status": "accepted"}`.
 async fn telemetry(JsonBody(body): JsonBody) -> Result<Json<Value>, ApiError> {
-    let f = super::openai::Fields::parse(&body)?;
+    let f = Fields::parse(&body)?;
     let events = f
         .get("events")
         .and_then(Value::as_array)
-        .ok_or_else(|| super::openai::type_error("events", "a list of events"))?;
+        .ok_or_else(|| type_error("events", "a list of events"))?;
     let session = f.str("session_id")?.unwrap_or("");
     for e in events {
         let kind = e.get("event").and_then(Value::as_str).unwrap_or("?");
@@ -92,4 +98,34 @@ async fn telemetry(JsonBody(body): JsonBody) -> Result<Json<Value>, ApiError> {
         }
     }
     Ok(Json(json!({"status": "accepted"})))
+}
+
+/// The request's `type` tag, which the SDK sends with every body: absent or `want`.
+fn check_type(f: &Fields, want: &str) -> Result<(), ApiError> {
+    match f.str("type")? {
+        None => Ok(()),
+        Some(t) if t == want => Ok(()),
+        Some(t) => Err(ApiError::invalid(
+            "type",
+            format!("'type' is '{t}'; this route takes '{want}'"),
+        )),
+    }
+}
+
+/// An optional string field (null is absent).
+fn optional_str(f: &Fields, name: &str) -> Result<Option<String>, ApiError> {
+    match f.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(type_error(name, "a string")),
+    }
+}
+
+/// An optional object of strings (`user_metadata`; null is empty).
+fn string_map(f: &Fields, name: &str) -> Result<Map<String, Value>, ApiError> {
+    match f.get(name) {
+        None | Some(Value::Null) => Ok(Map::new()),
+        Some(Value::Object(o)) if o.values().all(Value::is_string) => Ok(o.clone()),
+        Some(_) => Err(type_error(name, "an object of strings")),
+    }
 }

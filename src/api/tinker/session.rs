@@ -8,6 +8,7 @@ use super::super::body::JsonBody;
 use super::super::error::ApiError;
 use super::super::openai::{type_error, Fields};
 use super::super::state::{bearer_of, AppState};
+use super::{check_type, optional_str, string_map};
 use crate::util::{now_secs, random_id};
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
@@ -72,27 +73,6 @@ impl Sessions {
     }
 }
 
-/// The request's `type` tag, which the SDK sends with every body: absent or `want`.
-fn check_type(f: &Fields, want: &str) -> Result<(), ApiError> {
-    match f.str("type")? {
-        None => Ok(()),
-        Some(t) if t == want => Ok(()),
-        Some(t) => Err(ApiError::invalid(
-            "type",
-            format!("'type' is '{t}'; this route takes '{want}'"),
-        )),
-    }
-}
-
-/// An optional string field (null is absent).
-fn optional_str(f: &Fields, name: &str) -> Result<Option<String>, ApiError> {
-    match f.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(type_error(name, "a string")),
-    }
-}
-
 /// `POST /api/v1/create_session`: `{tags, user_metadata, sdk_version, project_id?,
 /// display_name?}` -> `{"type": "create_session", "session_id"}`.
 pub async fn create(
@@ -112,11 +92,7 @@ pub async fn create(
             .ok_or_else(|| type_error("tags", "a list of strings"))?,
         Some(_) => return Err(type_error("tags", "a list of strings")),
     };
-    let user_metadata = match f.get("user_metadata") {
-        None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(o)) if o.values().all(Value::is_string) => o.clone(),
-        Some(_) => return Err(type_error("user_metadata", "an object of strings")),
-    };
+    let user_metadata = string_map(&f, "user_metadata")?;
     let now = now_secs();
     let id = state.tinker_sessions.open(Session {
         key: bearer_of(&headers).to_string(),
@@ -176,12 +152,13 @@ pub async fn get(
             }
         }
     }
+    let key = bearer_of(&headers);
     let s = state
         .tinker_sessions
-        .get(&id, bearer_of(&headers))
+        .get(&id, key)
         .ok_or_else(|| not_found(&id))?;
     Ok(Json(json!({
-        "training_run_ids": [],
+        "training_run_ids": state.tinker_runs.of_session(&id, key),
         "sampler_ids": [],
         "user_metadata": s.user_metadata,
         "display_name": s.display_name,
@@ -190,7 +167,7 @@ pub async fn get(
     })))
 }
 
-fn not_found(id: &str) -> ApiError {
+pub(super) fn not_found(id: &str) -> ApiError {
     ApiError {
         code: Some("session_not_found"),
         ..ApiError::not_found(format!("no session '{}'", super::super::error::clip(id)))

@@ -1,0 +1,285 @@
+//! Tinker training runs (`create_model`): a LoRA adapter on the served base, one per
+//! `{session_id}:train:{n}` (the id the SDK computes from its session and its count of training
+//! clients), with what the client asked for. Held in memory for now: training (`forward_backward`,
+//! `optim_step`) and keeping runs across a restart in the rollout store are the next parts
+//! (docs/tinker.md).
+
+use super::super::body::JsonBody;
+use super::super::error::{clip, ApiError};
+use super::super::openai::{type_error, Fields};
+use super::super::state::{bearer_of, blocking, AppState};
+use super::{check_type, string_map};
+use crate::adapter::{AdapterBase, AdapterConfig, AdapterWeights, LoraConfig, Method, Target};
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::Json;
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// LoRA's α for a run: Tinker does not expose it; 32, as Thinking Machines' "LoRA Without Regret"
+/// trains with (the scale is α / rank).
+pub const LORA_ALPHA: f32 = 32.0;
+
+/// The largest rank a run may ask for.
+pub const MAX_RANK: i128 = 256;
+
+/// One training run.
+pub struct Run {
+    pub key: String,
+    pub rank: usize,
+    pub seed: u64,
+    pub user_metadata: Map<String, Value>,
+    /// The adapter as it stands (the identity until trained).
+    pub weights: AdapterWeights,
+}
+
+/// The runs by id.
+#[derive(Default)]
+pub struct Runs {
+    inner: Mutex<HashMap<String, Arc<Run>>>,
+}
+
+impl Runs {
+    /// Run `id` as `key` may see it.
+    pub fn get(&self, id: &str, key: &str) -> Option<Arc<Run>> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.get(id).filter(|r| r.key == key).cloned()
+    }
+
+    /// The ids of session `session`'s runs (`key`'s), in order.
+    pub fn of_session(&self, session: &str, key: &str) -> Vec<String> {
+        let prefix = format!("{session}:train:");
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ids: Vec<(u64, String)> = g
+            .iter()
+            .filter(|(id, r)| r.key == key && id.starts_with(&prefix))
+            .filter_map(|(id, _)| Some((id[prefix.len()..].parse().ok()?, id.clone())))
+            .collect();
+        ids.sort();
+        ids.into_iter().map(|(_, id)| id).collect()
+    }
+
+    /// Add run `id`; false if there is one already.
+    fn add(&self, id: &str, run: Run) -> bool {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if g.contains_key(id) {
+            return false;
+        }
+        g.insert(id.to_string(), Arc::new(run));
+        true
+    }
+}
+
+/// What `lora_config` asks for: rank, seed, and the targets.
+struct LoraRequest {
+    rank: usize,
+    seed: Option<u64>,
+    targets: Vec<Target>,
+}
+
+/// `lora_config`: `{rank, seed?, train_mlp?, train_attn?, train_unembed?}` (the flags default to
+/// true, as the SDK's). LoRA on the LM head (`train_unembed`) is not implemented yet: refused.
+fn parse_lora(v: Option<&Value>) -> Result<LoraRequest, ApiError> {
+    let o = match v {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid(
+                "lora_config",
+                "'lora_config' is required: this server trains LoRA adapters on its base",
+            ))
+        }
+        Some(Value::Object(o)) => o,
+        Some(_) => return Err(type_error("lora_config", "an object")),
+    };
+    let inner = Value::Object(o.clone());
+    let f = Fields::parse(&inner)?;
+    let within = |e: ApiError| e.within("lora_config");
+    for k in o.keys() {
+        if !matches!(
+            k.as_str(),
+            "rank" | "seed" | "train_mlp" | "train_attn" | "train_unembed"
+        ) {
+            return Err(ApiError::invalid(
+                &format!("lora_config.{k}"),
+                format!("'{k}' is not a field of lora_config"),
+            ));
+        }
+    }
+    let rank = f
+        .int_in("rank", 1, MAX_RANK)
+        .map_err(within)?
+        .ok_or_else(|| ApiError::invalid("lora_config.rank", "'rank' is required"))?;
+    let seed = f
+        .int_in("seed", 0, u64::MAX as i128)
+        .map_err(within)?
+        .map(|s| s as u64);
+    let flag = |k: &str| f.bool(k).map(|b| b.unwrap_or(true)).map_err(within);
+    let (mlp, attn, unembed) = (
+        flag("train_mlp")?,
+        flag("train_attn")?,
+        flag("train_unembed")?,
+    );
+    if unembed {
+        return Err(ApiError::invalid(
+            "lora_config.train_unembed",
+            "LoRA on the LM head is not implemented by this server yet: set train_unembed=False \
+             (the attention and MLP projections train)",
+        ));
+    }
+    let mut targets = Vec::new();
+    if attn {
+        targets.extend([Target::Q, Target::K, Target::V, Target::O]);
+    }
+    if mlp {
+        targets.extend([Target::Gate, Target::Up, Target::Down]);
+    }
+    if targets.is_empty() {
+        return Err(ApiError::invalid(
+            "lora_config",
+            "at least one of train_attn and train_mlp must be true",
+        ));
+    }
+    Ok(LoraRequest {
+        rank: rank as usize,
+        seed,
+        targets,
+    })
+}
+
+/// `optimizer_config`: AdamW (`{"type": "adamw"}`, the default) is the one optimizer here.
+fn check_optimizer(v: Option<&Value>) -> Result<(), ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("adamw") if o.len() == 1 => Ok(()),
+            _ => Err(ApiError::invalid(
+                "optimizer_config",
+                format!(
+                    "'optimizer_config' is {}; this server trains with {{\"type\": \"adamw\"}}",
+                    Value::Object(o.clone())
+                ),
+            )),
+        },
+        Some(_) => Err(type_error("optimizer_config", "an object")),
+    }
+}
+
+/// `POST /api/v1/create_model`: `{session_id, model_seq_id, base_model, lora_config,
+/// user_metadata?, optimizer_config?}` -> a future (`{request_id, model_id}`) whose result is
+/// `{"type": "create_model", "model_id"}`.
+pub async fn create(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let f = Fields::parse(&body)?;
+    check_type(&f, "create_model")?;
+    let key = bearer_of(&headers).to_string();
+    let session = f
+        .str("session_id")?
+        .ok_or_else(|| ApiError::invalid("session_id", "'session_id' is required"))?;
+    let seq = f
+        .int_in("model_seq_id", 0, i32::MAX as i128)?
+        .ok_or_else(|| ApiError::invalid("model_seq_id", "'model_seq_id' is required"))?;
+    let base = f
+        .str("base_model")?
+        .ok_or_else(|| ApiError::invalid("base_model", "'base_model' is required"))?;
+    if base != ready.model_name {
+        return Err(ApiError {
+            param: Some("base_model".into()),
+            ..ApiError::model_not_found(base)
+        });
+    }
+    let lora = parse_lora(f.get("lora_config"))?;
+    check_optimizer(f.get("optimizer_config"))?;
+    let user_metadata = string_map(&f, "user_metadata")?;
+    if state.tinker_sessions.get(session, &key).is_none() {
+        return Err(super::session::not_found(session));
+    }
+    let id = format!("{session}:train:{seq}");
+    let seed = lora.seed.unwrap_or_else(crate::util::random_u64);
+    let config = AdapterConfig {
+        method: Method::Lora(LoraConfig {
+            r: lora.rank,
+            alpha: LORA_ALPHA,
+            use_rslora: false,
+        }),
+        targets: lora
+            .targets
+            .into_iter()
+            .filter(|t| ready.model.config.adapter_shape().has(*t))
+            .collect(),
+        base_model: ready.model_name.clone(),
+    };
+    let (registry, model) = (ready.registry.clone(), ready.model.clone());
+    let weights = blocking(move || {
+        let layout = registry
+            .limits
+            .layout(config, &model.config)
+            .map_err(|e| ApiError::invalid("lora_config.rank", format!("'rank': {e}")))?;
+        Ok(AdapterWeights::identity(Arc::new(layout), seed))
+    })
+    .await?;
+    let run = Run {
+        key: key.clone(),
+        rank: lora.rank,
+        seed,
+        user_metadata,
+        weights,
+    };
+    if !state.tinker_runs.add(&id, run) {
+        return Err(ApiError {
+            code: Some("training_run_exists"),
+            ..ApiError::conflict(
+                "model_seq_id",
+                format!("the session has a training run '{}' already", clip(&id)),
+            )
+        });
+    }
+    let request_id = state
+        .tinker_futures
+        .done(&key, json!({"type": "create_model", "model_id": id}));
+    Ok(Json(json!({"request_id": request_id, "model_id": id})))
+}
+
+/// `POST /api/v1/get_info`: `{model_id}` -> the run's model (architecture, name), optimizer and
+/// LoRA rank, as the SDK's `GetInfoResponse`.
+pub async fn info(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let f = Fields::parse(&body)?;
+    check_type(&f, "get_info")?;
+    let id = f
+        .str("model_id")?
+        .ok_or_else(|| ApiError::invalid("model_id", "'model_id' is required"))?;
+    let run = state
+        .tinker_runs
+        .get(id, bearer_of(&headers))
+        .ok_or_else(|| ApiError {
+            param: Some("model_id".into()),
+            code: Some("training_run_not_found"),
+            ..ApiError::not_found(format!("no training run '{}'", clip(id)))
+        })?;
+    let arch = ready
+        .model
+        .gguf
+        .get_str("general.architecture")
+        .unwrap_or_default();
+    Ok(Json(json!({
+        "type": "get_info",
+        "model_id": id,
+        "model_data": {"arch": arch, "model_name": ready.model_name,
+                       "tokenizer_id": ready.model_name},
+        "optimizer_config": {"type": "adamw"},
+        "is_lora": true,
+        "lora_rank": run.rank,
+        "model_name": ready.model_name,
+        "user_metadata": run.user_metadata,
+        "seed": run.seed,
+        "num_parameters": run.weights.layout.num_params,
+    })))
+}
