@@ -656,3 +656,36 @@ fn tinker_runs_are_created_through_futures_and_refuse_what_is_not_served() {
         );
     }
 }
+
+/// Tinker training runs are bounded together: at most twice the parameters one adapter may
+/// have (`max_adapter_params`), a 429 saying so past that; one run past the bound alone is a 400
+/// naming its rank.
+#[test]
+fn tinker_runs_together_stay_within_twice_the_adapter_bound() {
+    // The tiny model's LoRA of rank 4 on its seven projections has 7424 parameters.
+    let config = format!("{CONFIG}[limits]\nmax_adapter_params = 10000\n");
+    let (_d, s) = start(&config, &[]);
+    let sid = s.post("/api/v1/create_session", &json!({})).json()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let run = |seq: u32, rank: u32| {
+        s.post(
+            "/api/v1/create_model",
+            &json!({"session_id": sid, "model_seq_id": seq, "base_model": "tiny",
+                    "lora_config": {"rank": rank, "train_unembed": false}}),
+        )
+    };
+    assert_eq!(run(0, 4).status, 200);
+    let info = s.post(
+        "/api/v1/get_info",
+        &json!({"model_id": format!("{sid}:train:0")}),
+    );
+    assert_eq!(info.json()["num_parameters"], 7424);
+    assert_eq!(run(1, 4).status, 200);
+    let r = run(2, 4);
+    assert_error(&r, 429, None);
+    assert_eq!(r.json()["error"]["code"], "training_runs_full");
+    assert!(r.body_text().contains("14848"), "{r:?}");
+    assert_error(&run(3, 8), 400, Some("lora_config.rank"));
+}

@@ -546,6 +546,13 @@ def test_tinker_routes_follow_the_contract():
     check("POST", "/api/v1/get_info", {}, expect=400)
     check("POST", "/api/v1/get_info", {"model_id": "nope"}, expect=404)
     check("POST", "/api/v1/get_info", {"model_id": "nope"}, key="wrong", expect=401)
+    # Runs together hold at most twice what one adapter may (50M parameters here): two of rank
+    # 128 (39M each on this model), and a third is refused.
+    big = {**run, "lora_config": {"rank": 128, "train_unembed": False}}
+    for seq in (1, 2):
+        check("POST", "/api/v1/create_model", {**big, "model_seq_id": seq})
+    _, _, full = check("POST", "/api/v1/create_model", {**big, "model_seq_id": 3}, expect=429)
+    assert full["error"]["code"] == "training_runs_full"
     check("POST", "/api/v1/telemetry", {"events": [], "session_id": sid})
     check("POST", "/api/v1/telemetry", {"events": 1}, expect=400)
     check("POST", "/api/v1/telemetry", {"events": []}, key="wrong", expect=401)

@@ -11,7 +11,7 @@ use super::super::state::{bearer_of, blocking, AppState};
 use super::{check_type, string_map};
 use crate::adapter::{AdapterBase, AdapterConfig, AdapterWeights, LoraConfig, Method, Target};
 use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
@@ -23,6 +23,13 @@ pub const LORA_ALPHA: f32 = 32.0;
 
 /// The largest rank a run may ask for.
 pub const MAX_RANK: i128 = 256;
+
+/// Training runs held at most.
+pub const MAX_RUNS: usize = 64;
+
+/// The runs together hold at most this many times the parameters one adapter may have
+/// (`adapters.max_adapter_params`): by default two runs of the largest size, or many small ones.
+pub const RUN_PARAMS_FACTOR: usize = 2;
 
 /// One training run.
 pub struct Run {
@@ -60,14 +67,49 @@ impl Runs {
         ids.into_iter().map(|(_, id)| id).collect()
     }
 
-    /// Add run `id`; false if there is one already.
-    fn add(&self, id: &str, run: Run) -> bool {
+    /// End the runs of the sessions `sessions` (closed).
+    pub fn end_sessions(&self, sessions: &[String]) {
+        if sessions.is_empty() {
+            return;
+        }
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.retain(|id, _| {
+            let session = id.rsplitn(3, ':').nth(2).unwrap_or("");
+            !sessions.iter().any(|s| s == session)
+        });
+    }
+
+    /// Add run `id` unless there is one, or the runs would hold more than `max_params`
+    /// parameters together or number more than `MAX_RUNS`.
+    fn add(&self, id: &str, run: Run, max_params: usize) -> Result<(), ApiError> {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         if g.contains_key(id) {
-            return false;
+            return Err(ApiError {
+                code: Some("training_run_exists"),
+                ..ApiError::conflict(
+                    "model_seq_id",
+                    format!("the session has a training run '{}' already", clip(id)),
+                )
+            });
+        }
+        let held: usize = g.values().map(|r| r.weights.layout.num_params).sum();
+        let more = run.weights.layout.num_params;
+        if g.len() >= MAX_RUNS || held + more > max_params {
+            return Err(ApiError {
+                code: Some("training_runs_full"),
+                ..ApiError::status(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "this server holds {} training runs of {held} parameters; this one's {more} \
+                         would pass its bound ({MAX_RUNS} runs, {max_params} parameters): end a \
+                         session (its runs end with it) or ask for a smaller rank",
+                        g.len()
+                    ),
+                )
+            });
         }
         g.insert(id.to_string(), Arc::new(run));
-        true
+        Ok(())
     }
 }
 
@@ -194,6 +236,7 @@ pub async fn create(
     let lora = parse_lora(f.get("lora_config"))?;
     check_optimizer(f.get("optimizer_config"))?;
     let user_metadata = string_map(&f, "user_metadata")?;
+    super::session::close_silent(&state, crate::util::now_secs());
     if state.tinker_sessions.get(session, &key).is_none() {
         return Err(super::session::not_found(session));
     }
@@ -228,15 +271,8 @@ pub async fn create(
         user_metadata,
         weights,
     };
-    if !state.tinker_runs.add(&id, run) {
-        return Err(ApiError {
-            code: Some("training_run_exists"),
-            ..ApiError::conflict(
-                "model_seq_id",
-                format!("the session has a training run '{}' already", clip(&id)),
-            )
-        });
-    }
+    let max_params = ready.registry.limits.max_params * RUN_PARAMS_FACTOR;
+    state.tinker_runs.add(&id, run, max_params)?;
     let request_id = state
         .tinker_futures
         .done(&key, json!({"type": "create_model", "model_id": id}));
@@ -282,4 +318,68 @@ pub async fn info(
         "seed": run.seed,
         "num_parameters": run.weights.layout.num_params,
     })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adapter::{AdapterLimits, BaseShape};
+
+    fn run(key: &str) -> Run {
+        let shape = BaseShape {
+            num_layers: 1,
+            hidden: 8,
+            q_dim: 8,
+            kv_dim: 4,
+            ffn: 16,
+            head_dim: 4,
+            qk_rows_permuted: false,
+        };
+        let config = AdapterConfig {
+            method: Method::Lora(LoraConfig {
+                r: 2,
+                alpha: LORA_ALPHA,
+                use_rslora: false,
+            }),
+            targets: vec![Target::Q],
+            base_model: "m".into(),
+        };
+        let layout = AdapterLimits::default().layout(config, &shape).unwrap();
+        Run {
+            key: key.into(),
+            rank: 2,
+            seed: 1,
+            user_metadata: Map::new(),
+            weights: AdapterWeights::identity(Arc::new(layout), 1),
+        }
+    }
+
+    /// Runs are listed by session in order, end with their session, and count against the bound.
+    #[test]
+    fn runs_belong_to_sessions_and_keys_and_are_bounded() {
+        let runs = Runs::default();
+        let max = usize::MAX;
+        for id in [
+            "session-a:train:1",
+            "session-a:train:0",
+            "session-b:train:0",
+        ] {
+            assert!(runs.add(id, run("k"), max).is_ok());
+        }
+        assert!(runs.add("session-a:train:0", run("k"), max).is_err());
+        assert_eq!(
+            runs.of_session("session-a", "k"),
+            ["session-a:train:0", "session-a:train:1"]
+        );
+        assert!(runs.of_session("session-a", "other").is_empty());
+        assert!(runs.get("session-b:train:0", "other").is_none());
+        runs.end_sessions(&["session-a".to_string()]);
+        assert!(runs.of_session("session-a", "k").is_empty());
+        assert!(runs.get("session-b:train:0", "k").is_some());
+        // 32 parameters each (rank 2 on an 8 -> 8 projection): with one held, a second needs 64.
+        let r = run("k");
+        assert_eq!(r.weights.layout.num_params, 32);
+        assert!(runs.add("session-c:train:0", r, 63).is_err());
+        assert!(runs.add("session-c:train:0", run("k"), 64).is_ok());
+    }
 }

@@ -1,8 +1,8 @@
 //! Tinker sessions: `create_session` opens one for the caller's key, keeping what the SDK says
 //! of it (tags, metadata, SDK version, project, display name); `session_heartbeat` (every 10 s
 //! from the SDK) keeps it alive. Held in memory: the newest `MAX_SESSIONS`, each seen only with
-//! the key that opened it. (Training runs, which must survive a restart, live in the rollout
-//! store, not here.)
+//! the key that opened it; one not heard from in `SESSION_TIMEOUT_SECS` is closed, and its
+//! training runs with it (the SDK warns its user after two minutes without a heartbeat).
 
 use super::super::body::JsonBody;
 use super::super::error::ApiError;
@@ -19,6 +19,9 @@ use std::sync::Mutex;
 
 /// Sessions kept at most (the oldest are forgotten).
 pub const MAX_SESSIONS: usize = 4096;
+
+/// A session silent this long is closed.
+pub const SESSION_TIMEOUT_SECS: f64 = 300.0;
 
 /// One session as its client described it.
 #[derive(Clone, Debug)]
@@ -40,18 +43,37 @@ pub struct Sessions {
 }
 
 impl Sessions {
-    fn open(&self, s: Session) -> String {
+    /// Open session `s`: its id, and those of the sessions closed to make room.
+    fn open(&self, s: Session) -> (String, Vec<String>) {
         let id = random_id("session-");
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let (map, order) = &mut *g;
         map.insert(id.clone(), s);
         order.push_back(id.clone());
+        let mut closed = Vec::new();
         while order.len() > MAX_SESSIONS {
             if let Some(old) = order.pop_front() {
                 map.remove(&old);
+                closed.push(old);
             }
         }
-        id
+        (id, closed)
+    }
+
+    /// Close the sessions silent since before `now - SESSION_TIMEOUT_SECS`: their ids.
+    pub fn expire(&self, now: f64) -> Vec<String> {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order) = &mut *g;
+        let silent: Vec<String> = map
+            .iter()
+            .filter(|(_, s)| s.last_heartbeat < now - SESSION_TIMEOUT_SECS)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &silent {
+            map.remove(id);
+        }
+        order.retain(|id| map.contains_key(id));
+        silent
     }
 
     /// Note a heartbeat of session `id` from `key`; false when `key` has no such session.
@@ -94,7 +116,8 @@ pub async fn create(
     };
     let user_metadata = string_map(&f, "user_metadata")?;
     let now = now_secs();
-    let id = state.tinker_sessions.open(Session {
+    close_silent(&state, now);
+    let (id, closed) = state.tinker_sessions.open(Session {
         key: bearer_of(&headers).to_string(),
         tags,
         user_metadata,
@@ -104,6 +127,7 @@ pub async fn create(
         created_at: now,
         last_heartbeat: now,
     });
+    state.tinker_runs.end_sessions(&closed);
     Ok(Json(json!({"type": "create_session", "session_id": id})))
 }
 
@@ -167,9 +191,50 @@ pub async fn get(
     })))
 }
 
+/// Close the sessions silent too long, and end their training runs.
+pub(super) fn close_silent(state: &AppState, now: f64) {
+    let closed = state.tinker_sessions.expire(now);
+    state.tinker_runs.end_sessions(&closed);
+}
+
 pub(super) fn not_found(id: &str) -> ApiError {
     ApiError {
         code: Some("session_not_found"),
         ..ApiError::not_found(format!("no session '{}'", super::super::error::clip(id)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session(key: &str, at: f64) -> Session {
+        Session {
+            key: key.into(),
+            tags: Vec::new(),
+            user_metadata: Map::new(),
+            sdk_version: String::new(),
+            project_id: None,
+            display_name: None,
+            created_at: at,
+            last_heartbeat: at,
+        }
+    }
+
+    /// A session silent for longer than the timeout is closed; one that beat is kept; a session
+    /// is its key's alone.
+    #[test]
+    fn silent_sessions_close_and_sessions_belong_to_their_key() {
+        let s = Sessions::default();
+        let now = now_secs();
+        let (old, _) = s.open(session("a", now - SESSION_TIMEOUT_SECS - 1.0));
+        let (beating, _) = s.open(session("a", now - SESSION_TIMEOUT_SECS - 1.0));
+        assert!(s.beat(&beating, "a"));
+        assert!(!s.beat(&beating, "b"));
+        assert!(s.get(&beating, "b").is_none());
+        assert_eq!(s.expire(now), vec![old.clone()]);
+        assert!(s.get(&old, "a").is_none());
+        assert!(s.get(&beating, "a").is_some());
+        assert!(s.expire(now).is_empty());
     }
 }
