@@ -8,7 +8,7 @@ use super::super::body::JsonBody;
 use super::super::error::{clip, ApiError};
 use super::super::openai::Fields;
 use super::super::state::{bearer_of, AppState};
-use super::check_type;
+use super::{check_type, required_str};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
@@ -71,9 +71,7 @@ pub async fn retrieve(
     let f = Fields::parse(&body)?;
     check_type(&f, "retrieve_future")?;
     f.bool("allow_metadata_only")?;
-    let id = f
-        .str("request_id")?
-        .ok_or_else(|| ApiError::invalid("request_id", "'request_id' is required"))?;
+    let id = required_str(&f, "request_id")?;
     state
         .tinker_futures
         .get(id, bearer_of(&headers))

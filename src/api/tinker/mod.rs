@@ -112,6 +112,12 @@ fn check_type(f: &Fields, want: &str) -> Result<(), ApiError> {
     }
 }
 
+/// A required string field.
+fn required_str<'a>(f: &Fields<'a>, name: &str) -> Result<&'a str, ApiError> {
+    f.str(name)?
+        .ok_or_else(|| ApiError::invalid(name, format!("'{name}' is required")))
+}
+
 /// An optional string field (null is absent).
 fn optional_str(f: &Fields, name: &str) -> Result<Option<String>, ApiError> {
     match f.get(name) {

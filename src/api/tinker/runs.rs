@@ -8,7 +8,7 @@ use super::super::body::JsonBody;
 use super::super::error::{clip, ApiError};
 use super::super::openai::{type_error, Fields};
 use super::super::state::{bearer_of, blocking, AppState};
-use super::{check_type, string_map};
+use super::{check_type, required_str, string_map};
 use crate::adapter::{AdapterBase, AdapterConfig, AdapterWeights, LoraConfig, Method, Target};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -218,15 +218,11 @@ pub async fn create(
     let f = Fields::parse(&body)?;
     check_type(&f, "create_model")?;
     let key = bearer_of(&headers).to_string();
-    let session = f
-        .str("session_id")?
-        .ok_or_else(|| ApiError::invalid("session_id", "'session_id' is required"))?;
+    let session = required_str(&f, "session_id")?;
     let seq = f
         .int_in("model_seq_id", 0, i32::MAX as i128)?
         .ok_or_else(|| ApiError::invalid("model_seq_id", "'model_seq_id' is required"))?;
-    let base = f
-        .str("base_model")?
-        .ok_or_else(|| ApiError::invalid("base_model", "'base_model' is required"))?;
+    let base = required_str(&f, "base_model")?;
     if base != ready.model_name {
         return Err(ApiError {
             param: Some("base_model".into()),
@@ -289,9 +285,7 @@ pub async fn info(
     let ready = state.ready()?;
     let f = Fields::parse(&body)?;
     check_type(&f, "get_info")?;
-    let id = f
-        .str("model_id")?
-        .ok_or_else(|| ApiError::invalid("model_id", "'model_id' is required"))?;
+    let id = required_str(&f, "model_id")?;
     let run = state
         .tinker_runs
         .get(id, bearer_of(&headers))

@@ -8,7 +8,7 @@ use super::super::body::JsonBody;
 use super::super::error::ApiError;
 use super::super::openai::{type_error, Fields};
 use super::super::state::{bearer_of, AppState};
-use super::{check_type, optional_str, string_map};
+use super::{check_type, optional_str, required_str, string_map};
 use crate::util::{now_secs, random_id};
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
@@ -140,9 +140,7 @@ pub async fn heartbeat(
 ) -> Result<Json<Value>, ApiError> {
     let f = Fields::parse(&body)?;
     check_type(&f, "session_heartbeat")?;
-    let id = f
-        .str("session_id")?
-        .ok_or_else(|| ApiError::invalid("session_id", "'session_id' is required"))?;
+    let id = required_str(&f, "session_id")?;
     if !state.tinker_sessions.beat(id, bearer_of(&headers)) {
         return Err(not_found(id));
     }
