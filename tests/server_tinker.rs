@@ -1,0 +1,250 @@
+//! The Tinker API over real HTTP on a tiny model (the official SDK's own run is
+//! `tests/python/test_tinker.py`): sessions and training runs belong to their key, every bad
+//! field is a 400 naming it, runs come through futures and stay within their bound.
+
+mod common;
+
+use common::server::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// The Tinker API's sessions (the official SDK's own run is in tests/python/test_tinker.py):
+/// opened for a key and seen only with it, heartbeats recorded, every bad field a 400 naming it.
+#[test]
+fn tinker_sessions_belong_to_their_key_and_bad_fields_are_named() {
+    let (_d, s) = start(CONFIG, &["--api-key", "tml-a", "--admin-key", "tml-admin"]);
+    let as_key = |key: &str, method: &str, path: &str, body: Option<&Value>| {
+        let body = body.map(Value::to_string);
+        s.try_request(method, path, body.as_deref(), &[("X-API-Key", key)])
+            .unwrap()
+    };
+    let r = as_key(
+        "tml-a",
+        "POST",
+        "/api/v1/client/config",
+        Some(&json!({"sdk_version": "0.38.0"})),
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.json()["pjwt_auth_enabled"], false);
+    let r = as_key("tml-a", "GET", "/api/v1/healthz", None);
+    assert_eq!(r.json(), json!({"status": "ok"}));
+    let open = json!({"tags": ["t"], "user_metadata": {"run": "1"}, "sdk_version": "0.38.0",
+                      "display_name": "mine", "type": "create_session"});
+    let r = as_key("tml-a", "POST", "/api/v1/create_session", Some(&open));
+    assert_eq!(r.status, 200, "{r:?}");
+    let id = r.json()["session_id"].as_str().unwrap().to_string();
+    assert!(id.len() > 32, "{id}");
+    let path = format!("/api/v1/sessions/{id}");
+    let before = as_key("tml-a", "GET", &path, None).json();
+    assert_eq!(before["user_metadata"], json!({"run": "1"}));
+    assert_eq!(before["display_name"], "mine");
+    std::thread::sleep(Duration::from_millis(20));
+    let beat = json!({"session_id": id, "type": "session_heartbeat"});
+    let r = as_key("tml-a", "POST", "/api/v1/session_heartbeat", Some(&beat));
+    assert_eq!(r.json(), json!({"type": "session_heartbeat"}));
+    let after = as_key("tml-a", "GET", &path, None).json();
+    assert!(after["last_heartbeat_at"].as_f64() > before["last_heartbeat_at"].as_f64());
+    // Another key (the admin's) sees no such session and cannot keep it alive.
+    let r = as_key("tml-admin", "GET", &path, None);
+    assert_error(&r, 404, None);
+    assert_eq!(r.json()["error"]["code"], "session_not_found");
+    assert_error(
+        &as_key(
+            "tml-admin",
+            "POST",
+            "/api/v1/session_heartbeat",
+            Some(&beat),
+        ),
+        404,
+        None,
+    );
+    assert_error(&as_key("tml-b", "GET", &path, None), 401, None);
+    for (body, field) in [
+        (json!({"tags": "t"}), "tags"),
+        (json!({"tags": [1]}), "tags"),
+        (json!({"user_metadata": {"n": 1}}), "user_metadata"),
+        (json!({"display_name": 3}), "display_name"),
+        (json!({"type": "create_model"}), "type"),
+    ] {
+        let r = as_key("tml-a", "POST", "/api/v1/create_session", Some(&body));
+        assert_error(&r, 400, Some(field));
+    }
+    let r = as_key(
+        "tml-a",
+        "POST",
+        "/api/v1/session_heartbeat",
+        Some(&json!({})),
+    );
+    assert_error(&r, 400, Some("session_id"));
+    let r = as_key("tml-a", "GET", &format!("{path}?access_scope=all"), None);
+    assert_error(&r, 400, Some("access_scope"));
+    let r = as_key(
+        "tml-a",
+        "GET",
+        &format!("{path}?access_scope=accessible"),
+        None,
+    );
+    assert_eq!(r.status, 200);
+    let r = as_key(
+        "tml-a",
+        "POST",
+        "/api/v1/telemetry",
+        Some(&json!({"events": []})),
+    );
+    assert_eq!(r.json(), json!({"status": "accepted"}));
+    assert_error(
+        &as_key("tml-a", "POST", "/api/v1/telemetry", Some(&json!({}))),
+        400,
+        Some("events"),
+    );
+}
+
+/// Tinker training runs: created on the served base for a session of the key, answered through a
+/// future, read back with `get_info`, listed by their session; LoRA on the LM head and other
+/// optimizers are refused by name, and a run is its key's alone.
+#[test]
+fn tinker_runs_are_created_through_futures_and_refuse_what_is_not_served() {
+    let (_d, s) = start(CONFIG, &["--api-key", "tml-a", "--admin-key", "tml-admin"]);
+    let call = |key: &str, path: &str, body: &Value| {
+        s.try_request("POST", path, Some(&body.to_string()), &[("X-API-Key", key)])
+            .unwrap()
+    };
+    let model = s
+        .try_request("GET", "/v1/models", None, &[("X-API-Key", "tml-a")])
+        .unwrap()
+        .json()["data"][0]["id"]
+        .clone();
+    let sid = call("tml-a", "/api/v1/create_session", &json!({"tags": []})).json()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let lora = json!({"rank": 4, "seed": 3, "train_unembed": false});
+    let create = json!({"session_id": sid, "model_seq_id": 0, "base_model": model,
+                        "lora_config": lora, "optimizer_config": {"type": "adamw"},
+                        "user_metadata": {"who": "me"}, "type": "create_model"});
+    let r = call("tml-a", "/api/v1/create_model", &create);
+    assert_eq!(r.status, 200, "{r:?}");
+    let want = format!("{sid}:train:0");
+    assert_eq!(r.json()["model_id"], want.as_str());
+    let req = r.json()["request_id"].clone();
+    let done = call(
+        "tml-a",
+        "/api/v1/retrieve_future",
+        &json!({"request_id": req}),
+    );
+    assert_eq!(
+        done.json(),
+        json!({"type": "create_model", "model_id": want})
+    );
+    // Only its key sees the future, the run and the session's list.
+    let r = call(
+        "tml-admin",
+        "/api/v1/retrieve_future",
+        &json!({"request_id": req}),
+    );
+    assert_error(&r, 410, None);
+    assert_eq!(r.json()["error"]["code"], "future_not_found");
+    let info = call("tml-a", "/api/v1/get_info", &json!({"model_id": want})).json();
+    assert_eq!(info["lora_rank"], 4);
+    assert_eq!(info["is_lora"], true);
+    assert_eq!(info["model_data"]["model_name"], model);
+    assert_eq!(info["user_metadata"], json!({"who": "me"}));
+    // Seven projections of rank 4 on the tiny model: (in + out) × 4 parameters each.
+    assert!(info["num_parameters"].as_u64().unwrap() > 0, "{info}");
+    let r = call("tml-admin", "/api/v1/get_info", &json!({"model_id": want}));
+    assert_error(&r, 404, Some("model_id"));
+    let session = s
+        .try_request(
+            "GET",
+            &format!("/api/v1/sessions/{sid}"),
+            None,
+            &[("X-API-Key", "tml-a")],
+        )
+        .unwrap()
+        .json();
+    assert_eq!(session["training_run_ids"], json!([want]));
+    // The same run again is a conflict; bad fields are named.
+    let r = call("tml-a", "/api/v1/create_model", &create);
+    assert_error(&r, 409, Some("model_seq_id"));
+    for (patch, field, status) in [
+        (
+            json!({"lora_config": {"rank": 4}}),
+            "lora_config.train_unembed",
+            400,
+        ),
+        (
+            json!({"lora_config": {"rank": 0, "train_unembed": false}}),
+            "lora_config.rank",
+            400,
+        ),
+        (
+            json!({"lora_config": {"rank": 4, "train_unembed": false, "alpha": 8}}),
+            "lora_config.alpha",
+            400,
+        ),
+        (
+            json!({"lora_config": {"rank": 4, "train_unembed": false, "train_attn": false,
+                                "train_mlp": false}}),
+            "lora_config",
+            400,
+        ),
+        (json!({"lora_config": null}), "lora_config", 400),
+        (
+            json!({"optimizer_config": {"type": "dimuon", "version": 1}}),
+            "optimizer_config",
+            400,
+        ),
+        (json!({"base_model": "Qwen/Qwen3-8B"}), "base_model", 404),
+        (json!({"model_seq_id": -1}), "model_seq_id", 400),
+        (json!({"session_id": "session-none"}), "session_id", 404),
+    ] {
+        let mut b = create.clone();
+        for (k, v) in patch.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b["model_seq_id"] = patch.get("model_seq_id").cloned().unwrap_or(json!(1));
+        let r = call("tml-a", "/api/v1/create_model", &b);
+        assert_error(
+            &r,
+            status,
+            if field == "session_id" {
+                None
+            } else {
+                Some(field)
+            },
+        );
+    }
+}
+
+/// Tinker training runs are bounded together: at most twice the parameters one adapter may
+/// have (`max_adapter_params`), a 429 saying so past that; one run past the bound alone is a 400
+/// naming its rank.
+#[test]
+fn tinker_runs_together_stay_within_twice_the_adapter_bound() {
+    // The tiny model's LoRA of rank 4 on its seven projections has 7424 parameters.
+    let config = format!("{CONFIG}[limits]\nmax_adapter_params = 10000\n");
+    let (_d, s) = start(&config, &[]);
+    let sid = s.post("/api/v1/create_session", &json!({})).json()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let run = |seq: u32, rank: u32| {
+        s.post(
+            "/api/v1/create_model",
+            &json!({"session_id": sid, "model_seq_id": seq, "base_model": "tiny",
+                    "lora_config": {"rank": rank, "train_unembed": false}}),
+        )
+    };
+    assert_eq!(run(0, 4).status, 200);
+    let info = s.post(
+        "/api/v1/get_info",
+        &json!({"model_id": format!("{sid}:train:0")}),
+    );
+    assert_eq!(info.json()["num_parameters"], 7424);
+    assert_eq!(run(1, 4).status, 200);
+    let r = run(2, 4);
+    assert_error(&r, 429, None);
+    assert_eq!(r.json()["error"]["code"], "training_runs_full");
+    assert!(r.body_text().contains("14848"), "{r:?}");
+    assert_error(&run(3, 8), 400, Some("lora_config.rank"));
+}
