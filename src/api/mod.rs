@@ -17,6 +17,7 @@ pub mod info;
 pub mod job;
 pub mod messages;
 pub mod openai;
+mod owned;
 mod reasoning;
 mod request;
 pub mod respond;

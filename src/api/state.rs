@@ -149,7 +149,7 @@ impl AppState {
             metrics,
             retry_after_secs,
             limits: Limits::default(),
-            responses: Default::default(),
+            responses: super::owned::Owned::new(super::response_store::STORE_CAPACITY),
             tinker_sessions: Default::default(),
             tinker_runs: Default::default(),
             tinker_futures: Default::default(),

@@ -354,7 +354,7 @@ pub async fn create(
                         format!("no stored response '{p}' (responses are kept in memory, the newest {STORE_CAPACITY}, for the key that made them)"),
                     )
                 })?
-                .1
+                .items
         }
         None => Vec::new(),
     };
@@ -476,10 +476,10 @@ impl Turn {
             items.extend(output);
             self.state.responses.put(
                 self.id,
+                &self.key,
                 Stored {
                     body: body.clone(),
                     items,
-                    key: self.key,
                 },
             );
         }
@@ -495,7 +495,7 @@ pub async fn get(
 ) -> Result<Response, ApiError> {
     let key = super::state::bearer_of(&headers);
     match state.responses.get(&id, key) {
-        Some((body, _)) => Ok((
+        Some(Stored { body, .. }) => Ok((
             StatusCode::OK,
             [(header::CONTENT_TYPE, "application/json")],
             body.to_string(),

@@ -7,57 +7,32 @@
 use super::super::body::JsonBody;
 use super::super::error::{clip, ApiError};
 use super::super::openai::Fields;
+use super::super::owned::Owned;
 use super::super::state::{bearer_of, AppState};
 use super::{check_type, required_str};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use serde_json::Value;
-use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 
 /// Results kept at most (the oldest are forgotten).
 pub const MAX_FUTURES: usize = 4096;
 
-struct Entry {
-    key: String,
-    result: Value,
-}
+/// The results of calls, per key (`api::owned`).
+pub struct Futures(Owned<Value>);
 
-/// The results of calls, oldest first out.
-#[derive(Default)]
-pub struct Futures {
-    inner: Mutex<(HashMap<String, Entry>, VecDeque<String>)>,
+impl Default for Futures {
+    fn default() -> Futures {
+        Futures(Owned::new(MAX_FUTURES))
+    }
 }
 
 impl Futures {
     /// Keep `result` for `key` under a new request id, which is returned.
     pub fn done(&self, key: &str, result: Value) -> String {
         let id = crate::util::random_id("req-");
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *g;
-        map.insert(
-            id.clone(),
-            Entry {
-                key: key.to_string(),
-                result,
-            },
-        );
-        order.push_back(id.clone());
-        while order.len() > MAX_FUTURES {
-            if let Some(old) = order.pop_front() {
-                map.remove(&old);
-            }
-        }
+        self.0.put(id.clone(), key, result);
         id
-    }
-
-    /// The result of `id` as `key` may see it.
-    fn get(&self, id: &str, key: &str) -> Option<Value> {
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.0.get(id)
-            .filter(|e| e.key == key)
-            .map(|e| e.result.clone())
     }
 }
 
@@ -74,6 +49,7 @@ pub async fn retrieve(
     let id = required_str(&f, "request_id")?;
     state
         .tinker_futures
+        .0
         .get(id, bearer_of(&headers))
         .map(Json)
         .ok_or_else(|| ApiError {

@@ -7,6 +7,7 @@
 use super::super::body::JsonBody;
 use super::super::error::ApiError;
 use super::super::openai::{type_error, Fields};
+use super::super::owned::Owned;
 use super::super::state::{bearer_of, AppState};
 use super::{check_type, optional_str, required_str, string_map};
 use crate::util::{now_secs, random_id};
@@ -14,8 +15,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::Json;
 use serde_json::{json, Map, Value};
-use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::collections::HashMap;
 
 /// Sessions kept at most (the oldest are forgotten).
 pub const MAX_SESSIONS: usize = 4096;
@@ -26,7 +26,6 @@ pub const SESSION_TIMEOUT_SECS: f64 = 300.0;
 /// One session as its client described it.
 #[derive(Clone, Debug)]
 pub struct Session {
-    pub key: String,
     pub tags: Vec<String>,
     pub user_metadata: Map<String, Value>,
     pub sdk_version: String,
@@ -36,62 +35,37 @@ pub struct Session {
     pub last_heartbeat: f64,
 }
 
-/// The open sessions, oldest first out.
-#[derive(Default)]
-pub struct Sessions {
-    inner: Mutex<(HashMap<String, Session>, VecDeque<String>)>,
+/// The open sessions, per key (`api::owned`).
+pub struct Sessions(Owned<Session>);
+
+impl Default for Sessions {
+    fn default() -> Sessions {
+        Sessions(Owned::new(MAX_SESSIONS))
+    }
 }
 
 impl Sessions {
-    /// Open session `s`: its id, and those of the sessions closed to make room.
-    fn open(&self, s: Session) -> (String, Vec<String>) {
+    /// Open session `s` for `key`: its id, and those of the sessions closed to make room.
+    fn open(&self, key: &str, s: Session) -> (String, Vec<String>) {
         let id = random_id("session-");
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *g;
-        map.insert(id.clone(), s);
-        order.push_back(id.clone());
-        let mut closed = Vec::new();
-        while order.len() > MAX_SESSIONS {
-            if let Some(old) = order.pop_front() {
-                map.remove(&old);
-                closed.push(old);
-            }
-        }
+        let closed = self.0.put(id.clone(), key, s);
         (id, closed)
     }
 
     /// Close the sessions silent since before `now - SESSION_TIMEOUT_SECS`: their ids.
     pub fn expire(&self, now: f64) -> Vec<String> {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let (map, order) = &mut *g;
-        let silent: Vec<String> = map
-            .iter()
-            .filter(|(_, s)| s.last_heartbeat < now - SESSION_TIMEOUT_SECS)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in &silent {
-            map.remove(id);
-        }
-        order.retain(|id| map.contains_key(id));
-        silent
+        self.0
+            .forget(|s| s.last_heartbeat < now - SESSION_TIMEOUT_SECS)
     }
 
     /// Note a heartbeat of session `id` from `key`; false when `key` has no such session.
     fn beat(&self, id: &str, key: &str) -> bool {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        match g.0.get_mut(id).filter(|s| s.key == key) {
-            Some(s) => {
-                s.last_heartbeat = now_secs();
-                true
-            }
-            None => false,
-        }
+        self.0.update(id, key, |s| s.last_heartbeat = now_secs())
     }
 
     /// Session `id` as `key` may see it.
     pub fn get(&self, id: &str, key: &str) -> Option<Session> {
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.0.get(id).filter(|s| s.key == key).cloned()
+        self.0.get(id, key)
     }
 }
 
@@ -117,16 +91,18 @@ pub async fn create(
     let user_metadata = string_map(&f, "user_metadata")?;
     let now = now_secs();
     close_silent(&state, now);
-    let (id, closed) = state.tinker_sessions.open(Session {
-        key: bearer_of(&headers).to_string(),
-        tags,
-        user_metadata,
-        sdk_version: optional_str(&f, "sdk_version")?.unwrap_or_default(),
-        project_id: optional_str(&f, "project_id")?,
-        display_name: optional_str(&f, "display_name")?,
-        created_at: now,
-        last_heartbeat: now,
-    });
+    let (id, closed) = state.tinker_sessions.open(
+        bearer_of(&headers),
+        Session {
+            tags,
+            user_metadata,
+            sdk_version: optional_str(&f, "sdk_version")?.unwrap_or_default(),
+            project_id: optional_str(&f, "project_id")?,
+            display_name: optional_str(&f, "display_name")?,
+            created_at: now,
+            last_heartbeat: now,
+        },
+    );
     state.tinker_runs.end_sessions(&closed);
     Ok(Json(json!({"type": "create_session", "session_id": id})))
 }
@@ -206,9 +182,8 @@ pub(super) fn not_found(id: &str) -> ApiError {
 mod tests {
     use super::*;
 
-    fn session(key: &str, at: f64) -> Session {
+    fn session(at: f64) -> Session {
         Session {
-            key: key.into(),
             tags: Vec::new(),
             user_metadata: Map::new(),
             sdk_version: String::new(),
@@ -225,8 +200,8 @@ mod tests {
     fn silent_sessions_close_and_sessions_belong_to_their_key() {
         let s = Sessions::default();
         let now = now_secs();
-        let (old, _) = s.open(session("a", now - SESSION_TIMEOUT_SECS - 1.0));
-        let (beating, _) = s.open(session("a", now - SESSION_TIMEOUT_SECS - 1.0));
+        let (old, _) = s.open("a", session(now - SESSION_TIMEOUT_SECS - 1.0));
+        let (beating, _) = s.open("a", session(now - SESSION_TIMEOUT_SECS - 1.0));
         assert!(s.beat(&beating, "a"));
         assert!(!s.beat(&beating, "b"));
         assert!(s.get(&beating, "b").is_none());
