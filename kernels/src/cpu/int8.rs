@@ -29,8 +29,8 @@ pub(crate) use x86::{
     block_bytes, pair_halves, q8_row_slots, quantize_rows, task, IQ4NL, Q4_0, Q4_1, Q8_0,
 };
 
-/// The formats the VNNI kernels take; the others with int8 products (the K-quants) run AVX2's
-/// kernels on every CPU.
+/// The formats these VNNI kernels take; the K-quants have VNNI kernels of their own
+/// (`int8_kquant_vnni`, on AVX2's activation layout), IQ4_NL runs AVX2's on every CPU.
 pub(crate) const VNNI_FORMATS: [crate::quant::QuantType; 3] = [
     crate::quant::QuantType::Q4_0,
     crate::quant::QuantType::Q4_1,

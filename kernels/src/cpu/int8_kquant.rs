@@ -1,7 +1,7 @@
 //! Int8 products (`Precision::Int8`) for the super-block formats (Q3_K, Q4_K, Q5_K, Q6_K,
 //! IQ4_XS) on AVX2, equal to the bit to `reference::matmul_int8`: the activations quantized and
-//! laid out as `int8_avx2` does, the same lanes. They run on every CPU, AVX-512 ones included
-//! (VNNI kernels for them are not written yet): one super-block of 256 weights is decoded at a
+//! laid out as `int8_avx2` does, the same lanes. Their loops (`task_k`) are shared with the VNNI
+//! kernels (`int8_kquant_vnni`), which differ only in the dot (`KDot`): one super-block of 256 weights is decoded at a
 //! time — its integer scales (and mins) into f32 lanes once, then four pairs of blocks into the
 //! pair layout with byte shifts and masks, each dotted with every activation row of the group; in
 //! batches each weight row is decoded once per X_BLOCK activation rows into a panel.
@@ -14,6 +14,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::task;
+#[cfg(target_arch = "x86_64")]
+pub(super) use x86::{task_k, KBlock, KDot, IQ4XS, Q3K, Q4K, Q5K, Q6K};
 
 /// The formats these kernels take.
 pub(crate) const FORMATS: [crate::quant::QuantType; 5] = [
@@ -34,11 +36,11 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// The K-quant formats, as the kernels' const parameter (after `cpu::int8`'s).
-    const Q4K: u8 = 3;
-    const Q6K: u8 = 4;
-    const Q5K: u8 = 5;
-    const Q3K: u8 = 6;
-    const IQ4XS: u8 = 8;
+    pub(in crate::cpu) const Q4K: u8 = 3;
+    pub(in crate::cpu) const Q6K: u8 = 4;
+    pub(in crate::cpu) const Q5K: u8 = 5;
+    pub(in crate::cpu) const Q3K: u8 = 6;
+    pub(in crate::cpu) const IQ4XS: u8 = 8;
 
     /// Bytes of a super-block of the K-quant format FMT.
     #[inline(always)]
@@ -64,11 +66,11 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn task(j: &JobRef, r0: usize, r1: usize) {
         match j.ty {
-            QuantType::Q4K => task_k::<Q4K>(j, r0, r1),
-            QuantType::Q6K => task_k::<Q6K>(j, r0, r1),
-            QuantType::Q5K => task_k::<Q5K>(j, r0, r1),
-            QuantType::Q3K => task_k::<Q3K>(j, r0, r1),
-            QuantType::IQ4XS => task_k::<IQ4XS>(j, r0, r1),
+            QuantType::Q4K => task_k::<Avx2K, Q4K>(j, r0, r1),
+            QuantType::Q6K => task_k::<Avx2K, Q6K>(j, r0, r1),
+            QuantType::Q5K => task_k::<Avx2K, Q5K>(j, r0, r1),
+            QuantType::Q3K => task_k::<Avx2K, Q3K>(j, r0, r1),
+            QuantType::IQ4XS => task_k::<Avx2K, IQ4XS>(j, r0, r1),
             ty => unreachable!("no super-block int8 products for {ty:?}"),
         }
     }
@@ -194,14 +196,14 @@ mod x86 {
     /// A decoded K-quant super-block: per pair of blocks its two code halves in the pair layout
     /// and its scales per lane; Q4_K's mins per block (lanes 0..8).
     #[derive(Clone, Copy)]
-    pub(super) struct KBlock {
-        codes: [[__m256i; 2]; 4],
-        scales: [[__m256; 2]; 4],
-        mins: __m256,
+    pub(in crate::cpu) struct KBlock {
+        pub codes: [[__m256i; 2]; 4],
+        pub scales: [[__m256; 2]; 4],
+        pub mins: __m256,
     }
 
     /// f32 slots of a row of `cols` values decoded (`KBlock`s).
-    pub(super) fn k_panel_slots(cols: usize) -> usize {
+    fn k_panel_slots(cols: usize) -> usize {
         cols / 256 * (std::mem::size_of::<KBlock>() / 4)
     }
 
@@ -292,54 +294,107 @@ mod x86 {
         k
     }
 
-    /// Super-block `s` of a row (`kb` decoded) dotted with activation rows i0..i0+N: lanes A per
-    /// pair in order, Q4_K's mins into lanes B (blocks b%16: 8 lanes per super-block).
+    /// How a K-quant kernel dots decoded super-blocks with activation rows and sums the lanes:
+    /// AVX2's (`Avx2K`, below) or VNNI's (`int8_kquant_vnni`). Both keep the lanes and the order
+    /// of `reference::matmul_int8`: per lane L of the 16 of a pair, the integer dot of its four
+    /// values, times its scales, added into L's sum pair after pair; Q4_K's and Q5_K's mins in
+    /// lanes of their own; then lanes 0..8 + 8..16 and `Avx2::reduce_add`.
+    /// Activation rows dotted together with one decoded super-block. (8 made VNNI's batches
+    /// 0.5x as fast as 4: their sums and mins no longer fit the registers.)
+    const GROUP: usize = 4;
+
+    pub(in crate::cpu) trait KDot {
+        /// One activation row's lane sums.
+        type Acc: Copy;
+        unsafe fn zero() -> Self::Acc;
+        /// Super-block `s` (`kb`) dotted with activation rows i0..i0+N into their lane sums
+        /// (pairs in order).
+        unsafe fn dot<const FMT: u8, const N: usize>(
+            kb: &KBlock,
+            j: &JobRef,
+            s: usize,
+            i0: usize,
+            acc: &mut [Self::Acc; N],
+        );
+        /// Lanes 0..8 and 8..16 of a row's sums.
+        unsafe fn halves(acc: &Self::Acc) -> [__m256; 2];
+    }
+
+    /// AVX2's: per half of a pair, `vpmaddubsw` + `vpmaddwd` (no saturation: |w| < 128 and
+    /// pairs of w·x stay under 2^15).
+    pub(in crate::cpu) struct Avx2K;
+
+    impl KDot for Avx2K {
+        type Acc = [__m256; 2];
+
+        #[inline(always)]
+        unsafe fn zero() -> [__m256; 2] {
+            [_mm256_setzero_ps(); 2]
+        }
+
+        #[inline(always)]
+        unsafe fn dot<const FMT: u8, const N: usize>(
+            kb: &KBlock,
+            j: &JobRef,
+            s: usize,
+            i0: usize,
+            acc: &mut [[__m256; 2]; N],
+        ) {
+            let np = j.cols / 64;
+            let ones = _mm256_set1_epi16(1);
+            for pp in 0..4 {
+                let p = 4 * s + pp;
+                for i in 0..N {
+                    let at = ((i0 + i) * np + p) * 16;
+                    // The activations' scales are the same in both halves (lanes [d_b, d_b+1] ×
+                    // 4), and so are Q4_K's and Q5_K's weight scales: one product serves both.
+                    let xd = _mm256_loadu_ps(j.xd.add(at));
+                    let sc0 = _mm256_mul_ps(kb.scales[pp][0], xd);
+                    let sc = [
+                        sc0,
+                        if FMT == Q4K || FMT == Q5K || FMT == IQ4XS {
+                            sc0
+                        } else {
+                            _mm256_mul_ps(kb.scales[pp][1], xd)
+                        },
+                    ];
+                    for h in 0..2 {
+                        let mut x = _mm256_loadu_si256(j.xq.add(at * 4 + 32 * h) as *const _);
+                        let mut w = kb.codes[pp][h];
+                        if FMT == IQ4XS {
+                            // |w| · (x negated where w < 0): the codebook has no zero.
+                            x = _mm256_sign_epi8(x, w);
+                            w = _mm256_abs_epi8(w);
+                        }
+                        let mut isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+                        if FMT == Q6K || FMT == Q3K {
+                            let c = _mm256_loadu_si256(j.xc.add(at + 8 * h) as *const _);
+                            isum = _mm256_add_epi32(isum, c);
+                        }
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc[h], acc[i][h]);
+                    }
+                }
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn halves(acc: &[__m256; 2]) -> [__m256; 2] {
+            *acc
+        }
+    }
+
+    /// Q4_K's and Q5_K's mins of super-block `s` into lanes of their own (blocks b%16: 8 lanes
+    /// per super-block, even and odd super-blocks apart).
     #[inline(always)]
-    unsafe fn dot_k<const FMT: u8, const N: usize>(
+    unsafe fn mins_k<const FMT: u8, const N: usize>(
         kb: &KBlock,
         j: &JobRef,
         s: usize,
         i0: usize,
-        acc: &mut [[__m256; 2]; N],
         mins: &mut [[__m256; 2]; N],
     ) {
-        let np = j.cols / 64;
-        let nb16 = (j.cols / 32).next_multiple_of(16);
-        let ones = _mm256_set1_epi16(1);
-        for pp in 0..4 {
-            let p = 4 * s + pp;
-            for i in 0..N {
-                let at = ((i0 + i) * np + p) * 16;
-                // The activations' scales are the same in both halves (lanes [d_b, d_b+1] × 4),
-                // and so are Q4_K's and Q5_K's weight scales: one product serves both.
-                let xd = _mm256_loadu_ps(j.xd.add(at));
-                let sc0 = _mm256_mul_ps(kb.scales[pp][0], xd);
-                let sc = [
-                    sc0,
-                    if FMT == Q4K || FMT == Q5K || FMT == IQ4XS {
-                        sc0
-                    } else {
-                        _mm256_mul_ps(kb.scales[pp][1], xd)
-                    },
-                ];
-                for h in 0..2 {
-                    let mut x = _mm256_loadu_si256(j.xq.add(at * 4 + 32 * h) as *const _);
-                    let mut w = kb.codes[pp][h];
-                    if FMT == IQ4XS {
-                        // |w| · (x negated where w < 0): the codebook has no zero.
-                        x = _mm256_sign_epi8(x, w);
-                        w = _mm256_abs_epi8(w);
-                    }
-                    let mut isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-                    if FMT == Q6K || FMT == Q3K {
-                        let c = _mm256_loadu_si256(j.xc.add(at + 8 * h) as *const _);
-                        isum = _mm256_add_epi32(isum, c);
-                    }
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc[h], acc[i][h]);
-                }
-            }
-        }
         if FMT == Q4K || FMT == Q5K {
+            let nb16 = (j.cols / 32).next_multiple_of(16);
             for i in 0..N {
                 let sv = _mm256_loadu_ps(j.xs.add((i0 + i) * nb16 + 8 * s));
                 mins[i][s % 2] = _mm256_fmadd_ps(kb.mins, sv, mins[i][s % 2]);
@@ -349,21 +404,19 @@ mod x86 {
 
     /// y[i0..i0+N][r] from the lanes: A + B (Q4_K), then summed in the `reduce_add` order.
     #[inline(always)]
-    unsafe fn finish_k<const FMT: u8, const N: usize>(
-        acc: &[[__m256; 2]; N],
+    unsafe fn finish_k<D: KDot, const FMT: u8, const N: usize>(
+        acc: &[D::Acc; N],
         mins: &[[__m256; 2]; N],
         j: &JobRef,
         r: usize,
         i0: usize,
     ) {
         for i in 0..N {
+            let [a0, a1] = D::halves(&acc[i]);
             let v = if FMT == Q4K || FMT == Q5K {
-                [
-                    _mm256_add_ps(acc[i][0], mins[i][0]),
-                    _mm256_add_ps(acc[i][1], mins[i][1]),
-                ]
+                [_mm256_add_ps(a0, mins[i][0]), _mm256_add_ps(a1, mins[i][1])]
             } else {
-                acc[i]
+                [a0, a1]
             };
             *j.y.add((i0 + i) * j.rows + r) = Avx2::reduce_add(_mm256_add_ps(v[0], v[1]));
         }
@@ -372,10 +425,10 @@ mod x86 {
     /// y[i0..i0+N][r] for a K-quant row (`reference::matmul_int8`'s order), each super-block
     /// decoded as it streams past (decode: the weights are read once).
     #[inline(always)]
-    unsafe fn rows_k<const FMT: u8, const N: usize>(j: &JobRef, r: usize, i0: usize) {
+    unsafe fn rows_k<D: KDot, const FMT: u8, const N: usize>(j: &JobRef, r: usize, i0: usize) {
         let w = j.w.add(r * j.row_bytes);
         let bb = k_bytes::<FMT>();
-        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        let mut acc = [D::zero(); N];
         let mut mins = [[_mm256_setzero_ps(); 2]; N];
         for s in 0..j.cols / 256 {
             let sb = w.add(s * bb);
@@ -386,9 +439,10 @@ mod x86 {
                 k += 64;
             }
             let kb = decode_k::<FMT>(sb);
-            dot_k::<FMT, N>(&kb, j, s, i0, &mut acc, &mut mins);
+            D::dot::<FMT, N>(&kb, j, s, i0, &mut acc);
+            mins_k::<FMT, N>(&kb, j, s, i0, &mut mins);
         }
-        finish_k::<FMT, N>(&acc, &mins, j, r, i0);
+        finish_k::<D, FMT, N>(&acc, &mins, j, r, i0);
     }
 
     /// Row r decoded once into `panel` (`k_panel_slots` f32 slots) for many activation rows.
@@ -403,51 +457,66 @@ mod x86 {
 
     /// `rows_k` with the row already decoded in `panel` (batches: one decode per X_BLOCK rows).
     #[inline(always)]
-    unsafe fn rows_k_panel<const FMT: u8, const N: usize>(
+    unsafe fn rows_k_panel<D: KDot, const FMT: u8, const N: usize>(
         j: &JobRef,
         panel: *const KBlock,
         r: usize,
         i0: usize,
     ) {
-        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        let mut acc = [D::zero(); N];
         let mut mins = [[_mm256_setzero_ps(); 2]; N];
         for s in 0..j.cols / 256 {
             let kb = panel.add(s).read_unaligned();
-            dot_k::<FMT, N>(&kb, j, s, i0, &mut acc, &mut mins);
+            D::dot::<FMT, N>(&kb, j, s, i0, &mut acc);
+            mins_k::<FMT, N>(&kb, j, s, i0, &mut mins);
         }
-        finish_k::<FMT, N>(&acc, &mins, j, r, i0);
+        finish_k::<D, FMT, N>(&acc, &mins, j, r, i0);
     }
 
-    /// The K-quants' rows r0..r1: a group of at most 4 activation rows streams the weights
-    /// (`rows_k`); more decode each weight row once per X_BLOCK rows into a panel on this thread.
+    /// Rows i0..i0+m (1 ≤ m ≤ GROUP) of weight row r, streamed or from the panel.
     #[inline(always)]
-    unsafe fn task_k<const FMT: u8>(j: &JobRef, r0: usize, r1: usize) {
+    unsafe fn group_k<D: KDot, const FMT: u8>(
+        j: &JobRef,
+        panel: Option<*const KBlock>,
+        r: usize,
+        i0: usize,
+        m: usize,
+    ) {
+        macro_rules! go {
+            ($n:literal) => {
+                match panel {
+                    Some(p) => rows_k_panel::<D, FMT, $n>(j, p, r, i0),
+                    None => rows_k::<D, FMT, $n>(j, r, i0),
+                }
+            };
+        }
+        match m {
+            1 => go!(1),
+            2 => go!(2),
+            3 => go!(3),
+            _ => go!(4),
+        }
+    }
+
+    /// The K-quants' rows r0..r1 with the dot of D: a group of at most GROUP activation rows
+    /// streams the weights (`rows_k`); more decode each weight row once per X_BLOCK rows into a
+    /// panel on this thread.
+    #[inline(always)]
+    pub(in crate::cpu) unsafe fn task_k<D: KDot, const FMT: u8>(j: &JobRef, r0: usize, r1: usize) {
         let panel = super::super::job::scratch(&K_PANEL, k_panel_slots(j.cols)) as *mut KBlock;
         let mut ib = 0;
         while ib < j.n {
             let ie = (ib + X_BLOCK).min(j.n);
+            let streamed = ie - ib <= GROUP;
             for r in r0..r1 {
-                if ie - ib > 4 {
+                if !streamed {
                     decode_row_k::<FMT>(j, r, panel);
                 }
                 let mut i0 = ib;
                 while i0 < ie {
-                    if ie - ib <= 4 {
-                        match ie - i0 {
-                            1 => rows_k::<FMT, 1>(j, r, i0),
-                            2 => rows_k::<FMT, 2>(j, r, i0),
-                            3 => rows_k::<FMT, 3>(j, r, i0),
-                            _ => rows_k::<FMT, 4>(j, r, i0),
-                        }
-                    } else {
-                        match (ie - i0).min(4) {
-                            1 => rows_k_panel::<FMT, 1>(j, panel, r, i0),
-                            2 => rows_k_panel::<FMT, 2>(j, panel, r, i0),
-                            3 => rows_k_panel::<FMT, 3>(j, panel, r, i0),
-                            _ => rows_k_panel::<FMT, 4>(j, panel, r, i0),
-                        }
-                    }
-                    i0 += 4;
+                    let m = (ie - i0).min(GROUP);
+                    group_k::<D, FMT>(j, (!streamed).then_some(panel as *const _), r, i0, m);
+                    i0 += m;
                 }
             }
             ib = ie;

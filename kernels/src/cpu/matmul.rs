@@ -124,8 +124,8 @@ pub fn matmul_many(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matm
 
 fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
     let bf16 = precision == Precision::Bf16;
-    // Int8: the VNNI kernels where the CPU has them and they take the format, else AVX2's (the
-    // same bits).
+    // Int8: the VNNI kernels where the CPU has them (the K-quants' take AVX2's activation layout),
+    // else AVX2's (the same bits).
     let vnni_cpu = isa == Isa::Avx512 && super::Features::get().avx512_vnni;
     let vnni = |ty: QuantType| vnni_cpu && super::int8::VNNI_FORMATS.contains(&ty);
     let int8 = |j: &Matmul| precision == Precision::Int8 && reference::int8_applies(j.ty, j.cols);
@@ -249,7 +249,11 @@ fn run_chunk(isa: Isa, precision: Precision, pool: Tasks, jobs: &mut [Matmul]) {
                 _ if !j.xq.is_null() && vnni(j.ty) => super::int8::task(j, r0, r1),
                 #[cfg(target_arch = "x86_64")]
                 _ if !j.xq.is_null() && super::int8_kquant::FORMATS.contains(&j.ty) => {
-                    super::int8_kquant::task(j, r0, r1)
+                    if vnni_cpu {
+                        super::int8_kquant_vnni::task(j, r0, r1)
+                    } else {
+                        super::int8_kquant::task(j, r0, r1)
+                    }
                 }
                 #[cfg(target_arch = "x86_64")]
                 _ if !j.xq.is_null() => super::int8_avx2::task(j, r0, r1),

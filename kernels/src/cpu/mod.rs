@@ -14,6 +14,7 @@ pub mod gate;
 mod int8;
 mod int8_avx2;
 mod int8_kquant;
+mod int8_kquant_vnni;
 mod isa;
 mod job;
 pub mod matmul;
