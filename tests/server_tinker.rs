@@ -1,10 +1,13 @@
 //! The Tinker API over real HTTP on a tiny model (the official SDK's own run is
 //! `tests/python/test_tinker.py`): sessions and training runs belong to their key, every bad
-//! field is a 400 naming it, runs come through futures and stay within their bound.
+//! field is a 400 naming it, runs come through futures and stay within their bound, their
+//! training calls (protobuf) lower the loss and name every bad datum.
 
 mod common;
 
 use common::server::*;
+use flywheel::api::tinker::proto;
+use prost::Message;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -247,4 +250,262 @@ fn tinker_runs_together_stay_within_twice_the_adapter_bound() {
     assert_eq!(r.json()["error"]["code"], "training_runs_full");
     assert!(r.body_text().contains("14848"), "{r:?}");
     assert_error(&run(3, 8), 400, Some("lora_config.rank"));
+}
+
+/// `forward_backward` as the SDK sends it: a protobuf `ForwardBackwardRequest`.
+fn fb_request(s: &Server, req: &proto::ForwardBackwardRequest, content_type: &str) -> Response {
+    let body = req.encode_to_vec();
+    let mut raw = format!(
+        "POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Content-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    raw.extend(body);
+    s.raw(&raw).unwrap()
+}
+
+/// The result of the call that answered `r` (polled while it runs).
+fn result_of(s: &Server, r: &Response) -> Response {
+    assert_eq!(r.status, 200, "{r:?}");
+    let id = r.json()["request_id"].clone();
+    for _ in 0..100 {
+        let got = s.post("/api/v1/retrieve_future", &json!({"request_id": id}));
+        if got.header("content-type") == Some("application/x-protobuf")
+            || got.json()["type"] != "try_again"
+        {
+            return got;
+        }
+    }
+    panic!("no result for {id}");
+}
+
+fn tensor_f32(v: &[f32]) -> proto::Tensor {
+    proto::Tensor {
+        encoding: Some(proto::tensor::Encoding::Dense(
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )),
+        dtype: proto::DTYPE_FLOAT32,
+        shape: vec![v.len() as i64],
+    }
+}
+
+fn tensor_i64(v: &[i64]) -> proto::Tensor {
+    proto::Tensor {
+        encoding: Some(proto::tensor::Encoding::Dense(
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )),
+        dtype: proto::DTYPE_INT64,
+        shape: vec![v.len() as i64],
+    }
+}
+
+/// A datum of `input` tokens scored against `targets`, with `inputs` besides.
+fn datum(input: &[i32], targets: &[i64], inputs: &[(&str, proto::Tensor)]) -> proto::Datum {
+    let mut loss_fn_inputs: std::collections::HashMap<String, proto::Tensor> = inputs
+        .iter()
+        .map(|(k, t)| (k.to_string(), t.clone()))
+        .collect();
+    loss_fn_inputs.insert("target_tokens".into(), tensor_i64(targets));
+    proto::Datum {
+        model_input: vec![proto::Chunk {
+            chunk: Some(proto::chunk::Kind::EncodedText(proto::EncodedTextChunk {
+                tokens: input.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            })),
+        }],
+        loss_fn_inputs,
+        ..Default::default()
+    }
+}
+
+/// Per datum, the f32 values of output field `name`.
+fn output(o: &proto::ForwardBackwardOutput, name: &str) -> Vec<Vec<f32>> {
+    let b = &o.loss_fn_outputs[0].fields[name];
+    let offsets: Vec<usize> = b
+        .offsets
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as usize)
+        .collect();
+    offsets
+        .windows(2)
+        .map(|w| {
+            b.data[w[0]..w[1]]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        })
+        .collect()
+}
+
+/// Training calls on a run, through futures: `forward` gives each target token's log-prob and
+/// the weighted cross-entropy (`loss:sum`), the same bits as `forward_backward`'s; steps of
+/// `forward_backward` + `optim_step` lower the loss; every bad datum or setting is a 400 naming
+/// it, with nothing applied (the log-probs after them are the same bits).
+#[test]
+fn tinker_training_calls_lower_the_loss_and_name_bad_datums() {
+    let (_d, s) = start(CONFIG, &[]);
+    let sid = s.post("/api/v1/create_session", &json!({})).json()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = s.post(
+        "/api/v1/create_model",
+        &json!({"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+                "lora_config": {"rank": 4, "seed": 1, "train_unembed": false}}),
+    );
+    let run = r.json()["model_id"].as_str().unwrap().to_string();
+    assert_eq!(result_of(&s, &r).json()["model_id"], run.as_str());
+    // The shifted sequence: input t[..n-1], targets t[1..]; the prompt's positions weigh 0.
+    let seq: Vec<i32> = vec![5, 17, 29, 41, 53, 65, 77, 89, 101];
+    let input = &seq[..seq.len() - 1];
+    let targets: Vec<i64> = seq[1..].iter().map(|&t| t as i64).collect();
+    let weights: Vec<f32> = (0..input.len())
+        .map(|j| if j < 3 { 0.0 } else { 1.0 })
+        .collect();
+    let good = datum(input, &targets, &[("weights", tensor_f32(&weights))]);
+    let call =
+        |data: Vec<proto::Datum>, loss: &str, forward_only: bool| proto::ForwardBackwardRequest {
+            model_id: run.clone(),
+            seq_id: 1,
+            data,
+            loss_fn: loss.into(),
+            forward_only,
+            ..Default::default()
+        };
+    let run_call = |req: &proto::ForwardBackwardRequest| {
+        let got = result_of(&s, &fb_request(&s, req, "application/x-protobuf"));
+        assert_eq!(
+            got.header("content-type"),
+            Some("application/x-protobuf"),
+            "{got:?}"
+        );
+        proto::ForwardBackwardOutput::decode(got.body.as_slice()).unwrap()
+    };
+    let forward = || run_call(&call(vec![good.clone()], "cross_entropy", true));
+    let first = forward();
+    let lp = &output(&first, "logprobs")[0];
+    assert_eq!(lp.len(), input.len());
+    assert!(lp.iter().all(|&v| v < 0.0 && v.is_finite()), "{lp:?}");
+    let want: f64 = lp
+        .iter()
+        .zip(&weights)
+        .map(|(l, w)| -(*l as f64) * *w as f64)
+        .sum();
+    let loss0 = first.metrics["loss:sum"];
+    assert!(
+        (loss0 - want).abs() < 1e-5 * want.abs(),
+        "{loss0} vs {want}"
+    );
+    let elementwise = &output(&first, "elementwise_loss")[0];
+    assert_eq!(elementwise[..3], [0.0, 0.0, 0.0]);
+
+    // Bad calls, each named; none changes the run.
+    let mut bad_targets = targets.clone();
+    bad_targets[2] += 1;
+    let vocab_out = datum(&[5, 1_000_000], &[17, 29], &[]);
+    let cases: Vec<(proto::ForwardBackwardRequest, &str)> = vec![
+        (
+            call(
+                vec![datum(input, &bad_targets, &[])],
+                "cross_entropy",
+                false,
+            ),
+            "data[0].loss_fn_inputs.target_tokens",
+        ),
+        (
+            call(vec![good.clone(), vocab_out], "cross_entropy", false),
+            "data[1].model_input",
+        ),
+        (
+            call(
+                vec![datum(
+                    input,
+                    &targets,
+                    &[("advantages", tensor_f32(&weights))],
+                )],
+                "cross_entropy",
+                false,
+            ),
+            "data[0].loss_fn_inputs.advantages",
+        ),
+        (
+            call(
+                vec![datum(
+                    input,
+                    &targets,
+                    &[("advantages", tensor_f32(&weights))],
+                )],
+                "importance_sampling",
+                false,
+            ),
+            "data[0].loss_fn_inputs.logprobs",
+        ),
+        (
+            call(
+                vec![datum(input, &targets, &[("weights", tensor_f32(&[1.0]))])],
+                "cross_entropy",
+                false,
+            ),
+            "data[0].loss_fn_inputs.weights",
+        ),
+        (call(vec![good.clone()], "gspo", false), "loss_fn"),
+        (
+            proto::ForwardBackwardRequest {
+                loss_fn_config: [("beta".to_string(), 1.0)].into(),
+                ..call(vec![good.clone()], "ppo", false)
+            },
+            "loss_fn_config.beta",
+        ),
+    ];
+    for (req, param) in &cases {
+        assert_error(
+            &fb_request(&s, req, "application/x-protobuf"),
+            400,
+            Some(param),
+        );
+    }
+    let r = fb_request(
+        &s,
+        &call(vec![good.clone()], "cross_entropy", false),
+        "application/json",
+    );
+    assert_eq!(r.status, 415, "{r:?}");
+    let other = proto::ForwardBackwardRequest {
+        model_id: format!("{sid}:train:9"),
+        ..call(vec![good.clone()], "cross_entropy", false)
+    };
+    assert_error(
+        &fb_request(&s, &other, "application/x-protobuf"),
+        404,
+        Some("model_id"),
+    );
+    let step = |lr: f64| {
+        s.post(
+            "/api/v1/optim_step",
+            &json!({"model_id": run, "seq_id": 2, "adam_params": {"learning_rate": lr}}),
+        )
+    };
+    assert_error(&step(-1.0), 400, Some("adam_params.learning_rate"));
+    let again = forward();
+    assert_eq!(
+        output(&again, "logprobs"),
+        output(&first, "logprobs"),
+        "nothing applied"
+    );
+
+    // Training: forward_backward's log-probs are forward's bits; the loss falls over steps.
+    let mut losses = vec![loss0];
+    for k in 0..6 {
+        let out = run_call(&call(vec![good.clone()], "cross_entropy", false));
+        if k == 0 {
+            assert_eq!(output(&out, "logprobs"), output(&first, "logprobs"));
+        }
+        let done = result_of(&s, &step(5e-3));
+        assert_eq!(done.json()["metrics"]["datums:sum"], 1.0, "{done:?}");
+        losses.push(forward().metrics["loss:sum"]);
+    }
+    assert!(
+        losses[6] < 0.8 * losses[0],
+        "the loss did not fall: {losses:?}"
+    );
 }

@@ -143,7 +143,6 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The rollout log's errors: 503 once its database became unusable, 500 otherwise.
 /// The trainer's answers to commands, as HTTP errors.
 impl From<CommandError> for ApiError {
     fn from(e: CommandError) -> ApiError {
@@ -164,11 +163,20 @@ impl From<CommandError> for ApiError {
                 code: Some("trainer_start_failed"),
                 ..ApiError::internal(e.to_string())
             },
+            CommandError::NoRun(id) => ApiError {
+                code: Some("training_run_not_found"),
+                ..ApiError::not_found(format!("no training run '{}'", clip(&id)))
+            },
+            CommandError::Run(e) => ApiError {
+                code: Some("training_call_failed"),
+                ..ApiError::internal(e.to_string())
+            },
             CommandError::Stopped => ApiError::unavailable(CommandError::Stopped.to_string()),
         }
     }
 }
 
+/// The rollout log's errors: 503 once its database became unusable, 500 otherwise.
 impl From<crate::online::store::records::LogError> for ApiError {
     fn from(e: crate::online::store::records::LogError) -> ApiError {
         use crate::online::store::records::LogError;

@@ -6,13 +6,15 @@
 //! object storage (shared by a trainer and serving replicas); `trainer` is the thread that owns
 //! the learners and the `TrainerHandle` the server talks to it with; `start` is the online side
 //! as the server holds it (started with the server or on first use); `share_policy` is how the
-//! trainer splits the cores with serving (fixed or steered).
+//! trainer splits the cores with serving (fixed or steered); `runs` are the training runs a client
+//! drives itself (the Tinker API), also owned by the trainer thread.
 
 pub mod adapter_store;
 pub mod checkpoint;
 pub mod config;
 pub mod groups;
 pub mod learner;
+pub mod runs;
 pub mod share_policy;
 pub mod start;
 pub mod store;

@@ -21,12 +21,14 @@
 use super::adapter_store::AdapterStore;
 use super::config::{LearnConfig, OnlineConfig};
 use super::learner::{Env, Member, State, Status, TrainError};
+use super::runs::{RunError, RunOutput, RunState, RunWork};
 use super::share_policy::{PolicyView, SharePolicy, Steering};
 use super::store::records::Accepting;
 use super::store::{Announcement, RolloutStore};
 
 mod thread;
 use crate::adapter::registry::Registry;
+use crate::adapter::AdapterWeights;
 use crate::metrics::Metrics;
 use crate::model::decoder::Decoder;
 use crate::util::now_secs;
@@ -63,10 +65,19 @@ enum Command {
     Remove(String, Reply<()>),
     /// Replace the policy that splits the cores with serving.
     Policy(SharePolicy, Reply<PolicyView>),
+    /// A client-driven training run (the Tinker API): start one, work on one, end some.
+    Run(RunCommand),
     /// A reward arrived.
     Wake,
     /// Finish the step in progress, then end the thread (graceful shutdown).
     Stop(Reply<()>),
+}
+
+/// Commands on client-driven runs (`online::runs`).
+enum RunCommand {
+    Start(String, AdapterWeights, Reply<()>),
+    Work(String, RunWork, Reply<RunOutput>),
+    End(Vec<String>),
 }
 
 /// What the handle reads without the thread.
@@ -108,6 +119,10 @@ pub enum CommandError {
     Conflict(#[from] super::learner::ShapeChanged),
     #[error(transparent)]
     Train(#[from] TrainError),
+    #[error("no training run '{0}' (ended, or never started)")]
+    NoRun(String),
+    #[error(transparent)]
+    Run(#[from] RunError),
     /// No answer: the thread has ended, or the command panicked (counted and logged).
     #[error("the trainer did not answer (it has stopped, or the command failed: see its log)")]
     Stopped,
@@ -116,6 +131,8 @@ pub enum CommandError {
 struct Trainer {
     env: Env,
     learners: BTreeMap<String, Box<dyn Member>>,
+    /// Client-driven training runs by id.
+    runs: BTreeMap<String, RunState>,
     shared: Arc<Shared>,
     rx: mpsc::Receiver<Command>,
     last_prune: f64,
@@ -182,6 +199,7 @@ impl TrainerHandle {
                 adapters,
             },
             learners: BTreeMap::new(),
+            runs: BTreeMap::new(),
             shared: shared.clone(),
             rx,
             last_prune: now_secs(),
@@ -261,6 +279,32 @@ impl TrainerHandle {
             Ok(Ok(())) => tracing::info!("the trainer finished its step and stopped"),
             Ok(Err(_)) => {}
             Err(_) => tracing::warn!("shutdown timeout reached with a training step running"),
+        }
+    }
+
+    /// Start client-driven run `id` from `weights` (replacing one of that id).
+    pub async fn start_run(&self, id: &str, weights: AdapterWeights) -> Result<(), CommandError> {
+        let id = id.to_string();
+        self.ask(|r| Command::Run(RunCommand::Start(id, weights, r)))
+            .await
+    }
+
+    /// Queue `work` on run `id` now, after the calls queued before it (a run's calls are
+    /// carried out in the order they were queued); its answer comes through the receiver.
+    pub fn run_work(
+        &self,
+        id: &str,
+        work: RunWork,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<RunOutput, CommandError>>, CommandError> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.send(Command::Run(RunCommand::Work(id.to_string(), work, reply)))?;
+        Ok(rx)
+    }
+
+    /// End runs `ids` (their state is dropped).
+    pub fn end_runs(&self, ids: Vec<String>) {
+        if !ids.is_empty() {
+            let _ = self.send(Command::Run(RunCommand::End(ids)));
         }
     }
 

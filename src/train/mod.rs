@@ -1,11 +1,13 @@
-//! Training: policy-gradient losses as pure functions (`loss`), the optimizer (`optim`), packing
-//! (`pack`), one step (`offline::step`, also the online trainer's) and an offline job (`job`).
+//! Training: policy-gradient losses as pure functions (`loss`; per token as the Tinker API names
+//! them: `token_loss`), the optimizer (`optim`), packing (`pack`), one step (`offline::step`, also
+//! the online trainer's) and an offline job (`job`).
 
 pub mod job;
 pub mod loss;
 pub mod offline;
 pub mod optim;
 pub mod pack;
+pub mod token_loss;
 
 use crate::adapter::AdapterWeights;
 use crate::model::decoder::{Decoder, ModelError, TrainSeq};

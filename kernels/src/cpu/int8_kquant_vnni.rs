@@ -18,8 +18,9 @@
 //! Written by hand: no crate offers quantized-weight x int8 products with a fixed summation order.
 
 // Safety of every `unsafe fn` here: the CPU has AVX-512F/BW/VL/DQ and AVX512_VNNI, and pointers
-// are valid for the lengths and rows the `JobRef` states.
-#![allow(clippy::missing_safety_doc)]
+// are valid for the lengths and rows the `JobRef` states. Index loops: the index also addresses
+// the activation rows.
+#![allow(clippy::missing_safety_doc, clippy::needless_range_loop)]
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::task;

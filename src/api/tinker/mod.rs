@@ -1,14 +1,16 @@
 //! Thinking Machines' Tinker training API (`/api/v1/...`) as its official SDK (`tinker` 0.38)
 //! calls it. Served so far: what every client does before it trains or samples (the server's
 //! feature flags, sessions and their heartbeats, the models), training runs created on the
-//! served base (`create_model`, `get_info`) and the futures their calls answer with
-//! (`retrieve_future`). `forward_backward` (protobuf), `optim_step` and sampling are the next
-//! parts; `docs/tinker.md` holds the protocol as read from the SDK. The caller's key travels in
+//! served base (`create_model`, `get_info`), their training calls (`forward_backward` in
+//! protobuf, `optim_step`) and the futures those answer with (`retrieve_future`). Sampling and
+//! saved state are the next parts; `docs/tinker.md` holds the protocol as read from the SDK. The caller's key travels in
 //! `X-API-Key` (the SDK's header), checked like a bearer key.
 
 pub mod futures;
+pub mod proto;
 pub mod runs;
 pub mod session;
+pub mod train;
 
 use super::body::JsonBody;
 use super::error::ApiError;
@@ -32,6 +34,8 @@ pub fn routes() -> Router<AppState> {
         .route("/api/v1/create_model", post(runs::create))
         .route("/api/v1/get_info", post(runs::info))
         .route("/api/v1/retrieve_future", post(futures::retrieve))
+        .route("/api/v1/forward_backward", post(train::forward_backward))
+        .route("/api/v1/optim_step", post(train::optim_step))
 }
 
 /// `GET /api/v1/healthz`: ok while the model is loaded and the engine runs.
@@ -44,8 +48,8 @@ async fn healthz(State(state): State<AppState>) -> Result<Json<Value>, ApiError>
 }
 
 /// `POST /api/v1/client/config`: the SDK's feature flags for this server. API keys, not JWTs;
-/// `forward_backward` bodies uncompressed; custom losses run in the client; samples polled one
-/// future at a time. (Flags the SDK does not know are ignored by it; those it knows and we do
+/// `forward_backward` bodies uncompressed, in chunks sent in order; custom losses run in the
+/// client; samples polled one future at a time. (Flags the SDK does not know are ignored by it; those it knows and we do
 /// not set keep its defaults.)
 async fn client_config(
     State(state): State<AppState>,
@@ -54,10 +58,16 @@ async fn client_config(
     state.ready()?;
     let f = Fields::parse(&body)?;
     f.str("sdk_version")?;
+    // A forward_backward call's chunks within the body limit (the SDK's estimate is of the
+    // values, before the protobuf's few bytes per field), sent one after the other: a run's calls
+    // arrive in their order.
+    let chunk_bytes = state.limits.max_body_bytes / 2;
     Ok(Json(json!({
         "pjwt_auth_enabled": false,
         "credential_default_source": "api_key",
         "proto_compress_fwdbwd": false,
+        "parallel_fwdbwd_chunks": false,
+        "fwdbwd_max_chunk_bytes_count": chunk_bytes,
         "custom_loss_server_side": false,
         "sample_use_retrieve_futures": false,
         "sample_join_sampling_session": false,
@@ -70,9 +80,8 @@ async fn capabilities(State(state): State<AppState>) -> Result<Json<Value>, ApiE
     Ok(Json(json!({"supported_models": [{
         "model_name": ready.model_name,
         "max_context_length": ready.max_model_len,
-        // Not yet through this API: training runs (`create_model`) and sampling sessions
-        // (`asample`) are its next parts (docs/tinker.md).
-        "trainable": false,
+        // Sampling sessions (`asample`) are this API's next part (docs/tinker.md).
+        "trainable": true,
         "sampleable": false,
     }]})))
 }

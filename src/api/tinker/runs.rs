@@ -1,8 +1,9 @@
 //! Tinker training runs (`create_model`): a LoRA adapter on the served base, one per
 //! `{session_id}:train:{n}` (the id the SDK computes from its session and its count of training
-//! clients), with what the client asked for. Held in memory for now: training (`forward_backward`,
-//! `optim_step`) and keeping runs across a restart in the rollout store are the next parts
-//! (docs/tinker.md).
+//! clients), with what the client asked for. What the API knows of a run (its owner, its
+//! settings) is here; its adapter, gradient and optimizer are the trainer thread's
+//! (`online::runs`), which starts with the first run. In memory for now: keeping runs across a
+//! restart in the rollout store is a next part (docs/tinker.md).
 
 use super::super::body::JsonBody;
 use super::super::error::{clip, ApiError};
@@ -37,8 +38,8 @@ pub struct Run {
     pub rank: usize,
     pub seed: u64,
     pub user_metadata: Map<String, Value>,
-    /// The adapter as it stands (the identity until trained).
-    pub weights: AdapterWeights,
+    /// The adapter's parameters.
+    pub num_params: usize,
 }
 
 /// The runs by id.
@@ -67,16 +68,28 @@ impl Runs {
         ids.into_iter().map(|(_, id)| id).collect()
     }
 
-    /// End the runs of the sessions `sessions` (closed).
-    pub fn end_sessions(&self, sessions: &[String]) {
+    /// End the runs of the sessions `sessions` (closed): their ids.
+    pub fn end_sessions(&self, sessions: &[String]) -> Vec<String> {
         if sessions.is_empty() {
-            return;
+            return Vec::new();
         }
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ended = Vec::new();
         g.retain(|id, _| {
             let session = id.rsplitn(3, ':').nth(2).unwrap_or("");
-            !sessions.iter().any(|s| s == session)
+            let keep = !sessions.iter().any(|s| s == session);
+            if !keep {
+                ended.push(id.clone());
+            }
+            keep
         });
+        ended
+    }
+
+    /// Forget run `id`.
+    fn remove(&self, id: &str) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.remove(id);
     }
 
     /// Add run `id` unless there is one, or the runs would hold more than `max_params`
@@ -92,8 +105,8 @@ impl Runs {
                 )
             });
         }
-        let held: usize = g.values().map(|r| r.weights.layout.num_params).sum();
-        let more = run.weights.layout.num_params;
+        let held: usize = g.values().map(|r| r.num_params).sum();
+        let more = run.num_params;
         if g.len() >= MAX_RUNS || held + more > max_params {
             return Err(ApiError {
                 code: Some("training_runs_full"),
@@ -251,13 +264,28 @@ pub async fn create(
             .collect(),
         base_model: ready.model_name.clone(),
     };
+    if !ready.online.cfg().role.trains() {
+        return Err(ApiError::invalid(
+            "base_model",
+            "this server is a serving replica (--role serve): training runs are made on the \
+             trainer",
+        ));
+    }
     let (registry, model) = (ready.registry.clone(), ready.model.clone());
-    let weights = blocking(move || {
+    let st = state.clone();
+    // Starting the trainer opens (and may migrate) the rollout log: off the async threads.
+    let (weights, trainer) = blocking(move || {
         let layout = registry
             .limits
             .layout(config, &model.config)
             .map_err(|e| ApiError::invalid("lora_config.rank", format!("'rank': {e}")))?;
-        Ok(AdapterWeights::identity(Arc::new(layout), seed))
+        let trainer = st
+            .ready()?
+            .online
+            .get_or_start()
+            .cloned()
+            .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))?;
+        Ok((AdapterWeights::identity(Arc::new(layout), seed), trainer))
     })
     .await?;
     let run = Run {
@@ -265,14 +293,35 @@ pub async fn create(
         rank: lora.rank,
         seed,
         user_metadata,
-        weights,
+        num_params: weights.layout.num_params,
     };
     let max_params = ready.registry.limits.max_params * RUN_PARAMS_FACTOR;
     state.tinker_runs.add(&id, run, max_params)?;
+    if let Err(e) = trainer.start_run(&id, weights).await {
+        state.tinker_runs.remove(&id);
+        return Err(e.into());
+    }
     let request_id = state
         .tinker_futures
         .done(&key, json!({"type": "create_model", "model_id": id}));
     Ok(Json(json!({"request_id": request_id, "model_id": id})))
+}
+
+/// End the runs of the closed sessions `sessions`, here and in the trainer.
+pub(super) fn end_sessions(state: &AppState, sessions: &[String]) {
+    let ended = state.tinker_runs.end_sessions(sessions);
+    if let Some(t) = state.ready().ok().and_then(|r| r.online.get()) {
+        t.end_runs(ended);
+    }
+}
+
+/// 404 for a run that is not there (or not the caller's).
+pub(super) fn not_found(id: &str) -> ApiError {
+    ApiError {
+        param: Some("model_id".into()),
+        code: Some("training_run_not_found"),
+        ..ApiError::not_found(format!("no training run '{}'", clip(id)))
+    }
 }
 
 /// `POST /api/v1/get_info`: `{model_id}` -> the run's model (architecture, name), optimizer and
@@ -289,11 +338,7 @@ pub async fn info(
     let run = state
         .tinker_runs
         .get(id, bearer_of(&headers))
-        .ok_or_else(|| ApiError {
-            param: Some("model_id".into()),
-            code: Some("training_run_not_found"),
-            ..ApiError::not_found(format!("no training run '{}'", clip(id)))
-        })?;
+        .ok_or_else(|| not_found(id))?;
     let arch = ready
         .model
         .gguf
@@ -310,7 +355,7 @@ pub async fn info(
         "model_name": ready.model_name,
         "user_metadata": run.user_metadata,
         "seed": run.seed,
-        "num_parameters": run.weights.layout.num_params,
+        "num_parameters": run.num_params,
     })))
 }
 
@@ -344,7 +389,7 @@ mod tests {
             rank: 2,
             seed: 1,
             user_metadata: Map::new(),
-            weights: AdapterWeights::identity(Arc::new(layout), 1),
+            num_params: layout.num_params,
         }
     }
 
@@ -367,12 +412,14 @@ mod tests {
         );
         assert!(runs.of_session("session-a", "other").is_empty());
         assert!(runs.get("session-b:train:0", "other").is_none());
-        runs.end_sessions(&["session-a".to_string()]);
+        let mut ended = runs.end_sessions(&["session-a".to_string()]);
+        ended.sort();
+        assert_eq!(ended, ["session-a:train:0", "session-a:train:1"]);
         assert!(runs.of_session("session-a", "k").is_empty());
         assert!(runs.get("session-b:train:0", "k").is_some());
         // 32 parameters each (rank 2 on an 8 -> 8 projection): with one held, a second needs 64.
         let r = run("k");
-        assert_eq!(r.weights.layout.num_params, 32);
+        assert_eq!(r.num_params, 32);
         assert!(runs.add("session-c:train:0", r, 63).is_err());
         assert!(runs.add("session-c:train:0", run("k"), 64).is_ok());
     }

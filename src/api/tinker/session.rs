@@ -103,7 +103,7 @@ pub async fn create(
             last_heartbeat: now,
         },
     );
-    state.tinker_runs.end_sessions(&closed);
+    super::runs::end_sessions(&state, &closed);
     Ok(Json(json!({"type": "create_session", "session_id": id})))
 }
 
@@ -168,7 +168,7 @@ pub async fn get(
 /// Close the sessions silent too long, and end their training runs.
 pub(super) fn close_silent(state: &AppState, now: f64) {
     let closed = state.tinker_sessions.expire(now);
-    state.tinker_runs.end_sessions(&closed);
+    super::runs::end_sessions(state, &closed);
 }
 
 pub(super) fn not_found(id: &str) -> ApiError {

@@ -2,8 +2,9 @@
 //! the share policy), its supervision (a panic fails the learner, or is counted outside a
 //! step) and its failure rules (backoff, `MAX_FAILURES`, an unusable log fails every learner).
 
-use super::{Command, CommandError, Shared, Trainer, MAX_FAILURES, MAX_STEPS_IN_A_ROW};
+use super::{Command, CommandError, RunCommand, Shared, Trainer, MAX_FAILURES, MAX_STEPS_IN_A_ROW};
 use crate::online::learner::{self, ErrorKind, State, Status, TrainError};
+use crate::online::runs::RunState;
 use crate::online::share_policy::Totals;
 use crate::util::now_secs;
 use std::collections::BTreeMap;
@@ -137,6 +138,7 @@ impl Trainer {
                 tracing::info!(policy = ?v.policy, "training share policy set");
                 let _ = reply.send(Ok(v));
             }
+            Command::Run(c) => self.run_command(c),
             Command::Stop(reply) => {
                 self.stopping = true;
                 let _ = reply.send(Ok(()));
@@ -206,6 +208,31 @@ impl Trainer {
                 };
                 self.publish_status();
                 let _ = reply.send(r);
+            }
+        }
+    }
+
+    /// A command on a client-driven run: its work runs here, between learners' steps.
+    fn run_command(&mut self, c: RunCommand) {
+        match c {
+            RunCommand::Start(id, weights, reply) => {
+                self.runs.insert(id, RunState::new(weights));
+                let _ = reply.send(Ok(()));
+            }
+            RunCommand::Work(id, work, reply) => {
+                let r = match self.runs.get_mut(&id) {
+                    None => Err(CommandError::NoRun(id)),
+                    Some(run) => {
+                        let out = run.work(&self.env.model, &self.env.cpu, work);
+                        out.map_err(CommandError::Run)
+                    }
+                };
+                let _ = reply.send(r);
+            }
+            RunCommand::End(ids) => {
+                for id in ids {
+                    self.runs.remove(&id);
+                }
             }
         }
     }

@@ -1,0 +1,203 @@
+//! Training runs driven by their client (the Tinker API's `forward_backward` and `optim_step`):
+//! each holds its adapter, the gradient summed since its last optimizer step, and its AdamW. The
+//! trainer thread owns them (`trainer::Command::Run`), so their passes run where learners' steps
+//! run, in the trainer's share of the cores, one call at a time in the order they arrived (a
+//! run's calls arrive in its client's order: the SDK sends one after the other's answer).
+
+use crate::adapter::AdapterWeights;
+use crate::model::decoder::{Decoder, ModelError, TrainSeq, ACTIVATION_BUDGET};
+use crate::train::offline::micro_batches;
+use crate::train::optim::{AdamW, AdamWConfig, Schedule};
+use crate::train::token_loss::{sequence_loss, TokenInputs, TokenLoss};
+use flywheel_kernels::Cpu;
+
+/// Tokens one training pass holds at most (a call with more runs in passes of whole datums,
+/// whose gradients add up).
+pub const MAX_PASS_TOKENS: usize = 4096;
+
+/// One sequence to score: its tokens (the model input and the last target: the targets are the
+/// input shifted by one, checked by the caller), scored from position 1, and per scored token
+/// what its loss reads.
+#[derive(Clone, Debug)]
+pub struct RunDatum {
+    pub tokens: Vec<u32>,
+    pub inputs: Vec<TokenInputs>,
+}
+
+/// AdamW's settings for one step (the SDK's `AdamParams`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepParams {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 0: no clipping.
+    pub grad_clip_norm: f32,
+}
+
+/// A call on a run.
+#[derive(Clone, Debug)]
+pub enum RunWork {
+    ForwardBackward {
+        data: Vec<RunDatum>,
+        loss: TokenLoss,
+        /// Log-probs and losses only (`forward`): no gradient is added.
+        forward_only: bool,
+    },
+    OptimStep(StepParams),
+}
+
+/// What a call answers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunOutput {
+    ForwardBackward {
+        /// Per datum, the log-prob of each target token.
+        logprobs: Vec<Vec<f32>>,
+        /// Per datum, each token's loss.
+        losses: Vec<Vec<f32>>,
+        loss_sum: f64,
+    },
+    OptimStep {
+        /// Optimizer steps taken, this one included.
+        step: u64,
+        /// The gradient's global norm before clipping.
+        grad_norm: f64,
+        /// Datums whose gradients this step applied.
+        datums: usize,
+    },
+}
+
+/// A run's state.
+pub struct RunState {
+    weights: AdapterWeights,
+    grads: Vec<f32>,
+    /// Datums whose gradients are in `grads`.
+    accumulated: usize,
+    opt: AdamW,
+}
+
+impl RunState {
+    pub fn new(weights: AdapterWeights) -> RunState {
+        let n = weights.layout.num_params;
+        RunState {
+            weights,
+            grads: vec![0.0; n],
+            accumulated: 0,
+            opt: AdamW::new(AdamWConfig::default(), n),
+        }
+    }
+
+    /// The adapter as it stands.
+    pub fn weights(&self) -> &AdapterWeights {
+        &self.weights
+    }
+
+    /// Carry out `work` (the model at temperature 1, the run's adapter on).
+    pub fn work(
+        &mut self,
+        model: &Decoder,
+        cpu: &Cpu,
+        work: RunWork,
+    ) -> Result<RunOutput, RunError> {
+        match work {
+            RunWork::ForwardBackward {
+                data,
+                loss,
+                forward_only,
+            } => Ok(self.forward_backward(model, cpu, &data, loss, forward_only)?),
+            RunWork::OptimStep(p) => self.optim_step(p),
+        }
+    }
+
+    fn forward_backward(
+        &mut self,
+        model: &Decoder,
+        cpu: &Cpu,
+        data: &[RunDatum],
+        loss: TokenLoss,
+        forward_only: bool,
+    ) -> Result<RunOutput, ModelError> {
+        let pairs: Vec<(&[u32], &[u32])> = data
+            .iter()
+            .map(|d| (&d.tokens[..1], &d.tokens[1..]))
+            .collect();
+        let (mut logprobs, mut losses, mut loss_sum) = (Vec::new(), Vec::new(), 0.0);
+        // A new gradient buffer: nothing is added to the run's unless every pass succeeded.
+        let mut grads = if forward_only {
+            Vec::new()
+        } else {
+            vec![0.0f32; self.grads.len()]
+        };
+        for range in micro_batches(&pairs, MAX_PASS_TOKENS) {
+            let seqs: Vec<TrainSeq> = data[range.clone()]
+                .iter()
+                .map(|d| TrainSeq::whole(&d.tokens, 1))
+                .collect();
+            let (lps, state) = if forward_only {
+                (model.logprobs(cpu, &seqs, Some(&self.weights), 1.0)?, None)
+            } else {
+                let (l, st) =
+                    model.train_forward(cpu, &seqs, &self.weights, 1.0, ACTIVATION_BUDGET)?;
+                (l, Some(st))
+            };
+            let mut grad_logp = Vec::with_capacity(seqs.len());
+            for (lp, d) in lps.iter().zip(&data[range]) {
+                let (l, g, sum) = sequence_loss(loss, lp, &d.inputs);
+                loss_sum += sum;
+                losses.push(l);
+                grad_logp.push(g);
+            }
+            if let Some(st) = state {
+                model.train_backward(cpu, &seqs, &self.weights, st, &grad_logp, &mut grads)?;
+            }
+            logprobs.extend(lps);
+        }
+        if !forward_only {
+            self.grads.iter_mut().zip(&grads).for_each(|(a, g)| *a += g);
+            self.accumulated += data.len();
+        }
+        Ok(RunOutput::ForwardBackward {
+            logprobs,
+            losses,
+            loss_sum,
+        })
+    }
+
+    /// One AdamW step with the gradient summed since the last (zero if none), which is then
+    /// cleared. A step that would leave a weight not finite changes nothing.
+    fn optim_step(&mut self, p: StepParams) -> Result<RunOutput, RunError> {
+        let mut opt = self.opt.clone();
+        opt.config = AdamWConfig {
+            lr: p.lr,
+            beta1: p.beta1,
+            beta2: p.beta2,
+            eps: p.eps,
+            weight_decay: p.weight_decay,
+            max_grad_norm: (p.grad_clip_norm > 0.0).then_some(p.grad_clip_norm),
+            schedule: Schedule::Constant,
+        };
+        let mut params = self.weights.params.clone();
+        let mut grads = self.grads.clone();
+        let stats = opt.step(&mut params, &mut grads);
+        let w = AdapterWeights::new(self.weights.layout.clone(), params)
+            .map_err(|e| RunError::NotFinite(e.to_string()))?;
+        (self.weights, self.opt) = (w, opt);
+        self.grads.iter_mut().for_each(|g| *g = 0.0);
+        let datums = std::mem::take(&mut self.accumulated);
+        Ok(RunOutput::OptimStep {
+            step: self.opt.step,
+            grad_norm: stats.grad_norm,
+            datums,
+        })
+    }
+}
+
+/// Why a call on a run failed (nothing of it was applied).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("the optimizer step would make the adapter's weights not finite ({0}): not applied")]
+    NotFinite(String),
+}
