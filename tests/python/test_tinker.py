@@ -4,12 +4,14 @@ environment, `$FLYWHEEL_TINKER_VENV` (scripts/test makes it, by default in
 `~/.cache/flywheel/tinker-0.38.0-venv`, outside the checkout); skipped without it.
 
 Checked so far, with the SDK's telemetry on as users run it: a `RestClient` with a `tml-` key
-lists the served model (neither trainable nor sampleable through this API yet); a
+lists the served model (trainable, not yet sampleable through this API); a
 `ServiceClient` reads the server's flags and opens a session whose heartbeats the server records,
 and the `RestClient` reads it back; the session is the key's alone; another key is refused. A
 LoRA training client is created on the served model (`create_model` through a future,
 `get_info`) with the id the SDK computes, and listed in its session; the SDK's default of LoRA on
-the LM head is refused by name."""
+the LM head is refused by name. A supervised loop as the cookbook writes it (`forward_backward`
+with cross_entropy, `optim_step`, futures awaited as the SDK does) lowers the loss on the served
+4-bit base."""
 
 import json
 import pathlib
@@ -47,7 +49,7 @@ def test_a_service_client_opens_a_session_and_sees_the_model(server):
     st, _, body = http("GET", f"{server}/v1/models", key=KEY)
     context = json.loads(body)["data"][0]["max_model_len"]
     assert got["models"] == [{"model_name": MODEL.stem, "max_context_length": context,
-                              "trainable": False, "sampleable": False}]
+                              "trainable": True, "sampleable": False}]
     sid = got["session_id"]
     assert got["session"] == {"training_run_ids": [], "sampler_ids": [], "user_metadata": {},
                               "display_name": None}
@@ -89,3 +91,21 @@ def test_a_key_the_server_does_not_know_is_refused(server):
     assert out.returncode != 0
     assert "401" in out.stderr or "Unauthorized" in out.stderr or "AuthenticationError" in out.stderr, \
         out.stderr[-2000:]
+
+
+def test_a_supervised_loop_lowers_the_loss(server):
+    steps = 6
+    out = subprocess.run(
+        [str(VENV_PY), str(ROOT / "tests/python/clients/tinker_sft.py"), server, KEY, MODEL.stem,
+         str(steps)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    print("tinker supervised loop:", json.dumps(got))
+    losses = got["losses"]
+    assert len(losses) == steps and all(x > 0 for x in losses), losses
+    # Memorizing one answer: the loss per weighted token falls by more than half.
+    assert got["after"] < 0.5 * losses[0], got
+    assert got["lengths"] == got["inputs"], got
+    # importance_sampling at ratio 1 with advantage 1 on the weighted tokens: −(their count).
+    assert abs(got["is_loss"] + got["weight"]) < 1e-3 * got["weight"], got
