@@ -97,6 +97,7 @@ pub struct Shared {
     pub tinker_sessions: super::tinker::session::Sessions,
     pub tinker_runs: super::tinker::runs::Runs,
     pub tinker_futures: super::tinker::futures::Futures,
+    pub tinker_samplers: super::tinker::sample::Samplers,
 }
 
 /// What a request body may be.
@@ -153,6 +154,7 @@ impl AppState {
             tinker_sessions: Default::default(),
             tinker_runs: Default::default(),
             tinker_futures: Default::default(),
+            tinker_samplers: Default::default(),
         }))
     }
 
@@ -186,6 +188,10 @@ impl AppState {
         if model == r.model_name {
             return Ok((r, None));
         }
+        // A Tinker sampler path names its registry adapter.
+        let model = model
+            .strip_prefix(super::tinker::sample::SCHEME)
+            .unwrap_or(model);
         match r.registry.pin(model) {
             Some(p) => Ok((r, Some(p))),
             None => Err(ApiError::model_not_found(model)),

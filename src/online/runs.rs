@@ -46,10 +46,11 @@ pub enum RunWork {
         forward_only: bool,
     },
     OptimStep(StepParams),
+    /// The adapter as it stands (after the calls before), to publish for sampling.
+    Snapshot,
 }
 
 /// What a call answers.
-#[derive(Clone, Debug, PartialEq)]
 pub enum RunOutput {
     ForwardBackward {
         /// Per datum, the log-prob of each target token.
@@ -66,6 +67,7 @@ pub enum RunOutput {
         /// Datums whose gradients this step applied.
         datums: usize,
     },
+    Weights(AdapterWeights),
 }
 
 /// A run's state.
@@ -107,6 +109,13 @@ impl RunState {
                 forward_only,
             } => Ok(self.forward_backward(model, cpu, &data, loss, forward_only)?),
             RunWork::OptimStep(p) => self.optim_step(p),
+            RunWork::Snapshot => {
+                // A copy of its own (a version's weights are never shared with training).
+                let w = &self.weights;
+                AdapterWeights::new(w.layout.clone(), w.params.clone())
+                    .map(RunOutput::Weights)
+                    .map_err(|e| RunError::NotFinite(e.to_string()))
+            }
         }
     }
 

@@ -4,14 +4,17 @@ environment, `$FLYWHEEL_TINKER_VENV` (scripts/test makes it, by default in
 `~/.cache/flywheel/tinker-0.38.0-venv`, outside the checkout); skipped without it.
 
 Checked so far, with the SDK's telemetry on as users run it: a `RestClient` with a `tml-` key
-lists the served model (trainable, not yet sampleable through this API); a
+lists the served model (trainable and sampleable); a
 `ServiceClient` reads the server's flags and opens a session whose heartbeats the server records,
 and the `RestClient` reads it back; the session is the key's alone; another key is refused. A
 LoRA training client is created on the served model (`create_model` through a future,
 `get_info`) with the id the SDK computes, and listed in its session; the SDK's default of LoRA on
 the LM head is refused by name. A supervised loop as the cookbook writes it (`forward_backward`
 with cross_entropy, `optim_step`, futures awaited as the SDK does) lowers the loss on the served
-4-bit base."""
+4-bit base. Sampling from a run's published weights returns, for every sampled token, the very
+log-prob `forward` computes for it on the same run (to the bit), and the prompt's log-probs the
+same way; the sampler path also serves as `model` on chat completions. An RL loop
+(importance_sampling on the brevity task, the cookbook's pattern) raises the reward."""
 
 import json
 import pathlib
@@ -49,7 +52,7 @@ def test_a_service_client_opens_a_session_and_sees_the_model(server):
     st, _, body = http("GET", f"{server}/v1/models", key=KEY)
     context = json.loads(body)["data"][0]["max_model_len"]
     assert got["models"] == [{"model_name": MODEL.stem, "max_context_length": context,
-                              "trainable": True, "sampleable": False}]
+                              "trainable": True, "sampleable": True}]
     sid = got["session_id"]
     assert got["session"] == {"training_run_ids": [], "sampler_ids": [], "user_metadata": {},
                               "display_name": None}
@@ -109,3 +112,36 @@ def test_a_supervised_loop_lowers_the_loss(server):
     assert got["lengths"] == got["inputs"], got
     # importance_sampling at ratio 1 with advantage 1 on the weighted tokens: −(their count).
     assert abs(got["is_loss"] + got["weight"]) < 1e-3 * got["weight"], got
+
+
+def client(server, script, *args, timeout=600):
+    out = subprocess.run(
+        [str(VENV_PY), str(ROOT / "tests/python/clients" / script), server, KEY, MODEL.stem,
+         *map(str, args)],
+        capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_samples_carry_the_log_probs_training_computes(server):
+    got = client(server, "tinker_sample.py")
+    assert len(got["samples"]) == 4 and all(got["samples"]), got
+    assert set(got["stop_reasons"]) <= {"stop", "length"}
+    # Train = serve: each sampled token's log-prob is forward's for the same tokens and weights,
+    # to the bit (floats through JSON round-trip exactly).
+    for sampled, forward in zip(got["sample_logprobs"], got["forward_logprobs"], strict=True):
+        assert sampled == forward, (sampled, forward)
+    assert got["prompt_logprobs"][0] is None
+    assert got["prompt_logprobs"][1:] == got["forward_prompt_logprobs"]
+    run_path = got["named_path"]
+    assert run_path.startswith("tinker://session-") and \
+        run_path.endswith(":train:0/sampler_weights/after-one-step"), run_path
+    assert len(got["named_sample"][0]) == 4
+    assert got["chat_model"] == run_path[len("tinker://"):]
+
+
+def test_an_rl_loop_raises_the_reward(server):
+    rewards = client(server, "tinker_rl.py", 5)["rewards"]
+    print("tinker RL loop, mean reward per step:", rewards)
+    assert len(rewards) == 5
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.25, rewards

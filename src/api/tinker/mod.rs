@@ -2,13 +2,15 @@
 //! calls it. Served so far: what every client does before it trains or samples (the server's
 //! feature flags, sessions and their heartbeats, the models), training runs created on the
 //! served base (`create_model`, `get_info`), their training calls (`forward_backward` in
-//! protobuf, `optim_step`) and the futures those answer with (`retrieve_future`). Sampling and
-//! saved state are the next parts; `docs/tinker.md` holds the protocol as read from the SDK. The caller's key travels in
+//! protobuf, `optim_step`), sampling (`save_weights_for_sampler`, sampling sessions, `asample`)
+//! and the futures those answer with (`retrieve_future`). Saved state is the next part;
+//! `docs/tinker.md` holds the protocol as read from the SDK. The caller's key travels in
 //! `X-API-Key` (the SDK's header), checked like a bearer key.
 
 pub mod futures;
 pub mod proto;
 pub mod runs;
+pub mod sample;
 pub mod session;
 pub mod train;
 
@@ -36,6 +38,16 @@ pub fn routes() -> Router<AppState> {
         .route("/api/v1/retrieve_future", post(futures::retrieve))
         .route("/api/v1/forward_backward", post(train::forward_backward))
         .route("/api/v1/optim_step", post(train::optim_step))
+        .route(
+            "/api/v1/save_weights_for_sampler",
+            post(sample::save_for_sampler),
+        )
+        .route(
+            "/api/v1/create_sampling_session",
+            post(sample::create_session),
+        )
+        .route("/api/v1/samplers/{id}", get(sample::get_sampler))
+        .route("/api/v1/asample", post(sample::asample))
 }
 
 /// `GET /api/v1/healthz`: ok while the model is loaded and the engine runs.
@@ -80,9 +92,8 @@ async fn capabilities(State(state): State<AppState>) -> Result<Json<Value>, ApiE
     Ok(Json(json!({"supported_models": [{
         "model_name": ready.model_name,
         "max_context_length": ready.max_model_len,
-        // Sampling sessions (`asample`) are this API's next part (docs/tinker.md).
         "trainable": true,
-        "sampleable": false,
+        "sampleable": true,
     }]})))
 }
 

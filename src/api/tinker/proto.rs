@@ -1,5 +1,5 @@
 //! The Tinker SDK's protobuf messages (package `tinker_public`) that Flywheel reads and writes:
-//! `forward_backward`'s body and its `ForwardBackwardOutput`. Field numbers and types from the
+//! `forward_backward`'s body and its `ForwardBackwardOutput`, and `SampleResponse`. Field numbers and types from the
 //! SDK's descriptor (docs/tinker.md); derived with `prost`, no `protoc`. Tensors are
 //! little-endian bytes in their dtype; token lists are int32 bytes.
 
@@ -147,6 +147,27 @@ pub struct BatchedTensor {
     pub dtype: i32,
     #[prost(int64, repeated, tag = "4")]
     pub trailing_shape: Vec<i64>,
+}
+
+/// `SampleResponse` (the fields Flywheel fills: top-k and target log-probs are refused).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SampleResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub sequences: Vec<SampledSequence>,
+    /// f32 per prompt token, the first NaN (no context).
+    #[prost(bytes = "vec", optional, tag = "2")]
+    pub prompt_logprobs: Option<Vec<u8>>,
+}
+
+/// One sample: `stop_reason` `StopReason` (0 STOP, 1 LENGTH), int32 tokens, f32 log-probs.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SampledSequence {
+    #[prost(int32, tag = "1")]
+    pub stop_reason: i32,
+    #[prost(bytes = "vec", tag = "2")]
+    pub tokens: Vec<u8>,
+    #[prost(bytes = "vec", optional, tag = "3")]
+    pub logprobs: Option<Vec<u8>>,
 }
 
 impl BatchedTensor {

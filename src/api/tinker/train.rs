@@ -83,7 +83,11 @@ pub async fn optim_step(
 }
 
 /// The trainer that holds run `id`, which `key` must own (404 otherwise).
-fn run_trainer(state: &AppState, id: &str, key: &str) -> Result<TrainerHandle, ApiError> {
+pub(super) fn run_trainer(
+    state: &AppState,
+    id: &str,
+    key: &str,
+) -> Result<TrainerHandle, ApiError> {
     if state.tinker_runs.get(id, key).is_none() {
         return Err(super::runs::not_found(id));
     }
@@ -157,6 +161,10 @@ fn encode(o: RunOutput) -> Outcome {
             "grad_norm:mean": grad_norm,
             "datums:sum": datums as f64,
         }})),
+        RunOutput::Weights(_) => Outcome::Failed {
+            error: "a snapshot is not a training call's answer".into(),
+            category: "server",
+        },
     }
 }
 
