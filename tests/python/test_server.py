@@ -12,6 +12,7 @@ Run with `python3 -m pytest -q tests/python` after `cargo build --release`.
 import copy
 import json
 import pathlib
+import struct
 import subprocess
 import sys
 
@@ -141,6 +142,9 @@ def check(method, path, body=None, key=KEY, raw=None, expect=200, route=None,
         return status, headers, chunks
     if ctype == "text/plain":
         return status, headers, data.decode()
+    if ctype == "application/x-protobuf":
+        assert our_pointer(path, method, status, ctype)
+        return status, headers, data
     doc = json.loads(data)
     validate_ours(doc, our_pointer(path, method, status, ctype))
     if status >= 400:
@@ -556,6 +560,100 @@ def test_tinker_routes_follow_the_contract():
     check("POST", "/api/v1/telemetry", {"events": [], "session_id": sid})
     check("POST", "/api/v1/telemetry", {"events": 1}, expect=400)
     check("POST", "/api/v1/telemetry", {"events": []}, key="wrong", expect=401)
+
+
+def _pb(num, wire, payload):
+    """One protobuf field: varint (wire 0) or length-delimited (wire 2) bytes."""
+    def varint(n):
+        out = b""
+        while True:
+            b, n = n & 0x7F, n >> 7
+            out += bytes([b | (0x80 if n else 0)])
+            if not n:
+                return out
+    if wire == 0:
+        return varint(num << 3) + varint(payload)
+    return varint(num << 3 | 2) + varint(len(payload)) + payload
+
+
+def _fb_body(model_id, tokens, targets, loss="cross_entropy"):
+    """A ForwardBackwardRequest (tinker_public) of one datum, written by hand."""
+    tensor = (_pb(1, 2, struct.pack(f"<{len(targets)}q", *targets)) + _pb(3, 0, 2)
+              + _pb(4, 0, len(targets)))
+    entry = _pb(1, 2, b"target_tokens") + _pb(2, 2, tensor)
+    chunk = _pb(1, 2, _pb(1, 2, struct.pack(f"<{len(tokens)}i", *tokens)))
+    datum = _pb(1, 2, chunk) + _pb(2, 2, entry)
+    return (_pb(1, 2, model_id.encode()) + _pb(2, 0, 1) + _pb(3, 2, datum)
+            + _pb(4, 2, loss.encode()))
+
+
+def test_tinker_training_and_sampling_follow_the_contract():
+    _, _, models = check("GET", "/v1/models")
+    base = models["data"][0]["id"]
+    _, _, created = check("POST", "/api/v1/create_session", {"tags": []})
+    sid = created["session_id"]
+    run = {"session_id": sid, "model_seq_id": 0, "base_model": base,
+           "lora_config": {"rank": 4, "train_unembed": False}}
+    _, _, fut = check("POST", "/api/v1/create_model", run)
+    mid = fut["model_id"]
+
+    def result(f):
+        for _ in range(100):
+            _, h, r = check("POST", "/api/v1/retrieve_future", {"request_id": f["request_id"]})
+            if isinstance(r, bytes) or r.get("type") != "try_again":
+                return r
+        raise AssertionError("no result")
+
+    pb = "application/x-protobuf"
+    FB = "/api/v1/forward_backward"
+    ok = _fb_body(mid, [1, 2, 3, 4], [2, 3, 4, 5])
+    _, _, f = check("POST", FB, raw=ok, content_type=pb)
+    assert isinstance(result(f), bytes)
+    check("POST", FB, raw=_fb_body(mid, [1, 2, 3, 4], [9, 9, 9, 9]), content_type=pb, expect=400)
+    check("POST", FB, raw=_fb_body(mid, [1], [2], loss="nope"), content_type=pb, expect=400)
+    check("POST", FB, raw=_fb_body("session-x:train:0", [1], [2]), content_type=pb, expect=404)
+    check("POST", FB, raw=ok, content_type=pb, key="wrong", expect=401)
+    check("POST", FB, raw=ok, content_type="application/json", expect=415)
+    check("POST", FB, raw=b"x" * (3 << 20), content_type=pb, expect=413)
+    OS = "/api/v1/optim_step"
+    step = {"model_id": mid, "adam_params": {"learning_rate": 1e-4}}
+    _, _, f = check("POST", OS, step)
+    assert result(f)["metrics"]["datums:sum"] == 1
+    check("POST", OS, {**step, "adam_params": {"learning_rate": -1}}, expect=400)
+    check("POST", OS, {**step, "model_id": "nope"}, expect=404)
+    check("POST", OS, step, key="wrong", expect=401)
+    SW = "/api/v1/save_weights_for_sampler"
+    _, _, f = check("POST", SW, {"model_id": mid, "path": "contract"})
+    path = result(f)["path"]
+    assert path == f"tinker://{mid}/sampler_weights/contract"
+    _, _, f = check("POST", SW, {"model_id": mid, "sampling_session_seq_id": 0})
+    assert result(f)["sampling_session_id"].startswith("sampler-")
+    check("POST", SW, {"model_id": mid, "path": "../x"}, expect=400)
+    check("POST", SW, {"model_id": "nope", "path": "a"}, expect=404)
+    check("POST", SW, {"model_id": mid, "path": "a"}, key="wrong", expect=401)
+    CS = "/api/v1/create_sampling_session"
+    sess = {"session_id": sid, "sampling_session_seq_id": 1, "model_path": path}
+    _, _, s = check("POST", CS, sess)
+    check("POST", CS, {**sess, "model_path": None}, expect=400)
+    check("POST", CS, {**sess, "model_path": "tinker://nope"}, expect=404)
+    check("POST", CS, sess, key="wrong", expect=401)
+    S = "/api/v1/samplers/{id}"
+    sampler = s["sampling_session_id"]
+    _, _, got = check("GET", f"/api/v1/samplers/{sampler}", route=S)
+    assert got == {"sampler_id": sampler, "base_model": base, "model_path": path}
+    check("GET", "/api/v1/samplers/sampler-none", route=S, expect=404)
+    check("GET", f"/api/v1/samplers/{sampler}", route=S, key="wrong", expect=401)
+    AS = "/api/v1/asample"
+    ask = {"sampling_session_id": sampler, "num_samples": 2,
+           "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+           "sampling_params": {"max_tokens": 3, "temperature": 1.0, "seed": 1},
+           "prompt_logprobs": True, "type": "sample"}
+    _, _, f = check("POST", AS, ask)
+    assert len(f["sample_sequence_ids"]) == 2 and isinstance(result(f), bytes)
+    check("POST", AS, {**ask, "topk_sample_logprobs": 2}, expect=400)
+    check("POST", AS, {**ask, "sampling_params": {"min_p": 0.1}}, expect=400)
+    check("POST", AS, {**ask, "sampling_session_id": "sampler-none"}, expect=404)
+    check("POST", AS, ask, key="wrong", expect=401)
 
 
 def test_every_documented_path_and_status_was_exercised():

@@ -107,6 +107,18 @@ pub async fn save_for_sampler(
             ))
         }
     };
+    let plain = label
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !plain || label.starts_with('.') {
+        return Err(ApiError::invalid(
+            "path",
+            format!(
+                "'path' '{}': a name of letters, digits, '-', '_' and '.' (not first)",
+                clip(&label)
+            ),
+        ));
+    }
     let name = format!("{run}/sampler_weights/{label}");
     if let Err(why) = check_adapter_name(&name) {
         return Err(ApiError::invalid(
