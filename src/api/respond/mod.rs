@@ -56,50 +56,6 @@ pub async fn respond(state: &AppState, mut job: Job) -> Result<Response, ApiErro
     }
 }
 
-/// A job run to its end for the Tinker API's samples: per choice its token ids, the sampler's
-/// log-prob of each and why it ended, and the prompt's scores when asked for.
-pub struct Sampled {
-    pub choices: Vec<SampledChoice>,
-    pub prompt: Option<Vec<PromptLogprob>>,
-}
-
-pub struct SampledChoice {
-    pub token_ids: Vec<u32>,
-    pub logprobs: Vec<f32>,
-    pub finish: FinishReason,
-}
-
-/// Submit `job` now (admitted like any request: a 429 or 400 is returned here); the future
-/// collects it.
-pub fn sample(
-    state: &AppState,
-    mut job: Job,
-) -> Result<impl std::future::Future<Output = Result<Sampled, ApiError>> + Send + 'static, ApiError>
-{
-    let ready = state.ready()?;
-    truncate_prompt(&mut job, ready.max_model_len);
-    let req = engine_request(&job, ready)?;
-    let admission = admit(state, &job, 1)?;
-    let stream = submit(state, &job, req, &admission)?;
-    let r = responder(ready, job);
-    Ok(async move {
-        let r = collect(r, stream).await?;
-        drop(admission);
-        Ok(Sampled {
-            choices: r
-                .choices
-                .into_iter()
-                .map(|c| SampledChoice {
-                    finish: c.finish.map_or(FinishReason::Length, |(f, _)| f),
-                    token_ids: c.token_ids,
-                    logprobs: c.behavior,
-                })
-                .collect(),
-            prompt: r.prompt_scores,
-        })
-    })
-}
-
 /// Several prompts of one completions request: all submitted first, so the engine batches them,
 /// then collected into one response (or one stream of their chunks as they come) whose choice
 /// `index` is prompt × n + i (as OpenAI and vLLM number them) under one id; through a learning
@@ -598,4 +554,6 @@ async fn collect_response(r: Responder, stream: RequestStream) -> Result<Respons
     Ok((StatusCode::OK, axum::Json(r.final_body())).into_response())
 }
 
+mod sample;
 mod stream;
+pub use sample::{sample, Sampled, SampledChoice};

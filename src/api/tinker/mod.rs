@@ -155,3 +155,22 @@ fn string_map(f: &Fields, name: &str) -> Result<Map<String, Value>, ApiError> {
         Some(_) => Err(type_error(name, "an object of strings")),
     }
 }
+
+/// End the runs of the closed sessions `sessions`, here and in the trainer.
+fn end_runs_of(state: &AppState, sessions: &[String]) {
+    let ended = state.tinker_runs.end_sessions(sessions);
+    if let Some(t) = state.ready().ok().and_then(|r| r.online.get()) {
+        t.end_runs(ended);
+    }
+}
+
+/// `base_model` must be the served model's name (404 naming the field otherwise).
+fn check_base(ready: &super::state::Ready, base: &str) -> Result<(), ApiError> {
+    if base != ready.model_name {
+        return Err(ApiError {
+            param: Some("base_model".into()),
+            ..ApiError::model_not_found(base)
+        });
+    }
+    Ok(())
+}

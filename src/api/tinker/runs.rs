@@ -235,20 +235,12 @@ pub async fn create(
     let seq = f
         .int_in("model_seq_id", 0, i32::MAX as i128)?
         .ok_or_else(|| ApiError::invalid("model_seq_id", "'model_seq_id' is required"))?;
-    let base = required_str(&f, "base_model")?;
-    if base != ready.model_name {
-        return Err(ApiError {
-            param: Some("base_model".into()),
-            ..ApiError::model_not_found(base)
-        });
-    }
+    super::check_base(ready, required_str(&f, "base_model")?)?;
     let lora = parse_lora(f.get("lora_config"))?;
     check_optimizer(f.get("optimizer_config"))?;
     let user_metadata = string_map(&f, "user_metadata")?;
     super::session::close_silent(&state, crate::util::now_secs());
-    if state.tinker_sessions.get(session, &key).is_none() {
-        return Err(super::session::not_found(session));
-    }
+    super::session::require(&state, session, &key)?;
     let id = format!("{session}:train:{seq}");
     let seed = lora.seed.unwrap_or_else(crate::util::random_u64);
     let config = AdapterConfig {
@@ -305,14 +297,6 @@ pub async fn create(
         .tinker_futures
         .done(&key, json!({"type": "create_model", "model_id": id}));
     Ok(Json(json!({"request_id": request_id, "model_id": id})))
-}
-
-/// End the runs of the closed sessions `sessions`, here and in the trainer.
-pub(super) fn end_sessions(state: &AppState, sessions: &[String]) {
-    let ended = state.tinker_runs.end_sessions(sessions);
-    if let Some(t) = state.ready().ok().and_then(|r| r.online.get()) {
-        t.end_runs(ended);
-    }
 }
 
 /// 404 for a run that is not there (or not the caller's).

@@ -183,21 +183,14 @@ pub async fn create_session(
     check_type(&f, "create_sampling_session")?;
     let key = bearer_of(&headers).to_string();
     let session = required_str(&f, "session_id")?;
-    if state.tinker_sessions.get(session, &key).is_none() {
-        return Err(super::session::not_found(session));
-    }
+    super::session::require(&state, session, &key)?;
     f.int("sampling_session_seq_id")?;
     let adapter = match optional_str(&f, "model_path")? {
         Some(p) => Some(adapter_of(&state, &p, &key, "model_path")?),
         None => None,
     };
     match optional_str(&f, "base_model")? {
-        Some(b) if b != ready.model_name => {
-            return Err(ApiError {
-                param: Some("base_model".into()),
-                ..ApiError::model_not_found(&b)
-            })
-        }
+        Some(b) => super::check_base(ready, &b)?,
         None if adapter.is_none() => {
             return Err(ApiError::invalid(
                 "base_model",
@@ -394,12 +387,7 @@ pub async fn asample(
                         "'sampling_session_id', 'model_path' or 'base_model' is required",
                     )
                 })?;
-                if base != ready.model_name {
-                    return Err(ApiError {
-                        param: Some("base_model".into()),
-                        ..ApiError::model_not_found(&base)
-                    });
-                }
+                super::check_base(ready, &base)?;
                 base
             }
         },

@@ -103,7 +103,7 @@ pub async fn create(
             last_heartbeat: now,
         },
     );
-    super::runs::end_sessions(&state, &closed);
+    super::end_runs_of(&state, &closed);
     Ok(Json(json!({"type": "create_session", "session_id": id})))
 }
 
@@ -168,7 +168,15 @@ pub async fn get(
 /// Close the sessions silent too long, and end their training runs.
 pub(super) fn close_silent(state: &AppState, now: f64) {
     let closed = state.tinker_sessions.expire(now);
-    super::runs::end_sessions(state, &closed);
+    super::end_runs_of(state, &closed);
+}
+
+/// Session `id` must be open for `key` (404 otherwise).
+pub(super) fn require(state: &AppState, id: &str, key: &str) -> Result<(), ApiError> {
+    match state.tinker_sessions.get(id, key) {
+        Some(_) => Ok(()),
+        None => Err(not_found(id)),
+    }
 }
 
 pub(super) fn not_found(id: &str) -> ApiError {
