@@ -93,7 +93,10 @@ fn a_kill_during_training_loses_no_reward_and_trains_every_group_once() {
     let before = status(&s2, "l");
     let steps0 = before["steps"].as_u64().unwrap();
     assert!(steps0 >= 3, "{before}");
-    assert_eq!(before["version"].as_u64().unwrap(), steps0 + 1, "{before}");
+    // The last committed step's adapter serves under a number above every version the name had:
+    // steps0 + 1, or more when the kill came after a later step wrote its checkpoint folder but
+    // before it committed (its number is skipped, never reused: `Learner::start`).
+    assert!(before["version"].as_u64().unwrap() > steps0, "{before}");
     // Every rewarded group left untrained at the kill trains after the restart.
     let ids: BTreeSet<&String> = acked.keys().map(|(id, _)| id).collect();
     let deadline = Instant::now() + Duration::from_secs(120);
