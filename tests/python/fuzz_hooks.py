@@ -3,7 +3,7 @@ capped `max_tokens` and `n`, the served model, no streams: schemathesis checks w
 schema, a false positive (its check ST108), so streams are validated by the contract test in
 test_server.py instead). One generation request in three carries a grammar nested at random, up
 to past the server's bounds (a $ref chain, a Lark rule or terminal chain, nested brackets, a
-nested regex): each must be answered, never crash the server."""
+nested regex): each must be answered, never crash the server. Protobuf bodies are random bytes."""
 
 import hashlib
 import json
@@ -73,3 +73,17 @@ def map_body(ctx, body):
         if body.get("stream") is not None:
             body["stream"] = False
     return body
+
+
+# The Tinker API's protobuf bodies (`forward_backward`): arbitrary bytes, which the server must
+# answer with a 4xx (not a ForwardBackwardRequest, or one that names a bad field), never a 5xx.
+from hypothesis import strategies as st  # noqa: E402
+
+schemathesis.openapi.media_type("application/x-protobuf", st.binary(max_size=512))
+
+
+@schemathesis.deserializer("application/x-protobuf")
+def protobuf_as_hex(ctx, response):
+    """A protobuf result (`ForwardBackwardOutput`, `SampleResponse`) is checked as the binary
+    string the contract documents."""
+    return response.content.hex()
