@@ -4,12 +4,14 @@
 //! run, in the trainer's share of the cores, one call at a time in the order they arrived (a
 //! run's calls arrive in its client's order: the SDK sends one after the other's answer).
 
+use super::checkpoint::write_checkpoint;
 use crate::adapter::AdapterWeights;
 use crate::model::decoder::{Decoder, ModelError, TrainSeq, ACTIVATION_BUDGET};
 use crate::train::offline::micro_batches;
 use crate::train::optim::{AdamW, AdamWConfig, Schedule};
 use crate::train::token_loss::{sequence_loss, TokenInputs, TokenLoss};
 use flywheel_kernels::Cpu;
+use std::path::PathBuf;
 
 /// Tokens one training pass holds at most (a call with more runs in passes of whole datums,
 /// whose gradients add up).
@@ -37,7 +39,6 @@ pub struct StepParams {
 }
 
 /// A call on a run.
-#[derive(Clone, Debug)]
 pub enum RunWork {
     ForwardBackward {
         data: Vec<RunDatum>,
@@ -48,6 +49,17 @@ pub enum RunWork {
     OptimStep(StepParams),
     /// The adapter as it stands (after the calls before), to publish for sampling.
     Snapshot,
+    /// Write the adapter and the optimizer as checkpoint folder `data_dir/rel` (atomically).
+    Save {
+        data_dir: PathBuf,
+        rel: String,
+    },
+    /// Replace the adapter (of the same shape) and, when given, the optimizer with a saved
+    /// state's; the summed gradient is cleared.
+    Load {
+        weights: AdapterWeights,
+        opt: Option<AdamW>,
+    },
 }
 
 /// What a call answers.
@@ -68,6 +80,8 @@ pub enum RunOutput {
         datums: usize,
     },
     Weights(AdapterWeights),
+    Saved,
+    Loaded,
 }
 
 /// A run's state.
@@ -80,13 +94,14 @@ pub struct RunState {
 }
 
 impl RunState {
-    pub fn new(weights: AdapterWeights) -> RunState {
+    /// A run from `weights` and `opt` (a new AdamW when None).
+    pub fn new(weights: AdapterWeights, opt: Option<AdamW>) -> RunState {
         let n = weights.layout.num_params;
         RunState {
             weights,
             grads: vec![0.0; n],
             accumulated: 0,
-            opt: AdamW::new(AdamWConfig::default(), n),
+            opt: opt.unwrap_or_else(|| AdamW::new(AdamWConfig::default(), n)),
         }
     }
 
@@ -109,6 +124,31 @@ impl RunState {
                 forward_only,
             } => Ok(self.forward_backward(model, cpu, &data, loss, forward_only)?),
             RunWork::OptimStep(p) => self.optim_step(p),
+            RunWork::Save { data_dir, rel } => {
+                let at = (self.opt.step, 0);
+                write_checkpoint(&data_dir, &rel, at, &self.weights, &self.opt)
+                    .map_err(|e| RunError::Write(e.to_string()))?;
+                Ok(RunOutput::Saved)
+            }
+            RunWork::Load { weights, opt } => {
+                let (have, got) = (&self.weights.layout, &weights.layout);
+                if have.config != got.config || have.num_params != got.num_params {
+                    return Err(RunError::Shape(format!(
+                        "the saved state's adapter ({:?} on {:?}) is not this run's ({:?} on {:?})",
+                        got.config.method,
+                        got.config.targets,
+                        have.config.method,
+                        have.config.targets
+                    )));
+                }
+                self.weights = weights;
+                if let Some(o) = opt {
+                    self.opt = o;
+                }
+                self.grads.iter_mut().for_each(|g| *g = 0.0);
+                self.accumulated = 0;
+                Ok(RunOutput::Loaded)
+            }
             RunWork::Snapshot => {
                 // A copy of its own (a version's weights are never shared with training).
                 let w = &self.weights;
@@ -209,4 +249,16 @@ pub enum RunError {
     Model(#[from] ModelError),
     #[error("the optimizer step would make the adapter's weights not finite ({0}): not applied")]
     NotFinite(String),
+    #[error("saving the state: {0}")]
+    Write(String),
+    /// The request's fault: a saved state of another shape.
+    #[error("{0}")]
+    Shape(String),
+}
+
+impl RunError {
+    /// Whether the request caused it (the Tinker API's "user" category).
+    pub fn is_user(&self) -> bool {
+        matches!(self, RunError::Shape(_))
+    }
 }

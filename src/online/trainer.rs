@@ -31,6 +31,7 @@ use crate::adapter::registry::Registry;
 use crate::adapter::AdapterWeights;
 use crate::metrics::Metrics;
 use crate::model::decoder::Decoder;
+use crate::train::optim::AdamW;
 use crate::util::now_secs;
 use flywheel_kernels::Cpu;
 use std::collections::BTreeMap;
@@ -75,7 +76,7 @@ enum Command {
 
 /// Commands on client-driven runs (`online::runs`).
 enum RunCommand {
-    Start(String, AdapterWeights, Reply<()>),
+    Start(String, AdapterWeights, Option<AdamW>, Reply<()>),
     Work(String, RunWork, Reply<RunOutput>),
     End(Vec<String>),
 }
@@ -282,10 +283,16 @@ impl TrainerHandle {
         }
     }
 
-    /// Start client-driven run `id` from `weights` (replacing one of that id).
-    pub async fn start_run(&self, id: &str, weights: AdapterWeights) -> Result<(), CommandError> {
+    /// Start client-driven run `id` from `weights` and `opt` (a new AdamW when None), replacing
+    /// one of that id.
+    pub async fn start_run(
+        &self,
+        id: &str,
+        weights: AdapterWeights,
+        opt: Option<AdamW>,
+    ) -> Result<(), CommandError> {
         let id = id.to_string();
-        self.ask(|r| Command::Run(RunCommand::Start(id, weights, r)))
+        self.ask(|r| Command::Run(RunCommand::Start(id, weights, opt, r)))
             .await
     }
 

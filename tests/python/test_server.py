@@ -654,6 +654,26 @@ def test_tinker_training_and_sampling_follow_the_contract():
     check("POST", AS, {**ask, "sampling_params": {"min_p": 0.1}}, expect=400)
     check("POST", AS, {**ask, "sampling_session_id": "sampler-none"}, expect=404)
     check("POST", AS, ask, key="wrong", expect=401)
+    SV, LD = "/api/v1/save_weights", "/api/v1/load_weights"
+    _, _, f = check("POST", SV, {"model_id": mid, "path": "contract-state"})
+    state = result(f)["path"]
+    assert state == f"tinker://{mid}/weights/contract-state"
+    check("POST", SV, {"model_id": mid, "path": "contract-state"}, expect=409)
+    check("POST", SV, {"model_id": mid, "path": "../up"}, expect=400)
+    check("POST", SV, {"model_id": "nope", "path": "x"}, expect=404)
+    check("POST", SV, {"model_id": mid, "path": "x"}, key="wrong", expect=401)
+    _, _, f = check("POST", LD, {"model_id": mid, "path": state, "optimizer": True})
+    assert result(f) == {"type": "load_weights", "path": state}
+    _, _, f = check("POST", LD, {"session_id": sid, "model_seq_id": 7, "path": state,
+                                 "optimizer": False})
+    assert f["model_id"] == f"{sid}:train:7"
+    check("POST", LD, {"session_id": sid, "model_seq_id": 7, "path": state, "optimizer": False},
+          expect=409)
+    check("POST", LD, {"model_id": mid, "path": state}, expect=400)
+    check("POST", LD, {"model_id": mid, "path": "tinker://../weights/x", "optimizer": True},
+          expect=404)
+    check("POST", LD, {"model_id": mid, "path": state, "optimizer": True}, key="wrong",
+          expect=401)
 
 
 def test_every_documented_path_and_status_was_exercised():

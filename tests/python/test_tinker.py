@@ -145,3 +145,37 @@ def test_an_rl_loop_raises_the_reward(server):
     print("tinker RL loop, mean reward per step:", rewards)
     assert len(rewards) == 5
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.25, rewards
+
+
+def test_saved_state_survives_a_kill_of_the_server(tmp_path):
+    """save_state, kill -9, restart over the same data directory: a run made from the state
+    with its optimizer continues with the very losses the uninterrupted run had."""
+    import flywheel_server
+
+    args = ["--api-key", KEY, "--data-dir", str(tmp_path / "data")]
+    script = str(ROOT / "tests/python/clients/tinker_state.py")
+    proc, base = flywheel_server.start_server(args)
+    try:
+        out = subprocess.run([str(VENV_PY), script, base, KEY, MODEL.stem, "before"],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.returncode == 0, out.stderr[-3000:]
+    before = json.loads(out.stdout.strip().splitlines()[-1])
+    proc, base = flywheel_server.start_server(args)
+    try:
+        out = subprocess.run([str(VENV_PY), script, base, KEY, MODEL.stem, "after",
+                              before["path"]], capture_output=True, text=True, timeout=300)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert out.returncode == 0, out.stderr[-3000:]
+    after = json.loads(out.stdout.strip().splitlines()[-1])
+    print("tinker state across a kill:", before, after)
+    assert before["path"].endswith(":train:0/weights/two-steps"), before
+    # Training is deterministic and the state holds the adapter and AdamW whole: the same bits.
+    assert after["losses"] == before["losses"], (before, after)
+    assert after["info"]["lora_rank"] == 8
+    # A run of another rank refuses the state, naming why.
+    assert after["refused"] and "saved state" in after["refused"], after

@@ -3,7 +3,8 @@
 //! feature flags, sessions and their heartbeats, the models), training runs created on the
 //! served base (`create_model`, `get_info`), their training calls (`forward_backward` in
 //! protobuf, `optim_step`), sampling (`save_weights_for_sampler`, sampling sessions, `asample`)
-//! and the futures those answer with (`retrieve_future`). Saved state is the next part;
+//! saved state (`save_weights`, `load_weights`) and the futures those answer with
+//! (`retrieve_future`);
 //! `docs/tinker.md` holds the protocol as read from the SDK. The caller's key travels in
 //! `X-API-Key` (the SDK's header), checked like a bearer key.
 
@@ -12,6 +13,7 @@ pub mod proto;
 pub mod runs;
 pub mod sample;
 pub mod session;
+pub mod saved;
 pub mod train;
 
 use super::body::JsonBody;
@@ -48,6 +50,8 @@ pub fn routes() -> Router<AppState> {
         )
         .route("/api/v1/samplers/{id}", get(sample::get_sampler))
         .route("/api/v1/asample", post(sample::asample))
+        .route("/api/v1/save_weights", post(saved::save))
+        .route("/api/v1/load_weights", post(saved::load))
 }
 
 /// `GET /api/v1/healthz`: ok while the model is loaded and the engine runs.

@@ -11,6 +11,7 @@ use super::super::openai::{type_error, Fields};
 use super::super::state::{bearer_of, blocking, AppState};
 use super::{check_type, required_str, string_map};
 use crate::adapter::{AdapterBase, AdapterConfig, AdapterWeights, LoraConfig, Method, Target};
+use crate::train::optim::AdamW;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
@@ -202,7 +203,7 @@ fn parse_lora(v: Option<&Value>) -> Result<LoraRequest, ApiError> {
 }
 
 /// `optimizer_config`: AdamW (`{"type": "adamw"}`, the default) is the one optimizer here.
-fn check_optimizer(v: Option<&Value>) -> Result<(), ApiError> {
+pub(super) fn check_optimizer(v: Option<&Value>) -> Result<(), ApiError> {
     match v {
         None | Some(Value::Null) => Ok(()),
         Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
@@ -239,8 +240,6 @@ pub async fn create(
     let lora = parse_lora(f.get("lora_config"))?;
     check_optimizer(f.get("optimizer_config"))?;
     let user_metadata = string_map(&f, "user_metadata")?;
-    super::session::close_silent(&state, crate::util::now_secs());
-    super::session::require(&state, session, &key)?;
     let id = format!("{session}:train:{seq}");
     let seed = lora.seed.unwrap_or_else(crate::util::random_u64);
     let config = AdapterConfig {
@@ -256,6 +255,47 @@ pub async fn create(
             .collect(),
         base_model: ready.model_name.clone(),
     };
+    let (registry, model) = (ready.registry.clone(), ready.model.clone());
+    let weights = blocking(move || {
+        let layout = registry
+            .limits
+            .layout(config, &model.config)
+            .map_err(|e| ApiError::invalid("lora_config.rank", format!("'rank': {e}")))?;
+        Ok(AdapterWeights::identity(Arc::new(layout), seed))
+    })
+    .await?;
+    let made = NewRun {
+        session,
+        id: &id,
+        key: &key,
+        seed,
+        user_metadata,
+    };
+    register(&state, made, weights, None).await?;
+    let request_id = state
+        .tinker_futures
+        .done(&key, json!({"type": "create_model", "model_id": id}));
+    Ok(Json(json!({"request_id": request_id, "model_id": id})))
+}
+
+/// A run about to be made: its session, id and owner, and what the client asked for.
+pub(super) struct NewRun<'a> {
+    pub session: &'a str,
+    pub id: &'a str,
+    pub key: &'a str,
+    pub seed: u64,
+    pub user_metadata: Map<String, Value>,
+}
+
+/// Record run `r` (a LoRA adapter: its rank from `weights`) within the bound and start it on the
+/// trainer (started now if it was not) from `weights` and, when given, `opt`.
+pub(super) async fn register(
+    state: &AppState,
+    r: NewRun<'_>,
+    weights: AdapterWeights,
+    opt: Option<AdamW>,
+) -> Result<(), ApiError> {
+    let ready = state.ready()?;
     if !ready.online.cfg().role.trains() {
         return Err(ApiError::invalid(
             "base_model",
@@ -263,40 +303,41 @@ pub async fn create(
              trainer",
         ));
     }
-    let (registry, model) = (ready.registry.clone(), ready.model.clone());
+    super::session::close_silent(state, crate::util::now_secs());
+    super::session::require(state, r.session, r.key)?;
+    let rank = match &weights.layout.config.method {
+        Method::Lora(l) => l.r,
+        Method::Oft(_) => {
+            return Err(ApiError::invalid(
+                "path",
+                "the saved state is not a LoRA adapter",
+            ))
+        }
+    };
     let st = state.clone();
     // Starting the trainer opens (and may migrate) the rollout log: off the async threads.
-    let (weights, trainer) = blocking(move || {
-        let layout = registry
-            .limits
-            .layout(config, &model.config)
-            .map_err(|e| ApiError::invalid("lora_config.rank", format!("'rank': {e}")))?;
-        let trainer = st
-            .ready()?
+    let trainer = blocking(move || {
+        st.ready()?
             .online
             .get_or_start()
             .cloned()
-            .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))?;
-        Ok((AdapterWeights::identity(Arc::new(layout), seed), trainer))
+            .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))
     })
     .await?;
     let run = Run {
-        key: key.clone(),
-        rank: lora.rank,
-        seed,
-        user_metadata,
+        key: r.key.to_string(),
+        rank,
+        seed: r.seed,
+        user_metadata: r.user_metadata,
         num_params: weights.layout.num_params,
     };
     let max_params = ready.registry.limits.max_params * RUN_PARAMS_FACTOR;
-    state.tinker_runs.add(&id, run, max_params)?;
-    if let Err(e) = trainer.start_run(&id, weights).await {
-        state.tinker_runs.remove(&id);
+    state.tinker_runs.add(r.id, run, max_params)?;
+    if let Err(e) = trainer.start_run(r.id, weights, opt).await {
+        state.tinker_runs.remove(r.id);
         return Err(e.into());
     }
-    let request_id = state
-        .tinker_futures
-        .done(&key, json!({"type": "create_model", "model_id": id}));
-    Ok(Json(json!({"request_id": request_id, "model_id": id})))
+    Ok(())
 }
 
 /// 404 for a run that is not there (or not the caller's).

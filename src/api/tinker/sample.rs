@@ -136,6 +136,7 @@ pub async fn save_for_sampler(
         let published = async {
             let weights = match answer.await {
                 Ok(Ok(RunOutput::Weights(w))) => w,
+                Ok(Ok(_)) => return Err("the trainer answered with another call's result".into()),
                 Ok(Err(e)) => return Err(e.to_string()),
                 _ => return Err("the trainer did not answer".to_string()),
             };

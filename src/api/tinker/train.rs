@@ -51,7 +51,7 @@ pub async fn forward_backward(
         forward_only: req.forward_only,
     };
     let (id, cell) = state.tinker_futures.pending(&key);
-    queue(&trainer, &req.model_id, work, cell)?;
+    queue(&trainer, &req.model_id, work, cell, encode)?;
     Ok(Json(json!({"request_id": id, "model_id": req.model_id})))
 }
 
@@ -78,7 +78,13 @@ pub async fn optim_step(
     }
     let params = parse_adam(f.get("adam_params"))?;
     let (id, cell) = state.tinker_futures.pending(&key);
-    queue(&trainer, &model_id, RunWork::OptimStep(params), cell)?;
+    queue(
+        &trainer,
+        &model_id,
+        RunWork::OptimStep(params),
+        cell,
+        encode,
+    )?;
     Ok(Json(json!({"request_id": id, "model_id": model_id})))
 }
 
@@ -99,20 +105,25 @@ pub(super) fn run_trainer(
         .ok_or_else(|| ApiError::from(CommandError::NoRun(id.to_string())))
 }
 
-/// Queue `work` on run `id` now (the order of calls), and finish `cell` with its answer.
-fn queue(
+/// Queue `work` on run `id` now (the order of calls), and finish `cell` with its answer as
+/// `answer` writes it.
+pub(super) fn queue(
     trainer: &TrainerHandle,
     id: &str,
     work: RunWork,
     cell: Arc<Cell>,
+    answer: impl FnOnce(RunOutput) -> Outcome + Send + 'static,
 ) -> Result<(), ApiError> {
-    let answer = trainer.run_work(id, work).map_err(ApiError::from)?;
+    let reply = trainer.run_work(id, work).map_err(ApiError::from)?;
     tokio::spawn(async move {
-        let out = match answer.await {
-            Ok(Ok(o)) => encode(o),
+        let out = match reply.await {
+            Ok(Ok(o)) => answer(o),
             Ok(Err(e)) => Outcome::Failed {
+                category: match &e {
+                    CommandError::Run(r) if r.is_user() => "user",
+                    _ => "server",
+                },
                 error: e.to_string(),
-                category: "server",
             },
             Err(_) => Outcome::Failed {
                 error: CommandError::Stopped.to_string(),
@@ -161,10 +172,15 @@ fn encode(o: RunOutput) -> Outcome {
             "grad_norm:mean": grad_norm,
             "datums:sum": datums as f64,
         }})),
-        RunOutput::Weights(_) => Outcome::Failed {
-            error: "a snapshot is not a training call's answer".into(),
-            category: "server",
-        },
+        _ => unexpected(),
+    }
+}
+
+/// A call answered with what another kind of call answers (a server bug, said so).
+pub(super) fn unexpected() -> Outcome {
+    Outcome::Failed {
+        error: "the trainer answered with another call's result".into(),
+        category: "server",
     }
 }
 

@@ -215,8 +215,8 @@ impl Trainer {
     /// A command on a client-driven run: its work runs here, between learners' steps.
     fn run_command(&mut self, c: RunCommand) {
         match c {
-            RunCommand::Start(id, weights, reply) => {
-                self.runs.insert(id, RunState::new(weights));
+            RunCommand::Start(id, weights, opt, reply) => {
+                self.runs.insert(id, RunState::new(weights, opt));
                 let _ = reply.send(Ok(()));
             }
             RunCommand::Work(id, work, reply) => {
