@@ -660,6 +660,7 @@ def test_tinker_training_and_sampling_follow_the_contract():
     assert state == f"tinker://{mid}/weights/contract-state"
     check("POST", SV, {"model_id": mid, "path": "contract-state"}, expect=409)
     check("POST", SV, {"model_id": mid, "path": "../up"}, expect=400)
+    check("POST", SV, {"model_id": mid, "path": "y", "ttl_seconds": 3600}, expect=400)
     check("POST", SV, {"model_id": "nope", "path": "x"}, expect=404)
     check("POST", SV, {"model_id": mid, "path": "x"}, key="wrong", expect=401)
     _, _, f = check("POST", LD, {"model_id": mid, "path": state, "optimizer": True})

@@ -12,8 +12,8 @@ pub mod futures;
 pub mod proto;
 pub mod runs;
 pub mod sample;
-pub mod session;
 pub mod saved;
+pub mod session;
 pub mod train;
 
 use super::body::JsonBody;
@@ -175,6 +175,24 @@ fn check_base(ready: &super::state::Ready, base: &str) -> Result<(), ApiError> {
             param: Some("base_model".into()),
             ..ApiError::model_not_found(base)
         });
+    }
+    Ok(())
+}
+
+/// A save's `ttl_seconds` and `user_metadata`: saved weights are kept until their run's state is
+/// replaced (no expiry) and carry no metadata, so either set is a 400 naming it.
+fn refuse_save_extras(f: &Fields) -> Result<(), ApiError> {
+    if f.int("ttl_seconds")?.is_some() {
+        return Err(ApiError::invalid(
+            "ttl_seconds",
+            "'ttl_seconds' is not implemented: saved weights are kept (send null)",
+        ));
+    }
+    if !string_map(f, "user_metadata")?.is_empty() {
+        return Err(ApiError::invalid(
+            "user_metadata",
+            "'user_metadata' on saved weights is not implemented (send null)",
+        ));
     }
     Ok(())
 }

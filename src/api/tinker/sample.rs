@@ -69,7 +69,7 @@ fn adapter_of(state: &AppState, path: &str, key: &str, param: &str) -> Result<St
 }
 
 /// `POST /api/v1/save_weights_for_sampler`: `{model_id, path?, sampling_session_seq_id?, kind?,
-/// ttl_seconds?, user_metadata?, seq_id?}` -> a future whose result is `{path}` (with a name) or
+/// seq_id?}` (`ttl_seconds` and `user_metadata` refused when set) -> a future whose result is `{path}` (with a name) or
 /// `{sampling_session_id}` (without: the SDK's `save_weights_and_get_sampling_client`), the run's
 /// adapter published as it stands (after the calls queued before this one).
 pub async fn save_for_sampler(
@@ -81,8 +81,7 @@ pub async fn save_for_sampler(
     let f = Fields::parse(&body)?;
     check_type(&f, "save_weights_for_sampler")?;
     f.int("seq_id")?;
-    f.int("ttl_seconds")?;
-    super::string_map(&f, "user_metadata")?;
+    super::refuse_save_extras(&f)?;
     let key = bearer_of(&headers).to_string();
     let run = required_str(&f, "model_id")?.to_string();
     let trainer = super::train::run_trainer(&state, &run, &key)?;

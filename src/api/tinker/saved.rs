@@ -76,8 +76,8 @@ fn not_found(path: &str) -> ApiError {
     }
 }
 
-/// `POST /api/v1/save_weights`: `{model_id, path, seq_id?, overwrite?, ttl_seconds?,
-/// user_metadata?}` -> a future whose result is `{"type": "save_weights", "path":
+/// `POST /api/v1/save_weights`: `{model_id, path, seq_id?, overwrite?}` (`ttl_seconds` and
+/// `user_metadata` refused when set) -> a future whose result is `{"type": "save_weights", "path":
 /// "tinker://{run}/weights/{path}"}`: the run's adapter and optimizer as they stand after the
 /// calls queued before this one. An existing name is a 409 unless `overwrite`.
 pub async fn save(
@@ -89,8 +89,7 @@ pub async fn save(
     let f = Fields::parse(&body)?;
     check_type(&f, "save_weights")?;
     f.int("seq_id")?;
-    f.int("ttl_seconds")?;
-    string_map(&f, "user_metadata")?;
+    super::refuse_save_extras(&f)?;
     let overwrite = f.bool("overwrite")?.unwrap_or(false);
     let key = bearer_of(&headers).to_string();
     let run = required_str(&f, "model_id")?.to_string();
