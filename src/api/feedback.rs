@@ -297,16 +297,7 @@ pub async fn train(
     if let Err(e) = ready.registry.limits.layout(shape, &ready.model.config) {
         return Err(ApiError::invalid(cfg.method.size_setting(), e.to_string()));
     }
-    // Starting the trainer opens (and may migrate) the rollout log: off the async threads.
-    let st = state.clone();
-    let online = blocking(move || {
-        st.ready()?
-            .online
-            .get_or_start()
-            .cloned()
-            .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))
-    })
-    .await?;
+    let online = state.start_trainer().await?;
     let (status, created) = online.train(cfg).await.map_err(ApiError::from)?;
     let code = if created {
         StatusCode::CREATED

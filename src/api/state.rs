@@ -135,6 +135,20 @@ impl Deref for AppState {
 }
 
 impl AppState {
+    /// The trainer, started now if it was not (which opens, and may migrate, the rollout log:
+    /// off the async threads).
+    pub async fn start_trainer(&self) -> Result<crate::online::trainer::TrainerHandle, ApiError> {
+        let st = self.clone();
+        blocking(move || {
+            st.ready()?
+                .online
+                .get_or_start()
+                .cloned()
+                .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))
+        })
+        .await
+    }
+
     pub fn new(
         api_key: Option<String>,
         admin_key: Option<String>,

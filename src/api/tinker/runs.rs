@@ -314,16 +314,7 @@ pub(super) async fn register(
             ))
         }
     };
-    let st = state.clone();
-    // Starting the trainer opens (and may migrate) the rollout log: off the async threads.
-    let trainer = blocking(move || {
-        st.ready()?
-            .online
-            .get_or_start()
-            .cloned()
-            .map_err(|e| ApiError::unavailable(format!("cannot start the trainer: {e}")))
-    })
-    .await?;
+    let trainer = state.start_trainer().await?;
     let run = Run {
         key: r.key.to_string(),
         rank,
