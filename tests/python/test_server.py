@@ -675,6 +675,22 @@ def test_tinker_training_and_sampling_follow_the_contract():
           expect=404)
     check("POST", LD, {"model_id": mid, "path": state, "optimizer": True}, key="wrong",
           expect=401)
+    CK, DL = "/api/v1/training_runs/{id}/checkpoints", \
+        "/api/v1/training_runs/{id}/checkpoints/weights/{name}"
+    _, _, cks = check("GET", f"/api/v1/training_runs/{mid}/checkpoints", route=CK)
+    assert [c["tinker_path"] for c in cks["checkpoints"]] == [state]
+    check("GET", "/api/v1/training_runs/session-none:train:0/checkpoints", route=CK, expect=404)
+    check("GET", f"/api/v1/training_runs/{mid}/checkpoints", route=CK, key="wrong", expect=401)
+    gone = f"/api/v1/training_runs/{mid}/checkpoints/weights/contract-state"
+    check("DELETE", gone, key="wrong", route=DL, expect=401)
+    check("DELETE", f"/api/v1/training_runs/{mid}/checkpoints/weights/.hidden", route=DL,
+          expect=400)
+    status, _, _ = http("DELETE", SERVER + gone, key=KEY)
+    assert status == 204
+    exercised.add((DL, "204"))
+    check("DELETE", gone, route=DL, expect=404)
+    _, _, cks = check("GET", f"/api/v1/training_runs/{mid}/checkpoints", route=CK)
+    assert cks["checkpoints"] == []
 
 
 def test_every_documented_path_and_status_was_exercised():

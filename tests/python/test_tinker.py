@@ -179,3 +179,7 @@ def test_saved_state_survives_a_kill_of_the_server(tmp_path):
     assert after["info"]["lora_rank"] == 8
     # A run of another rank refuses the state, naming why.
     assert after["refused"] and "saved state" in after["refused"], after
+    # Listed by the RestClient: the killed server's run's state, and a new one until deleted.
+    assert after["listed_old"] == [before["path"]], after
+    assert after["listed_new"] == ["weights/after-restart"], after
+    assert after["after_delete"] == [], after

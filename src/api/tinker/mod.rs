@@ -8,6 +8,7 @@
 //! `docs/tinker.md` holds the protocol as read from the SDK. The caller's key travels in
 //! `X-API-Key` (the SDK's header), checked like a bearer key.
 
+pub mod checkpoints;
 pub mod futures;
 pub mod proto;
 pub mod runs;
@@ -21,7 +22,7 @@ use super::error::ApiError;
 use super::openai::{type_error, Fields};
 use super::state::AppState;
 use axum::extract::State;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 
@@ -52,6 +53,14 @@ pub fn routes() -> Router<AppState> {
         .route("/api/v1/asample", post(sample::asample))
         .route("/api/v1/save_weights", post(saved::save))
         .route("/api/v1/load_weights", post(saved::load))
+        .route(
+            "/api/v1/training_runs/{id}/checkpoints",
+            get(checkpoints::list),
+        )
+        .route(
+            "/api/v1/training_runs/{id}/checkpoints/weights/{name}",
+            delete(checkpoints::delete),
+        )
 }
 
 /// `GET /api/v1/healthz`: ok while the model is loaded and the engine runs.

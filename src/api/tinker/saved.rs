@@ -24,10 +24,10 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
 /// What a state path holds between the run's id and the checkpoint's name.
-const WEIGHTS: &str = "/weights/";
+pub(super) const WEIGHTS: &str = "/weights/";
 
 /// The folder of checkpoint `name` of run `run`, relative to the data directory.
-fn rel_of(run: &str, name: &str) -> String {
+pub(super) fn rel_of(run: &str, name: &str) -> String {
     format!(
         "tinker/{}/{}",
         adapter_file_name(run),
@@ -36,11 +36,11 @@ fn rel_of(run: &str, name: &str) -> String {
 }
 
 /// The file beside a checkpoint folder naming (by hash) the key that saved it.
-fn owner_file(data_dir: &Path, rel: &str) -> PathBuf {
+pub(super) fn owner_file(data_dir: &Path, rel: &str) -> PathBuf {
     data_dir.join(format!("{rel}.owner"))
 }
 
-fn key_hash(key: &str) -> String {
+pub(super) fn key_hash(key: &str) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(key.as_bytes())
         .iter()
@@ -49,7 +49,7 @@ fn key_hash(key: &str) -> String {
 }
 
 /// A checkpoint name: letters, digits, '-', '_' and '.' (not first), at most 128.
-fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
+pub(super) fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
     let plain = !name.is_empty()
         && name.len() <= 128
         && !name.starts_with('.')

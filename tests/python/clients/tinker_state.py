@@ -5,7 +5,7 @@ LoRA run takes 2 steps (forward_backward with cross_entropy + optim_step), saves
 steps. Phase "after" (argv[5] the path; run on a restarted server over the same data directory):
 `create_training_client_from_state_with_optimizer` makes a new run from the state, which takes
 the same 2 steps; prints their losses, and what loading the state into a fresh run of another
-rank answered."""
+rank answered, and the checkpoints a `RestClient` lists before and after deleting one."""
 
 import json
 import sys
@@ -50,8 +50,20 @@ def main(base, key, model, phase, path=None):
         refused = None
     except Exception as e:  # noqa: BLE001 - the SDK's error type is what is reported
         refused = f"{type(e).__name__}: {e}"
+    # The states a RestClient lists: the killed server's run's, then the new run's own, which
+    # is deleted again.
+    rest = tinker.RestClient(base_url=base, api_key=key)
+    old_run = path[len("tinker://"):].split("/")[0]
+    listed_old = [c.tinker_path for c in rest.list_checkpoints(old_run).result().checkpoints]
+    mine = run.save_state("after-restart").result().path
+    listed_new = [c.checkpoint_id
+                  for c in rest.list_checkpoints(run.model_id).result().checkpoints]
+    rest.delete_checkpoint_from_tinker_path(mine).result()
+    after_delete = [c.checkpoint_id
+                    for c in rest.list_checkpoints(run.model_id).result().checkpoints]
     print(json.dumps({"losses": losses, "info": run.get_info().model_dump(mode="json"),
-                      "refused": refused}))
+                      "refused": refused, "listed_old": listed_old, "listed_new": listed_new,
+                      "after_delete": after_delete}))
 
 
 if __name__ == "__main__":
