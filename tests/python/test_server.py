@@ -675,6 +675,17 @@ def test_tinker_training_and_sampling_follow_the_contract():
           expect=404)
     check("POST", LD, {"model_id": mid, "path": state, "optimizer": True}, key="wrong",
           expect=401)
+    TR, TRS = "/api/v1/training_runs/{id}", "/api/v1/training_runs"
+    _, _, one = check("GET", f"/api/v1/training_runs/{mid}", route=TR)
+    assert one["training_run_id"] == mid and one["lora_rank"] == 4 and one["base_model"] == base
+    check("GET", f"/api/v1/training_runs/{mid}?access_scope=all", route=TR, expect=400)
+    check("GET", "/api/v1/training_runs/session-none:train:0", route=TR, expect=404)
+    check("GET", f"/api/v1/training_runs/{mid}", route=TR, key="wrong", expect=401)
+    _, _, runs = check("GET", "/api/v1/training_runs?limit=50&offset=0", route=TRS)
+    assert mid in [r["training_run_id"] for r in runs["training_runs"]]
+    assert runs["cursor"]["total_count"] >= 2
+    check("GET", "/api/v1/training_runs?limit=x", route=TRS, expect=400)
+    check("GET", "/api/v1/training_runs", route=TRS, key="wrong", expect=401)
     CK, DL = "/api/v1/training_runs/{id}/checkpoints", \
         "/api/v1/training_runs/{id}/checkpoints/weights/{name}"
     _, _, cks = check("GET", f"/api/v1/training_runs/{mid}/checkpoints", route=CK)

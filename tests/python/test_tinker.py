@@ -85,6 +85,8 @@ def test_a_training_client_is_created_on_the_served_model(server):
     assert info["model_data"]["model_name"] == MODEL.stem
     assert info["model_data"]["arch"] == "llama"
     assert got["session_runs"] == [got["model_id"]]
+    assert got["model_id"] in got["listed"]
+    assert got["one"]["training_run_id"] == got["model_id"] and got["one"]["lora_rank"] == 8
     # The SDK's defaults train the LM head too, which this server does not yet: refused by name.
     assert got["refused"] and "train_unembed" in got["refused"], got["refused"]
 

@@ -4,8 +4,9 @@
 
 use super::super::error::{clip, ApiError};
 use super::super::state::{bearer_of, blocking, AppState};
+use super::key_hash;
 use super::sample::SCHEME;
-use super::saved::{check_name, key_hash, owner_file, rel_of, WEIGHTS};
+use super::saved::{check_name, owner_file, rel_of, WEIGHTS};
 use crate::adapter::registry::adapter_file_name;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};

@@ -18,7 +18,7 @@ pub mod session;
 pub mod train;
 
 use super::body::JsonBody;
-use super::error::ApiError;
+use super::error::{self, ApiError};
 use super::openai::{type_error, Fields};
 use super::state::AppState;
 use axum::extract::State;
@@ -38,6 +38,8 @@ pub fn routes() -> Router<AppState> {
         .route("/api/v1/telemetry", post(telemetry))
         .route("/api/v1/create_model", post(runs::create))
         .route("/api/v1/get_info", post(runs::info))
+        .route("/api/v1/training_runs", get(runs::list))
+        .route("/api/v1/training_runs/{id}", get(runs::get))
         .route("/api/v1/retrieve_future", post(futures::retrieve))
         .route("/api/v1/forward_backward", post(train::forward_backward))
         .route("/api/v1/optim_step", post(train::optim_step))
@@ -204,4 +206,50 @@ fn refuse_save_extras(f: &Fields) -> Result<(), ApiError> {
         ));
     }
     Ok(())
+}
+
+/// A GET's query: `access_scope` ("owned", the default, or "accessible": the same here, where a
+/// key sees only its own), and the integer parameters `ints`; anything else is a 400 naming it.
+/// The integers given, by name.
+fn check_query(
+    query: &std::collections::HashMap<String, String>,
+    ints: &[&str],
+) -> Result<std::collections::HashMap<String, usize>, ApiError> {
+    let mut out = std::collections::HashMap::new();
+    for (k, v) in query {
+        match (k.as_str(), v.as_str()) {
+            ("access_scope", "owned" | "accessible") => {}
+            ("access_scope", _) => {
+                return Err(ApiError::invalid(
+                    "access_scope",
+                    "'access_scope' must be \"owned\" or \"accessible\"",
+                ))
+            }
+            (k, v) if ints.contains(&k) => {
+                let n = v.parse::<usize>().map_err(|_| {
+                    ApiError::invalid(
+                        k,
+                        format!("'{k}' must be an integer ≥ 0, not '{}'", error::clip(v)),
+                    )
+                })?;
+                out.insert(k.to_string(), n);
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    k,
+                    format!("'{k}' is not a parameter of this route"),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The SHA-256 of a key, hex: what is stored or shown of it (a saved state's owner, a run's).
+fn key_hash(key: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }

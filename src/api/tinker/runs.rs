@@ -12,7 +12,7 @@ use super::super::state::{bearer_of, blocking, AppState};
 use super::{check_type, required_str, string_map};
 use crate::adapter::{AdapterBase, AdapterConfig, AdapterWeights, LoraConfig, Method, Target};
 use crate::train::optim::AdamW;
-use axum::extract::State;
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use serde_json::{json, Map, Value};
@@ -41,6 +41,35 @@ pub struct Run {
     pub user_metadata: Map<String, Value>,
     /// The adapter's parameters.
     pub num_params: usize,
+    /// When the run was last called (made, or a training or sampling call: Unix seconds, as f64
+    /// bits).
+    pub last_request: std::sync::atomic::AtomicU64,
+}
+
+impl Run {
+    /// A call on the run arrived now.
+    pub fn touch(&self) {
+        let now = crate::util::now_secs().to_bits();
+        self.last_request
+            .store(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The run as the SDK's `TrainingRun` reads it.
+    fn view(&self, id: &str, base_model: &str) -> Value {
+        let last = f64::from_bits(self.last_request.load(std::sync::atomic::Ordering::Relaxed));
+        json!({
+            "training_run_id": id,
+            "base_model": base_model,
+            "model_owner": super::key_hash(&self.key)[..16],
+            "is_lora": true,
+            "corrupted": false,
+            "lora_rank": self.rank,
+            "last_request_time": last,
+            "last_checkpoint": null,
+            "last_sampler_checkpoint": null,
+            "user_metadata": self.user_metadata,
+        })
+    }
 }
 
 /// The runs by id.
@@ -54,6 +83,18 @@ impl Runs {
     pub fn get(&self, id: &str, key: &str) -> Option<Arc<Run>> {
         let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         g.get(id).filter(|r| r.key == key).cloned()
+    }
+
+    /// `key`'s runs, by id.
+    pub fn of_key(&self, key: &str) -> Vec<(String, Arc<Run>)> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<(String, Arc<Run>)> = g
+            .iter()
+            .filter(|(_, r)| r.key == key)
+            .map(|(id, r)| (id.clone(), r.clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
     }
 
     /// The ids of session `session`'s runs (`key`'s), in order.
@@ -321,6 +362,7 @@ pub(super) async fn register(
         seed: r.seed,
         user_metadata: r.user_metadata,
         num_params: weights.layout.num_params,
+        last_request: crate::util::now_secs().to_bits().into(),
     };
     let max_params = ready.registry.limits.max_params * RUN_PARAMS_FACTOR;
     state.tinker_runs.add(r.id, run, max_params)?;
@@ -375,6 +417,48 @@ pub async fn info(
     })))
 }
 
+/// `GET /api/v1/training_runs?limit&offset&access_scope`: the key's runs (in this process), by
+/// id: `{training_runs: [TrainingRun], cursor: {offset, limit, total_count}}`.
+pub async fn list(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let q = super::check_query(&query, &["limit", "offset"])?;
+    let (limit, offset) = (
+        q.get("limit").copied().unwrap_or(20),
+        q.get("offset").copied().unwrap_or(0),
+    );
+    let all = state.tinker_runs.of_key(bearer_of(&headers));
+    let runs: Vec<Value> = all
+        .iter()
+        .skip(offset)
+        .take(limit)
+        .map(|(id, r)| r.view(id, &ready.model_name))
+        .collect();
+    Ok(Json(json!({
+        "training_runs": runs,
+        "cursor": {"offset": offset, "limit": limit, "total_count": all.len()},
+    })))
+}
+
+/// `GET /api/v1/training_runs/{id}?access_scope`: one of the key's runs as a `TrainingRun`.
+pub async fn get(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    super::check_query(&query, &[])?;
+    let run = state
+        .tinker_runs
+        .get(&id, bearer_of(&headers))
+        .ok_or_else(|| not_found(&id))?;
+    Ok(Json(run.view(&id, &ready.model_name)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,6 +490,7 @@ mod tests {
             seed: 1,
             user_metadata: Map::new(),
             num_params: layout.num_params,
+            last_request: 0u64.into(),
         }
     }
 

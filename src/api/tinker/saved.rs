@@ -40,14 +40,6 @@ pub(super) fn owner_file(data_dir: &Path, rel: &str) -> PathBuf {
     data_dir.join(format!("{rel}.owner"))
 }
 
-pub(super) fn key_hash(key: &str) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(key.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
 /// A checkpoint name: letters, digits, '-', '_' and '.' (not first), at most 128.
 pub(super) fn check_name(name: &str, param: &str) -> Result<(), ApiError> {
     let plain = !name.is_empty()
@@ -100,7 +92,7 @@ pub async fn save(
     let data_dir = ready.online.cfg().data_dir.clone();
     let rel = rel_of(&run, &name);
     let (dir, owner) = (data_dir.join(&rel), owner_file(&data_dir, &rel));
-    let hash = key_hash(&key);
+    let hash = super::key_hash(&key);
     let exists = blocking(move || {
         let exists = dir.exists();
         if !exists || overwrite {
@@ -188,7 +180,7 @@ pub async fn load(
     let data_dir = ready.online.cfg().data_dir.clone();
     let rel = rel_of(run_of_path, name);
     let (model, limits) = (ready.model.clone(), ready.registry.limits);
-    let hash = key_hash(&key);
+    let hash = super::key_hash(&key);
     let p = path.clone();
     let (weights, opt) = blocking(move || {
         let saved_by = std::fs::read_to_string(owner_file(&data_dir, &rel)).unwrap_or_default();

@@ -133,23 +133,7 @@ pub async fn get(
     Path(id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    for (k, v) in &query {
-        match (k.as_str(), v.as_str()) {
-            ("access_scope", "owned" | "accessible") => {}
-            ("access_scope", _) => {
-                return Err(ApiError::invalid(
-                    "access_scope",
-                    "'access_scope' must be \"owned\" or \"accessible\"",
-                ))
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    k,
-                    format!("'{k}' is not a parameter of this route"),
-                ))
-            }
-        }
-    }
+    super::check_query(&query, &[])?;
     let key = bearer_of(&headers);
     let s = state
         .tinker_sessions

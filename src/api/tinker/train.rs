@@ -94,9 +94,11 @@ pub(super) fn run_trainer(
     id: &str,
     key: &str,
 ) -> Result<TrainerHandle, ApiError> {
-    if state.tinker_runs.get(id, key).is_none() {
-        return Err(super::runs::not_found(id));
-    }
+    let run = state
+        .tinker_runs
+        .get(id, key)
+        .ok_or_else(|| super::runs::not_found(id))?;
+    run.touch();
     let ready = state.ready()?;
     ready
         .online
