@@ -300,7 +300,8 @@ mod x86 {
     /// values, times its scales, added into L's sum pair after pair; Q4_K's and Q5_K's mins in
     /// lanes of their own; then lanes 0..8 + 8..16 and `Avx2::reduce_add`.
     /// Activation rows dotted together with one decoded super-block. (8 made VNNI's batches
-    /// 0.5x as fast as 4: their sums and mins no longer fit the registers.)
+    /// 0.46-0.71x as fast as 4 in one `ISAS=avx2,avx512 matmul_bench 64` run on a Zen 4 with a
+    /// build beside it; spilled sums and mins are the likely cause, not checked.)
     const GROUP: usize = 4;
 
     pub(in crate::cpu) trait KDot {

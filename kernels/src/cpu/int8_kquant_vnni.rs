@@ -9,9 +9,9 @@
 //! Measured on a Zen 4 (EPYC, family 25 model 17; one thread; `ISAS=avx2,avx512 PRECISION=int8
 //! FORMATS=q4_k,q6_k SHAPES=2048x8192,8192x2048 matmul_bench N`, alternating, medians of 7):
 //! batch 1 1.11-1.16x AVX2's (Q4_K) and 1.19-1.31x (Q6_K), batch 64 1.0x and 1.13-1.29x (60-85
-//! GFLOP/s). What bounds them is instruction count, not `vpdpbusd`: per 64 products a row also
-//! takes its block scales' load and product, a conversion and an FMA (the reference sums in f32
-//! per 4-value lane). llama.cpp's Q8_K activations (one scale per 256 values, sub-block scales
+//! GFLOP/s). By count (not profiled), instructions bound them rather than `vpdpbusd`: per 64
+//! products a row also takes its block scales' load and product, a conversion and an FMA (the
+//! reference sums in f32 per 4-value lane). llama.cpp's Q8_K activations (one scale per 256 values, sub-block scales
 //! applied in integers) do one f32 FMA per super-block; matching it is another int8 contract for
 //! the K-quants (the reference, AVX2's and these kernels together).
 //!

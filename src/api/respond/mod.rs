@@ -42,13 +42,18 @@ pub(super) fn grammar_failed(job: &Job, e: &GrammarError) -> ApiError {
     )
 }
 
-pub async fn respond(state: &AppState, mut job: Job) -> Result<Response, ApiError> {
+/// Admit and submit one job: its responder and its stream (which holds the admission).
+fn start(state: &AppState, mut job: Job) -> Result<(Responder, RequestStream), ApiError> {
     let ready = state.ready()?;
     truncate_prompt(&mut job, ready.max_model_len);
     let req = engine_request(&job, ready)?;
     let admission = admit(state, &job, 1)?;
     let stream = submit(state, &job, req, &admission)?;
-    let r = responder(ready, job);
+    Ok((responder(ready, job), stream))
+}
+
+pub async fn respond(state: &AppState, job: Job) -> Result<Response, ApiError> {
+    let (r, stream) = start(state, job)?;
     if r.job.params.stream {
         Ok(stream_response(r, stream))
     } else {

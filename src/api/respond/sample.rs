@@ -1,7 +1,7 @@
 //! A job run to its end for the Tinker API's samples (`api::tinker::sample`): submitted now,
 //! collected as token ids and log-probs rather than shaped as an OpenAI body.
 
-use super::{admit, collect, engine_request, responder, submit, truncate_prompt};
+use super::{collect, start};
 use crate::api::error::ApiError;
 use crate::api::job::Job;
 use crate::api::state::AppState;
@@ -25,18 +25,12 @@ pub struct SampledChoice {
 /// collects it.
 pub fn sample(
     state: &AppState,
-    mut job: Job,
+    job: Job,
 ) -> Result<impl std::future::Future<Output = Result<Sampled, ApiError>> + Send + 'static, ApiError>
 {
-    let ready = state.ready()?;
-    truncate_prompt(&mut job, ready.max_model_len);
-    let req = engine_request(&job, ready)?;
-    let admission = admit(state, &job, 1)?;
-    let stream = submit(state, &job, req, &admission)?;
-    let r = responder(ready, job);
+    let (r, stream) = start(state, job)?;
     Ok(async move {
         let r = collect(r, stream).await?;
-        drop(admission);
         Ok(Sampled {
             choices: r
                 .choices

@@ -289,12 +289,12 @@ fn as_completion(f: &Fields, model: &str) -> Result<Value, ApiError> {
     if f.bool("prompt_logprobs")?.unwrap_or(false) {
         c.insert("prompt_logprobs".into(), json!(0));
     }
-    for (name, zero_ok) in [
-        ("topk_prompt_logprobs", true),
-        ("topk_sample_logprobs", true),
-        ("prompt_alt_tokens_k", true),
+    for name in [
+        "topk_prompt_logprobs",
+        "topk_sample_logprobs",
+        "prompt_alt_tokens_k",
     ] {
-        if zero_ok && f.int(name)?.unwrap_or(0) != 0 {
+        if f.int(name)?.unwrap_or(0) != 0 {
             return Err(ApiError::invalid(
                 name,
                 format!("'{name}' is not implemented by this server: send 0"),
