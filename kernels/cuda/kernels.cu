@@ -13,6 +13,8 @@
 #define FW_WARP 32
 // Tokens a matmul block keeps in registers: one pass over a weight row serves this many.
 #define FW_MM_TOKENS 16
+// Warps per matmul block: the warps of one weight row (`MM_WARPS` in cuda/launch.rs).
+#define FW_MM_WARPS 4
 // Threads per block of the row kernels (RMSNorm, log-softmax, argmax, embedding).
 #define FW_ROW_THREADS 256
 // Warps per block of the attention kernel.
@@ -56,23 +58,26 @@ __device__ float fw_block_max(float v) {
   return fw_warp_max(v);
 }
 
-// y (n, rows) = x (n, cols) · Wᵀ, W `rows` rows of `row_bytes` bytes in format TY. One warp per
-// weight row; grid (ceil(rows / warps per block), ceil(n / NT)). A unit (32 values) goes to 8
-// lanes, 4 values each (`fw_part`): lane l takes part l % 8 of units l / 8, l / 8 + 4, …, so a
-// warp's loads of x and of the codes are contiguous. Each lane accumulates its values in that
-// order for up to NT tokens, then the warp sums its lanes. A (row, token)'s sum runs in the same
-// order whatever n and NT are: batch-invariant. NT is 1 for a batch of one token (decode at
-// batch 1: fewer registers, more loads in flight), else FW_MM_TOKENS.
+// y (n, rows) = x (n, cols) · Wᵀ, W `rows` rows of `row_bytes` bytes in format TY. One block of
+// FW_MM_WARPS warps per weight row (grid (rows, ceil(n / NT))): a decode step's 2048-row products
+// then keep 4x the loads in flight that a warp per row did (the H200's first run read 6.7% of its
+// bandwidth at batch 1, latency-bound with ~15 warps per SM). A unit (32 values) goes to 8
+// threads, 4 values each (`fw_part`): thread i of the block takes part i % 8 of units i / 8,
+// i / 8 + 4·FW_MM_WARPS, …, so a warp's loads of x and of the codes are contiguous. Each thread
+// accumulates its values in that order for up to NT tokens, each warp sums its lanes, then the
+// warps' sums are added in warp order. A (row, token)'s sum runs in the same order whatever n and
+// NT are: batch-invariant. NT is 1 for a batch of one token (decode at batch 1: fewer registers,
+// more loads in flight), else FW_MM_TOKENS.
 template <int TY, int NT>
 __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                long long row_bytes, const float* __restrict__ x,
                                                int n, float* __restrict__ y) {
-  const int lane = threadIdx.x % FW_WARP;
-  const int r = blockIdx.x * (blockDim.x / FW_WARP) + threadIdx.x / FW_WARP;
-  if (r >= rows) return;
+  __shared__ float sums[NT][FW_MM_WARPS];
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
+  const int r = blockIdx.x;
   const int t0 = blockIdx.y * NT;
   const int nt = min(NT, n - t0);
-  const int part = lane % 8;
+  const int part = threadIdx.x % 8;
   const uint8_t* row = w + (size_t)r * row_bytes;
   const float* xt = x + (size_t)t0 * cols + 4 * part;
   float acc[NT];
@@ -80,7 +85,7 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
   for (int t = 0; t < NT; t++) acc[t] = 0.0f;
   const int units = cols / 32;
 #pragma unroll(NT == 1 ? 4 : 1)
-  for (int u = lane / 8; u < units; u += FW_WARP / 8) {
+  for (int u = threadIdx.x / 8; u < units; u += FW_MM_WARPS * FW_WARP / 8) {
     float v[4];
     fw_part<TY>(row, u, part, v);
 #pragma unroll
@@ -97,7 +102,14 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
 #pragma unroll
   for (int t = 0; t < NT; t++) {
     const float s = fw_warp_sum(acc[t]);
-    if (lane == 0 && t < nt) y[(size_t)(t0 + t) * rows + r] = s;
+    if (lane == 0) sums[t][warp] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < nt) {
+    float s = sums[threadIdx.x][0];
+#pragma unroll
+    for (int k = 1; k < FW_MM_WARPS; k++) s = fw_add(s, sums[threadIdx.x][k]);
+    y[(size_t)(t0 + threadIdx.x) * rows + r] = s;
   }
 }
 

@@ -10,7 +10,8 @@ use cudarc::driver::{
     CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig, PushKernelArg,
 };
 
-/// Tokens per matmul block row-pass (`FW_MM_TOKENS`), warps per matmul block.
+/// Tokens per matmul block row-pass (`FW_MM_TOKENS`), warps per matmul block: one weight row's
+/// (`FW_MM_WARPS`).
 const MM_TOKENS: usize = 16;
 const MM_WARPS: usize = 4;
 /// Threads of the row kernels and of the elementwise ones.
@@ -99,6 +100,9 @@ impl Gpu {
         len_at_least(w, rows * row_bytes, "matmul w")?;
         len_at_least(x, n * cols, "matmul x")?;
         len_at_least(y, n * rows, "matmul y")?;
+        check(rows <= i32::MAX as usize && n.div_ceil(MM_TOKENS) <= 65535, || {
+            format!("a matmul of {rows} rows and {n} tokens (a launch's grid is smaller)")
+        })?;
         if n == 0 || rows == 0 {
             return Ok(());
         }
@@ -110,7 +114,7 @@ impl Gpu {
         };
         let f = self.function(&format!("{kernel}_{}", type_name(ty)))?;
         let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(MM_WARPS) as u32, n.div_ceil(tokens) as u32, 1),
+            grid_dim: (rows as u32, n.div_ceil(tokens) as u32, 1),
             block_dim: ((MM_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
