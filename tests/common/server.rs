@@ -65,6 +65,15 @@ impl Server {
             .arg(&cfg)
             .args(["--host", "127.0.0.1", "--port", "0"])
             .args(extra_args)
+            // Each server its own data directory unless the test names one (the default, ./data,
+            // was shared by tests running at once: their migrations raced in one database).
+            .args(
+                (!extra_args.contains(&"--data-dir") && !config_toml.contains("data_dir"))
+                    .then(|| ["--data-dir".into(), dir.path().join("data")])
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<std::path::PathBuf>>(),
+            )
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr_path).unwrap())
             .spawn()

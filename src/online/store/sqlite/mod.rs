@@ -104,42 +104,50 @@ impl SqliteLog {
         }
         let mut conn = Connection::open(path)
             .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
-        conn.pragma_update(None, "journal_mode", "WAL")?;
-        conn.pragma_update(None, "synchronous", "FULL")?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
-        let done: usize = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-        anyhow::ensure!(
-            done <= MIGRATIONS.len(),
-            "{}: schema version {done} is newer than this build ({})",
-            path.display(),
-            MIGRATIONS.len()
-        );
-        for (i, m) in MIGRATIONS.iter().enumerate().skip(done) {
-            let tx = conn.transaction()?;
-            tx.execute_batch(m)?;
-            tx.pragma_update(None, "user_version", i + 1)?;
+        // Switching a new file to WAL takes it whole and does not wait on the busy handler:
+        // another process opening it at the same moment makes it fail at once; try again.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while let Err(e) = conn.pragma_update(None, "journal_mode", "WAL") {
+            let busy = e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy);
+            if !busy || std::time::Instant::now() > deadline {
+                return Err(e.into());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        // Each migration in an immediate (write-locked) transaction that reads the version
+        // again: two processes opening one new database (a trainer and a replica, or tests
+        // sharing a directory) migrate it once between them, never twice.
+        loop {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let done: usize = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+            anyhow::ensure!(
+                done <= MIGRATIONS.len(),
+                "{}: schema version {done} is newer than this build ({})",
+                path.display(),
+                MIGRATIONS.len()
+            );
+            if done == MIGRATIONS.len() {
+                break;
+            }
+            tx.execute_batch(MIGRATIONS[done])?;
+            tx.pragma_update(None, "user_version", done + 1)?;
             tx.commit()?;
         }
-        let salt: Option<String> = conn
-            .query_row("SELECT value FROM meta WHERE key = 'key_salt'", [], |r| {
+        // The salt: the first opener's (a second one's insert is ignored, then both read it).
+        conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('key_salt', ?1)",
+            params![format!(
+                "{:016x}{:016x}",
+                crate::util::random_u64(),
+                crate::util::random_u64(),
+            )],
+        )?;
+        let salt: String =
+            conn.query_row("SELECT value FROM meta WHERE key = 'key_salt'", [], |r| {
                 r.get(0)
-            })
-            .optional()?;
-        let salt = match salt {
-            Some(s) => s,
-            None => {
-                let s = format!(
-                    "{:016x}{:016x}",
-                    crate::util::random_u64(),
-                    crate::util::random_u64(),
-                );
-                conn.execute(
-                    "INSERT INTO meta (key, value) VALUES ('key_salt', ?1)",
-                    params![s],
-                )?;
-                s
-            }
-        };
+            })?;
         let meta = std::fs::metadata(path)?;
         Ok(SqliteLog {
             conn: Mutex::new(conn),

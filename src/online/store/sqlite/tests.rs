@@ -45,3 +45,34 @@ fn a_database_of_the_first_schema_migrates_to_lineages_and_relative_paths() {
     assert_eq!(log.max_version("a").unwrap(), 3);
     assert!(log.active_lineage("b").unwrap().is_none());
 }
+
+/// Several openers of one new database at once (a trainer and a replica, or servers sharing a
+/// data directory) migrate it once between them and share one key salt.
+#[test]
+fn openers_of_one_new_database_at_once_migrate_it_once_and_share_the_salt() {
+    for _ in 0..5 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("flywheel.db");
+        let barrier = std::sync::Barrier::new(6);
+        let salts: Vec<String> = std::thread::scope(|s| {
+            let opened: Vec<_> = (0..6)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        SqliteLog::open(&path).map(|l| l.salt.clone())
+                    })
+                })
+                .collect();
+            opened
+                .into_iter()
+                .map(|h| h.join().unwrap().expect("every opener opens"))
+                .collect()
+        });
+        assert!(salts.iter().all(|s| s == &salts[0]), "{salts:?}");
+        let c = Connection::open(&path).unwrap();
+        let v: usize = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, MIGRATIONS.len());
+    }
+}
