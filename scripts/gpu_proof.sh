@@ -16,6 +16,8 @@
 #   scripts/gpu_proof.sh llamacpp  (optional, before speed; carry gpu-llamacpp from
 #                                scripts/gpu-llamacpp in its own call) llama.cpp's CUDA build of
 #                                llama-bench for sm_90 into /tmp (kept while the machine is warm)
+#   scripts/gpu_proof.sh profile (~3 minutes) ncu's duration of every kernel of the 1B shape's
+#                                eager decode at batch 1, summed by kernel (profile-1b.md)
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -99,7 +101,35 @@ build_llamacpp() {
   [ -x "$LLAMA_BENCH" ] && echo "  built $LLAMA_BENCH" | tee -a "$SUMMARY"
 }
 
+# ncu's duration of each kernel in a stretch of eager batch-1 decode steps, summed per kernel name
+# and per step, beside the step's measured time (is a step the kernels' time, or the host's?).
+profile() {
+  local m=/tmp/llama-1b.gguf
+  [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
+  step ncu-llama-1b ncu --csv --metrics gpu__time_duration.sum \
+    --launch-skip 1500 --launch-count 600 "$B/flywheel" bench --device cuda --model "$m" \
+    --prompt-tokens 64 --decode-tokens 64 --batch 1 --runs 1 --kv-cache-dtype f16
+  python3 - "$OUT/ncu-llama-1b.log" >"$OUT/profile-1b.md" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]; rows = rows[1:]
+name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
+total = collections.Counter(); count = collections.Counter()
+for r in rows:
+    ns = float(r[value].replace(",", "")) * {"nsecond": 1, "usecond": 1e3, "msecond": 1e6}[r[unit]]
+    total[r[name]] += ns; count[r[name]] += 1
+steps = max(count.get(k, 0) for k in total if k.startswith("fw_embed")) or 1
+print(f"{len(rows)} kernels over {steps} steps; kernel time per step: {sum(total.values())/steps/1e3:.1f} us")
+for k, ns in total.most_common():
+    print(f"{k:<28} {count[k]/steps:6.1f}/step {ns/steps/1e3:9.1f} us/step {ns/count[k]/1e3:8.2f} us each")
+PY
+  cat "$OUT/profile-1b.md" | head -30 | tee -a "$SUMMARY"
+}
+
 case "${1:-}" in
+profile)
+  profile
+  ;;
 all)
   STEP_S=100 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1

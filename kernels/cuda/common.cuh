@@ -101,7 +101,7 @@ FW_HD void fw_scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
 }
 
 // Bytes per block and values per block of each format.
-FW_HD int fw_block_bytes(int ty) {
+FW_HD constexpr int fw_block_bytes(int ty) {
   switch (ty) {
     case FW_F32: return 4;
     case FW_F16: case FW_BF16: return 2;
@@ -119,7 +119,7 @@ FW_HD int fw_block_bytes(int ty) {
     default: return 210;  // FW_Q6K
   }
 }
-FW_HD int fw_block_values(int ty) {
+FW_HD constexpr int fw_block_values(int ty) {
   switch (ty) {
     case FW_F32: case FW_F16: case FW_BF16: return 1;
     case FW_Q4_0: case FW_Q4_1: case FW_Q5_0: case FW_Q5_1: case FW_Q8_0: case FW_IQ4NL: return 32;

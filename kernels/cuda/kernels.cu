@@ -14,7 +14,11 @@
 // Tokens a matmul block keeps in registers: one pass over a weight row serves this many.
 #define FW_MM_TOKENS 16
 // Warps per matmul block: the warps of one weight row (`MM_WARPS` in cuda/launch.rs).
-#define FW_MM_WARPS 4
+#define FW_MM_WARPS 2
+// Shared memory a matmul block stages its weight row in, a chunk at a time.
+#define FW_STAGE_BYTES 4096
+// Units a matmul thread takes at a time (their loads of x in flight together).
+#define FW_MM_BATCH 4
 // Threads per block of the row kernels (RMSNorm, log-softmax, argmax, embedding).
 #define FW_ROW_THREADS 256
 // Warps per block of the attention kernel.
@@ -58,20 +62,59 @@ __device__ float fw_block_max(float v) {
   return fw_warp_max(v);
 }
 
+// A unit's span in the stored row: units come in groups (a K-quant block holds 8, the 32-value
+// formats' blocks 1, F32/F16/BF16 are taken 32 values at a time) of `fw_group_bytes` bytes.
+template <int TY>
+__device__ constexpr int fw_group_units() {
+  return fw_block_values(TY) == 256 ? 8 : 1;
+}
+template <int TY>
+__device__ constexpr int fw_group_bytes() {
+  return fw_block_values(TY) == 1 ? 32 * fw_block_bytes(TY) : fw_block_bytes(TY);
+}
+
+// Copy bytes [g, g + len) of global memory into `stage` so that stage + off mirrors g, off = g's
+// offset in its 16-byte word (fw_words then reads the same alignment): the aligned 16-byte words
+// by every thread at once (a thread's loads issued before any is stored: all in flight together),
+// the last < 16 bytes one by one. Nothing is read past g + len; the aligned start may lie before g
+// but not before its allocation (allocations are 256-byte aligned). Returns off.
+__device__ __forceinline__ int fw_stage(const uint8_t* __restrict__ g, int len, uint4* stage) {
+  const uintptr_t a = (uintptr_t)g & ~(uintptr_t)15, end = (uintptr_t)g + len;
+  const int words = (int)(((end & ~(uintptr_t)15) - a) / 16);
+  constexpr int PER = FW_STAGE_BYTES / 16 / (FW_MM_WARPS * FW_WARP);
+  uint4 w[PER];
+#pragma unroll
+  for (int k = 0; k < PER; k++) {
+    const int i = threadIdx.x + k * FW_MM_WARPS * FW_WARP;
+    if (i < words) w[k] = __ldg((const uint4*)a + i);
+  }
+#pragma unroll
+  for (int k = 0; k < PER; k++) {
+    const int i = threadIdx.x + k * FW_MM_WARPS * FW_WARP;
+    if (i < words) stage[i] = w[k];
+  }
+  const int tail = (int)(end - (end & ~(uintptr_t)15));
+  if ((int)threadIdx.x < tail)
+    ((uint8_t*)stage)[16 * words + threadIdx.x] = __ldg((const uint8_t*)(end & ~(uintptr_t)15) + threadIdx.x);
+  return (int)((uintptr_t)g - a);
+}
+
 // y (n, rows) = x (n, cols) · Wᵀ, W `rows` rows of `row_bytes` bytes in format TY. One block of
-// FW_MM_WARPS warps per weight row (grid (rows, ceil(n / NT))): a decode step's 2048-row products
-// then keep 4x the loads in flight that a warp per row did (the H200's first run read 6.7% of its
-// bandwidth at batch 1, latency-bound with ~15 warps per SM). A unit (32 values) goes to 8
-// threads, 4 values each (`fw_part`): thread i of the block takes part i % 8 of units i / 8,
-// i / 8 + 4·FW_MM_WARPS, …, so a warp's loads of x and of the codes are contiguous. Each thread
-// accumulates its values in that order for up to NT tokens, each warp sums its lanes, then the
-// warps' sums are added in warp order. A (row, token)'s sum runs in the same order whatever n and
-// NT are: batch-invariant. NT is 1 for a batch of one token (decode at batch 1: fewer registers,
-// more loads in flight), else FW_MM_TOKENS.
+// FW_MM_WARPS warps per weight row (grid (rows, ceil(n / NT))). The row is staged into shared
+// memory a chunk at a time (`fw_stage`: every load of the chunk in flight at once), then read from
+// there: the H200's profile of a decode step found the products latency-bound, each unit's loads
+// waiting for the previous unit's sums (~10% of the card's bandwidth). A unit (32 values) goes to
+// 8 threads, 4 values each (`fw_part`): thread i of the block takes part i % 8 of units i / 8,
+// i / 8 + FW_MM_WARPS·4, …, so a warp's loads of x are contiguous. Each thread accumulates its
+// values in that order for up to NT tokens, each warp sums its lanes, then the warps' sums are
+// added in warp order. A (row, token)'s sum runs in the same order whatever n and NT are (and
+// whatever the chunks): batch-invariant. NT is 1 for a batch of one token (decode at batch 1:
+// fewer registers), else FW_MM_TOKENS.
 template <int TY, int NT>
 __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                long long row_bytes, const float* __restrict__ x,
                                                int n, float* __restrict__ y) {
+  __shared__ uint4 stage[FW_STAGE_BYTES / 16];
   __shared__ float sums[NT][FW_MM_WARPS];
   const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
   const int r = blockIdx.x;
@@ -84,18 +127,47 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
 #pragma unroll
   for (int t = 0; t < NT; t++) acc[t] = 0.0f;
   const int units = cols / 32;
-#pragma unroll(NT == 1 ? 4 : 1)
-  for (int u = threadIdx.x / 8; u < units; u += FW_MM_WARPS * FW_WARP / 8) {
-    float v[4];
-    fw_part<TY>(row, u, part, v);
+  // Units per chunk: whole groups whose bytes fit the stage with room for the alignment offset
+  // and fw_words' read of up to 4 bytes past a unit (in the stage: discarded bits).
+  constexpr int GU = fw_group_units<TY>(), GB = fw_group_bytes<TY>();
+  constexpr int CHUNK = (FW_STAGE_BYTES - 16 - 4) / GB * GU;
+  constexpr int STEP = FW_MM_WARPS * FW_WARP / 8;
+  for (int c0 = 0; c0 < units; c0 += CHUNK) {
+    const int cu = min(CHUNK, units - c0);
+    if (c0 > 0) __syncthreads();  // the previous chunk's reads are done
+    const int off = fw_stage(row + (size_t)(c0 / GU) * GB, cu / GU * GB, stage);
+    __syncthreads();
+    const uint8_t* srow = (const uint8_t*)stage + off;
+    // A thread's first unit of this chunk continues its order across chunks (CHUNK is a
+    // multiple of STEP or the row has one chunk).
+    const int first = c0 + ((threadIdx.x / 8 - c0) % STEP + STEP) % STEP;
+    // FW_MM_BATCH units at a time, their x loads issued together (one at a time, each waited
+    // for its own latency); a unit past the chunk adds 0·0 (the same sum: acc + 0 = acc).
+    for (int u = first; u < c0 + cu; u += FW_MM_BATCH * STEP) {
+      float v[FW_MM_BATCH][4];
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-      if (t < nt) {
-        const float4 a = *(const float4*)(xt + (size_t)t * cols + 32 * u);
-        acc[t] = fmaf(v[0], a.x, acc[t]);
-        acc[t] = fmaf(v[1], a.y, acc[t]);
-        acc[t] = fmaf(v[2], a.z, acc[t]);
-        acc[t] = fmaf(v[3], a.w, acc[t]);
+      for (int b = 0; b < FW_MM_BATCH; b++) {
+        const int ub = u + b * STEP;
+        fw_part<TY>(srow, ub < c0 + cu ? ub - c0 : 0, part, v[b]);
+      }
+#pragma unroll
+      for (int t = 0; t < NT; t++) {
+        if (NT == 1 || t < nt) {
+          float4 a[FW_MM_BATCH];
+#pragma unroll
+          for (int b = 0; b < FW_MM_BATCH; b++) {
+            const int ub = u + b * STEP;
+            a[b] = __ldg((const float4*)(xt + (size_t)t * cols + 32 * (ub < c0 + cu ? ub : c0)));
+          }
+#pragma unroll
+          for (int b = 0; b < FW_MM_BATCH; b++) {
+            const bool in = u + b * STEP < c0 + cu;
+            acc[t] = fmaf(in ? v[b][0] : 0.0f, in ? a[b].x : 0.0f, acc[t]);
+            acc[t] = fmaf(in ? v[b][1] : 0.0f, in ? a[b].y : 0.0f, acc[t]);
+            acc[t] = fmaf(in ? v[b][2] : 0.0f, in ? a[b].z : 0.0f, acc[t]);
+            acc[t] = fmaf(in ? v[b][3] : 0.0f, in ? a[b].w : 0.0f, acc[t]);
+          }
+        }
       }
     }
   }
@@ -105,7 +177,7 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
     if (lane == 0) sums[t][warp] = s;
   }
   __syncthreads();
-  if (threadIdx.x < nt) {
+  if ((int)threadIdx.x < nt) {
     float s = sums[threadIdx.x][0];
 #pragma unroll
     for (int k = 1; k < FW_MM_WARPS; k++) s = fw_add(s, sums[threadIdx.x][k]);
@@ -131,12 +203,14 @@ __device__ __forceinline__ void fw_embed_body(const uint8_t* __restrict__ table,
 }
 
 #define FW_PER_TYPE(NAME, TY)                                                                   \
-  extern "C" __global__ void fw_matmul_##NAME(const uint8_t* w, int rows, int cols,              \
+  extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)                           \
+      fw_matmul_##NAME(const uint8_t* w, int rows, int cols,                                     \
                                               long long row_bytes, const float* x, int n,       \
                                               float* y) {                                        \
     fw_matmul_body<TY, FW_MM_TOKENS>(w, rows, cols, row_bytes, x, n, y);                        \
   }                                                                                              \
-  extern "C" __global__ void fw_matmul1_##NAME(const uint8_t* w, int rows, int cols,             \
+  extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)                           \
+      fw_matmul1_##NAME(const uint8_t* w, int rows, int cols,                                    \
                                                long long row_bytes, const float* x, int n,      \
                                                float* y) {                                       \
     fw_matmul_body<TY, 1>(w, rows, cols, row_bytes, x, n, y);                                   \
@@ -168,10 +242,30 @@ extern "C" __global__ void fw_rmsnorm(const float* __restrict__ x, const float* 
   const float* xr = x + (size_t)blockIdx.x * d;
   float* o = out + (size_t)blockIdx.x * d;
   float ss = 0.0f;
-  for (int c = threadIdx.x; c < d; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
+  // 8 values a thread at a time, their loads issued together (predicated, not a branch each:
+  // one at a time, a thread waited a memory latency per value); the sum in the same order, a
+  // value past the row adding 0·0.
+  const int T = blockDim.x;
+  for (int c0 = threadIdx.x; c0 < d; c0 += 8 * T) {
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = c0 + k * T < d ? __ldg(xr + c0 + k * T) : 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) ss = fmaf(v[k], v[k], ss);
+  }
   ss = fw_block_sum(ss);
   const float scale = 1.0f / sqrtf(ss / (float)d + eps);
-  for (int c = threadIdx.x; c < d; c += blockDim.x) o[c] = fw_mul(fw_mul(xr[c], scale), weight[c]);
+  for (int c0 = threadIdx.x; c0 < d; c0 += 8 * T) {
+    float v[8], g[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      v[k] = c0 + k * T < d ? __ldg(xr + c0 + k * T) : 0.0f;
+      g[k] = c0 + k * T < d ? __ldg(weight + c0 + k * T) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+      if (c0 + k * T < d) o[c0 + k * T] = fw_mul(fw_mul(v[k], scale), g[k]);
+  }
 }
 
 // RoPE by the table of `ops::rope_table` ((cos, sin) per pair per token): pair i of each head
@@ -352,7 +446,9 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
     if (p <= pos) {
       const size_t k0 = fw_k_index(bt, p, kvh * head_dim, block_size, kv_dim);
       float dot = 0.0f;
-#pragma unroll 4
+      // 8 of a key's loads in flight at a time (4 left a decode step's attention latency-bound;
+      // 16 spilled on sm_80).
+#pragma unroll 8
       for (int d = 0; d < head_dim; d++) dot = fmaf(qs[d], fw_load(kc + k0 + (size_t)d * block_size), dot);
       sc = dot;
     }
@@ -365,9 +461,15 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
 #pragma unroll
     for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) acc[j] *= corr;
     const int last = min(FW_WARP, pos - p0 + 1);
+    // Each lane looks up its own position's V row (in parallel); the loop below takes them by
+    // shuffle, so that its V loads wait on no block-table load and go out together.
+    const int pl = min(p, pos);
+    const int my_slot = (int)bt[pl / block_size] * block_size + pl % block_size;
+#pragma unroll 8
     for (int i = 0; i < last; i++) {
       const float w = __shfl_sync(0xffffffffu, pr, i);
-      const E* vr = vc + fw_v_offset(bt, p0 + i, block_size, kv_dim) + kvh * head_dim;
+      // fw_v_offset of position p0 + i, from lane i's slot.
+      const E* vr = vc + (size_t)__shfl_sync(0xffffffffu, my_slot, i) * kv_dim + kvh * head_dim;
 #pragma unroll
       for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) {
         const int d = lane + FW_WARP * j;

@@ -5,8 +5,8 @@
 // first H200 run, docs/gpu.md). `twin.cu` checks it equals `fw_unit` on every machine, at every
 // byte alignment.
 //
-// A read may run up to 3 bytes past the unit's last byte (the rest of its aligned word, and for
-// Q4_0/IQ4_NL the 2 bytes past an 18-byte block): `Gpu::matrix` pads every weight allocation.
+// On the device a read runs up to 4 bytes past the unit's last byte (the aligned word after it):
+// the product kernels call it on their rows staged in shared memory, with that room kept.
 #pragma once
 #include "common.cuh"
 
@@ -17,11 +17,14 @@ FW_HD void fw_words(const uint8_t* p, uint32_t* w) {
   const uintptr_t a = (uintptr_t)p;
   const uint32_t* q = (const uint32_t*)(a & ~(uintptr_t)3);
   const uint32_t sh = (uint32_t)(a & 3) * 8;
-  uint32_t prev = __ldg(q);
+  // Plain loads, not __ldg: the product kernels read their staged rows from shared memory,
+  // where the word after the last is always there to read (the stage keeps room for it), so it
+  // is read whether or not p is aligned: a conditional load there was a branch, which kept
+  // the kernels' loads of x from being issued together.
+  uint32_t prev = q[0];
 #pragma unroll
   for (int i = 0; i < N; i++) {
-    // The word after the last is needed only when p is not aligned.
-    const uint32_t next = (i + 1 < N || sh) ? __ldg(q + i + 1) : 0u;
+    const uint32_t next = q[i + 1];
     w[i] = __funnelshift_r(prev, next, sh);
     prev = next;
   }
@@ -46,7 +49,7 @@ FW_HD void fw_words(const uint8_t* p, uint32_t* w) {
 
 FW_HD uint32_t fw_u16_at(const uint8_t* p) {
 #ifdef __CUDA_ARCH__
-  return __ldg((const uint16_t*)p);  // every 16-bit field of these formats is 2-byte aligned
+  return *(const uint16_t*)p;  // every 16-bit field of these formats is 2-byte aligned
 #else
   return fw_u16(p);
 #endif
@@ -187,7 +190,8 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
 #pragma unroll
     for (int i = 0; i < 2; i++) {
       const int k = 2 * s + i;
-      const uint32_t lo = ((sw[(k % 8) / 4] >> (8 * (k % 4))) >> (4 * (k / 8))) & 0xF;
+      // A select, not sw[(k % 8) / 4]: a run-time index gave the kernels a stack frame.
+    const uint32_t lo = (((k % 8) / 4 ? sw[1] : sw[0]) >> (8 * (k % 4)) >> (4 * (k / 8))) & 0xF;
       const uint32_t hi = ((sw[2] >> (8 * (k % 4))) >> (2 * (k / 4))) & 3;
       ds[i] = fw_mul(d, (float)((int)(lo | (hi << 4)) - 32));
     }
@@ -350,7 +354,8 @@ FW_HD void fw_part(const uint8_t* row, int u, int part, float* out) {
     fw_words<1>(b + 32 + 32 * (s / 4) + 4 * part, &q);
     fw_words<3>(b + 96, sw);
     const int k = 2 * s + part / 4;
-    const uint32_t lo = ((sw[(k % 8) / 4] >> (8 * (k % 4))) >> (4 * (k / 8))) & 0xF;
+    // A select, not sw[(k % 8) / 4]: a run-time index gave the kernels a stack frame.
+    const uint32_t lo = (((k % 8) / 4 ? sw[1] : sw[0]) >> (8 * (k % 4)) >> (4 * (k / 8))) & 0xF;
     const uint32_t hi = ((sw[2] >> (8 * (k % 4))) >> (2 * (k / 4))) & 3;
     const float ds = fw_mul(d, (float)((int)(lo | (hi << 4)) - 32));
     const int shift = 2 * (s % 4);

@@ -13,7 +13,7 @@ use cudarc::driver::{
 /// Tokens per matmul block row-pass (`FW_MM_TOKENS`), warps per matmul block: one weight row's
 /// (`FW_MM_WARPS`).
 const MM_TOKENS: usize = 16;
-const MM_WARPS: usize = 4;
+const MM_WARPS: usize = 2;
 /// Threads of the row kernels and of the elementwise ones.
 pub(super) const ROW_THREADS: u32 = 256;
 /// Warps of the attention kernel (`FW_ATT_WARPS`).
@@ -100,9 +100,10 @@ impl Gpu {
         len_at_least(w, rows * row_bytes, "matmul w")?;
         len_at_least(x, n * cols, "matmul x")?;
         len_at_least(y, n * rows, "matmul y")?;
-        check(rows <= i32::MAX as usize && n.div_ceil(MM_TOKENS) <= 65535, || {
-            format!("a matmul of {rows} rows and {n} tokens (a launch's grid is smaller)")
-        })?;
+        check(
+            rows <= i32::MAX as usize && n.div_ceil(MM_TOKENS) <= 65535,
+            || format!("a matmul of {rows} rows and {n} tokens (a launch's grid is smaller)"),
+        )?;
         if n == 0 || rows == 0 {
             return Ok(());
         }
