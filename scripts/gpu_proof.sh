@@ -106,19 +106,23 @@ build_llamacpp() {
 profile() {
   local m=/tmp/llama-1b.gguf
   [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
-  step ncu-llama-1b ncu --csv --metrics gpu__time_duration.sum \
-    --launch-skip 1500 --launch-count 600 "$B/flywheel" bench --device cuda --model "$m" \
+  # Caches and clocks as they are in a run (ncu flushes the caches and locks base clocks by
+  # default, which made every small kernel look latency-bound).
+  step ncu-llama-1b ncu --csv --metrics gpu__time_duration.sum --cache-control none \
+    --clock-control none \
+    --launch-skip 5000 --launch-count 780 "$B/flywheel" bench --device cuda --model "$m" \
     --prompt-tokens 64 --decode-tokens 64 --batch 1 --runs 1 --kv-cache-dtype f16
   python3 - "$OUT/ncu-llama-1b.log" >"$OUT/profile-1b.md" <<'PY'
 import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-head = rows[0]; rows = rows[1:]
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 15]
+head = rows[0]; rows = [r for r in rows[1:] if r[0] != "ID"]
 name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
 total = collections.Counter(); count = collections.Counter()
 for r in rows:
-    ns = float(r[value].replace(",", "")) * {"nsecond": 1, "usecond": 1e3, "msecond": 1e6}[r[unit]]
+    ns = float(r[value].replace(",", "")) * {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3,
+                                            "ms": 1e6, "msecond": 1e6}[r[unit]]
     total[r[name]] += ns; count[r[name]] += 1
-steps = max(count.get(k, 0) for k in total if k.startswith("fw_embed")) or 1
+steps = sum(v for k, v in count.items() if k.startswith("fw_embed")) or 1
 print(f"{len(rows)} kernels over {steps} steps; kernel time per step: {sum(total.values())/steps/1e3:.1f} us")
 for k, ns in total.most_common():
     print(f"{k:<28} {count[k]/steps:6.1f}/step {ns/steps/1e3:9.1f} us/step {ns/count[k]/1e3:8.2f} us each")
