@@ -15,10 +15,11 @@
 #define FW_MM_TOKENS 16
 // Warps per matmul block: the warps of one weight row (`MM_WARPS` in cuda/launch.rs).
 #define FW_MM_WARPS 2
-// Shared memory a matmul block stages its weight row in, a chunk at a time.
-#define FW_STAGE_BYTES 4096
-// Units a matmul thread takes at a time (their loads of x in flight together).
-#define FW_MM_BATCH 4
+// Units (32 values) a matmul block takes at a time: one a thread.
+#define FW_MM_UNITS (FW_MM_WARPS * FW_WARP)
+// Blocks per SM the decode product is compiled for (registers: 64 K / (64 threads · 10) = 102;
+// at 12 and 16 it spilled).
+#define FW_MM1_BLOCKS 10
 // Threads per block of the row kernels (RMSNorm, log-softmax, argmax, embedding).
 #define FW_ROW_THREADS 256
 // Warps per block of the attention kernel.
@@ -77,20 +78,22 @@ __device__ constexpr int fw_group_bytes() {
 // offset in its 16-byte word (fw_words then reads the same alignment): the aligned 16-byte words
 // by every thread at once (a thread's loads issued before any is stored: all in flight together),
 // the last < 16 bytes one by one. Nothing is read past g + len; the aligned start may lie before g
-// but not before its allocation (allocations are 256-byte aligned). Returns off.
+// but not before its allocation (allocations are 256-byte aligned). Returns off. CAP: the stage's
+// size in 16-byte words.
+template <int CAP>
 __device__ __forceinline__ int fw_stage(const uint8_t* __restrict__ g, int len, uint4* stage) {
   const uintptr_t a = (uintptr_t)g & ~(uintptr_t)15, end = (uintptr_t)g + len;
   const int words = (int)(((end & ~(uintptr_t)15) - a) / 16);
-  constexpr int PER = FW_STAGE_BYTES / 16 / (FW_MM_WARPS * FW_WARP);
+  constexpr int T = FW_MM_WARPS * FW_WARP, PER = (CAP + T - 1) / T;
   uint4 w[PER];
 #pragma unroll
   for (int k = 0; k < PER; k++) {
-    const int i = threadIdx.x + k * FW_MM_WARPS * FW_WARP;
+    const int i = threadIdx.x + k * T;
     if (i < words) w[k] = __ldg((const uint4*)a + i);
   }
 #pragma unroll
   for (int k = 0; k < PER; k++) {
-    const int i = threadIdx.x + k * FW_MM_WARPS * FW_WARP;
+    const int i = threadIdx.x + k * T;
     if (i < words) stage[i] = w[k];
   }
   const int tail = (int)(end - (end & ~(uintptr_t)15));
@@ -99,77 +102,87 @@ __device__ __forceinline__ int fw_stage(const uint8_t* __restrict__ g, int len, 
   return (int)((uintptr_t)g - a);
 }
 
+// x[0..32·cu] of one token into `xs`, unit u's 32 values at xs[33u ..]: the pad makes thread t's
+// reads of its unit (33t + j) fall in distinct banks. A thread's loads go out 4 at a time (8 at
+// once held 32 registers, and the decode product spilled).
+__device__ __forceinline__ void fw_stage_x(const float* __restrict__ x, int cu, float* xs) {
+  constexpr int T = FW_MM_WARPS * FW_WARP, PER = FW_MM_UNITS * 8 / T;  // float4s a thread
+#pragma unroll
+  for (int k0 = 0; k0 < PER; k0 += 4) {
+    float4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const int i = threadIdx.x + (k0 + k) * T;  // float4 i: unit i / 8, values 4·(i % 8) ..
+      if (i < 8 * cu) v[k] = __ldg((const float4*)x + i);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const int i = threadIdx.x + (k0 + k) * T;
+      if (i < 8 * cu) {
+        float* o = xs + 33 * (i / 8) + 4 * (i % 8);
+        o[0] = v[k].x;
+        o[1] = v[k].y;
+        o[2] = v[k].z;
+        o[3] = v[k].w;
+      }
+    }
+  }
+}
+
 // y (n, rows) = x (n, cols) · Wᵀ, W `rows` rows of `row_bytes` bytes in format TY. One block of
-// FW_MM_WARPS warps per weight row (grid (rows, ceil(n / NT))). The row is staged into shared
-// memory a chunk at a time (`fw_stage`: every load of the chunk in flight at once), then read from
-// there: the H200's profile of a decode step found the products latency-bound, each unit's loads
-// waiting for the previous unit's sums (~10% of the card's bandwidth). A unit (32 values) goes to
-// 8 threads, 4 values each (`fw_part`): thread i of the block takes part i % 8 of units i / 8,
-// i / 8 + FW_MM_WARPS·4, …, so a warp's loads of x are contiguous. Each thread accumulates its
-// values in that order for up to NT tokens, each warp sums its lanes, then the warps' sums are
-// added in warp order. A (row, token)'s sum runs in the same order whatever n and NT are (and
-// whatever the chunks): batch-invariant. NT is 1 for a batch of one token (decode at batch 1:
-// fewer registers), else FW_MM_TOKENS.
+// FW_MM_WARPS warps per weight row (grid (rows, ceil(n / NT))), the row taken FW_MM_UNITS units
+// (32 values each) at a time, one unit a thread: the chunk's weight bytes are staged in shared
+// memory (every load in flight at once), each thread dequantizes its unit once (`fw_unit_fast`,
+// the CPU's values bit for bit), then for each token the chunk of x is staged (padded: no bank
+// conflicts) and the thread adds its 32 products in order. The H200's profile found the previous
+// layout (4 values a thread, a unit's scales decoded for each 4) issue-bound at ~40 instructions a
+// weight. Each thread's sum runs over its units in order, each warp sums its lanes, then the
+// warps' sums are added in warp order: a (row, token)'s sum runs in the same order whatever n and
+// NT are (batch-invariant). NT is 1 for a batch of one token (decode), else FW_MM_TOKENS.
 template <int TY, int NT>
 __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                long long row_bytes, const float* __restrict__ x,
                                                int n, float* __restrict__ y) {
-  __shared__ uint4 stage[FW_STAGE_BYTES / 16];
+  constexpr int GU = fw_group_units<TY>(), GB = fw_group_bytes<TY>();
+  // The chunk's bytes, its alignment offset and fw_words' reads up to 8 bytes past a unit.
+  constexpr int CAP = (FW_MM_UNITS / GU * GB + 16 + 16 + 15) / 16;
+  __shared__ uint4 stage[CAP];
+  __shared__ float xs[33 * FW_MM_UNITS];
   __shared__ float sums[NT][FW_MM_WARPS];
   const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
   const int r = blockIdx.x;
   const int t0 = blockIdx.y * NT;
   const int nt = min(NT, n - t0);
-  const int part = threadIdx.x % 8;
   const uint8_t* row = w + (size_t)r * row_bytes;
-  const float* xt = x + (size_t)t0 * cols + 4 * part;
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; t++) acc[t] = 0.0f;
   const int units = cols / 32;
-  // Units per chunk: whole groups whose bytes fit the stage with room for the alignment offset
-  // and fw_words' read of up to 4 bytes past a unit (in the stage: discarded bits).
-  constexpr int GU = fw_group_units<TY>(), GB = fw_group_bytes<TY>();
-  constexpr int CHUNK = (FW_STAGE_BYTES - 16 - 4) / GB * GU;
-  constexpr int STEP = FW_MM_WARPS * FW_WARP / 8;
-  for (int c0 = 0; c0 < units; c0 += CHUNK) {
-    const int cu = min(CHUNK, units - c0);
-    if (c0 > 0) __syncthreads();  // the previous chunk's reads are done
-    const int off = fw_stage(row + (size_t)(c0 / GU) * GB, cu / GU * GB, stage);
+  for (int c0 = 0; c0 < units; c0 += FW_MM_UNITS) {
+    const int cu = min(FW_MM_UNITS, units - c0);
+    const int off = fw_stage<CAP>(row + (size_t)(c0 / GU) * GB, cu / GU * GB, stage);
+    fw_stage_x(x + (size_t)t0 * cols + 32 * c0, cu, xs);
     __syncthreads();
-    const uint8_t* srow = (const uint8_t*)stage + off;
-    // A thread's first unit of this chunk continues its order across chunks (CHUNK is a
-    // multiple of STEP or the row has one chunk).
-    const int first = c0 + ((threadIdx.x / 8 - c0) % STEP + STEP) % STEP;
-    // FW_MM_BATCH units at a time, their x loads issued together (one at a time, each waited
-    // for its own latency); a unit past the chunk adds 0·0 (the same sum: acc + 0 = acc).
-    for (int u = first; u < c0 + cu; u += FW_MM_BATCH * STEP) {
-      float v[FW_MM_BATCH][4];
+    const bool mine = (int)threadIdx.x < cu;
+    float v[32];
+    fw_unit_fast<TY>((const uint8_t*)stage + off, mine ? threadIdx.x : 0, v);
 #pragma unroll
-      for (int b = 0; b < FW_MM_BATCH; b++) {
-        const int ub = u + b * STEP;
-        fw_part<TY>(srow, ub < c0 + cu ? ub - c0 : 0, part, v[b]);
+    for (int t = 0; t < NT; t++) {
+      if (NT > 1 && t >= nt) break;  // nt is the block's: every thread breaks together
+      if (t > 0) {
+        __syncthreads();  // the previous token's reads of xs are done
+        fw_stage_x(x + (size_t)(t0 + t) * cols + 32 * c0, cu, xs);
+        __syncthreads();
       }
+      if (mine) {
+        const float* xu = xs + 33 * threadIdx.x;
+        float a = acc[t];
 #pragma unroll
-      for (int t = 0; t < NT; t++) {
-        if (NT == 1 || t < nt) {
-          float4 a[FW_MM_BATCH];
-#pragma unroll
-          for (int b = 0; b < FW_MM_BATCH; b++) {
-            const int ub = u + b * STEP;
-            a[b] = __ldg((const float4*)(xt + (size_t)t * cols + 32 * (ub < c0 + cu ? ub : c0)));
-          }
-#pragma unroll
-          for (int b = 0; b < FW_MM_BATCH; b++) {
-            const bool in = u + b * STEP < c0 + cu;
-            acc[t] = fmaf(in ? v[b][0] : 0.0f, in ? a[b].x : 0.0f, acc[t]);
-            acc[t] = fmaf(in ? v[b][1] : 0.0f, in ? a[b].y : 0.0f, acc[t]);
-            acc[t] = fmaf(in ? v[b][2] : 0.0f, in ? a[b].z : 0.0f, acc[t]);
-            acc[t] = fmaf(in ? v[b][3] : 0.0f, in ? a[b].w : 0.0f, acc[t]);
-          }
-        }
+        for (int j = 0; j < 32; j++) a = fmaf(v[j], xu[j], a);
+        acc[t] = a;
       }
     }
+    __syncthreads();  // the chunk's weight reads are done before the next is staged
   }
 #pragma unroll
   for (int t = 0; t < NT; t++) {
@@ -209,7 +222,7 @@ __device__ __forceinline__ void fw_embed_body(const uint8_t* __restrict__ table,
                                               float* y) {                                        \
     fw_matmul_body<TY, FW_MM_TOKENS>(w, rows, cols, row_bytes, x, n, y);                        \
   }                                                                                              \
-  extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)                           \
+  extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP, FW_MM1_BLOCKS)            \
       fw_matmul1_##NAME(const uint8_t* w, int rows, int cols,                                    \
                                                long long row_bytes, const float* x, int n,      \
                                                float* y) {                                       \
