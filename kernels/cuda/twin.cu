@@ -2,8 +2,7 @@
 // that `kernels/tests/cuda_twin.rs` compares them with the CPU kernels on machines with no GPU.
 //
 //   fw_twin dequant TYPE ROWS COLS ROW_BYTES   stdin: the rows' bytes; stdout: ROWS·COLS f32, by
-//                                              `fw_unit_fast`, checked equal (and `fw_part`'s
-//                                              eight parts) to `fw_unit` with
+//                                              `fw_unit_fast`, checked equal to `fw_unit` with
 //                                              the rows at every byte alignment (exit 3 if not)
 //   fw_twin kv BLOCK_SIZE KV_DIM POSITIONS     stdin: the block table (u32); stdout: per position,
 //                                              its V offset, then each dim's K index (u64 each)
@@ -38,19 +37,16 @@ int main(int argc, char** argv) {
           const unsigned char* row = shifted.data() + shift + (size_t)r * row_bytes;
           float slow[32];
           float* fast = out.data() + (size_t)r * cols + 32 * u;
-          float parts[32];
           fw_unit_any(ty, row, u, slow);
           fw_unit_fast_any(ty, row, u, fast);
-          for (int p = 0; p < 8; p++) fw_part_any(ty, row, u, p, parts + 4 * p);
           for (int j = 0; j < 32; j++) {
-            uint32_t a, b, c;
+            uint32_t a, b;
             memcpy(&a, &slow[j], 4);
             memcpy(&b, &fast[j], 4);
-            memcpy(&c, &parts[j], 4);
             const bool nan = slow[j] != slow[j];
-            if ((a != b && !(nan && fast[j] != fast[j])) || (a != c && !(nan && parts[j] != parts[j]))) {
-              fprintf(stderr, "type %d row %d unit %d value %d shift %d: fw_unit %g, fw_unit_fast %g, fw_part %g\n",
-                      ty, r, u, j, shift, slow[j], fast[j], parts[j]);
+            if (a != b && !(nan && fast[j] != fast[j])) {
+              fprintf(stderr, "type %d row %d unit %d value %d shift %d: fw_unit %g, fw_unit_fast %g\n",
+                      ty, r, u, j, shift, slow[j], fast[j]);
               return 3;
             }
           }
