@@ -117,7 +117,8 @@ fn naive_rotation(theta: &[f32], b: usize) -> Vec<Vec<f64>> {
 
 /// The adapted projection the obvious way: OFT rotates the input blocks, LoRA adds s·B(A x).
 fn naive_project(w: &AdapterWeights, l: usize, t: usize, wm: &[Vec<f64>], x: &[f64]) -> Vec<f64> {
-    let Some(m) = w.layout.module(l, Target::ALL[t]) else {
+    let target = Target::ALL.get(t).copied().unwrap_or(Target::Head);
+    let Some(m) = w.layout.module(l, target) else {
         return matvec(wm, x);
     };
     match &w.layout.config.method {
@@ -170,6 +171,11 @@ fn oft_and_lora_match_the_independent_implementation() {
         (
             "lora r=3 k,gate",
             lora(3, 5.0, &[Target::K, Target::Gate]),
+            0.3,
+        ),
+        (
+            "lora r=4 v,lm_head",
+            lora(4, 8.0, &[Target::V, Target::Head]),
             0.3,
         ),
     ];
@@ -510,10 +516,29 @@ fn malformed_adapters_are_refused_by_name() {
     ts[0].2[0] = f32::INFINITY;
     let e = case("inf", &cfg, ts).unwrap_err();
     assert!(e.contains(&name(0, "lora_A")), "{e}");
+    // LoRA on the LM head takes lm_head's tensors (not a layer's); OFT there is refused.
     let e = case(
         "target",
         &serde_json::json!({"peft_type": "LORA", "r": 2, "target_modules": ["lm_head"]}),
         all_good.clone(),
+    )
+    .unwrap_err();
+    assert!(e.contains("v_proj") && e.contains("unknown tensor"), "{e}");
+    let vocab = model.config.vocab_size;
+    let head = |s: &str| format!("base_model.model.lm_head.{s}.weight");
+    case(
+        "head",
+        &serde_json::json!({"peft_type": "LORA", "r": 2, "target_modules": ["lm_head"]}),
+        vec![
+            (head("lora_A"), vec![2, h], vec![0.5; 2 * h]),
+            (head("lora_B"), vec![vocab, 2], vec![0.25; 2 * vocab]),
+        ],
+    )
+    .expect("LoRA on lm_head loads");
+    let e = case(
+        "oft-head",
+        &serde_json::json!({"peft_type": "OFT", "oft_block_size": 8, "target_modules": ["lm_head"]}),
+        vec![],
     )
     .unwrap_err();
     assert!(e.contains("target_modules") && e.contains("lm_head"), "{e}");

@@ -171,7 +171,7 @@ fn tinker_runs_are_created_through_futures_and_refuse_what_is_not_served() {
     assert_error(&r, 409, Some("model_seq_id"));
     for (patch, field, status) in [
         (
-            json!({"lora_config": {"rank": 4}}),
+            json!({"lora_config": {"rank": 4, "train_unembed": "yes"}}),
             "lora_config.train_unembed",
             400,
         ),

@@ -133,14 +133,14 @@ fn served_equal_training_kv(spec: &TinySpec, precision: Precision, kv: KvDtype) 
         cpu: Arc::new(detect()),
     };
     let reg = Registry::new(&model.config, Vec::new(), Arc::new(Metrics::new()));
-    for (kind, method) in [("oft", oft()), ("lora", lora())] {
-        let w = adapter(
-            &model,
-            method,
-            &model.config.adapter_shape().default_targets(),
-            9,
-            0.1,
-        );
+    let layers = model.config.adapter_shape().default_targets();
+    let with_head: Vec<Target> = layers.iter().copied().chain([Target::Head]).collect();
+    for (kind, method, targets) in [
+        ("oft", oft(), &layers),
+        ("lora", lora(), &layers),
+        ("lora-head", lora(), &with_head),
+    ] {
+        let w = adapter(&model, method, targets, 9, 0.1);
         let v = reg.publish(kind, w).unwrap().0;
         let mut seqs = Vec::new();
         for (i, temperature) in [0.7f32, 1.0, 1.3].into_iter().enumerate() {
@@ -223,14 +223,14 @@ fn gradients_equal_finite_differences(spec: &TinySpec) {
     let t1: Vec<u32> = (0..9).map(|t| (t * 29 + 4) % 250 + 3).collect();
     let t2: Vec<u32> = (0..7).map(|t| (t * 13 + 11) % 250 + 3).collect();
     let seqs = [TrainSeq::whole(&t1, 4), TrainSeq::whole(&t2, 2)];
-    for (name, method, scale) in [("oft", oft(), 0.2f32), ("lora", lora(), 0.3)] {
-        let w = adapter(
-            &model,
-            method,
-            &model.config.adapter_shape().default_targets(),
-            5,
-            scale,
-        );
+    let layers = model.config.adapter_shape().default_targets();
+    let with_head: Vec<Target> = layers.iter().copied().chain([Target::Head]).collect();
+    for (name, method, scale, targets) in [
+        ("oft", oft(), 0.2f32, &layers),
+        ("lora", lora(), 0.3, &layers),
+        ("lora-head", lora(), 0.3, &with_head),
+    ] {
+        let w = adapter(&model, method, targets, 5, scale);
         let temperature = 0.8;
         let j = |w: &AdapterWeights| -> f64 {
             let lp = model.logprobs(&c, &seqs, Some(w), temperature).unwrap();

@@ -13,7 +13,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A linear projection of a transformer block that an adapter can target.
+/// A linear projection an adapter can target: one of a transformer block's seven, or the LM head
+/// (`lm_head`, once per model, LoRA only: Tinker's `train_unembed`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Target {
     Q,
@@ -23,11 +24,14 @@ pub enum Target {
     Gate,
     Up,
     Down,
+    Head,
 }
 
+/// The per-layer targets (all but the LM head).
 pub const NUM_TARGETS: usize = 7;
 
 impl Target {
+    /// The per-layer targets, in order (the LM head is not one of them).
     pub const ALL: [Target; NUM_TARGETS] = [
         Target::Q,
         Target::K,
@@ -52,10 +56,11 @@ impl Target {
             Target::Gate => "gate_proj",
             Target::Up => "up_proj",
             Target::Down => "down_proj",
+            Target::Head => "lm_head",
         }
     }
 
-    /// The module's path under `model.layers.L.`.
+    /// The module's path under `model.layers.L.` (the LM head's is `lm_head`, under none).
     pub fn peft_path(self) -> &'static str {
         match self {
             Target::Q => "self_attn.q_proj",
@@ -65,6 +70,7 @@ impl Target {
             Target::Gate => "mlp.gate_proj",
             Target::Up => "mlp.up_proj",
             Target::Down => "mlp.down_proj",
+            Target::Head => "lm_head",
         }
     }
 
@@ -79,6 +85,7 @@ impl Target {
             "gate" => Target::Gate,
             "up" => Target::Up,
             "down" => Target::Down,
+            "lm_head" | "head" => Target::Head,
             _ => return None,
         })
     }
@@ -91,6 +98,7 @@ impl Target {
             Target::O => (c.q_dim, c.hidden),
             Target::Gate | Target::Up => (c.hidden, c.ffn),
             Target::Down => (c.ffn, c.hidden),
+            Target::Head => (c.hidden, c.vocab),
         }
     }
 }
@@ -110,6 +118,8 @@ pub struct BaseShape {
     pub ffn: usize,
     /// One attention head's width (PEFT's q/k row order differs from GGUF's within a head).
     pub head_dim: usize,
+    /// The LM head's output width (the vocabulary).
+    pub vocab: usize,
     /// The GGUF's q/k rows are permuted from Hugging Face's order (llama.cpp does it for LLaMA's
     /// adjacent-pair RoPE): LoRA B rows of q_proj and k_proj are permuted on load and save.
     pub qk_rows_permuted: bool,
@@ -128,7 +138,11 @@ impl BaseShape {
 
     /// Whether the model has `t` to adapt.
     pub fn has(&self, t: Target) -> bool {
-        self.ffn > 0 || !matches!(t, Target::Gate | Target::Up | Target::Down)
+        match t {
+            Target::Gate | Target::Up | Target::Down => self.ffn > 0,
+            Target::Head => self.vocab > 0,
+            _ => true,
+        }
     }
 }
 
@@ -301,6 +315,7 @@ pub struct TensorSlot {
 /// One adapted projection of one layer.
 #[derive(Clone, Debug)]
 pub struct ModuleLayout {
+    /// The layer (the layer count for the LM head's module).
     pub layer: usize,
     pub target: Target,
     pub in_dim: usize,
@@ -358,6 +373,12 @@ impl AdapterLayout {
                         "must be at least 1",
                     ));
                 }
+                if config.targets.contains(&Target::Head) {
+                    return Err(config_error(
+                        "target_modules",
+                        "lm_head takes LoRA only (OFT adapts the projections of the layers)",
+                    ));
+                }
                 for t in &config.targets {
                     let (in_dim, _) = t.dims(model);
                     if !in_dim.is_multiple_of(o.block_size) {
@@ -381,16 +402,30 @@ impl AdapterLayout {
                 }
             }
         }
-        let mut modules = vec![None; model.num_layers * NUM_TARGETS];
+        // The layers' modules, then the LM head's (one slot after them).
+        let mut modules = vec![None; model.num_layers * NUM_TARGETS + 1];
         let mut off = 0;
         let mut derived = 0;
-        for layer in 0..model.num_layers {
-            for &target in &config.targets {
+        let places = (0..model.num_layers)
+            .flat_map(|l| config.targets.iter().map(move |&t| (l, t)))
+            .filter(|&(_, t)| t != Target::Head)
+            .chain(
+                config
+                    .targets
+                    .contains(&Target::Head)
+                    .then_some((model.num_layers, Target::Head)),
+            );
+        for (layer, target) in places {
+            {
                 let (in_dim, out_dim) = target.dims(model);
-                let prefix = format!(
-                    "base_model.model.model.layers.{layer}.{}",
-                    target.peft_path()
-                );
+                let prefix = if target == Target::Head {
+                    "base_model.model.lm_head".to_string()
+                } else {
+                    format!(
+                        "base_model.model.model.layers.{layer}.{}",
+                        target.peft_path()
+                    )
+                };
                 let mut slot = |suffix: &'static str, shape: [usize; 2]| {
                     let len = shape[0] * shape[1];
                     let s = TensorSlot {
@@ -417,7 +452,7 @@ impl AdapterLayout {
                         ]
                     }
                 };
-                modules[layer * NUM_TARGETS + target.index()] = Some(ModuleLayout {
+                modules[Self::slot(layer, target, model.num_layers)] = Some(ModuleLayout {
                     layer,
                     target,
                     in_dim,
@@ -437,8 +472,23 @@ impl AdapterLayout {
         })
     }
 
+    /// Where a module sits in `modules`: the LM head's after every layer's (its `layer` is
+    /// the layer count).
+    fn slot(layer: usize, target: Target, num_layers: usize) -> usize {
+        match target {
+            Target::Head => num_layers * NUM_TARGETS,
+            t => layer * NUM_TARGETS + t.index(),
+        }
+    }
+
+    /// The module of `target` in `layer` (any layer for the LM head's).
     pub fn module(&self, layer: usize, target: Target) -> Option<&ModuleLayout> {
-        self.modules[layer * NUM_TARGETS + target.index()].as_ref()
+        self.modules[Self::slot(layer, target, self.num_layers)].as_ref()
+    }
+
+    /// The LM head's module (LoRA on the output projection), if adapted.
+    pub fn head(&self) -> Option<&ModuleLayout> {
+        self.module(self.num_layers, Target::Head)
     }
 
     pub fn iter_modules(&self) -> impl Iterator<Item = &ModuleLayout> {

@@ -119,6 +119,11 @@ pub fn parse_config(v: &Value) -> Result<AdapterConfig, AdapterError> {
             )?;
             let dropout = number("module_dropout")?.unwrap_or(0.0);
             refuse_if(dropout > 0.0, "module_dropout", "module dropout > 0")?;
+            refuse_if(
+                targets.contains(&Target::Head),
+                "target_modules",
+                "OFT on lm_head (LoRA only)",
+            )?;
             let b = uint("oft_block_size")?.unwrap_or(0);
             if b == 0 {
                 return Err(config_error(
@@ -175,7 +180,7 @@ fn parse_targets(v: Option<&Value>) -> Result<Vec<Target>, AdapterError> {
             config_error(
                 "target_modules",
                 format!(
-                    "unknown target \"{n}\" (known: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"
+                    "unknown target \"{n}\" (known: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head)"
                 ),
             )
         })?;
@@ -534,6 +539,7 @@ mod tests {
             kv_dim: 8,
             ffn: 8,
             head_dim: 4,
+            vocab: 16,
             qk_rows_permuted: permuted,
         };
         let cfg = AdapterConfig {

@@ -53,7 +53,8 @@ pub fn naive_logprobs(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f64>> {
     naive_logprobs_with(path, tokens, &|_, _, w, x| matvec(w, x))
 }
 
-/// A projection of layer `l`: (layer, target index q k v o gate up down = 0..7, W, input) -> output.
+/// A projection of layer `l`: (layer, target index q k v o gate up down = 0..7, W, input) -> output;
+/// the LM head is target index 7 (its layer: the layer count).
 pub type Project<'a> = dyn Fn(usize, usize, &[Vec<f64>], &[f64]) -> Vec<f64> + 'a;
 
 /// `naive_logprobs` with every linear projection of the blocks computed by `project` (adapters).
@@ -69,10 +70,18 @@ pub fn naive_logprobs_with(
         mat(&g, "token_embd.weight")
     };
     let (_, final_cap) = softcaps(&g);
+    let layers = g
+        .get(&format!(
+            "{}.block_count",
+            g.get_str("general.architecture").unwrap()
+        ))
+        .unwrap()
+        .as_f64()
+        .unwrap() as usize;
     naive_hidden_with(path, tokens, project)
         .iter()
         .map(|x| {
-            let logits: Vec<f64> = matvec(&out, x)
+            let logits: Vec<f64> = project(layers, 7, &out, x)
                 .into_iter()
                 .map(|z| final_cap.map_or(z, |c| c * (z / c).tanh()))
                 .collect();

@@ -8,8 +8,9 @@ lists the served model (trainable and sampleable); a
 `ServiceClient` reads the server's flags and opens a session whose heartbeats the server records,
 and the `RestClient` reads it back; the session is the key's alone; another key is refused. A
 LoRA training client is created on the served model (`create_model` through a future,
-`get_info`) with the id the SDK computes, and listed in its session; the SDK's default of LoRA on
-the LM head is refused by name. A supervised loop as the cookbook writes it (`forward_backward`
+`get_info`) with the id the SDK computes, and listed in its session; a second with the SDK's
+defaults (LoRA on the LM head too). A supervised loop as the cookbook writes it, on the SDK's
+defaults (`forward_backward`
 with cross_entropy, `optim_step`, futures awaited as the SDK does) lowers the loss on the served
 4-bit base. Sampling from a run's published weights returns, for every sampled token, the very
 log-prob `forward` computes for it on the same run (to the bit), and the prompt's log-probs the
@@ -87,8 +88,9 @@ def test_a_training_client_is_created_on_the_served_model(server):
     assert got["session_runs"] == [got["model_id"]]
     assert got["model_id"] in got["listed"]
     assert got["one"]["training_run_id"] == got["model_id"] and got["one"]["lora_rank"] == 8
-    # The SDK's defaults train the LM head too, which this server does not yet: refused by name.
-    assert got["refused"] and "train_unembed" in got["refused"], got["refused"]
+    # The SDK's defaults (LoRA on the LM head too) make the session's second run.
+    assert got["defaults_id"] == f"{got['session_id']}:train:1", got
+    assert got["defaults_info"]["is_lora"] and got["defaults_info"]["lora_rank"] == 8
 
 
 def test_a_key_the_server_does_not_know_is_refused(server):

@@ -176,7 +176,7 @@ struct LoraRequest {
 }
 
 /// `lora_config`: `{rank, seed?, train_mlp?, train_attn?, train_unembed?}` (the flags default to
-/// true, as the SDK's). LoRA on the LM head (`train_unembed`) is not implemented yet: refused.
+/// true, as the SDK's; `train_unembed` is LoRA on the LM head, `lm_head` in PEFT's names).
 fn parse_lora(v: Option<&Value>) -> Result<LoraRequest, ApiError> {
     let o = match v {
         None | Some(Value::Null) => {
@@ -216,13 +216,6 @@ fn parse_lora(v: Option<&Value>) -> Result<LoraRequest, ApiError> {
         flag("train_attn")?,
         flag("train_unembed")?,
     );
-    if unembed {
-        return Err(ApiError::invalid(
-            "lora_config.train_unembed",
-            "LoRA on the LM head is not implemented by this server yet: set train_unembed=False \
-             (the attention and MLP projections train)",
-        ));
-    }
     let mut targets = Vec::new();
     if attn {
         targets.extend([Target::Q, Target::K, Target::V, Target::O]);
@@ -230,10 +223,13 @@ fn parse_lora(v: Option<&Value>) -> Result<LoraRequest, ApiError> {
     if mlp {
         targets.extend([Target::Gate, Target::Up, Target::Down]);
     }
+    if unembed {
+        targets.push(Target::Head);
+    }
     if targets.is_empty() {
         return Err(ApiError::invalid(
             "lora_config",
-            "at least one of train_attn and train_mlp must be true",
+            "at least one of train_attn, train_mlp and train_unembed must be true",
         ));
     }
     Ok(LoraRequest {
@@ -472,6 +468,7 @@ mod tests {
             kv_dim: 4,
             ffn: 16,
             head_dim: 4,
+            vocab: 32,
             qk_rows_permuted: false,
         };
         let config = AdapterConfig {

@@ -148,6 +148,7 @@ impl crate::adapter::AdapterBase for DecoderConfig {
             kv_dim: self.kv_dim(),
             ffn: self.ffn,
             head_dim: self.head_dim,
+            vocab: self.vocab_size,
             qk_rows_permuted: self.rope_layout == RopeLayout::Adjacent,
         }
     }

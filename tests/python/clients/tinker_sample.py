@@ -26,7 +26,7 @@ def post(base, key, path, body):
 def main(base, key, model):
     client = tinker.ServiceClient(base_url=base, api_key=key)
     training = client.create_lora_training_client(
-        base_model=model, rank=8, seed=3, train_unembed=False).result()
+        base_model=model, rank=8, seed=3).result()
     prompt = post(base, key, "/tokenize", {"prompt": "The capital of France is"})["tokens"]
     full = prompt + post(base, key, "/tokenize", {"prompt": " Paris."})["tokens"][-3:]
     step = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),

@@ -45,7 +45,7 @@ def datum(base, key, prompt, completion):
 def main(base, key, model, steps):
     client = tinker.ServiceClient(base_url=base, api_key=key)
     training = client.create_lora_training_client(
-        base_model=model, rank=8, seed=1, train_unembed=False)
+        base_model=model, rank=8, seed=1)
     data = [datum(base, key, p, c) for p, c in EXAMPLES]
     weight = sum(sum(d.loss_fn_inputs["weights"].data) for d in data)
     losses = []

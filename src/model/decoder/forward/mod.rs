@@ -11,10 +11,11 @@
 //!   x += Attn(q, K, V) Woᵀ    (causal, GQA, over the cache; Wo adapted)
 //!   m = RMSNorm(x) * ffn_norm
 //!   x += (silu(m Wgateᵀ) ⊙ m Wupᵀ) Wdownᵀ   (each adapted)
-//! logits = RMSNorm(x) * output_norm · Woutᵀ (Wout = token_embd when tied; never adapted)
+//! logits = RMSNorm(x) * output_norm · Woutᵀ (Wout = token_embd when tied), plus a LoRA delta
+//! where an adapter targets the LM head
 
 use super::activations::{ActStore, LayerActs};
-use super::buffers::{AdapterScratch, ForwardBuffers};
+use super::buffers::{AdapterScratch, ForwardBuffers, LoraScratch};
 use super::moe::MoeActs;
 use super::pack::{BatchSeq, Packed};
 use super::{Activation, Decoder, Mlp, ModelError, Weight};
@@ -188,6 +189,7 @@ impl Decoder {
             xs,
             normed,
             logits,
+            adapter: scratch,
             ..
         } = bufs;
         for (j, &r) in logit_rows.iter().enumerate() {
@@ -203,6 +205,13 @@ impl Decoder {
                 x: normed,
                 y: logits,
             });
+            // LoRA on the LM head: each group's logit rows.
+            for g in groups.iter().filter(|g| g.weights.layout.head().is_some()) {
+                let rows: Vec<usize> = (0..m)
+                    .filter(|&j| g.rows.iter().any(|rr| rr.contains(&logit_rows[j])))
+                    .collect();
+                self.head_lora(cpu, g.weights, &rows, normed, logits, &mut scratch.lora);
+            }
             c.cap_logits(&mut logits[..m * c.vocab_size]);
         }
         Ok(())

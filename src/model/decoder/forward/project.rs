@@ -98,3 +98,44 @@ impl Decoder {
         }
     }
 }
+
+impl Decoder {
+    /// LoRA on the LM head: logits[j] += s·B(A normed[j]) for the logit rows `rows` (positions in
+    /// `normed`/`logits`) of one adapter version, before any soft-cap. Serving (per group of a
+    /// mixed batch) and training (per chunk) both add it through here: the same bits.
+    pub(crate) fn head_lora(
+        &self,
+        cpu: &Cpu,
+        adapter: &AdapterWeights,
+        rows: &[usize],
+        normed: &[f32],
+        logits: &mut [f32],
+        s: &mut LoraScratch,
+    ) {
+        let (Some(m), Method::Lora(cfg)) = (adapter.layout.head(), &adapter.layout.config.method)
+        else {
+            return;
+        };
+        let (h, vocab) = (m.in_dim, m.out_dim);
+        s.x.clear();
+        for &j in rows {
+            s.x.extend_from_slice(&normed[j * h..(j + 1) * h]);
+        }
+        lora::delta(
+            cpu,
+            adapter.tensor(&m.tensors[0]),
+            adapter.derived(m),
+            cfg.r,
+            cfg.scale(),
+            &s.x,
+            &mut s.h,
+            &mut s.d,
+        );
+        for (i, &j) in rows.iter().enumerate() {
+            add_in_place(
+                &mut logits[j * vocab..(j + 1) * vocab],
+                &s.d[i * vocab..(i + 1) * vocab],
+            );
+        }
+    }
+}

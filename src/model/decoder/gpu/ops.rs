@@ -14,6 +14,13 @@ impl GpuDecoder {
                 a.last_step = self.step;
                 continue;
             }
+            if w.layout.head().is_some() {
+                return Err(ModelError::Unsupported(
+                    "an adapter on the LM head (lm_head, Tinker's train_unembed) is served on the \
+                     CPU only so far (--device cpu)"
+                        .into(),
+                ));
+            }
             let params = match &w.layout.config.method {
                 Method::Lora(_) => Some(self.gpu.upload(f32_bytes(&w.params))?),
                 Method::Oft(_) => None,

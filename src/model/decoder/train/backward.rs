@@ -33,6 +33,9 @@ impl Decoder {
                 .iter_mut()
                 .for_each(|v| *v *= g);
         }
+        if adapter.layout.head().is_some() {
+            self.head_lora_backward(cpu, seqs, adapter, &st, grad_logp, &mut dnormed_all, grads);
+        }
         let mut dx = vec![0.0f32; t * h];
         cpu.rmsnorm_backward(&st.final_x, &self.output_norm, c.eps, &dnormed_all, &mut dx);
         drop(dnormed_all);
@@ -332,5 +335,67 @@ fn attention_backward_seq(
         add_in_place(&mut dk[r.start * kvd..r.end * kvd], &dkk[at..at + n]);
         add_in_place(&mut dv[r.start * kvd..r.end * kvd], &dvv[at..at + n]);
         at += n;
+    }
+}
+
+impl Decoder {
+    /// LoRA on the LM head: the head's chunks again (the coefficients dL/dlog π are known only
+    /// now), each scored row's d log π/dz times its coefficient through the delta s·B(A n): into
+    /// dL/dA, dL/dB (`grads`) and dL/dn (`dnormed`, added to the frozen head's part).
+    #[allow(clippy::too_many_arguments)]
+    fn head_lora_backward(
+        &self,
+        cpu: &Cpu,
+        seqs: &[TrainSeq],
+        adapter: &AdapterWeights,
+        st: &TrainState,
+        grad_logp: &[Vec<f32>],
+        dnormed: &mut [f32],
+        grads: &mut [f32],
+    ) {
+        let (Some(m), Method::Lora(cfg)) = (adapter.layout.head(), &adapter.layout.config.method)
+        else {
+            return;
+        };
+        let (h, vocab) = (m.in_dim, m.out_dim);
+        let (ra, rb) = (m.tensors[0].range.clone(), m.tensors[1].range.clone());
+        assert_eq!(ra.end, rb.start, "lora_A then lora_B");
+        let (ga, gb) = grads[ra.start..rb.end].split_at_mut(ra.len());
+        let (a, b) = (adapter.tensor(&m.tensors[0]), adapter.tensor(&m.tensors[1]));
+        let mut done = vec![0usize; seqs.len()];
+        let (mut dz, mut dn) = (Vec::new(), Vec::new());
+        let (temperature, inv_t) = (st.temperature, st.inv_t);
+        let final_x = &st.final_x;
+        self.head_chunks(
+            cpu,
+            seqs,
+            final_x,
+            Some(adapter),
+            temperature,
+            |chunk, rows, slopes, normed| {
+                dz.resize(rows.len(), 0.0);
+                for (k, &(i, _, tok)) in chunk.iter().enumerate() {
+                    let d = &mut dz[k * vocab..(k + 1) * vocab];
+                    logit_grad(
+                        cpu,
+                        &rows[k * vocab..(k + 1) * vocab],
+                        tok,
+                        inv_t,
+                        slopes,
+                        k,
+                        d,
+                    );
+                    let g = grad_logp[i][done[i]];
+                    done[i] += 1;
+                    d.iter_mut().for_each(|v| *v *= g);
+                }
+                dn.clear();
+                dn.resize(chunk.len() * h, 0.0);
+                lora::module_backward(cpu, a, b, cfg.r, cfg.scale(), normed, &dz, &mut dn, ga, gb);
+                for (k, &(_, r, _)) in chunk.iter().enumerate() {
+                    add_in_place(&mut dnormed[r * h..(r + 1) * h], &dn[k * h..(k + 1) * h]);
+                }
+            },
+        );
     }
 }

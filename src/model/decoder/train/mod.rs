@@ -14,7 +14,7 @@
 //! budget), one layer's gradients, and one chunk of logits (never T × vocab).
 
 use super::activations::{layer_act_bytes, ActStore};
-use super::buffers::ForwardBuffers;
+use super::buffers::{ForwardBuffers, LoraScratch};
 use super::forward::{adapter_groups, add_in_place, LayerIo};
 use super::{Activation, BatchSeq, Decoder, Logits, Mlp, ModelError, Weight};
 use crate::adapter::{lora, oft, AdapterWeights, Method, Target};
@@ -77,6 +77,9 @@ pub struct TrainState {
     /// T × hidden: d log π(token)/d(normed final hidden state) at each scored row (the LM head's
     /// backward, done in the forward while the chunk's log-probs are at hand), zero elsewhere.
     head_grad: Vec<f32>,
+    /// The log-probs' temperature and its 1/T (1 for greedy), for the LM head's LoRA backward.
+    temperature: f32,
+    inv_t: f32,
     num_tokens: usize,
     /// Mean entropy (nats) of the policy's next-token distribution over the scored tokens.
     pub mean_entropy: f64,
@@ -191,11 +194,18 @@ impl Decoder {
             .iter()
             .map(|s| Vec::with_capacity(s.tokens.len() - s.prompt_len))
             .collect();
-        self.head_chunks(cpu, seqs, &bufs.x, temperature, |chunk, rows, _| {
-            for (k, &(i, _, tok)) in chunk.iter().enumerate() {
-                logps[i].push(rows[k * vocab + tok as usize]);
-            }
-        });
+        self.head_chunks(
+            cpu,
+            seqs,
+            &bufs.x,
+            adapter,
+            temperature,
+            |chunk, rows, _, _| {
+                for (k, &(i, _, tok)) in chunk.iter().enumerate() {
+                    logps[i].push(rows[k * vocab + tok as usize]);
+                }
+            },
+        );
         Ok(logps)
     }
 
@@ -242,34 +252,36 @@ impl Decoder {
         let mut head_grad = vec![0.0f32; num_tokens * h];
         let (mut entropy, mut scored) = (0.0f64, 0usize);
         let (mut dz, mut dn) = (Vec::new(), Vec::new());
-        self.head_chunks(cpu, seqs, &final_x, temperature, |chunk, rows, slopes| {
-            dz.resize(rows.len(), 0.0);
-            for (k, &(i, _, tok)) in chunk.iter().enumerate() {
-                let row = &rows[k * c.vocab_size..(k + 1) * c.vocab_size];
-                logps[i].push(row[tok as usize]);
-                let d = &mut dz[k * c.vocab_size..(k + 1) * c.vocab_size];
-                entropy += cpu.softmax_backward_row(row, inv_t, d);
-                d[tok as usize] += inv_t;
-                // Through the final soft-cap (Gemma 2): dz_raw = dz · (1 − tanh²).
-                if !slopes.is_empty() {
-                    let g = &slopes[k * c.vocab_size..(k + 1) * c.vocab_size];
-                    d.iter_mut().zip(g).for_each(|(x, g)| *x *= g);
+        let head = Some(adapter);
+        self.head_chunks(
+            cpu,
+            seqs,
+            &final_x,
+            head,
+            temperature,
+            |chunk, rows, slopes, _| {
+                dz.resize(rows.len(), 0.0);
+                for (k, &(i, _, tok)) in chunk.iter().enumerate() {
+                    let row = &rows[k * c.vocab_size..(k + 1) * c.vocab_size];
+                    logps[i].push(row[tok as usize]);
+                    let d = &mut dz[k * c.vocab_size..(k + 1) * c.vocab_size];
+                    entropy += logit_grad(cpu, row, tok, inv_t, slopes, k, d);
+                    scored += 1;
                 }
-                scored += 1;
-            }
-            dn.resize(chunk.len() * h, 0.0);
-            cpu.linear_backward(
-                self.output.ty,
-                self.bytes(&self.output),
-                c.vocab_size,
-                h,
-                &dz,
-                &mut dn,
-            );
-            for (k, &(_, r, _)) in chunk.iter().enumerate() {
-                head_grad[r * h..(r + 1) * h].copy_from_slice(&dn[k * h..(k + 1) * h]);
-            }
-        });
+                dn.resize(chunk.len() * h, 0.0);
+                cpu.linear_backward(
+                    self.output.ty,
+                    self.bytes(&self.output),
+                    c.vocab_size,
+                    h,
+                    &dz,
+                    &mut dn,
+                );
+                for (k, &(_, r, _)) in chunk.iter().enumerate() {
+                    head_grad[r * h..(r + 1) * h].copy_from_slice(&dn[k * h..(k + 1) * h]);
+                }
+            },
+        );
         let state = TrainState {
             cache,
             tables,
@@ -277,6 +289,8 @@ impl Decoder {
             store,
             final_x,
             head_grad,
+            temperature,
+            inv_t,
             num_tokens,
             mean_entropy: entropy / scored.max(1) as f64,
             layers_kept: kept,
@@ -285,15 +299,17 @@ impl Decoder {
     }
 
     /// The scored rows (sequence, row in the batch, target token), HEAD_CHUNK at a time: their
-    /// log-softmax(logits / T) rows (from the final hidden state `final_x`) are handed to `f`,
-    /// with the final soft-cap's slope at each logit (Gemma 2; empty without a cap).
-    fn head_chunks(
+    /// log-softmax(logits / T) rows (from the final hidden state `final_x`, through the
+    /// adapter's LoRA on the LM head if it has one) are handed to `f`, with the final soft-cap's
+    /// slope at each logit (Gemma 2; empty without a cap) and the normed hidden rows.
+    pub(super) fn head_chunks(
         &self,
         cpu: &Cpu,
         seqs: &[TrainSeq],
         final_x: &[f32],
+        adapter: Option<&AdapterWeights>,
         temperature: f32,
-        mut f: impl FnMut(&[(usize, usize, u32)], &[f32], &[f32]),
+        mut f: impl FnMut(&[(usize, usize, u32)], &[f32], &[f32], &[f32]),
     ) {
         let c = &self.config;
         let h = c.hidden;
@@ -301,6 +317,7 @@ impl Decoder {
         let mut normed = Vec::new();
         let mut logits = Vec::new();
         let mut slopes = Vec::new();
+        let mut scratch = LoraScratch::default();
         for chunk in scored_rows(seqs).chunks(HEAD_CHUNK) {
             xs.clear();
             for &(_, r, _) in chunk {
@@ -317,6 +334,10 @@ impl Decoder {
                 x: &normed,
                 y: &mut logits,
             });
+            if let Some(a) = adapter {
+                let rows: Vec<usize> = (0..chunk.len()).collect();
+                self.head_lora(cpu, a, &rows, &normed, &mut logits, &mut scratch);
+            }
             c.cap_logits(&mut logits);
             if let Some(cap) = c.final_softcap {
                 slopes.clear();
@@ -325,9 +346,31 @@ impl Decoder {
             for row in logits.chunks_mut(c.vocab_size) {
                 scale_and_normalize(cpu, row, temperature);
             }
-            f(chunk, &logits, &slopes);
+            f(chunk, &logits, &slopes, &normed);
         }
     }
+}
+
+/// d log π(tok)/dz into `d` for one scored row `k` of a chunk (its log-softmax `row`): (onehot −
+/// softmax)/T, through the final soft-cap's slopes if any (dz_raw = dz · (1 − tanh²)); returns the
+/// row's entropy. The forward and the LM head's LoRA backward both take it from here.
+pub(super) fn logit_grad(
+    cpu: &Cpu,
+    row: &[f32],
+    tok: u32,
+    inv_t: f32,
+    slopes: &[f32],
+    k: usize,
+    d: &mut [f32],
+) -> f64 {
+    let vocab = row.len();
+    let entropy = cpu.softmax_backward_row(row, inv_t, d);
+    d[tok as usize] += inv_t;
+    if !slopes.is_empty() {
+        let g = &slopes[k * vocab..(k + 1) * vocab];
+        d.iter_mut().zip(g).for_each(|(x, g)| *x *= g);
+    }
+    entropy
 }
 
 /// The scored rows of a packed batch: (sequence, row whose logits predict the token, token), in
