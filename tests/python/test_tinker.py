@@ -12,7 +12,8 @@ LoRA training client is created on the served model (`create_model` through a fu
 defaults (LoRA on the LM head too). A supervised loop as the cookbook writes it, on the SDK's
 defaults (`forward_backward`
 with cross_entropy, `optim_step`, futures awaited as the SDK does) lowers the loss on the served
-4-bit base. Sampling from a run's published weights returns, for every sampled token, the very
+4-bit base. Four runs trained at once each learn their own answer, and the first takes the very
+losses it takes alone. Sampling from a run's published weights returns, for every sampled token, the very
 log-prob `forward` computes for it on the same run (to the bit), and the prompt's log-probs the
 same way; the sampler path also serves as `model` on chat completions. An RL loop
 (importance_sampling on the brevity task, the cookbook's pattern) raises the reward."""
@@ -142,6 +143,19 @@ def test_samples_carry_the_log_probs_training_computes(server):
         run_path.endswith(":train:0/sampler_weights/after-one-step"), run_path
     assert len(got["named_sample"][0]) == 4
     assert got["chat_model"] == run_path[len("tinker://"):]
+
+
+def test_runs_at_once_each_learn_their_own_answer_unaffected_by_the_others(server):
+    got = client(server, "tinker_many.py", 5)
+    print("tinker runs at once:", json.dumps(got))
+    alone, together, cross = got["alone"], got["together"], got["cross"]
+    # The first of four runs trained at once takes, to the bit, the losses it takes alone (same
+    # seed, same data): the others' calls change nothing of it.
+    assert together[0] == alone, (together[0], alone)
+    for i, losses in enumerate(together):
+        assert losses[-1] < 0.5 * losses[0], (i, losses)
+        # Each run's own answer is the one it learned: its loss there is its lowest.
+        assert min(range(len(cross[i])), key=lambda j: cross[i][j]) == i, (i, cross[i])
 
 
 def test_an_rl_loop_raises_the_reward(server):
