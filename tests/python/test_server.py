@@ -537,7 +537,8 @@ def test_tinker_routes_follow_the_contract():
            "lora_config": {"rank": 4, "train_unembed": False}}
     _, _, fut = check("POST", "/api/v1/create_model", run)
     check("POST", "/api/v1/create_model", run, expect=409)
-    check("POST", "/api/v1/create_model", {**run, "lora_config": {"rank": 4}}, expect=400)
+    check("POST", "/api/v1/create_model", {**run, "lora_config": {"rank": 4, "train_unembed": "yes"}},
+          expect=400)
     check("POST", "/api/v1/create_model", {**run, "base_model": "nope"}, expect=404)
     check("POST", "/api/v1/create_model", run, key="wrong", expect=401)
     _, _, done = check("POST", "/api/v1/retrieve_future", {"request_id": fut["request_id"]})
