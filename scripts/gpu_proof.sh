@@ -23,8 +23,9 @@
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
 #                                same files where gpu-bundle/llama-bench is present
 #
-# Results go to $OUT (the device tool's folder; ./gpu-proof-out without it): one log per step and
-# summary.md, which docs/gpu.md quotes. Exit status: the number of failed steps.
+# Results go to $OUT (the device tool's folder; ./gpu-proof-out without it): summary.md, which
+# docs/gpu.md quotes, and one log per step, packed into logs-<pid>.tar.gz at the end of each
+# command. Exit status: the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=gpu-bundle
@@ -182,4 +183,7 @@ race)
   ;;
 esac
 echo "  failed steps: $failed" | tee -a "$SUMMARY"
+# A lent machine's call brings back at most 8 files: the step logs travel as one archive (beside
+# summary.md and profile-1b.md), added to by each command of the session.
+(cd "$OUT" && ls ./*.log >/dev/null 2>&1 && tar czf logs-$$.tar.gz ./*.log && rm -f ./*.log)
 exit "$failed"
