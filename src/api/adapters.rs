@@ -215,7 +215,7 @@ fn new_config(f: &Fields, kind: &str, state: &AppState) -> Result<AdapterConfig,
                 let tg = Target::parse(s).ok_or_else(|| {
                     ApiError::invalid(
                         "targets",
-                        format!("unknown target '{s}' (q, k, v, o, gate, up, down, or their _proj names)"),
+                        format!("unknown target '{s}' (q, k, v, o, gate, up, down, or their _proj names; lm_head for LoRA)"),
                     )
                 })?;
                 if !t.contains(&tg) {
