@@ -23,7 +23,17 @@ fn responses_through_a_learning_adapter_are_rewardable_and_kept_per_key() {
     let id = v["id"].as_str().unwrap().to_string();
     assert!(id.starts_with("resp_"), "{v}");
     assert_eq!(v["object"], "response");
-    assert_eq!(v["usage"]["output_tokens"], 4);
+    // Sampled at temperature 1 without a seed: the turn may end early (the tiny model's EOS);
+    // cut at the limit, it says so.
+    let n = v["usage"]["output_tokens"].as_u64().unwrap();
+    assert!(n <= 4, "{v}");
+    if v["status"] == "incomplete" {
+        assert_eq!(n, 4, "{v}");
+        assert_eq!(
+            v["incomplete_details"]["reason"], "max_output_tokens",
+            "{v}"
+        );
+    }
     assert_eq!(v["output"][0]["type"], "message");
     // The turn is in the rollout log under the response's id: a reward lands (202) and is seen.
     reward(&s, &id, 1, 202);
