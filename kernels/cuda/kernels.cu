@@ -255,9 +255,9 @@ extern "C" __global__ void fw_rmsnorm(const float* __restrict__ x, const float* 
   const float* xr = x + (size_t)blockIdx.x * d;
   float* o = out + (size_t)blockIdx.x * d;
   float ss = 0.0f;
-  // 8 values a thread at a time, their loads issued together (predicated, not a branch each:
-  // one at a time, a thread waited a memory latency per value); the sum in the same order, a
-  // value past the row adding 0·0.
+  // 8 values a thread at a time, their loads issued together (predicated; the unrolled loop's
+  // SASS had a branch before each load, one load in flight at a time); the sum in the same
+  // order, a value past the row adding 0·0.
   const int T = blockDim.x;
   for (int c0 = threadIdx.x; c0 < d; c0 += 8 * T) {
     float v[8];
@@ -459,8 +459,9 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
     if (p <= pos) {
       const size_t k0 = fw_k_index(bt, p, kvh * head_dim, block_size, kv_dim);
       float dot = 0.0f;
-      // 8 of a key's loads in flight at a time (4 left a decode step's attention latency-bound;
-      // 16 spilled on sm_80).
+      // 8 of a key's loads in flight at a time (16 spilled on sm_80). Measured on the H200: a
+      // decode step's attention took 23 µs a layer before and after (from 4), as it did with the
+      // V rows' slots looked up by lanes below: its time goes elsewhere (docs/gpu.md).
 #pragma unroll 8
       for (int d = 0; d < head_dim; d++) dot = fmaf(qs[d], fw_load(kc + k0 + (size_t)d * block_size), dot);
       sc = dot;
@@ -475,7 +476,7 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
     for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) acc[j] *= corr;
     const int last = min(FW_WARP, pos - p0 + 1);
     // Each lane looks up its own position's V row (in parallel); the loop below takes them by
-    // shuffle, so that its V loads wait on no block-table load and go out together.
+    // shuffle, so that its V loads wait on no block-table load.
     const int pl = min(p, pos);
     const int my_slot = (int)bt[pl / block_size] * block_size + pl % block_size;
 #pragma unroll 8

@@ -19,8 +19,7 @@ FW_HD void fw_words(const uint8_t* p, uint32_t* w) {
   const uint32_t sh = (uint32_t)(a & 3) * 8;
   // Plain loads, not __ldg: the product kernels read their staged rows from shared memory,
   // where the word after the last is always there to read (the stage keeps room for it), so it
-  // is read whether or not p is aligned: a conditional load there was a branch, which kept
-  // the kernels' loads of x from being issued together.
+  // is read whether or not p is aligned (a conditional load compiled to a branch per unit).
   uint32_t prev = q[0];
 #pragma unroll
   for (int i = 0; i < N; i++) {

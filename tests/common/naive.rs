@@ -54,7 +54,7 @@ pub fn naive_logprobs(path: &std::path::Path, tokens: &[u32]) -> Vec<Vec<f64>> {
 }
 
 /// A projection of layer `l`: (layer, target index q k v o gate up down = 0..7, W, input) -> output;
-/// the LM head is target index 7 (its layer: the layer count).
+/// the LM head is target index 7 (its layer argument means nothing).
 pub type Project<'a> = dyn Fn(usize, usize, &[Vec<f64>], &[f64]) -> Vec<f64> + 'a;
 
 /// `naive_logprobs` with every linear projection of the blocks computed by `project` (adapters).
@@ -70,18 +70,10 @@ pub fn naive_logprobs_with(
         mat(&g, "token_embd.weight")
     };
     let (_, final_cap) = softcaps(&g);
-    let layers = g
-        .get(&format!(
-            "{}.block_count",
-            g.get_str("general.architecture").unwrap()
-        ))
-        .unwrap()
-        .as_f64()
-        .unwrap() as usize;
     naive_hidden_with(path, tokens, project)
         .iter()
         .map(|x| {
-            let logits: Vec<f64> = project(layers, 7, &out, x)
+            let logits: Vec<f64> = project(0, 7, &out, x)
                 .into_iter()
                 .map(|z| final_cap.map_or(z, |c| c * (z / c).tanh()))
                 .collect();

@@ -36,6 +36,8 @@ pub struct ForwardBuffers {
 pub struct AdapterScratch {
     pub rotated: [Vec<f32>; 3],
     pub lora: LoraScratch,
+    /// The logit rows of one adapter group (LoRA on the LM head).
+    pub head_rows: Vec<usize>,
 }
 
 #[derive(Default)]

@@ -207,10 +207,12 @@ impl Decoder {
             });
             // LoRA on the LM head: each group's logit rows.
             for g in groups.iter().filter(|g| g.weights.layout.head().is_some()) {
-                let rows: Vec<usize> = (0..m)
-                    .filter(|&j| g.rows.iter().any(|rr| rr.contains(&logit_rows[j])))
-                    .collect();
-                self.head_lora(cpu, g.weights, &rows, normed, logits, &mut scratch.lora);
+                let rows = &mut scratch.head_rows;
+                rows.clear();
+                rows.extend(
+                    (0..m).filter(|&j| g.rows.iter().any(|rr| rr.contains(&logit_rows[j]))),
+                );
+                self.head_lora(cpu, g.weights, rows, normed, logits, &mut scratch.lora);
             }
             c.cap_logits(&mut logits[..m * c.vocab_size]);
         }

@@ -364,7 +364,7 @@ impl Decoder {
         let (a, b) = (adapter.tensor(&m.tensors[0]), adapter.tensor(&m.tensors[1]));
         let mut done = vec![0usize; seqs.len()];
         let (mut dz, mut dn) = (Vec::new(), Vec::new());
-        let (temperature, inv_t) = (st.temperature, st.inv_t);
+        let (temperature, inv_t) = (st.temperature, inv_temperature(st.temperature));
         let final_x = &st.final_x;
         self.head_chunks(
             cpu,

@@ -77,9 +77,8 @@ pub struct TrainState {
     /// T × hidden: d log π(token)/d(normed final hidden state) at each scored row (the LM head's
     /// backward, done in the forward while the chunk's log-probs are at hand), zero elsewhere.
     head_grad: Vec<f32>,
-    /// The log-probs' temperature and its 1/T (1 for greedy), for the LM head's LoRA backward.
+    /// The log-probs' temperature, for the LM head's LoRA backward.
     temperature: f32,
-    inv_t: f32,
     num_tokens: usize,
     /// Mean entropy (nats) of the policy's next-token distribution over the scored tokens.
     pub mean_entropy: f64,
@@ -244,11 +243,7 @@ impl Decoder {
             .map(|s| Vec::with_capacity(s.tokens.len() - s.prompt_len))
             .collect();
         // d log π(tok)/dz = (onehot − softmax)/T for z = the logits; through the frozen head now.
-        let inv_t = if !crate::policy::is_greedy(temperature) {
-            1.0 / temperature
-        } else {
-            1.0
-        };
+        let inv_t = inv_temperature(temperature);
         let mut head_grad = vec![0.0f32; num_tokens * h];
         let (mut entropy, mut scored) = (0.0f64, 0usize);
         let (mut dz, mut dn) = (Vec::new(), Vec::new());
@@ -290,7 +285,6 @@ impl Decoder {
             final_x,
             head_grad,
             temperature,
-            inv_t,
             num_tokens,
             mean_entropy: entropy / scored.max(1) as f64,
             layers_kept: kept,
@@ -348,6 +342,15 @@ impl Decoder {
             }
             f(chunk, &logits, &slopes, &normed);
         }
+    }
+}
+
+/// 1/T of log-probs at temperature T (1 for greedy, whose log-probs are at T = 1).
+pub(super) fn inv_temperature(temperature: f32) -> f32 {
+    if !crate::policy::is_greedy(temperature) {
+        1.0 / temperature
+    } else {
+        1.0
     }
 }
 
