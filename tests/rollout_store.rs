@@ -1,8 +1,9 @@
 //! The rollout store's promises, run against both implementations: SQLite (the default, one
 //! file) and PostgreSQL (several replicas and a trainer; a throwaway server per test, skipped with
 //! a message where PostgreSQL is not installed). Rewards checked, recorded once, all or none;
-//! episodes; lineages and checkpoints; racing writers; and, on PostgreSQL, replicas migrating
-//! together, notifications and a database restart. Whole servers on PostgreSQL: tests/replicas.rs.
+//! episodes; lineages and checkpoints; the sessions and runs clients drive; racing writers; and,
+//! on PostgreSQL, replicas migrating together, notifications and a database restart. Whole
+//! servers on PostgreSQL: tests/replicas.rs.
 
 mod common;
 
@@ -10,7 +11,7 @@ use common::pg::Pg;
 use flywheel::online::store::postgres::PgLog;
 use flywheel::online::store::records::Checkpoint;
 use flywheel::online::store::records::{
-    Accepting, CompletionRecord, FeedbackError, LogError, Reward,
+    Accepting, CompletionRecord, FeedbackError, LogError, Reward, RunRecord, SessionRecord,
 };
 use flywheel::online::store::sqlite::SqliteLog;
 use flywheel::online::store::{Announcement, RolloutStore};
@@ -374,6 +375,70 @@ fn racing_writers_record_each_thing_once() {
 /// committed step is heard by a listener; a restart of PostgreSQL fails the calls made while it
 /// is down (nothing acknowledged), the next ones reconnect, and the listener reconnects and
 /// catches up.
+/// The sessions and runs clients drive (the Tinker API): kept across a reopen, a run's id taken
+/// once, its state moved forward with the folder it replaces returned (and its pending count
+/// cleared), and a session's end forgetting its runs in one go, returning their folders.
+#[test]
+fn client_sessions_and_runs_are_kept_moved_and_forgotten_together() {
+    on_both(|kind, place| {
+        let log = place.open();
+        let session = |id: &str| SessionRecord {
+            id: id.into(),
+            owner: "o".into(),
+            info: "{\"tags\":[]}".into(),
+            created: 1.0,
+        };
+        let run = |id: &str, session: &str| RunRecord {
+            id: id.into(),
+            session: session.into(),
+            owner: "o".into(),
+            info: "{}".into(),
+            state: format!("runs/{id}/s-0"),
+            step: 0,
+            pending: 0,
+        };
+        log.put_session(&session("s1")).unwrap();
+        log.put_session(&session("s2")).unwrap();
+        log.put_run(&run("s1:train:0", "s1")).unwrap();
+        log.put_run(&run("s1:train:1", "s1")).unwrap();
+        log.put_run(&run("s2:train:0", "s2")).unwrap();
+        assert!(
+            matches!(
+                log.put_run(&run("s1:train:0", "s1")),
+                Err(LogError::Conflict(_))
+            ),
+            "{kind}"
+        );
+        log.set_run_pending("s1:train:0", 3).unwrap();
+        let log = place.open();
+        let (sessions, runs) = log.open_sessions().unwrap();
+        assert_eq!(sessions, [session("s1"), session("s2")], "{kind}");
+        assert_eq!(runs.len(), 3, "{kind}");
+        assert_eq!(runs[0].pending, 3, "{kind}");
+        let old = log
+            .set_run_state("s1:train:0", "runs/s1:train:0/s-1", 7)
+            .unwrap();
+        assert_eq!(old, "runs/s1:train:0/s-0", "{kind}");
+        assert!(log.set_run_state("nobody", "x", 1).is_err(), "{kind}");
+        let (_, runs) = log.open_sessions().unwrap();
+        assert_eq!(
+            (runs[0].state.as_str(), runs[0].step, runs[0].pending),
+            ("runs/s1:train:0/s-1", 7, 0),
+            "{kind}"
+        );
+        let mut gone = log.end_sessions(&["s1".to_string()]).unwrap();
+        gone.sort();
+        assert_eq!(
+            gone,
+            ["runs/s1:train:0/s-1", "runs/s1:train:1/s-0"],
+            "{kind}"
+        );
+        let (sessions, runs) = place.open().open_sessions().unwrap();
+        assert_eq!(sessions, [session("s2")], "{kind}");
+        assert_eq!(runs, [run("s2:train:0", "s2")], "{kind}");
+    });
+}
+
 #[test]
 fn postgres_replicas_migrate_together_and_survive_a_restart() {
     let Some(mut pg) = Pg::start() else { return };

@@ -6,6 +6,7 @@
 mod common;
 
 use common::server::*;
+use common::tinker::*;
 use flywheel::api::tinker::proto;
 use prost::Message;
 use serde_json::{json, Value};
@@ -250,91 +251,6 @@ fn tinker_runs_together_stay_within_twice_the_adapter_bound() {
     assert_eq!(r.json()["error"]["code"], "training_runs_full");
     assert!(r.body_text().contains("14848"), "{r:?}");
     assert_error(&run(3, 8), 400, Some("lora_config.rank"));
-}
-
-/// `forward_backward` as the SDK sends it: a protobuf `ForwardBackwardRequest`.
-fn fb_request(s: &Server, req: &proto::ForwardBackwardRequest, content_type: &str) -> Response {
-    let body = req.encode_to_vec();
-    let mut raw = format!(
-        "POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
-         Content-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    raw.extend(body);
-    s.raw(&raw).unwrap()
-}
-
-/// The result of the call that answered `r` (polled while it runs).
-fn result_of(s: &Server, r: &Response) -> Response {
-    assert_eq!(r.status, 200, "{r:?}");
-    let id = r.json()["request_id"].clone();
-    for _ in 0..100 {
-        let got = s.post("/api/v1/retrieve_future", &json!({"request_id": id}));
-        if got.header("content-type") == Some("application/x-protobuf")
-            || got.json()["type"] != "try_again"
-        {
-            return got;
-        }
-    }
-    panic!("no result for {id}");
-}
-
-fn tensor_f32(v: &[f32]) -> proto::Tensor {
-    proto::Tensor {
-        encoding: Some(proto::tensor::Encoding::Dense(
-            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        )),
-        dtype: proto::DTYPE_FLOAT32,
-        shape: vec![v.len() as i64],
-    }
-}
-
-fn tensor_i64(v: &[i64]) -> proto::Tensor {
-    proto::Tensor {
-        encoding: Some(proto::tensor::Encoding::Dense(
-            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        )),
-        dtype: proto::DTYPE_INT64,
-        shape: vec![v.len() as i64],
-    }
-}
-
-/// A datum of `input` tokens scored against `targets`, with `inputs` besides.
-fn datum(input: &[i32], targets: &[i64], inputs: &[(&str, proto::Tensor)]) -> proto::Datum {
-    let mut loss_fn_inputs: std::collections::HashMap<String, proto::Tensor> = inputs
-        .iter()
-        .map(|(k, t)| (k.to_string(), t.clone()))
-        .collect();
-    loss_fn_inputs.insert("target_tokens".into(), tensor_i64(targets));
-    proto::Datum {
-        model_input: vec![proto::Chunk {
-            chunk: Some(proto::chunk::Kind::EncodedText(proto::EncodedTextChunk {
-                tokens: input.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            })),
-        }],
-        loss_fn_inputs,
-        ..Default::default()
-    }
-}
-
-/// Per datum, the f32 values of output field `name`.
-fn output(o: &proto::ForwardBackwardOutput, name: &str) -> Vec<Vec<f32>> {
-    let b = &o.loss_fn_outputs[0].fields[name];
-    let offsets: Vec<usize> = b
-        .offsets
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as usize)
-        .collect();
-    offsets
-        .windows(2)
-        .map(|w| {
-            b.data[w[0]..w[1]]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect()
-        })
-        .collect()
 }
 
 /// Training calls on a run, through futures: `forward` gives each target token's log-prob and

@@ -427,7 +427,7 @@ pub fn values_to_safetensors(
             } else {
                 vals.to_vec()
             };
-            let bytes = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let bytes = crate::util::f32_le_bytes(&vals);
             owned.push((t.name.clone(), t.shape, bytes));
         }
     }

@@ -68,7 +68,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/feedback/{id}", get(feedback::get))
         .route("/v1/train/status", get(feedback::status))
         .route("/v1/train/policy", get(train_policy::get))
-        .merge(tinker::routes())
+        .merge(tinker::routes(&state))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let admin = Router::new()
         .route("/v1/adapters", post(adapters::create))

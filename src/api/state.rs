@@ -98,6 +98,8 @@ pub struct Shared {
     pub tinker_runs: super::tinker::runs::Runs,
     pub tinker_futures: super::tinker::futures::Futures,
     pub tinker_samplers: super::tinker::sample::Samplers,
+    /// Set once the sessions and runs kept by an earlier process are back (`tinker::restore`).
+    pub tinker_restored: tokio::sync::OnceCell<()>,
 }
 
 /// What a request body may be.
@@ -169,6 +171,7 @@ impl AppState {
             tinker_runs: Default::default(),
             tinker_futures: Default::default(),
             tinker_samplers: Default::default(),
+            tinker_restored: Default::default(),
         }))
     }
 

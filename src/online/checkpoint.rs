@@ -127,14 +127,17 @@ fn sha256_hex(path: &Path) -> std::io::Result<String> {
 }
 
 /// Write `dir`'s manifest: `{"version", "lineage", "files": {name: sha256}}` over every file in
-/// it (written last, so its presence says the rest is complete).
-fn write_manifest(dir: &Path, version: u64, lineage: u64) -> anyhow::Result<()> {
+/// it (written last, so its presence says the rest is complete); with `hashed` false, `files` is
+/// empty (a folder only this process reads back, where hashing would cost more than the rest of
+/// the write: a training run's state, `runs::kept`).
+fn write_manifest(dir: &Path, version: u64, lineage: u64, hashed: bool) -> anyhow::Result<()> {
     let mut files = serde_json::Map::new();
     let mut names: Vec<String> = std::fs::read_dir(dir)?
         .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
         .filter(|n| n != MANIFEST_FILE)
         .collect();
     names.sort();
+    names.retain(|_| hashed);
     for n in names {
         files.insert(n.clone(), sha256_hex(&dir.join(&n))?.into());
     }
@@ -224,9 +227,31 @@ pub fn sweep_temporaries(data_dir: &Path) {
 pub fn write_checkpoint(
     data_dir: &Path,
     rel: &str,
+    at: (u64, u64),
+    w: &AdapterWeights,
+    opt: &AdamW,
+) -> anyhow::Result<()> {
+    write_folder(data_dir, rel, at, w, opt, true)
+}
+
+/// `write_checkpoint` with no file hashes in the manifest (see `write_manifest`).
+pub fn write_unhashed(
+    data_dir: &Path,
+    rel: &str,
+    at: (u64, u64),
+    w: &AdapterWeights,
+    opt: &AdamW,
+) -> anyhow::Result<()> {
+    write_folder(data_dir, rel, at, w, opt, false)
+}
+
+fn write_folder(
+    data_dir: &Path,
+    rel: &str,
     (version, lineage): (u64, u64),
     w: &AdapterWeights,
     opt: &AdamW,
+    hashed: bool,
 ) -> anyhow::Result<()> {
     let dir = data_dir.join(rel);
     let parent = dir.parent().expect("a checkpoint path has a parent");
@@ -240,7 +265,7 @@ pub fn write_checkpoint(
     let write = || -> anyhow::Result<()> {
         peft::save(w, &tmp)?;
         opt.save(&tmp)?;
-        write_manifest(&tmp, version, lineage)?;
+        write_manifest(&tmp, version, lineage, hashed)?;
         crate::util::sync_dir(&tmp)?;
         std::fs::rename(&tmp, &dir)?;
         crate::util::sync_dir(parent)?;

@@ -21,6 +21,7 @@
 use super::adapter_store::AdapterStore;
 use super::config::{LearnConfig, OnlineConfig};
 use super::learner::{Env, Member, State, Status, TrainError};
+use super::runs::kept::{Restored, RunMeta};
 use super::runs::{RunError, RunOutput, RunState, RunWork};
 use super::share_policy::{PolicyView, SharePolicy, Steering};
 use super::store::records::Accepting;
@@ -76,9 +77,12 @@ enum Command {
 
 /// Commands on client-driven runs (`online::runs`).
 enum RunCommand {
-    Start(String, AdapterWeights, Option<AdamW>, Reply<()>),
+    Start(String, AdapterWeights, Option<AdamW>, RunMeta, Reply<()>),
     Work(String, RunWork, Reply<RunOutput>),
-    End(Vec<String>),
+    /// End sessions (with their runs, by id): forgotten here and in the store.
+    End(Vec<String>, Vec<String>),
+    /// Bring back the runs kept by an earlier process.
+    Restore(Reply<Restored>),
 }
 
 /// What the handle reads without the thread.
@@ -283,17 +287,23 @@ impl TrainerHandle {
         }
     }
 
-    /// Start client-driven run `id` from `weights` and `opt` (a new AdamW when None), replacing
-    /// one of that id.
+    /// Start client-driven run `id` from `weights` and `opt` (a new AdamW when None), kept
+    /// (`runs::kept`) with `meta` before it is answered.
     pub async fn start_run(
         &self,
         id: &str,
         weights: AdapterWeights,
         opt: Option<AdamW>,
+        meta: RunMeta,
     ) -> Result<(), CommandError> {
         let id = id.to_string();
-        self.ask(|r| Command::Run(RunCommand::Start(id, weights, opt, r)))
+        self.ask(|r| Command::Run(RunCommand::Start(id, weights, opt, meta, r)))
             .await
+    }
+
+    /// Bring back the sessions and runs an earlier process kept (their states into the trainer).
+    pub async fn restore_runs(&self) -> Result<Restored, CommandError> {
+        self.ask(|r| Command::Run(RunCommand::Restore(r))).await
     }
 
     /// Queue `work` on run `id` now, after the calls queued before it (a run's calls are
@@ -308,11 +318,17 @@ impl TrainerHandle {
         Ok(rx)
     }
 
-    /// End runs `ids` (their state is dropped).
-    pub fn end_runs(&self, ids: Vec<String>) {
-        if !ids.is_empty() {
-            let _ = self.send(Command::Run(RunCommand::End(ids)));
+    /// End sessions `sessions` and their runs `runs`: their states are dropped, and forgotten
+    /// by the store.
+    pub fn end_sessions(&self, sessions: Vec<String>, runs: Vec<String>) {
+        if !sessions.is_empty() {
+            let _ = self.send(Command::Run(RunCommand::End(sessions, runs)));
         }
+    }
+
+    /// The rollout store.
+    pub fn store(&self) -> &Arc<dyn RolloutStore> {
+        &self.log
     }
 
     /// Wake the trainer (a reward arrived).

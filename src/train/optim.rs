@@ -176,7 +176,7 @@ impl AdamW {
 
     /// Write `optimizer.safetensors` (m, v) and `optimizer.json` (step, config) into `dir`.
     pub fn save(&self, dir: &Path) -> Result<(), OptimError> {
-        let bytes = |x: &[f32]| x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        let bytes = crate::util::f32_le_bytes;
         let (mb, vb) = (bytes(&self.m), bytes(&self.v));
         let n = self.m.len();
         let views = vec![

@@ -11,6 +11,7 @@
 pub mod checkpoints;
 pub mod futures;
 pub mod proto;
+pub mod restore;
 pub mod runs;
 pub mod sample;
 pub mod saved;
@@ -26,8 +27,9 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 
-/// The routes (under the API key, like the OpenAI ones).
-pub fn routes() -> Router<AppState> {
+/// The routes (under the API key, like the OpenAI ones), each after the kept sessions and runs
+/// are brought back (`restore`).
+pub fn routes(state: &AppState) -> Router<AppState> {
     Router::new()
         .route("/api/v1/healthz", get(healthz))
         .route("/api/v1/client/config", post(client_config))
@@ -63,6 +65,10 @@ pub fn routes() -> Router<AppState> {
             "/api/v1/training_runs/{id}/checkpoints/weights/{name}",
             delete(checkpoints::delete),
         )
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            restore::restore_first,
+        ))
 }
 
 /// `GET /api/v1/healthz`: ok while the model is loaded and the engine runs.
@@ -171,11 +177,11 @@ fn string_map(f: &Fields, name: &str) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-/// End the runs of the closed sessions `sessions`, here and in the trainer.
+/// End the closed sessions `sessions` and their runs, here, in the trainer and in the store.
 fn end_runs_of(state: &AppState, sessions: &[String]) {
     let ended = state.tinker_runs.end_sessions(sessions);
     if let Some(t) = state.ready().ok().and_then(|r| r.online.get()) {
-        t.end_runs(ended);
+        t.end_sessions(sessions.to_vec(), ended);
     }
 }
 

@@ -2,8 +2,9 @@
 //! `{session_id}:train:{n}` (the id the SDK computes from its session and its count of training
 //! clients), with what the client asked for. What the API knows of a run (its owner, its
 //! settings) is here; its adapter, gradient and optimizer are the trainer thread's
-//! (`online::runs`), which starts with the first run. In memory for now: keeping runs across a
-//! restart in the rollout store is a next part (docs/tinker.md).
+//! (`online::runs`), which starts with the first run and keeps each run across restarts
+//! (`online::runs::kept`); `restore` brings them back, with their sessions, at the first Tinker
+//! call after a start.
 
 use super::super::body::JsonBody;
 use super::super::error::{clip, ApiError};
@@ -11,6 +12,7 @@ use super::super::openai::{type_error, Fields};
 use super::super::state::{bearer_of, blocking, AppState};
 use super::{check_type, required_str, string_map};
 use crate::adapter::{AdapterBase, AdapterConfig, AdapterWeights, LoraConfig, Method, Target};
+use crate::online::runs::kept::RunMeta;
 use crate::train::optim::AdamW;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -33,9 +35,18 @@ pub const MAX_RUNS: usize = 64;
 /// (`adapters.max_adapter_params`): by default two runs of the largest size, or many small ones.
 pub const RUN_PARAMS_FACTOR: usize = 2;
 
+/// What a run was made with (kept with it, as JSON).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct RunInfo {
+    pub rank: usize,
+    pub seed: u64,
+    pub user_metadata: Map<String, Value>,
+}
+
 /// One training run.
 pub struct Run {
-    pub key: String,
+    /// The hash of the key that made it (`super::key_hash`).
+    pub owner: String,
     pub rank: usize,
     pub seed: u64,
     pub user_metadata: Map<String, Value>,
@@ -47,6 +58,18 @@ pub struct Run {
 }
 
 impl Run {
+    /// Run of the key hashed `owner`, made with `info`, of `num_params` parameters, called now.
+    pub fn new(owner: String, info: RunInfo, num_params: usize) -> Run {
+        Run {
+            owner,
+            rank: info.rank,
+            seed: info.seed,
+            user_metadata: info.user_metadata,
+            num_params,
+            last_request: crate::util::now_secs().to_bits().into(),
+        }
+    }
+
     /// A call on the run arrived now.
     pub fn touch(&self) {
         let now = crate::util::now_secs().to_bits();
@@ -60,7 +83,7 @@ impl Run {
         json!({
             "training_run_id": id,
             "base_model": base_model,
-            "model_owner": super::key_hash(&self.key)[..16],
+            "model_owner": self.owner[..16],
             "is_lora": true,
             "corrupted": false,
             "lora_rank": self.rank,
@@ -79,18 +102,22 @@ pub struct Runs {
 }
 
 impl Runs {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Run>>> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Run `id` as `key` may see it.
     pub fn get(&self, id: &str, key: &str) -> Option<Arc<Run>> {
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.get(id).filter(|r| r.key == key).cloned()
+        let (g, owner) = (self.lock(), super::key_hash(key));
+        g.get(id).filter(|r| r.owner == owner).cloned()
     }
 
     /// `key`'s runs, by id.
     pub fn of_key(&self, key: &str) -> Vec<(String, Arc<Run>)> {
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, owner) = (self.lock(), super::key_hash(key));
         let mut v: Vec<(String, Arc<Run>)> = g
             .iter()
-            .filter(|(_, r)| r.key == key)
+            .filter(|(_, r)| r.owner == owner)
             .map(|(id, r)| (id.clone(), r.clone()))
             .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
@@ -100,10 +127,10 @@ impl Runs {
     /// The ids of session `session`'s runs (`key`'s), in order.
     pub fn of_session(&self, session: &str, key: &str) -> Vec<String> {
         let prefix = format!("{session}:train:");
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, owner) = (self.lock(), super::key_hash(key));
         let mut ids: Vec<(u64, String)> = g
             .iter()
-            .filter(|(id, r)| r.key == key && id.starts_with(&prefix))
+            .filter(|(id, r)| r.owner == owner && id.starts_with(&prefix))
             .filter_map(|(id, _)| Some((id[prefix.len()..].parse().ok()?, id.clone())))
             .collect();
         ids.sort();
@@ -115,7 +142,7 @@ impl Runs {
         if sessions.is_empty() {
             return Vec::new();
         }
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.lock();
         let mut ended = Vec::new();
         g.retain(|id, _| {
             let session = id.rsplitn(3, ':').nth(2).unwrap_or("");
@@ -130,14 +157,14 @@ impl Runs {
 
     /// Forget run `id`.
     fn remove(&self, id: &str) {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.lock();
         g.remove(id);
     }
 
     /// Add run `id` unless there is one, or the runs would hold more than `max_params`
     /// parameters together or number more than `MAX_RUNS`.
-    fn add(&self, id: &str, run: Run, max_params: usize) -> Result<(), ApiError> {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+    pub(super) fn add(&self, id: &str, run: Run, max_params: usize) -> Result<(), ApiError> {
+        let mut g = self.lock();
         if g.contains_key(id) {
             return Err(ApiError {
                 code: Some("training_run_exists"),
@@ -352,17 +379,21 @@ pub(super) async fn register(
         }
     };
     let trainer = state.start_trainer().await?;
-    let run = Run {
-        key: r.key.to_string(),
+    let owner = super::key_hash(r.key);
+    let info = RunInfo {
         rank,
         seed: r.seed,
         user_metadata: r.user_metadata,
-        num_params: weights.layout.num_params,
-        last_request: crate::util::now_secs().to_bits().into(),
     };
+    let meta = RunMeta {
+        session: r.session.to_string(),
+        owner: owner.clone(),
+        info: serde_json::to_string(&info).unwrap_or_default(),
+    };
+    let run = Run::new(owner, info, weights.layout.num_params);
     let max_params = ready.registry.limits.max_params * RUN_PARAMS_FACTOR;
     state.tinker_runs.add(r.id, run, max_params)?;
-    if let Err(e) = trainer.start_run(r.id, weights, opt).await {
+    if let Err(e) = trainer.start_run(r.id, weights, opt, meta).await {
         state.tinker_runs.remove(r.id);
         return Err(e.into());
     }
@@ -482,7 +513,7 @@ mod tests {
         };
         let layout = AdapterLimits::default().layout(config, &shape).unwrap();
         Run {
-            key: key.into(),
+            owner: super::super::key_hash(key),
             rank: 2,
             seed: 1,
             user_metadata: Map::new(),

@@ -1,15 +1,18 @@
 //! Tinker sessions: `create_session` opens one for the caller's key, keeping what the SDK says
 //! of it (tags, metadata, SDK version, project, display name); `session_heartbeat` (every 10 s
 //! from the SDK) keeps it alive. Held in memory: the newest `MAX_SESSIONS`, each seen only with
-//! the key that opened it; one not heard from in `SESSION_TIMEOUT_SECS` is closed, and its
-//! training runs with it (the SDK warns its user after two minutes without a heartbeat).
+//! the key that opened it (by its hash); one not heard from in `SESSION_TIMEOUT_SECS` is closed,
+//! and its training runs with it (the SDK warns its user after two minutes without a heartbeat).
+//! Where runs are trained, a session is also kept in the rollout store (`online::runs::kept`):
+//! a restart brings it back, heard from at the restart.
 
 use super::super::body::JsonBody;
 use super::super::error::ApiError;
 use super::super::openai::{type_error, Fields};
 use super::super::owned::Owned;
-use super::super::state::{bearer_of, AppState};
-use super::{check_type, optional_str, required_str, string_map};
+use super::super::state::{bearer_of, blocking, AppState};
+use super::{check_type, key_hash, optional_str, required_str, string_map};
+use crate::online::store::records::SessionRecord;
 use crate::util::{now_secs, random_id};
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
@@ -24,7 +27,7 @@ pub const MAX_SESSIONS: usize = 4096;
 pub const SESSION_TIMEOUT_SECS: f64 = 300.0;
 
 /// One session as its client described it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Session {
     pub tags: Vec<String>,
     pub user_metadata: Map<String, Value>,
@@ -35,7 +38,7 @@ pub struct Session {
     pub last_heartbeat: f64,
 }
 
-/// The open sessions, per key (`api::owned`).
+/// The open sessions, per key hash (`api::owned`).
 pub struct Sessions(Owned<Session>);
 
 impl Default for Sessions {
@@ -48,8 +51,13 @@ impl Sessions {
     /// Open session `s` for `key`: its id, and those of the sessions closed to make room.
     fn open(&self, key: &str, s: Session) -> (String, Vec<String>) {
         let id = random_id("session-");
-        let closed = self.0.put(id.clone(), key, s);
+        let closed = self.0.put(id.clone(), &key_hash(key), s);
         (id, closed)
+    }
+
+    /// Bring back session `id` of the key hashed `owner`: those closed to make room.
+    pub(super) fn restore(&self, id: String, owner: &str, s: Session) -> Vec<String> {
+        self.0.put(id, owner, s)
     }
 
     /// Close the sessions silent since before `now - SESSION_TIMEOUT_SECS`: their ids.
@@ -60,12 +68,13 @@ impl Sessions {
 
     /// Note a heartbeat of session `id` from `key`; false when `key` has no such session.
     fn beat(&self, id: &str, key: &str) -> bool {
-        self.0.update(id, key, |s| s.last_heartbeat = now_secs())
+        self.0
+            .update(id, &key_hash(key), |s| s.last_heartbeat = now_secs())
     }
 
     /// Session `id` as `key` may see it.
     pub fn get(&self, id: &str, key: &str) -> Option<Session> {
-        self.0.get(id, key)
+        self.0.get(id, &key_hash(key))
     }
 }
 
@@ -91,20 +100,45 @@ pub async fn create(
     let user_metadata = string_map(&f, "user_metadata")?;
     let now = now_secs();
     close_silent(&state, now);
-    let (id, closed) = state.tinker_sessions.open(
-        bearer_of(&headers),
-        Session {
-            tags,
-            user_metadata,
-            sdk_version: optional_str(&f, "sdk_version")?.unwrap_or_default(),
-            project_id: optional_str(&f, "project_id")?,
-            display_name: optional_str(&f, "display_name")?,
-            created_at: now,
-            last_heartbeat: now,
-        },
-    );
+    let key = bearer_of(&headers);
+    let session = Session {
+        tags,
+        user_metadata,
+        sdk_version: optional_str(&f, "sdk_version")?.unwrap_or_default(),
+        project_id: optional_str(&f, "project_id")?,
+        display_name: optional_str(&f, "display_name")?,
+        created_at: now,
+        last_heartbeat: now,
+    };
+    let (id, closed) = state.tinker_sessions.open(key, session.clone());
     super::end_runs_of(&state, &closed);
+    if let Err(e) = keep(&state, &id, key, &session).await {
+        super::end_runs_of(&state, std::slice::from_ref(&id));
+        return Err(e);
+    }
     Ok(Json(json!({"type": "create_session", "session_id": id})))
+}
+
+/// Keep session `id` in the rollout store where runs are trained (a serving replica keeps its
+/// sessions in memory: they hold no runs).
+async fn keep(state: &AppState, id: &str, key: &str, s: &Session) -> Result<(), ApiError> {
+    if !state.ready()?.online.cfg().role.trains() {
+        return Ok(());
+    }
+    let trainer = state.start_trainer().await?;
+    let rec = SessionRecord {
+        id: id.to_string(),
+        owner: key_hash(key),
+        info: serde_json::to_string(s).unwrap_or_default(),
+        created: s.created_at,
+    };
+    blocking(move || {
+        trainer
+            .store()
+            .put_session(&rec)
+            .map_err(|e| ApiError::unavailable(format!("cannot keep the session: {e}")))
+    })
+    .await
 }
 
 /// `POST /api/v1/session_heartbeat`: `{session_id}`; 404 for a session this key did not open

@@ -23,7 +23,7 @@ use records::{
     Accepting, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError,
     PendingGroup, Reward, Turn,
 };
-use records::{Checkpoint, Lineage};
+use records::{Checkpoint, Lineage, RunRecord, SessionRecord};
 use sqlite::SqliteLog;
 
 /// What one process hears of another's work through a shared store (`RolloutStore::subscribe`).
@@ -102,6 +102,20 @@ pub trait RolloutStore: Send + Sync {
     ) -> Result<(), LogError>;
     /// Forget the checkpoints no longer needed; returns their relative paths.
     fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError>;
+    /// Keep client session `s` (the Tinker API's), so that it outlives a restart.
+    fn put_session(&self, s: &SessionRecord) -> Result<(), LogError>;
+    /// Forget sessions `ids` (closed) and their runs, in one transaction: the runs' state
+    /// folders, to delete.
+    fn end_sessions(&self, ids: &[String]) -> Result<Vec<String>, LogError>;
+    /// Keep run `r`; `LogError::Conflict` if a run has its id.
+    fn put_run(&self, r: &RunRecord) -> Result<(), LogError>;
+    /// Run `id`'s newest state is now folder `state` (after `step` optimizer steps), with no
+    /// gradient summed since: the folder it replaces, to delete.
+    fn set_run_state(&self, id: &str, state: &str, step: u64) -> Result<String, LogError>;
+    /// Run `id` holds the summed gradients of `pending` datums its state does not include.
+    fn set_run_pending(&self, id: &str, pending: u64) -> Result<(), LogError>;
+    /// The sessions kept (oldest first) and their runs.
+    fn open_sessions(&self) -> Result<(Vec<SessionRecord>, Vec<RunRecord>), LogError>;
     /// Call `wake` soon after any process makes `what` (PostgreSQL: LISTEN/NOTIFY, also once
     /// after each (re)connection, so a notification missed while disconnected only delays).
     /// SQLite has one process: nothing to hear (its trainer is told in-process).
@@ -214,6 +228,24 @@ impl RolloutStore for SqliteLog {
     }
     fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError> {
         SqliteLog::retire_checkpoints(self, adapter, keep)
+    }
+    fn put_session(&self, s: &SessionRecord) -> Result<(), LogError> {
+        SqliteLog::put_session(self, s)
+    }
+    fn end_sessions(&self, ids: &[String]) -> Result<Vec<String>, LogError> {
+        SqliteLog::end_sessions(self, ids)
+    }
+    fn put_run(&self, r: &RunRecord) -> Result<(), LogError> {
+        SqliteLog::put_run(self, r)
+    }
+    fn set_run_state(&self, id: &str, state: &str, step: u64) -> Result<String, LogError> {
+        SqliteLog::set_run_state(self, id, state, step)
+    }
+    fn set_run_pending(&self, id: &str, pending: u64) -> Result<(), LogError> {
+        SqliteLog::set_run_pending(self, id, pending)
+    }
+    fn open_sessions(&self) -> Result<(Vec<SessionRecord>, Vec<RunRecord>), LogError> {
+        SqliteLog::open_sessions(self)
     }
 }
 

@@ -1,9 +1,9 @@
 //! The rollout store's vocabulary, shared by its implementations (`sqlite`, `postgres`) and their
 //! callers: what is logged (`CompletionRecord`), rewarded (`Reward`, judged against `Accepting`),
 //! shown (`ChoiceInfo`) and trained (`Member`, `PendingGroup`); the record of training
-//! (`Lineage`, `Checkpoint`); the errors; the decisions every
-//! store makes the same way (`judge_reward`, `judge_episode_reward`); and how token ids and
-//! log-probs are stored (little-endian bytes).
+//! (`Lineage`, `Checkpoint`); the sessions and runs clients drive (`SessionRecord`,
+//! `RunRecord`); the errors; the decisions every store makes the same way (`judge_reward`,
+//! `judge_episode_reward`); and how token ids and log-probs are stored (little-endian bytes).
 
 use std::collections::BTreeMap;
 
@@ -23,6 +23,34 @@ pub struct Checkpoint {
     pub step: u64,
     /// Relative to the data directory.
     pub path: String,
+}
+
+/// A client's training session (the Tinker API's), kept so that it outlives a restart.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SessionRecord {
+    pub id: String,
+    /// Who opened it (a hash of the key: `api::tinker`'s).
+    pub owner: String,
+    /// What its client said of it (JSON: tags, metadata, SDK version, ...).
+    pub info: String,
+    pub created: f64,
+}
+
+/// A training run a client drives (the Tinker API's), kept so that it outlives a restart: what it
+/// was made with, where its newest state is, and whether gradients were summed since.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunRecord {
+    pub id: String,
+    pub session: String,
+    pub owner: String,
+    /// What it was made with (JSON: rank, seed, targets, metadata).
+    pub info: String,
+    /// Its newest state's folder (adapter and optimizer), relative to the data directory.
+    pub state: String,
+    /// The optimizer steps that state has taken.
+    pub step: u64,
+    /// Datums whose gradients were summed after that state (lost if the process dies).
+    pub pending: u64,
 }
 
 /// A step that would consume a member twice (or one that is gone): the whole step is refused.
@@ -420,7 +448,7 @@ pub fn bytes_u32(v: &[u32]) -> Vec<u8> {
 }
 
 pub fn bytes_f32(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    crate::util::f32_le_bytes(v)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use super::{Command, CommandError, RunCommand, Shared, Trainer, MAX_FAILURES, MAX_STEPS_IN_A_ROW};
 use crate::online::learner::{self, ErrorKind, State, Status, TrainError};
-use crate::online::runs::RunState;
+use crate::online::runs::{kept, RunState};
 use crate::online::share_policy::Totals;
 use crate::util::now_secs;
 use std::collections::BTreeMap;
@@ -212,27 +212,45 @@ impl Trainer {
         }
     }
 
-    /// A command on a client-driven run: its work runs here, between learners' steps.
+    /// A command on a client-driven run: its work runs here, between learners' steps; each
+    /// change of its state is kept (`runs::kept`) before it is answered.
     fn run_command(&mut self, c: RunCommand) {
         match c {
-            RunCommand::Start(id, weights, opt, reply) => {
-                self.runs.insert(id, RunState::new(weights, opt));
-                let _ = reply.send(Ok(()));
+            RunCommand::Start(id, weights, opt, meta, reply) => {
+                let state = RunState::new(weights, opt);
+                let kept =
+                    kept::keep_new(&self.env, &id, &meta, state.weights(), state.optimizer());
+                if kept.is_ok() {
+                    self.runs.insert(id, state);
+                }
+                let _ = reply.send(kept.map_err(CommandError::Run));
             }
             RunCommand::Work(id, work, reply) => {
                 let r = match self.runs.get_mut(&id) {
                     None => Err(CommandError::NoRun(id)),
                     Some(run) => {
-                        let out = run.work(&self.env.model, &self.env.cpu, work);
+                        let keep = kept::Kept {
+                            env: &self.env,
+                            id: &id,
+                        };
+                        let out = run.work(&self.env.model, &self.env.cpu, work, &keep);
                         out.map_err(CommandError::Run)
                     }
                 };
                 let _ = reply.send(r);
             }
-            RunCommand::End(ids) => {
+            RunCommand::End(sessions, ids) => {
                 for id in ids {
                     self.runs.remove(&id);
                 }
+                kept::end_sessions(&self.env, &sessions);
+            }
+            RunCommand::Restore(reply) => {
+                let r = kept::restore(&self.env).map(|(restored, states)| {
+                    self.runs.extend(states);
+                    restored
+                });
+                let _ = reply.send(r.map_err(CommandError::Run));
             }
         }
     }

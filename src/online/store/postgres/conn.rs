@@ -7,8 +7,10 @@
 use super::*;
 
 /// Schema migrations, applied in order; `flywheel_meta.schema_version` is how many ran. The
-/// first is the SQLite log's schema after its four migrations.
-const MIGRATIONS: &[&str] = &["
+/// first is the SQLite log's schema after its four migrations; the second its fifth (the
+/// sessions and runs clients drive).
+const MIGRATIONS: &[&str] = &[
+    "
     CREATE TABLE completions (
         id TEXT NOT NULL, choice INTEGER NOT NULL,
         adapter TEXT NOT NULL, version BIGINT NOT NULL,
@@ -36,7 +38,17 @@ const MIGRATIONS: &[&str] = &["
     CREATE TABLE episode_rewards (
         episode TEXT PRIMARY KEY, reward DOUBLE PRECISION NOT NULL,
         rewarded_at DOUBLE PRECISION NOT NULL);
-"];
+",
+    "
+    CREATE TABLE client_sessions (
+        id TEXT PRIMARY KEY, owner TEXT NOT NULL, info TEXT NOT NULL,
+        created DOUBLE PRECISION NOT NULL);
+    CREATE TABLE client_runs (
+        id TEXT PRIMARY KEY, session TEXT NOT NULL, owner TEXT NOT NULL, info TEXT NOT NULL,
+        state TEXT NOT NULL, step BIGINT NOT NULL, pending BIGINT NOT NULL);
+    CREATE INDEX client_runs_session ON client_runs (session);
+",
+];
 
 /// The advisory lock key of schema migrations (any constant of our own).
 const MIGRATION_LOCK: i64 = 0x666c_7977_6865_656c; // "flywheel"

@@ -13,7 +13,7 @@
 //!   next call reconnects, so a restarted database costs the calls made while it was down
 //!   (their errors are 503s: nothing was acknowledged). Called from blocking threads only.
 
-use super::records::{already_consumed, Checkpoint, Lineage};
+use super::records::{already_consumed, Checkpoint, Lineage, RunRecord, SessionRecord};
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, Member,
@@ -542,6 +542,24 @@ impl RolloutStore for PgLog {
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
+    fn put_session(&self, s: &SessionRecord) -> Result<(), LogError> {
+        PgLog::put_session(self, s)
+    }
+    fn end_sessions(&self, ids: &[String]) -> Result<Vec<String>, LogError> {
+        PgLog::end_sessions(self, ids)
+    }
+    fn put_run(&self, r: &RunRecord) -> Result<(), LogError> {
+        PgLog::put_run(self, r)
+    }
+    fn set_run_state(&self, id: &str, state: &str, step: u64) -> Result<String, LogError> {
+        PgLog::set_run_state(self, id, state, step)
+    }
+    fn set_run_pending(&self, id: &str, pending: u64) -> Result<(), LogError> {
+        PgLog::set_run_pending(self, id, pending)
+    }
+    fn open_sessions(&self) -> Result<(Vec<SessionRecord>, Vec<RunRecord>), LogError> {
+        PgLog::open_sessions(self)
+    }
     fn claim_trainer(&self, adapter: &str) -> Result<(), LogError> {
         self.take_claim(adapter)
     }
@@ -552,3 +570,4 @@ impl RolloutStore for PgLog {
 }
 
 mod conn;
+mod runs;

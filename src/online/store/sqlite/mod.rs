@@ -70,6 +70,13 @@ const MIGRATIONS: &[&str] = &[
         episode TEXT PRIMARY KEY, reward REAL NOT NULL, rewarded_at REAL NOT NULL);",
     // 4: constrained decoding: the completion positions a grammar forced (u32 LE; empty: none).
     "ALTER TABLE completions ADD COLUMN forced BLOB NOT NULL DEFAULT x'';",
+    // 5: the sessions and training runs clients drive (the Tinker API), kept across restarts.
+    "CREATE TABLE client_sessions (
+        id TEXT PRIMARY KEY, owner TEXT NOT NULL, info TEXT NOT NULL, created REAL NOT NULL);
+     CREATE TABLE client_runs (
+        id TEXT PRIMARY KEY, session TEXT NOT NULL, owner TEXT NOT NULL, info TEXT NOT NULL,
+        state TEXT NOT NULL, step INTEGER NOT NULL, pending INTEGER NOT NULL);
+     CREATE INDEX client_runs_session ON client_runs (session);",
 ];
 
 pub struct SqliteLog {
@@ -407,6 +414,7 @@ impl SqliteLog {
 
 mod episodes;
 mod lineage;
+mod runs;
 
 #[cfg(test)]
 mod tests;

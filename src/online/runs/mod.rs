@@ -3,6 +3,9 @@
 //! trainer thread owns them (`trainer::Command::Run`), so their passes run where learners' steps
 //! run, in the trainer's share of the cores, one call at a time in the order they arrived (a
 //! run's calls arrive in its client's order: the SDK sends one after the other's answer).
+//! `kept` keeps them across restarts.
+
+pub mod kept;
 
 use super::checkpoint::write_checkpoint;
 use crate::adapter::AdapterWeights;
@@ -11,6 +14,7 @@ use crate::train::offline::micro_batches;
 use crate::train::optim::{AdamW, AdamWConfig, Schedule};
 use crate::train::token_loss::{sequence_loss, TokenInputs, TokenLoss};
 use flywheel_kernels::Cpu;
+use kept::Keep;
 use std::path::PathBuf;
 
 /// Tokens one training pass holds at most (a call with more runs in passes of whole datums,
@@ -91,6 +95,8 @@ pub struct RunState {
     /// Datums whose gradients are in `grads`.
     accumulated: usize,
     opt: AdamW,
+    /// Datums whose summed gradients a restart lost (the next optimizer step is refused).
+    pub(crate) lost: usize,
 }
 
 impl RunState {
@@ -102,6 +108,7 @@ impl RunState {
             grads: vec![0.0; n],
             accumulated: 0,
             opt: opt.unwrap_or_else(|| AdamW::new(AdamWConfig::default(), n)),
+            lost: 0,
         }
     }
 
@@ -110,20 +117,27 @@ impl RunState {
         &self.weights
     }
 
-    /// Carry out `work` (the model at temperature 1, the run's adapter on).
+    /// The optimizer as it stands.
+    pub fn optimizer(&self) -> &AdamW {
+        &self.opt
+    }
+
+    /// Carry out `work` (the model at temperature 1, the run's adapter on), keeping each change
+    /// of the state with `keep` before it is made.
     pub fn work(
         &mut self,
         model: &Decoder,
         cpu: &Cpu,
         work: RunWork,
+        keep: &dyn Keep,
     ) -> Result<RunOutput, RunError> {
         match work {
             RunWork::ForwardBackward {
                 data,
                 loss,
                 forward_only,
-            } => Ok(self.forward_backward(model, cpu, &data, loss, forward_only)?),
-            RunWork::OptimStep(p) => self.optim_step(p),
+            } => self.forward_backward(model, cpu, &data, loss, forward_only, keep),
+            RunWork::OptimStep(p) => self.optim_step(p, keep),
             RunWork::Save { data_dir, rel } => {
                 let at = (self.opt.step, 0);
                 write_checkpoint(&data_dir, &rel, at, &self.weights, &self.opt)
@@ -141,12 +155,11 @@ impl RunState {
                         have.config.targets
                     )));
                 }
-                self.weights = weights;
-                if let Some(o) = opt {
-                    self.opt = o;
-                }
+                let opt = opt.unwrap_or_else(|| self.opt.clone());
+                keep.state(&weights, &opt)?;
+                (self.weights, self.opt) = (weights, opt);
                 self.grads.iter_mut().for_each(|g| *g = 0.0);
-                self.accumulated = 0;
+                (self.accumulated, self.lost) = (0, 0);
                 Ok(RunOutput::Loaded)
             }
             RunWork::Snapshot => {
@@ -166,7 +179,8 @@ impl RunState {
         data: &[RunDatum],
         loss: TokenLoss,
         forward_only: bool,
-    ) -> Result<RunOutput, ModelError> {
+        keep: &dyn Keep,
+    ) -> Result<RunOutput, RunError> {
         let pairs: Vec<(&[u32], &[u32])> = data
             .iter()
             .map(|d| (&d.tokens[..1], &d.tokens[1..]))
@@ -203,6 +217,7 @@ impl RunState {
             logprobs.extend(lps);
         }
         if !forward_only {
+            keep.pending(self.accumulated + data.len())?;
             self.grads.iter_mut().zip(&grads).for_each(|(a, g)| *a += g);
             self.accumulated += data.len();
         }
@@ -214,8 +229,16 @@ impl RunState {
     }
 
     /// One AdamW step with the gradient summed since the last (zero if none), which is then
-    /// cleared. A step that would leave a weight not finite changes nothing.
-    fn optim_step(&mut self, p: StepParams) -> Result<RunOutput, RunError> {
+    /// cleared. A step that would leave a weight not finite changes nothing. After a restart
+    /// that lost summed gradients, the first step is refused, and clears the gradient.
+    fn optim_step(&mut self, p: StepParams, keep: &dyn Keep) -> Result<RunOutput, RunError> {
+        if self.lost > 0 {
+            keep.pending(0)?;
+            let lost = std::mem::take(&mut self.lost);
+            self.grads.iter_mut().for_each(|g| *g = 0.0);
+            self.accumulated = 0;
+            return Err(RunError::Lost(lost, self.opt.step));
+        }
         let mut opt = self.opt.clone();
         opt.config = AdamWConfig {
             lr: p.lr,
@@ -231,6 +254,7 @@ impl RunState {
         let stats = opt.step(&mut params, &mut grads);
         let w = AdapterWeights::new(self.weights.layout.clone(), params)
             .map_err(|e| RunError::NotFinite(e.to_string()))?;
+        keep.state(&w, &opt)?;
         (self.weights, self.opt) = (w, opt);
         self.grads.iter_mut().for_each(|g| *g = 0.0);
         let datums = std::mem::take(&mut self.accumulated);
@@ -254,11 +278,19 @@ pub enum RunError {
     /// The request's fault: a saved state of another shape.
     #[error("{0}")]
     Shape(String),
+    /// A restart lost the gradients summed for this step.
+    #[error(
+        "the server restarted after the gradients of {0} datums were summed for this step and \
+         before it: they were lost (the run is back at optimizer step {1}). Nothing was applied \
+         and the run's gradient is now empty: send this step's forward_backward calls again, \
+         then optim_step"
+    )]
+    Lost(usize, u64),
 }
 
 impl RunError {
     /// Whether the request caused it (the Tinker API's "user" category).
     pub fn is_user(&self) -> bool {
-        matches!(self, RunError::Shape(_))
+        matches!(self, RunError::Shape(_) | RunError::Lost(..))
     }
 }
