@@ -16,7 +16,9 @@ with cross_entropy, `optim_step`, futures awaited as the SDK does) lowers the lo
 losses it takes alone. Sampling from a run's published weights returns, for every sampled token, the very
 log-prob `forward` computes for it on the same run (to the bit), and the prompt's log-probs the
 same way; the sampler path also serves as `model` on chat completions. An RL loop
-(importance_sampling on the brevity task, the cookbook's pattern) raises the reward."""
+(importance_sampling on the brevity task, the cookbook's pattern) raises the reward. A custom
+loss (`forward_backward_custom`, torch in the client) trains through its exact gradient. A saved
+state survives a kill -9 of the server."""
 
 import json
 import pathlib
@@ -201,3 +203,24 @@ def test_saved_state_survives_a_kill_of_the_server(tmp_path):
     assert after["listed_old"] == [before["path"]], after
     assert after["listed_new"] == ["weights/after-restart"], after
     assert after["after_delete"] == [], after
+
+
+def test_a_custom_loss_trains_through_its_exact_gradient(server):
+    """forward_backward_custom as the SDK drives it (torch in the client): the loss it reports is
+    the f64 one, its step is the step of cross_entropy weighted by −dL/dlogprob computed in f64
+    (same gradient norm, same log-probs after it, far closer than the step moved them), and the
+    custom loss falls over steps."""
+    if subprocess.run([str(VENV_PY), "-c", "import torch"], capture_output=True).returncode != 0:
+        pytest.skip("no torch in the tinker environment (scripts/test installs it): the SDK's "
+                    "forward_backward_custom needs it")
+    got = client(server, "tinker_custom.py", 4)
+    print("tinker custom loss:", json.dumps(got))
+    want = got["want"]
+    assert abs(got["reported"]["loss:sum"] - want) <= 1e-5 * abs(want), got
+    assert abs(got["reported"]["custom:sum"] - want) <= 1e-5 * abs(want), got
+    gc, gh = got["grad_norm_custom"], got["grad_norm_by_hand"]
+    assert gc > 0 and abs(gc - gh) <= 1e-5 * gh, got
+    assert got["moved_by_step"] > 1e-3, got
+    assert got["gap_after_step"] <= 1e-3 * got["moved_by_step"], got
+    losses = got["losses"]
+    assert losses[-1] < 0.5 * losses[0], losses
