@@ -104,8 +104,8 @@ fn tinker_sessions_belong_to_their_key_and_bad_fields_are_named() {
 }
 
 /// Tinker training runs: created on the served base for a session of the key, answered through a
-/// future, read back with `get_info`, listed by their session; LoRA on the LM head and other
-/// optimizers are refused by name, and a run is its key's alone.
+/// future, read back with `get_info`, listed by their session; bad settings and other
+/// optimizers are refused by name, OFT runs are made on request, and a run is its key's alone.
 #[test]
 fn tinker_runs_are_created_through_futures_and_refuse_what_is_not_served() {
     let (_d, s) = start(CONFIG, &["--api-key", "tml-a", "--admin-key", "tml-admin"]);
@@ -201,6 +201,25 @@ fn tinker_runs_are_created_through_futures_and_refuse_what_is_not_served() {
         (json!({"base_model": "Qwen/Qwen3-8B"}), "base_model", 404),
         (json!({"model_seq_id": -1}), "model_seq_id", 400),
         (json!({"session_id": "session-none"}), "session_id", 404),
+        // OFT runs (our extension, through user_metadata): no LM head, a block size that
+        // divides every targeted width, a method we have.
+        (
+            json!({"lora_config": {"rank": 16},
+                   "user_metadata": {"flywheel.adapter": "oft"}}),
+            "lora_config.train_unembed",
+            400,
+        ),
+        (
+            json!({"lora_config": {"rank": 7, "train_unembed": false},
+                   "user_metadata": {"flywheel.adapter": "oft"}}),
+            "lora_config.rank",
+            400,
+        ),
+        (
+            json!({"user_metadata": {"flywheel.adapter": "boft"}}),
+            "user_metadata.flywheel.adapter",
+            400,
+        ),
     ] {
         let mut b = create.clone();
         for (k, v) in patch.as_object().unwrap() {
@@ -218,6 +237,24 @@ fn tinker_runs_are_created_through_futures_and_refuse_what_is_not_served() {
             },
         );
     }
+    // An OFT run: its block size where LoRA's rank would be.
+    let mut oft = create.clone();
+    oft["model_seq_id"] = json!(5);
+    oft["lora_config"] = json!({"rank": 16, "train_unembed": false});
+    oft["user_metadata"] = json!({"flywheel.adapter": "oft"});
+    let r = call("tml-a", "/api/v1/create_model", &oft);
+    assert_eq!(r.status, 200, "{r:?}");
+    let id = format!("{sid}:train:5");
+    let info = call("tml-a", "/api/v1/get_info", &json!({"model_id": id})).json();
+    assert_eq!(
+        (
+            &info["is_lora"],
+            &info["lora_rank"],
+            &info["oft_block_size"]
+        ),
+        (&json!(false), &json!(null), &json!(16)),
+        "{info}"
+    );
 }
 
 /// Tinker training runs are bounded together: at most twice the parameters one adapter may

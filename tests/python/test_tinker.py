@@ -130,8 +130,10 @@ def client(server, script, *args, timeout=600):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_samples_carry_the_log_probs_training_computes(server):
-    got = client(server, "tinker_sample.py")
+@pytest.mark.parametrize("method", ["lora", "oft"])
+def test_samples_carry_the_log_probs_training_computes(server, method):
+    got = client(server, "tinker_sample.py", method)
+    assert got["info"]["is_lora"] == (method == "lora"), got["info"]
     assert len(got["samples"]) == 4 and all(got["samples"]), got
     assert set(got["stop_reasons"]) <= {"stop", "length"}
     # Train = serve: each sampled token's log-prob is forward's for the same tokens and weights,

@@ -11,7 +11,9 @@ use super::super::error::{clip, ApiError};
 use super::super::openai::{type_error, Fields};
 use super::super::state::{bearer_of, blocking, AppState};
 use super::{check_type, required_str, string_map};
-use crate::adapter::{AdapterBase, AdapterConfig, AdapterWeights, LoraConfig, Method, Target};
+use crate::adapter::{
+    AdapterBase, AdapterConfig, AdapterWeights, LoraConfig, Method, OftConfig, Target,
+};
 use crate::online::runs::kept::RunMeta;
 use crate::train::optim::AdamW;
 use axum::extract::{Path, Query, State};
@@ -38,16 +40,27 @@ pub const RUN_PARAMS_FACTOR: usize = 2;
 /// What a run was made with (kept with it, as JSON).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct RunInfo {
+    /// LoRA's rank, or OFT's block size.
     pub rank: usize,
+    /// LoRA (else OFT).
+    #[serde(default = "yes")]
+    pub lora: bool,
     pub seed: u64,
     pub user_metadata: Map<String, Value>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// One training run.
 pub struct Run {
     /// The hash of the key that made it (`super::key_hash`).
     pub owner: String,
+    /// LoRA's rank, or OFT's block size.
     pub rank: usize,
+    /// LoRA (else OFT: `is_lora` false, `lora_rank` null, the block size in `oft_block_size`).
+    pub lora: bool,
     pub seed: u64,
     pub user_metadata: Map<String, Value>,
     /// The adapter's parameters.
@@ -63,6 +76,7 @@ impl Run {
         Run {
             owner,
             rank: info.rank,
+            lora: info.lora,
             seed: info.seed,
             user_metadata: info.user_metadata,
             num_params,
@@ -84,9 +98,10 @@ impl Run {
             "training_run_id": id,
             "base_model": base_model,
             "model_owner": self.owner[..16],
-            "is_lora": true,
+            "is_lora": self.lora,
             "corrupted": false,
-            "lora_rank": self.rank,
+            "lora_rank": self.lora.then_some(self.rank),
+            "oft_block_size": (!self.lora).then_some(self.rank),
             "last_request_time": last,
             "last_checkpoint": null,
             "last_sampler_checkpoint": null,
@@ -266,6 +281,37 @@ fn parse_lora(v: Option<&Value>) -> Result<LoraRequest, ApiError> {
     })
 }
 
+/// The metadata key that asks for an OFT run (our extension; the SDK sends `user_metadata`
+/// unchanged): `"oft"`, with `rank` as OFT's block size; `"lora"` or absent, LoRA.
+pub const ADAPTER_KEY: &str = "flywheel.adapter";
+
+/// The run's method: LoRA of `rank`, or OFT in blocks of `rank` when `user_metadata` asks for it
+/// (on the projections only: OFT on the LM head is refused, naming `train_unembed`).
+fn method_of(user_metadata: &Map<String, Value>, lora: &LoraRequest) -> Result<Method, ApiError> {
+    match user_metadata.get(ADAPTER_KEY).and_then(Value::as_str) {
+        None | Some("lora") => Ok(Method::Lora(LoraConfig {
+            r: lora.rank,
+            alpha: LORA_ALPHA,
+            use_rslora: false,
+        })),
+        Some("oft") if lora.targets.contains(&Target::Head) => Err(ApiError::invalid(
+            "lora_config.train_unembed",
+            "an OFT run rotates the projections' inputs only: pass train_unembed=False",
+        )),
+        Some("oft") => Ok(Method::Oft(OftConfig {
+            block_size: lora.rank,
+            ..OftConfig::default()
+        })),
+        Some(other) => Err(ApiError::invalid(
+            &format!("user_metadata.{ADAPTER_KEY}"),
+            format!(
+                "'{}' is not an adapter method here: \"lora\" or \"oft\"",
+                clip(other)
+            ),
+        )),
+    }
+}
+
 /// `optimizer_config`: AdamW (`{"type": "adamw"}`, the default) is the one optimizer here.
 pub(super) fn check_optimizer(v: Option<&Value>) -> Result<(), ApiError> {
     match v {
@@ -307,11 +353,7 @@ pub async fn create(
     let id = format!("{session}:train:{seq}");
     let seed = lora.seed.unwrap_or_else(crate::util::random_u64);
     let config = AdapterConfig {
-        method: Method::Lora(LoraConfig {
-            r: lora.rank,
-            alpha: LORA_ALPHA,
-            use_rslora: false,
-        }),
+        method: method_of(&user_metadata, &lora)?,
         targets: lora
             .targets
             .into_iter()
@@ -369,19 +411,15 @@ pub(super) async fn register(
     }
     super::session::close_silent(state, crate::util::now_secs());
     super::session::require(state, r.session, r.key)?;
-    let rank = match &weights.layout.config.method {
-        Method::Lora(l) => l.r,
-        Method::Oft(_) => {
-            return Err(ApiError::invalid(
-                "path",
-                "the saved state is not a LoRA adapter",
-            ))
-        }
+    let (lora, rank) = match &weights.layout.config.method {
+        Method::Lora(l) => (true, l.r),
+        Method::Oft(o) => (false, o.block_size),
     };
     let trainer = state.start_trainer().await?;
     let owner = super::key_hash(r.key);
     let info = RunInfo {
         rank,
+        lora,
         seed: r.seed,
         user_metadata: r.user_metadata,
     };
@@ -435,8 +473,9 @@ pub async fn info(
         "model_data": {"arch": arch, "model_name": ready.model_name,
                        "tokenizer_id": ready.model_name},
         "optimizer_config": {"type": "adamw"},
-        "is_lora": true,
-        "lora_rank": run.rank,
+        "is_lora": run.lora,
+        "lora_rank": run.lora.then_some(run.rank),
+        "oft_block_size": (!run.lora).then_some(run.rank),
         "model_name": ready.model_name,
         "user_metadata": run.user_metadata,
         "seed": run.seed,
@@ -515,6 +554,7 @@ mod tests {
         Run {
             owner: super::super::key_hash(key),
             rank: 2,
+            lora: true,
             seed: 1,
             user_metadata: Map::new(),
             num_params: layout.num_params,

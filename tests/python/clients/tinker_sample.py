@@ -3,7 +3,8 @@ against the server argv[1] with the key argv[2] on its model argv[3]. A LoRA run
 supervised step (so its adapter is not the identity), publishes its weights for sampling
 (`save_weights_and_get_sampling_client`, and by name with `save_weights_for_sampler`), samples
 4 sequences at temperature 1 with the prompt's log-probs, then scores prompt + each sample with
-`forward` on the same run. Prints one JSON line: the samples, their log-probs, the forward's
+`forward` on the same run. With argv[4] "oft", the run is OFT (our extension, asked for through
+`user_metadata`; rank 32 is its block size; no LM head). Prints one JSON line: the run's info, the samples, their log-probs, the forward's
 log-probs at the same positions, the prompt's log-probs both ways, and what a chat completion
 with the sampler path as `model` answered."""
 
@@ -23,10 +24,15 @@ def post(base, key, path, body):
         return json.load(r)
 
 
-def main(base, key, model):
+def main(base, key, model, method="lora"):
     client = tinker.ServiceClient(base_url=base, api_key=key)
-    training = client.create_lora_training_client(
-        base_model=model, rank=8, seed=3).result()
+    if method == "oft":
+        training = client.create_lora_training_client(
+            base_model=model, rank=32, seed=3, train_unembed=False,
+            user_metadata={"flywheel.adapter": "oft"}).result()
+    else:
+        training = client.create_lora_training_client(
+            base_model=model, rank=8, seed=3).result()
     prompt = post(base, key, "/tokenize", {"prompt": "The capital of France is"})["tokens"]
     full = prompt + post(base, key, "/tokenize", {"prompt": " Paris."})["tokens"][-3:]
     step = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
@@ -56,6 +62,7 @@ def main(base, key, model):
     chat = post(base, key, "/v1/chat/completions", {
         "model": named, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
     print(json.dumps({
+        "info": training.get_info().model_dump(mode="json"),
         "samples": seqs,
         "stop_reasons": [s.stop_reason for s in out.sequences],
         "sample_logprobs": [list(map(float, s.logprobs)) for s in out.sequences],
@@ -71,4 +78,4 @@ def main(base, key, model):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
