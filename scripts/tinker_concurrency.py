@@ -8,7 +8,9 @@ in rounds, medians. Runs in the tinker SDK's virtual environment (scripts/test m
         [--runs 1,4] [--steps 3] [--datums 8] [--tokens 64] [--rounds 3]
 
 Prints one line per N: tokens/s and the ratio to the first N, and the steps' time spread across
-runs (fairness: the slowest run's time over the fastest's)."""
+runs (fairness: the slowest run's time over the fastest's). Then what merging two runs' calls
+into one pass over the base could gain at most: one run's `forward_backward` of 2 x datums in one
+call against two calls of `datums` (alternating, medians of `rounds`)."""
 import argparse
 import os
 import pathlib
@@ -86,11 +88,33 @@ def main():
                 r, s = one_round(base, n, a)
                 rates[n].append(r)
                 spread[n].append(s)
+        one, two = merge_probe(base, a)
     first = statistics.median(rates[ns[0]])
     for n in ns:
         m = statistics.median(rates[n])
         print(f"{n} run(s) at once: {m:7.1f} training tokens/s ({m / first:.2f}x {ns[0]}), "
               f"slowest run / fastest {statistics.median(spread[n]):.2f}")
+    print(f"one pass of {2 * a.datums} datums: {one:.2f} s; two of {a.datums}: {two:.2f} s "
+          f"(one pass / two: {one / two:.2f})")
+
+
+def merge_probe(base, a):
+    """Median times of one forward_backward of 2 x datums and of two of `datums` (one run)."""
+    c = tinker.ServiceClient(base_url=base, api_key=KEY)
+    t = c.create_lora_training_client(base_model=MODEL.stem, rank=8, seed=0,
+                                      train_unembed=False).result()
+    data = datums(0, 2 * a.datums, a.tokens)
+    t.forward_backward(data[:a.datums], "cross_entropy").result()
+    one, two = [], []
+    for _ in range(a.rounds):
+        t0 = time.time()
+        t.forward_backward(data, "cross_entropy").result()
+        one.append(time.time() - t0)
+        t0 = time.time()
+        t.forward_backward(data[:a.datums], "cross_entropy").result()
+        t.forward_backward(data[a.datums:], "cross_entropy").result()
+        two.append(time.time() - t0)
+    return statistics.median(one), statistics.median(two)
 
 
 if __name__ == "__main__":
