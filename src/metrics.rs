@@ -57,6 +57,8 @@ pub struct Metrics {
     pub train_logprob_diff: GaugeVec,
     pub train_staleness: HistogramVec,
     pub train_groups_dropped: IntCounterVec,
+    /// Decisions about learning adapters' versions (rollbacks, resumes), by reason.
+    pub promotion_decisions: IntCounterVec,
     pub train_pending_groups: IntGaugeVec,
     pub train_errors: IntCounterVec,
     /// 1 while the learner trains or may (running or paused), 0 once it has failed.
@@ -310,12 +312,23 @@ impl Metrics {
                 )
                 .expect("histogram vec"),
             ),
+            promotion_decisions: reg(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "promotion_decisions_total",
+                        "Decisions about a learning adapter's versions: rollback (by a guard: reward_drop, kl, entropy; or manual) and resume.",
+                    ),
+                    &["adapter", "decision", "reason"],
+                )
+                .unwrap(),
+            ),
             train_groups_dropped: reg(
                 &registry,
                 IntCounterVec::new(
                     Opts::new(
                         "train_samples_dropped_total",
-                        "Completions not trained on, by reason (stale, no_variance, single, timeout, off_policy_sample).",
+                        "Completions not trained on, by reason (stale, no_variance, single, timeout, off_policy_sample, lineage, rolled_back).",
                     ),
                     &["adapter", "reason"],
                 )

@@ -1,9 +1,9 @@
 //! The rollout store's promises, run against both implementations: SQLite (the default, one
 //! file) and PostgreSQL (several replicas and a trainer; a throwaway server per test, skipped with
 //! a message where PostgreSQL is not installed). Rewards checked, recorded once, all or none;
-//! episodes; lineages and checkpoints; the sessions and runs clients drive; racing writers; and,
-//! on PostgreSQL, replicas migrating together, notifications and a database restart. Whole
-//! servers on PostgreSQL: tests/replicas.rs.
+//! episodes; lineages, checkpoints and rollbacks; the sessions and runs clients drive; racing
+//! writers; and, on PostgreSQL, replicas migrating together, notifications and a database
+//! restart. Whole servers on PostgreSQL: tests/replicas.rs.
 
 mod common;
 
@@ -11,7 +11,8 @@ use common::pg::Pg;
 use flywheel::online::store::postgres::PgLog;
 use flywheel::online::store::records::Checkpoint;
 use flywheel::online::store::records::{
-    Accepting, CompletionRecord, FeedbackError, LogError, Reward, RunRecord, SessionRecord,
+    Accepting, CompletionRecord, Decision, FeedbackError, LogError, Reward, RunRecord,
+    SessionRecord,
 };
 use flywheel::online::store::sqlite::SqliteLog;
 use flywheel::online::store::{Announcement, RolloutStore};
@@ -375,6 +376,56 @@ fn racing_writers_record_each_thing_once() {
 /// committed step is heard by a listener; a restart of PostgreSQL fails the calls made while it
 /// is down (nothing acknowledged), the next ones reconnect, and the listener reconnects and
 /// catches up.
+/// A rollback is recorded with the checkpoints above its target forgotten in one go (their
+/// paths returned); the numbers it rolled back from still count as used; decisions read back
+/// newest first, across a reopen.
+#[test]
+fn a_rollback_forgets_the_checkpoints_above_it_and_keeps_its_numbers() {
+    on_both(|kind, place| {
+        let log = place.open();
+        let l = log.begin_lineage("a", 1).unwrap();
+        for v in 1..=4u64 {
+            let cp = Checkpoint {
+                version: v,
+                step: v,
+                path: format!("adapters/a/v-{v}"),
+            };
+            log.commit_step("a", l.id, &cp, "{}", &[]).unwrap();
+        }
+        let d = |decision: &str, from: u64, to: u64| Decision {
+            lineage: l.id,
+            decision: decision.into(),
+            reason: "reward_drop".into(),
+            from_version: from,
+            to_version: to,
+            evidence: "{\"drop\": 0.5}".into(),
+            paused: true,
+            created: 0.0,
+        };
+        let mut gone = log.rollback("a", &d("rollback", 9, 2)).unwrap();
+        gone.sort();
+        assert_eq!(gone, ["adapters/a/v-3", "adapters/a/v-4"], "{kind}");
+        let left: Vec<u64> = log
+            .checkpoints(l.id)
+            .unwrap()
+            .iter()
+            .map(|c| c.version)
+            .collect();
+        assert_eq!(left, [2, 1], "{kind}");
+        assert_eq!(log.max_version("a").unwrap(), 9, "{kind}");
+        log.record_decision("a", &d("resume", 2, 2)).unwrap();
+        let got = place.open().decisions("a", 10).unwrap();
+        assert_eq!(
+            got.iter().map(|x| x.decision.as_str()).collect::<Vec<_>>(),
+            ["resume", "rollback"],
+            "{kind}"
+        );
+        assert_eq!((got[1].from_version, got[1].to_version), (9, 2), "{kind}");
+        assert!(got[1].created > 0.0, "{kind}");
+        assert!(log.decisions("b", 10).unwrap().is_empty(), "{kind}");
+    });
+}
+
 /// The sessions and runs clients drive (the Tinker API): kept across a reopen, a run's id taken
 /// once, its state moved forward with the folder it replaces returned (and its pending count
 /// cleared), and a session's end forgetting its runs in one go, returning their folders.

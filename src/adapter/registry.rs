@@ -394,6 +394,60 @@ impl Registry {
         Ok((v, is_new))
     }
 
+    /// Serve version `version` of `name` again (a rollback by its owner, lineage `owner`): the
+    /// very version if someone still holds it, else `weights` under that number (they are its
+    /// weights, from its checkpoint). Numbers are not reused: the next publish still takes one
+    /// above every number the name had.
+    pub fn revert(
+        &self,
+        name: &str,
+        version: u64,
+        weights: AdapterWeights,
+        owner: u64,
+    ) -> Result<Arc<AdapterVersion>, RegistryError> {
+        let slot = self
+            .get(name)
+            .ok_or_else(|| RegistryError::Gone(name.to_string()))?;
+        let _g = slot.publish_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.owner() != Some(owner) {
+            return Err(RegistryError::Gone(name.to_string()));
+        }
+        let alive = slot
+            .versions_alive()
+            .into_iter()
+            .find(|v| v.version == version);
+        let v = match alive {
+            Some(v) => v,
+            None => {
+                self.alive.fetch_add(1, Ordering::AcqRel);
+                let v = Arc::new(AdapterVersion {
+                    name: slot.name.clone(),
+                    version,
+                    parent: None,
+                    created: crate::util::unix_now(),
+                    uid: self.next_uid.fetch_add(1, Ordering::AcqRel),
+                    weights,
+                    in_flight: AtomicUsize::new(0),
+                    alive: self.alive.clone(),
+                });
+                slot.history
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(Arc::downgrade(&v));
+                v
+            }
+        };
+        drop(slot.current.swap(v.clone()));
+        let m = &self.metrics;
+        m.adapter_publishes.inc();
+        m.adapter_version
+            .with_label_values(&[name])
+            .set(v.version as i64);
+        m.adapter_versions_alive
+            .set(self.alive.load(Ordering::Acquire) as i64);
+        Ok(v)
+    }
+
     /// Remove `name`: new requests cannot pin it; running ones finish on their pinned version.
     pub fn remove(&self, name: &str) -> bool {
         let removed = self

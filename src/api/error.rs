@@ -159,6 +159,10 @@ impl From<CommandError> for ApiError {
                 code: Some("rollout_log_unavailable"),
                 ..ApiError::unavailable(e.to_string())
             },
+            CommandError::Train(e) if e.kind == ErrorKind::Rollback => ApiError {
+                code: Some("rollback_refused"),
+                ..ApiError::invalid("version", e.message)
+            },
             CommandError::Train(e) => ApiError {
                 code: Some("trainer_start_failed"),
                 ..ApiError::internal(e.to_string())

@@ -340,6 +340,42 @@ pub async fn resume(
     set_paused(&state, &name, false).await
 }
 
+/// `POST /v1/adapters/{name}/rollback` (admin): `{"version": N, "pause": false}` serves version
+/// N of a learning adapter again, with its optimizer, training going on from it (or paused); a
+/// decision recorded with reason "manual". N must be older than the version served and still
+/// have its checkpoint (a 400 naming `version` otherwise).
+pub async fn rollback(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    crate::api::body::JsonBody(body): crate::api::body::JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let f = crate::api::openai::Fields::parse(&body)?;
+    for k in f.0.keys() {
+        if !matches!(k.as_str(), "version" | "pause") {
+            return Err(ApiError::invalid(
+                k,
+                format!("'{k}' is not a field of this route"),
+            ));
+        }
+    }
+    let to = f
+        .int_in("version", 1, i64::MAX as i128)?
+        .ok_or_else(|| ApiError::invalid("version", "'version' is required"))? as u64;
+    let pause = f.bool("pause")?.unwrap_or(false);
+    let online = ready
+        .online
+        .get()
+        .ok_or_else(|| ApiError::from(CommandError::NotLearning(name.clone())))?;
+    let status = online
+        .rollback(&name, to, pause)
+        .await
+        .map_err(ApiError::from)?;
+    Ok(Json(
+        json!({"object": "train.adapter", "id": name, "status": status}),
+    ))
+}
+
 /// `GET /v1/train/status`: each learning adapter's state (running, paused, failed), version,
 /// steps, pending and dropped groups, last step's statistics and last error.
 pub async fn status(

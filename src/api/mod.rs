@@ -80,6 +80,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/load_lora_adapter", post(adapters::load_lora))
         .route("/v1/unload_lora_adapter", post(adapters::unload_lora))
         .route("/v1/adapters/{name}/train", post(feedback::train))
+        .route("/v1/adapters/{name}/rollback", post(feedback::rollback))
         .route("/v1/train/{name}/pause", post(feedback::pause))
         .route("/v1/train/{name}/resume", post(feedback::resume))
         .route("/v1/train/policy", axum::routing::put(train_policy::put))

@@ -1,6 +1,7 @@
 //! Learning configuration: `[online]` (the rollout log and the trainer's rules) and one `[[learn]]`
 //! table per learning adapter (also `serve --learn NAME` and `POST /v1/adapters/{name}/train`).
 
+use super::guard::GuardConfig;
 use super::share_policy::SharePolicy;
 use crate::train::loss::LossName;
 use serde::Deserialize;
@@ -48,6 +49,14 @@ pub struct RawLearn {
     pub clip_high: Option<f32>,
     pub oft_block_size: Option<usize>,
     pub lora_r: Option<usize>,
+    /// The reward guard's window in steps (0: off); see `online::guard`.
+    pub guard_window: Option<usize>,
+    pub guard_reward_z: Option<f64>,
+    pub guard_reward_min_drop: Option<f64>,
+    pub guard_max_kl: Option<f64>,
+    pub guard_min_entropy: Option<f64>,
+    /// "pause" (default) or "continue": what training does after a guard rolls back.
+    pub after_rollback: Option<String>,
 }
 
 /// The validated `[online]` settings.
@@ -164,6 +173,7 @@ pub struct LearnConfig {
     pub clip_high: Option<f32>,
     pub oft_block_size: usize,
     pub lora_r: usize,
+    pub guards: GuardConfig,
 }
 
 /// A setting of `[online]` that cannot be honoured: its key (under `online.`) and why.
@@ -329,6 +339,34 @@ impl RawLearn {
                 ));
             }
         };
+        let d = GuardConfig::default();
+        let guards = GuardConfig {
+            window: self.guard_window.unwrap_or(d.window),
+            reward_z: self.guard_reward_z.unwrap_or(d.reward_z),
+            reward_min_drop: self.guard_reward_min_drop.unwrap_or(d.reward_min_drop),
+            max_kl: self.guard_max_kl,
+            min_entropy: self.guard_min_entropy,
+            pause_after_rollback: match self.after_rollback.as_deref() {
+                None | Some("pause") => true,
+                Some("continue") => false,
+                Some(other) => {
+                    return Err(("after_rollback", format!("'{other}': pause or continue")))
+                }
+            },
+        };
+        if guards.window > 64 {
+            return Err(("guard_window", "must be in 0..=64".into()));
+        }
+        for (k, v) in [
+            ("guard_reward_z", Some(guards.reward_z)),
+            ("guard_reward_min_drop", Some(guards.reward_min_drop)),
+            ("guard_max_kl", guards.max_kl),
+            ("guard_min_entropy", guards.min_entropy),
+        ] {
+            if v.is_some_and(|v| !(v >= 0.0 && v.is_finite())) {
+                return Err((k, "must be a finite number >= 0".into()));
+            }
+        }
         let c = LearnConfig {
             name: self.name,
             method,
@@ -340,6 +378,7 @@ impl RawLearn {
             clip_high: self.clip_high,
             oft_block_size: self.oft_block_size.unwrap_or(32),
             lora_r: self.lora_r.unwrap_or(16),
+            guards,
         };
         if !(c.lr > 0.0 && c.lr < 1.0) {
             return Err(("lr", "must be in (0, 1)".into()));

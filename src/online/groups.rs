@@ -16,6 +16,8 @@ pub struct Rules {
     pub group_timeout_secs: f64,
     /// Train on members not drawn from the policy's own distribution.
     pub train_off_policy_samples: bool,
+    /// Versions rolled back (inclusive ranges): what they sampled is not trained on.
+    pub rolled_back: Vec<(u64, u64)>,
 }
 
 /// Why members are not trained on (stored with them and counted in the metrics).
@@ -33,6 +35,8 @@ pub enum DropReason {
     Single,
     /// Every reward of the group is the same: no signal.
     NoVariance,
+    /// Sampled by a version that was rolled back.
+    RolledBack,
 }
 
 impl DropReason {
@@ -44,6 +48,7 @@ impl DropReason {
             DropReason::Timeout => "timeout",
             DropReason::Single => "single",
             DropReason::NoVariance => "no_variance",
+            DropReason::RolledBack => "rolled_back",
         }
     }
 }
@@ -85,6 +90,10 @@ pub fn form(
             .into_iter()
             .partition(|m| m.version < first_version);
         drop(&mut plan, DropReason::Lineage, &old);
+        let undone = |v: u64| rules.rolled_back.iter().any(|&(a, b)| a <= v && v <= b);
+        let (undone, members): (Vec<Member>, Vec<Member>) =
+            members.into_iter().partition(|m| undone(m.version));
+        drop(&mut plan, DropReason::RolledBack, &undone);
         g.members = members;
         if !rules.train_off_policy_samples {
             let (ok, off): (Vec<Member>, Vec<Member>) =
@@ -196,10 +205,34 @@ mod tests {
 
     fn rules() -> Rules {
         Rules {
+            rolled_back: Vec::new(),
             max_off_policy_steps: 2,
             group_timeout_secs: 10.0,
             train_off_policy_samples: false,
         }
+    }
+
+    /// What rolled-back versions sampled is dropped as such, whatever its rewards; the rest of
+    /// its group still trains.
+    #[test]
+    fn samples_of_rolled_back_versions_are_dropped() {
+        let pending = vec![group(
+            "a",
+            3,
+            vec![
+                member("a", 0, 5, Some(1.0), 0.0),
+                member("a", 1, 5, Some(0.0), 0.0),
+                member("a", 2, 4, Some(0.5), 0.0),
+            ],
+        )];
+        let r = Rules {
+            rolled_back: vec![(4, 4)],
+            ..rules()
+        };
+        let p = form(pending, 5, 1, 0.0, &r, LossName::Grpo);
+        assert_eq!(reasons(&p), [("rolled_back", 1)]);
+        assert_eq!(p.ready.len(), 1);
+        assert_eq!(p.ready[0].members.len(), 2);
     }
 
     fn reasons(p: &Plan) -> Vec<(&'static str, usize)> {

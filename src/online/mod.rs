@@ -7,12 +7,14 @@
 //! the learners and the `TrainerHandle` the server talks to it with; `start` is the online side
 //! as the server holds it (started with the server or on first use); `share_policy` is how the
 //! trainer splits the cores with serving (fixed or steered); `runs` are the training runs a client
-//! drives itself (the Tinker API), also owned by the trainer thread.
+//! drives itself (the Tinker API), also owned by the trainer thread; `guard` judges a learning
+//! adapter's steps and says when to roll back.
 
 pub mod adapter_store;
 pub mod checkpoint;
 pub mod config;
 pub mod groups;
+pub mod guard;
 pub mod learner;
 pub mod runs;
 pub mod share_policy;

@@ -63,6 +63,8 @@ enum Command {
     /// Replace a learner's settings.
     Configure(LearnConfig, Reply<Status>),
     Pause(String, bool, Reply<Status>),
+    /// Serve an older version of a learner again (a manual rollback), pausing or not.
+    Rollback(String, u64, bool, Reply<Status>),
     /// End a learner's lineage and remove its adapter.
     Remove(String, Reply<()>),
     /// Replace the policy that splits the cores with serving.
@@ -270,6 +272,13 @@ impl TrainerHandle {
     pub fn policy(&self) -> PolicyView {
         let v = self.shared.policy.read().unwrap_or_else(|e| e.into_inner());
         v.clone()
+    }
+
+    /// Serve version `to` of learner `name` again, with its optimizer (pausing training when
+    /// `pause`): its status after.
+    pub async fn rollback(&self, name: &str, to: u64, pause: bool) -> Result<Status, CommandError> {
+        let name = name.to_string();
+        self.ask(|r| Command::Rollback(name, to, pause, r)).await
     }
 
     pub async fn remove(&self, name: &str) -> Result<(), CommandError> {

@@ -14,6 +14,7 @@
 
 mod copies;
 mod follow;
+mod rollback;
 mod status;
 mod train;
 
@@ -56,6 +57,16 @@ pub trait Member: Send {
     fn turn(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError>;
     /// Replace the settings (the adapter's shape stays: method, block size, rank).
     fn configure(&mut self, cfg: LearnConfig) -> Result<(), ShapeChanged>;
+    /// Serve version `to` again (a manual rollback), pausing training or not; a `Follower`
+    /// follows its trainer's decisions and refuses.
+    fn rollback(&mut self, _env: &Env, _to: u64, _pause: bool) -> Result<(), TrainError> {
+        Err(TrainError::new(
+            ErrorKind::Rollback,
+            "this process serves the adapter for its trainer (--role serve): roll back there",
+        ))
+    }
+    /// Training resumes (an operator's resume): a learner paused by a rollback records it.
+    fn resumed(&mut self, _env: &Env) {}
     /// Whether `MAX_FAILURES` failures in a row fail it. A `Learner` does; a `Follower` that
     /// cannot follow (a version it cannot fetch or verify, the store down) keeps serving the
     /// version it has and keeps trying, backing off: its lag metric and status say so.
@@ -197,6 +208,7 @@ fn publish_at_start(
         consecutive_failures: 0,
         retry_at: None,
         config: cfg.clone(),
+        last_decision: None,
     })
 }
 

@@ -2,7 +2,7 @@
 //! `flywheel_train_errors_total` show them), its last step and its status.
 
 use super::LearnConfig;
-use crate::online::store::records::LogError;
+use crate::online::store::records::{Decision, LogError};
 use crate::train::offline::StepStats;
 use crate::util::now_secs;
 use std::collections::BTreeMap;
@@ -33,6 +33,8 @@ pub enum ErrorKind {
     Panic,
     /// Starting the learner (reading its checkpoint, creating its lineage).
     Start,
+    /// Rolling back (the version asked for has no checkpoint, or it would not load).
+    Rollback,
 }
 
 impl ErrorKind {
@@ -44,6 +46,7 @@ impl ErrorKind {
             ErrorKind::Publish => "publish",
             ErrorKind::Panic => "panic",
             ErrorKind::Start => "start",
+            ErrorKind::Rollback => "rollback",
         }
     }
 }
@@ -103,4 +106,6 @@ pub struct Status {
     /// Unix seconds of the next try after a failure.
     pub retry_at: Option<f64>,
     pub config: LearnConfig,
+    /// The newest decision about its versions (a rollback and why, a resume), if any.
+    pub last_decision: Option<Decision>,
 }

@@ -18,6 +18,7 @@ use crate::online::checkpoint::{
 };
 use crate::online::config::LearnConfig;
 use crate::online::groups::{self, Rules};
+use crate::online::guard::StepPoint;
 use crate::online::store::records::{Checkpoint, Lineage};
 use crate::online::store::records::{LogError, PendingGroup};
 use crate::policy::is_greedy;
@@ -28,10 +29,16 @@ use crate::util::now_secs;
 use std::path::PathBuf;
 
 pub(super) struct Learner {
-    cfg: LearnConfig,
-    lineage: Lineage,
-    opt: AdamW,
-    status: Status,
+    pub(super) cfg: LearnConfig,
+    pub(super) lineage: Lineage,
+    pub(super) opt: AdamW,
+    pub(super) status: Status,
+    /// What the guards judge (`online::guard`): the steps since the start or the last rollback,
+    /// and the version serving before the first of them.
+    pub(super) guarded: (Vec<StepPoint>, u64),
+    /// Versions rolled back (inclusive ranges, from the store's decisions): their samples are
+    /// not trained on.
+    pub(super) rolled_back: Vec<(u64, u64)>,
 }
 
 /// A fresh optimizer for `num_params` parameters.
@@ -138,12 +145,16 @@ impl Learner {
             }
         };
         let status = publish_at_start(env, &cfg, &lineage, weights, min_version, opt.step)?;
-        Ok(Learner {
+        let mut l = Learner {
             cfg,
             lineage,
+            guarded: (Vec::new(), status.version),
             opt,
             status,
-        })
+            rolled_back: Vec::new(),
+        };
+        l.read_decisions(env)?;
+        Ok(l)
     }
 
     /// Form groups (recording drops), and take one step if a batch is ready: Ok(None) when none
@@ -161,7 +172,8 @@ impl Learner {
         };
         // The step works on a copy: the learner's optimizer changes only once all is durable.
         let (next, opt, stats) = self.compute(env, &cur.weights, &plan)?;
-        let version = cur.version + 1;
+        // Above every number the name had (a rollback serves an older one).
+        let version = cur.version.max(env.registry.last_version(&name)) + 1;
         let rel = self.write(env, version, &next, &opt)?;
         upload(env, &rel)?;
         let report = StepReport {
@@ -171,7 +183,11 @@ impl Learner {
             staleness_max: plan
                 .batch
                 .iter()
-                .flat_map(|g| g.members.iter().map(|m| cur.version - m.version))
+                .flat_map(|g| {
+                    g.members
+                        .iter()
+                        .map(|m| cur.version.saturating_sub(m.version))
+                })
                 .max()
                 .unwrap_or(0),
         };
@@ -187,6 +203,7 @@ impl Learner {
         self.record(env, &report, &plan.batch, cur.version);
         self.retire(env);
         tracing::info!(adapter = %name, step = cp.step, version, loss = report.stats.loss, "trained");
+        self.guard(env, &report)?;
         Ok(Some(report))
     }
 
@@ -203,6 +220,7 @@ impl Learner {
             max_off_policy_steps: env.cfg.max_off_policy_steps,
             group_timeout_secs: env.cfg.group_timeout_secs,
             train_off_policy_samples: env.cfg.train_off_policy_samples,
+            rolled_back: self.rolled_back.clone(),
         };
         let formed = groups::form(
             pending,
@@ -403,7 +421,7 @@ impl Learner {
             for mem in &g.members {
                 m.train_staleness
                     .with_label_values(&[name])
-                    .observe((cur - mem.version) as f64);
+                    .observe(cur.saturating_sub(mem.version) as f64);
                 trained += 1;
             }
         }
@@ -417,10 +435,12 @@ impl Learner {
         st.last = Some(r.clone());
     }
 
-    /// Remove checkpoints no longer needed (the newest two of the lineage stay).
+    /// Remove checkpoints no longer needed (the newest two of the lineage stay, and as many as
+    /// the reward guard may roll back across: its window and two more).
     fn retire(&self, env: &Env) {
         let mut retired = std::collections::BTreeSet::new();
-        match env.log.retire_checkpoints(&self.cfg.name, 2) {
+        let keep = (self.cfg.guards.window + 2).max(2);
+        match env.log.retire_checkpoints(&self.cfg.name, keep) {
             Ok(paths) => {
                 retired.extend(paths.iter().cloned());
                 for p in paths {
@@ -476,6 +496,15 @@ impl Member for Learner {
 
     fn configure(&mut self, cfg: LearnConfig) -> Result<(), super::ShapeChanged> {
         reconfigure(&mut self.cfg, &mut self.status, cfg)
+    }
+
+    fn rollback(&mut self, env: &Env, to: u64, pause: bool) -> Result<(), TrainError> {
+        let evidence = serde_json::json!({"asked_for": to});
+        self.roll_back(env, to, "manual", evidence, pause)
+    }
+
+    fn resumed(&mut self, env: &Env) {
+        self.record_resume(env)
     }
 
     fn gives_up(&self) -> bool {

@@ -23,7 +23,7 @@ use records::{
     Accepting, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError,
     PendingGroup, Reward, Turn,
 };
-use records::{Checkpoint, Lineage, RunRecord, SessionRecord};
+use records::{Checkpoint, Decision, Lineage, RunRecord, SessionRecord};
 use sqlite::SqliteLog;
 
 /// What one process hears of another's work through a shared store (`RolloutStore::subscribe`).
@@ -102,6 +102,13 @@ pub trait RolloutStore: Send + Sync {
     ) -> Result<(), LogError>;
     /// Forget the checkpoints no longer needed; returns their relative paths.
     fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError>;
+    /// Record rollback `d` of `adapter` and forget the checkpoints of its lineage above
+    /// `d.to_version`, in one transaction: their relative paths, to delete.
+    fn rollback(&self, adapter: &str, d: &Decision) -> Result<Vec<String>, LogError>;
+    /// Record decision `d` about `adapter`.
+    fn record_decision(&self, adapter: &str, d: &Decision) -> Result<(), LogError>;
+    /// The newest `limit` decisions about `adapter`, newest first.
+    fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError>;
     /// Keep client session `s` (the Tinker API's), so that it outlives a restart.
     fn put_session(&self, s: &SessionRecord) -> Result<(), LogError>;
     /// Forget sessions `ids` (closed) and their runs, in one transaction: the runs' state
@@ -228,6 +235,15 @@ impl RolloutStore for SqliteLog {
     }
     fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError> {
         SqliteLog::retire_checkpoints(self, adapter, keep)
+    }
+    fn rollback(&self, adapter: &str, d: &Decision) -> Result<Vec<String>, LogError> {
+        SqliteLog::rollback(self, adapter, d)
+    }
+    fn record_decision(&self, adapter: &str, d: &Decision) -> Result<(), LogError> {
+        SqliteLog::record_decision(self, adapter, d)
+    }
+    fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError> {
+        SqliteLog::decisions(self, adapter, limit)
     }
     fn put_session(&self, s: &SessionRecord) -> Result<(), LogError> {
         SqliteLog::put_session(self, s)

@@ -1,7 +1,7 @@
 //! The rollout store's vocabulary, shared by its implementations (`sqlite`, `postgres`) and their
 //! callers: what is logged (`CompletionRecord`), rewarded (`Reward`, judged against `Accepting`),
 //! shown (`ChoiceInfo`) and trained (`Member`, `PendingGroup`); the record of training
-//! (`Lineage`, `Checkpoint`); the sessions and runs clients drive (`SessionRecord`,
+//! (`Lineage`, `Checkpoint`, `Decision`); the sessions and runs clients drive (`SessionRecord`,
 //! `RunRecord`); the errors; the decisions every store makes the same way (`judge_reward`,
 //! `judge_episode_reward`); and how token ids and log-probs are stored (little-endian bytes).
 
@@ -23,6 +23,27 @@ pub struct Checkpoint {
     pub step: u64,
     /// Relative to the data directory.
     pub path: String,
+}
+
+/// A decision about a learning adapter's versions (a guard's rollback, a manual one, a resume),
+/// kept with its reason and the evidence it read.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Decision {
+    pub lineage: u64,
+    /// "rollback" or "resume".
+    pub decision: String,
+    /// Why: the guard that fired ("reward_drop", "kl", "entropy"), or "manual".
+    pub reason: String,
+    /// The version serving when it was made.
+    pub from_version: u64,
+    /// The version serving after it (a rollback's target).
+    pub to_version: u64,
+    /// What the rule read and its thresholds (JSON).
+    pub evidence: String,
+    /// Whether training paused with it.
+    pub paused: bool,
+    /// Unix seconds (the store's clock when recorded).
+    pub created: f64,
 }
 
 /// A client's training session (the Tinker API's), kept so that it outlives a restart.

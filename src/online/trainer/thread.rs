@@ -183,6 +183,9 @@ impl Trainer {
                         };
                         s.consecutive_failures = 0;
                         s.retry_at = None;
+                        if !paused {
+                            l.resumed(&self.env);
+                        }
                         self.env
                             .metrics
                             .train_learner_ok
@@ -190,6 +193,17 @@ impl Trainer {
                             .set(1);
                         Ok(l.status().clone())
                     }
+                };
+                self.publish_status();
+                let _ = reply.send(r);
+            }
+            Command::Rollback(name, to, pause, reply) => {
+                let r = match self.learners.get_mut(&name) {
+                    None => Err(CommandError::NotLearning(name)),
+                    Some(l) => match l.rollback(&self.env, to, pause) {
+                        Ok(()) => Ok(l.status().clone()),
+                        Err(e) => Err(CommandError::Train(e)),
+                    },
                 };
                 self.publish_status();
                 let _ = reply.send(r);

@@ -8,7 +8,7 @@ use super::*;
 
 /// Schema migrations, applied in order; `flywheel_meta.schema_version` is how many ran. The
 /// first is the SQLite log's schema after its four migrations; the second its fifth (the
-/// sessions and runs clients drive).
+/// sessions and runs clients drive), the third its sixth (decisions).
 const MIGRATIONS: &[&str] = &[
     "
     CREATE TABLE completions (
@@ -47,6 +47,14 @@ const MIGRATIONS: &[&str] = &[
         id TEXT PRIMARY KEY, session TEXT NOT NULL, owner TEXT NOT NULL, info TEXT NOT NULL,
         state TEXT NOT NULL, step BIGINT NOT NULL, pending BIGINT NOT NULL);
     CREATE INDEX client_runs_session ON client_runs (session);
+",
+    "
+    CREATE TABLE decisions (
+        id BIGSERIAL PRIMARY KEY, adapter TEXT NOT NULL, lineage BIGINT NOT NULL,
+        decision TEXT NOT NULL, reason TEXT NOT NULL, from_version BIGINT NOT NULL,
+        to_version BIGINT NOT NULL, evidence TEXT NOT NULL, paused BOOLEAN NOT NULL,
+        created DOUBLE PRECISION NOT NULL);
+    CREATE INDEX decisions_adapter ON decisions (adapter, id);
 ",
 ];
 

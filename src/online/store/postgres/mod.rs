@@ -13,7 +13,7 @@
 //!   next call reconnects, so a restarted database costs the calls made while it was down
 //!   (their errors are 503s: nothing was acknowledged). Called from blocking threads only.
 
-use super::records::{already_consumed, Checkpoint, Lineage, RunRecord, SessionRecord};
+use super::records::{already_consumed, Checkpoint, Decision, Lineage, RunRecord, SessionRecord};
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, Member,
@@ -385,7 +385,8 @@ impl RolloutStore for PgLog {
                 "SELECT GREATEST(
                     (SELECT coalesce(max(version), 0) FROM completions WHERE adapter = $1),
                     (SELECT coalesce(max(version), 0) FROM checkpoints WHERE adapter = $1),
-                    (SELECT coalesce(max(first_version), 0) FROM lineages WHERE adapter = $1))",
+                    (SELECT coalesce(max(first_version), 0) FROM lineages WHERE adapter = $1),
+                    (SELECT coalesce(max(from_version), 0) FROM decisions WHERE adapter = $1))",
                 &[&adapter],
             )?
             .get(0);
@@ -542,6 +543,15 @@ impl RolloutStore for PgLog {
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
+    fn rollback(&self, adapter: &str, d: &Decision) -> Result<Vec<String>, LogError> {
+        PgLog::rollback(self, adapter, d)
+    }
+    fn record_decision(&self, adapter: &str, d: &Decision) -> Result<(), LogError> {
+        PgLog::record_decision(self, adapter, d)
+    }
+    fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError> {
+        PgLog::decisions(self, adapter, limit)
+    }
     fn put_session(&self, s: &SessionRecord) -> Result<(), LogError> {
         PgLog::put_session(self, s)
     }
@@ -570,4 +580,5 @@ impl RolloutStore for PgLog {
 }
 
 mod conn;
+mod decisions;
 mod runs;

@@ -8,7 +8,9 @@
 //! completions the step consumed.
 
 use super::SqliteLog;
-use crate::online::store::records::{already_consumed, Checkpoint, History, Lineage, LogError};
+use crate::online::store::records::{
+    already_consumed, Checkpoint, Decision, History, Lineage, LogError,
+};
 use crate::util::now_secs;
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
 
@@ -32,15 +34,16 @@ impl SqliteLog {
         Ok(l)
     }
 
-    /// The highest version `adapter` ever had in this log (served, checkpointed, or a lineage's
-    /// first); 0 if none.
+    /// The highest version `adapter` ever had in this log (served, checkpointed, a lineage's
+    /// first, or rolled back from); 0 if none.
     pub fn max_version(&self, adapter: &str) -> Result<u64, LogError> {
         let c = self.conn()?;
         let v: i64 = c.query_row(
             "SELECT max(
                 (SELECT coalesce(max(version), 0) FROM completions WHERE adapter = ?1),
                 (SELECT coalesce(max(version), 0) FROM checkpoints WHERE adapter = ?1),
-                (SELECT coalesce(max(first_version), 0) FROM lineages WHERE adapter = ?1))",
+                (SELECT coalesce(max(first_version), 0) FROM lineages WHERE adapter = ?1),
+                (SELECT coalesce(max(from_version), 0) FROM decisions WHERE adapter = ?1))",
             params![adapter],
             |r| r.get(0),
         )?;
@@ -208,4 +211,73 @@ impl SqliteLog {
         tx.commit()?;
         Ok(paths.into_iter().map(|(_, p)| p).collect())
     }
+
+    /// Record rollback `d` and forget the checkpoints of its lineage above its target.
+    pub fn rollback(&self, adapter: &str, d: &Decision) -> Result<Vec<String>, LogError> {
+        let mut c = self.conn()?;
+        let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        insert_decision(&tx, adapter, d)?;
+        let paths: Vec<String> = {
+            let mut st = tx.prepare_cached(
+                "SELECT path FROM checkpoints WHERE adapter = ?1 AND lineage = ?2 AND version > ?3",
+            )?;
+            let rows = st.query_map(
+                params![adapter, d.lineage as i64, d.to_version as i64],
+                |r| r.get(0),
+            )?;
+            rows.collect::<Result<_, _>>()?
+        };
+        tx.execute(
+            "DELETE FROM checkpoints WHERE adapter = ?1 AND lineage = ?2 AND version > ?3",
+            params![adapter, d.lineage as i64, d.to_version as i64],
+        )?;
+        tx.commit()?;
+        Ok(paths)
+    }
+
+    pub fn record_decision(&self, adapter: &str, d: &Decision) -> Result<(), LogError> {
+        let c = self.conn()?;
+        insert_decision(&c, adapter, d)
+    }
+
+    pub fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError> {
+        let c = self.conn()?;
+        let mut st = c.prepare_cached(
+            "SELECT lineage, decision, reason, from_version, to_version, evidence, paused, created
+             FROM decisions WHERE adapter = ?1 ORDER BY id DESC LIMIT ?2",
+        )?;
+        let rows = st.query_map(params![adapter, limit as i64], |r| {
+            Ok(Decision {
+                lineage: r.get::<_, i64>(0)? as u64,
+                decision: r.get(1)?,
+                reason: r.get(2)?,
+                from_version: r.get::<_, i64>(3)? as u64,
+                to_version: r.get::<_, i64>(4)? as u64,
+                evidence: r.get(5)?,
+                paused: r.get(6)?,
+                created: r.get(7)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+}
+
+fn insert_decision(c: &rusqlite::Connection, adapter: &str, d: &Decision) -> Result<(), LogError> {
+    c.execute(
+        "INSERT INTO decisions (adapter, lineage, decision, reason, from_version, to_version,
+                                evidence, paused, created)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        params![
+            adapter,
+            d.lineage as i64,
+            d.decision,
+            d.reason,
+            d.from_version as i64,
+            d.to_version as i64,
+            d.evidence,
+            d.paused,
+            now_secs()
+        ],
+    )?;
+    Ok(())
 }

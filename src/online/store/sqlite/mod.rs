@@ -77,6 +77,13 @@ const MIGRATIONS: &[&str] = &[
         id TEXT PRIMARY KEY, session TEXT NOT NULL, owner TEXT NOT NULL, info TEXT NOT NULL,
         state TEXT NOT NULL, step INTEGER NOT NULL, pending INTEGER NOT NULL);
      CREATE INDEX client_runs_session ON client_runs (session);",
+    // 6: decisions about a learning adapter's versions (rollbacks, resumes), with their evidence.
+    "CREATE TABLE decisions (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, adapter TEXT NOT NULL, lineage INTEGER NOT NULL,
+        decision TEXT NOT NULL, reason TEXT NOT NULL, from_version INTEGER NOT NULL,
+        to_version INTEGER NOT NULL, evidence TEXT NOT NULL, paused INTEGER NOT NULL,
+        created REAL NOT NULL);
+     CREATE INDEX decisions_adapter ON decisions (adapter, id);",
 ];
 
 pub struct SqliteLog {
