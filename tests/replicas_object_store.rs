@@ -35,7 +35,13 @@ fn replicas_follow_the_trainer_through_an_object_store() {
     };
     let root = tempfile::tempdir().unwrap();
     let own = |n: &str| root.path().join(n);
-    let start = |role: &str, data: &str| start_role(&sh.model, &own(data), &sh.cfg, &sh.url, role);
+    // No reward guard: a lineage then keeps its newest two checkpoints (with one, the guard's
+    // window + 2), which the retention check below counts on.
+    let cfg = sh
+        .cfg
+        .replace("lora_r = 4\n", "lora_r = 4\nguard_window = 0\n");
+    assert_ne!(cfg, sh.cfg);
+    let start = |role: &str, data: &str| start_role(&sh.model, &own(data), &cfg, &sh.url, role);
     let trainer = start("train", "t1");
     let (a, b) = (start("serve", "a"), start("serve", "b"));
     reward_group(&a, &b);

@@ -1,6 +1,7 @@
 //! A serving replica's learning adapter (`--role serve`): it never trains; each turn of the
 //! trainer thread (woken by the store's notification of a committed step, at most 500 ms apart)
-//! it follows the trainer: fetch, verify, publish.
+//! it follows the trainer: fetch, verify, publish (or, after the trainer rolled back, serve the
+//! version it went back to).
 
 use super::copies::Needed;
 use super::{
@@ -82,9 +83,12 @@ impl Follower {
         };
         let lag = env.metrics.replica_version_lag.with_label_values(&[&name]);
         lag.set(cp.version.saturating_sub(self.status.version) as i64);
-        if l.id == self.lineage.id && cp.version <= self.status.version {
+        if l.id == self.lineage.id && cp.version == self.status.version {
             return Ok(());
         }
+        // Older than the one served, in the same lineage: the trainer rolled back (a rollback
+        // forgets the checkpoints above its target; nothing else removes the newest).
+        let back = l.id == self.lineage.id && cp.version < self.status.version;
         let t0 = std::time::Instant::now();
         // Never serve what cannot be verified: the files loaded, against the manifest the
         // trainer wrote last (fetched from the adapter store first if there is one).
@@ -97,12 +101,13 @@ impl Follower {
             id: l.id,
             min_version: cp.version,
         };
-        let (v, _) = env
-            .registry
-            .publish_as(&name, w, who)
-            .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
+        let v = match back {
+            true => env.registry.revert(&name, cp.version, w, l.id),
+            false => env.registry.publish_as(&name, w, who).map(|(v, _)| v),
+        }
+        .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
         tracing::info!(
-            adapter = %name, version = v.version, step = cp.step,
+            adapter = %name, version = v.version, step = cp.step, rolled_back = back,
             load_ms = t0.elapsed().as_secs_f64() * 1e3,
             "followed the trainer to a new version"
         );
