@@ -1,7 +1,7 @@
 //! Learning configuration: `[online]` (the rollout log and the trainer's rules) and one `[[learn]]`
 //! table per learning adapter (also `serve --learn NAME` and `POST /v1/adapters/{name}/train`).
 
-use super::guard::GuardConfig;
+use super::guard::{AfterRollback, GuardConfig};
 use super::share_policy::SharePolicy;
 use crate::train::loss::LossName;
 use serde::Deserialize;
@@ -173,6 +173,8 @@ pub struct LearnConfig {
     pub clip_high: Option<f32>,
     pub oft_block_size: usize,
     pub lora_r: usize,
+    /// Shown and taken back under `[[learn]]`'s own keys (`guard_window`, ...).
+    #[serde(flatten)]
     pub guards: GuardConfig,
 }
 
@@ -346,9 +348,9 @@ impl RawLearn {
             reward_min_drop: self.guard_reward_min_drop.unwrap_or(d.reward_min_drop),
             max_kl: self.guard_max_kl,
             min_entropy: self.guard_min_entropy,
-            pause_after_rollback: match self.after_rollback.as_deref() {
-                None | Some("pause") => true,
-                Some("continue") => false,
+            after_rollback: match self.after_rollback.as_deref() {
+                None | Some("pause") => AfterRollback::Pause,
+                Some("continue") => AfterRollback::Continue,
                 Some(other) => {
                     return Err(("after_rollback", format!("'{other}': pause or continue")))
                 }

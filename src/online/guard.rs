@@ -14,18 +14,32 @@
 
 use serde_json::json;
 
-/// A learning adapter's guards (`[[learn]]`'s `guard_*` keys and `after_rollback`).
+/// A learning adapter's guards (`[[learn]]`'s `guard_*` keys and `after_rollback`, under which
+/// names they are shown).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct GuardConfig {
     /// Steps per window of the reward guard; 0 turns it off.
+    #[serde(rename = "guard_window")]
     pub window: usize,
+    #[serde(rename = "guard_reward_z")]
     pub reward_z: f64,
+    #[serde(rename = "guard_reward_min_drop")]
     pub reward_min_drop: f64,
+    #[serde(rename = "guard_max_kl")]
     pub max_kl: Option<f64>,
+    #[serde(rename = "guard_min_entropy")]
     pub min_entropy: Option<f64>,
-    /// After an automatic rollback: pause training (true, the default) or go on from the
-    /// version rolled back to.
-    pub pause_after_rollback: bool,
+    /// After an automatic rollback: pause training (the default) or go on from the version
+    /// rolled back to.
+    pub after_rollback: AfterRollback,
+}
+
+/// What training does after a guard rolls back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AfterRollback {
+    Pause,
+    Continue,
 }
 
 impl Default for GuardConfig {
@@ -36,7 +50,7 @@ impl Default for GuardConfig {
             reward_min_drop: 0.5,
             max_kl: None,
             min_entropy: None,
-            pause_after_rollback: true,
+            after_rollback: AfterRollback::Pause,
         }
     }
 }

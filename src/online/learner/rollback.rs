@@ -9,7 +9,7 @@ use super::copies::Needed;
 use super::train::Learner;
 use super::{Env, ErrorKind, State, StepReport, TrainError};
 use crate::online::checkpoint::{load_checkpoint, remove_dir};
-use crate::online::guard::{judge, StepPoint, Verdict};
+use crate::online::guard::{judge, AfterRollback, StepPoint, Verdict};
 use crate::online::store::records::Decision;
 use crate::util::now_secs;
 
@@ -59,7 +59,7 @@ impl Learner {
             evidence,
         } = verdict
         {
-            let pause = self.cfg.guards.pause_after_rollback;
+            let pause = self.cfg.guards.after_rollback == AfterRollback::Pause;
             self.roll_back(env, to, reason, evidence, pause)?;
         }
         Ok(())
