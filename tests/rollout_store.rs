@@ -377,8 +377,8 @@ fn racing_writers_record_each_thing_once() {
 /// is down (nothing acknowledged), the next ones reconnect, and the listener reconnects and
 /// catches up.
 /// A rollback is recorded with the checkpoints above its target forgotten in one go (their
-/// paths returned); the numbers it rolled back from still count as used; decisions read back
-/// newest first, across a reopen.
+/// paths returned); the numbers it rolled back from still count as used; the steps' history
+/// keeps every step; decisions read back newest first, across a reopen.
 #[test]
 fn a_rollback_forgets_the_checkpoints_above_it_and_keeps_its_numbers() {
     on_both(|kind, place| {
@@ -413,6 +413,11 @@ fn a_rollback_forgets_the_checkpoints_above_it_and_keeps_its_numbers() {
             .collect();
         assert_eq!(left, [2, 1], "{kind}");
         assert_eq!(log.max_version("a").unwrap(), 9, "{kind}");
+        // The steps' history keeps the steps rolled back (the dashboard shows them).
+        let steps: Vec<u64> = log.steps("a", 10).unwrap().iter().map(|s| s.1).collect();
+        assert_eq!(steps, [1, 2, 3, 4], "{kind}");
+        let newest: Vec<u64> = log.steps("a", 2).unwrap().iter().map(|s| s.1).collect();
+        assert_eq!(newest, [3, 4], "{kind}");
         log.record_decision("a", &d("resume", 2, 2)).unwrap();
         let got = place.open().decisions("a", 10).unwrap();
         assert_eq!(

@@ -8,6 +8,7 @@ pub mod body;
 pub mod chat;
 pub mod completions;
 mod cors;
+mod dashboard;
 mod embeddings;
 pub mod error;
 pub mod feedback;
@@ -67,6 +68,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/feedback/{id}", get(feedback::get))
         .route("/v1/train/status", get(feedback::status))
+        .route("/v1/train/{name}/history", get(dashboard::history))
         .route("/v1/train/policy", get(train_policy::get))
         .merge(tinker::routes(&state))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
@@ -90,6 +92,7 @@ pub fn router(state: AppState) -> Router {
         .merge(admin)
         .route("/health", get(info::health))
         .route("/metrics", get(info::metrics))
+        .route("/dashboard", get(dashboard::page))
         .fallback(|| async { ApiError::not_found("no such route") })
         .method_not_allowed_fallback(|| async {
             ApiError::status(

@@ -15,6 +15,7 @@ import pathlib
 import struct
 import subprocess
 import sys
+import time
 
 import jsonschema
 import pytest
@@ -140,7 +141,8 @@ def check(method, path, body=None, key=KEY, raw=None, expect=200, route=None,
             inst = completion_official(c) if path == "/v1/completions" else c
             validate_official(inst, OFFICIAL_CHUNK[path])
         return status, headers, chunks
-    if ctype == "text/plain":
+    if ctype in ("text/plain", "text/html"):
+        assert our_pointer(path, method, status, ctype)
         return status, headers, data.decode()
     if ctype == "application/x-protobuf":
         assert our_pointer(path, method, status, ctype)
@@ -505,6 +507,38 @@ def test_feedback_and_training_follow_the_contract():
         assert t["status"]["state"] == ("paused" if action == "pause" else "running")
         check("POST", f"/v1/train/nope/{action}", route=R, expect=404)
         check("POST", f"/v1/train/contract-learn2/{action}", route=R, key="wrong", expect=401)
+    # Two steps, then a manual rollback (the guards' own run: tests/server_guards.rs) and the
+    # history the dashboard draws.
+    for k in range(2):
+        _, _, r = check("POST", "/v1/chat/completions", {
+            "model": "contract-learn2", "messages": [{"role": "user", "content": "Hi"}],
+            "n": 2, "max_tokens": 3, "temperature": 1.0})
+        check("POST", "/v1/feedback", [{"id": r["id"], "choice": 0, "reward": 0.0},
+                                       {"id": r["id"], "choice": 1, "reward": 1.0}], expect=202)
+        deadline = time.time() + 120
+        while check("GET", "/v1/train/status")[2]["adapters"]["contract-learn2"]["steps"] <= k:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    v = check("GET", "/v1/train/status")[2]["adapters"]["contract-learn2"]["version"]
+    RB = "/v1/adapters/{name}/rollback"
+    _, _, t = check("POST", "/v1/adapters/contract-learn2/rollback", {"version": v - 1}, route=RB)
+    assert t["status"]["version"] == v - 1 and t["status"]["last_decision"]["reason"] == "manual"
+    check("POST", "/v1/adapters/contract-learn2/rollback", {"version": v - 1}, route=RB,
+          expect=400)
+    check("POST", "/v1/adapters/contract-learn2/rollback", {"version": 1, "at": 2}, route=RB,
+          expect=400)
+    check("POST", "/v1/adapters/nope/rollback", {"version": 1}, route=RB, expect=404)
+    check("POST", "/v1/adapters/contract-learn2/rollback", {"version": 1}, route=RB, key="wrong",
+          expect=401)
+    H = "/v1/train/{name}/history"
+    _, _, h = check("GET", "/v1/train/contract-learn2/history", route=H)
+    assert [s["version"] for s in h["steps"]] == [v - 1, v], h
+    assert h["decisions"][0]["decision"] == "rollback", h
+    check("GET", "/v1/train/contract-learn2/history?limit=0", route=H, expect=400)
+    check("GET", "/v1/train/nope/history", route=H, expect=404)
+    check("GET", "/v1/train/contract-learn2/history", route=H, key="wrong", expect=401)
+    _, _, page = check("GET", "/dashboard", key=None)
+    assert "<svg" in page or "createElementNS" in page
 
 
 def test_tinker_routes_follow_the_contract():

@@ -38,8 +38,12 @@ ADMIN = "tml-flywheel-admin"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running(["--api-key", KEY, "--admin-key", ADMIN]) as url:
+def server(tmp_path_factory):
+    # The module's clients open some 40 runs (a session's runs end only when it has been silent
+    # for 5 minutes): room for them beside each other (runs hold twice max_adapter_params).
+    cfg = tmp_path_factory.mktemp("tinker") / "serve.toml"
+    cfg.write_text("[limits]\nmax_adapter_params = 150000000\n")
+    with running(["--api-key", KEY, "--admin-key", ADMIN, "--config", str(cfg)]) as url:
         yield url
 
 

@@ -23,7 +23,7 @@ use records::{
     Accepting, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError,
     PendingGroup, Reward, Turn,
 };
-use records::{Checkpoint, Decision, Lineage, RunRecord, SessionRecord};
+use records::{Checkpoint, Decision, Lineage, RunRecord, SessionRecord, StepRow};
 use sqlite::SqliteLog;
 
 /// What one process hears of another's work through a shared store (`RolloutStore::subscribe`).
@@ -107,6 +107,9 @@ pub trait RolloutStore: Send + Sync {
     fn rollback(&self, adapter: &str, d: &Decision) -> Result<Vec<String>, LogError>;
     /// Record decision `d` about `adapter`.
     fn record_decision(&self, adapter: &str, d: &Decision) -> Result<(), LogError>;
+    /// The newest `limit` steps of `adapter`, oldest first (kept when checkpoints are retired;
+    /// a rollback keeps the steps it undid).
+    fn steps(&self, adapter: &str, limit: usize) -> Result<Vec<StepRow>, LogError>;
     /// The newest `limit` decisions about `adapter`, newest first.
     fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError>;
     /// Keep client session `s` (the Tinker API's), so that it outlives a restart.
@@ -244,6 +247,9 @@ impl RolloutStore for SqliteLog {
     }
     fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError> {
         SqliteLog::decisions(self, adapter, limit)
+    }
+    fn steps(&self, adapter: &str, limit: usize) -> Result<Vec<StepRow>, LogError> {
+        SqliteLog::steps(self, adapter, limit)
     }
     fn put_session(&self, s: &SessionRecord) -> Result<(), LogError> {
         SqliteLog::put_session(self, s)

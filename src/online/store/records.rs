@@ -46,6 +46,10 @@ pub struct Decision {
     pub created: f64,
 }
 
+/// One step of a learning adapter as the store keeps it: (lineage, version published, Unix
+/// seconds, its report as JSON).
+pub type StepRow = (u64, u64, f64, String);
+
 /// A client's training session (the Tinker API's), kept so that it outlives a restart.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SessionRecord {

@@ -8,7 +8,8 @@ use super::*;
 
 /// Schema migrations, applied in order; `flywheel_meta.schema_version` is how many ran. The
 /// first is the SQLite log's schema after its four migrations; the second its fifth (the
-/// sessions and runs clients drive), the third its sixth (decisions).
+/// sessions and runs clients drive), the third its sixth (decisions), the fourth its seventh
+/// (steps).
 const MIGRATIONS: &[&str] = &[
     "
     CREATE TABLE completions (
@@ -55,6 +56,11 @@ const MIGRATIONS: &[&str] = &[
         to_version BIGINT NOT NULL, evidence TEXT NOT NULL, paused BOOLEAN NOT NULL,
         created DOUBLE PRECISION NOT NULL);
     CREATE INDEX decisions_adapter ON decisions (adapter, id);
+",
+    "
+    CREATE TABLE steps (
+        adapter TEXT NOT NULL, lineage BIGINT NOT NULL, version BIGINT NOT NULL,
+        created DOUBLE PRECISION NOT NULL, stats TEXT NOT NULL, PRIMARY KEY (adapter, version));
 ",
 ];
 

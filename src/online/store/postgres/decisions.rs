@@ -1,8 +1,8 @@
-//! Decisions about a learning adapter's versions on PostgreSQL: the SQLite log's table and
-//! promises (`sqlite/lineage.rs`).
+//! Decisions about a learning adapter's versions, and its steps' history, on PostgreSQL: the
+//! SQLite log's tables and promises (`sqlite/lineage.rs`).
 
 use super::PgLog;
-use crate::online::store::records::{Decision, LogError};
+use crate::online::store::records::{Decision, LogError, StepRow};
 use crate::util::now_secs;
 use postgres::GenericClient;
 
@@ -47,6 +47,27 @@ impl PgLog {
     pub(super) fn record_decision(&self, adapter: &str, d: &Decision) -> Result<(), LogError> {
         let mut c = self.conn()?;
         insert(&mut *c, adapter, d)
+    }
+
+    pub(super) fn steps(&self, adapter: &str, limit: usize) -> Result<Vec<StepRow>, LogError> {
+        let rows = self.conn()?.query(
+            "SELECT lineage, version, created, stats FROM steps WHERE adapter = $1
+             ORDER BY created DESC, version DESC LIMIT $2",
+            &[&adapter, &(limit as i64)],
+        )?;
+        let mut v: Vec<StepRow> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.get::<_, i64>(0) as u64,
+                    r.get::<_, i64>(1) as u64,
+                    r.get(2),
+                    r.get(3),
+                )
+            })
+            .collect();
+        v.reverse();
+        Ok(v)
     }
 
     pub(super) fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError> {

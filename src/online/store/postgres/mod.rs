@@ -13,7 +13,9 @@
 //!   next call reconnects, so a restarted database costs the calls made while it was down
 //!   (their errors are 503s: nothing was acknowledged). Called from blocking threads only.
 
-use super::records::{already_consumed, Checkpoint, Decision, Lineage, RunRecord, SessionRecord};
+use super::records::{
+    already_consumed, Checkpoint, Decision, Lineage, RunRecord, SessionRecord, StepRow,
+};
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, Member,
@@ -510,6 +512,17 @@ impl RolloutStore for PgLog {
                 &stats,
             ],
         )?;
+        tx.execute(
+            "INSERT INTO steps (adapter, lineage, version, created, stats)
+             VALUES ($1, $2, $3, $4, $5)",
+            &[
+                &adapter,
+                &(lineage as i64),
+                &(cp.version as i64),
+                &now_secs(),
+                &stats,
+            ],
+        )?;
         for (id, choice) in consumed {
             let n = tx.execute(
                 "UPDATE completions SET consumed_step = $3
@@ -551,6 +564,9 @@ impl RolloutStore for PgLog {
     }
     fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError> {
         PgLog::decisions(self, adapter, limit)
+    }
+    fn steps(&self, adapter: &str, limit: usize) -> Result<Vec<StepRow>, LogError> {
+        PgLog::steps(self, adapter, limit)
     }
     fn put_session(&self, s: &SessionRecord) -> Result<(), LogError> {
         PgLog::put_session(self, s)

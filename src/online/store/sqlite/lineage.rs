@@ -9,7 +9,7 @@
 
 use super::SqliteLog;
 use crate::online::store::records::{
-    already_consumed, Checkpoint, Decision, History, Lineage, LogError,
+    already_consumed, Checkpoint, Decision, History, Lineage, LogError, StepRow,
 };
 use crate::util::now_secs;
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
@@ -171,6 +171,17 @@ impl SqliteLog {
                 stats
             ],
         )?;
+        tx.execute(
+            "INSERT INTO steps (adapter, lineage, version, created, stats)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                adapter,
+                lineage as i64,
+                cp.version as i64,
+                now_secs(),
+                stats
+            ],
+        )?;
         for (id, choice) in consumed {
             let n = tx.execute(
                 "UPDATE completions SET consumed_step = ?3
@@ -238,6 +249,27 @@ impl SqliteLog {
     pub fn record_decision(&self, adapter: &str, d: &Decision) -> Result<(), LogError> {
         let c = self.conn()?;
         insert_decision(&c, adapter, d)
+    }
+
+    /// The newest `limit` steps of `adapter` (any lineage), oldest first: (lineage, version,
+    /// Unix seconds, report JSON).
+    pub fn steps(&self, adapter: &str, limit: usize) -> Result<Vec<StepRow>, LogError> {
+        let c = self.conn()?;
+        let mut st = c.prepare_cached(
+            "SELECT lineage, version, created, stats FROM steps WHERE adapter = ?1
+             ORDER BY created DESC, version DESC LIMIT ?2",
+        )?;
+        let rows = st.query_map(params![adapter, limit as i64], |r| {
+            Ok((
+                r.get::<_, i64>(0)? as u64,
+                r.get::<_, i64>(1)? as u64,
+                r.get(2)?,
+                r.get(3)?,
+            ))
+        })?;
+        let mut v: Vec<StepRow> = rows.collect::<Result<_, _>>()?;
+        v.reverse();
+        Ok(v)
     }
 
     pub fn decisions(&self, adapter: &str, limit: usize) -> Result<Vec<Decision>, LogError> {

@@ -84,6 +84,10 @@ const MIGRATIONS: &[&str] = &[
         to_version INTEGER NOT NULL, evidence TEXT NOT NULL, paused INTEGER NOT NULL,
         created REAL NOT NULL);
      CREATE INDEX decisions_adapter ON decisions (adapter, id);",
+    // 7: every step's report, kept when its checkpoint is retired (the dashboard's history).
+    "CREATE TABLE steps (
+        adapter TEXT NOT NULL, lineage INTEGER NOT NULL, version INTEGER NOT NULL,
+        created REAL NOT NULL, stats TEXT NOT NULL, PRIMARY KEY (adapter, version));",
 ];
 
 pub struct SqliteLog {
