@@ -8,6 +8,7 @@ pub mod pg;
 pub mod replicas;
 pub mod s3;
 pub mod server;
+pub mod stores;
 pub mod tinker;
 mod vocab;
 pub use vocab::*;

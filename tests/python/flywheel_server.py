@@ -1,10 +1,13 @@
 """Start `flywheel serve` on the default model (127.0.0.1, port 0) and talk HTTP to it: shared by
 the contract and fuzz tests."""
 
+import atexit
 import contextlib
 import json
 import pathlib
+import shutil
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +47,12 @@ def running(args=(), timeout=60):
 
 
 def start_server(args, timeout=60):
+    if "--data-dir" not in args:
+        # Each server its own data directory (removed at exit): what a server keeps there
+        # (rollout log, Tinker sessions and runs) must not reach another test's server.
+        data = tempfile.mkdtemp(prefix="flywheel-test-")
+        atexit.register(shutil.rmtree, data, True)
+        args = [*args, "--data-dir", data]
     proc = subprocess.Popen(
         [str(BIN), "serve", "--model", str(MODEL), "--port", "0", *args],
         stdout=subprocess.PIPE,

@@ -41,9 +41,14 @@ ADMIN = "tml-flywheel-admin"
 def server(tmp_path_factory):
     # The module's clients open some 40 runs (a session's runs end only when it has been silent
     # for 5 minutes): room for them beside each other (runs hold twice max_adapter_params).
-    cfg = tmp_path_factory.mktemp("tinker") / "serve.toml"
+    # Its own data directory: sessions and runs are kept there across restarts, and another
+    # run's would be brought back here.
+    tmp = tmp_path_factory.mktemp("tinker")
+    cfg = tmp / "serve.toml"
     cfg.write_text("[limits]\nmax_adapter_params = 150000000\n")
-    with running(["--api-key", KEY, "--admin-key", ADMIN, "--config", str(cfg)]) as url:
+    args = ["--api-key", KEY, "--admin-key", ADMIN, "--config", str(cfg),
+            "--data-dir", str(tmp / "data")]
+    with running(args) as url:
         yield url
 
 
