@@ -65,12 +65,13 @@ fn a_collapsing_reward_is_rolled_back_explained_and_kept_across_a_restart() {
     // A group sampled by that version, rewarded only later: it never trains.
     let late = sample(c, "g", 4, 3, USER);
     assert_eq!(late["adapter_version"], bad_version);
-    // ... the second completes it: rolled back to the version the good window ended on.
+    // ... the second completes it: rolled back to the newest version whose samples were
+    // rewarded well (the first bad step trained on samples of the version before it).
     let st = step(c, bad);
     let d = &st["last_decision"];
     assert_eq!(d["decision"], "rollback", "{st}");
     assert_eq!(d["reason"], "reward_drop", "{st}");
-    assert_eq!(d["to_version"], versions[2], "{st}");
+    assert_eq!(d["to_version"], versions[1], "{st}");
     assert!(d["from_version"].as_u64().unwrap() > bad_version, "{st}");
     assert_eq!(d["paused"], true);
     let evidence: Value = serde_json::from_str(d["evidence"].as_str().unwrap()).unwrap();
@@ -79,11 +80,11 @@ fn a_collapsing_reward_is_rolled_back_explained_and_kept_across_a_restart() {
         "{evidence}"
     );
     assert_eq!(st["state"], "paused");
-    assert_eq!(st["version"], versions[2]);
+    assert_eq!(st["version"], versions[1]);
     let rolled_from = d["from_version"].as_u64().unwrap();
     // Serving is back on that version: every response names it.
     let r = sample(c, "g", 2, 2, USER);
-    assert_eq!(r["adapter_version"], versions[2], "{r}");
+    assert_eq!(r["adapter_version"], versions[1], "{r}");
     assert_eq!(
         s.metric(
             r#"flywheel_promotion_decisions_total{adapter="g",decision="rollback",reason="reward_drop"}"#
@@ -139,17 +140,17 @@ fn a_collapsing_reward_is_rolled_back_explained_and_kept_across_a_restart() {
         c,
         "POST",
         "/v1/adapters/g/rollback",
-        Some(&json!({"version": versions[2]})),
+        Some(&json!({"version": versions[1]})),
         ADMIN,
     );
     assert_eq!(r.status, 200, "{}", r.body_text());
     let st = &r.json()["status"];
     assert_eq!(
         (&st["version"], &st["state"], &st["last_decision"]["reason"]),
-        (&json!(versions[2]), &json!("running"), &json!("manual")),
+        (&json!(versions[1]), &json!("running"), &json!("manual")),
         "{st}"
     );
-    assert_eq!(sample(c, "g", 2, 2, USER)["adapter_version"], versions[2]);
+    assert_eq!(sample(c, "g", 2, 2, USER)["adapter_version"], versions[1]);
     // Training goes on from it under a new number.
     let st = step(c, good);
     assert!(st["version"].as_u64().unwrap() > after, "{st}");

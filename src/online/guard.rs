@@ -5,8 +5,11 @@
 //!   `window` steps before them. It fires when the drop is larger than `reward_z` standard errors
 //!   of the difference (each window's error from its steps' reward spreads and sizes) *and*
 //!   larger than `reward_min_drop` times the earlier window's spread (a drop that matters, not
-//!   only one that is certain); the target is the version the earlier window ended on. It needs
-//!   `2 × window` steps since the lineage's start or its last rollback.
+//!   only one that is certain). The target is the newest version whose samples were not judged
+//!   bad: the first recent step whose mean fell below the earlier mean by the threshold was
+//!   trained on samples of the version the step before it published (a step's batch is sampled
+//!   by the version serving then), so the rollback goes to the version published before that
+//!   one. It needs `2 × window` steps since the lineage's start or its last rollback.
 //! - **KL** (off unless `max_kl` is set): a step whose KL estimate exceeds the bound rolls back to
 //!   the version before it.
 //! - **Entropy collapse** (off unless `min_entropy` is set): a step whose samples' mean entropy per
@@ -119,14 +122,27 @@ pub fn judge(steps: &[StepPoint], first: u64, cfg: &GuardConfig) -> Verdict {
     let se = (se0 * se0 + se1 * se1).sqrt();
     let needed = (cfg.reward_z * se).max(cfg.reward_min_drop * spread0);
     if drop > needed && drop > 0.0 {
+        // The first recent step below the line (the window's mean is, so one is), its index in
+        // `steps`; its samples came from the version of the step before it.
+        let first_bad = recent
+            .iter()
+            .position(|s| s.reward_mean < m0 - needed)
+            .unwrap_or(0)
+            + steps.len()
+            - w;
+        let to = match first_bad {
+            0 | 1 => first,
+            i => steps[i - 2].version,
+        };
         return Verdict::Rollback {
-            to: earlier[w - 1].version,
+            to,
             reason: "reward_drop",
             evidence: json!({
                 "window": w,
                 "earlier_versions": [earlier[0].version, earlier[w - 1].version],
                 "recent_versions": [recent[0].version, recent[w - 1].version],
                 "earlier_mean": m0, "recent_mean": m1, "drop": drop,
+                "first_bad_step_version": steps[first_bad].version,
                 "standard_error": se, "earlier_spread": spread0,
                 "reward_z": cfg.reward_z, "reward_min_drop": cfg.reward_min_drop,
                 "threshold": needed,
@@ -168,8 +184,9 @@ mod tests {
         }
     }
 
-    /// A reward that falls by much more than its noise rolls back to the version before the
-    /// recent window; the same fall inside the noise, a small fall, a rise, or too few steps keep.
+    /// A reward that falls by much more than its noise rolls back to the version before the one
+    /// that sampled the first bad step; the same fall inside the noise, a small fall, a rise, or
+    /// too few steps keep.
     #[test]
     fn the_reward_guard_fires_on_a_real_drop_only() {
         let cfg = GuardConfig::default();
@@ -182,12 +199,23 @@ mod tests {
                 reason,
                 evidence,
             } => {
-                assert_eq!((to, reason), (14, "reward_drop"));
+                // Step 15 was the first bad one, on samples of version 14: back to 13.
+                assert_eq!((to, reason), (13, "reward_drop"));
                 assert!((evidence["drop"].as_f64().unwrap() - 0.6).abs() < 1e-9);
             }
             v => panic!("{v:?}"),
         }
         assert_eq!(judge(&steps[..7], 10, &cfg), Verdict::Keep, "too few steps");
+        // One bad step after seven good ones: caught at once, back to the version before the
+        // one that sampled it.
+        let one_bad: Vec<StepPoint> = (0..7)
+            .map(|i| step(11 + i, 0.9, 0.02))
+            .chain([step(18, 0.1, 0.02)])
+            .collect();
+        assert!(matches!(
+            judge(&one_bad, 10, &cfg),
+            Verdict::Rollback { to: 16, .. }
+        ));
         // The same means with rewards so noisy that the drop is within 3 standard errors.
         let noisy: Vec<StepPoint> = steps
             .iter()
