@@ -297,19 +297,6 @@ impl Registry {
         }
         let swap_secs: f64;
         let mut old = None;
-        let make = |name: Arc<str>, version: u64, parent: Option<u64>, weights| {
-            self.alive.fetch_add(1, Ordering::AcqRel);
-            Arc::new(AdapterVersion {
-                name,
-                version,
-                parent,
-                created: crate::util::unix_now(),
-                uid: self.next_uid.fetch_add(1, Ordering::AcqRel),
-                weights,
-                in_flight: AtomicUsize::new(0),
-                alive: self.alive.clone(),
-            })
-        };
         let existing = self.get(name);
         let floor = self.last_version(name) + 1;
         let (v, is_new) = match existing {
@@ -334,7 +321,7 @@ impl Registry {
                     }
                 }
                 let cur = slot.current();
-                let v = make(
+                let v = self.new_version(
                     slot.name.clone(),
                     (cur.version + 1).max(floor),
                     Some(cur.version),
@@ -364,7 +351,7 @@ impl Registry {
                     return self.publish_as(name, weights, who);
                 }
                 let n: Arc<str> = Arc::from(name);
-                let v = make(n.clone(), first, None, weights);
+                let v = self.new_version(n.clone(), first, None, weights);
                 let t0 = Instant::now();
                 slots.insert(
                     name.to_string(),
@@ -394,6 +381,27 @@ impl Registry {
         Ok((v, is_new))
     }
 
+    /// A new version (counted alive, with a uid of its own).
+    fn new_version(
+        &self,
+        name: Arc<str>,
+        version: u64,
+        parent: Option<u64>,
+        weights: AdapterWeights,
+    ) -> Arc<AdapterVersion> {
+        self.alive.fetch_add(1, Ordering::AcqRel);
+        Arc::new(AdapterVersion {
+            name,
+            version,
+            parent,
+            created: crate::util::unix_now(),
+            uid: self.next_uid.fetch_add(1, Ordering::AcqRel),
+            weights,
+            in_flight: AtomicUsize::new(0),
+            alive: self.alive.clone(),
+        })
+    }
+
     /// Serve version `version` of `name` again (a rollback by its owner, lineage `owner`): the
     /// very version if someone still holds it, else `weights` under that number (they are its
     /// weights, from its checkpoint). Numbers are not reused: the next publish still takes one
@@ -419,17 +427,7 @@ impl Registry {
         let v = match alive {
             Some(v) => v,
             None => {
-                self.alive.fetch_add(1, Ordering::AcqRel);
-                let v = Arc::new(AdapterVersion {
-                    name: slot.name.clone(),
-                    version,
-                    parent: None,
-                    created: crate::util::unix_now(),
-                    uid: self.next_uid.fetch_add(1, Ordering::AcqRel),
-                    weights,
-                    in_flight: AtomicUsize::new(0),
-                    alive: self.alive.clone(),
-                });
+                let v = self.new_version(slot.name.clone(), version, None, weights);
                 slot.history
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())

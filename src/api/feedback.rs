@@ -351,14 +351,7 @@ pub async fn rollback(
 ) -> Result<Json<Value>, ApiError> {
     let ready = state.ready()?;
     let f = crate::api::openai::Fields::parse(&body)?;
-    for k in f.0.keys() {
-        if !matches!(k.as_str(), "version" | "pause") {
-            return Err(ApiError::invalid(
-                k,
-                format!("'{k}' is not a field of this route"),
-            ));
-        }
-    }
+    f.only(&["version", "pause"], "this route")?;
     let to = f
         .int_in("version", 1, i64::MAX as i128)?
         .ok_or_else(|| ApiError::invalid("version", "'version' is required"))? as u64;

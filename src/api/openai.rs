@@ -20,6 +20,18 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| ApiError::bad_body("the request body must be a JSON object"))
     }
 
+    /// Every key is one of `allowed`; else a 400 naming the first other ("'k' is not a field of
+    /// `of`").
+    pub fn only(&self, allowed: &[&str], of: &str) -> Result<(), ApiError> {
+        match self.0.keys().find(|k| !allowed.contains(&k.as_str())) {
+            None => Ok(()),
+            Some(k) => Err(ApiError::invalid(
+                k,
+                format!("'{k}' is not a field of {of}"),
+            )),
+        }
+    }
+
     /// The value, treating JSON null as absent.
     pub fn get(&self, name: &str) -> Option<&'a Value> {
         self.0.get(name).filter(|v| !v.is_null())

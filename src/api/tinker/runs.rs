@@ -233,17 +233,8 @@ fn parse_lora(v: Option<&Value>) -> Result<LoraRequest, ApiError> {
     let inner = Value::Object(o.clone());
     let f = Fields::parse(&inner)?;
     let within = |e: ApiError| e.within("lora_config");
-    for k in o.keys() {
-        if !matches!(
-            k.as_str(),
-            "rank" | "seed" | "train_mlp" | "train_attn" | "train_unembed"
-        ) {
-            return Err(ApiError::invalid(
-                &format!("lora_config.{k}"),
-                format!("'{k}' is not a field of lora_config"),
-            ));
-        }
-    }
+    let allowed = ["rank", "seed", "train_mlp", "train_attn", "train_unembed"];
+    f.only(&allowed, "lora_config").map_err(within)?;
     let rank = f
         .int_in("rank", 1, MAX_RANK)
         .map_err(within)?

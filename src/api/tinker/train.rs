@@ -388,20 +388,18 @@ fn parse_adam(v: Option<&Value>) -> Result<StepParams, ApiError> {
         }
         Some(_) => return Err(type_error("adam_params", "an object")),
     };
-    for k in o.keys() {
-        if !matches!(
-            k.as_str(),
-            "learning_rate" | "beta1" | "beta2" | "eps" | "weight_decay" | "grad_clip_norm"
-        ) {
-            return Err(ApiError::invalid(
-                &format!("adam_params.{k}"),
-                format!("'{k}' is not a field of adam_params"),
-            ));
-        }
-    }
     let inner = Value::Object(o.clone());
     let f = Fields::parse(&inner)?;
     let within = |e: ApiError| e.within("adam_params");
+    let allowed = [
+        "learning_rate",
+        "beta1",
+        "beta2",
+        "eps",
+        "weight_decay",
+        "grad_clip_norm",
+    ];
+    f.only(&allowed, "adam_params").map_err(within)?;
     let num = |k: &str, lo: f64, hi: f64, lo_open: bool, default: f32| {
         f.f32_in(k, lo, hi, lo_open)
             .map(|x| x.unwrap_or(default))

@@ -323,7 +323,7 @@ impl Learner {
             rel = format!("{rel}-{:016x}", crate::util::random_u64());
         }
         let at = (version, self.lineage.id);
-        write_checkpoint(&env.cfg.data_dir, &rel, at, next, opt)
+        write_checkpoint(&env.cfg.data_dir, &rel, at, next, opt, true)
             .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
         Ok(rel)
     }

@@ -7,7 +7,7 @@
 use super::{RunError, RunState};
 use crate::adapter::registry::adapter_file_name;
 use crate::adapter::AdapterWeights;
-use crate::online::checkpoint::{load_checkpoint, remove_dir, write_unhashed};
+use crate::online::checkpoint::{load_checkpoint, remove_dir, write_checkpoint};
 use crate::online::learner::Env;
 use crate::online::store::records::{RunRecord, SessionRecord};
 use crate::train::optim::AdamW;
@@ -28,42 +28,27 @@ fn run_rel(id: &str) -> String {
     format!("runs/{}", adapter_file_name(id))
 }
 
-fn new_state_rel(id: &str) -> String {
-    format!("{}/s-{:016x}", run_rel(id), crate::util::random_u64())
+/// Write `w` and `opt` as a new state folder of run `id` (unhashed: only this process reads it
+/// back); its path relative to the data directory.
+fn write_state(env: &Env, id: &str, w: &AdapterWeights, opt: &AdamW) -> Result<String, RunError> {
+    let rel = format!("{}/s-{:016x}", run_rel(id), crate::util::random_u64());
+    write_checkpoint(&env.cfg.data_dir, &rel, (opt.step, 0), w, opt, false)
+        .map_err(|e| RunError::Write(e.to_string()))?;
+    Ok(rel)
 }
 
-/// How a run's state is kept as it changes (`RunState::work` calls it before it answers).
-pub trait Keep {
-    /// The adapter and optimizer are about to become `w` and `opt`: keep them first.
-    fn state(&self, w: &AdapterWeights, opt: &AdamW) -> Result<(), RunError>;
-    /// The gradients of `datums` datums are about to be summed since the state kept.
-    fn pending(&self, datums: usize) -> Result<(), RunError>;
-}
-
-/// Nothing kept (a run of a test, or of a process that does not train).
-pub struct KeepNothing;
-
-impl Keep for KeepNothing {
-    fn state(&self, _: &AdapterWeights, _: &AdamW) -> Result<(), RunError> {
-        Ok(())
-    }
-    fn pending(&self, _: usize) -> Result<(), RunError> {
-        Ok(())
-    }
-}
-
-/// Run `id` kept in `env`'s data directory and rollout store.
+/// Run `id` kept in `env`'s data directory and rollout store: `RunState::work` keeps each change
+/// of its state with it before it answers.
 pub struct Kept<'a> {
     pub env: &'a Env,
     pub id: &'a str,
 }
 
-impl Keep for Kept<'_> {
-    fn state(&self, w: &AdapterWeights, opt: &AdamW) -> Result<(), RunError> {
+impl Kept<'_> {
+    /// The adapter and optimizer are about to become `w` and `opt`: keep them first.
+    pub fn state(&self, w: &AdapterWeights, opt: &AdamW) -> Result<(), RunError> {
         let dir = &self.env.cfg.data_dir;
-        let rel = new_state_rel(self.id);
-        write_unhashed(dir, &rel, (opt.step, 0), w, opt)
-            .map_err(|e| RunError::Write(e.to_string()))?;
+        let rel = write_state(self.env, self.id, w, opt)?;
         let old = match self.env.log.set_run_state(self.id, &rel, opt.step) {
             Ok(old) => old,
             Err(e) => {
@@ -77,7 +62,8 @@ impl Keep for Kept<'_> {
         Ok(())
     }
 
-    fn pending(&self, datums: usize) -> Result<(), RunError> {
+    /// The gradients of `datums` datums are about to be summed since the state kept.
+    pub fn pending(&self, datums: usize) -> Result<(), RunError> {
         let log = &self.env.log;
         log.set_run_pending(self.id, datums as u64)
             .map_err(|e| RunError::Write(e.to_string()))
@@ -92,9 +78,7 @@ pub fn keep_new(
     w: &AdapterWeights,
     opt: &AdamW,
 ) -> Result<(), RunError> {
-    let dir = &env.cfg.data_dir;
-    let rel = new_state_rel(id);
-    write_unhashed(dir, &rel, (opt.step, 0), w, opt).map_err(|e| RunError::Write(e.to_string()))?;
+    let rel = write_state(env, id, w, opt)?;
     let rec = RunRecord {
         id: id.to_string(),
         session: meta.session.clone(),
@@ -105,7 +89,7 @@ pub fn keep_new(
         pending: 0,
     };
     if let Err(e) = env.log.put_run(&rec) {
-        let _ = remove_dir(&dir.join(&rel));
+        let _ = remove_dir(&env.cfg.data_dir.join(&rel));
         return Err(RunError::Write(e.to_string()));
     }
     Ok(())

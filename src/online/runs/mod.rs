@@ -14,7 +14,7 @@ use crate::train::offline::micro_batches;
 use crate::train::optim::{AdamW, AdamWConfig, Schedule};
 use crate::train::token_loss::{sequence_loss, TokenInputs, TokenLoss};
 use flywheel_kernels::Cpu;
-use kept::Keep;
+use kept::Kept;
 use std::path::PathBuf;
 
 /// Tokens one training pass holds at most (a call with more runs in passes of whole datums,
@@ -129,7 +129,7 @@ impl RunState {
         model: &Decoder,
         cpu: &Cpu,
         work: RunWork,
-        keep: &dyn Keep,
+        keep: &Kept,
     ) -> Result<RunOutput, RunError> {
         match work {
             RunWork::ForwardBackward {
@@ -140,7 +140,7 @@ impl RunState {
             RunWork::OptimStep(p) => self.optim_step(p, keep),
             RunWork::Save { data_dir, rel } => {
                 let at = (self.opt.step, 0);
-                write_checkpoint(&data_dir, &rel, at, &self.weights, &self.opt)
+                write_checkpoint(&data_dir, &rel, at, &self.weights, &self.opt, true)
                     .map_err(|e| RunError::Write(e.to_string()))?;
                 Ok(RunOutput::Saved)
             }
@@ -179,7 +179,7 @@ impl RunState {
         data: &[RunDatum],
         loss: TokenLoss,
         forward_only: bool,
-        keep: &dyn Keep,
+        keep: &Kept,
     ) -> Result<RunOutput, RunError> {
         let pairs: Vec<(&[u32], &[u32])> = data
             .iter()
@@ -231,7 +231,7 @@ impl RunState {
     /// One AdamW step with the gradient summed since the last (zero if none), which is then
     /// cleared. A step that would leave a weight not finite changes nothing. After a restart
     /// that lost summed gradients, the first step is refused, and clears the gradient.
-    fn optim_step(&mut self, p: StepParams, keep: &dyn Keep) -> Result<RunOutput, RunError> {
+    fn optim_step(&mut self, p: StepParams, keep: &Kept) -> Result<RunOutput, RunError> {
         if self.lost > 0 {
             keep.pending(0)?;
             let lost = std::mem::take(&mut self.lost);
