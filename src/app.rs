@@ -296,6 +296,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         model: model.clone(),
         cpu: cpu.clone(),
         registry: registry.clone(),
+        evaluator: Default::default(),
     };
     let online = Online::new(cfg.online.clone(), compute, metrics.clone());
     if !cfg.learn.is_empty() {

@@ -59,6 +59,9 @@ pub struct Metrics {
     pub train_groups_dropped: IntCounterVec,
     /// Decisions about learning adapters' versions (rollbacks, resumes), by reason.
     pub promotion_decisions: IntCounterVec,
+    /// Evaluation scores of a learning adapter's versions: the one serving and the last candidate.
+    pub eval_score: GaugeVec,
+    pub eval_seconds: HistogramVec,
     pub train_pending_groups: IntGaugeVec,
     pub train_errors: IntCounterVec,
     /// 1 while the learner trains or may (running or paused), 0 once it has failed.
@@ -317,11 +320,31 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "promotion_decisions_total",
-                        "Decisions about a learning adapter's versions: rollback (by a guard: reward_drop, kl, entropy; or manual) and resume.",
+                        "Decisions about a learning adapter's versions: rollback (by a guard: reward_drop, kl, entropy; or manual), resume, promote and hold (reason eval: the gate), pin and unpin.",
                     ),
                     &["adapter", "decision", "reason"],
                 )
                 .unwrap(),
+            ),
+            eval_score: reg(
+                &registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "eval_score",
+                        "A learning adapter's evaluation score in [0, 1]: of the version serving (which=\"served\") and of the last candidate (which=\"candidate\").",
+                    ),
+                    &["adapter", "which"],
+                )
+                .expect("gauge vec"),
+            ),
+            eval_seconds: reg(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new("eval_seconds", "Evaluating one version on its adapter's evaluation set.")
+                        .buckets(buckets_seconds()),
+                    &["adapter"],
+                )
+                .expect("histogram vec"),
             ),
             train_groups_dropped: reg(
                 &registry,

@@ -274,7 +274,8 @@ impl Registry {
         g.get(name).copied().unwrap_or(0)
     }
 
-    fn note_version(&self, name: &str, version: u64) {
+    /// Count `version` as a number `name` had (the next publish takes one above it).
+    pub fn note_version(&self, name: &str, version: u64) {
         let mut g = self.last_version.lock().unwrap_or_else(|e| e.into_inner());
         let v = g.entry(name.to_string()).or_default();
         *v = (*v).max(version);
@@ -402,10 +403,27 @@ impl Registry {
         })
     }
 
-    /// Serve version `version` of `name` again (a rollback by its owner, lineage `owner`): the
-    /// very version if someone still holds it, else `weights` under that number (they are its
-    /// weights, from its checkpoint). Numbers are not reused: the next publish still takes one
-    /// above every number the name had.
+    /// A version of `name` numbered `version` (after `parent`) that does not serve yet (a
+    /// candidate its trainer evaluates, or holds): requests run on it only by holding it, until
+    /// `serve` makes it current. Its number counts as taken (never given to another version).
+    pub fn candidate(
+        &self,
+        name: &str,
+        version: u64,
+        parent: Option<u64>,
+        weights: AdapterWeights,
+    ) -> Result<Arc<AdapterVersion>, RegistryError> {
+        let slot = self
+            .get(name)
+            .ok_or_else(|| RegistryError::Gone(name.to_string()))?;
+        self.note_version(name, version);
+        Ok(self.new_version(slot.name.clone(), version, parent, weights))
+    }
+
+    /// Serve version `version` of `name` (by its owner, lineage `owner`), a number it had
+    /// before: a rollback or a pin. The very version if someone still holds it, else `weights`
+    /// under that number (they are its weights, from its checkpoint). Numbers are not reused:
+    /// the next publish still takes one above every number the name had.
     pub fn revert(
         &self,
         name: &str,
@@ -413,37 +431,69 @@ impl Registry {
         weights: AdapterWeights,
         owner: u64,
     ) -> Result<Arc<AdapterVersion>, RegistryError> {
-        let slot = self
-            .get(name)
-            .ok_or_else(|| RegistryError::Gone(name.to_string()))?;
-        let _g = slot.publish_lock.lock().unwrap_or_else(|e| e.into_inner());
-        if slot.owner() != Some(owner) {
-            return Err(RegistryError::Gone(name.to_string()));
-        }
+        let slot = self.owned(name, owner)?;
         let alive = slot
             .versions_alive()
             .into_iter()
             .find(|v| v.version == version);
         let v = match alive {
             Some(v) => v,
-            None => {
-                let v = self.new_version(slot.name.clone(), version, None, weights);
-                slot.history
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(Arc::downgrade(&v));
-                v
-            }
+            None => self.new_version(slot.name.clone(), version, None, weights),
         };
-        drop(slot.current.swap(v.clone()));
+        self.swap_in(&slot, v.clone(), owner)?;
+        Ok(v)
+    }
+
+    /// Serve `v` (a `candidate` of `name`, or a version it had) by its owner, lineage `owner`.
+    pub fn serve(&self, v: Arc<AdapterVersion>, owner: u64) -> Result<(), RegistryError> {
+        let slot = self.owned(&v.name, owner)?;
+        self.swap_in(&slot, v, owner)
+    }
+
+    /// `name`'s slot, if lineage `owner` learns into it.
+    fn owned(&self, name: &str, owner: u64) -> Result<Arc<Slot>, RegistryError> {
+        match self.get(name) {
+            Some(slot) if slot.owner() == Some(owner) => Ok(slot),
+            _ => Err(RegistryError::Gone(name.to_string())),
+        }
+    }
+
+    /// Make `v` the current version of `slot` (kept in its history), if lineage `owner` still
+    /// learns into it.
+    fn swap_in(
+        &self,
+        slot: &Slot,
+        v: Arc<AdapterVersion>,
+        owner: u64,
+    ) -> Result<(), RegistryError> {
+        let _g = slot.publish_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.owner() != Some(owner) {
+            return Err(RegistryError::Gone(slot.name.to_string()));
+        }
+        {
+            let mut h = slot.history.lock().unwrap_or_else(|e| e.into_inner());
+            if !h
+                .iter()
+                .any(|w| w.upgrade().is_some_and(|x| Arc::ptr_eq(&x, &v)))
+            {
+                h.push(Arc::downgrade(&v));
+            }
+        }
+        let (name, number) = (slot.name.clone(), v.version);
+        let t0 = Instant::now();
+        let old = slot.current.swap(v);
+        let swap_secs = t0.elapsed().as_secs_f64();
+        drop(old);
+        self.note_version(&name, number);
         let m = &self.metrics;
         m.adapter_publishes.inc();
+        m.adapter_publish_seconds.observe(swap_secs);
         m.adapter_version
-            .with_label_values(&[name])
-            .set(v.version as i64);
+            .with_label_values(&[&name])
+            .set(number as i64);
         m.adapter_versions_alive
             .set(self.alive.load(Ordering::Acquire) as i64);
-        Ok(v)
+        Ok(())
     }
 
     /// Remove `name`: new requests cannot pin it; running ones finish on their pinned version.

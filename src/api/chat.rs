@@ -9,6 +9,7 @@ use super::openai::Fields;
 use super::reasoning;
 use super::respond::respond;
 use super::state::{blocking, AppState};
+use crate::adapter::registry::Pinned;
 use axum::extract::State;
 use axum::response::Response;
 
@@ -17,21 +18,35 @@ pub async fn chat_completions(
     headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
-    run_chat(&state, &headers, &body, None).await
+    run_chat(&state, &headers, &body, ChatOptions::default()).await
 }
 
-/// A chat request, answered under `id` when given (the Responses API's own ids).
+/// What a route that makes a chat request itself chooses.
+#[derive(Default)]
+pub(super) struct ChatOptions {
+    /// The response's id (the Responses API's own ids).
+    pub id: Option<String>,
+    /// The version to run on instead of the one `model` names (an evaluation's candidate).
+    pub version: Option<Pinned>,
+    /// Not logged for training (an evaluation's request).
+    pub unlogged: bool,
+}
+
+/// A chat request, as `opts` say.
 pub(super) async fn run_chat(
     state: &AppState,
     headers: &axum::http::HeaderMap,
     body: &serde_json::Value,
-    id: Option<String>,
+    opts: ChatOptions,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
     let f = Fields::parse(body)?;
     let conversation = Conversation::parse(&f, ready.tokenizer.chat_template())?;
     let tool_grammar = conversation.tool_grammar()?;
-    let generation = Generation::validate(state, &f, Dialect::Chat, tool_grammar).await?;
+    let mut generation = Generation::validate(state, &f, Dialect::Chat, tool_grammar).await?;
+    if let Some(v) = opts.version {
+        generation.adapter = Some(v);
+    }
     let (tool_mode, reasons) = (conversation.tool_mode(), conversation.reasons);
     let inputs = conversation.into_inputs();
     let tok = ready.tokenizer.clone();
@@ -71,6 +86,7 @@ pub(super) async fn run_chat(
     let mut job = generation.job(Flavor::Chat, prompt_ids, "messages", headers);
     job.tools = tool_mode;
     job.reasoning = reasons.then_some(thinking_at_start);
-    job.id = id;
+    job.id = opts.id;
+    job.unlogged = opts.unlogged;
     respond(state, job).await
 }

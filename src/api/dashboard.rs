@@ -7,6 +7,7 @@
 
 use super::error::ApiError;
 use super::state::{blocking, AppState};
+use crate::online::store::records::{Decision, StepRow};
 use axum::extract::{Path, Query, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
@@ -61,27 +62,7 @@ pub async fn history(
             }
         }
     }
-    let learning = ready
-        .online
-        .learning(&name)
-        .cloned()
-        .ok_or_else(|| ApiError {
-            code: Some("adapter_not_learning"),
-            ..ApiError::not_found(format!("'{name}' is not a learning adapter"))
-        })?;
-    let store = learning.store.clone();
-    let n = name.clone();
-    let (steps, decisions) = blocking(move || {
-        let unavailable = |e: crate::online::store::records::LogError| ApiError {
-            code: Some("rollout_log_unavailable"),
-            ..ApiError::unavailable(e.to_string())
-        };
-        Ok((
-            store.steps(&n, limit).map_err(unavailable)?,
-            store.decisions(&n, 100).map_err(unavailable)?,
-        ))
-    })
-    .await?;
+    let (steps, decisions) = records(ready, &name, limit).await?;
     let steps: Vec<Value> = steps
         .into_iter()
         .map(|(lineage, version, created, stats)| {
@@ -98,4 +79,120 @@ pub async fn history(
         "steps": steps,
         "decisions": decisions,
     })))
+}
+
+/// A learning adapter's newest `limit` steps and 100 decisions, from the rollout store.
+async fn records(
+    ready: &super::state::Ready,
+    name: &str,
+    limit: usize,
+) -> Result<(Vec<StepRow>, Vec<Decision>), ApiError> {
+    let learning = ready
+        .online
+        .learning(name)
+        .cloned()
+        .ok_or_else(|| ApiError {
+            code: Some("adapter_not_learning"),
+            ..ApiError::not_found(format!("'{name}' is not a learning adapter"))
+        })?;
+    let store = learning.store.clone();
+    let n = name.to_string();
+    blocking(move || {
+        let unavailable = |e: crate::online::store::records::LogError| ApiError {
+            code: Some("rollout_log_unavailable"),
+            ..ApiError::unavailable(e.to_string())
+        };
+        Ok((
+            store.steps(&n, limit).map_err(unavailable)?,
+            store.decisions(&n, 100).map_err(unavailable)?,
+        ))
+    })
+    .await
+}
+
+/// `GET /v1/adapters/{name}/versions`: a learning adapter's versions, oldest first, each with
+/// its status (`serving`, `published`, `held`: never served, or `rolled_back`), its evaluation
+/// score where it was scored, its step's mean reward, and whether it serves now; an adapter
+/// that does not learn lists the versions it holds in memory.
+pub async fn versions(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let slot = ready
+        .registry
+        .get(&name)
+        .ok_or_else(|| ApiError::model_not_found(&name))?;
+    let serving = slot.current().version;
+    let Some(status) = ready.online.get().and_then(|o| o.status().remove(&name)) else {
+        let data: Vec<Value> = slot
+            .versions_alive()
+            .iter()
+            .map(|v| {
+                json!({"version": v.version, "created": v.created,
+                            "status": if v.version == serving { "serving" } else { "published" },
+                            "serving": v.version == serving})
+            })
+            .collect();
+        return Ok(Json(
+            json!({"object": "list", "adapter": name, "data": data}),
+        ));
+    };
+    let (steps, decisions) = records(ready, &name, MAX_STEPS).await?;
+    let mut rows: std::collections::BTreeMap<u64, Value> = Default::default();
+    for (lineage, version, created, stats) in steps {
+        let r: Value = serde_json::from_str(&stats).unwrap_or_else(|_| json!({}));
+        let held = r["held"].as_bool().unwrap_or(false);
+        rows.insert(
+            version,
+            json!({"version": version, "lineage": lineage, "created": created,
+                   "status": if held { "held" } else { "published" },
+                   "eval_score": r["eval"]["score"], "reward_mean": r["reward_mean"]}),
+        );
+    }
+    // Decisions, oldest first: held candidates that were never kept, and rolled-back ranges.
+    for d in decisions.iter().rev() {
+        let ev: Value = serde_json::from_str(&d.evidence).unwrap_or_default();
+        match d.decision.as_str() {
+            "hold" => {
+                let row = rows.entry(d.from_version).or_insert_with(|| {
+                    json!({"version": d.from_version, "lineage": d.lineage,
+                           "created": d.created, "reward_mean": null})
+                });
+                row["status"] = json!("held");
+                row["eval_score"] = ev["candidate_score"].clone();
+            }
+            "rollback" => {
+                for (v, row) in rows.range_mut(d.to_version + 1..=d.from_version) {
+                    if *v != d.to_version {
+                        row["status"] = json!("rolled_back");
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    for (v, score) in &status.eval_scores {
+        rows.entry(*v)
+            .or_insert_with(|| json!({"version": v, "status": "published"}))["eval_score"] =
+            json!(score);
+    }
+    rows.entry(serving)
+        .or_insert_with(|| json!({"version": serving}));
+    let data: Vec<Value> = rows
+        .into_values()
+        .map(|mut r| {
+            let is = r["version"] == serving;
+            r["serving"] = json!(is);
+            if is {
+                r["status"] = json!("serving");
+            }
+            r
+        })
+        .collect();
+    Ok(Json(
+        json!({"object": "list", "adapter": name, "data": data,
+                   "serving": serving, "pinned_version": status.pinned_version,
+                   "held_version": status.held_version}),
+    ))
 }

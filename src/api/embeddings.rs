@@ -156,6 +156,7 @@ pub async fn embeddings(
         constraint: None,
         reasoning: None,
         id: None,
+        unlogged: false,
     };
     let admission = admit(&state, &job, prompts.len())?;
     let mut streams = Vec::with_capacity(prompts.len());

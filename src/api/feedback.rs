@@ -8,7 +8,7 @@ use super::error::{clip, shown, ApiError, Rewarded};
 use super::openai::Fields;
 use super::state::{bearer_of, blocking, key_matches, AppState};
 use crate::online::config::RawLearn;
-use crate::online::learner;
+use crate::online::learner::{self, ServeOp};
 use crate::online::start::Learning;
 use crate::online::store::records::Reward;
 use crate::online::trainer::{CommandError, TrainerHandle};
@@ -361,9 +361,40 @@ pub async fn rollback(
         .get()
         .ok_or_else(|| ApiError::from(CommandError::NotLearning(name.clone())))?;
     let status = online
-        .rollback(&name, to, pause)
+        .serve(&name, ServeOp::Rollback { to, pause })
         .await
         .map_err(ApiError::from)?;
+    Ok(Json(
+        json!({"object": "train.adapter", "id": name, "status": status}),
+    ))
+}
+
+/// `POST /v1/adapters/{name}/pin` (admin): `{"version": N}` serves version N (one with a
+/// checkpoint, or the one serving) while training goes on without serving what it makes;
+/// `{"version": null}` unpins. The adapter's status after.
+pub async fn pin(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    crate::api::body::JsonBody(body): crate::api::body::JsonBody,
+) -> Result<Json<Value>, ApiError> {
+    let ready = state.ready()?;
+    let f = crate::api::openai::Fields::parse(&body)?;
+    f.only(&["version"], "this route")?;
+    let op = match body.get("version") {
+        Some(Value::Null) => ServeOp::Unpin,
+        Some(_) => ServeOp::Pin(f.int_in("version", 1, i64::MAX as i128)?.unwrap_or(1) as u64),
+        None => {
+            return Err(ApiError::invalid(
+                "version",
+                "'version' is required (a number, or null to unpin)",
+            ))
+        }
+    };
+    let online = ready
+        .online
+        .get()
+        .ok_or_else(|| ApiError::from(CommandError::NotLearning(name.clone())))?;
+    let status = online.serve(&name, op).await.map_err(ApiError::from)?;
     Ok(Json(
         json!({"object": "train.adapter", "id": name, "status": status}),
     ))

@@ -105,6 +105,7 @@ impl Generation {
             constraint: self.constraint,
             reasoning: None,
             id: None,
+            unlogged: false,
         }
     }
 }

@@ -37,6 +37,8 @@ pub struct Job {
     pub reasoning: Option<bool>,
     /// The response's id when the route chooses it (None: a fresh one of the flavor's kind).
     pub id: Option<String>,
+    /// Not logged for training even through a learning adapter (an evaluation's request).
+    pub unlogged: bool,
 }
 
 /// A compiled output constraint and the request field it came from (named if it fails).

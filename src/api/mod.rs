@@ -11,6 +11,7 @@ mod cors;
 mod dashboard;
 mod embeddings;
 pub mod error;
+mod eval;
 pub mod feedback;
 pub mod generate;
 mod generation;
@@ -62,6 +63,7 @@ pub fn router(state: AppState) -> Router {
         .route("/detokenize", post(info::detokenize))
         .route("/v1/adapters", get(adapters::list))
         .route("/v1/adapters/{name}", get(adapters::show))
+        .route("/v1/adapters/{name}/versions", get(dashboard::versions))
         .route(
             "/v1/feedback",
             post(feedback::post).get(feedback::get_episode),
@@ -83,6 +85,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/unload_lora_adapter", post(adapters::unload_lora))
         .route("/v1/adapters/{name}/train", post(feedback::train))
         .route("/v1/adapters/{name}/rollback", post(feedback::rollback))
+        .route("/v1/adapters/{name}/pin", post(feedback::pin))
         .route("/v1/train/{name}/pause", post(feedback::pause))
         .route("/v1/train/{name}/resume", post(feedback::resume))
         .route("/v1/train/policy", axum::routing::put(train_policy::put))

@@ -57,6 +57,12 @@ pub fn run(
             let (state, cfg) = (state.clone(), cfg.clone());
             tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
                 state.set_ready(build(&cfg, metrics)?);
+                // Learning adapters' evaluation sets run through this server's chat path.
+                let runner =
+                    super::eval::EvalRunner::new(&state, tokio::runtime::Handle::current());
+                if let Ok(r) = state.ready() {
+                    r.online.set_evaluator(Arc::new(runner));
+                }
                 tracing::info!("ready");
                 Ok(())
             })

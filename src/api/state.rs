@@ -137,6 +137,15 @@ impl Deref for AppState {
 }
 
 impl AppState {
+    /// A reference that does not keep the server alive (held by what the server holds).
+    pub fn downgrade(&self) -> std::sync::Weak<Shared> {
+        Arc::downgrade(&self.0)
+    }
+
+    pub fn upgrade(w: &std::sync::Weak<Shared>) -> Option<AppState> {
+        w.upgrade().map(AppState)
+    }
+
     /// The trainer, started now if it was not (which opens, and may migrate, the rollout log:
     /// off the async threads).
     pub async fn start_trainer(&self) -> Result<crate::online::trainer::TrainerHandle, ApiError> {

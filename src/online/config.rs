@@ -1,7 +1,9 @@
 //! Learning configuration: `[online]` (the rollout log and the trainer's rules) and one `[[learn]]`
 //! table per learning adapter (also `serve --learn NAME` and `POST /v1/adapters/{name}/train`).
 
+use super::eval::{EvalSet, RawEvalItem, EVAL_MAX_TOKENS};
 use super::guard::{AfterRollback, GuardConfig};
+use super::promotion::{Policy, PromotionConfig};
 use super::share_policy::SharePolicy;
 use crate::train::loss::LossName;
 use serde::Deserialize;
@@ -57,6 +59,14 @@ pub struct RawLearn {
     pub guard_min_entropy: Option<f64>,
     /// "pause" (default) or "continue": what training does after a guard rolls back.
     pub after_rollback: Option<String>,
+    /// "immediate" (default) or "gated"; see `online::promotion`.
+    pub promotion: Option<String>,
+    pub promotion_margin: Option<f64>,
+    /// "incumbent" (default) or "candidate": where a gated trainer goes on from after a hold.
+    pub on_hold: Option<String>,
+    /// The evaluation set (`[[learn.eval]]`); see `online::eval`.
+    pub eval: Option<Vec<RawEvalItem>>,
+    pub eval_max_tokens: Option<usize>,
 }
 
 /// The validated `[online]` settings.
@@ -176,6 +186,12 @@ pub struct LearnConfig {
     /// Shown and taken back under `[[learn]]`'s own keys (`guard_window`, ...).
     #[serde(flatten)]
     pub guards: GuardConfig,
+    /// Shown under `promotion`, `promotion_margin` and `on_hold`.
+    #[serde(flatten)]
+    pub promotion: PromotionConfig,
+    /// Shown as the items written.
+    pub eval: std::sync::Arc<EvalSet>,
+    pub eval_max_tokens: usize,
 }
 
 /// A setting of `[online]` that cannot be honoured: its key (under `online.`) and why.
@@ -369,6 +385,25 @@ impl RawLearn {
                 return Err((k, "must be a finite number >= 0".into()));
             }
         }
+        let promotion = PromotionConfig::parse(
+            self.promotion.as_deref(),
+            self.promotion_margin,
+            self.on_hold.as_deref(),
+        )?;
+        let eval_max_tokens = self.eval_max_tokens.unwrap_or(EVAL_MAX_TOKENS);
+        let eval =
+            EvalSet::new(self.eval.unwrap_or_default(), eval_max_tokens).map_err(|e| {
+                match e.strip_prefix("eval_max_tokens ") {
+                    Some(why) => ("eval_max_tokens", why.to_string()),
+                    None => ("eval", format!("eval{e}")),
+                }
+            })?;
+        if promotion.policy == Policy::Gated && eval.is_empty() {
+            return Err((
+                "promotion",
+                "\"gated\" promotes by evaluation score: give an evaluation set (eval)".into(),
+            ));
+        }
         let c = LearnConfig {
             name: self.name,
             method,
@@ -381,6 +416,9 @@ impl RawLearn {
             oft_block_size: self.oft_block_size.unwrap_or(32),
             lora_r: self.lora_r.unwrap_or(16),
             guards,
+            promotion,
+            eval: std::sync::Arc::new(eval),
+            eval_max_tokens,
         };
         if !(c.lr > 0.0 && c.lr < 1.0) {
             return Err(("lr", "must be in (0, 1)".into()));

@@ -8,14 +8,17 @@
 //! as the server holds it (started with the server or on first use); `share_policy` is how the
 //! trainer splits the cores with serving (fixed or steered); `runs` are the training runs a client
 //! drives itself (the Tinker API), also owned by the trainer thread; `guard` judges a learning
-//! adapter's steps and says when to roll back.
+//! adapter's steps and says when to roll back; `eval` scores a version on its evaluation set;
+//! `promotion` decides whether a candidate version serves.
 
 pub mod adapter_store;
 pub mod checkpoint;
 pub mod config;
+pub mod eval;
 pub mod groups;
 pub mod guard;
 pub mod learner;
+pub mod promotion;
 pub mod runs;
 pub mod share_policy;
 pub mod start;

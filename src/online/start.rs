@@ -92,6 +92,11 @@ impl Online {
         }
     }
 
+    /// Where evaluation sets' requests run: the server's runner (set once, when it serves).
+    pub fn set_evaluator(&self, runner: Arc<dyn super::eval::Runner>) {
+        let _ = self.compute.evaluator.set(runner);
+    }
+
     /// The settings (`[online]`).
     pub fn cfg(&self) -> &OnlineConfig {
         &self.cfg

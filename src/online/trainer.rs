@@ -20,7 +20,7 @@
 
 use super::adapter_store::AdapterStore;
 use super::config::{LearnConfig, OnlineConfig};
-use super::learner::{Env, Member, State, Status, TrainError};
+use super::learner::{Env, Member, ServeOp, State, Status, TrainError};
 use super::runs::kept::{Restored, RunMeta};
 use super::runs::{RunError, RunOutput, RunState, RunWork};
 use super::share_policy::{PolicyView, SharePolicy, Steering};
@@ -53,6 +53,8 @@ pub struct Compute {
     pub model: Arc<Decoder>,
     pub cpu: Arc<Cpu>,
     pub registry: Arc<Registry>,
+    /// Runs evaluation sets' requests (set by the server once it serves).
+    pub evaluator: crate::online::eval::RunnerCell,
 }
 
 type Reply<T> = tokio::sync::oneshot::Sender<Result<T, CommandError>>;
@@ -63,8 +65,8 @@ enum Command {
     /// Replace a learner's settings.
     Configure(LearnConfig, Reply<Status>),
     Pause(String, bool, Reply<Status>),
-    /// Serve an older version of a learner again (a manual rollback), pausing or not.
-    Rollback(String, u64, bool, Reply<Status>),
+    /// An operator's choice of what a learner serves (a rollback, a pin).
+    Serve(String, ServeOp, Reply<Status>),
     /// End a learner's lineage and remove its adapter.
     Remove(String, Reply<()>),
     /// Replace the policy that splits the cores with serving.
@@ -204,6 +206,7 @@ impl TrainerHandle {
                 registry: compute.registry,
                 metrics: metrics.clone(),
                 adapters,
+                evaluator: compute.evaluator,
             },
             learners: BTreeMap::new(),
             runs: BTreeMap::new(),
@@ -274,11 +277,10 @@ impl TrainerHandle {
         v.clone()
     }
 
-    /// Serve version `to` of learner `name` again, with its optimizer (pausing training when
-    /// `pause`): its status after.
-    pub async fn rollback(&self, name: &str, to: u64, pause: bool) -> Result<Status, CommandError> {
+    /// Choose what learner `name` serves (`ServeOp`): its status after.
+    pub async fn serve(&self, name: &str, op: ServeOp) -> Result<Status, CommandError> {
         let name = name.to_string();
-        self.ask(|r| Command::Rollback(name, to, pause, r)).await
+        self.ask(|r| Command::Serve(name, op, r)).await
     }
 
     pub async fn remove(&self, name: &str) -> Result<(), CommandError> {

@@ -144,6 +144,7 @@ fn responder(ready: &super::Ready, job: Job) -> Responder {
         online: job
             .adapter
             .as_ref()
+            .filter(|_| !job.unlogged)
             .and_then(|a| ready.learning(&a.name))
             .cloned(),
         first_choice: 0,

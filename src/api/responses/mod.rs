@@ -424,9 +424,17 @@ pub async fn create(
     };
     let id = random_id("resp_");
     let created = unix_now();
-    let resp = super::chat::run_chat(&state, &headers, &Value::Object(chat), Some(id.clone()))
-        .await
-        .map_err(renamed)?;
+    let resp = super::chat::run_chat(
+        &state,
+        &headers,
+        &Value::Object(chat),
+        super::chat::ChatOptions {
+            id: Some(id.clone()),
+            ..Default::default()
+        },
+    )
+    .await
+    .map_err(renamed)?;
     let turn = Turn {
         state,
         id,

@@ -39,9 +39,32 @@ impl Follower {
             )));
         };
         let (model, limits) = (&env.model.config, &env.registry.limits);
-        let found = newest_intact(env, &name, &lineage, Needed::Adapter, |dir| {
+        let mut found = newest_intact(env, &name, &lineage, Needed::Adapter, |dir| {
             Ok(peft::load_within(dir, model, limits)?)
         })?;
+        // Not a held candidate, and the pinned version when serving is pinned (the identity
+        // when every checkpoint is held).
+        match super::promote::serving_checkpoint(env, &name, lineage.id)? {
+            (None, None) => {
+                found.resumed = None;
+                found.num_checkpoints = 0;
+            }
+            (None, Some(_)) => {}
+            (Some(cp), _)
+                if found
+                    .resumed
+                    .as_ref()
+                    .is_some_and(|(c, _, _)| c.version != cp.version) =>
+            {
+                let (dir, fetched) = env
+                    .local_checkpoint(&cp, lineage.id, Needed::Adapter)
+                    .map_err(|e| start_err(e.to_string()))?;
+                let w = peft::load_within(&dir, model, limits)
+                    .map_err(|e| start_err(format!("version {}: {e}", cp.version)))?;
+                found.resumed = Some((cp, w, fetched.then_some(dir)));
+            }
+            (Some(_), _) => {}
+        }
         let (weights, version, steps, fetched) = match found.resumed {
             Some((cp, w, fetched)) => {
                 adopt_shape(&mut cfg, &w);
@@ -78,8 +101,18 @@ impl Follower {
         let Some(l) = env.log.active_lineage(&name)? else {
             return Ok(());
         };
-        let Some((cp, committed)) = env.log.newest_checkpoint(l.id)? else {
+        // The trainer's newest checkpoint, unless it is held or serving is pinned.
+        let Some((newest, committed)) = env.log.newest_checkpoint(l.id)? else {
             return Ok(());
+        };
+        let cp = match super::promote::serving_checkpoint(env, &name, l.id)? {
+            (Some(cp), _) => cp,
+            (None, _) => return Ok(()),
+        };
+        let committed = if cp.version == newest.version {
+            committed
+        } else {
+            crate::util::now_secs()
         };
         let lag = env.metrics.replica_version_lag.with_label_values(&[&name]);
         lag.set(cp.version.saturating_sub(self.status.version) as i64);
@@ -87,7 +120,7 @@ impl Follower {
             return Ok(());
         }
         // Older than the one served, in the same lineage: the trainer rolled back (a rollback
-        // forgets the checkpoints above its target; nothing else removes the newest).
+        // forgets the checkpoints above its target) or pinned an older version.
         let back = l.id == self.lineage.id && cp.version < self.status.version;
         let t0 = std::time::Instant::now();
         // Never serve what cannot be verified: the files loaded, against the manifest the

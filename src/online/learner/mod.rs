@@ -14,6 +14,7 @@
 
 mod copies;
 mod follow;
+mod promote;
 mod rollback;
 mod status;
 mod train;
@@ -44,6 +45,8 @@ pub struct Env {
     pub metrics: Arc<Metrics>,
     /// Where versions are published besides the data directory (`online.adapter_store`).
     pub adapters: Option<Arc<AdapterStore>>,
+    /// Runs evaluation sets (`online::eval`), once the server serves.
+    pub evaluator: crate::online::eval::RunnerCell,
 }
 
 /// A learning adapter in the trainer thread: a `Learner` where this process trains, a
@@ -57,12 +60,12 @@ pub trait Member: Send {
     fn turn(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError>;
     /// Replace the settings (the adapter's shape stays: method, block size, rank).
     fn configure(&mut self, cfg: LearnConfig) -> Result<(), ShapeChanged>;
-    /// Serve version `to` again (a manual rollback), pausing training or not; a `Follower`
-    /// follows its trainer's decisions and refuses.
-    fn rollback(&mut self, _env: &Env, _to: u64, _pause: bool) -> Result<(), TrainError> {
+    /// An operator's choice of what serves (a rollback, a pin); a `Follower` follows its
+    /// trainer's decisions and refuses.
+    fn serve(&mut self, _env: &Env, _op: ServeOp) -> Result<(), TrainError> {
         Err(TrainError::new(
             ErrorKind::Rollback,
-            "this process serves the adapter for its trainer (--role serve): roll back there",
+            "this process serves the adapter for its trainer (--role serve): ask there",
         ))
     }
     /// Training resumes (an operator's resume): a learner paused by a rollback records it.
@@ -71,6 +74,19 @@ pub trait Member: Send {
     /// cannot follow (a version it cannot fetch or verify, the store down) keeps serving the
     /// version it has and keeps trying, backing off: its lag metric and status say so.
     fn gives_up(&self) -> bool;
+}
+
+/// An operator's choice of the version a learning adapter serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServeOp {
+    /// Serve version `to` again, with its optimizer, forgetting what came after (pausing
+    /// training or not).
+    Rollback { to: u64, pause: bool },
+    /// Serve version `to` (or keep the one serving) while training goes on; nothing it makes
+    /// serves until unpinned.
+    Pin(u64),
+    /// The newest version serves again (under `gated`, the next that passes the gate).
+    Unpin,
 }
 
 /// Start learning `cfg.name` in the role this process has (`OnlineConfig::role`), publishing
@@ -209,6 +225,9 @@ fn publish_at_start(
         retry_at: None,
         config: cfg.clone(),
         last_decision: None,
+        eval_scores: Default::default(),
+        held_version: None,
+        pinned_version: None,
     })
 }
 

@@ -14,7 +14,7 @@ use crate::online::store::records::Decision;
 use crate::util::now_secs;
 
 /// Decisions read back at a start (the newest this many).
-const DECISIONS_READ: usize = 1000;
+pub(super) const DECISIONS_READ: usize = 1000;
 
 impl Learner {
     /// The ranges of versions its lineage rolled back, and whether its newest decision paused
@@ -119,6 +119,12 @@ impl Learner {
             }
         }
         self.opt = opt;
+        // What was held or pinned above it is forgotten with it.
+        self.trainee = None;
+        self.pinned = None;
+        self.served_checkpoint = to;
+        self.status.held_version = None;
+        self.status.pinned_version = None;
         self.rolled_back.push((to + 1, undone_to));
         self.guarded = (Vec::new(), to);
         let st = &mut self.status;

@@ -35,6 +35,8 @@ pub enum ErrorKind {
     Start,
     /// Rolling back (the version asked for has no checkpoint, or it would not load).
     Rollback,
+    /// Evaluating a version (its requests failed, or the server does not serve yet).
+    Eval,
 }
 
 impl ErrorKind {
@@ -47,6 +49,7 @@ impl ErrorKind {
             ErrorKind::Panic => "panic",
             ErrorKind::Start => "start",
             ErrorKind::Rollback => "rollback",
+            ErrorKind::Eval => "eval",
         }
     }
 }
@@ -85,6 +88,12 @@ pub struct StepReport {
     pub version: u64,
     pub groups: usize,
     pub staleness_max: u64,
+    /// The version's evaluation, when the adapter has an evaluation set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<crate::online::eval::EvalScore>,
+    /// Held, not served (`online::promotion`; a pin).
+    #[serde(default)]
+    pub held: bool,
 }
 
 /// What `GET /v1/train/status` shows of a learning adapter.
@@ -106,6 +115,13 @@ pub struct Status {
     /// Unix seconds of the next try after a failure.
     pub retry_at: Option<f64>,
     pub config: LearnConfig,
-    /// The newest decision about its versions (a rollback and why, a resume), if any.
+    /// The newest decision about its versions (a rollback and why, a resume, a hold), if any.
     pub last_decision: Option<Decision>,
+    /// Evaluation scores of recent versions (served and candidates).
+    pub eval_scores: BTreeMap<u64, f64>,
+    /// The held version training goes on from while serving stays on `version` (a gated
+    /// candidate kept, or steps taken while pinned).
+    pub held_version: Option<u64>,
+    /// The version serving is pinned to (training goes on; nothing it makes serves).
+    pub pinned_version: Option<u64>,
 }

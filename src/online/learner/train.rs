@@ -7,16 +7,18 @@
 //! ones. Until the commit, the learner is as before, whatever fails.
 
 use super::copies::{sweep_orphans, Needed};
+use super::promote::Outcome;
 use super::{
     adopt_shape, identity, newest_intact, publish_at_start, reconfigure, show_step, Env, ErrorKind,
     Member, Status, StepReport, TrainError,
 };
-use crate::adapter::registry::Publisher;
+use crate::adapter::registry::AdapterVersion;
 use crate::adapter::AdapterWeights;
 use crate::online::checkpoint::{
     checkpoint_rel, load_checkpoint, max_version_on_disk, remove_dir, write_checkpoint,
 };
 use crate::online::config::LearnConfig;
+use crate::online::eval::EvalScore;
 use crate::online::groups::{self, Rules};
 use crate::online::guard::StepPoint;
 use crate::online::store::records::{Checkpoint, Lineage};
@@ -27,6 +29,7 @@ use crate::train::offline::{grouped, step, Sample, StepStats};
 use crate::train::optim::{AdamW, AdamWConfig};
 use crate::util::now_secs;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 pub(super) struct Learner {
     pub(super) cfg: LearnConfig,
@@ -39,6 +42,15 @@ pub(super) struct Learner {
     /// Versions rolled back (inclusive ranges, from the store's decisions): their samples are
     /// not trained on.
     pub(super) rolled_back: Vec<(u64, u64)>,
+    /// The held candidate training goes on from (not served), if any.
+    pub(super) trainee: Option<Arc<AdapterVersion>>,
+    /// The checkpoint of the weights serving (its version number; they may serve under a newer
+    /// number after a restart).
+    pub(super) served_checkpoint: u64,
+    /// The checkpoint version serving is pinned to.
+    pub(super) pinned: Option<u64>,
+    /// Evaluation scores by version (the newest `promote::SCORES_KEPT`).
+    pub(super) scores: std::collections::BTreeMap<u64, EvalScore>,
 }
 
 /// A fresh optimizer for `num_params` parameters.
@@ -104,7 +116,7 @@ impl Learner {
         };
         let num_checkpoints = found.as_ref().map_or(0, |f| f.num_checkpoints);
         let resumed = found.and_then(|f| f.resumed);
-        let (lineage, weights, opt, min_version) = match (lineage, resumed) {
+        let (lineage, weights, opt, min_version, resumed_cp) = match (lineage, resumed) {
             (Some(l), Some((cp, (w, opt), _))) => {
                 adopt_shape(&mut cfg, &w);
                 // The same number only if no later version was ever seen (then it is the same
@@ -121,7 +133,7 @@ impl Learner {
                     step = cp.step,
                     "learning adapter resumed"
                 );
-                (l, w, opt, v)
+                (l, w, opt, v, Some(cp.version))
             }
             (l, _) => {
                 let w = identity(&cfg, env).map_err(|e| start_err(&e))?;
@@ -141,10 +153,31 @@ impl Learner {
                     None => (env.log.begin_lineage(name, max_seen + 1)?, max_seen + 1),
                 };
                 tracing::info!(adapter = name, method = %cfg.method, lineage = l.id, version = v, "learning adapter created");
-                (l, w, opt, v)
+                (l, w, opt, v, None)
             }
         };
-        let status = publish_at_start(env, &cfg, &lineage, weights, min_version, opt.step)?;
+        // Held candidates and a pin (the store's decisions): what serves may be an older
+        // checkpoint than the one training goes on from.
+        let promo = super::promote::at_start(env, &cfg, &lineage, resumed_cp)?;
+        let (served, trainee) = match promo.served {
+            // Under its own number (the identity under the lineage's first).
+            Some((v, w)) => {
+                let number = if v == 0 { lineage.first_version } else { v };
+                ((w, number, v), Some((weights, resumed_cp.unwrap_or(0))))
+            }
+            None => ((weights, min_version, resumed_cp.unwrap_or(0)), None),
+        };
+        let status = publish_at_start(env, &cfg, &lineage, served.0, served.1, opt.step)?;
+        // Numbers continue above every one the name had.
+        env.registry.note_version(name, max_seen);
+        let trainee = match trainee {
+            Some((w, v)) => Some(
+                env.registry
+                    .candidate(name, v, None, w)
+                    .map_err(|e| start_err(&e))?,
+            ),
+            None => None,
+        };
         let mut l = Learner {
             cfg,
             lineage,
@@ -152,13 +185,21 @@ impl Learner {
             opt,
             status,
             rolled_back: Vec::new(),
+            trainee,
+            served_checkpoint: served.2,
+            pinned: promo.pinned,
+            scores: Default::default(),
         };
+        l.status.held_version = l.trainee.as_ref().map(|t| t.version);
+        l.status.pinned_version = l.pinned;
         l.read_decisions(env)?;
         Ok(l)
     }
 
     /// Form groups (recording drops), and take one step if a batch is ready: Ok(None) when none
-    /// was. On any error, optimizer and adapter are as before.
+    /// was. On any error, optimizer and adapter are as before. The step trains from the held
+    /// candidate if there is one, else from what serves; its version is a candidate that
+    /// serves, or is held, as promotion decides (`promote`).
     fn step(&mut self, env: &Env) -> Result<Option<StepReport>, TrainError> {
         let name = self.cfg.name.clone();
         env.log.claim_trainer(&name)?;
@@ -166,17 +207,26 @@ impl Learner {
             TrainError::new(ErrorKind::Publish, format!("the adapter '{name}' is gone"))
         })?;
         let cur = slot.current();
+        let from = self.trainee.clone().unwrap_or_else(|| cur.clone());
         let pending = env.log.pending_groups(&name)?;
-        let Some(plan) = self.plan(env, pending, cur.version)? else {
+        let Some(plan) = self.plan(env, pending, cur.version, from.version)? else {
             return Ok(None);
         };
         // The step works on a copy: the learner's optimizer changes only once all is durable.
-        let (next, opt, stats) = self.compute(env, &cur.weights, &plan)?;
-        // Above every number the name had (a rollback serves an older one).
-        let version = cur.version.max(env.registry.last_version(&name)) + 1;
-        let rel = self.write(env, version, &next, &opt)?;
-        upload(env, &rel)?;
-        let report = StepReport {
+        let (next, opt, stats) = self.compute(env, &from.weights, &plan)?;
+        // Above every number the name had (a rollback serves an older one; held candidates
+        // took theirs).
+        let version = cur
+            .version
+            .max(from.version)
+            .max(env.registry.last_version(&name))
+            + 1;
+        let cand = env
+            .registry
+            .candidate(&name, version, Some(cur.version), next)
+            .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
+        let (outcome, eval) = self.judge_candidate(env, &cur, &cand)?;
+        let mut report = StepReport {
             stats,
             version,
             groups: plan.batch.len(),
@@ -190,7 +240,24 @@ impl Learner {
                 })
                 .max()
                 .unwrap_or(0),
+            eval,
+            held: matches!(outcome, Outcome::Hold { .. }),
         };
+        match &outcome {
+            Outcome::Hold { reason, evidence } if !self.keeps_held() => {
+                debug_assert_eq!(*reason, "eval");
+                self.drop_held(env, &plan.batch, version, cur.version, evidence)?;
+                return Ok(Some(report));
+            }
+            // Recorded before the commit: a restart never takes a held checkpoint for a served one.
+            Outcome::Hold {
+                reason: "eval",
+                evidence,
+            } => self.decide(env, "hold", "eval", (version, cur.version), evidence)?,
+            _ => {}
+        }
+        let rel = self.write(env, version, &cand.weights, &opt)?;
+        upload(env, &rel)?;
         let cp = Checkpoint {
             version,
             step: opt.step,
@@ -199,21 +266,43 @@ impl Learner {
         self.commit(env, &cp, &report, &plan.batch)?;
         // Durable: the step is taken, whatever happens next.
         self.opt = opt;
-        self.publish(env, next, version)?;
-        self.record(env, &report, &plan.batch, cur.version);
+        let published = match outcome {
+            Outcome::Publish { evidence } => {
+                env.registry
+                    .serve(cand, self.lineage.id)
+                    .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
+                self.trainee = None;
+                self.served_checkpoint = version;
+                if let Some(e) = evidence {
+                    self.decide(env, "promote", "eval", (version, cur.version), &e)?;
+                }
+                true
+            }
+            Outcome::Hold { .. } => {
+                self.trainee = Some(cand);
+                false
+            }
+        };
+        self.status.held_version = self.trainee.as_ref().map(|t| t.version);
+        report.held = !published;
+        self.record(env, &report, &plan.batch, cur.version, published);
         self.retire(env);
-        tracing::info!(adapter = %name, step = cp.step, version, loss = report.stats.loss, "trained");
-        self.guard(env, &report)?;
+        tracing::info!(adapter = %name, step = cp.step, version, loss = report.stats.loss, published, "trained");
+        if published {
+            self.guard(env, &report)?;
+        }
         Ok(Some(report))
     }
 
     /// The groups formed from `pending` (drops recorded in the store, the metrics and the
     /// status), and the step to take if a batch is ready.
+    /// (`current`: the version serving; `trains`: the version the step starts from.)
     fn plan(
         &mut self,
         env: &Env,
         pending: Vec<PendingGroup>,
         current: u64,
+        trains: u64,
     ) -> Result<Option<Plan>, TrainError> {
         let name = self.cfg.name.as_str();
         let rules = Rules {
@@ -262,7 +351,7 @@ impl Learner {
                     reward: m.reward.unwrap_or(0.0) as f32,
                     group: g.group_id.clone(),
                     behavior: Some(m.logprobs.clone()),
-                    sampled_by_current: m.version == current,
+                    sampled_by_current: m.version == trains,
                     episode: m.episode.clone(),
                     forced: m.forced.clone(),
                 })
@@ -347,20 +436,6 @@ impl Learner {
         Ok(())
     }
 
-    /// Serve the committed weights as `version`. Fails only when the adapter was deleted
-    /// meanwhile (its lineage has ended).
-    fn publish(&self, env: &Env, next: AdapterWeights, version: u64) -> Result<(), TrainError> {
-        let name = &self.cfg.name;
-        let (v, _) = env
-            .registry
-            .publish_as(name, next, Publisher::Owner(self.lineage.id))
-            .map_err(|e| TrainError::new(ErrorKind::Publish, e))?;
-        if v.version != version {
-            tracing::warn!(adapter = %name, expected = version, got = v.version, "another publisher numbered this adapter's versions");
-        }
-        Ok(())
-    }
-
     /// Up to `groups_per_step` ready groups of the first one's temperature, within the token
     /// budget (the first always).
     fn batch(&self, ready: Vec<PendingGroup>, max_tokens: usize) -> Vec<PendingGroup> {
@@ -404,7 +479,14 @@ impl Learner {
         loss
     }
 
-    fn record(&mut self, env: &Env, r: &StepReport, batch: &[PendingGroup], cur: u64) {
+    fn record(
+        &mut self,
+        env: &Env,
+        r: &StepReport,
+        batch: &[PendingGroup],
+        cur: u64,
+        published: bool,
+    ) {
         let name = self.cfg.name.as_str();
         let m = &env.metrics;
         let s = &r.stats;
@@ -430,16 +512,29 @@ impl Learner {
             .inc_by(trained);
         let st = &mut self.status;
         st.trained += trained;
-        st.version = r.version;
+        if published {
+            st.version = r.version;
+        }
         st.steps = s.step;
         st.last = Some(r.clone());
     }
 
     /// Remove checkpoints no longer needed (the newest two of the lineage stay, and as many as
-    /// the reward guard may roll back across: its window and two more).
+    /// the reward guard may roll back across: its window and two more; and every one from the
+    /// served version's up, while training goes on from a held one).
     fn retire(&self, env: &Env) {
         let mut retired = std::collections::BTreeSet::new();
-        let keep = (self.cfg.guards.window + 2).max(2);
+        let mut keep = (self.cfg.guards.window + 2).max(2);
+        if self.trainee.is_some() || self.pinned.is_some() {
+            let floor = self.served_checkpoint;
+            match env.log.checkpoints(self.lineage.id) {
+                Ok(cps) => keep = keep.max(cps.iter().filter(|c| c.version >= floor).count()),
+                Err(e) => {
+                    tracing::warn!(adapter = %self.cfg.name, error = %e, "checkpoint retention skipped");
+                    return;
+                }
+            }
+        }
         match env.log.retire_checkpoints(&self.cfg.name, keep) {
             Ok(paths) => {
                 retired.extend(paths.iter().cloned());
@@ -495,12 +590,26 @@ impl Member for Learner {
     }
 
     fn configure(&mut self, cfg: LearnConfig) -> Result<(), super::ShapeChanged> {
-        reconfigure(&mut self.cfg, &mut self.status, cfg)
+        let same_eval =
+            cfg.eval.raw == self.cfg.eval.raw && cfg.eval_max_tokens == self.cfg.eval_max_tokens;
+        reconfigure(&mut self.cfg, &mut self.status, cfg)?;
+        // Scores of another evaluation set do not compare.
+        if !same_eval {
+            self.scores.clear();
+            self.status.eval_scores.clear();
+        }
+        Ok(())
     }
 
-    fn rollback(&mut self, env: &Env, to: u64, pause: bool) -> Result<(), TrainError> {
-        let evidence = serde_json::json!({"asked_for": to});
-        self.roll_back(env, to, "manual", evidence, pause)
+    fn serve(&mut self, env: &Env, op: super::ServeOp) -> Result<(), TrainError> {
+        match op {
+            super::ServeOp::Rollback { to, pause } => {
+                let evidence = serde_json::json!({"asked_for": to});
+                self.roll_back(env, to, "manual", evidence, pause)
+            }
+            super::ServeOp::Pin(to) => self.pin(env, Some(to)),
+            super::ServeOp::Unpin => self.pin(env, None),
+        }
     }
 
     fn resumed(&mut self, env: &Env) {

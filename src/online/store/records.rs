@@ -30,13 +30,14 @@ pub struct Checkpoint {
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Decision {
     pub lineage: u64,
-    /// "rollback" or "resume".
+    /// "rollback", "resume", "promote", "hold", "pin" or "unpin".
     pub decision: String,
-    /// Why: the guard that fired ("reward_drop", "kl", "entropy"), or "manual".
+    /// Why: the guard that fired ("reward_drop", "kl", "entropy"), "eval" (the promotion gate),
+    /// or "manual".
     pub reason: String,
-    /// The version serving when it was made.
+    /// The version serving when it was made (a promotion's or hold's: the candidate).
     pub from_version: u64,
-    /// The version serving after it (a rollback's target).
+    /// The version serving after it (a rollback's target, a pin's version).
     pub to_version: u64,
     /// What the rule read and its thresholds (JSON).
     pub evidence: String,

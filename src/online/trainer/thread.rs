@@ -197,10 +197,10 @@ impl Trainer {
                 self.publish_status();
                 let _ = reply.send(r);
             }
-            Command::Rollback(name, to, pause, reply) => {
+            Command::Serve(name, op, reply) => {
                 let r = match self.learners.get_mut(&name) {
                     None => Err(CommandError::NotLearning(name)),
-                    Some(l) => match l.rollback(&self.env, to, pause) {
+                    Some(l) => match l.serve(&self.env, op) {
                         Ok(()) => Ok(l.status().clone()),
                         Err(e) => Err(CommandError::Train(e)),
                     },
