@@ -296,3 +296,116 @@ fn a_pin_keeps_serving_while_training_goes_on_and_survives_a_restart() {
     assert!(st["version"].as_u64().unwrap() > v4, "{st}");
     assert_eq!(served(c), st["version"].as_u64().unwrap());
 }
+
+/// Reward a group of 4 sampled through `g`: `low` or high rewards (both with a spread).
+fn reward_by(c: &Client, id: &str, rewards: [f64; 4]) {
+    let items: Vec<Value> = (0..4)
+        .map(|i| json!({"id": id, "choice": i, "reward": rewards[i]}))
+        .collect();
+    let f = call(c, "POST", "/v1/feedback", Some(&Value::Array(items)), USER);
+    assert_eq!(f.status, 202, "{}", f.body_text());
+}
+
+/// Sample through `g` until one group of the candidate `cv` and one of the incumbent `iv` are
+/// rewarded (`for_cand`, `for_inc`); groups of other versions are left unrewarded.
+fn reward_arms(c: &Client, cv: u64, iv: u64, for_cand: [f64; 4], for_inc: [f64; 4]) {
+    let (mut got_c, mut got_i) = (false, false);
+    for _ in 0..200 {
+        let r = sample(c, "g", 4, 3, USER);
+        let v = r["adapter_version"].as_u64().unwrap();
+        let id = r["id"].as_str().unwrap();
+        if v == cv && !got_c {
+            reward_by(c, id, for_cand);
+            got_c = true;
+        } else if v == iv && !got_i {
+            reward_by(c, id, for_inc);
+            got_i = true;
+        }
+        if got_c && got_i {
+            return;
+        }
+    }
+    panic!("200 requests never reached both arms ({cv}: {got_c}, {iv}: {got_i})");
+}
+
+#[test]
+fn a_canary_rolls_back_a_worse_candidate_and_promotes_one_as_good_across_a_restart() {
+    let (dir, path) = write_tiny(&spec());
+    let data = dir.path().join("data");
+    let learn = "[[learn]]\nname = \"g\"\nmethod = \"lora\"\nlora_r = 4\nlr = 0.01\n\
+                 promotion = \"canary\"\ncanary_fraction = 0.5\ncanary_window = 4\n";
+    let cfg = format!("{}\n{learn}", learning_config());
+    let s = start_learning(&path, &data, &cfg, &[]);
+    let c = &s.client;
+    let first = status(c, "g")["version"].as_u64().unwrap();
+    // The step's version runs as a canary: half the requests, training waiting.
+    let st = step(c);
+    let cv = st["canary_version"].as_u64().expect("a canary runs");
+    assert_eq!(st["version"], first, "{st}");
+    assert_eq!(st["last_decision"]["decision"], "canary", "{st}");
+    // Its samples are rewarded far below the incumbent's: rolled back.
+    reward_arms(c, cv, first, [0.0, 0.1, 0.0, 0.1], [1.0, 0.9, 1.0, 0.9]);
+    // (The incumbent's group then makes the next candidate at once, again a canary.)
+    let st = wait_status(c, "g", 60, |s| {
+        s["canary_version"].as_u64().is_some_and(|v| v != cv)
+    });
+    let r = call(c, "GET", "/v1/train/g/history", None, USER);
+    let decisions = r.json()["decisions"].clone();
+    let d = decisions
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["decision"] == "rollback")
+        .unwrap_or_else(|| panic!("{decisions}"));
+    assert_eq!(
+        (&d["reason"], &d["from_version"], &d["to_version"]),
+        (&json!("canary"), &json!(cv), &json!(first)),
+        "{d}"
+    );
+    let ev: Value = serde_json::from_str(d["evidence"].as_str().unwrap()).unwrap();
+    assert!(ev["difference"].as_f64().unwrap() < -0.8, "{ev}");
+    assert_eq!(ev["candidate"]["n"], 4, "{ev}");
+    assert_eq!(
+        s.metric(
+            r#"flywheel_promotion_decisions_total{adapter="g",decision="rollback",reason="canary"}"#
+        ),
+        1.0
+    );
+    // The candidate's samples never train; the numbers are never reused.
+    let cv2 = st["canary_version"].as_u64().unwrap();
+    assert!(cv2 > cv, "{st}");
+    assert_eq!(st["dropped"]["rolled_back"], 4, "{st}");
+    assert_eq!(st["version"], first);
+    // A restart runs the canary again.
+    let mut s = s;
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    let s = start_learning(&path, &data, &cfg, &[]);
+    let c = &s.client;
+    let st = status(c, "g");
+    assert_eq!(
+        (&st["version"], &st["canary_version"]),
+        (&json!(first), &json!(cv2)),
+        "{st}"
+    );
+    // As good as the incumbent: promoted, and it serves.
+    reward_arms(c, cv2, first, [0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0]);
+    // (Both groups then train at once: the next candidate is a canary again.)
+    let st = wait_status(c, "g", 60, |s| s["version"] == cv2);
+    assert_ne!(st["canary_version"], cv2, "{st}");
+    let r = call(c, "GET", "/v1/train/g/history", None, USER);
+    let decisions = r.json()["decisions"].clone();
+    let d = decisions
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["decision"] == "promote")
+        .unwrap_or_else(|| panic!("{decisions}"));
+    assert_eq!(
+        (&d["reason"], &d["from_version"]),
+        (&json!("canary"), &json!(cv2)),
+        "{d}"
+    );
+    let r = call(c, "GET", "/v1/adapters/g", None, USER);
+    assert_eq!(r.json()["version"], cv2, "{}", r.body_text());
+}

@@ -12,7 +12,7 @@
 
 use super::{AdapterBase, AdapterError, AdapterLimits, AdapterWeights, BaseShape};
 use crate::metrics::Metrics;
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -103,11 +103,30 @@ pub struct Slot {
     owner: AtomicU64,
     /// Every version published, as weak references: the ones still alive upgrade.
     history: Mutex<Vec<Weak<AdapterVersion>>>,
+    /// A candidate that takes this fraction of new requests (a canary), if one runs.
+    canary: ArcSwapOption<(Arc<AdapterVersion>, f64)>,
 }
 
 impl Slot {
     pub fn current(&self) -> Arc<AdapterVersion> {
         self.current.load_full()
+    }
+
+    /// The version a new request runs on: the current one, or a canary's candidate for its
+    /// fraction of requests.
+    pub fn pick(&self) -> Arc<AdapterVersion> {
+        if let Some(c) = self.canary.load().as_ref() {
+            let u = (crate::util::random_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            if u < c.1 {
+                return c.0.clone();
+            }
+        }
+        self.current()
+    }
+
+    /// The canary's candidate and fraction, if one runs.
+    pub fn canary(&self) -> Option<(u64, f64)> {
+        self.canary.load().as_ref().map(|c| (c.0.version, c.1))
     }
 
     /// The lineage learning into this slot, if one is.
@@ -244,7 +263,20 @@ impl Registry {
 
     /// Pin the current version of `name` for a request.
     pub fn pin(&self, name: &str) -> Option<Pinned> {
-        self.get(name).map(|s| Pinned::new(s.current()))
+        self.get(name).map(|s| Pinned::new(s.pick()))
+    }
+
+    /// Send a `fraction` of `name`'s new requests to `candidate` (a canary; None ends it).
+    pub fn set_canary(
+        &self,
+        name: &str,
+        candidate: Option<(Arc<AdapterVersion>, f64)>,
+    ) -> Result<(), RegistryError> {
+        let slot = self
+            .get(name)
+            .ok_or_else(|| RegistryError::Gone(name.to_string()))?;
+        slot.canary.store(candidate.map(Arc::new));
+        Ok(())
     }
 
     /// Every adapter, by name.
@@ -363,6 +395,7 @@ impl Registry {
                         publish_lock: Mutex::new(()),
                         owner: AtomicU64::new(owner),
                         history: Mutex::new(vec![Arc::downgrade(&v)]),
+                        canary: ArcSwapOption::empty(),
                     }),
                 );
                 swap_secs = t0.elapsed().as_secs_f64();

@@ -37,6 +37,7 @@ fn info(r: &Ready, slot: &Slot, detail: bool) -> Value {
         "targets": layout.config.targets.iter().map(|t| t.peft_name()).collect::<Vec<_>>(),
         "num_parameters": layout.num_params,
         "config": peft::config_json(&layout.config),
+        "canary": slot.canary().map(|(v, f)| json!({"version": v, "fraction": f})),
     });
     if detail {
         v["versions"] = slot

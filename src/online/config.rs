@@ -3,7 +3,7 @@
 
 use super::eval::{EvalSet, RawEvalItem, EVAL_MAX_TOKENS};
 use super::guard::{AfterRollback, GuardConfig};
-use super::promotion::{Policy, PromotionConfig};
+use super::promotion::{Policy, PromotionConfig, RawPromotion};
 use super::share_policy::SharePolicy;
 use crate::train::loss::LossName;
 use serde::Deserialize;
@@ -59,9 +59,13 @@ pub struct RawLearn {
     pub guard_min_entropy: Option<f64>,
     /// "pause" (default) or "continue": what training does after a guard rolls back.
     pub after_rollback: Option<String>,
-    /// "immediate" (default) or "gated"; see `online::promotion`.
+    /// "immediate" (default), "gated" or "canary"; see `online::promotion`.
     pub promotion: Option<String>,
     pub promotion_margin: Option<f64>,
+    pub canary_fraction: Option<f64>,
+    pub canary_window: Option<usize>,
+    pub canary_z: Option<f64>,
+    pub canary_max_secs: Option<f64>,
     /// "incumbent" (default) or "candidate": where a gated trainer goes on from after a hold.
     pub on_hold: Option<String>,
     /// The evaluation set (`[[learn.eval]]`); see `online::eval`.
@@ -385,11 +389,15 @@ impl RawLearn {
                 return Err((k, "must be a finite number >= 0".into()));
             }
         }
-        let promotion = PromotionConfig::parse(
-            self.promotion.as_deref(),
-            self.promotion_margin,
-            self.on_hold.as_deref(),
-        )?;
+        let promotion = PromotionConfig::parse(RawPromotion {
+            policy: self.promotion.as_deref(),
+            margin: self.promotion_margin,
+            on_hold: self.on_hold.as_deref(),
+            canary_fraction: self.canary_fraction,
+            canary_window: self.canary_window,
+            canary_z: self.canary_z,
+            canary_max_secs: self.canary_max_secs,
+        })?;
         let eval_max_tokens = self.eval_max_tokens.unwrap_or(EVAL_MAX_TOKENS);
         let eval =
             EvalSet::new(self.eval.unwrap_or_default(), eval_max_tokens).map_err(|e| {

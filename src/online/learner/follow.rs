@@ -105,6 +105,7 @@ impl Follower {
         let Some((newest, committed)) = env.log.newest_checkpoint(l.id)? else {
             return Ok(());
         };
+        self.follow_canary(env, l.id)?;
         let cp = match super::promote::serving_checkpoint(env, &name, l.id)? {
             (Some(cp), _) => cp,
             (None, _) => return Ok(()),
@@ -134,7 +135,10 @@ impl Follower {
             id: l.id,
             min_version: cp.version,
         };
-        let v = match back {
+        // A number this replica saw already (an older version, or the canary it ran) is served
+        // as it is numbered.
+        let seen = l.id == self.lineage.id && cp.version <= env.registry.last_version(&name);
+        let v = match back || seen {
             true => env.registry.revert(&name, cp.version, w, l.id),
             false => env.registry.publish_as(&name, w, who).map(|(v, _)| v),
         }
@@ -160,6 +164,55 @@ impl Follower {
         env.metrics
             .replica_propagation_seconds
             .observe((crate::util::now_secs() - committed).max(0.0));
+        Ok(())
+    }
+}
+
+impl Follower {
+    /// Run the trainer's canary here too (its candidate to the same fraction of this replica's
+    /// requests), or end it when the trainer's has ended.
+    fn follow_canary(&mut self, env: &Env, lineage: u64) -> Result<(), TrainError> {
+        let name = self.cfg.name.clone();
+        let open = super::promote::open_canary(env, &name, lineage)?;
+        let here = env
+            .registry
+            .get(&name)
+            .and_then(|s| s.canary())
+            .map(|c| c.0);
+        if open == here {
+            return Ok(());
+        }
+        let publish = |e| TrainError::new(ErrorKind::Publish, e);
+        let Some(v) = open else {
+            self.status.canary_version = None;
+            return env.registry.set_canary(&name, None).map_err(publish);
+        };
+        let Some(cp) = env
+            .log
+            .checkpoints(lineage)?
+            .into_iter()
+            .find(|c| c.version == v)
+        else {
+            return Ok(());
+        };
+        let (dir, fetched) = env
+            .local_checkpoint(&cp, lineage, Needed::Adapter)
+            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e))?;
+        let w = peft::load_within(&dir, &env.model.config, &env.registry.limits)
+            .map_err(|e| TrainError::new(ErrorKind::Checkpoint, e));
+        if fetched {
+            let _ = remove_dir(&dir);
+        }
+        let cand = env
+            .registry
+            .candidate(&name, v, Some(self.status.version), w?)
+            .map_err(publish)?;
+        let fraction = self.cfg.promotion.canary.fraction;
+        env.registry
+            .set_canary(&name, Some((cand, fraction)))
+            .map_err(publish)?;
+        self.status.canary_version = Some(v);
+        tracing::info!(adapter = %name, candidate = v, fraction, "following the trainer's canary");
         Ok(())
     }
 }

@@ -12,6 +12,7 @@
 //! `copies` is where both find a checkpoint's files (the data directory, or fetched from the
 //! adapter store and verified); `status` is what they report.
 
+mod canary;
 mod copies;
 mod follow;
 mod promote;
@@ -228,6 +229,7 @@ fn publish_at_start(
         eval_scores: Default::default(),
         held_version: None,
         pinned_version: None,
+        canary_version: None,
     })
 }
 

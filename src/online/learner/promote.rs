@@ -29,6 +29,8 @@ pub(super) enum Outcome {
         reason: &'static str,
         evidence: Value,
     },
+    /// Served to a fraction of requests first (`learner::canary`).
+    Canary,
 }
 
 impl Learner {
@@ -48,7 +50,7 @@ impl Learner {
         }
         let Some(runner) = env.evaluator.get() else {
             return match self.cfg.promotion.policy {
-                Policy::Immediate => Ok(None),
+                Policy::Immediate | Policy::Canary => Ok(None),
                 Policy::Gated => Err(TrainError::new(
                     ErrorKind::Eval,
                     "the server does not serve yet: candidates wait for their evaluation",
@@ -122,6 +124,7 @@ impl Learner {
                 reason: "eval",
                 evidence: g.evidence,
             },
+            (None, _) if self.cfg.promotion.policy == Policy::Canary => Outcome::Canary,
             (None, g) => Outcome::Publish {
                 evidence: g.map(|g| g.evidence),
             },
@@ -217,10 +220,17 @@ pub(super) fn serving_checkpoint(
         .find(|d| matches!(d.decision.as_str(), "pin" | "unpin" | "rollback"))
         .filter(|d| d.decision == "pin")
         .map(|d| d.to_version);
+    // Held: candidates held, and canaries not (yet) promoted.
+    let promoted: std::collections::BTreeSet<u64> = mine
+        .iter()
+        .filter(|d| d.decision == "promote")
+        .map(|d| d.from_version)
+        .collect();
     let held: std::collections::BTreeSet<u64> = mine
         .iter()
-        .filter(|d| d.decision == "hold")
+        .filter(|d| d.decision == "hold" || d.decision == "canary")
         .map(|d| d.from_version)
+        .filter(|v| !promoted.contains(v))
         .collect();
     let cps = env.log.checkpoints(lineage)?;
     let cp = match pinned {
@@ -228,6 +238,25 @@ pub(super) fn serving_checkpoint(
         None => cps.into_iter().find(|c| !held.contains(&c.version)),
     };
     Ok((cp, pinned))
+}
+
+/// The candidate of a canary of `lineage` that has not ended (no promotion, hold or rollback of
+/// it since it began), if there is one.
+pub(super) fn open_canary(env: &Env, name: &str, lineage: u64) -> Result<Option<u64>, TrainError> {
+    let mut ended = std::collections::BTreeSet::new();
+    for d in env.log.decisions(name, super::rollback::DECISIONS_READ)? {
+        if d.lineage != lineage {
+            continue;
+        }
+        match d.decision.as_str() {
+            "promote" | "hold" | "rollback" => {
+                ended.insert(d.from_version);
+            }
+            "canary" if !ended.contains(&d.from_version) => return Ok(Some(d.from_version)),
+            _ => {}
+        }
+    }
+    Ok(None)
 }
 
 /// Read the decisions of `lineage` (newest checkpoint `newest`): serve the pinned checkpoint, or
@@ -300,6 +329,12 @@ impl Learner {
         let err = |m: String| TrainError::new(ErrorKind::Rollback, m);
         let served = self.status.version;
         match to {
+            Some(_) if self.canary.is_some() => {
+                return Err(err(format!(
+                    "a canary of version {} runs: wait for its verdict, or roll back",
+                    self.status.canary_version.unwrap_or(0)
+                )));
+            }
             Some(p) => {
                 let newest = self.trainee.as_ref().map_or(served, |t| t.version);
                 if p != served {

@@ -119,7 +119,11 @@ impl Learner {
             }
         }
         self.opt = opt;
-        // What was held or pinned above it is forgotten with it.
+        // What was held, pinned or in a canary above it is forgotten with it.
+        if self.canary.take().is_some() {
+            let _ = env.registry.set_canary(&name, None);
+            self.status.canary_version = None;
+        }
         self.trainee = None;
         self.pinned = None;
         self.served_checkpoint = to;

@@ -124,4 +124,6 @@ pub struct Status {
     pub held_version: Option<u64>,
     /// The version serving is pinned to (training goes on; nothing it makes serves).
     pub pinned_version: Option<u64>,
+    /// The candidate a canary serves to a fraction of requests (training waits for its verdict).
+    pub canary_version: Option<u64>,
 }

@@ -51,10 +51,12 @@ pub(super) struct Learner {
     pub(super) pinned: Option<u64>,
     /// Evaluation scores by version (the newest `promote::SCORES_KEPT`).
     pub(super) scores: std::collections::BTreeMap<u64, EvalScore>,
+    /// The canary running, if one is (training waits for it).
+    pub(super) canary: Option<super::canary::CanaryRun>,
 }
 
 /// A fresh optimizer for `num_params` parameters.
-fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
+pub(super) fn adamw(cfg: &LearnConfig, num_params: usize) -> AdamW {
     let c = AdamWConfig {
         lr: cfg.lr,
         ..AdamWConfig::default()
@@ -189,7 +191,13 @@ impl Learner {
             served_checkpoint: served.2,
             pinned: promo.pinned,
             scores: Default::default(),
+            canary: None,
         };
+        // A canary that had not ended runs again.
+        let open = super::promote::open_canary(env, name, l.lineage.id)?;
+        if let Some(t) = l.trainee.take_if(|t| open == Some(t.version)) {
+            l.begin_canary(env, t, None)?;
+        }
         l.status.held_version = l.trainee.as_ref().map(|t| t.version);
         l.status.pinned_version = l.pinned;
         l.read_decisions(env)?;
@@ -206,6 +214,12 @@ impl Learner {
         let slot = env.registry.get(&name).ok_or_else(|| {
             TrainError::new(ErrorKind::Publish, format!("the adapter '{name}' is gone"))
         })?;
+        if self.canary.is_some() {
+            self.watch_canary(env)?;
+            if self.canary.is_some() {
+                return Ok(None);
+            }
+        }
         let cur = slot.current();
         let from = self.trainee.clone().unwrap_or_else(|| cur.clone());
         let pending = env.log.pending_groups(&name)?;
@@ -254,6 +268,11 @@ impl Learner {
                 reason: "eval",
                 evidence,
             } => self.decide(env, "hold", "eval", (version, cur.version), evidence)?,
+            Outcome::Canary => {
+                let c = &self.cfg.promotion.canary;
+                let evidence = serde_json::json!({"fraction": c.fraction, "window": c.window});
+                self.decide(env, "canary", "start", (version, cur.version), &evidence)?;
+            }
             _ => {}
         }
         let rel = self.write(env, version, &cand.weights, &opt)?;
@@ -280,6 +299,11 @@ impl Learner {
             }
             Outcome::Hold { .. } => {
                 self.trainee = Some(cand);
+                false
+            }
+            Outcome::Canary => {
+                self.trainee = None;
+                self.begin_canary(env, cand, Some(report.clone()))?;
                 false
             }
         };
