@@ -40,8 +40,10 @@ class Cards(html.parser.HTMLParser):
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         if tag == "section" and "adapter" in (a.get("class") or ""):
-            self.card = {"attrs": a, "stats": {}, "points": []}
+            self.card = {"attrs": a, "stats": {}, "points": [], "chips": {}}
             self.cards[a["data-adapter"]] = self.card
+        elif self.card is not None and tag == "span" and "chip" in (a.get("class") or ""):
+            self.card["chips"][a["data-version"]] = a["data-status"]
         elif self.card is not None and tag == "div" and "stat" in (a.get("class") or "").split():
             self.stat, self.text = [], []
         elif self.card is not None and tag == "svg" and "data-points" in a:
@@ -65,6 +67,12 @@ def test_the_dashboard_shows_the_live_numbers_in_a_browser(tmp_path):
         pytest.skip("no chromium: scripts/test installs Debian's package (apt-get install chromium)")
     args = ["--api-key", KEY, "--learn", "brief", "--data-dir", str(tmp_path / "data")]
     with running(args) as base:
+        # An evaluation set: each version's answer to one prompt, scored by its length.
+        st, _, body = http("POST", base + "/v1/adapters/brief/train", {
+            "eval": [{"messages": [{"role": "user", "content": "Describe the sea."}],
+                      "scorer": "length", "max_tokens": 6}],
+            "eval_max_tokens": 8})
+        assert st == 200, body
         steps = 3
         for k in range(steps):
             st, _, body = http("POST", base + "/v1/chat/completions", {
@@ -91,6 +99,7 @@ def test_the_dashboard_shows_the_live_numbers_in_a_browser(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         status = json.loads(http("GET", base + "/v1/train/status")[2])["adapters"]["brief"]
         history = json.loads(http("GET", base + "/v1/train/brief/history")[2])
+        versions = json.loads(http("GET", base + "/v1/adapters/brief/versions")[2])
         shot = tmp_path / "dashboard.png"
         taken = chromium("--screenshot=" + str(shot), "--window-size=1280,1300", url)
         assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-2000:]
@@ -107,5 +116,10 @@ def test_the_dashboard_shows_the_live_numbers_in_a_browser(tmp_path):
     # The page's number format: three significant digits, as JavaScript prints them.
     assert float(card["stats"]["last reward"]) == float(f"{status['last']['reward_mean']:.3g}")
     assert len(history["steps"]) == steps
-    # Five line charts (reward, KL, entropy, clip fraction, step time), one point per step.
-    assert card["points"] == [steps] * 5, card
+    # Six line charts (eval score, reward, KL, entropy, clip fraction, step time), one point per
+    # step.
+    assert card["points"] == [steps] * 6, card
+    assert all(s["eval"]["version"] == s["version"] for s in history["steps"]), history
+    # The version timeline: every version the versions route lists, the serving one marked.
+    assert card["chips"] == {str(v["version"]): v["status"] for v in versions["data"]}, card
+    assert card["chips"][str(status["version"])] == "serving", card

@@ -5,7 +5,7 @@
 //! samples do not train; or, with `on_hold = "candidate"`, held and trained from). Its start
 //! and end are decisions in the store; a restart resumes a canary that had not ended.
 
-use super::train::Learner;
+use super::train::{CanaryRun, Learner};
 use super::{Env, ErrorKind, StepReport, TrainError};
 use crate::adapter::registry::AdapterVersion;
 use crate::online::checkpoint::{load_checkpoint, remove_dir};
@@ -13,17 +13,6 @@ use crate::online::promotion::{canary, Arm, CanaryVerdict, OnHold};
 use crate::online::store::records::Decision;
 use crate::util::now_secs;
 use std::sync::Arc;
-
-/// A canary running.
-pub(super) struct CanaryRun {
-    pub cand: Arc<AdapterVersion>,
-    /// The version serving the rest.
-    pub incumbent: u64,
-    /// Unix seconds it began (at this start, after a restart).
-    pub started: f64,
-    /// The step that made the candidate (None after a restart).
-    pub report: Option<StepReport>,
-}
 
 impl Learner {
     /// Begin a canary of `cand` (committed), against the version serving.

@@ -16,6 +16,7 @@ mod canary;
 mod copies;
 mod follow;
 mod promote;
+mod resume;
 mod rollback;
 mod status;
 mod train;

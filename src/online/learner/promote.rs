@@ -5,7 +5,7 @@
 //! learner then trains from it (`trainee`) while serving stays on the incumbent. Holds, promotions
 //! and pins are decisions in the store, with their evidence; a restart reads them back.
 
-use super::train::Learner;
+use super::train::{Learner, Outcome};
 use super::{Env, ErrorKind, TrainError};
 use crate::adapter::registry::AdapterVersion;
 use crate::online::eval::{evaluate, EvalScore, Through};
@@ -17,21 +17,6 @@ use std::sync::Arc;
 
 /// Scores remembered (newest versions).
 const SCORES_KEPT: usize = 64;
-
-/// What becomes of a candidate.
-pub(super) enum Outcome {
-    Publish {
-        /// A gated promotion's evidence (recorded as a decision).
-        evidence: Option<Value>,
-    },
-    /// Held: `reason` "eval" (the gate) or "pinned" (serving is pinned).
-    Hold {
-        reason: &'static str,
-        evidence: Value,
-    },
-    /// Served to a fraction of requests first (`learner::canary`).
-    Canary,
-}
 
 impl Learner {
     /// `v`'s score on the evaluation set (remembered per version); None without a set, or before
