@@ -206,3 +206,32 @@ fn the_adapter_store_is_checked_and_the_flag_wins() {
         assert!(e.contains(named), "{toml}: {e}");
     }
 }
+
+/// The `[[learn]]` example in configs/serve.toml, its settings uncommented (promotion, an
+/// evaluation set of every scorer), parses and validates.
+#[test]
+fn the_learn_example_with_its_evaluation_set_validates() {
+    let text = include_str!("../../configs/serve.toml");
+    let from = text.find("# [[learn]]").expect("the [[learn]] example");
+    let setting = |l: &&str| {
+        let l = l.trim_start_matches("# ");
+        l.starts_with("[[learn")
+            || l.split_once(" = ")
+                .is_some_and(|(k, _)| k.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+    };
+    let toml: String = text[from..]
+        .lines()
+        .filter(setting)
+        .map(|l| format!("{}\n", l.trim_start_matches("# ")))
+        .collect();
+    let raw = RawConfig::from_toml(&toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    let c = raw.validate(&CliOverrides::default()).unwrap();
+    let l = &c.learn[0];
+    let scorers: Vec<&str> = l.eval.items.iter().map(|i| i.scorer.name()).collect();
+    assert_eq!(
+        scorers,
+        ["contains", "json_schema", "length", "tool_call", "judge"]
+    );
+    assert_eq!(l.eval_max_tokens, 64);
+    assert_eq!(l.promotion.canary.max_secs, Some(3600.0));
+}

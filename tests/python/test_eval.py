@@ -1,0 +1,77 @@
+"""Evaluation sets on the default model, end to end: a learning adapter's judge item (a rubric
+answered by the base model) and a contains item are scored on each version; the scores equal what
+a client computes itself over HTTP from the same greedy requests (the version's answer, then the
+base model's verdict on the filled rubric: its first number over judge_max)."""
+
+import json
+import pathlib
+import re
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from flywheel_server import KEY, http, running  # noqa: E402
+
+QUESTION = "What color is the sky on a clear day?"
+RUBRIC = ("Rate the answer from 0 to 9 (9: correct and short).\nQuestion: {prompt}\n"
+          "Answer: {answer}\nRating (one digit):")
+EVAL_TOKENS = 24
+
+
+def chat(base, model, content, max_tokens):
+    st, _, body = http("POST", base + "/v1/chat/completions", {
+        "model": model, "temperature": 0, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": content}]})
+    assert st == 200, body
+    r = json.loads(body)
+    return r["choices"][0]["message"]["content"], r
+
+
+def mark(verdict, top):
+    m = re.search(r"\d+(\.\d+)?", verdict)
+    return min(1.0, float(m.group(0)) / top) if m else 0.0
+
+
+def test_judge_and_contains_scores_are_what_a_client_computes(tmp_path):
+    with running(["--api-key", KEY, "--learn", "brief", "--data-dir", str(tmp_path)]) as base:
+        st, _, body = http("POST", base + "/v1/adapters/brief/train", {
+            "eval": [
+                {"messages": [{"role": "user", "content": QUESTION}], "scorer": "judge",
+                 "rubric": RUBRIC, "judge_max": 9},
+                {"messages": [{"role": "user", "content": QUESTION}], "scorer": "contains",
+                 "reference": "blue", "ignore_case": True},
+            ],
+            "eval_max_tokens": EVAL_TOKENS})
+        assert st == 200, body
+        # What version 1 (the identity) answers, and the base's verdict on it.
+        answer, r = chat(base, "brief", QUESTION, EVAL_TOKENS)
+        assert r["adapter_version"] == 1
+        model = json.loads(http("GET", base + "/v1/models")[2])["data"][0]["id"]
+        verdict, _ = chat(base, model, RUBRIC.replace("{prompt}", QUESTION)
+                          .replace("{answer}", answer), 16)
+        expected = [mark(verdict, 9), 1.0 if "blue" in answer.lower() else 0.0]
+        print("answer:", repr(answer), "verdict:", repr(verdict), "expected:", expected)
+        # One step: the incumbent (version 1) and the candidate are evaluated.
+        st, _, body = http("POST", base + "/v1/chat/completions", {
+            "model": "brief", "n": 4, "max_tokens": 12, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Describe the sea."}]})
+        r = json.loads(body)
+        items = [{"id": r["id"], "choice": c["index"],
+                  "reward": 1.0 / (1 + len(c["message"]["content"]))} for c in r["choices"]]
+        assert http("POST", base + "/v1/feedback", items)[0] == 202
+        deadline = time.time() + 120
+        while True:
+            s = json.loads(http("GET", base + "/v1/train/status")[2])["adapters"]["brief"]
+            if s["steps"] >= 1:
+                break
+            assert time.time() < deadline, s
+            time.sleep(0.2)
+        assert s["eval_scores"]["1"] == sum(expected) / 2, (s["eval_scores"], expected)
+        # The candidate's items, reproduced the same way on the version now serving.
+        v = s["version"]
+        answer, r = chat(base, "brief", QUESTION, EVAL_TOKENS)
+        assert r["adapter_version"] == v
+        verdict, _ = chat(base, model, RUBRIC.replace("{prompt}", QUESTION)
+                          .replace("{answer}", answer), 16)
+        assert s["last"]["eval"]["items"] == [mark(verdict, 9),
+                                              1.0 if "blue" in answer.lower() else 0.0], s["last"]
