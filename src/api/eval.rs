@@ -8,11 +8,16 @@ use super::chat::{run_chat, ChatOptions};
 use super::state::{AppState, Shared};
 use crate::adapter::registry::Pinned;
 use crate::online::eval::{Answer, ChatCall, Runner, Through};
+use axum::http::StatusCode;
 use serde_json::{json, Value};
 use std::sync::Weak;
 
 /// Bytes an answer's body may have.
 const BODY_LIMIT: usize = 16 << 20;
+/// Requests of one set in flight at once (a large set does not fill the admission queue).
+const CONCURRENCY: usize = 16;
+/// How long a request refused for load (429, 503) is retried, every half second.
+const RETRY_SECS: f64 = 60.0;
 
 pub struct EvalRunner {
     /// The server (weak: the runner lives inside it).
@@ -52,9 +57,25 @@ impl Runner for EvalRunner {
             };
             async move {
                 let headers = axum::http::HeaderMap::new();
-                let resp = run_chat(&state, &headers, &body, opts)
-                    .await
-                    .map_err(|e| e.message)?;
+                let t0 = std::time::Instant::now();
+                // Refused for load (the queue full of live traffic): tried again, bounded.
+                let resp = loop {
+                    let opts = ChatOptions {
+                        version: opts.version.clone(),
+                        unlogged: true,
+                        ..ChatOptions::default()
+                    };
+                    match run_chat(&state, &headers, &body, opts).await {
+                        Err(e)
+                            if (e.status == StatusCode::TOO_MANY_REQUESTS
+                                || e.status == StatusCode::SERVICE_UNAVAILABLE)
+                                && t0.elapsed().as_secs_f64() < RETRY_SECS =>
+                        {
+                            tokio::time::sleep(std::time::Duration::from_millis(500)).await
+                        }
+                        r => break r.map_err(|e| e.message)?,
+                    }
+                };
                 let status = resp.status();
                 let bytes = axum::body::to_bytes(resp.into_body(), BODY_LIMIT)
                     .await
@@ -66,7 +87,10 @@ impl Runner for EvalRunner {
                 Ok(answer(&v))
             }
         });
-        let all = futures_util::future::join_all(runs);
+        use futures_util::StreamExt;
+        let all = futures_util::stream::iter(runs)
+            .buffered(CONCURRENCY)
+            .collect::<Vec<_>>();
         self.rt.block_on(all).into_iter().collect()
     }
 }

@@ -50,11 +50,13 @@ impl Follower {
                 found.num_checkpoints = 0;
             }
             (None, Some(_)) => {}
+            // An older one than the newest intact (a held newest, or a pin); a newer one is
+            // one that did not verify, which the newest intact stands in for.
             (Some(cp), _)
                 if found
                     .resumed
                     .as_ref()
-                    .is_some_and(|(c, _, _)| c.version != cp.version) =>
+                    .is_some_and(|(c, _, _)| c.version > cp.version) =>
             {
                 let (dir, fetched) = env
                     .local_checkpoint(&cp, lineage.id, Needed::Adapter)

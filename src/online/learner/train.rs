@@ -2,9 +2,10 @@
 //! resumes the newest intact checkpoint of its lineage (or begins a lineage with the identity)
 //! under the adapter's claim; each turn, `step` takes one GRPO-family step if a batch is ready — a plan
 //! (`plan`: groups formed and drops recorded, the batch, its samples and loss), the step computed
-//! on a copy of the optimizer (`compute`), then an ordered commit, each a function: `write` the
-//! checkpoint → `upload` it → `commit` it with its consumed groups → `publish` → `retire` old
-//! ones. Until the commit, the learner is as before, whatever fails.
+//! on a copy of the optimizer (`compute`), the candidate judged (`promote`: evaluated, gated,
+//! held, or a canary), then an ordered commit, each a function: `write` the checkpoint →
+//! `upload` it → `commit` it with its consumed groups → serve it (or hold it, or begin its
+//! canary) → `retire` old ones. Until the commit, the learner is as before, whatever fails.
 
 use super::copies::sweep_orphans;
 use super::{reconfigure, show_step, Env, ErrorKind, Member, Status, StepReport, TrainError};
@@ -41,7 +42,7 @@ pub(super) struct Learner {
     /// The checkpoint of the weights serving (its version number; they may serve under a newer
     /// number after a restart).
     pub(super) served_checkpoint: u64,
-    /// The checkpoint version serving is pinned to.
+    /// The version serving is pinned to.
     pub(super) pinned: Option<u64>,
     /// Evaluation scores by version (the newest `promote::SCORES_KEPT`).
     pub(super) scores: std::collections::BTreeMap<u64, EvalScore>,
