@@ -438,7 +438,8 @@ impl Registry {
 
     /// A version of `name` numbered `version` (after `parent`) that does not serve yet (a
     /// candidate its trainer evaluates, or holds): requests run on it only by holding it, until
-    /// `serve` makes it current. Its number counts as taken (never given to another version).
+    /// `serve` makes it current. Its number is taken once `serve` or `note_version` says so (a
+    /// candidate whose step failed leaves the numbering as it was).
     pub fn candidate(
         &self,
         name: &str,
@@ -449,7 +450,6 @@ impl Registry {
         let slot = self
             .get(name)
             .ok_or_else(|| RegistryError::Gone(name.to_string()))?;
-        self.note_version(name, version);
         Ok(self.new_version(slot.name.clone(), version, parent, weights))
     }
 

@@ -163,6 +163,8 @@ impl Learner {
         evidence: &Value,
     ) -> Result<(), TrainError> {
         self.decide(env, "hold", "eval", (version, served), evidence)?;
+        // Its number is taken: the store records it.
+        env.registry.note_version(&self.cfg.name, version);
         let members: Vec<(String, u32)> = batch
             .iter()
             .flat_map(|g| g.members.iter().map(|m| (m.id.clone(), m.choice)))
@@ -269,7 +271,9 @@ pub(super) fn at_start(
             pinned,
         });
     }
-    let Some(cp) = cp.filter(|c| c.version != newest) else {
+    // An older one than the newest intact (a held newest, or a pin); a newer one did not load,
+    // and the newest intact stands in for it.
+    let Some(cp) = cp.filter(|c| c.version < newest) else {
         if gone {
             tracing::warn!(
                 adapter = name,

@@ -157,11 +157,15 @@ impl Learner {
             Outcome::Hold {
                 reason: "eval",
                 evidence,
-            } => self.decide(env, "hold", "eval", (version, cur.version), evidence)?,
+            } => {
+                self.decide(env, "hold", "eval", (version, cur.version), evidence)?;
+                env.registry.note_version(&name, version);
+            }
             Outcome::Canary => {
                 let c = &self.cfg.promotion.canary;
                 let evidence = serde_json::json!({"fraction": c.fraction, "window": c.window});
                 self.decide(env, "canary", "start", (version, cur.version), &evidence)?;
+                env.registry.note_version(&name, version);
             }
             _ => {}
         }
@@ -173,7 +177,8 @@ impl Learner {
             path: rel,
         };
         self.commit(env, &cp, &report, &plan.batch)?;
-        // Durable: the step is taken, whatever happens next.
+        // Durable: the step is taken, whatever happens next; its number with it.
+        env.registry.note_version(&name, version);
         self.opt = opt;
         let published = match outcome {
             Outcome::Publish { evidence } => {
