@@ -155,5 +155,6 @@ fn a_kill_during_training_loses_no_reward_and_trains_every_group_once() {
         .find(|m| m["id"] == "l")
         .unwrap()
         .clone();
-    assert_eq!(l["adapter_version"].as_u64().unwrap(), steps + 1);
+    // What serves is the status's version (steps + 1 when the kill skipped no number).
+    assert_eq!(l["adapter_version"], st["version"], "{st}");
 }

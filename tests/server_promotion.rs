@@ -71,6 +71,31 @@ fn step(c: &Client) -> Value {
     })
 }
 
+/// Kill `s` and start it again on the same model, data and settings.
+fn restart(mut s: Server, path: &std::path::Path, data: &std::path::Path, cfg: &str) -> Server {
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    start_learning(path, data, cfg, &[])
+}
+
+/// The newest decision of `g` of this kind (from its history).
+fn newest_decision(c: &Client, kind: &str) -> Value {
+    let r = call(c, "GET", "/v1/train/g/history", None, USER);
+    let decisions = r.json()["decisions"].clone();
+    decisions
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["decision"] == kind)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {kind}: {decisions}"))
+}
+
+/// `POST /v1/adapters/g/pin` with `body`, as the admin.
+fn pin(c: &Client, body: Value) -> Response {
+    call(c, "POST", "/v1/adapters/g/pin", Some(&body), ADMIN)
+}
+
 fn served(c: &Client) -> u64 {
     sample(c, "g", 1, 2, USER)["adapter_version"]
         .as_u64()
@@ -186,10 +211,7 @@ fn a_held_candidate_can_be_trained_from_and_a_restart_serves_the_incumbent() {
     assert_eq!(served(c), first);
     // A restart (the adapter learns again when the train route asks) serves the incumbent
     // again (the identity here), and trains from the held one.
-    let mut s = s;
-    s.child.kill().unwrap();
-    s.child.wait().unwrap();
-    let s = start_learning(&path, &data, &learning_config(), &[]);
+    let s = restart(s, &path, &data, &learning_config());
     let c = &s.client;
     train(c, &gated(0.5, "candidate", &refs));
     let st = status(c, "g");
@@ -197,22 +219,10 @@ fn a_held_candidate_can_be_trained_from_and_a_restart_serves_the_incumbent() {
     assert_eq!(st["held_version"], held2, "{st}");
     assert_eq!(answers(c, "g"), refs);
     // A pin to the version serving, then an unpin: the newest version serves.
-    let r = call(
-        c,
-        "POST",
-        "/v1/adapters/g/pin",
-        Some(&json!({"version": first})),
-        ADMIN,
-    );
+    let r = pin(c, json!({"version": first}));
     assert_eq!(r.status, 200, "{}", r.body_text());
     assert_eq!(r.json()["status"]["pinned_version"], first);
-    let r = call(
-        c,
-        "POST",
-        "/v1/adapters/g/pin",
-        Some(&json!({"version": null})),
-        ADMIN,
-    );
+    let r = pin(c, json!({"version": null}));
     assert_eq!(r.status, 200, "{}", r.body_text());
     let st = &r.json()["status"];
     assert_eq!(st["version"], held2, "{st}");
@@ -230,13 +240,7 @@ fn a_pin_keeps_serving_while_training_goes_on_and_survives_a_restart() {
     let s = start_learning(&path, &data, &cfg, &[]);
     let c = &s.client;
     let v2 = step(c)["version"].as_u64().unwrap();
-    let r = call(
-        c,
-        "POST",
-        "/v1/adapters/g/pin",
-        Some(&json!({"version": v2})),
-        ADMIN,
-    );
+    let r = pin(c, json!({"version": v2}));
     assert_eq!(r.status, 200, "{}", r.body_text());
     let st = step(c);
     let v3 = st["held_version"].as_u64().expect("held while pinned");
@@ -269,10 +273,7 @@ fn a_pin_keeps_serving_while_training_goes_on_and_survives_a_restart() {
     );
     assert!(r.status == 401 || r.status == 403, "{}", r.body_text());
     // A restart keeps the pin, under the same number.
-    let mut s = s;
-    s.child.kill().unwrap();
-    s.child.wait().unwrap();
-    let s = start_learning(&path, &data, &cfg, &[]);
+    let s = restart(s, &path, &data, &cfg);
     let c = &s.client;
     let st = status(c, "g");
     assert_eq!(
@@ -282,13 +283,7 @@ fn a_pin_keeps_serving_while_training_goes_on_and_survives_a_restart() {
     );
     assert_eq!(st["held_version"], v4, "{st}");
     assert_eq!(served(c), v2);
-    let r = call(
-        c,
-        "POST",
-        "/v1/adapters/g/pin",
-        Some(&json!({"version": null})),
-        ADMIN,
-    );
+    let r = pin(c, json!({"version": null}));
     assert_eq!(r.status, 200, "{}", r.body_text());
     assert_eq!(served(c), v4);
     // Training goes on, serving each step again.
@@ -349,14 +344,7 @@ fn a_canary_rolls_back_a_worse_candidate_and_promotes_one_as_good_across_a_resta
     let st = wait_status(c, "g", 60, |s| {
         s["canary_version"].as_u64().is_some_and(|v| v != cv)
     });
-    let r = call(c, "GET", "/v1/train/g/history", None, USER);
-    let decisions = r.json()["decisions"].clone();
-    let d = decisions
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["decision"] == "rollback")
-        .unwrap_or_else(|| panic!("{decisions}"));
+    let d = &newest_decision(c, "rollback");
     assert_eq!(
         (&d["reason"], &d["from_version"], &d["to_version"]),
         (&json!("canary"), &json!(cv), &json!(first)),
@@ -377,10 +365,7 @@ fn a_canary_rolls_back_a_worse_candidate_and_promotes_one_as_good_across_a_resta
     assert_eq!(st["dropped"]["rolled_back"], 4, "{st}");
     assert_eq!(st["version"], first);
     // A restart runs the canary again.
-    let mut s = s;
-    s.child.kill().unwrap();
-    s.child.wait().unwrap();
-    let s = start_learning(&path, &data, &cfg, &[]);
+    let s = restart(s, &path, &data, &cfg);
     let c = &s.client;
     let st = status(c, "g");
     assert_eq!(
@@ -393,14 +378,7 @@ fn a_canary_rolls_back_a_worse_candidate_and_promotes_one_as_good_across_a_resta
     // (Both groups then train at once: the next candidate is a canary again.)
     let st = wait_status(c, "g", 60, |s| s["version"] == cv2);
     assert_ne!(st["canary_version"], cv2, "{st}");
-    let r = call(c, "GET", "/v1/train/g/history", None, USER);
-    let decisions = r.json()["decisions"].clone();
-    let d = decisions
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["decision"] == "promote")
-        .unwrap_or_else(|| panic!("{decisions}"));
+    let d = &newest_decision(c, "promote");
     assert_eq!(
         (&d["reason"], &d["from_version"]),
         (&json!("canary"), &json!(cv2)),

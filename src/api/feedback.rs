@@ -356,14 +356,20 @@ pub async fn rollback(
         .int_in("version", 1, i64::MAX as i128)?
         .ok_or_else(|| ApiError::invalid("version", "'version' is required"))? as u64;
     let pause = f.bool("pause")?.unwrap_or(false);
+    serve_op(ready, name, ServeOp::Rollback { to, pause }).await
+}
+
+/// Carry out `op` on learner `name`: its status after, as the train routes answer.
+async fn serve_op(
+    ready: &super::state::Ready,
+    name: String,
+    op: ServeOp,
+) -> Result<Json<Value>, ApiError> {
     let online = ready
         .online
         .get()
         .ok_or_else(|| ApiError::from(CommandError::NotLearning(name.clone())))?;
-    let status = online
-        .serve(&name, ServeOp::Rollback { to, pause })
-        .await
-        .map_err(ApiError::from)?;
+    let status = online.serve(&name, op).await.map_err(ApiError::from)?;
     Ok(Json(
         json!({"object": "train.adapter", "id": name, "status": status}),
     ))
@@ -390,14 +396,7 @@ pub async fn pin(
             ))
         }
     };
-    let online = ready
-        .online
-        .get()
-        .ok_or_else(|| ApiError::from(CommandError::NotLearning(name.clone())))?;
-    let status = online.serve(&name, op).await.map_err(ApiError::from)?;
-    Ok(Json(
-        json!({"object": "train.adapter", "id": name, "status": status}),
-    ))
+    serve_op(ready, name, op).await
 }
 
 /// `GET /v1/train/status`: each learning adapter's state (running, paused, failed), version,
