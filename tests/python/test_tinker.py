@@ -131,11 +131,13 @@ def test_a_supervised_loop_lowers_the_loss(server):
 
 
 def client(server, script, *args, timeout=600):
+    # -X faulthandler: a native crash (the client once died of SIGABRT, torch and the SDK's
+    # threads in one process) prints every thread's Python stack.
     out = subprocess.run(
-        [str(VENV_PY), str(ROOT / "tests/python/clients" / script), server, KEY, MODEL.stem,
-         *map(str, args)],
+        [str(VENV_PY), "-X", "faulthandler", str(ROOT / "tests/python/clients" / script), server,
+         KEY, MODEL.stem, *map(str, args)],
         capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, (out.stdout[-1000:], out.stderr[-4000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
