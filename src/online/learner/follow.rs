@@ -44,7 +44,11 @@ impl Follower {
         })?;
         // Not a held candidate, and the pinned version when serving is pinned (the identity
         // when every checkpoint is held).
-        match super::promote::serving_checkpoint(env, &name, lineage.id)? {
+        let d = super::promote::decided(env, &name, lineage.id)?;
+        match (
+            super::promote::serving_checkpoint(env, lineage.id, &d)?,
+            d.pinned,
+        ) {
             (None, None) => {
                 found.resumed = None;
                 found.num_checkpoints = 0;
@@ -107,10 +111,11 @@ impl Follower {
         let Some((newest, committed)) = env.log.newest_checkpoint(l.id)? else {
             return Ok(());
         };
-        self.follow_canary(env, l.id)?;
-        let cp = match super::promote::serving_checkpoint(env, &name, l.id)? {
-            (Some(cp), _) => cp,
-            (None, _) => return Ok(()),
+        // One read of the decisions for both.
+        let d = super::promote::decided(env, &name, l.id)?;
+        self.follow_canary(env, l.id, d.open_canary)?;
+        let Some(cp) = super::promote::serving_checkpoint(env, l.id, &d)? else {
+            return Ok(());
         };
         let committed = if cp.version == newest.version {
             committed
@@ -173,9 +178,13 @@ impl Follower {
 impl Follower {
     /// Run the trainer's canary here too (its candidate to the same fraction of this replica's
     /// requests), or end it when the trainer's has ended.
-    fn follow_canary(&mut self, env: &Env, lineage: u64) -> Result<(), TrainError> {
+    fn follow_canary(
+        &mut self,
+        env: &Env,
+        lineage: u64,
+        open: Option<u64>,
+    ) -> Result<(), TrainError> {
         let name = self.cfg.name.clone();
-        let open = super::promote::open_canary(env, &name, lineage)?;
         let here = env
             .registry
             .get(&name)

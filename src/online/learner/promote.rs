@@ -188,14 +188,18 @@ pub(super) struct AtStart {
     pub pinned: Option<u64>,
 }
 
-/// What serves in `lineage` by the store's decisions: the pinned checkpoint (a pin lasts until an
-/// unpin or a rollback), else the newest one not held; and the pin. (None: no checkpoint
-/// serves: the lineage has none, or the pinned one is gone.)
-pub(super) fn serving_checkpoint(
-    env: &Env,
-    name: &str,
-    lineage: u64,
-) -> Result<(Option<Checkpoint>, Option<u64>), TrainError> {
+/// What the store's decisions say of a lineage's versions (read once: `decided`).
+pub(super) struct Decided {
+    /// The version serving is pinned to (a pin lasts until an unpin or a rollback).
+    pub pinned: Option<u64>,
+    /// Candidates held, and canaries not (yet) promoted.
+    held: std::collections::BTreeSet<u64>,
+    /// The candidate of a canary not ended (no promotion, hold or rollback of it since).
+    pub open_canary: Option<u64>,
+}
+
+/// Read `lineage`'s decisions (the newest `DECISIONS_READ` of `name`).
+pub(super) fn decided(env: &Env, name: &str, lineage: u64) -> Result<Decided, TrainError> {
     let mine: Vec<Decision> = env
         .log
         .decisions(name, super::rollback::DECISIONS_READ)?
@@ -207,43 +211,47 @@ pub(super) fn serving_checkpoint(
         .find(|d| matches!(d.decision.as_str(), "pin" | "unpin" | "rollback"))
         .filter(|d| d.decision == "pin")
         .map(|d| d.to_version);
-    // Held: candidates held, and canaries not (yet) promoted.
+    let ended: std::collections::BTreeSet<u64> = mine
+        .iter()
+        .filter(|d| matches!(d.decision.as_str(), "promote" | "hold" | "rollback"))
+        .map(|d| d.from_version)
+        .collect();
     let promoted: std::collections::BTreeSet<u64> = mine
         .iter()
         .filter(|d| d.decision == "promote")
         .map(|d| d.from_version)
         .collect();
-    let held: std::collections::BTreeSet<u64> = mine
+    let held = mine
         .iter()
         .filter(|d| d.decision == "hold" || d.decision == "canary")
         .map(|d| d.from_version)
         .filter(|v| !promoted.contains(v))
         .collect();
-    let cps = env.log.checkpoints(lineage)?;
-    let cp = match pinned {
-        Some(p) => cps.into_iter().find(|c| c.version == p),
-        None => cps.into_iter().find(|c| !held.contains(&c.version)),
-    };
-    Ok((cp, pinned))
+    // Newest first: the newest canary, if nothing ended it since.
+    let open_canary = mine
+        .iter()
+        .find(|d| d.decision == "canary")
+        .map(|d| d.from_version)
+        .filter(|v| !ended.contains(v));
+    Ok(Decided {
+        pinned,
+        held,
+        open_canary,
+    })
 }
 
-/// The candidate of a canary of `lineage` that has not ended (no promotion, hold or rollback of
-/// it since it began), if there is one.
-pub(super) fn open_canary(env: &Env, name: &str, lineage: u64) -> Result<Option<u64>, TrainError> {
-    let mut ended = std::collections::BTreeSet::new();
-    for d in env.log.decisions(name, super::rollback::DECISIONS_READ)? {
-        if d.lineage != lineage {
-            continue;
-        }
-        match d.decision.as_str() {
-            "promote" | "hold" | "rollback" => {
-                ended.insert(d.from_version);
-            }
-            "canary" if !ended.contains(&d.from_version) => return Ok(Some(d.from_version)),
-            _ => {}
-        }
-    }
-    Ok(None)
+/// What serves in `lineage` by its decisions: the pinned checkpoint, else the newest one not
+/// held. (None: no checkpoint serves: the lineage has none, or the pinned one is gone.)
+pub(super) fn serving_checkpoint(
+    env: &Env,
+    lineage: u64,
+    d: &Decided,
+) -> Result<Option<Checkpoint>, TrainError> {
+    let cps = env.log.checkpoints(lineage)?;
+    Ok(match d.pinned {
+        Some(p) => cps.into_iter().find(|c| c.version == p),
+        None => cps.into_iter().find(|c| !d.held.contains(&c.version)),
+    })
 }
 
 /// Read the decisions of `lineage` (newest checkpoint `newest`): serve the pinned checkpoint, or
@@ -255,7 +263,8 @@ pub(super) fn at_start(
     newest: Option<u64>,
 ) -> Result<AtStart, TrainError> {
     let name = cfg.name.as_str();
-    let (cp, pinned) = serving_checkpoint(env, name, lineage.id)?;
+    let d = decided(env, name, lineage.id)?;
+    let (cp, pinned) = (serving_checkpoint(env, lineage.id, &d)?, d.pinned);
     let Some(newest) = newest else {
         return Ok(AtStart {
             served: None,

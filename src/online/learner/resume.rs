@@ -133,7 +133,7 @@ impl Learner {
             canary: None,
         };
         // A canary that had not ended runs again.
-        let open = super::promote::open_canary(env, name, l.lineage.id)?;
+        let open = super::promote::decided(env, name, l.lineage.id)?.open_canary;
         if let Some(t) = l.trainee.take_if(|t| open == Some(t.version)) {
             l.begin_canary(env, t, None)?;
         }
