@@ -50,6 +50,9 @@ impl Runner for EvalRunner {
             if let Some(t) = c.tools {
                 body["tools"] = Value::Array(t);
             }
+            if let Some(t) = c.tool_choice {
+                body["tool_choice"] = t;
+            }
             let opts = ChatOptions {
                 version: version.clone().map(Pinned::new),
                 unlogged: true,

@@ -75,3 +75,53 @@ def test_judge_and_contains_scores_are_what_a_client_computes(tmp_path):
                           .replace("{answer}", answer), 16)
         assert s["last"]["eval"]["items"] == [mark(verdict, 9),
                                               1.0 if "blue" in answer.lower() else 0.0], s["last"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "City name, e.g. Paris"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}}
+
+
+def test_a_tool_call_item_scores_what_the_openai_sdk_gets(tmp_path):
+    """A tool_call item with the tool schema people write (and tool_choice "required"): its score
+    on a version is 1 exactly when the official openai SDK, asking the same thing greedily of that
+    version, gets a call of get_weather with city Paris; the call is there (a score of 0 from no
+    call at all would test nothing)."""
+    import openai
+    question = "What is the weather in Paris right now? Use the tool."
+    with running(["--api-key", KEY, "--learn", "brief", "--data-dir", str(tmp_path)]) as base:
+        st, _, body = http("POST", base + "/v1/adapters/brief/train", {
+            "eval": [{"messages": [{"role": "user", "content": question}], "tools": [WEATHER],
+                      "tool_choice": "required", "scorer": "tool_call", "name": "get_weather",
+                      "arguments": {"city": "Paris"}}],
+            "eval_max_tokens": 64})
+        assert st == 200, body
+        c = openai.OpenAI(base_url=base + "/v1", api_key=KEY)
+        r = c.chat.completions.create(
+            model="brief", temperature=0, max_tokens=64, tools=[WEATHER],
+            tool_choice="required", messages=[{"role": "user", "content": question}])
+        calls = r.choices[0].message.tool_calls or []
+        assert calls, r
+        want = 1.0 if any(t.function.name == "get_weather"
+                          and json.loads(t.function.arguments).get("city") == "Paris"
+                          for t in calls) else 0.0
+        print("calls:", [(t.function.name, t.function.arguments) for t in calls], "want:", want)
+        st, _, body = http("POST", base + "/v1/chat/completions", {
+            "model": "brief", "n": 4, "max_tokens": 12, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Describe the sea."}]})
+        r = json.loads(body)
+        items = [{"id": r["id"], "choice": ch["index"], "reward": float(ch["index"] % 2)}
+                 for ch in r["choices"]]
+        assert http("POST", base + "/v1/feedback", items)[0] == 202
+        deadline = time.time() + 120
+        while True:
+            s = json.loads(http("GET", base + "/v1/train/status")[2])["adapters"]["brief"]
+            if s["steps"] >= 1:
+                break
+            assert time.time() < deadline, s
+            time.sleep(0.2)
+        # Version 1 (the identity) was scored as the incumbent of the first step.
+        assert s["eval_scores"]["1"] == want, (s["eval_scores"], want)

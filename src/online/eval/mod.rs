@@ -26,6 +26,9 @@ pub struct RawEvalItem {
     /// Tools offered (OpenAI's shape), for `tool_call` items.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<Value>>,
+    /// OpenAI's `tool_choice` for the request ("auto", "required", a named function).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<Value>,
     pub scorer: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reference: Option<String>,
@@ -100,6 +103,7 @@ impl Scorer {
 pub struct EvalItem {
     pub messages: Vec<Value>,
     pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
     pub scorer: Scorer,
 }
 
@@ -243,6 +247,7 @@ fn item(r: &RawEvalItem) -> Result<EvalItem, String> {
     Ok(EvalItem {
         messages: r.messages.clone(),
         tools: r.tools.clone(),
+        tool_choice: r.tool_choice.clone(),
         scorer,
     })
 }
@@ -263,6 +268,7 @@ pub enum Through {
 pub struct ChatCall {
     pub messages: Vec<Value>,
     pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
     pub max_tokens: usize,
 }
 
@@ -307,6 +313,7 @@ pub fn evaluate(
         .map(|it| ChatCall {
             messages: it.messages.clone(),
             tools: it.tools.clone(),
+            tool_choice: it.tool_choice.clone(),
             max_tokens: set.max_tokens,
         })
         .collect();
@@ -410,6 +417,7 @@ fn judge_call(item: &EvalItem, answer: &str, max_tokens: usize) -> ChatCall {
     ChatCall {
         messages: vec![serde_json::json!({"role": "user", "content": text})],
         tools: None,
+        tool_choice: None,
         max_tokens: max_tokens.min(16),
     }
 }
