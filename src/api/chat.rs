@@ -8,17 +8,24 @@ use super::messages::Conversation;
 use super::openai::Fields;
 use super::reasoning;
 use super::respond::respond;
+use super::sessions::SessionTurn;
 use super::state::{blocking, AppState};
 use crate::adapter::registry::Pinned;
 use axum::extract::State;
 use axum::response::Response;
+use axum::Extension;
 
 pub async fn chat_completions(
     State(state): State<AppState>,
+    turn: Option<Extension<SessionTurn>>,
     headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
-    run_chat(&state, &headers, &body, ChatOptions::default()).await
+    let opts = ChatOptions {
+        turn: turn.map(|Extension(t)| t),
+        ..ChatOptions::default()
+    };
+    run_chat(&state, &headers, &body, opts).await
 }
 
 /// What a route that makes a chat request itself chooses.
@@ -30,6 +37,8 @@ pub(super) struct ChatOptions {
     pub version: Option<Pinned>,
     /// Not logged for training (an evaluation's request).
     pub unlogged: bool,
+    /// The agent session the request is a turn of.
+    pub turn: Option<SessionTurn>,
 }
 
 /// A chat request, as `opts` say.
@@ -43,7 +52,8 @@ pub(super) async fn run_chat(
     let f = Fields::parse(body)?;
     let conversation = Conversation::parse(&f, ready.tokenizer.chat_template())?;
     let tool_grammar = conversation.tool_grammar()?;
-    let mut generation = Generation::validate(state, &f, Dialect::Chat, tool_grammar).await?;
+    let mut generation =
+        Generation::validate(state, &f, Dialect::Chat, tool_grammar, opts.turn).await?;
     if let Some(v) = opts.version {
         generation.adapter = Some(v);
     }
@@ -53,13 +63,9 @@ pub(super) async fn run_chat(
     // A turn of an episode through a learning adapter continues the episode's last turn with
     // the very tokens it sampled where the conversation re-renders them (token in, token out).
     let last_turn = match (&generation.params.episode, &generation.adapter) {
-        (Some(ep), Some(a)) => ready.learning(&a.name).map(|l| {
-            (
-                l.store.clone(),
-                ep.clone(),
-                super::state::bearer_of(headers).to_string(),
-            )
-        }),
+        (Some(ep), Some(a)) => ready
+            .learning(&a.name)
+            .map(|l| (l.store.clone(), ep.clone(), generation.key(headers))),
         _ => None,
     };
     let (prompt_ids, thinking_at_start) = blocking(move || {

@@ -6,12 +6,15 @@ use super::generation::{Dialect, Generation};
 use super::job::Flavor;
 use super::openai::{parse_prompts, Fields, Prompt};
 use super::respond::{respond, respond_many};
+use super::sessions::SessionTurn;
 use super::state::{blocking, AppState};
 use axum::extract::State;
 use axum::response::Response;
+use axum::Extension;
 
 pub async fn completions(
     State(state): State<AppState>,
+    turn: Option<Extension<SessionTurn>>,
     headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
@@ -19,7 +22,15 @@ pub async fn completions(
     let f = Fields::parse(&body)?;
     let prompts = parse_prompts(&f, ready.vocab_size)?;
     let echo = f.bool("echo")?.unwrap_or(false);
-    let generation = Generation::validate(&state, &f, Dialect::Completion { echo }, None).await?;
+    let turn = turn.map(|Extension(t)| t);
+    if turn.is_some() && prompts.len() > 1 {
+        return Err(ApiError::invalid(
+            "prompt",
+            "a session's turn is one prompt: send the prompts as turns one by one",
+        ));
+    }
+    let generation =
+        Generation::validate(&state, &f, Dialect::Completion { echo }, None, turn).await?;
     let tok = ready.tokenizer.clone();
     let encoded = blocking(move || {
         prompts

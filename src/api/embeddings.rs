@@ -152,6 +152,7 @@ pub async fn embeddings(
         adapter,
         prompt_param: "input",
         key: super::state::bearer_of(&headers).to_string(),
+        group_owner: None,
         tools: None,
         constraint: None,
         reasoning: None,

@@ -2,6 +2,7 @@
 //! `{"error": {"message", "type", "param", "code"}}`.
 
 use crate::online::learner::ErrorKind;
+use crate::online::sessions::SessionRefusal;
 use crate::online::store::records::{FeedbackError, Refusal};
 use crate::online::trainer::CommandError;
 use axum::http::{header, HeaderValue, StatusCode};
@@ -236,6 +237,23 @@ pub fn shown(why: &str, admin: bool) -> String {
     }
 }
 
+/// A session's reward the store refused, as the API says it.
+fn session_refused(id: &str, why: SessionRefusal) -> ApiError {
+    let what = format!("session '{}': {why}", clip(id));
+    match why {
+        SessionRefusal::NotFound => ApiError {
+            code: Some("session_not_found"),
+            ..ApiError::not_found(what)
+        },
+        SessionRefusal::Ended => ApiError {
+            code: Some("session_ended"),
+            ..ApiError::conflict("reward", what)
+        },
+        SessionRefusal::Conflict => ApiError::conflict("reward", what),
+        SessionRefusal::Rewards(_) => ApiError::invalid("rewards", what),
+    }
+}
+
 /// What a reward was posted for, as its errors name it.
 pub enum Rewarded<'a> {
     /// Completions: `[i].id` in a list body, `id` in a single object.
@@ -243,6 +261,8 @@ pub enum Rewarded<'a> {
         list: bool,
     },
     Episode(&'a str),
+    /// An agent session (`api::sessions`).
+    Session(&'a str),
 }
 
 impl ApiError {
@@ -268,8 +288,13 @@ impl ApiError {
                 f.to_string()
             }
         };
+        let noun = match of {
+            Rewarded::Session(_) => "session",
+            _ => "episode",
+        };
         match (e, of) {
             (FeedbackError::Log(e), _) => ApiError::from(e),
+            (FeedbackError::Session { id, why }, _) => session_refused(&id, why),
             (FeedbackError::EpisodeNotFound { episode }, Rewarded::Episode(_)) => {
                 ApiError::episode_not_found(&episode)
             }
@@ -285,23 +310,26 @@ impl ApiError {
                     why: Refusal::Failed(why),
                     ..
                 },
-                Rewarded::Episode(episode),
+                Rewarded::Episode(episode) | Rewarded::Session(episode),
             ) => ApiError {
-                param: Some("episode".into()),
+                param: Some(noun.into()),
                 code: Some("trainer_failed"),
                 ..ApiError::unavailable(format!(
-                    "episode '{}' belongs to '{adapter}', whose trainer has failed ({}); the \
+                    "{noun} '{}' belongs to '{adapter}', whose trainer has failed ({}); the \
                      reward was not recorded",
                     clip(episode),
                     shown(&why, admin)
                 ))
             },
-            (FeedbackError::Refused { adapter, .. }, Rewarded::Episode(episode)) => ApiError {
+            (
+                FeedbackError::Refused { adapter, .. },
+                Rewarded::Episode(episode) | Rewarded::Session(episode),
+            ) => ApiError {
                 code: Some("adapter_not_learning"),
                 ..ApiError::conflict(
-                    "episode",
+                    noun,
                     format!(
-                        "episode '{}' belongs to '{adapter}', which no longer learns",
+                        "{noun} '{}' belongs to '{adapter}', which no longer learns",
                         clip(episode)
                     ),
                 )

@@ -124,7 +124,7 @@ pub async fn post(
 
 /// The answer to recorded rewards: 202 when one is new (the trainer is woken), 200 when every
 /// one repeats a stored reward; counted in `flywheel_feedback_rewards_total`.
-fn acknowledge(online: &TrainerHandle, new: bool, n: usize, extra: Value) -> Response {
+pub(super) fn acknowledge(online: &TrainerHandle, new: bool, n: usize, extra: Value) -> Response {
     let outcome = if new { "new" } else { "repeat" };
     online
         .metrics

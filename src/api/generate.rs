@@ -29,6 +29,7 @@ const TEXT_ONLY: &[&str] = &[
 
 pub async fn generate(
     State(state): State<AppState>,
+    turn: Option<axum::Extension<super::sessions::SessionTurn>>,
     headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
@@ -84,7 +85,14 @@ pub async fn generate(
     }
     let fv = Value::Object(fields);
     let sf = Fields::parse(&fv)?;
-    let generation = Generation::validate(&state, &sf, Dialect::Generate, None).await?;
+    let generation = Generation::validate(
+        &state,
+        &sf,
+        Dialect::Generate,
+        None,
+        turn.map(|axum::Extension(t)| t),
+    )
+    .await?;
     let job = generation.job(Flavor::Generate, prompt_ids, "token_ids", &headers);
     respond(&state, job).await
 }

@@ -9,6 +9,7 @@ use super::openai::{
     check_scoring, parse_chat_logprobs, parse_common, parse_completion_logprobs, CommonParams,
     Fields,
 };
+use super::sessions::SessionTurn;
 use super::state::{bearer_of, AppState};
 use super::structured::{output_grammar, Structured};
 use crate::adapter::registry::Pinned;
@@ -33,15 +34,19 @@ pub(super) struct Generation {
     pub adapter: Option<Pinned>,
     /// The compiled grammar each choice starts from.
     pub constraint: Option<super::job::OutputConstraint>,
+    /// The agent session the request is a turn of.
+    pub turn: Option<SessionTurn>,
 }
 
 impl Generation {
-    /// Validate `f` as `dialect` spells it; `tools` is the grammar a chat request's tools impose.
+    /// Validate `f` as `dialect` spells it; `tools` is the grammar a chat request's tools impose;
+    /// `turn` the agent session the request is a turn of.
     pub async fn validate(
         state: &AppState,
         f: &Fields<'_>,
         dialect: Dialect,
         tools: Option<Structured>,
+        turn: Option<SessionTurn>,
     ) -> Result<Generation, ApiError> {
         let ready = state.ready()?;
         let scope = |e: ApiError| match dialect {
@@ -65,7 +70,10 @@ impl Generation {
                 params.return_tokens_as_token_ids = true;
             }
         }
-        let (_, adapter) = state.resolve_model(&params.model)?;
+        let adapter = match &turn {
+            None => state.resolve_model(&params.model)?.1,
+            Some(t) => Some(in_session(state, &mut params, t)?),
+        };
         let constraint = match output_grammar(f, tools).map_err(scope)? {
             Some(g) => {
                 params.sampling.constrained = true;
@@ -81,7 +89,16 @@ impl Generation {
             params,
             adapter,
             constraint,
+            turn,
         })
+    }
+
+    /// Who the request's completions belong to: the caller's key, or the session's principal.
+    pub fn key(&self, headers: &HeaderMap) -> String {
+        match &self.turn {
+            Some(t) => t.principal(),
+            None => bearer_of(headers).to_string(),
+        }
     }
 
     /// The request as `respond` takes it, for the caller in `headers`, with the prompt's tokens
@@ -93,6 +110,7 @@ impl Generation {
         prompt_param: &'static str,
         headers: &HeaderMap,
     ) -> Job {
+        let key = self.key(headers);
         Job {
             flavor,
             params: self.params,
@@ -100,7 +118,8 @@ impl Generation {
             echo: None,
             adapter: self.adapter,
             prompt_param,
-            key: bearer_of(headers).to_string(),
+            key,
+            group_owner: self.turn.map(|t| t.owner),
             tools: None,
             constraint: self.constraint,
             reasoning: None,
@@ -108,4 +127,38 @@ impl Generation {
             unlogged: false,
         }
     }
+}
+
+/// A session turn's parameters: the session's episode and group, one completion, on the
+/// session's adapter whatever `model` the agent names (the response's `model` says which served).
+fn in_session(
+    state: &AppState,
+    params: &mut CommonParams,
+    t: &SessionTurn,
+) -> Result<Pinned, ApiError> {
+    for (field, given) in [
+        ("episode", params.episode.is_some()),
+        ("group", params.group.is_some()),
+    ] {
+        if given {
+            return Err(ApiError::invalid(
+                field,
+                format!("a session's turns take the session's {field}: leave out '{field}'"),
+            ));
+        }
+    }
+    if params.n > 1 {
+        return Err(ApiError::invalid(
+            "n",
+            "a session's turn is one completion: 'n' must be 1",
+        ));
+    }
+    params.episode = Some(t.id.clone());
+    params.group = Some(t.group.clone());
+    params.model = t.adapter.clone();
+    state
+        .ready()?
+        .registry
+        .pin(&t.adapter)
+        .ok_or_else(|| ApiError::model_not_found(&t.adapter))
 }

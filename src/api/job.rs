@@ -24,8 +24,11 @@ pub struct Job {
     /// The adapter version pinned for this request (None: the base model); held until the
     /// response ends.
     pub adapter: Option<Pinned>,
-    /// The caller's bearer key ("" without one): who may reward the completion.
+    /// The caller's bearer key ("" without one): who may reward the completion (an agent
+    /// session's turn: the session's principal, `online::sessions::principal`).
     pub key: String,
+    /// The key hash a client `group` is scoped to when not `key`'s (an agent session's owner).
+    pub group_owner: Option<String>,
     /// Chat with tools: how the answer's calls are parsed and returned.
     pub tools: Option<super::tools::ToolMode>,
     /// Constrained decoding (structured outputs, forced or generic tool calls): the compiled

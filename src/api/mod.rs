@@ -28,6 +28,7 @@ pub mod responses;
 pub mod rollout;
 pub mod scoring;
 pub mod serve;
+pub mod sessions;
 pub mod state;
 pub mod structured;
 pub mod tinker;
@@ -72,6 +73,12 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/train/status", get(feedback::status))
         .route("/v1/train/{name}/history", get(dashboard::history))
         .route("/v1/train/policy", get(train_policy::get))
+        .route("/v1/sessions", post(sessions::create))
+        .route(
+            "/v1/sessions/{id}",
+            get(sessions::get).delete(sessions::delete),
+        )
+        .route("/v1/sessions/{id}/reward", post(sessions::reward))
         .merge(tinker::routes(&state))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     let admin = Router::new()
@@ -113,9 +120,12 @@ fn bearer(req: &Request) -> &str {
     bearer_of(req.headers())
 }
 
-/// Bearer-token check when an API key is configured; the admin key is accepted too.
-async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &state.api_key {
+/// Bearer-token check when an API key is configured; the admin key is accepted too, and an agent
+/// session's key (checked against the store whether or not an API key is set). A request that
+/// is a session's turn (its key, or the session header) carries the `SessionTurn`.
+async fn auth(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let by_session_key = sessions::is_session_key(bearer(&req));
+    if let (Some(key), false) = (&state.api_key, by_session_key) {
         let given = bearer(&req);
         let admin = state
             .admin_key
@@ -124,6 +134,13 @@ async fn auth(State(state): State<AppState>, req: Request, next: Next) -> Respon
         if !key_matches(given, key) && !admin {
             return ApiError::unauthorized().into_response();
         }
+    }
+    match sessions::turn_of(&state, req.headers()).await {
+        Ok(Some(turn)) => {
+            req.extensions_mut().insert(turn);
+        }
+        Ok(None) => {}
+        Err(e) => return e.into_response(),
     }
     next.run(req).await
 }

@@ -39,7 +39,7 @@ pub async fn log_choices(
     let (group, group_size) = match (&p.group, &p.episode) {
         (Some(group), _) => (
             GroupKey::Client {
-                key_hash: &key_hash,
+                key_hash: job.group_owner.as_deref().unwrap_or(&key_hash),
                 group,
             },
             0,

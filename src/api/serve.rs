@@ -67,6 +67,7 @@ pub fn run(
                 Ok(())
             })
         };
+        tokio::spawn(super::sessions::sweeper(state.clone()));
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             shutdown_signal().await;

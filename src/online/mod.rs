@@ -20,6 +20,7 @@ pub mod guard;
 pub mod learner;
 pub mod promotion;
 pub mod runs;
+pub mod sessions;
 pub mod share_policy;
 pub mod start;
 pub mod store;

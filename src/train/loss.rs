@@ -17,8 +17,9 @@ pub enum AdvantageKind {
     DrGrpo,
 }
 
-/// Advantages of one group; None when all rewards are equal (no signal: DAPO drops such groups).
-pub fn group_advantages(rewards: &[f32], kind: AdvantageKind) -> Option<Vec<f32>> {
+/// A group's baseline and scale: (mean, divisor) of `rewards`; None when there are fewer than two
+/// or all are equal (no signal: DAPO drops such groups).
+fn group_stats(rewards: &[f32], kind: AdvantageKind) -> Option<(f64, f64)> {
     let n = rewards.len();
     if n < 2 {
         return None;
@@ -34,47 +35,53 @@ pub fn group_advantages(rewards: &[f32], kind: AdvantageKind) -> Option<Vec<f32>
                 .map(|&r| (r as f64 - mean).powi(2))
                 .sum::<f64>()
                 / (n - 1) as f64;
-            let d = var.sqrt() + eps as f64;
-            rewards
-                .iter()
-                .map(|&r| ((r as f64 - mean) / d) as f32)
-                .collect()
+            (mean, var.sqrt() + eps as f64)
         }
-        AdvantageKind::DrGrpo => rewards.iter().map(|&r| (r as f64 - mean) as f32).collect(),
+        AdvantageKind::DrGrpo => (mean, 1.0),
     })
 }
 
-/// Advantages of a group whose members may be turns of episodes: members with the same
-/// `unit` (an episode) share one reward and count once in the group's statistics; each member
-/// gets its unit's advantage (members with `None` are units of their own). None: no signal.
+/// Advantages of one group; None when all rewards are equal (no signal: DAPO drops such groups).
+pub fn group_advantages(rewards: &[f32], kind: AdvantageKind) -> Option<Vec<f32>> {
+    let (mean, d) = group_stats(rewards, kind)?;
+    Some(
+        rewards
+            .iter()
+            .map(|&r| ((r as f64 - mean) / d) as f32)
+            .collect(),
+    )
+}
+
+/// Advantages of a group whose members may be turns of episodes: the members with the same
+/// `unit` (an episode) count once in the group's statistics, with the reward of the unit's first
+/// member (its first turn: the episode's return); each member's advantage is its own reward
+/// against those statistics — the unit's advantage when its turns share one reward, each turn's
+/// return's when they carry discounted returns (an agent session's). Members with `None` are
+/// units of their own. None: no signal.
 pub fn unit_advantages(
     units: &[Option<&str>],
     rewards: &[f32],
     kind: AdvantageKind,
 ) -> Option<Vec<f32>> {
-    let mut names: Vec<Option<&str>> = Vec::new();
+    let mut names: Vec<&str> = Vec::new();
     let mut unit_rewards: Vec<f32> = Vec::new();
-    let mut of_member = Vec::with_capacity(units.len());
     for (u, &r) in units.iter().zip(rewards) {
-        let i = match u {
-            Some(name) => match names.iter().position(|n| *n == Some(*name)) {
-                Some(i) => i,
-                None => {
-                    names.push(Some(name));
-                    unit_rewards.push(r);
-                    names.len() - 1
-                }
-            },
-            None => {
-                names.push(None);
+        match u {
+            Some(name) if names.contains(name) => {}
+            Some(name) => {
+                names.push(name);
                 unit_rewards.push(r);
-                names.len() - 1
             }
-        };
-        of_member.push(i);
+            None => unit_rewards.push(r),
+        }
     }
-    let a = group_advantages(&unit_rewards, kind)?;
-    Some(of_member.into_iter().map(|i| a[i]).collect())
+    let (mean, d) = group_stats(&unit_rewards, kind)?;
+    Some(
+        rewards
+            .iter()
+            .map(|&r| ((r as f64 - mean) / d) as f32)
+            .collect(),
+    )
 }
 
 /// How the per-token terms are summed into one loss.
@@ -433,6 +440,24 @@ mod tests {
         assert!(
             unit_advantages(&[Some("e"), Some("e")], &[1.0, 1.0], AdvantageKind::DrGrpo).is_none()
         );
+        // Turns with discounted returns (a session's, γ = 0.5, final reward 4 after 3 turns:
+        // 1, 2, 4; another session's 0): the units are the first turns' returns {1, 0} (mean
+        // 0.5), each turn its own return against them.
+        let units = [Some("s1"), Some("s1"), Some("s1"), Some("s2")];
+        let a = unit_advantages(&units, &[1.0, 2.0, 4.0, 0.0], AdvantageKind::DrGrpo).unwrap();
+        assert_eq!(a, vec![0.5, 1.5, 3.5, -0.5]);
+        let g = unit_advantages(
+            &units,
+            &[1.0, 2.0, 4.0, 0.0],
+            AdvantageKind::Grpo { eps: 0.0 },
+        )
+        .unwrap();
+        let sd = (0.5f64.powi(2) * 2.0).sqrt();
+        let want: Vec<f32> = [0.5, 1.5, 3.5, -0.5]
+            .iter()
+            .map(|x| (x / sd) as f32)
+            .collect();
+        assert_eq!(g, want);
     }
 
     /// Every loss variant whose coefficients are not detached by definition: the analytic gradient

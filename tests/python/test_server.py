@@ -739,6 +739,36 @@ def test_tinker_training_and_sampling_follow_the_contract():
     assert cks["checkpoints"] == []
 
 
+def test_sessions_follow_the_contract():
+    S, SR = "/v1/sessions/{id}", "/v1/sessions/{id}/reward"
+    _, _, s = check("POST", "/v1/sessions", {"adapter": LEARN, "gamma": 0.5}, expect=201)
+    check("POST", "/v1/sessions", {"gamma": 2}, expect=400)
+    check("POST", "/v1/sessions", {}, key="wrong", expect=401)
+    # A turn by the session key, with whatever model the agent names.
+    _, _, r = check("POST", "/v1/chat/completions", {
+        "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hi"}],
+        "max_tokens": 3}, key=s["key"])
+    assert r["model"] == LEARN
+    _, _, v = check("GET", f"/v1/sessions/{s['id']}", route=S)
+    assert v["turns"] == 1 and v["completions"][0]["id"] == r["id"]
+    check("GET", f"/v1/sessions/{s['id']}", route=S, key="wrong", expect=401)
+    check("GET", "/v1/sessions/sess_none", route=S, expect=404)
+    check("POST", f"/v1/sessions/{s['id']}/reward", {"rewards": [1, 2]}, route=SR, expect=400)
+    check("POST", f"/v1/sessions/{s['id']}/reward", {"reward": 1}, route=SR, key="wrong",
+          expect=401)
+    check("POST", "/v1/sessions/sess_none/reward", {"reward": 1}, route=SR, expect=404)
+    _, _, ack = check("POST", f"/v1/sessions/{s['id']}/reward", {"reward": 1}, route=SR,
+                      expect=202)
+    assert ack["state"] == "rewarded" and ack["returns"] == [1.0]
+    check("POST", f"/v1/sessions/{s['id']}/reward", {"reward": 1}, route=SR, expect=200)
+    check("POST", f"/v1/sessions/{s['id']}/reward", {"reward": 0}, route=SR, expect=409)
+    _, _, e = check("POST", "/v1/sessions", {"adapter": LEARN}, expect=201)
+    _, _, d = check("DELETE", f"/v1/sessions/{e['id']}", route=S)
+    assert d["state"] == "ended"
+    check("DELETE", f"/v1/sessions/{e['id']}", route=S, key="wrong", expect=401)
+    check("DELETE", "/v1/sessions/sess_none", route=S, expect=404)
+
+
 def test_every_documented_path_and_status_was_exercised():
     """Runs last in this module: the contract documents nothing the tests above did not see,
     except statuses that cannot be provoked from outside (500, 503 while loading)."""

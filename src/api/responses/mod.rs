@@ -328,6 +328,7 @@ fn output_of(chat: &Value) -> (Vec<Value>, bool) {
 
 pub async fn create(
     State(state): State<AppState>,
+    turn: Option<axum::Extension<super::sessions::SessionTurn>>,
     headers: HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
@@ -430,6 +431,7 @@ pub async fn create(
         &Value::Object(chat),
         super::chat::ChatOptions {
             id: Some(id.clone()),
+            turn: turn.map(|axum::Extension(t)| t),
             ..Default::default()
         },
     )

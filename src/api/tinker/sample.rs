@@ -403,9 +403,10 @@ pub async fn asample(
         Some(p) if p != "model" && p != "prompt_logprobs" => e.within("sampling_params"),
         _ => e,
     };
-    let generation = Generation::validate(&state, &cf, Dialect::Completion { echo: false }, None)
-        .await
-        .map_err(in_params)?;
+    let generation =
+        Generation::validate(&state, &cf, Dialect::Completion { echo: false }, None, None)
+            .await
+            .map_err(in_params)?;
     let job = generation.job(Flavor::Completion, prompt, "prompt", &headers);
     let sequence_ids: Vec<String> = (0..job.params.n)
         .map(|_| crate::util::random_id("seq-"))

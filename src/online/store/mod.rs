@@ -19,12 +19,21 @@ pub mod postgres;
 pub mod records;
 pub mod sqlite;
 
+use crate::online::sessions::{AgentSession, SessionReward, SessionView};
 use records::{
     Accepting, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError,
     PendingGroup, Reward, Turn,
 };
 use records::{Checkpoint, Decision, Lineage, RunRecord, SessionRecord, StepRow};
 use sqlite::SqliteLog;
+
+/// How an agent session is looked up.
+#[derive(Clone, Copy, Debug)]
+pub enum SessionLookup<'a> {
+    Id(&'a str),
+    /// The hash of its key (`RolloutStore::key_hash`).
+    KeyHash(&'a str),
+}
 
 /// What one process hears of another's work through a shared store (`RolloutStore::subscribe`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,6 +135,23 @@ pub trait RolloutStore: Send + Sync {
     fn set_run_pending(&self, id: &str, pending: u64) -> Result<(), LogError>;
     /// The sessions kept (oldest first) and their runs.
     fn open_sessions(&self) -> Result<(Vec<SessionRecord>, Vec<RunRecord>), LogError>;
+    /// Keep agent session `s` (`online::sessions`).
+    fn put_agent_session(&self, s: &AgentSession) -> Result<(), LogError>;
+    /// The agent session with id `id`, or whose key has hash `key_hash`, as it is now.
+    fn agent_session(&self, by: SessionLookup) -> Result<Option<SessionView>, LogError>;
+    /// The agent sessions still open, as they are now.
+    fn open_agent_sessions(&self) -> Result<Vec<SessionView>, LogError>;
+    /// Reward agent session `id` (each turn its return, `sessions::judge_reward`) and mark it
+    /// rewarded, in one transaction: Ok(true) when new, Ok(false) a repeat.
+    fn reward_agent_session(
+        &self,
+        id: &str,
+        reward: &SessionReward,
+        accepts: Accepts,
+    ) -> Result<bool, FeedbackError>;
+    /// End open agent session `id` without a reward, dropping its untrained turns (reason
+    /// `session_ended`), in one transaction; Ok(false) when it was not open.
+    fn end_agent_session(&self, id: &str) -> Result<bool, LogError>;
     /// Call `wake` soon after any process makes `what` (PostgreSQL: LISTEN/NOTIFY, also once
     /// after each (re)connection, so a notification missed while disconnected only delays).
     /// SQLite has one process: nothing to hear (its trainer is told in-process).
@@ -268,6 +294,26 @@ impl RolloutStore for SqliteLog {
     }
     fn open_sessions(&self) -> Result<(Vec<SessionRecord>, Vec<RunRecord>), LogError> {
         SqliteLog::open_sessions(self)
+    }
+    fn put_agent_session(&self, s: &AgentSession) -> Result<(), LogError> {
+        SqliteLog::put_agent_session(self, s)
+    }
+    fn agent_session(&self, by: SessionLookup) -> Result<Option<SessionView>, LogError> {
+        SqliteLog::agent_session(self, by)
+    }
+    fn open_agent_sessions(&self) -> Result<Vec<SessionView>, LogError> {
+        SqliteLog::open_agent_sessions(self)
+    }
+    fn reward_agent_session(
+        &self,
+        id: &str,
+        reward: &SessionReward,
+        accepts: Accepts,
+    ) -> Result<bool, FeedbackError> {
+        SqliteLog::reward_agent_session(self, id, reward, accepts)
+    }
+    fn end_agent_session(&self, id: &str) -> Result<bool, LogError> {
+        SqliteLog::end_agent_session(self, id)
     }
 }
 

@@ -288,6 +288,12 @@ pub enum FeedbackError {
     EpisodeNotFound { episode: String },
     #[error("episode '{episode}' already has reward {old}")]
     EpisodeConflict { episode: String, old: f64 },
+    /// An agent session's reward refused.
+    #[error("session '{id}': {why}")]
+    Session {
+        id: String,
+        why: crate::online::sessions::SessionRefusal,
+    },
     #[error(transparent)]
     Log(#[from] LogError),
 }
@@ -393,6 +399,12 @@ pub fn judge_episode_reward(
         }
     }
     Ok(true)
+}
+
+/// How every store writes an episode of the key with hash `key_hash` (the `episode` column of
+/// completions and `episode_rewards`): scoped to its key.
+pub fn episode_key(key_hash: &str, episode: &str) -> String {
+    format!("{key_hash}:{episode}")
 }
 
 /// A served turn: its prompt and completion token ids.

@@ -9,7 +9,7 @@ use super::*;
 /// Schema migrations, applied in order; `flywheel_meta.schema_version` is how many ran. The
 /// first is the SQLite log's schema after its four migrations; the second its fifth (the
 /// sessions and runs clients drive), the third its sixth (decisions), the fourth its seventh
-/// (steps).
+/// (steps), the fifth its eighth (agent sessions).
 const MIGRATIONS: &[&str] = &[
     "
     CREATE TABLE completions (
@@ -62,7 +62,35 @@ const MIGRATIONS: &[&str] = &[
         adapter TEXT NOT NULL, lineage BIGINT NOT NULL, version BIGINT NOT NULL,
         created DOUBLE PRECISION NOT NULL, stats TEXT NOT NULL, PRIMARY KEY (adapter, version));
 ",
+    "
+    CREATE TABLE agent_sessions (
+        id TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE, owner TEXT NOT NULL,
+        adapter TEXT NOT NULL, group_name TEXT NOT NULL, gamma DOUBLE PRECISION NOT NULL,
+        max_turns BIGINT, idle_secs DOUBLE PRECISION NOT NULL, idle_reward DOUBLE PRECISION,
+        created DOUBLE PRECISION NOT NULL, state TEXT NOT NULL, returns BYTEA,
+        episode TEXT NOT NULL, ended DOUBLE PRECISION);
+    CREATE INDEX agent_sessions_state ON agent_sessions (state);
+",
 ];
+
+/// The channel a committed step is announced on (payload `adapter:version`).
+pub(super) const STEPS_CHANNEL: &str = "flywheel_versions";
+/// The channel new rewards are announced on (no payload: the trainer reads what is pending).
+const REWARDS_CHANNEL: &str = "flywheel_rewards";
+
+/// The channel `what` is announced on.
+pub(super) fn channel(what: Announcement) -> &'static str {
+    match what {
+        Announcement::Steps => STEPS_CHANNEL,
+        Announcement::Rewards => REWARDS_CHANNEL,
+    }
+}
+
+/// Announce new rewards, delivered to the listeners when (and only if) `tx` commits.
+pub(super) fn announce_rewards(tx: &mut Transaction) -> Result<(), postgres::Error> {
+    tx.execute("SELECT pg_notify($1, '')", &[&REWARDS_CHANNEL])?;
+    Ok(())
+}
 
 /// The advisory lock key of schema migrations (any constant of our own).
 const MIGRATION_LOCK: i64 = 0x666c_7977_6865_656c; // "flywheel"

@@ -1,5 +1,5 @@
-//! Decisions about a learning adapter's versions, and its steps' history, on PostgreSQL: the
-//! SQLite log's tables and promises (`sqlite/lineage.rs`).
+//! Decisions about a learning adapter's versions, its steps' history and retired checkpoints,
+//! on PostgreSQL: the SQLite log's tables and promises (`sqlite/lineage.rs`).
 
 use super::PgLog;
 use crate::online::store::records::{Decision, LogError, StepRow};
@@ -89,5 +89,24 @@ impl PgLog {
                 created: r.get(7),
             })
             .collect())
+    }
+
+    pub(super) fn retire_checkpoints(
+        &self,
+        adapter: &str,
+        keep: usize,
+    ) -> Result<Vec<String>, LogError> {
+        let mut c = self.conn()?;
+        let mut tx = c.transaction()?;
+        let rows = tx.query(
+            "DELETE FROM checkpoints c USING lineages l
+             WHERE l.id = c.lineage AND c.adapter = $1 AND (l.ended IS NOT NULL OR c.version
+                NOT IN (SELECT version FROM checkpoints WHERE adapter = $1 AND lineage = l.id
+                        ORDER BY version DESC LIMIT $2))
+             RETURNING c.path",
+            &[&adapter, &(keep as i64)],
+        )?;
+        tx.commit()?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 }

@@ -21,31 +21,13 @@ use super::records::{
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, Member,
     PendingGroup, Reward, Turn, CHOICE_INFO, EPISODE_TRAINED,
 };
-use super::{redact, Accepts, Announcement, RolloutStore};
+use super::{redact, Accepts, Announcement, RolloutStore, SessionLookup};
+use crate::online::sessions::{AgentSession, SessionReward, SessionView};
 use crate::util::now_secs;
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, NoTls, Row, Transaction};
 use std::sync::Mutex;
 use std::time::Duration;
-
-/// The channel a committed step is announced on (payload `adapter:version`).
-const STEPS_CHANNEL: &str = "flywheel_versions";
-/// The channel new rewards are announced on (no payload: the trainer reads what is pending).
-const REWARDS_CHANNEL: &str = "flywheel_rewards";
-
-/// The channel `what` is announced on.
-fn channel(what: Announcement) -> &'static str {
-    match what {
-        Announcement::Steps => STEPS_CHANNEL,
-        Announcement::Rewards => REWARDS_CHANNEL,
-    }
-}
-
-/// Announce new rewards, delivered to the listeners when (and only if) `tx` commits.
-fn announce_rewards(tx: &mut Transaction) -> Result<(), postgres::Error> {
-    tx.execute("SELECT pg_notify($1, '')", &[&REWARDS_CHANNEL])?;
-    Ok(())
-}
 
 pub struct PgLog {
     config: postgres::Config,
@@ -86,7 +68,7 @@ fn lock_episodes(tx: &mut Transaction, keys: &mut Vec<String>) -> Result<(), pos
 
 impl PgLog {
     fn episode_key(&self, key_hash: &str, episode: &str) -> String {
-        format!("{key_hash}:{episode}")
+        super::records::episode_key(key_hash, episode)
     }
 }
 
@@ -542,20 +524,8 @@ impl RolloutStore for PgLog {
     }
 
     fn retire_checkpoints(&self, adapter: &str, keep: usize) -> Result<Vec<String>, LogError> {
-        let mut c = self.conn()?;
-        let mut tx = c.transaction()?;
-        let rows = tx.query(
-            "DELETE FROM checkpoints c USING lineages l
-             WHERE l.id = c.lineage AND c.adapter = $1 AND (l.ended IS NOT NULL OR c.version
-                NOT IN (SELECT version FROM checkpoints WHERE adapter = $1 AND lineage = l.id
-                        ORDER BY version DESC LIMIT $2))
-             RETURNING c.path",
-            &[&adapter, &(keep as i64)],
-        )?;
-        tx.commit()?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        PgLog::retire_checkpoints(self, adapter, keep)
     }
-
     fn rollback(&self, adapter: &str, d: &Decision) -> Result<Vec<String>, LogError> {
         PgLog::rollback(self, adapter, d)
     }
@@ -586,6 +556,26 @@ impl RolloutStore for PgLog {
     fn open_sessions(&self) -> Result<(Vec<SessionRecord>, Vec<RunRecord>), LogError> {
         PgLog::open_sessions(self)
     }
+    fn put_agent_session(&self, s: &AgentSession) -> Result<(), LogError> {
+        PgLog::put_agent_session(self, s)
+    }
+    fn agent_session(&self, by: SessionLookup) -> Result<Option<SessionView>, LogError> {
+        PgLog::agent_session(self, by)
+    }
+    fn open_agent_sessions(&self) -> Result<Vec<SessionView>, LogError> {
+        PgLog::open_agent_sessions(self)
+    }
+    fn reward_agent_session(
+        &self,
+        id: &str,
+        r: &SessionReward,
+        a: Accepts,
+    ) -> Result<bool, FeedbackError> {
+        PgLog::reward_agent_session(self, id, r, a)
+    }
+    fn end_agent_session(&self, id: &str) -> Result<bool, LogError> {
+        PgLog::end_agent_session(self, id)
+    }
     fn claim_trainer(&self, adapter: &str) -> Result<(), LogError> {
         self.take_claim(adapter)
     }
@@ -595,6 +585,8 @@ impl RolloutStore for PgLog {
     }
 }
 
+mod agent_sessions;
 mod conn;
+use conn::{announce_rewards, channel, STEPS_CHANNEL};
 mod decisions;
 mod runs;

@@ -7,7 +7,7 @@ use super::*;
 impl SqliteLog {
     /// An episode as stored: the client's name scoped to the key that made it.
     pub(super) fn episode_key(&self, key_hash: &str, episode: &str) -> String {
-        format!("{key_hash}:{episode}")
+        crate::online::store::records::episode_key(key_hash, episode)
     }
 
     /// Reward episode `episode` of `key` (every turn, and any turn logged later): Ok(true) when

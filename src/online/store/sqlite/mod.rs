@@ -88,6 +88,13 @@ const MIGRATIONS: &[&str] = &[
     "CREATE TABLE steps (
         adapter TEXT NOT NULL, lineage INTEGER NOT NULL, version INTEGER NOT NULL,
         created REAL NOT NULL, stats TEXT NOT NULL, PRIMARY KEY (adapter, version));",
+    // 8: agent sessions (`online::sessions`): their turns are the completions of `episode`.
+    "CREATE TABLE agent_sessions (
+        id TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE, owner TEXT NOT NULL,
+        adapter TEXT NOT NULL, group_name TEXT NOT NULL, gamma REAL NOT NULL,
+        max_turns INTEGER, idle_secs REAL NOT NULL, idle_reward REAL, created REAL NOT NULL,
+        state TEXT NOT NULL, returns BLOB, episode TEXT NOT NULL, ended REAL);
+     CREATE INDEX agent_sessions_state ON agent_sessions (state);",
 ];
 
 pub struct SqliteLog {
@@ -423,6 +430,7 @@ impl SqliteLog {
     }
 }
 
+mod agent_sessions;
 mod episodes;
 mod lineage;
 mod runs;
