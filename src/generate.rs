@@ -77,6 +77,7 @@ pub fn generate(
         prompt_logprobs: None,
         constraint: None,
         embed: false,
+        repetition: None,
     })?;
     drop(engine);
     let mut out = Vec::new();
@@ -124,6 +125,7 @@ pub fn generate(
         }
         (FinishReason::Stop, Some(StopReason::Text(_))) => "stop",
         (FinishReason::Length, _) => "length",
+        (FinishReason::Repetition, _) => "repetition",
     };
     let first = first_at.unwrap_or(end);
     let prompt_seconds = (first - t0).as_secs_f64();

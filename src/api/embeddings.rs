@@ -176,6 +176,7 @@ pub async fn embeddings(
             prompt_logprobs: None,
             constraint: None,
             embed: true,
+            repetition: None,
         };
         streams.push(submit(&state, &job, req, &admission)?);
     }

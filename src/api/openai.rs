@@ -2,6 +2,7 @@
 //! (`param`), unknown fields are ignored, and the result is a typed, validated value.
 
 use super::error::ApiError;
+use crate::engine::repetition::RepetitionRule;
 use crate::engine::sampler::SamplingParams;
 use crate::policy::is_greedy;
 use serde_json::{Map, Value};
@@ -177,6 +178,8 @@ pub struct CommonParams {
     pub group: Option<String>,
     /// Extension: the episode (a multi-turn task, rewarded once) the completion is a turn of.
     pub episode: Option<String>,
+    /// Extension: `stop_on_repetition` (None: as the adapter says; Some(None): off).
+    pub stop_on_repetition: Option<Option<RepetitionRule>>,
 }
 
 pub const MAX_N: i64 = 128;
@@ -359,6 +362,7 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
             }
             e => e.map(str::to_string),
         },
+        stop_on_repetition: parse_repetition(f)?,
     };
     // An episode's turns are one completion each: its reward is the one answer's.
     if params.episode.is_some() && params.n > 1 {
@@ -368,6 +372,25 @@ pub fn parse_common(f: &Fields, vocab: usize) -> Result<CommonParams, ApiError> 
         ));
     }
     Ok(params)
+}
+
+/// `stop_on_repetition`: true (the default rule), false, or a rule `{max_period, min_repeats,
+/// min_tokens}`.
+fn parse_repetition(f: &Fields) -> Result<Option<Option<RepetitionRule>>, ApiError> {
+    const P: &str = "stop_on_repetition";
+    let Some(v) = f.get(P).filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let raw: crate::online::config::RawRepetition =
+        serde_json::from_value(v.clone()).map_err(|e| {
+            ApiError::invalid(
+                P,
+                format!("'{P}' is true, false or {{max_period, min_repeats, min_tokens}}: {e}"),
+            )
+        })?;
+    raw.rule()
+        .map(Some)
+        .map_err(|e| ApiError::invalid(P, format!("'{P}': {e}")))
 }
 
 /// Prompt scoring rules, after the logprobs fields are read: `echo` with legacy `logprobs: k`

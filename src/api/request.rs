@@ -88,5 +88,13 @@ pub(super) fn engine_request(job: &Job, ready: &super::Ready) -> Result<Generate
         prompt_logprobs: p.prompt_logprobs,
         constraint: job.constraint.as_ref().map(|c| c.grammar.clone()),
         embed: false,
+        // The request's say, else its learning adapter's.
+        repetition: match p.stop_on_repetition {
+            Some(r) => r,
+            None => job
+                .adapter
+                .as_ref()
+                .and_then(|a| ready.online.get()?.repetition_rule(&a.name)),
+        },
     })
 }

@@ -234,4 +234,9 @@ fn the_learn_example_with_its_evaluation_set_validates() {
     );
     assert_eq!(l.eval_max_tokens, 64);
     assert_eq!(l.promotion.canary.max_secs, Some(3600.0));
+    assert_eq!(
+        l.stop_on_repetition,
+        Some(crate::engine::repetition::RepetitionRule::default())
+    );
+    assert_eq!(l.repetition_reward, Some(-1.0));
 }

@@ -39,6 +39,8 @@ pub struct GenerateRequest {
     /// Embed the prompt instead (`max_tokens` 0, `n` 1): one `Embedding` event, the mean of its
     /// tokens' final hidden states, L2-normalised.
     pub embed: bool,
+    /// End a choice stuck in a loop (`FinishReason::Repetition`); None: never.
+    pub repetition: Option<super::repetition::RepetitionRule>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +49,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context length.
     Length,
+    /// Stuck in a loop (`repetition`).
+    Repetition,
 }
 
 impl FinishReason {
@@ -54,6 +58,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Repetition => "repetition",
         }
     }
 }

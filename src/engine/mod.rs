@@ -9,6 +9,7 @@ pub mod grammar_bounds;
 pub mod grammar_error;
 mod handle;
 pub mod output;
+pub mod repetition;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;

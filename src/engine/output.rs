@@ -3,6 +3,7 @@
 //! back until it cannot), timings, and the channel its events go to.
 
 use super::constraint::{Constraint, GrammarError, TokenMask};
+use super::repetition::Detector;
 use super::sampler::{self, PromptLogprob, Sampled};
 use super::{EngineEvent, FinishReason, GenerateRequest, StopReason};
 use crate::metrics::Metrics;
@@ -86,6 +87,8 @@ pub struct SeqOutput {
     /// many (a preempted sequence recomputes its prompt: positions are added once).
     pub embed_sum: Vec<f64>,
     pub embed_count: usize,
+    /// Repeat detection, when the request asks for it.
+    repeats: Option<Detector>,
 }
 
 /// The seed of choice `choice`: choice 0 uses the request's seed itself.
@@ -104,6 +107,7 @@ impl SeqOutput {
             Vec::new()
         };
         let constraint = req.req.constraint.clone();
+        let repeats = req.req.repetition.map(Detector::new);
         SeqOutput {
             rng: Rng::new(choice_seed(req.seed, choice)),
             req,
@@ -122,6 +126,7 @@ impl SeqOutput {
             next_mask: None,
             embed_sum: Vec::new(),
             embed_count: 0,
+            repeats,
         }
     }
 
@@ -244,6 +249,10 @@ impl SeqOutput {
                 let keep = holdback(&self.held, &r.stop);
                 text = self.held.drain(..self.held.len() - keep).collect();
             }
+        }
+        let looped = self.repeats.as_mut().is_some_and(|d| d.push(s.token));
+        if finish.is_none() && looped {
+            finish = Some(FinishReason::Repetition);
         }
         if finish.is_none() && (num_generated >= r.max_tokens || at_context_end) {
             finish = Some(FinishReason::Length);

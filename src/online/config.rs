@@ -5,6 +5,7 @@ use super::eval::{EvalSet, RawEvalItem, EVAL_MAX_TOKENS};
 use super::guard::{AfterRollback, GuardConfig};
 use super::promotion::{Policy, PromotionConfig, RawPromotion};
 use super::share_policy::SharePolicy;
+use crate::engine::repetition::RepetitionRule;
 use crate::train::loss::LossName;
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -71,6 +72,33 @@ pub struct RawLearn {
     /// The evaluation set (`[[learn.eval]]`); see `online::eval`.
     pub eval: Option<Vec<RawEvalItem>>,
     pub eval_max_tokens: Option<usize>,
+    /// End its choices stuck in a loop (`finish_reason: "repetition"`): true (the default rule),
+    /// false, or a rule; a request's `stop_on_repetition` overrides it.
+    pub stop_on_repetition: Option<RawRepetition>,
+    /// The reward samples that ended in a loop train with, whatever was posted (Kimi k1.5's
+    /// repetition penalty).
+    pub repetition_reward: Option<f64>,
+}
+
+/// `stop_on_repetition` as written: a switch or a rule.
+#[derive(Clone, Debug, Deserialize, serde::Serialize)]
+#[serde(untagged)]
+pub enum RawRepetition {
+    On(bool),
+    Rule(RepetitionRule),
+}
+
+impl RawRepetition {
+    /// The rule in force (None: off), checked.
+    pub fn rule(self) -> Result<Option<RepetitionRule>, String> {
+        let r = match self {
+            RawRepetition::On(false) => None,
+            RawRepetition::On(true) => Some(RepetitionRule::default()),
+            RawRepetition::Rule(r) => Some(r),
+        };
+        r.as_ref().map(RepetitionRule::check).transpose()?;
+        Ok(r)
+    }
 }
 
 /// The validated `[online]` settings.
@@ -196,6 +224,9 @@ pub struct LearnConfig {
     /// Shown as the items written.
     pub eval: std::sync::Arc<EvalSet>,
     pub eval_max_tokens: usize,
+    /// The repetition rule its requests run with unless they say (None: off).
+    pub stop_on_repetition: Option<RepetitionRule>,
+    pub repetition_reward: Option<f64>,
 }
 
 /// A setting of `[online]` that cannot be honoured: its key (under `online.`) and why.
@@ -427,7 +458,17 @@ impl RawLearn {
             promotion,
             eval: std::sync::Arc::new(eval),
             eval_max_tokens,
+            stop_on_repetition: self
+                .stop_on_repetition
+                .map(RawRepetition::rule)
+                .transpose()
+                .map_err(|e| ("stop_on_repetition", e))?
+                .flatten(),
+            repetition_reward: self.repetition_reward,
         };
+        if c.repetition_reward.is_some_and(|r| !r.is_finite()) {
+            return Err(("repetition_reward", "must be a finite number".into()));
+        }
         if !(c.lr > 0.0 && c.lr < 1.0) {
             return Err(("lr", "must be in (0, 1)".into()));
         }

@@ -173,6 +173,21 @@ fn has_signal(g: &PendingGroup, loss: LossName) -> bool {
         .is_some_and(|a| a.iter().any(|x| *x != 0.0))
 }
 
+/// The finish reason of a choice the engine ended in a loop (`engine::repetition`).
+pub const REPETITION: &str = "repetition";
+
+/// Kimi k1.5's repetition penalty (`repetition_reward`): members that ended in a loop train with
+/// `reward`, whatever was posted for them and whether or not anything was (the server saw the
+/// loop); their posted reward stays in the log.
+pub fn shape_repetition(pending: &mut [PendingGroup], reward: f64) {
+    for m in pending.iter_mut().flat_map(|g| g.members.iter_mut()) {
+        if m.finish_reason == REPETITION {
+            m.reward = Some(reward);
+            m.rewarded_at = m.rewarded_at.or(Some(m.created));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,6 +207,7 @@ mod tests {
             created: 0.0,
             episode: None,
             forced: Vec::new(),
+            finish_reason: "stop".into(),
         }
     }
 
@@ -396,5 +412,28 @@ mod tests {
         let p = form(two, 5, 1, 100.0, &rules(), LossName::Grpo);
         assert_eq!(p.ready.len(), 1);
         assert_eq!(p.ready[0].members.len(), 4);
+    }
+
+    #[test]
+    fn looped_members_take_the_repetition_reward_posted_or_not() {
+        let looped = |id: &str, r: Option<f64>| Member {
+            finish_reason: REPETITION.into(),
+            ..member(id, 0, 5, r, 3.0)
+        };
+        let mut p = vec![group(
+            "g",
+            3,
+            vec![
+                member("a", 0, 5, Some(1.0), 3.0),
+                looped("b", Some(1.0)),
+                looped("c", None),
+            ],
+        )];
+        shape_repetition(&mut p, -1.0);
+        let r: Vec<Option<f64>> = p[0].members.iter().map(|m| m.reward).collect();
+        assert_eq!(r, [Some(1.0), Some(-1.0), Some(-1.0)]);
+        // The unrewarded one counts as rewarded when it was made (the group is complete now).
+        let plan = form(p, 5, 1, 10.0, &rules(), LossName::Grpo);
+        assert_eq!(plan.ready.len(), 1);
     }
 }

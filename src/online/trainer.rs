@@ -26,6 +26,7 @@ use super::runs::{RunError, RunOutput, RunState, RunWork};
 use super::share_policy::{PolicyView, SharePolicy, Steering};
 use super::store::records::Accepting;
 use super::store::{Announcement, RolloutStore};
+use crate::engine::repetition::RepetitionRule;
 
 mod thread;
 use crate::adapter::registry::Registry;
@@ -353,6 +354,11 @@ impl TrainerHandle {
 
     pub fn is_learning(&self, name: &str) -> bool {
         self.read().contains_key(name)
+    }
+
+    /// The repetition rule learning adapter `name`'s requests run with unless they say.
+    pub fn repetition_rule(&self, name: &str) -> Option<RepetitionRule> {
+        self.read().get(name)?.config.stop_on_repetition
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Status>> {

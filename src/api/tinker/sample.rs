@@ -422,7 +422,7 @@ pub async fn asample(
                     .map(|c| SampledSequence {
                         stop_reason: match c.finish {
                             FinishReason::Stop => 0,
-                            FinishReason::Length => 1,
+                            FinishReason::Length | FinishReason::Repetition => 1,
                         },
                         tokens: c
                             .token_ids

@@ -112,7 +112,10 @@ impl Learner {
         }
         let cur = slot.current();
         let from = self.trainee.clone().unwrap_or_else(|| cur.clone());
-        let pending = env.log.pending_groups(&name)?;
+        let mut pending = env.log.pending_groups(&name)?;
+        if let Some(r) = self.cfg.repetition_reward {
+            groups::shape_repetition(&mut pending, r);
+        }
         let Some(plan) = self.plan(env, pending, cur.version, from.version)? else {
             return Ok(None);
         };

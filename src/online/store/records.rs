@@ -431,6 +431,8 @@ pub struct Member {
     pub episode: Option<String>,
     /// Completion positions a grammar forced: left out of the loss.
     pub forced: Vec<u32>,
+    /// Why it ended (`stop`, `length`, `repetition`, `tool_calls`).
+    pub finish_reason: String,
 }
 
 /// A group's pending members.

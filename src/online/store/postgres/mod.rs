@@ -203,7 +203,8 @@ impl RolloutStore for PgLog {
     fn pending_groups(&self, adapter: &str) -> Result<Vec<PendingGroup>, LogError> {
         let rows = self.conn()?.query(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
-                    temperature, policy_sampled, reward, rewarded_at, created, episode, forced
+                    temperature, policy_sampled, reward, rewarded_at, created, episode, forced,
+                    finish_reason
              FROM completions
              WHERE adapter = $1 AND consumed_step IS NULL AND dropped IS NULL
                AND group_id IN (SELECT group_id FROM completions
@@ -229,6 +230,7 @@ impl RolloutStore for PgLog {
                 created: r.get(12),
                 episode: r.get(13),
                 forced: u32s(r.get(14)),
+                finish_reason: r.get(15),
             };
             match out.iter_mut().find(|p| p.group_id == g) {
                 Some(p) => p.members.push(m),

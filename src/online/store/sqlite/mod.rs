@@ -350,7 +350,8 @@ impl SqliteLog {
         let c = self.conn()?;
         let mut st = c.prepare_cached(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
-                    temperature, policy_sampled, reward, rewarded_at, created, episode, forced
+                    temperature, policy_sampled, reward, rewarded_at, created, episode, forced,
+                    finish_reason
              FROM completions
              WHERE adapter = ?1 AND consumed_step IS NULL AND dropped IS NULL
                AND group_id IN (SELECT group_id FROM completions
@@ -377,6 +378,7 @@ impl SqliteLog {
                     created: r.get(12)?,
                     episode: r.get(13)?,
                     forced: u32s(&r.get::<_, Vec<u8>>(14)?),
+                    finish_reason: r.get(15)?,
                 },
             ))
         })?;
