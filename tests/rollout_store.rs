@@ -42,6 +42,7 @@ fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
         key: key.into(),
         episode: None,
         forced: vec![1],
+        sampling: vec![],
     }
 }
 

@@ -14,6 +14,8 @@ pub struct Served<'a> {
     pub tokens: &'a [u32],
     /// The sampler's log-prob of each token.
     pub behavior: &'a [f32],
+    /// Each token's log-prob under the distribution it was drawn from.
+    pub sampling: &'a [f32],
     /// Positions of the tokens a grammar forced: not trained (the model chose nothing there).
     pub forced: &'a [u32],
     pub finish_reason: &'static str,
@@ -86,6 +88,12 @@ pub async fn log_choices(
             prompt: job.prompt_ids.clone(),
             completion: c.tokens.to_vec(),
             logprobs: c.behavior.to_vec(),
+            // Kept only where it differs from the model's (edited, truncated or greedy).
+            sampling: if c.sampling == c.behavior {
+                Vec::new()
+            } else {
+                c.sampling.to_vec()
+            },
             forced: c.forced.to_vec(),
             temperature: sp.temperature,
             policy_sampled,

@@ -239,4 +239,8 @@ fn the_learn_example_with_its_evaluation_set_validates() {
         Some(crate::engine::repetition::RepetitionRule::default())
     );
     assert_eq!(l.repetition_reward, Some(-1.0));
+    assert_eq!(
+        l.correction.map(|c| c.rule),
+        Some(crate::train::correction::Rule::Truncate { cap: 2.0 })
+    );
 }

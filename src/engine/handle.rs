@@ -73,6 +73,8 @@ pub enum EngineEvent {
         /// The grammar allowed only this token (constrained decoding).
         forced: bool,
         logprob: f32,
+        /// The token's log-prob under the distribution it was drawn from (`Sampled`).
+        sampling_logprob: f32,
         top_logprobs: Vec<TopLogprob>,
         text: String,
     },

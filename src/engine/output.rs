@@ -275,6 +275,7 @@ impl SeqOutput {
             token_id: s.token,
             forced: s.forced,
             logprob: s.logprob,
+            sampling_logprob: s.sampling_logprob,
             top_logprobs: s.top.clone(),
             text,
         });

@@ -6,6 +6,7 @@ use super::guard::{AfterRollback, GuardConfig};
 use super::promotion::{Policy, PromotionConfig, RawPromotion};
 use super::share_policy::SharePolicy;
 use crate::engine::repetition::RepetitionRule;
+use crate::train::correction::Correction;
 use crate::train::loss::LossName;
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -78,6 +79,17 @@ pub struct RawLearn {
     /// The reward samples that ended in a loop train with, whatever was posted (Kimi k1.5's
     /// repetition penalty).
     pub repetition_reward: Option<f64>,
+    /// An off-policy correction (`train::correction`): "none" (default), "tis", "mis" or
+    /// "icepop"; with one, samples not drawn from the policy (stale, constrained, penalized,
+    /// truncated) train weighted by it instead of being dropped.
+    pub correction: Option<String>,
+    /// "token" (default), "sequence" or "geometric".
+    pub correction_level: Option<String>,
+    /// tis: the truncation cap (default 2).
+    pub correction_cap: Option<f32>,
+    /// mis, icepop: the band kept (default [0.5, 2]).
+    pub correction_low: Option<f32>,
+    pub correction_high: Option<f32>,
 }
 
 /// `stop_on_repetition` as written: a switch or a rule.
@@ -227,6 +239,8 @@ pub struct LearnConfig {
     /// The repetition rule its requests run with unless they say (None: off).
     pub stop_on_repetition: Option<RepetitionRule>,
     pub repetition_reward: Option<f64>,
+    /// The off-policy correction its loss applies (None: none).
+    pub correction: Option<Correction>,
 }
 
 /// A setting of `[online]` that cannot be honoured: its key (under `online.`) and why.
@@ -465,6 +479,43 @@ impl RawLearn {
                 .map_err(|e| ("stop_on_repetition", e))?
                 .flatten(),
             repetition_reward: self.repetition_reward,
+            correction: match self.correction.as_deref() {
+                None | Some("none") => {
+                    for (k, given) in [
+                        ("correction_level", self.correction_level.is_some()),
+                        ("correction_cap", self.correction_cap.is_some()),
+                        ("correction_low", self.correction_low.is_some()),
+                        ("correction_high", self.correction_high.is_some()),
+                    ] {
+                        if given {
+                            return Err((k, "is set, and there is no correction".into()));
+                        }
+                    }
+                    None
+                }
+                Some(name) => {
+                    if loss == LossName::MaskedIs {
+                        return Err((
+                            "correction",
+                            "masked_is weighs its tokens already: use grpo, dapo, dr_grpo or \
+                             gspo with a correction"
+                                .into(),
+                        ));
+                    }
+                    let level = self
+                        .correction_level
+                        .as_deref()
+                        .map(str::parse)
+                        .transpose()
+                        .map_err(|e| ("correction_level", e))?;
+                    Some(Correction::named(
+                        name,
+                        level,
+                        self.correction_cap,
+                        (self.correction_low, self.correction_high),
+                    )?)
+                }
+            },
         };
         if c.repetition_reward.is_some_and(|r| !r.is_finite()) {
             return Err(("repetition_reward", "must be a finite number".into()));

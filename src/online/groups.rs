@@ -208,6 +208,7 @@ mod tests {
             episode: None,
             forced: Vec::new(),
             finish_reason: "stop".into(),
+            sampling: Vec::new(),
         }
     }
 

@@ -6,7 +6,9 @@
 //! Notation (REFERENCE.md §4): π the trainer's policy (log-probs `logp`, from logits divided by the
 //! sampling temperature), μ the policy that sampled (`behavior`, recorded at serving time), π_ref
 //! the base with the adapter off (`ref_logp`), r_t = exp(log π − log μ), A_i the sequence's
-//! advantage.
+//! advantage; an off-policy correction (`correction`) takes π_old as the ratio's base instead.
+
+use super::correction::Correction;
 
 /// How a group's rewards become advantages.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -166,13 +168,14 @@ impl std::fmt::Display for LossName {
 }
 
 /// A loss: its objective, normalization, KL coefficient to the reference policy (k3 estimator),
-/// and an optional truncated-IS weight min(π_old/μ, cap) per token.
+/// and an optional off-policy correction (`correction`: the ratio is then π/π_old and each token
+/// weighed by its correction of π_old/μ).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossConfig {
     pub objective: Objective,
     pub normalization: Normalization,
     pub kl_coef: f32,
-    pub tis_cap: Option<f32>,
+    pub correction: Option<Correction>,
 }
 
 impl LossConfig {
@@ -212,7 +215,7 @@ impl LossConfig {
             objective,
             normalization,
             kl_coef: 0.0,
-            tis_cap: None,
+            correction: None,
         }
     }
 
@@ -233,8 +236,12 @@ pub struct SeqInput<'a> {
     pub behavior: &'a [f32],
     /// π_ref's log-probs (needed when kl_coef > 0).
     pub ref_logp: Option<&'a [f32]>,
-    /// π_old's log-probs for the truncated-IS weight (needed when tis_cap is set).
+    /// π_old's log-probs (the trainer's at the step, detached): the ratio's base and the
+    /// correction's numerator (needed with a correction).
     pub old_logp: Option<&'a [f32]>,
+    /// The log-probs of the distribution the tokens were drawn from, where it differs from
+    /// `behavior` (constrained, penalized, truncated sampling): the correction's μ.
+    pub mu: Option<&'a [f32]>,
     pub advantage: f32,
 }
 
@@ -244,7 +251,7 @@ pub struct LossStats {
     pub tokens: usize,
     /// Tokens whose clipped branch was active (no gradient through the ratio).
     pub clip_fraction: f64,
-    /// Tokens dropped by masked importance sampling.
+    /// Tokens dropped by masked importance sampling (the loss's or a correction's).
     pub masked_fraction: f64,
     /// Mean k3 KL to the reference over tokens (0 without reference log-probs).
     pub kl: f64,
@@ -278,9 +285,16 @@ pub fn policy_loss(cfg: &LossConfig, seqs: &[SeqInput]) -> (LossStats, Vec<Vec<f
             Normalization::PerToken => 1.0 / total_tokens.max(1) as f64,
             Normalization::Constant(c) => 1.0 / c as f64,
         };
-        let log_r: Vec<f64> = (0..n)
-            .map(|t| s.logp[t] as f64 - s.behavior[t] as f64)
-            .collect();
+        // The ratio's base: μ, or π_old under a correction (which weighs each token by ρ_t).
+        let (base, w_is) = match (cfg.correction, s.old_logp) {
+            (Some(c), Some(old)) => {
+                let (w, m) = c.weights(old, s.mu.unwrap_or(s.behavior));
+                masked += m;
+                (old, w)
+            }
+            _ => (s.behavior, vec![1.0; n]),
+        };
+        let log_r: Vec<f64> = (0..n).map(|t| s.logp[t] as f64 - base[t] as f64).collect();
         let mean_log_r = log_r.iter().sum::<f64>() / n as f64;
         let a = s.advantage as f64;
         for lr in &log_r {
@@ -289,21 +303,13 @@ pub fn policy_loss(cfg: &LossConfig, seqs: &[SeqInput]) -> (LossStats, Vec<Vec<f
             st.ratio_min = st.ratio_min.min(r);
             st.ratio_max = st.ratio_max.max(r);
         }
-        let tis = |t: usize| -> f64 {
-            match (cfg.tis_cap, s.old_logp) {
-                (Some(cap), Some(old)) => {
-                    ((old[t] as f64 - s.behavior[t] as f64).exp()).min(cap as f64)
-                }
-                _ => 1.0,
-            }
-        };
         match cfg.objective {
             Objective::Clipped { eps_low, eps_high } => {
                 for t in 0..n {
                     let r = log_r[t].exp();
                     let rc = r.clamp(1.0 - eps_low as f64, 1.0 + eps_high as f64);
                     let (unc, clp) = (r * a, rc * a);
-                    let wt = w * tis(t);
+                    let wt = w * w_is[t];
                     if unc <= clp {
                         st.loss -= wt * unc;
                         // d(r·A)/dlog π = r·A
@@ -318,19 +324,9 @@ pub fn policy_loss(cfg: &LossConfig, seqs: &[SeqInput]) -> (LossStats, Vec<Vec<f
                 let sr = mean_log_r.exp();
                 let src = sr.clamp(1.0 - eps_low as f64, 1.0 + eps_high as f64);
                 let (unc, clp) = (sr * a, src * a);
-                // The sequence term counts once per token of the sequence under the weight w,
-                // with a sequence-level truncated-IS weight.
-                let tis_seq = match (cfg.tis_cap, s.old_logp) {
-                    (Some(cap), Some(old)) => {
-                        let m = (0..n)
-                            .map(|t| old[t] as f64 - s.behavior[t] as f64)
-                            .sum::<f64>()
-                            / n as f64;
-                        m.exp().min(cap as f64)
-                    }
-                    _ => 1.0,
-                };
-                let wn = w * n as f64 * tis_seq;
+                // The sequence term counts once per token of the sequence under the weight w (each
+                // token's correction weight with it).
+                let wn = w * w_is.iter().sum::<f64>();
                 if unc <= clp {
                     st.loss -= wn * unc;
                     // ds/dlog π_t = s/n
@@ -357,7 +353,7 @@ pub fn policy_loss(cfg: &LossConfig, seqs: &[SeqInput]) -> (LossStats, Vec<Vec<f
                         masked += 1;
                         continue;
                     }
-                    let coeff = r * (a - tau as f64 * log_r[t]) * tis(t);
+                    let coeff = r * (a - tau as f64 * log_r[t]) * w_is[t];
                     st.loss -= w * coeff * s.logp[t] as f64;
                     g[t] = (-w * coeff) as f32;
                 }
@@ -405,6 +401,7 @@ mod tests {
             behavior,
             ref_logp: None,
             old_logp: None,
+            mu: None,
             advantage: a,
         }
     }
@@ -493,7 +490,11 @@ mod tests {
         for (name, c) in cfgs.iter_mut() {
             c.kl_coef = 0.05;
             if name == "grpo" || name == "gspo" {
-                c.tis_cap = Some(2.0);
+                c.correction = Some(Correction::named("tis", None, None, (None, None)).unwrap());
+            }
+            if name == "dapo" {
+                let level = Some(super::super::correction::Level::Geometric);
+                c.correction = Some(Correction::named("mis", level, None, (None, None)).unwrap());
             }
             if name == "gspo" {
                 // Wide enough that the sequences stay inside the clip range.
@@ -511,6 +512,7 @@ mod tests {
                         behavior: &behav[i],
                         ref_logp: Some(&refl[i]),
                         old_logp: Some(&old[i]),
+                        mu: None,
                         advantage: adv[i],
                     })
                     .collect();
@@ -594,6 +596,7 @@ mod tests {
             behavior: &lp,
             ref_logp: Some(&lp),
             old_logp: None,
+            mu: None,
             advantage: 0.0,
         };
         let (st, _) = policy_loss(&cfg, &[s]);
@@ -608,5 +611,79 @@ mod tests {
         );
         let d = 0.5f64;
         assert!((st.kl - ((-d).exp() + d - 1.0) / 2.0).abs() < 1e-7);
+    }
+
+    /// Every correction at every level, on a clipped token loss (DAPO's normalization), against
+    /// the decoupled objective written out in f64: loss = −(1/N) Σ w_t·min(r_t·A, clip(r_t)·A)
+    /// with r_t = π/π_old and w_t the correction of ρ = π_old/μ; its gradient −(1/N)·w_t·r_t·A
+    /// where the unclipped branch is the minimum, else 0.
+    #[test]
+    fn corrected_losses_equal_an_f64_reference() {
+        use super::super::correction::Level;
+        let logp: Vec<Vec<f32>> = vec![vec![-1.0, -0.5, -2.0], vec![-0.3, -1.7]];
+        let old: Vec<Vec<f32>> = vec![vec![-1.1, -0.5, -1.6], vec![-0.3, -1.75]];
+        let mu: Vec<Vec<f32>> = vec![vec![-1.4, -0.2, -1.0], vec![-2.0, -1.5]];
+        let adv = [0.8f32, -1.3];
+        let n_tokens = 5.0f64;
+        for (name, level) in [
+            ("tis", Level::Token),
+            ("tis", Level::Sequence),
+            ("tis", Level::Geometric),
+            ("mis", Level::Token),
+            ("mis", Level::Sequence),
+            ("mis", Level::Geometric),
+            ("icepop", Level::Token),
+        ] {
+            let mut cfg = LossConfig::named(LossName::Dapo, 3, 2);
+            let corr = Correction::named(name, Some(level), None, (None, None)).unwrap();
+            cfg.correction = Some(corr);
+            let seqs: Vec<SeqInput> = (0..2)
+                .map(|i| SeqInput {
+                    logp: &logp[i],
+                    behavior: &mu[i],
+                    ref_logp: None,
+                    old_logp: Some(&old[i]),
+                    mu: None,
+                    advantage: adv[i],
+                })
+                .collect();
+            let (st, g) = policy_loss(&cfg, &seqs);
+            let (mut loss, mut masked) = (0.0f64, 0usize);
+            for i in 0..2 {
+                let lr: Vec<f64> = (0..logp[i].len())
+                    .map(|t| old[i][t] as f64 - mu[i][t] as f64)
+                    .collect();
+                let sum: f64 = lr.iter().sum();
+                for t in 0..logp[i].len() {
+                    let rho = match level {
+                        Level::Token => lr[t].exp(),
+                        Level::Sequence => sum.exp(),
+                        Level::Geometric => (sum / lr.len() as f64).exp(),
+                    };
+                    let w = match name {
+                        "tis" => rho.min(2.0),
+                        _ if (0.5..=2.0).contains(&rho) => rho,
+                        _ => 0.0,
+                    };
+                    masked += (w == 0.0) as usize;
+                    let a = adv[i] as f64;
+                    let r = (logp[i][t] as f64 - old[i][t] as f64).exp();
+                    let (unc, clp) = (r * a, r.clamp(0.8, 1.28) * a);
+                    loss -= w * unc.min(clp) / n_tokens;
+                    let want = if unc <= clp {
+                        -w * r * a / n_tokens
+                    } else {
+                        0.0
+                    };
+                    assert!(
+                        (g[i][t] as f64 - want).abs() < 1e-6,
+                        "{name} {level:?} seq {i} token {t}: {} vs {want}",
+                        g[i][t]
+                    );
+                }
+            }
+            assert!((st.loss - loss).abs() < 1e-9, "{name} {level:?}");
+            assert!((st.masked_fraction - masked as f64 / n_tokens).abs() < 1e-12);
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! them: `token_loss`), the optimizer (`optim`), packing (`pack`), one step (`offline::step`, also
 //! the online trainer's) and an offline job (`job`).
 
+pub mod correction;
 pub mod job;
 pub mod loss;
 pub mod offline;

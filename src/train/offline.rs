@@ -22,6 +22,9 @@ pub struct Sample {
     /// The sampler's log-probs of the completion (None: taken as the current policy's, i.e.
     /// on-policy).
     pub behavior: Option<Vec<f32>>,
+    /// The log-probs of the distribution it was drawn from, where it differs from `behavior`
+    /// (None: the same): μ for an off-policy correction.
+    pub sampling: Option<Vec<f32>>,
     /// Sampled by the very weights being trained (then the training forward must reproduce
     /// `behavior` to the bit: the step reports the largest difference).
     pub sampled_by_current: bool,
@@ -173,7 +176,9 @@ pub fn step(
             logp: &logps[i],
             behavior: s.behavior.as_deref().unwrap_or(&logps[i]),
             ref_logp: refs.as_ref().map(|r: &Vec<Vec<f32>>| r[i].as_slice()),
-            old_logp: None,
+            // A correction's π_old is this forward's log-probs, detached.
+            old_logp: loss.correction.map(|_| logps[i].as_slice()),
+            mu: s.sampling.as_deref(),
             advantage: advantages[i],
         })
         .collect();
@@ -358,6 +363,7 @@ pub fn parse_jsonl(text: &str, tok: Option<&Tokenizer>) -> anyhow::Result<Vec<Sa
             reward,
             group,
             behavior,
+            sampling: None,
             sampled_by_current: false,
             // The turns of one episode (a multi-turn task) share its reward and advantage.
             episode: v.get("episode").and_then(Value::as_str).map(str::to_string),

@@ -165,6 +165,8 @@ struct Choice {
     /// The sampler's log-prob of each token, always kept (the behaviour policy's, for the
     /// rollout log; also the completions `token_logprobs` column).
     behavior: Vec<f32>,
+    /// Each token's log-prob under the distribution it was drawn from (`Sampled`).
+    sampling: Vec<f32>,
     /// Positions of the tokens a grammar forced (constrained decoding).
     forced: Vec<u32>,
     finish: Option<(FinishReason, Option<StopReason>)>,
@@ -257,6 +259,7 @@ impl Responder {
                 top_logprobs,
                 text,
                 forced,
+                sampling_logprob,
             } => {
                 let lp_chat = (self.job.params.logprobs && self.job.flavor != Flavor::Completion)
                     .then(|| self.chat_logprob(*token_id, *logprob, top_logprobs));
@@ -274,6 +277,7 @@ impl Responder {
                     c.forced.push(c.behavior.len() as u32);
                 }
                 c.behavior.push(*logprob);
+                c.sampling.push(*sampling_logprob);
                 if let Some(v) = lp_chat {
                     c.logprobs.push(v);
                 }
@@ -520,6 +524,7 @@ impl Responder {
             .map(|c| Served {
                 tokens: &c.token_ids,
                 behavior: &c.behavior,
+                sampling: &c.sampling,
                 forced: &c.forced,
                 finish_reason: c.finish.as_ref().map_or("length", |f| f.0.as_str()),
             })

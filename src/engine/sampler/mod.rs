@@ -113,7 +113,12 @@ pub struct Sampled {
     pub token: u32,
     /// The grammar allowed this token only (constrained decoding): the model chose nothing.
     pub forced: bool,
+    /// The model's log-prob of the token (log-softmax(logits / T)): what a trainer recomputes.
     pub logprob: f32,
+    /// The log-prob of the token under the distribution it was drawn from (after penalties,
+    /// biases, bans, a grammar's mask and top-k/top-p/min-p; 0 when greedy): μ for off-policy
+    /// corrections. Equal to `logprob` when nothing edited or truncated the distribution.
+    pub sampling_logprob: f32,
     pub top: Vec<TopLogprob>,
 }
 
@@ -222,15 +227,17 @@ pub fn sample_seen(
     scale_and_normalize(cpu, logits, p.temperature);
     let lp: &[f32] = logits;
     let draw_from = penalized.as_deref().unwrap_or(lp);
-    let token = if is_greedy(p.temperature) {
-        argmax(draw_from)
+    let (token, sampling_logprob) = if is_greedy(p.temperature) {
+        (argmax(draw_from), 0.0)
     } else {
-        sample_truncated(draw_from, p, rng)
+        let (t, log_kept) = sample_truncated(draw_from, p, rng);
+        (t, (draw_from[t as usize] as f64 - log_kept) as f32)
     };
     Sampled {
         token,
         forced: allowed.is_some_and(|m| m.num_set() == 1),
         logprob: lp[token as usize],
+        sampling_logprob,
         top: top_k(lp, p.top_logprobs),
     }
 }
@@ -295,7 +302,10 @@ pub fn top_k(lp: &[f32], k: usize) -> Vec<TopLogprob> {
         .collect()
 }
 
-fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
+/// Draw from log-probs `lp` after top-k/top-p/min-p: the token and the log of the probability
+/// mass kept (0 when nothing was cut: the token's probability under the truncated distribution is
+/// exp(lp[token]) / kept).
+fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> (u32, f64) {
     let (top_k, top_p) = (p.top_k, p.top_p);
     let u = rng.next_f64();
     if top_k == 0 && top_p >= 1.0 && p.min_p <= 0.0 {
@@ -305,10 +315,10 @@ fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
         for (i, v) in lp.iter().enumerate() {
             acc += (*v as f64).exp();
             if acc > target {
-                return i as u32;
+                return (i as u32, 0.0);
             }
         }
-        return argmax(lp);
+        return (argmax(lp), 0.0);
     }
     let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
     let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
@@ -341,10 +351,10 @@ fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     for j in 0..keep {
         acc += probs[j];
         if acc > target {
-            return idx[j];
+            return (idx[j], kept.ln());
         }
     }
-    idx[keep - 1]
+    (idx[keep - 1], kept.ln())
 }
 
 #[cfg(test)]

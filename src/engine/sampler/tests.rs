@@ -372,3 +372,53 @@ fn bans_follow_min_tokens_and_bad_words_and_never_leave_nothing() {
         assert!(s.token >= 2, "{}", s.token);
     }
 }
+
+/// The sampling log-prob is the token's under the distribution actually drawn from: the model's
+/// own (bit for bit) when nothing edits or truncates it; the biased distribution's with a bias;
+/// renormalized over the kept tokens with top-k; 0 when greedy.
+#[test]
+fn the_sampling_logprob_is_the_drawn_distributions() {
+    let logits = [1.0f32, 3.0, 2.0, 0.5];
+    let lse = |l: &[f64]| l.iter().map(|x| x.exp()).sum::<f64>().ln();
+    let l64: Vec<f64> = logits.iter().map(|&x| x as f64).collect();
+    let draw = |p: SamplingParams, seed: u64| {
+        let mut l = logits.to_vec();
+        sample(&cpu(), &mut l, &p, &HashMap::new(), &mut Rng::new(seed))
+    };
+    for seed in 0..20 {
+        let s = draw(SamplingParams::default(), seed);
+        assert_eq!(s.sampling_logprob.to_bits(), s.logprob.to_bits());
+        // A bias of +1 on token 0.
+        let s = draw(
+            SamplingParams {
+                logit_bias: vec![(0, 1.0)],
+                ..Default::default()
+            },
+            seed,
+        );
+        let mut b = l64.clone();
+        b[0] += 1.0;
+        let want = b[s.token as usize] - lse(&b);
+        assert!((s.sampling_logprob as f64 - want).abs() < 1e-5, "{seed}");
+        assert!((s.logprob as f64 - (l64[s.token as usize] - lse(&l64))).abs() < 1e-5);
+        // Top-k 2: tokens 1 and 2 only, renormalized.
+        let s = draw(
+            SamplingParams {
+                top_k: 2,
+                ..Default::default()
+            },
+            seed,
+        );
+        assert!(s.token == 1 || s.token == 2);
+        let want = l64[s.token as usize] - lse(&[l64[1], l64[2]]);
+        assert!((s.sampling_logprob as f64 - want).abs() < 1e-5, "{seed}");
+    }
+    let s = draw(
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        0,
+    );
+    assert_eq!(s.sampling_logprob, 0.0);
+}

@@ -230,7 +230,9 @@ impl Learner {
         let rules = Rules {
             max_off_policy_steps: env.cfg.max_off_policy_steps,
             group_timeout_secs: env.cfg.group_timeout_secs,
-            train_off_policy_samples: env.cfg.train_off_policy_samples,
+            // A correction weighs what was not drawn from the policy instead of dropping it.
+            train_off_policy_samples: env.cfg.train_off_policy_samples
+                || self.cfg.correction.is_some(),
             rolled_back: self.rolled_back.clone(),
         };
         let formed = groups::form(
@@ -273,6 +275,7 @@ impl Learner {
                     reward: m.reward.unwrap_or(0.0) as f32,
                     group: g.group_id.clone(),
                     behavior: Some(m.logprobs.clone()),
+                    sampling: (!m.sampling.is_empty()).then(|| m.sampling.clone()),
                     sampled_by_current: m.version == trains,
                     episode: m.episode.clone(),
                     forced: m.forced.clone(),
@@ -394,6 +397,7 @@ impl Learner {
         let group_size = samples.len() / num_groups.max(1);
         let mut loss = LossConfig::named(c.loss, max_len, group_size);
         loss.kl_coef = c.kl_coef;
+        loss.correction = c.correction;
         if let Objective::Clipped { eps_low, eps_high } = &mut loss.objective {
             *eps_low = c.clip_low.unwrap_or(*eps_low);
             *eps_high = c.clip_high.unwrap_or(*eps_high);

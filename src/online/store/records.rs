@@ -234,6 +234,9 @@ pub struct CompletionRecord {
     pub episode: Option<String>,
     /// Completion positions a grammar forced (constrained decoding): left out of the loss.
     pub forced: Vec<u32>,
+    /// Each token's log-prob under the distribution it was drawn from, where it differs from
+    /// `logprobs` (empty: it does not): μ for off-policy corrections.
+    pub sampling: Vec<f32>,
 }
 
 /// A stored choice, as `GET /v1/feedback/{id}` shows it.
@@ -433,6 +436,8 @@ pub struct Member {
     pub forced: Vec<u32>,
     /// Why it ended (`stop`, `length`, `repetition`, `tool_calls`).
     pub finish_reason: String,
+    /// What `CompletionRecord::sampling` holds (empty: the same as `logprobs`).
+    pub sampling: Vec<f32>,
 }
 
 /// A group's pending members.

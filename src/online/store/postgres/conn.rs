@@ -9,7 +9,7 @@ use super::*;
 /// Schema migrations, applied in order; `flywheel_meta.schema_version` is how many ran. The
 /// first is the SQLite log's schema after its four migrations; the second its fifth (the
 /// sessions and runs clients drive), the third its sixth (decisions), the fourth its seventh
-/// (steps), the fifth its eighth (agent sessions).
+/// (steps), the fifth its eighth (agent sessions), the sixth its ninth (sampling log-probs).
 const MIGRATIONS: &[&str] = &[
     "
     CREATE TABLE completions (
@@ -71,6 +71,7 @@ const MIGRATIONS: &[&str] = &[
         episode TEXT NOT NULL, ended DOUBLE PRECISION);
     CREATE INDEX agent_sessions_state ON agent_sessions (state);
 ",
+    "ALTER TABLE completions ADD COLUMN sampling BYTEA NOT NULL DEFAULT '\\x';",
 ];
 
 /// The channel a committed step is announced on (payload `adapter:version`).

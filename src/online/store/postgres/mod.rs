@@ -104,8 +104,9 @@ impl RolloutStore for PgLog {
         let st = tx.prepare(
             "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
                prompt, completion, logprobs, temperature, policy_sampled, params,
-               finish_reason, key_hash, created, episode, forced)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
+               finish_reason, key_hash, created, episode, forced, sampling)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
+                     $18)",
         )?;
         for (r, (kh, ep)) in recs.iter().zip(&rows) {
             tx.execute(
@@ -128,6 +129,7 @@ impl RolloutStore for PgLog {
                     &now,
                     ep,
                     &bytes_u32(&r.forced),
+                    &bytes_f32(&r.sampling),
                 ],
             )?;
         }
@@ -204,7 +206,7 @@ impl RolloutStore for PgLog {
         let rows = self.conn()?.query(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
                     temperature, policy_sampled, reward, rewarded_at, created, episode, forced,
-                    finish_reason
+                    finish_reason, sampling
              FROM completions
              WHERE adapter = $1 AND consumed_step IS NULL AND dropped IS NULL
                AND group_id IN (SELECT group_id FROM completions
@@ -231,6 +233,7 @@ impl RolloutStore for PgLog {
                 episode: r.get(13),
                 forced: u32s(r.get(14)),
                 finish_reason: r.get(15),
+                sampling: f32s(r.get(16)),
             };
             match out.iter_mut().find(|p| p.group_id == g) {
                 Some(p) => p.members.push(m),

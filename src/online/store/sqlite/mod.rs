@@ -95,6 +95,9 @@ const MIGRATIONS: &[&str] = &[
         max_turns INTEGER, idle_secs REAL NOT NULL, idle_reward REAL, created REAL NOT NULL,
         state TEXT NOT NULL, returns BLOB, episode TEXT NOT NULL, ended REAL);
      CREATE INDEX agent_sessions_state ON agent_sessions (state);",
+    // 9: each token's log-prob under the distribution it was drawn from, where it differs from
+    // the model's (f32 LE; empty: it does not): μ for off-policy corrections.
+    "ALTER TABLE completions ADD COLUMN sampling BLOB NOT NULL DEFAULT x'';",
 ];
 
 pub struct SqliteLog {
@@ -233,9 +236,9 @@ impl SqliteLog {
             let mut st = tx.prepare_cached(
                 "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
                    prompt, completion, logprobs, temperature, policy_sampled, params,
-                   finish_reason, key_hash, created, episode, forced)
+                   finish_reason, key_hash, created, episode, forced, sampling)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-                         ?17)",
+                         ?17, ?18)",
             )?;
             let now = now_secs();
             for r in recs {
@@ -259,6 +262,7 @@ impl SqliteLog {
                     now,
                     episode,
                     bytes_u32(&r.forced),
+                    bytes_f32(&r.sampling),
                 ])?;
             }
         }
@@ -351,7 +355,7 @@ impl SqliteLog {
         let mut st = c.prepare_cached(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
                     temperature, policy_sampled, reward, rewarded_at, created, episode, forced,
-                    finish_reason
+                    finish_reason, sampling
              FROM completions
              WHERE adapter = ?1 AND consumed_step IS NULL AND dropped IS NULL
                AND group_id IN (SELECT group_id FROM completions
@@ -379,6 +383,7 @@ impl SqliteLog {
                     episode: r.get(13)?,
                     forced: u32s(&r.get::<_, Vec<u8>>(14)?),
                     finish_reason: r.get(15)?,
+                    sampling: f32s(&r.get::<_, Vec<u8>>(16)?),
                 },
             ))
         })?;
