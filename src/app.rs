@@ -294,6 +294,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     let cpu = Arc::new(cpu);
     let compute = Compute {
         model: model.clone(),
+        tokenizer: tokenizer.clone(),
         cpu: cpu.clone(),
         registry: registry.clone(),
         evaluator: Default::default(),

@@ -76,6 +76,7 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
             1.0,
             ACTIVATION_BUDGET,
             usize::MAX,
+            None,
         )
         .unwrap();
         assert!(stats.loss.is_finite());
@@ -116,6 +117,7 @@ fn grpo_step(
         1.0,
         ACTIVATION_BUDGET,
         usize::MAX,
+        None,
     )
     .unwrap();
     next
@@ -181,6 +183,7 @@ fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
                 1.0,
                 ACTIVATION_BUDGET,
                 max_tokens,
+                None,
             )
             .unwrap()
         };

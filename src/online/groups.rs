@@ -132,11 +132,13 @@ pub fn form(
             g.members.into_iter().partition(|m| m.reward.is_some());
         drop(&mut plan, DropReason::Timeout, &late);
         g.members = keep;
-        if units(g.members.iter()) < 2 {
+        // Distillation's signal is the teacher's, per token: one sample is enough.
+        let distill = loss == LossName::Distill;
+        if !distill && units(g.members.iter()) < 2 {
             drop(&mut plan, DropReason::Single, &g.members);
             continue;
         }
-        if !has_signal(&g, loss) {
+        if !distill && !has_signal(&g, loss) {
             drop(&mut plan, DropReason::NoVariance, &g.members);
             continue;
         }

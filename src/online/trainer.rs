@@ -52,6 +52,8 @@ const MAX_STEPS_IN_A_ROW: usize = 16;
 #[derive(Clone)]
 pub struct Compute {
     pub model: Arc<Decoder>,
+    /// The model's tokenizer (a distilling adapter's teacher prompt).
+    pub tokenizer: Arc<crate::model::tokenizer::Tokenizer>,
     pub cpu: Arc<Cpu>,
     pub registry: Arc<Registry>,
     /// Runs evaluation sets' requests (set by the server once it serves).
@@ -203,6 +205,7 @@ impl TrainerHandle {
                 cfg: cfg.clone(),
                 log: log.clone(),
                 model: compute.model,
+                tokenizer: compute.tokenizer,
                 cpu: Arc::new(compute.cpu.background()),
                 registry: compute.registry,
                 metrics: metrics.clone(),
@@ -354,6 +357,13 @@ impl TrainerHandle {
 
     pub fn is_learning(&self, name: &str) -> bool {
         self.read().contains_key(name)
+    }
+
+    /// Whether learning adapter `name` distills (its completions need no reward).
+    pub fn distills(&self, name: &str) -> bool {
+        self.read()
+            .get(name)
+            .is_some_and(|s| s.config.loss == crate::train::loss::LossName::Distill)
     }
 
     /// The repetition rule learning adapter `name`'s requests run with unless they say.

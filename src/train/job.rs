@@ -118,6 +118,10 @@ pub fn run(
         .loss
         .parse()
         .map_err(|e| anyhow::anyhow!("--loss {e}"))?;
+    anyhow::ensure!(
+        loss != LossName::Distill,
+        "--loss distill needs a teacher: a learning adapter's teacher_prompt (serve --learn)"
+    );
     let mut cfg = LossConfig::named(loss, max_len, samples.len().max(1));
     cfg.kl_coef = job.kl_coef;
     let (mut w, mut opt) = start_state(&job.start, &model.config, &job.base_model)?;
@@ -144,6 +148,7 @@ pub fn run(
             job.temperature,
             job.activation_budget,
             usize::MAX,
+            None,
         )?;
         w = nw;
         on_step(&stats)?;

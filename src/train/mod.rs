@@ -3,6 +3,7 @@
 //! the online trainer's) and an offline job (`job`).
 
 pub mod correction;
+pub mod distill;
 pub mod job;
 pub mod loss;
 pub mod offline;

@@ -2,6 +2,7 @@
 //! SFT) → group advantages → the loss → train forward/backward → AdamW, one step per batch of
 //! groups, one JSON line of statistics per step. The online trainer will call the same `step`.
 
+use super::distill::{teacher_advantages, Teacher};
 use super::loss::{policy_loss, unit_advantages, LossConfig, LossName, SeqInput};
 use super::optim::AdamW;
 use super::pack::Packed;
@@ -44,7 +45,7 @@ pub struct Batch<'a> {
 
 /// Group the samples (in order of first appearance) and give each usable group its advantages;
 /// groups without reward variance are dropped (no signal), except for SFT where every sample
-/// counts with advantage 1.
+/// counts with advantage 1, and distillation where the teacher's token advantages are the signal.
 pub fn grouped<'a>(samples: &'a [Sample], loss_name: LossName) -> Vec<Batch<'a>> {
     let mut order: Vec<&str> = Vec::new();
     for s in samples {
@@ -59,6 +60,9 @@ pub fn grouped<'a>(samples: &'a [Sample], loss_name: LossName) -> Vec<Batch<'a>>
             let members: Vec<&Sample> = samples.iter().filter(|s| s.group == g).collect();
             let advantages = if loss_name == LossName::Sft {
                 vec![1.0; members.len()]
+            } else if loss_name == LossName::Distill {
+                // Only the teacher's token advantages (`distill`).
+                vec![0.0; members.len()]
             } else {
                 let rewards: Vec<f32> = members.iter().map(|s| s.reward).collect();
                 let units: Vec<Option<&str>> =
@@ -106,6 +110,9 @@ pub struct StepStats {
     /// The largest |train − serve| log-prob over samples drawn from these very weights.
     pub logprob_diff_max: Option<f64>,
     pub tokens_per_second: f64,
+    /// Distillation: the mean per-token reverse KL estimate log π − log π_teacher over the step's
+    /// tokens, before the step.
+    pub teacher_kl: Option<f64>,
 }
 
 /// One optimizer step on `groups`: returns the new adapter version's weights and the statistics.
@@ -126,6 +133,7 @@ pub fn step(
     temperature: f32,
     activation_budget: usize,
     max_tokens: usize,
+    teacher: Option<&Teacher>,
 ) -> anyhow::Result<(AdapterWeights, StepStats)> {
     let t0 = Instant::now();
     let samples: Vec<&Sample> = groups
@@ -169,6 +177,9 @@ pub fn step(
     } else {
         None
     };
+    let taught = teacher
+        .map(|t| teacher_advantages(model, cpu, &samples, &logps, t, temperature, max_tokens))
+        .transpose()?;
     let inputs: Vec<SeqInput> = samples
         .iter()
         .enumerate()
@@ -179,6 +190,7 @@ pub fn step(
             // A correction's π_old is this forward's log-probs, detached.
             old_logp: loss.correction.map(|_| logps[i].as_slice()),
             mu: s.sampling.as_deref(),
+            token_advantage: taught.as_ref().map(|(a, _)| a[i].as_slice()),
             advantage: advantages[i],
         })
         .collect();
@@ -267,6 +279,7 @@ pub fn step(
                 .unwrap_or(0),
             logprob_diff_max: diff,
             tokens_per_second: num_tokens as f64 / secs,
+            teacher_kl: taught.map(|(_, kl)| kl),
         },
     ))
 }

@@ -42,6 +42,7 @@ pub struct Env {
     pub cfg: OnlineConfig,
     pub log: Arc<dyn RolloutStore>,
     pub model: Arc<Decoder>,
+    pub tokenizer: Arc<crate::model::tokenizer::Tokenizer>,
     pub cpu: Arc<Cpu>,
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,

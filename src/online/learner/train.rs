@@ -19,6 +19,7 @@ use crate::online::guard::StepPoint;
 use crate::online::store::records::PendingGroup;
 use crate::online::store::records::{Checkpoint, Lineage};
 use crate::policy::is_greedy;
+use crate::train::distill::Teacher;
 use crate::train::loss::{LossConfig, Objective};
 use crate::train::offline::{grouped, step, Sample, StepStats};
 use crate::train::optim::{AdamW, AdamWConfig};
@@ -307,6 +308,15 @@ impl Learner {
         // The step's own work between its kernels counts as background work too: the grant
         // serving's steps give training is not lost to those gaps (kernels' `gate`).
         let _work = env.cpu.pool.gate.background_work();
+        let teacher = match &self.cfg.teacher_prompt {
+            Some(p) => Some(Teacher {
+                prefix: env.tokenizer.encode_with(p, false).map_err(|e| {
+                    TrainError::new(ErrorKind::Step, format!("teacher_prompt: {e}"))
+                })?,
+                weight: self.cfg.distill_weight.unwrap_or(1.0),
+            }),
+            None => None,
+        };
         let (next, stats) = step(
             &env.model,
             &env.cpu,
@@ -317,6 +327,7 @@ impl Learner {
             plan.temperature,
             env.cfg.activation_mb << 20,
             env.cfg.max_step_tokens,
+            teacher.as_ref(),
         )
         .map_err(|e| TrainError::new(ErrorKind::Step, e))?;
         Ok((next, opt, stats))

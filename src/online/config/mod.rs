@@ -90,6 +90,13 @@ pub struct RawLearn {
     /// mis, icepop: the band kept (default [0.5, 2]).
     pub correction_low: Option<f32>,
     pub correction_high: Option<f32>,
+    /// On-policy distillation's teacher: the base model reading this text before each prompt
+    /// (its tokens as the model's tokenizer reads them, special tokens included: write it in the
+    /// chat template's form, e.g. a system turn). With `loss = "distill"`, or a `distill_weight`.
+    pub teacher_prompt: Option<String>,
+    /// The teacher's per-token advantage weight (default 1 with loss "distill"; with a reward
+    /// loss, the teacher's advantage is added to the reward's with this weight).
+    pub distill_weight: Option<f32>,
 }
 
 /// `stop_on_repetition` as written: a switch or a rule.
@@ -241,6 +248,9 @@ pub struct LearnConfig {
     pub repetition_reward: Option<f64>,
     /// The off-policy correction its loss applies (None: none).
     pub correction: Option<Correction>,
+    /// On-policy distillation's teacher prompt, and its advantage's weight (None: no teacher).
+    pub teacher_prompt: Option<String>,
+    pub distill_weight: Option<f32>,
 }
 
 /// A setting of `[online]` that cannot be honoured: its key (under `online.`) and why.
@@ -402,7 +412,7 @@ impl RawLearn {
                 let loss = self.loss.unwrap_or_default();
                 return Err((
                     "loss",
-                    format!("'{loss}': grpo, dapo, dr_grpo, gspo or masked_is"),
+                    format!("'{loss}': grpo, dapo, dr_grpo, gspo, masked_is or distill"),
                 ));
             }
         };
@@ -479,6 +489,8 @@ impl RawLearn {
                 .map_err(|e| ("stop_on_repetition", e))?
                 .flatten(),
             repetition_reward: self.repetition_reward,
+            teacher_prompt: self.teacher_prompt,
+            distill_weight: self.distill_weight,
             correction: match self.correction.as_deref() {
                 None | Some("none") => {
                     for (k, given) in [
@@ -517,6 +529,38 @@ impl RawLearn {
                 }
             },
         };
+        match (&c.teacher_prompt, c.distill_weight, c.loss) {
+            (None, _, LossName::Distill) => {
+                return Err((
+                    "teacher_prompt",
+                    "loss \"distill\" learns from a teacher: give its teacher_prompt".into(),
+                ))
+            }
+            (None, Some(_), _) => {
+                return Err((
+                    "distill_weight",
+                    "is set, and there is no teacher_prompt".into(),
+                ))
+            }
+            (Some(_), None, l) if l != LossName::Distill => {
+                return Err((
+                    "teacher_prompt",
+                    "is set: use loss \"distill\", or mix the teacher in with distill_weight"
+                        .into(),
+                ))
+            }
+            (Some(p), _, _) if p.is_empty() => return Err(("teacher_prompt", "is empty".into())),
+            (Some(_), _, LossName::Gspo) => {
+                return Err((
+                    "teacher_prompt",
+                    "gspo's ratio is per sequence; a teacher's advantages are per token".into(),
+                ))
+            }
+            (_, Some(w), _) if !(w > 0.0 && w.is_finite()) => {
+                return Err(("distill_weight", "must be a finite number > 0".into()))
+            }
+            _ => {}
+        }
         if c.repetition_reward.is_some_and(|r| !r.is_finite()) {
             return Err(("repetition_reward", "must be a finite number".into()));
         }
@@ -539,53 +583,4 @@ impl RawLearn {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Method and loss are checked once, into types, and shown as they were written.
-    #[test]
-    fn method_and_loss_are_typed_and_shown_as_written() {
-        let raw = |method: Option<&str>, loss: Option<&str>| RawLearn {
-            name: "a".into(),
-            method: method.map(Into::into),
-            loss: loss.map(Into::into),
-            ..RawLearn::default()
-        };
-        let c = raw(None, None).validate().unwrap();
-        assert_eq!((c.method, c.loss), (LearnMethod::Oft, LossName::Grpo));
-        let c = raw(Some("lora"), Some("dr_grpo")).validate().unwrap();
-        assert_eq!((c.method, c.loss), (LearnMethod::Lora, LossName::DrGrpo));
-        let shown = serde_json::to_value(&c).unwrap();
-        assert_eq!(
-            (&shown["method"], &shown["loss"]),
-            (&"lora".into(), &"dr_grpo".into())
-        );
-        assert_eq!(c.method.size_setting(), "lora_r");
-        let e = raw(Some("dora"), None).validate().unwrap_err();
-        assert_eq!(e, ("method", "'dora': oft or lora".to_string()));
-        for bad in ["sft", "ppo"] {
-            let e = raw(None, Some(bad)).validate().unwrap_err();
-            assert_eq!(e.0, "loss");
-            assert!(e.1.starts_with(&format!("'{bad}': grpo")), "{}", e.1);
-        }
-    }
-
-    #[test]
-    fn urls_and_options_are_checked() {
-        let none = std::collections::BTreeMap::new();
-        assert!(check_url("file:///tmp/x", &none).is_ok());
-        assert!(check_url("s3://bucket/some/prefix", &none).is_ok());
-        assert!(check_url("s3://bucket", &none).is_ok());
-        for bad in ["file://relative", "s3:///prefix", "gs://b/p", "/tmp/x"] {
-            assert!(check_url(bad, &none).is_err(), "{bad}");
-        }
-        let mut opts = std::collections::BTreeMap::new();
-        opts.insert("aws_endpoint".to_string(), "http://127.0.0.1:9".to_string());
-        assert!(check_url("s3://b/p", &opts).is_ok());
-        let e = check_url("file:///tmp/x", &opts).unwrap_err().to_string();
-        assert!(e.contains("aws_endpoint"), "{e}");
-        opts.insert("endpointt".to_string(), "x".to_string());
-        let e = check_url("s3://b/p", &opts).unwrap_err().to_string();
-        assert!(e.contains("endpointt"), "{e}");
-    }
-}
+mod tests;
