@@ -5,8 +5,7 @@
 //! learning to answer without the prompt as the base does with it. Its log-probs come from the
 //! trainer's own forward (`Decoder::logprobs`, the arithmetic prompt scoring uses).
 
-use super::offline::{micro_batches, Sample};
-use super::pack::Packed;
+use super::pack::{micro_batches, Packed};
 use crate::model::decoder::Decoder;
 use flywheel_kernels::Cpu;
 
@@ -17,13 +16,13 @@ pub struct Teacher {
     pub weight: f32,
 }
 
-/// Each sample's per-token teacher advantage and the mean reverse-KL estimate
+/// Each sample's (prompt, completion) per-token teacher advantage and the mean reverse-KL estimate
 /// (1/N) Σ_t (log π_student − log π_teacher) over every token, given the student's log-probs
 /// `student` (the step's forward).
 pub fn teacher_advantages(
     model: &Decoder,
     cpu: &Cpu,
-    samples: &[&Sample],
+    samples: &[(&[u32], &[u32])],
     student: &[Vec<f32>],
     teacher: &Teacher,
     temperature: f32,
@@ -31,12 +30,12 @@ pub fn teacher_advantages(
 ) -> anyhow::Result<(Vec<Vec<f32>>, f64)> {
     let prompts: Vec<Vec<u32>> = samples
         .iter()
-        .map(|s| [teacher.prefix.as_slice(), s.prompt.as_slice()].concat())
+        .map(|(p, _)| [teacher.prefix.as_slice(), p].concat())
         .collect();
     let pairs: Vec<(&[u32], &[u32])> = samples
         .iter()
         .zip(&prompts)
-        .map(|(s, p)| (p.as_slice(), s.completion.as_slice()))
+        .map(|((_, c), p)| (p.as_slice(), *c))
         .collect();
     let mut lp: Vec<Vec<f32>> = Vec::with_capacity(samples.len());
     for r in micro_batches(&pairs, max_tokens) {

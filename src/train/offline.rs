@@ -5,6 +5,7 @@
 use super::distill::{teacher_advantages, Teacher};
 use super::loss::{policy_loss, unit_advantages, LossConfig, LossName, SeqInput};
 use super::optim::AdamW;
+pub use super::pack::micro_batches;
 use super::pack::Packed;
 use crate::adapter::AdapterWeights;
 use crate::model::decoder::Decoder;
@@ -178,7 +179,7 @@ pub fn step(
         None
     };
     let taught = teacher
-        .map(|t| teacher_advantages(model, cpu, &samples, &logps, t, temperature, max_tokens))
+        .map(|t| teacher_advantages(model, cpu, &pairs, &logps, t, temperature, max_tokens))
         .transpose()?;
     let inputs: Vec<SeqInput> = samples
         .iter()
@@ -282,25 +283,6 @@ pub fn step(
             teacher_kl: taught.map(|(_, kl)| kl),
         },
     ))
-}
-
-/// Consecutive runs of samples of at most `max_tokens` tokens each (prompt + completion); a
-/// sample longer than that is a run of its own.
-pub fn micro_batches(pairs: &[(&[u32], &[u32])], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
-    let (mut start, mut tokens) = (0, 0);
-    for (i, (p, c)) in pairs.iter().enumerate() {
-        let n = p.len() + c.len();
-        if i > start && tokens + n > max_tokens {
-            out.push(start..i);
-            (start, tokens) = (i, 0);
-        }
-        tokens += n;
-    }
-    if start < pairs.len() {
-        out.push(start..pairs.len());
-    }
-    out
 }
 
 /// The population standard deviation of `x` (0 when empty).

@@ -65,6 +65,25 @@ impl Packed {
     }
 }
 
+/// Consecutive runs of samples of at most `max_tokens` tokens each (prompt + completion); a
+/// sample longer than that is a run of its own.
+pub fn micro_batches(pairs: &[(&[u32], &[u32])], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, (p, c)) in pairs.iter().enumerate() {
+        let n = p.len() + c.len();
+        if i > start && tokens + n > max_tokens {
+            out.push(start..i);
+            (start, tokens) = (i, 0);
+        }
+        tokens += n;
+    }
+    if start < pairs.len() {
+        out.push(start..pairs.len());
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
