@@ -175,6 +175,8 @@ fn idle_sessions_end_by_their_timeout_and_max_turns_bounds_a_session() {
     let r = turn(&s, &ck, "again", &[]);
     assert_eq!(r.status, 409, "{}", r.body_text());
     assert_eq!(r.json()["error"]["code"], "session_max_turns");
+    // Its key still reaches the routes that make no turn.
+    assert_eq!(call(&s, "GET", "/v1/models", None, &ck).status, 200);
     // Idle: one ends with its turn dropped, the other is rewarded with its idle reward.
     let v = wait_session(&s, &dropped, |v| v["state"] != "open");
     assert_eq!(v["state"], "ended", "{v}");

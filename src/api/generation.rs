@@ -136,6 +136,7 @@ fn in_session(
     params: &mut CommonParams,
     t: &SessionTurn,
 ) -> Result<Pinned, ApiError> {
+    t.check_turns()?;
     for (field, given) in [
         ("episode", params.episode.is_some()),
         ("group", params.group.is_some()),

@@ -36,9 +36,29 @@ pub struct SessionTurn {
     pub owner: String,
     pub adapter: String,
     pub group: String,
+    /// Its turns logged so far, and how many it may have.
+    pub turns: u32,
+    pub max_turns: Option<u32>,
 }
 
 impl SessionTurn {
+    /// 409 when the session has had its `max_turns` (checked where a turn is made, not on the
+    /// other routes its key reaches).
+    pub fn check_turns(&self) -> Result<(), ApiError> {
+        match self.max_turns.filter(|&m| self.turns >= m) {
+            Some(max) => Err(ApiError {
+                code: Some("session_max_turns"),
+                ..ApiError::conflict(
+                    HEADER,
+                    format!(
+                        "session '{}' has had its {max} turns (max_turns); reward it",
+                        self.id
+                    ),
+                )
+            }),
+            None => Ok(()),
+        }
+    }
     /// What the turn is logged under in place of a key.
     pub fn principal(&self) -> String {
         sessions::principal(&self.id)
@@ -126,23 +146,13 @@ pub async fn turn_of(
             )
         });
     }
-    if let Some(max) = s.max_turns.filter(|&m| v.turns >= m) {
-        return Err(ApiError {
-            code: Some("session_max_turns"),
-            ..ApiError::conflict(
-                HEADER,
-                format!(
-                    "session '{}' has had its {max} turns (max_turns); reward it",
-                    s.id
-                ),
-            )
-        });
-    }
     Ok(Some(SessionTurn {
         id: s.id.clone(),
         owner: s.owner.clone(),
         adapter: s.adapter.clone(),
         group: s.group.clone(),
+        turns: v.turns,
+        max_turns: s.max_turns,
     }))
 }
 
