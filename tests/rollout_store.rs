@@ -43,6 +43,7 @@ fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
         episode: None,
         forced: vec![1],
         sampling: vec![],
+        reward: None,
     }
 }
 
@@ -485,4 +486,27 @@ fn a_deleted_or_truncated_database_is_noticed_and_stays_unusable() {
         ));
         assert!(log.check().is_err(), "{how}");
     }
+}
+
+/// A completion logged with its reward (a distilling adapter's) is rewarded at once: pending
+/// for the trainer with it, and a client's other reward for it is a conflict.
+#[test]
+fn a_completion_logged_rewarded_is_pending_with_its_reward() {
+    on_both(|kind, place| {
+        let log = place.open();
+        let r = CompletionRecord {
+            reward: Some(0.0),
+            ..rec("d1", 0, "k")
+        };
+        log.log_completions(&[r]).unwrap();
+        let g = log.pending_groups("a").unwrap();
+        assert_eq!(g.len(), 1, "{kind}");
+        assert_eq!(g[0].members[0].reward, Some(0.0), "{kind}");
+        assert!(g[0].members[0].rewarded_at.is_some(), "{kind}");
+        let again = log.post_rewards(&[reward("d1", 0, 1.0)], "k", false, &running());
+        assert!(
+            matches!(again, Err(FeedbackError::Conflict { .. })),
+            "{kind}"
+        );
+    });
 }

@@ -177,6 +177,7 @@ fn agent_sessions_keep_their_turns_and_are_rewarded_or_ended_once() {
             episode: Some(session.into()),
             forced: vec![],
             sampling: vec![],
+            reward: None,
         };
         for (id, s) in [("t1", "s1"), ("t2", "s1"), ("u1", "s2")] {
             log.log_completions(&[turn(id, s)]).unwrap();

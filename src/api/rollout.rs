@@ -6,7 +6,7 @@
 use super::error::ApiError;
 use super::job::Job;
 use crate::online::start::Learning;
-use crate::online::store::records::{CompletionRecord, GroupKey, LoggedParams, Reward};
+use crate::online::store::records::{CompletionRecord, GroupKey, LoggedParams};
 use crate::policy::is_greedy;
 
 /// One choice as served.
@@ -75,6 +75,9 @@ pub async fn log_choices(
     .encode();
     // Greedy answers are not draws from the policy either.
     let policy_sampled = sp.samples_the_policy() && !is_greedy(sp.temperature);
+    // A distilling adapter learns from its teacher: its completions (outside episodes, which
+    // their clients reward) are recorded rewarded with 0, in the same transaction.
+    let distilled = online.trainer.distills(&a.name) && p.episode.is_none();
     let recs: Vec<CompletionRecord> = choices
         .iter()
         .enumerate()
@@ -101,34 +104,12 @@ pub async fn log_choices(
             finish_reason: c.finish_reason.into(),
             key: job.key.clone(),
             episode: p.episode.clone(),
+            reward: distilled.then_some(0.0),
         })
         .collect();
     let (log, n, name) = (online.store.clone(), recs.len(), a.name.to_string());
-    // A distilling adapter learns from its teacher: its completions (outside episodes, which
-    // their clients reward) are recorded rewarded at once, with 0.
-    let distilled: Vec<Reward> = match online.trainer.distills(&name) && p.episode.is_none() {
-        true => recs
-            .iter()
-            .map(|r| Reward {
-                id: r.id.clone(),
-                choice: r.choice,
-                reward: 0.0,
-            })
-            .collect(),
-        false => Vec::new(),
-    };
-    let (key, accepting) = (job.key.clone(), online.trainer.accepting());
-    let wake = !distilled.is_empty();
-    super::state::blocking(move || {
-        log.log_completions(&recs).map_err(ApiError::from)?;
-        if !distilled.is_empty() {
-            log.post_rewards(&distilled, &key, false, &accepting)
-                .map_err(|e| ApiError::internal(e.to_string()))?;
-        }
-        Ok(())
-    })
-    .await?;
-    if wake {
+    super::state::blocking(move || log.log_completions(&recs).map_err(ApiError::from)).await?;
+    if distilled {
         online.trainer.notify();
     }
     online

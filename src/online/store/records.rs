@@ -237,6 +237,9 @@ pub struct CompletionRecord {
     /// Each token's log-prob under the distribution it was drawn from, where it differs from
     /// `logprobs` (empty: it does not): μ for off-policy corrections.
     pub sampling: Vec<f32>,
+    /// A reward recorded with it (a distilling adapter's completions need none from a client:
+    /// 0, at once); None: rewarded later, by its client.
+    pub reward: Option<f64>,
 }
 
 /// A stored choice, as `GET /v1/feedback/{id}` shows it.

@@ -14,7 +14,7 @@
 //!   (their errors are 503s: nothing was acknowledged). Called from blocking threads only.
 
 use super::records::{
-    already_consumed, Checkpoint, Decision, Lineage, RunRecord, SessionRecord, StepRow,
+    already_consumed, episode_key, Checkpoint, Decision, Lineage, RunRecord, SessionRecord, StepRow,
 };
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
@@ -66,12 +66,6 @@ fn lock_episodes(tx: &mut Transaction, keys: &mut Vec<String>) -> Result<(), pos
     Ok(())
 }
 
-impl PgLog {
-    fn episode_key(&self, key_hash: &str, episode: &str) -> String {
-        super::records::episode_key(key_hash, episode)
-    }
-}
-
 impl RolloutStore for PgLog {
     fn kind(&self) -> &'static str {
         "postgres"
@@ -95,7 +89,7 @@ impl RolloutStore for PgLog {
             .iter()
             .map(|r| {
                 let kh = self.key_hash(&r.key);
-                let ep = r.episode.as_ref().map(|e| self.episode_key(&kh, e));
+                let ep = r.episode.as_ref().map(|e| episode_key(&kh, e));
                 episodes.extend(ep.clone());
                 (kh, ep)
             })
@@ -104,9 +98,9 @@ impl RolloutStore for PgLog {
         let st = tx.prepare(
             "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
                prompt, completion, logprobs, temperature, policy_sampled, params,
-               finish_reason, key_hash, created, episode, forced, sampling)
+               finish_reason, key_hash, created, episode, forced, sampling, reward, rewarded_at)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                     $18)",
+                     $18, $19, $20)",
         )?;
         for (r, (kh, ep)) in recs.iter().zip(&rows) {
             tx.execute(
@@ -130,8 +124,14 @@ impl RolloutStore for PgLog {
                     ep,
                     &bytes_u32(&r.forced),
                     &bytes_f32(&r.sampling),
+                    &r.reward,
+                    &r.reward.map(|_| now),
                 ],
             )?;
+        }
+        // Completions logged rewarded (a distilling adapter's): the trainer hears of them.
+        if recs.iter().any(|r| r.reward.is_some()) {
+            announce_rewards(&mut tx)?;
         }
         // A turn logged after its episode was rewarded takes the episode's reward.
         if !episodes.is_empty() {
@@ -286,7 +286,7 @@ impl RolloutStore for PgLog {
         key: &str,
         accepts: Accepts,
     ) -> Result<bool, FeedbackError> {
-        let ep = self.episode_key(&self.key_hash(key), episode);
+        let ep = episode_key(&self.key_hash(key), episode);
         let mut c = self.conn()?;
         let mut tx = c.transaction()?;
         lock_episodes(&mut tx, &mut vec![ep.clone()])?;
@@ -323,7 +323,7 @@ impl RolloutStore for PgLog {
     }
 
     fn last_turn(&self, episode: &str, key: &str) -> Result<Option<Turn>, LogError> {
-        let ep = self.episode_key(&self.key_hash(key), episode);
+        let ep = episode_key(&self.key_hash(key), episode);
         let row = self.conn()?.query_opt(
             "SELECT prompt, completion FROM completions WHERE episode = $1
              ORDER BY created DESC, id DESC, choice DESC LIMIT 1",
@@ -333,7 +333,7 @@ impl RolloutStore for PgLog {
     }
 
     fn episode_feedback(&self, episode: &str, key: &str) -> Result<EpisodeFeedback, LogError> {
-        let ep = self.episode_key(&self.key_hash(key), episode);
+        let ep = episode_key(&self.key_hash(key), episode);
         let mut c = self.conn()?;
         let turns = c
             .query(

@@ -236,9 +236,10 @@ impl SqliteLog {
             let mut st = tx.prepare_cached(
                 "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
                    prompt, completion, logprobs, temperature, policy_sampled, params,
-                   finish_reason, key_hash, created, episode, forced, sampling)
+                   finish_reason, key_hash, created, episode, forced, sampling, reward,
+                   rewarded_at)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-                         ?17, ?18)",
+                         ?17, ?18, ?19, ?20)",
             )?;
             let now = now_secs();
             for r in recs {
@@ -263,6 +264,8 @@ impl SqliteLog {
                     episode,
                     bytes_u32(&r.forced),
                     bytes_f32(&r.sampling),
+                    r.reward,
+                    r.reward.map(|_| now),
                 ])?;
             }
         }
