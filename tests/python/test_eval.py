@@ -27,6 +27,25 @@ def chat(base, model, content, max_tokens):
     return r["choices"][0]["message"]["content"], r
 
 
+def one_step(base, reward):
+    """Four samples of "Describe the sea." rewarded by `reward(choice)`; the status once the
+    first step is taken."""
+    st, _, body = http("POST", base + "/v1/chat/completions", {
+        "model": "brief", "n": 4, "max_tokens": 12, "temperature": 1.0,
+        "messages": [{"role": "user", "content": "Describe the sea."}]})
+    assert st == 200, body
+    r = json.loads(body)
+    items = [{"id": r["id"], "choice": c["index"], "reward": reward(c)} for c in r["choices"]]
+    assert http("POST", base + "/v1/feedback", items)[0] == 202
+    deadline = time.time() + 120
+    while True:
+        s = json.loads(http("GET", base + "/v1/train/status")[2])["adapters"]["brief"]
+        if s["steps"] >= 1:
+            return s
+        assert time.time() < deadline, s
+        time.sleep(0.2)
+
+
 def mark(verdict, top):
     m = re.search(r"\d+(\.\d+)?", verdict)
     return min(1.0, float(m.group(0)) / top) if m else 0.0
@@ -52,20 +71,7 @@ def test_judge_and_contains_scores_are_what_a_client_computes(tmp_path):
         expected = [mark(verdict, 9), 1.0 if "blue" in answer.lower() else 0.0]
         print("answer:", repr(answer), "verdict:", repr(verdict), "expected:", expected)
         # One step: the incumbent (version 1) and the candidate are evaluated.
-        st, _, body = http("POST", base + "/v1/chat/completions", {
-            "model": "brief", "n": 4, "max_tokens": 12, "temperature": 1.0,
-            "messages": [{"role": "user", "content": "Describe the sea."}]})
-        r = json.loads(body)
-        items = [{"id": r["id"], "choice": c["index"],
-                  "reward": 1.0 / (1 + len(c["message"]["content"]))} for c in r["choices"]]
-        assert http("POST", base + "/v1/feedback", items)[0] == 202
-        deadline = time.time() + 120
-        while True:
-            s = json.loads(http("GET", base + "/v1/train/status")[2])["adapters"]["brief"]
-            if s["steps"] >= 1:
-                break
-            assert time.time() < deadline, s
-            time.sleep(0.2)
+        s = one_step(base, lambda c: 1.0 / (1 + len(c["message"]["content"])))
         assert s["eval_scores"]["1"] == sum(expected) / 2, (s["eval_scores"], expected)
         # The candidate's items, reproduced the same way on the version now serving.
         v = s["version"]
@@ -109,19 +115,6 @@ def test_a_tool_call_item_scores_what_the_openai_sdk_gets(tmp_path):
                           and json.loads(t.function.arguments).get("city") == "Paris"
                           for t in calls) else 0.0
         print("calls:", [(t.function.name, t.function.arguments) for t in calls], "want:", want)
-        st, _, body = http("POST", base + "/v1/chat/completions", {
-            "model": "brief", "n": 4, "max_tokens": 12, "temperature": 1.0,
-            "messages": [{"role": "user", "content": "Describe the sea."}]})
-        r = json.loads(body)
-        items = [{"id": r["id"], "choice": ch["index"], "reward": float(ch["index"] % 2)}
-                 for ch in r["choices"]]
-        assert http("POST", base + "/v1/feedback", items)[0] == 202
-        deadline = time.time() + 120
-        while True:
-            s = json.loads(http("GET", base + "/v1/train/status")[2])["adapters"]["brief"]
-            if s["steps"] >= 1:
-                break
-            assert time.time() < deadline, s
-            time.sleep(0.2)
+        s = one_step(base, lambda c: float(c["index"] % 2))
         # Version 1 (the identity) was scored as the incumbent of the first step.
         assert s["eval_scores"]["1"] == want, (s["eval_scores"], want)
