@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-fn is_admin(state: &AppState, headers: &HeaderMap) -> bool {
+pub(super) fn is_admin(state: &AppState, headers: &HeaderMap) -> bool {
     state
         .admin_key
         .as_deref()
@@ -52,20 +52,24 @@ fn parse_reward(
     lo: f64,
     hi: f64,
 ) -> Result<f64, ApiError> {
+    match o.get("reward") {
+        Some(v) => reward_value(v, param, lo, hi),
+        None => Err(ApiError::invalid(param, "'reward' is required")),
+    }
+}
+
+/// A reward value: a finite number in [lo, hi] (`param` names it in errors).
+pub(super) fn reward_value(v: &Value, param: &str, lo: f64, hi: f64) -> Result<f64, ApiError> {
     // NaN and infinities are not JSON numbers (the body is refused); huge ones are, and are
     // out of range.
-    let reward = match o.get("reward") {
-        Some(Value::Number(n)) => n.as_f64().unwrap_or(f64::NAN),
-        Some(_) => return Err(ApiError::invalid(param, "'reward' must be a number")),
-        None => return Err(ApiError::invalid(param, "'reward' is required")),
+    let reward = match v {
+        Value::Number(n) => n.as_f64().unwrap_or(f64::NAN),
+        _ => return Err(ApiError::invalid(param, "'reward' must be a number")),
     };
     if !(reward.is_finite() && (lo..=hi).contains(&reward)) {
         return Err(ApiError::invalid(
             param,
-            format!(
-                "'reward' is {}; it must be a finite number in [{lo}, {hi}]",
-                o["reward"]
-            ),
+            format!("'reward' is {v}; it must be a finite number in [{lo}, {hi}]"),
         ));
     }
     Ok(reward)

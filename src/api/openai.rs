@@ -44,7 +44,7 @@ impl<'a> Fields<'a> {
             .transpose()
     }
 
-    /// A number in `lo..=hi` (open ends when `open`).
+    /// A number in `lo..=hi` (open ends when `open`), as f32.
     pub fn f32_in(
         &self,
         name: &str,
@@ -52,6 +52,17 @@ impl<'a> Fields<'a> {
         hi: f64,
         lo_open: bool,
     ) -> Result<Option<f32>, ApiError> {
+        Ok(self.f64_in(name, lo, hi, lo_open)?.map(|x| x as f32))
+    }
+
+    /// A number in `lo..=hi` (open ends when `open`).
+    pub fn f64_in(
+        &self,
+        name: &str,
+        lo: f64,
+        hi: f64,
+        lo_open: bool,
+    ) -> Result<Option<f64>, ApiError> {
         let Some(x) = self.f64(name)? else {
             return Ok(None);
         };
@@ -68,7 +79,7 @@ impl<'a> Fields<'a> {
                 format!("'{name}' is {x}; it must be in {lb}{lo}, {hi}"),
             ));
         }
-        Ok(Some(x as f32))
+        Ok(Some(x))
     }
 
     /// An integer as JSON Schema's `integer` reads it: integral numbers, also written as floats

@@ -6,8 +6,9 @@
 
 use super::body::JsonBody;
 use super::error::{clip, ApiError, Rewarded};
+use super::feedback::reward_value;
 use super::openai::Fields;
-use super::state::{bearer_of, blocking, key_matches, AppState};
+use super::state::{bearer_of, blocking, AppState};
 use crate::online::sessions::{
     self, AgentSession, SessionReward, SessionState, SessionView, DEFAULT_GROUP, ID_PREFIX,
     KEY_PREFIX,
@@ -156,24 +157,6 @@ pub async fn turn_of(
     }))
 }
 
-/// A number field in [lo, hi], if present.
-fn number(f: &Fields, name: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
-    match f.0.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match n.as_f64().filter(|x| (lo..=hi).contains(x)) {
-            Some(x) => Ok(Some(x)),
-            None => Err(ApiError::invalid(
-                name,
-                format!("'{name}' must be a number in [{lo}, {hi}]"),
-            )),
-        },
-        Some(_) => Err(ApiError::invalid(
-            name,
-            format!("'{name}' must be a number"),
-        )),
-    }
-}
-
 /// The session key's owner, or 403 for a session key (a session's agent does not reward or end
 /// its own session: its owner does).
 fn owner_key(headers: &HeaderMap) -> Result<String, ApiError> {
@@ -256,11 +239,13 @@ pub async fn create(
         }
         None => DEFAULT_GROUP.to_string(),
     };
-    let gamma = number(&f, "gamma", 0.0, 1.0)?.unwrap_or(1.0);
+    let gamma = f.f64_in("gamma", 0.0, 1.0, false)?.unwrap_or(1.0);
     let max_turns = f.int_in("max_turns", 1, 100_000)?.map(|t| t as u32);
-    let idle_secs = number(&f, "idle_timeout", 1.0, 7.0 * 86400.0)?.unwrap_or(DEFAULT_IDLE_SECS);
+    let idle_secs = f
+        .f64_in("idle_timeout", 1.0, 7.0 * 86400.0, false)?
+        .unwrap_or(DEFAULT_IDLE_SECS);
     let cfg = ready.online.cfg();
-    let idle_reward = number(&f, "idle_reward", cfg.reward_min, cfg.reward_max)?;
+    let idle_reward = f.f64_in("idle_reward", cfg.reward_min, cfg.reward_max, false)?;
     let Some(Learning { store: log, .. }) = ready.online.started() else {
         return Err(ApiError::unavailable("the trainer is not running"));
     };
@@ -310,10 +295,7 @@ fn shown(v: &SessionView) -> Value {
 async fn own(state: &AppState, headers: &HeaderMap, id: &str) -> Result<SessionView, ApiError> {
     let key = owner_key(headers)?;
     let log = store(state).ok_or_else(|| session_not_found(id))?;
-    let admin = state
-        .admin_key
-        .as_deref()
-        .is_some_and(|a| key_matches(&key, a));
+    let admin = super::feedback::is_admin(state, headers);
     let (log2, id2) = (log.clone(), id.to_string());
     let v = blocking(move || {
         log2.agent_session(SessionLookup::Id(&id2))
@@ -366,13 +348,7 @@ pub async fn reward(
     let o = body
         .as_object()
         .ok_or_else(|| ApiError::bad_body("the body is a JSON object"))?;
-    let in_range = |x: &Value, param: &str| match x.as_f64() {
-        Some(r) if (lo..=hi).contains(&r) => Ok(r),
-        _ => Err(ApiError::invalid(
-            param,
-            format!("a reward is a finite number in [{lo}, {hi}]"),
-        )),
-    };
+    let in_range = |x: &Value, param: &str| reward_value(x, param, lo, hi);
     let reward = match (o.get("reward"), o.get("rewards")) {
         (Some(r), None) => SessionReward::Final(in_range(r, "reward")?),
         (None, Some(Value::Array(a))) => SessionReward::PerTurn(
