@@ -78,6 +78,7 @@ pub fn generate(
         constraint: None,
         embed: false,
         repetition: None,
+        follow: None,
     })?;
     drop(engine);
     let mut out = Vec::new();

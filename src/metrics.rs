@@ -26,6 +26,8 @@ pub struct Metrics {
     pub generation_tokens: IntCounter,
     pub request_success: IntCounterVec,
     pub num_preemptions: IntCounter,
+    pub version_switches: IntCounter,
+    pub version_switch_tokens: IntCounter,
     pub http_requests: IntCounterVec,
     pub adapter_version: IntGaugeVec,
     pub adapter_versions_alive: IntGauge,
@@ -164,6 +166,16 @@ impl Metrics {
             num_preemptions: counter(
                 "num_preemptions_total",
                 "Sequences whose KV cache was dropped to be recomputed.",
+            ),
+            version_switches: counter(
+                "version_switches_total",
+                "Sequences moved to a newly published adapter version while generating \
+                 (version_policy \"latest\").",
+            ),
+            version_switch_tokens: counter(
+                "version_switch_recomputed_tokens_total",
+                "Tokens whose K/V a version switch dropped, to be recomputed under the new \
+                 version.",
             ),
             http_requests: reg(
                 &registry,

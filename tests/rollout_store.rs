@@ -11,10 +11,10 @@ mod common;
 use common::pg::Pg;
 use common::stores::on_both;
 use flywheel::online::store::postgres::PgLog;
-use flywheel::online::store::records::Checkpoint;
 use flywheel::online::store::records::{
     Accepting, CompletionRecord, FeedbackError, LogError, Reward,
 };
+use flywheel::online::store::records::{Checkpoint, VersionSpan};
 use flywheel::online::store::sqlite::SqliteLog;
 use flywheel::online::store::{Announcement, RolloutStore};
 use std::sync::Arc;
@@ -44,6 +44,7 @@ fn rec(id: &str, choice: u32, key: &str) -> CompletionRecord {
         forced: vec![1],
         sampling: vec![],
         reward: None,
+        switches: vec![],
     }
 }
 
@@ -508,5 +509,55 @@ fn a_completion_logged_rewarded_is_pending_with_its_reward() {
             matches!(again, Err(FeedbackError::Conflict { .. })),
             "{kind}"
         );
+    });
+}
+
+/// A partial rollout's version switches are stored with it: the trainer reads them back with the
+/// member, and the feedback route shows every span; a completion of one version shows none.
+#[test]
+fn a_partial_rollouts_version_spans_are_kept() {
+    on_both(|kind, place| {
+        let log = place.open();
+        let spans = vec![
+            VersionSpan {
+                from_token: 1,
+                version: 4,
+            },
+            VersionSpan {
+                from_token: 2,
+                version: 6,
+            },
+        ];
+        let r = CompletionRecord {
+            switches: spans.clone(),
+            completion: vec![4, 5, 6],
+            logprobs: vec![-0.5, -1.25, -2.0],
+            ..rec("p1", 0, "k")
+        };
+        log.log_completions(&[r, rec("p1", 1, "k")]).unwrap();
+        assert!(log
+            .post_rewards(&[reward("p1", 0, 1.0)], "k", false, &running())
+            .unwrap());
+        let g = log.pending_groups("a").unwrap();
+        assert_eq!(g[0].members[0].version, 3, "{kind}");
+        assert_eq!(g[0].members[0].switches, spans, "{kind}");
+        assert!(g[0].members[1].switches.is_empty(), "{kind}");
+        let info = log.feedback("p1").unwrap();
+        let shown: Vec<(u32, u64)> = info[0]
+            .1
+            .adapter_versions
+            .iter()
+            .flatten()
+            .map(|s| (s.from_token, s.version))
+            .collect();
+        assert_eq!(shown, vec![(0, 3), (1, 4), (2, 6)], "{kind}");
+        assert_eq!(info[1].1.adapter_versions, None, "{kind}");
+        // The positions each version computed, for the trainer's train = serve check.
+        let m = &g[0].members[0];
+        let of = |v| VersionSpan::positions_of(m.version, &m.switches, 3, v);
+        assert_eq!(of(3), vec![0..1]);
+        assert_eq!(of(4), vec![1..2]);
+        assert_eq!(of(6), vec![2..3]);
+        assert!(of(5).is_empty());
     });
 }

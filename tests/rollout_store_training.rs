@@ -178,6 +178,7 @@ fn agent_sessions_keep_their_turns_and_are_rewarded_or_ended_once() {
             forced: vec![],
             sampling: vec![],
             reward: None,
+            switches: vec![],
         };
         for (id, s) in [("t1", "s1"), ("t2", "s1"), ("u1", "s2")] {
             log.log_completions(&[turn(id, s)]).unwrap();

@@ -112,6 +112,11 @@ impl Slot {
         self.current.load_full()
     }
 
+    /// The current version's uid (cheaper than `current`: no reference taken).
+    pub fn current_uid(&self) -> u64 {
+        self.current.load().uid
+    }
+
     /// The version a new request runs on: the current one, or a canary's candidate for its
     /// fraction of requests.
     pub fn pick(&self) -> Arc<AdapterVersion> {

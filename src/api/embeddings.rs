@@ -177,6 +177,7 @@ pub async fn embeddings(
             constraint: None,
             embed: true,
             repetition: None,
+            follow: None,
         };
         streams.push(submit(&state, &job, req, &admission)?);
     }

@@ -96,5 +96,18 @@ pub(super) fn engine_request(job: &Job, ready: &super::Ready) -> Result<Generate
                 .as_ref()
                 .and_then(|a| ready.online.get()?.repetition_rule(&a.name)),
         },
+        // A learning adapter with `version_policy = "latest"`: its logged generations move to
+        // each version its trainer publishes (partial rollouts).
+        follow: job
+            .adapter
+            .as_ref()
+            .filter(|a| {
+                !job.unlogged
+                    && ready
+                        .online
+                        .get()
+                        .is_some_and(|t| t.follows_latest(&a.name))
+            })
+            .and_then(|a| Some(crate::engine::Follow::new(ready.registry.get(&a.name)?, a))),
     })
 }

@@ -6,7 +6,7 @@
 use super::error::ApiError;
 use super::job::Job;
 use crate::online::start::Learning;
-use crate::online::store::records::{CompletionRecord, GroupKey, LoggedParams};
+use crate::online::store::records::{CompletionRecord, GroupKey, LoggedParams, VersionSpan};
 use crate::policy::is_greedy;
 
 /// One choice as served.
@@ -18,6 +18,9 @@ pub struct Served<'a> {
     pub sampling: &'a [f32],
     /// Positions of the tokens a grammar forced: not trained (the model chose nothing there).
     pub forced: &'a [u32],
+    /// The adapter versions that computed its tokens (one span unless the generation moved to a
+    /// newer version: partial rollouts).
+    pub versions: &'a [VersionSpan],
     pub finish_reason: &'static str,
 }
 
@@ -85,7 +88,9 @@ pub async fn log_choices(
             id: id.to_string(),
             choice: (first_choice + i) as u32,
             adapter: a.name.to_string(),
-            version: a.version,
+            // The first (oldest) version that computed it: staleness counts from there.
+            version: c.versions.first().map_or(a.version, |v| v.version),
+            switches: c.versions.get(1..).unwrap_or_default().to_vec(),
             group_id: group_id.clone(),
             group_size,
             prompt: job.prompt_ids.clone(),

@@ -52,7 +52,14 @@ pub struct ChatChoice {
     pub stop_reason: Value,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// Flywheel's: the adapter versions that computed its tokens, when a generation moved to a
+    /// newer version while it ran (`version_policy = "latest"`); absent when one version
+    /// (`adapter_version`) computed them all.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter_versions: Option<Vec<VersionSpan>>,
 }
+
+pub use crate::online::store::records::VersionSpan;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct AssistantMessage {
@@ -81,6 +88,9 @@ pub struct ChatChunkChoice {
     pub stop_reason: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// As `ChatChoice`'s, on the chunk that finishes the choice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter_versions: Option<Vec<VersionSpan>>,
 }
 
 /// What a chat chunk adds to the message (the first one carries the role).
@@ -138,6 +148,11 @@ pub struct TextChoice {
     /// The choice's prompt as token ids (`return_token_ids`; vLLM's, one per prompt of a batch).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// Flywheel's: the adapter versions that computed its tokens, when a generation moved to a
+    /// newer version while it ran (`version_policy = "latest"`); absent when one version
+    /// (`adapter_version`) computed them all.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter_versions: Option<Vec<VersionSpan>>,
 }
 
 /// Legacy completions log-probs, column by column (an echoed prompt's first token has null).

@@ -4,7 +4,7 @@
 
 use super::constraint::Constraint;
 use super::sampler::{PromptLogprob, SamplingParams, TopLogprob};
-use crate::adapter::registry::AdapterVersion;
+use crate::adapter::registry::{AdapterVersion, Slot};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -41,6 +41,38 @@ pub struct GenerateRequest {
     pub embed: bool,
     /// End a choice stuck in a loop (`FinishReason::Repetition`); None: never.
     pub repetition: Option<super::repetition::RepetitionRule>,
+    /// Move to the adapter's newly published versions while generating (a learning adapter's
+    /// `version_policy = "latest"`: partial rollouts); None: the pinned version to the end.
+    pub follow: Option<Follow>,
+}
+
+/// A request that follows its adapter's slot: at each step boundary, a sequence whose slot serves
+/// another version than the one it last saw moves to it (its K/V recomputed under it).
+#[derive(Clone)]
+pub struct Follow {
+    pub slot: Arc<Slot>,
+    /// The uid of the version the slot served when the request was made (a canary's candidate
+    /// moves only when the slot's own version changes, not at once to the incumbent).
+    pub seen: u64,
+}
+
+impl Follow {
+    /// Follow `slot` from `pinned`, the version the request was admitted with: a canary's
+    /// candidate stays until the slot's own version changes; any other version not the slot's
+    /// (a publish came between admission and now) moves at the first step.
+    pub fn new(slot: Arc<Slot>, pinned: &AdapterVersion) -> Follow {
+        let seen = match slot.canary() {
+            Some((v, _)) if v == pinned.version => slot.current_uid(),
+            _ => pinned.uid,
+        };
+        Follow { slot, seen }
+    }
+}
+
+impl std::fmt::Debug for Follow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Follow({}, seen {})", self.slot.name, self.seen)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +109,9 @@ pub enum EngineEvent {
         sampling_logprob: f32,
         top_logprobs: Vec<TopLogprob>,
         text: String,
+        /// The adapter version whose forward computed it (0: the base); it changes within a
+        /// choice only for requests that follow their adapter (`GenerateRequest::follow`).
+        version: u64,
     },
     Finished {
         choice: usize,

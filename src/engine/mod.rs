@@ -9,6 +9,7 @@ pub mod grammar_bounds;
 pub mod grammar_error;
 mod handle;
 pub mod output;
+mod prompt_rows;
 pub mod repetition;
 pub mod sampler;
 pub mod scheduler;
@@ -21,8 +22,8 @@ use block_manager::BlockManager;
 use constraint::{Constraint, GrammarError};
 use flywheel_kernels::Cpu;
 pub use handle::{
-    Admission, ClientId, EngineEvent, EngineHandle, FinishReason, GenerateRequest, RequestStream,
-    StopReason, SubmitError,
+    Admission, ClientId, EngineEvent, EngineHandle, FinishReason, Follow, GenerateRequest,
+    RequestStream, StopReason, SubmitError,
 };
 use handle::{AliveGuard, Command, Submission};
 use output::{RequestState, SeqOutput};
@@ -204,6 +205,7 @@ impl Engine {
         let n = req.n;
         let score = req.prompt_logprobs.is_some();
         let embed = req.embed;
+        let follow = req.follow.clone();
         let state = Rc::new(RequestState::new(
             req,
             tx,
@@ -221,6 +223,7 @@ impl Engine {
         seq.embed = embed;
         seq.client = client;
         seq.request = request;
+        seq.follow = follow;
         self.sched.add(seq);
     }
 
@@ -257,8 +260,34 @@ impl Engine {
         }
     }
 
+    /// Partial rollouts: every sequence that follows its adapter and whose slot now serves
+    /// another version moves to it here, between two steps (never within one): its K/V are
+    /// recomputed under the new version, so every token after the switch is exactly what that
+    /// version computes for the whole sequence (train = serve per version; keeping the old K/V
+    /// would make them a mix no single version computes).
+    fn follow_versions(&mut self) {
+        let mut moves = Vec::new();
+        for s in self.sched.sequences_mut() {
+            let Some(f) = &mut s.follow else { continue };
+            if f.slot.current_uid() == f.seen {
+                continue;
+            }
+            let v = f.slot.current();
+            f.seen = v.uid;
+            if s.adapter.as_ref().is_none_or(|a| a.uid != v.uid) {
+                moves.push((s.id, v));
+            }
+        }
+        for (id, v) in moves {
+            let dropped = self.sched.switch_version(id, v);
+            self.metrics.version_switches.inc();
+            self.metrics.version_switch_tokens.inc_by(dropped as u64);
+        }
+    }
+
     /// One scheduling step and forward pass; false when nothing ran.
     fn step(&mut self) -> bool {
+        self.follow_versions();
         let plan = self.sched.schedule();
         let now = Instant::now();
         for c in plan
@@ -416,69 +445,6 @@ impl Engine {
         true
     }
 
-    /// Add the hidden states of chunk `c`'s prompt positions not added before.
-    fn embed_rows(&mut self, c: &Chunk, rows: &[f32]) {
-        let Some(out) = self.outputs.get_mut(&c.seq) else {
-            return;
-        };
-        let width = self.model.config.hidden;
-        if out.embed_sum.is_empty() {
-            out.embed_sum = vec![0.0; width];
-        }
-        for i in 0..c.len {
-            if c.start + i < out.embed_count {
-                continue;
-            }
-            for (s, &x) in out
-                .embed_sum
-                .iter_mut()
-                .zip(&rows[i * width..(i + 1) * width])
-            {
-                *s += x as f64;
-            }
-            out.embed_count += 1;
-        }
-    }
-
-    /// The prompt is through: its mean hidden state, L2-normalised, and the request's end.
-    fn finish_embedding(&mut self, id: SeqId) {
-        let Some(out) = self.outputs.remove(&id) else {
-            return;
-        };
-        let n = out.embed_count.max(1) as f64;
-        let mean: Vec<f64> = out.embed_sum.iter().map(|s| s / n).collect();
-        let norm = mean.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
-        let v = mean.iter().map(|x| (x / norm) as f32).collect();
-        let _ = out.req.tx.send(EngineEvent::Embedding(v));
-        out.finish_without_tokens(0, &self.metrics);
-        self.sched.remove(id);
-    }
-
-    /// Score the prompt positions of chunk `c` (rows = its logits, one per token) that were not
-    /// scored before (a preempted sequence recomputes its prompt).
-    fn score_prompt_rows(&mut self, c: &Chunk, rows: &[f32]) {
-        let vocab = self.model.config.vocab_size;
-        let Some(s) = self.sched.get(c.seq) else {
-            return;
-        };
-        let Some(out) = self.outputs.get_mut(&c.seq) else {
-            return;
-        };
-        let r = &out.req.req;
-        let (k, t) = (r.prompt_logprobs.unwrap_or(0), r.sampling.temperature);
-        let mut row = vec![0.0f32; vocab];
-        for i in 0..c.len {
-            let pos = c.start + i;
-            // Row `pos` predicts token pos + 1.
-            if pos + 1 >= s.prompt_len || pos < out.prompt_scores.len() {
-                continue;
-            }
-            row.copy_from_slice(&rows[i * vocab..(i + 1) * vocab]);
-            let score = sampler::score_row(&self.cpu, &mut row, t, s.tokens[pos + 1], k);
-            out.prompt_scores.push(score);
-        }
-    }
-
     /// Sample the next token of `id` (and, on its first token, of its sibling choices).
     fn on_logits(&mut self, id: SeqId, logits: &mut [f32]) {
         let Some(out) = self.outputs.get_mut(&id) else {
@@ -527,10 +493,12 @@ impl Engine {
             let full = table.num_blocks();
             let mut seq = Sequence::new(child_id, tokens, table, parent.adapter.clone());
             (seq.client, seq.request) = (parent.client, parent.request);
+            seq.follow = parent.follow.clone();
+            let version = seq.adapter.as_ref().map_or(0, |a| a.version);
             seq.prompt_len = parent.prompt_len;
             seq.num_computed = full * bs;
             let at_end = seq.tokens.len() >= ctx;
-            if !child.emit(&self.tokenizer, &s, 1, at_end, &self.metrics) {
+            if !child.emit(&self.tokenizer, &s, 1, version, at_end, &self.metrics) {
                 self.sched.add_first(seq);
                 self.outputs.insert(child_id, child);
             }
@@ -551,7 +519,15 @@ impl Engine {
         let seq = self.sched.get_mut(id).expect("running");
         seq.tokens.push(s.token);
         let (num_generated, at_end) = (seq.num_generated(), seq.tokens.len() >= ctx);
-        if out.emit(&self.tokenizer, &s, num_generated, at_end, &self.metrics) {
+        let version = seq.adapter.as_ref().map_or(0, |a| a.version);
+        if out.emit(
+            &self.tokenizer,
+            &s,
+            num_generated,
+            version,
+            at_end,
+            &self.metrics,
+        ) {
             self.outputs.remove(&id);
             self.sched.remove(id);
         }

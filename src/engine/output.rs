@@ -195,13 +195,15 @@ impl SeqOutput {
         }
     }
 
-    /// Record token `s` (the `num_generated`-th of this choice) and send its event; true when the
-    /// choice is finished (its `Finished` event sent too).
+    /// Record token `s` (the `num_generated`-th of this choice, computed by adapter version
+    /// `version`) and send its event; true when the choice is finished (its `Finished` event
+    /// sent too).
     pub fn emit(
         &mut self,
         tok: &Tokenizer,
         s: &Sampled,
         num_generated: usize,
+        version: u64,
         at_context_end: bool,
         m: &Metrics,
     ) -> bool {
@@ -278,6 +280,7 @@ impl SeqOutput {
             sampling_logprob: s.sampling_logprob,
             top_logprobs: s.top.clone(),
             text,
+            version,
         });
         let Some(reason) = finish else {
             return false;

@@ -12,7 +12,9 @@
 use super::block_manager::BlockManager;
 use super::handle::ClientId;
 use super::sequence::{SeqId, Sequence};
+use crate::adapter::registry::AdapterVersion;
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug)]
 pub struct SchedulerConfig {
@@ -112,6 +114,35 @@ impl Scheduler {
         }
         let i = self.waiting.iter().position(|s| s.id == id)?;
         self.waiting.remove(i)
+    }
+
+    /// Every sequence, running and waiting.
+    pub fn sequences_mut(&mut self) -> impl Iterator<Item = &mut Sequence> {
+        self.running.iter_mut().chain(self.waiting.iter_mut())
+    }
+
+    /// Move sequence `id` to adapter version `v` (a partial rollout's switch, at a step
+    /// boundary): its K/V, computed under the old version, are dropped and recomputed under the
+    /// new one, as a preemption recomputes (the prefix cache keys blocks by version: the new
+    /// one's blocks of the same tokens are found, the old ones never). The number of tokens
+    /// whose K/V were dropped.
+    pub fn switch_version(&mut self, id: SeqId, v: Arc<AdapterVersion>) -> usize {
+        let s = match self.running.iter().position(|s| s.id == id) {
+            Some(i) => {
+                let s = self.running.remove(i);
+                self.waiting.push_front(s);
+                &mut self.waiting[0]
+            }
+            None => match self.waiting.iter_mut().find(|s| s.id == id) {
+                Some(s) => s,
+                None => return 0,
+            },
+        };
+        let dropped = s.num_computed;
+        s.table.clear();
+        s.num_computed = 0;
+        s.adapter = Some(v);
+        dropped
     }
 
     fn preempt(&mut self, index: usize, plan: &mut Plan) {

@@ -2,7 +2,7 @@
 //! have K/V in the cache, and the blocks holding them. Output state lives with the engine.
 
 use super::block_manager::BlockTable;
-use super::handle::ClientId;
+use super::handle::{ClientId, Follow};
 use crate::adapter::registry::AdapterVersion;
 use std::sync::Arc;
 
@@ -30,6 +30,8 @@ pub struct Sequence {
     /// the scheduler shares slots and blocks fairly between clients, then between requests.
     pub client: ClientId,
     pub request: u64,
+    /// The slot whose newer versions it moves to (partial rollouts); None: pinned.
+    pub follow: Option<Follow>,
 }
 
 impl Sequence {
@@ -51,6 +53,7 @@ impl Sequence {
             embed: false,
             client: ClientId::default(),
             request: id.0,
+            follow: None,
         }
     }
 

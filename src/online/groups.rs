@@ -91,8 +91,10 @@ pub fn form(
             .partition(|m| m.version < first_version);
         drop(&mut plan, DropReason::Lineage, &old);
         let undone = |v: u64| rules.rolled_back.iter().any(|&(a, b)| a <= v && v <= b);
-        let (undone, members): (Vec<Member>, Vec<Member>) =
-            members.into_iter().partition(|m| undone(m.version));
+        // A partial rollout is undone when any version that computed some of it was.
+        let (undone, members): (Vec<Member>, Vec<Member>) = members
+            .into_iter()
+            .partition(|m| undone(m.version) || m.switches.iter().any(|s| undone(s.version)));
         drop(&mut plan, DropReason::RolledBack, &undone);
         g.members = members;
         if !rules.train_off_policy_samples {
@@ -105,10 +107,11 @@ pub fn form(
             continue;
         }
         // A version above `current` cannot be sampled by this lineage: count it as stale too.
-        let stale = g
-            .members
-            .iter()
-            .any(|m| m.version > current || current - m.version > rules.max_off_policy_steps);
+        // (A partial rollout's staleness is its oldest version's, `version`.)
+        let stale = g.members.iter().any(|m| {
+            let newest = m.switches.last().map_or(m.version, |s| s.version);
+            newest > current || current - m.version > rules.max_off_policy_steps
+        });
         if stale {
             drop(&mut plan, DropReason::Stale, &g.members);
             continue;
@@ -193,6 +196,7 @@ pub fn shape_repetition(pending: &mut [PendingGroup], reward: f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::online::store::records::VersionSpan;
 
     fn member(id: &str, choice: u32, version: u64, reward: Option<f64>, at: f64) -> Member {
         Member {
@@ -211,6 +215,7 @@ mod tests {
             forced: Vec::new(),
             finish_reason: "stop".into(),
             sampling: Vec::new(),
+            switches: Vec::new(),
         }
     }
 
@@ -252,6 +257,52 @@ mod tests {
         assert_eq!(reasons(&p), [("rolled_back", 1)]);
         assert_eq!(p.ready.len(), 1);
         assert_eq!(p.ready[0].members.len(), 2);
+    }
+
+    /// A partial rollout (a generation that moved to newer versions) is as stale as its oldest
+    /// version, and undone when any of its versions was rolled back.
+    #[test]
+    fn a_partial_rollout_counts_from_its_oldest_version() {
+        let spans = |m: &mut Member, to: &[u64]| {
+            m.switches = to
+                .iter()
+                .enumerate()
+                .map(|(i, &version)| VersionSpan {
+                    from_token: i as u32 + 1,
+                    version,
+                })
+                .collect();
+        };
+        let mut moved = member("a", 0, 3, Some(1.0), 0.0);
+        spans(&mut moved, &[5]);
+        let pending = vec![group(
+            "a",
+            2,
+            vec![moved, member("a", 1, 5, Some(0.0), 0.0)],
+        )];
+        // Current 6, bound 2: version 3 is three versions back, though the newest is 5.
+        let p = form(pending.clone(), 6, 1, 0.0, &rules(), LossName::Grpo);
+        assert_eq!(reasons(&p), [("stale", 2)]);
+        assert_eq!(
+            form(pending, 5, 1, 0.0, &rules(), LossName::Grpo)
+                .ready
+                .len(),
+            1
+        );
+        let mut moved = member("b", 0, 4, Some(1.0), 0.0);
+        spans(&mut moved, &[5, 6]);
+        let pending = vec![group(
+            "b",
+            2,
+            vec![moved, member("b", 1, 6, Some(0.0), 0.0)],
+        )];
+        let r = Rules {
+            rolled_back: vec![(5, 5)],
+            ..rules()
+        };
+        let p = form(pending, 6, 1, 0.0, &r, LossName::Grpo);
+        // (Its partner, alone, is a single.)
+        assert_eq!(reasons(&p), [("single", 1), ("rolled_back", 1)]);
     }
 
     fn reasons(p: &Plan) -> Vec<(&'static str, usize)> {

@@ -371,6 +371,13 @@ impl TrainerHandle {
         self.read().get(name)?.config.stop_on_repetition
     }
 
+    /// Whether learning adapter `name`'s generations follow its newest version.
+    pub fn follows_latest(&self, name: &str) -> bool {
+        self.read().get(name).is_some_and(|s| {
+            s.config.version_policy == crate::online::config::VersionPolicy::Latest
+        })
+    }
+
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Status>> {
         self.shared.status.read().unwrap_or_else(|e| e.into_inner())
     }

@@ -27,9 +27,10 @@ pub struct Sample {
     /// The log-probs of the distribution it was drawn from, where it differs from `behavior`
     /// (None: the same): μ for an off-policy correction.
     pub sampling: Option<Vec<f32>>,
-    /// Sampled by the very weights being trained (then the training forward must reproduce
-    /// `behavior` to the bit: the step reports the largest difference).
-    pub sampled_by_current: bool,
+    /// The completion positions sampled by the very weights being trained (there the training
+    /// forward must reproduce `behavior` to the bit: the step reports the largest difference);
+    /// all of them, none, or a partial rollout's spans of that version.
+    pub sampled_by_current: Vec<std::ops::Range<usize>>,
     /// The episode the sample is a turn of: its turns share one reward and advantage and count
     /// once in their group (None: a sample of its own).
     pub episode: Option<String>,
@@ -199,10 +200,11 @@ pub fn step(
     // Train/serve log-prob difference over the samples drawn from these very weights.
     let mut diff: Option<f64> = None;
     for (i, s) in samples.iter().enumerate() {
-        if let (true, Some(b)) = (s.sampled_by_current, &s.behavior) {
-            let d = logps[i]
+        let Some(b) = &s.behavior else { continue };
+        for r in &s.sampled_by_current {
+            let d = logps[i][r.clone()]
                 .iter()
-                .zip(b)
+                .zip(&b[r.clone()])
                 .map(|(a, b)| (a - b).abs() as f64)
                 .fold(0.0f64, f64::max);
             diff = Some(diff.unwrap_or(0.0).max(d));
@@ -359,7 +361,7 @@ pub fn parse_jsonl(text: &str, tok: Option<&Tokenizer>) -> anyhow::Result<Vec<Sa
             group,
             behavior,
             sampling: None,
-            sampled_by_current: false,
+            sampled_by_current: Vec::new(),
             // The turns of one episode (a multi-turn task) share its reward and advantage.
             episode: v.get("episode").and_then(Value::as_str).map(str::to_string),
             forced: Vec::new(),

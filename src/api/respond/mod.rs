@@ -14,7 +14,7 @@ use super::tools::{self, ToolCall, ToolCallDelta, ToolMode, ToolStream};
 use super::wire;
 use super::wire::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatLogprobs, Completion, Delta,
-    PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, Usage,
+    PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, Usage, VersionSpan,
 };
 use crate::engine::constraint::GrammarError;
 use crate::engine::sampler::{PromptLogprob, TopLogprob};
@@ -169,6 +169,8 @@ struct Choice {
     sampling: Vec<f32>,
     /// Positions of the tokens a grammar forced (constrained decoding).
     forced: Vec<u32>,
+    /// (first token, adapter version) of each run of its tokens one version computed.
+    versions: Vec<VersionSpan>,
     finish: Option<(FinishReason, Option<StopReason>)>,
     num_cached_tokens: usize,
     started: bool,
@@ -260,6 +262,7 @@ impl Responder {
                 text,
                 forced,
                 sampling_logprob,
+                version,
             } => {
                 let lp_chat = (self.job.params.logprobs && self.job.flavor != Flavor::Completion)
                     .then(|| self.chat_logprob(*token_id, *logprob, top_logprobs));
@@ -272,6 +275,12 @@ impl Responder {
                     });
                 let echo_len = self.job.echo.as_ref().map_or(0, String::len);
                 let c = &mut self.choices[*choice];
+                if c.versions.last().is_none_or(|v| v.version != *version) {
+                    c.versions.push(VersionSpan {
+                        from_token: c.token_ids.len() as u32,
+                        version: *version,
+                    });
+                }
                 c.token_ids.push(*token_id);
                 if *forced {
                     c.forced.push(c.behavior.len() as u32);
@@ -340,6 +349,13 @@ impl Responder {
                 cached_tokens: cached,
             },
         }
+    }
+
+    /// A choice's version spans, when they are not just the response's `adapter_version`.
+    fn versions_of(&self, c: &Choice) -> Option<Vec<VersionSpan>> {
+        let pinned = self.job.adapter.as_ref().map_or(0, |a| a.version);
+        let one = c.versions.len() <= 1 && c.versions.iter().all(|v| v.version == pinned);
+        (!one).then(|| c.versions.clone())
     }
 
     fn object(&self, chunk: bool) -> &'static str {
@@ -411,6 +427,7 @@ impl Responder {
                             finish_reason: finish,
                             stop_reason: stop_reason_json(&stop),
                             token_ids: token_ids(c),
+                            adapter_versions: self.versions_of(c),
                         })
                     }
                     Flavor::Completion => wire::Choice::Text(TextChoice {
@@ -422,6 +439,7 @@ impl Responder {
                         token_ids: token_ids(c),
                         prompt_logprobs: prompt_logprobs.clone(),
                         prompt_token_ids: p.return_token_ids.then(|| self.job.prompt_ids.clone()),
+                        adapter_versions: self.versions_of(c),
                     }),
                 }
             })
@@ -466,13 +484,17 @@ impl Responder {
             .enumerate()
             .map(|(i, c)| {
                 let (reason, stop) = c.finish.clone().unwrap_or((FinishReason::Length, None));
-                json!({
+                let mut v = json!({
                     "index": i,
                     "token_ids": c.token_ids,
                     "logprobs": p.logprobs.then(|| json!({"content": c.logprobs})),
                     "finish_reason": reason.as_str(),
                     "stop_reason": stop_reason_json(&stop),
-                })
+                });
+                if let Some(spans) = self.versions_of(c) {
+                    v["adapter_versions"] = json!(spans);
+                }
+                v
             })
             .collect();
         let mut body = json!({
@@ -526,6 +548,7 @@ impl Responder {
                 behavior: &c.behavior,
                 sampling: &c.sampling,
                 forced: &c.forced,
+                versions: &c.versions,
                 finish_reason: c.finish.as_ref().map_or("length", |f| f.0.as_str()),
             })
             .collect();

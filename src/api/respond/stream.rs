@@ -30,6 +30,7 @@ impl Responder {
                             finish_reason: None,
                             stop_reason: None,
                             token_ids: None,
+                            adapter_versions: None,
                         }))
                     }
                     Flavor::Completion => self.job.echo.as_ref().map(|e| {
@@ -42,6 +43,7 @@ impl Responder {
                             token_ids: None,
                             prompt_logprobs: None,
                             prompt_token_ids: None,
+                            adapter_versions: None,
                         })
                     }),
                 };
@@ -87,6 +89,7 @@ impl Responder {
                         finish_reason: None,
                         stop_reason: None,
                         token_ids: ids,
+                        adapter_versions: None,
                     }),
                     Flavor::Completion => wire::Choice::Text(TextChoice {
                         index: self.first_choice + i,
@@ -102,6 +105,7 @@ impl Responder {
                         token_ids: ids,
                         prompt_logprobs: None,
                         prompt_token_ids: None,
+                        adapter_versions: None,
                     }),
                 };
                 out.push(self.envelope(true, vec![choice]));
@@ -174,6 +178,7 @@ impl Responder {
                         finish_reason: None,
                         stop_reason: None,
                         token_ids: None,
+                        adapter_versions: None,
                     });
                     out.push(self.envelope(true, vec![choice]));
                 }
@@ -181,6 +186,7 @@ impl Responder {
                     Some(finish_with_calls(*reason, with_calls, self.job.tools)),
                     Some(stop_reason_json(stop_reason)),
                 );
+                let versions = self.versions_of(&self.choices[i]);
                 let choice = match self.job.flavor {
                     Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
                         index: self.first_choice + i,
@@ -189,6 +195,7 @@ impl Responder {
                         finish_reason: reason,
                         stop_reason: stop,
                         token_ids: None,
+                        adapter_versions: versions,
                     }),
                     Flavor::Completion => wire::Choice::Text(TextChoice {
                         index: self.first_choice + i,
@@ -199,6 +206,7 @@ impl Responder {
                         token_ids: None,
                         prompt_logprobs: None,
                         prompt_token_ids: None,
+                        adapter_versions: versions,
                     }),
                 };
                 out.push(self.envelope(true, vec![choice]));

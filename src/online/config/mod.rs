@@ -11,6 +11,9 @@ use crate::train::loss::LossName;
 use serde::Deserialize;
 use std::path::PathBuf;
 
+mod serving;
+pub use serving::{RawRepetition, VersionPolicy};
+
 /// `[online]` as written.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -97,27 +100,10 @@ pub struct RawLearn {
     /// The teacher's per-token advantage weight (default 1 with loss "distill"; with a reward
     /// loss, the teacher's advantage is added to the reward's with this weight).
     pub distill_weight: Option<f32>,
-}
-
-/// `stop_on_repetition` as written: a switch or a rule.
-#[derive(Clone, Debug, Deserialize, serde::Serialize)]
-#[serde(untagged)]
-pub enum RawRepetition {
-    On(bool),
-    Rule(RepetitionRule),
-}
-
-impl RawRepetition {
-    /// The rule in force (None: off), checked.
-    pub fn rule(self) -> Result<Option<RepetitionRule>, String> {
-        let r = match self {
-            RawRepetition::On(false) => None,
-            RawRepetition::On(true) => Some(RepetitionRule::default()),
-            RawRepetition::Rule(r) => Some(r),
-        };
-        r.as_ref().map(RepetitionRule::check).transpose()?;
-        Ok(r)
-    }
+    /// "pinned" (default): a request runs on the version it was admitted with to its end;
+    /// "latest": a generation moves to each newly published version at a step boundary (partial
+    /// rollouts; `VersionPolicy`).
+    pub version_policy: Option<String>,
 }
 
 /// The validated `[online]` settings.
@@ -251,6 +237,7 @@ pub struct LearnConfig {
     /// On-policy distillation's teacher prompt, and its advantage's weight (None: no teacher).
     pub teacher_prompt: Option<String>,
     pub distill_weight: Option<f32>,
+    pub version_policy: VersionPolicy,
 }
 
 /// A setting of `[online]` that cannot be honoured: its key (under `online.`) and why.
@@ -491,6 +478,13 @@ impl RawLearn {
             repetition_reward: self.repetition_reward,
             teacher_prompt: self.teacher_prompt,
             distill_weight: self.distill_weight,
+            version_policy: match self.version_policy.as_deref() {
+                None | Some("pinned") => VersionPolicy::Pinned,
+                Some("latest") => VersionPolicy::Latest,
+                Some(other) => {
+                    return Err(("version_policy", format!("'{other}': pinned or latest")))
+                }
+            },
             correction: match self.correction.as_deref() {
                 None | Some("none") => {
                     for (k, given) in [

@@ -16,8 +16,8 @@ use crate::online::config::LearnConfig;
 use crate::online::eval::EvalScore;
 use crate::online::groups::{self, Rules};
 use crate::online::guard::StepPoint;
-use crate::online::store::records::PendingGroup;
 use crate::online::store::records::{Checkpoint, Lineage};
+use crate::online::store::records::{PendingGroup, VersionSpan};
 use crate::policy::is_greedy;
 use crate::train::distill::Teacher;
 use crate::train::loss::{LossConfig, Objective};
@@ -277,7 +277,12 @@ impl Learner {
                     group: g.group_id.clone(),
                     behavior: Some(m.logprobs.clone()),
                     sampling: (!m.sampling.is_empty()).then(|| m.sampling.clone()),
-                    sampled_by_current: m.version == trains,
+                    sampled_by_current: VersionSpan::positions_of(
+                        m.version,
+                        &m.switches,
+                        m.completion.len(),
+                        trains,
+                    ),
                     episode: m.episode.clone(),
                     forced: m.forced.clone(),
                 })

@@ -17,6 +17,7 @@
 pub mod open;
 pub mod postgres;
 pub mod records;
+pub mod spans;
 pub mod sqlite;
 
 use crate::online::sessions::{AgentSession, SessionReward, SessionView};

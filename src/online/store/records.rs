@@ -240,7 +240,12 @@ pub struct CompletionRecord {
     /// A reward recorded with it (a distilling adapter's completions need none from a client:
     /// 0, at once); None: rewarded later, by its client.
     pub reward: Option<f64>,
+    /// Where a newer version took over the generation (partial rollouts), in order; empty: one
+    /// version (`version`, always the first and oldest) computed every token.
+    pub switches: Vec<VersionSpan>,
 }
+
+pub use super::spans::VersionSpan;
 
 /// A stored choice, as `GET /v1/feedback/{id}` shows it.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -253,6 +258,17 @@ pub struct ChoiceInfo {
     pub reward: Option<f64>,
     pub trained_step: Option<u64>,
     pub dropped: Option<String>,
+    /// Every version span, when a newer version took over the generation (partial rollouts).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapter_versions: Option<Vec<VersionSpan>>,
+}
+
+impl ChoiceInfo {
+    /// `adapter_versions` from the stored switches (none: one version).
+    pub fn spans(version: u64, switches: &[u8]) -> Option<Vec<VersionSpan>> {
+        let s = VersionSpan::decode(switches);
+        (!s.is_empty()).then(|| VersionSpan::all(version, &s))
+    }
 }
 
 /// One reward to record.
@@ -441,6 +457,8 @@ pub struct Member {
     pub finish_reason: String,
     /// What `CompletionRecord::sampling` holds (empty: the same as `logprobs`).
     pub sampling: Vec<f32>,
+    /// What `CompletionRecord::switches` holds (empty: `version` computed every token).
+    pub switches: Vec<VersionSpan>,
 }
 
 /// A group's pending members.
@@ -467,7 +485,7 @@ pub struct History {
 pub const EPISODE_TRAINED: &str = "episode_trained";
 
 pub const CHOICE_INFO: &str =
-    "choice, adapter, version, group_id, finish_reason, reward, consumed_step, dropped";
+    "choice, adapter, version, group_id, finish_reason, reward, consumed_step, dropped, switches";
 
 /// A 128-bit FNV-1a of `salt`, a zero byte and `key`.
 pub fn salted_key_hash(salt: &str, key: &str) -> String {

@@ -9,7 +9,8 @@ use super::*;
 /// Schema migrations, applied in order; `flywheel_meta.schema_version` is how many ran. The
 /// first is the SQLite log's schema after its four migrations; the second its fifth (the
 /// sessions and runs clients drive), the third its sixth (decisions), the fourth its seventh
-/// (steps), the fifth its eighth (agent sessions), the sixth its ninth (sampling log-probs).
+/// (steps), the fifth its eighth (agent sessions), the sixth its ninth (sampling log-probs), the
+/// seventh its tenth (version switches).
 const MIGRATIONS: &[&str] = &[
     "
     CREATE TABLE completions (
@@ -72,6 +73,7 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX agent_sessions_state ON agent_sessions (state);
 ",
     "ALTER TABLE completions ADD COLUMN sampling BYTEA NOT NULL DEFAULT '\\x';",
+    "ALTER TABLE completions ADD COLUMN switches BYTEA NOT NULL DEFAULT '\\x';",
 ];
 
 /// The channel a committed step is announced on (payload `adapter:version`).
@@ -310,5 +312,20 @@ impl PgLog {
         {
             tracing::error!(error = %e, channel, "no LISTEN thread: what it announces is found by polling");
         }
+    }
+}
+
+/// A `ChoiceInfo` from the `CHOICE_INFO` columns of `r`, the first at index `at`.
+pub(super) fn choice_info(r: &Row, at: usize) -> ChoiceInfo {
+    ChoiceInfo {
+        choice: r.get::<_, i32>(at) as u32,
+        adapter: r.get(at + 1),
+        adapter_version: r.get::<_, i64>(at + 2) as u64,
+        group: r.get(at + 3),
+        finish_reason: r.get(at + 4),
+        reward: r.get(at + 5),
+        trained_step: r.get::<_, Option<i64>>(at + 6).map(|s| s as u64),
+        dropped: r.get(at + 7),
+        adapter_versions: ChoiceInfo::spans(r.get::<_, i64>(at + 2) as u64, r.get(at + 8)),
     }
 }

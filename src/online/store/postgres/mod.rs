@@ -19,7 +19,7 @@ use super::records::{
 use super::records::{
     bytes_f32, bytes_u32, f32s, judge_episode_reward, judge_reward, salted_key_hash, u32s,
     ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, History, LogError, Member,
-    PendingGroup, Reward, Turn, CHOICE_INFO, EPISODE_TRAINED,
+    PendingGroup, Reward, Turn, VersionSpan, CHOICE_INFO, EPISODE_TRAINED,
 };
 use super::{redact, Accepts, Announcement, RolloutStore, SessionLookup};
 use crate::online::sessions::{AgentSession, SessionReward, SessionView};
@@ -38,19 +38,6 @@ pub struct PgLog {
     /// The connections holding this process's trainer claims (session advisory locks), by
     /// adapter.
     claims: Mutex<std::collections::BTreeMap<String, Client>>,
-}
-
-fn choice_info(r: &Row, at: usize) -> ChoiceInfo {
-    ChoiceInfo {
-        choice: r.get::<_, i32>(at) as u32,
-        adapter: r.get(at + 1),
-        adapter_version: r.get::<_, i64>(at + 2) as u64,
-        group: r.get(at + 3),
-        finish_reason: r.get(at + 4),
-        reward: r.get(at + 5),
-        trained_step: r.get::<_, Option<i64>>(at + 6).map(|s| s as u64),
-        dropped: r.get(at + 7),
-    }
 }
 
 /// Take the advisory lock of each episode key (sorted, so two transactions never deadlock).
@@ -98,9 +85,10 @@ impl RolloutStore for PgLog {
         let st = tx.prepare(
             "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
                prompt, completion, logprobs, temperature, policy_sampled, params,
-               finish_reason, key_hash, created, episode, forced, sampling, reward, rewarded_at)
+               finish_reason, key_hash, created, episode, forced, sampling, reward, rewarded_at,
+               switches)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                     $18, $19, $20)",
+                     $18, $19, $20, $21)",
         )?;
         for (r, (kh, ep)) in recs.iter().zip(&rows) {
             tx.execute(
@@ -126,6 +114,7 @@ impl RolloutStore for PgLog {
                     &bytes_f32(&r.sampling),
                     &r.reward,
                     &r.reward.map(|_| now),
+                    &VersionSpan::encode(&r.switches),
                 ],
             )?;
         }
@@ -206,7 +195,7 @@ impl RolloutStore for PgLog {
         let rows = self.conn()?.query(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
                     temperature, policy_sampled, reward, rewarded_at, created, episode, forced,
-                    finish_reason, sampling
+                    finish_reason, sampling, switches
              FROM completions
              WHERE adapter = $1 AND consumed_step IS NULL AND dropped IS NULL
                AND group_id IN (SELECT group_id FROM completions
@@ -234,6 +223,7 @@ impl RolloutStore for PgLog {
                 forced: u32s(r.get(14)),
                 finish_reason: r.get(15),
                 sampling: f32s(r.get(16)),
+                switches: VersionSpan::decode(r.get(17)),
             };
             match out.iter_mut().find(|p| p.group_id == g) {
                 Some(p) => p.members.push(m),
@@ -592,6 +582,6 @@ impl RolloutStore for PgLog {
 
 mod agent_sessions;
 mod conn;
-use conn::{announce_rewards, channel, STEPS_CHANNEL};
+use conn::{announce_rewards, channel, choice_info, STEPS_CHANNEL};
 mod decisions;
 mod runs;

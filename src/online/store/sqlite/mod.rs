@@ -17,7 +17,7 @@ use super::records::{
 };
 use super::records::{
     Accepting, ChoiceInfo, CompletionRecord, EpisodeFeedback, FeedbackError, LogError, Member,
-    PendingGroup, Reward, Turn,
+    PendingGroup, Reward, Turn, VersionSpan,
 };
 use crate::util::now_secs;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
@@ -98,6 +98,8 @@ const MIGRATIONS: &[&str] = &[
     // 9: each token's log-prob under the distribution it was drawn from, where it differs from
     // the model's (f32 LE; empty: it does not): μ for off-policy corrections.
     "ALTER TABLE completions ADD COLUMN sampling BLOB NOT NULL DEFAULT x'';",
+    // 10: where a newer version took over a generation (`VersionSpan::encode`; empty: none).
+    "ALTER TABLE completions ADD COLUMN switches BLOB NOT NULL DEFAULT x'';",
 ];
 
 pub struct SqliteLog {
@@ -120,6 +122,10 @@ fn choice_info(r: &rusqlite::Row, at: usize) -> rusqlite::Result<ChoiceInfo> {
         reward: r.get(at + 5)?,
         trained_step: r.get::<_, Option<i64>>(at + 6)?.map(|s| s as u64),
         dropped: r.get(at + 7)?,
+        adapter_versions: ChoiceInfo::spans(
+            r.get::<_, i64>(at + 2)? as u64,
+            &r.get::<_, Vec<u8>>(at + 8)?,
+        ),
     })
 }
 
@@ -237,9 +243,9 @@ impl SqliteLog {
                 "INSERT INTO completions (id, choice, adapter, version, group_id, group_size,
                    prompt, completion, logprobs, temperature, policy_sampled, params,
                    finish_reason, key_hash, created, episode, forced, sampling, reward,
-                   rewarded_at)
+                   rewarded_at, switches)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-                         ?17, ?18, ?19, ?20)",
+                         ?17, ?18, ?19, ?20, ?21)",
             )?;
             let now = now_secs();
             for r in recs {
@@ -266,6 +272,7 @@ impl SqliteLog {
                     bytes_f32(&r.sampling),
                     r.reward,
                     r.reward.map(|_| now),
+                    VersionSpan::encode(&r.switches),
                 ])?;
             }
         }
@@ -358,7 +365,7 @@ impl SqliteLog {
         let mut st = c.prepare_cached(
             "SELECT group_id, group_size, id, choice, version, prompt, completion, logprobs,
                     temperature, policy_sampled, reward, rewarded_at, created, episode, forced,
-                    finish_reason, sampling
+                    finish_reason, sampling, switches
              FROM completions
              WHERE adapter = ?1 AND consumed_step IS NULL AND dropped IS NULL
                AND group_id IN (SELECT group_id FROM completions
@@ -387,6 +394,7 @@ impl SqliteLog {
                     forced: u32s(&r.get::<_, Vec<u8>>(14)?),
                     finish_reason: r.get(15)?,
                     sampling: f32s(&r.get::<_, Vec<u8>>(16)?),
+                    switches: VersionSpan::decode(&r.get::<_, Vec<u8>>(17)?),
                 },
             ))
         })?;
