@@ -522,10 +522,13 @@ fn a_partial_rollouts_version_spans_are_kept() {
             VersionSpan {
                 from_token: 1,
                 version: 4,
+                exact: true,
             },
+            // A switch that kept the K/V: version 6's tokens are not exactly version 6's.
             VersionSpan {
                 from_token: 2,
                 version: 6,
+                exact: false,
             },
         ];
         let r = CompletionRecord {
@@ -543,21 +546,25 @@ fn a_partial_rollouts_version_spans_are_kept() {
         assert_eq!(g[0].members[0].switches, spans, "{kind}");
         assert!(g[0].members[1].switches.is_empty(), "{kind}");
         let info = log.feedback("p1").unwrap();
-        let shown: Vec<(u32, u64)> = info[0]
+        let shown: Vec<(u32, u64, bool)> = info[0]
             .1
             .adapter_versions
             .iter()
             .flatten()
-            .map(|s| (s.from_token, s.version))
+            .map(|s| (s.from_token, s.version, s.exact))
             .collect();
-        assert_eq!(shown, vec![(0, 3), (1, 4), (2, 6)], "{kind}");
+        assert_eq!(
+            shown,
+            vec![(0, 3, true), (1, 4, true), (2, 6, false)],
+            "{kind}"
+        );
         assert_eq!(info[1].1.adapter_versions, None, "{kind}");
-        // The positions each version computed, for the trainer's train = serve check.
+        // The positions each version computed exactly, for the trainer's train = serve check.
         let m = &g[0].members[0];
         let of = |v| VersionSpan::positions_of(m.version, &m.switches, 3, v);
         assert_eq!(of(3), vec![0..1]);
         assert_eq!(of(4), vec![1..2]);
-        assert_eq!(of(6), vec![2..3]);
+        assert!(of(6).is_empty());
         assert!(of(5).is_empty());
     });
 }

@@ -101,13 +101,11 @@ pub(super) fn engine_request(job: &Job, ready: &super::Ready) -> Result<Generate
         follow: job
             .adapter
             .as_ref()
-            .filter(|a| {
-                !job.unlogged
-                    && ready
-                        .online
-                        .get()
-                        .is_some_and(|t| t.follows_latest(&a.name))
-            })
-            .and_then(|a| Some(crate::engine::Follow::new(ready.registry.get(&a.name)?, a))),
+            .filter(|_| !job.unlogged)
+            .and_then(|a| {
+                let keep = ready.online.get()?.follows_latest(&a.name)?;
+                let slot = ready.registry.get(&a.name)?;
+                Some(crate::engine::Follow::new(slot, a, keep))
+            }),
     })
 }

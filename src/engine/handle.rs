@@ -54,24 +54,35 @@ pub struct Follow {
     /// The uid of the version the slot served when the request was made (a canary's candidate
     /// moves only when the slot's own version changes, not at once to the incumbent).
     pub seen: u64,
+    /// Keep the K/V computed so far at a switch (cheap; the tokens after it are then computed
+    /// by no single version) instead of recomputing them under the new version.
+    pub keep_kv: bool,
 }
 
 impl Follow {
     /// Follow `slot` from `pinned`, the version the request was admitted with: a canary's
     /// candidate stays until the slot's own version changes; any other version not the slot's
     /// (a publish came between admission and now) moves at the first step.
-    pub fn new(slot: Arc<Slot>, pinned: &AdapterVersion) -> Follow {
+    pub fn new(slot: Arc<Slot>, pinned: &AdapterVersion, keep_kv: bool) -> Follow {
         let seen = match slot.canary() {
             Some((v, _)) if v == pinned.version => slot.current_uid(),
             _ => pinned.uid,
         };
-        Follow { slot, seen }
+        Follow {
+            slot,
+            seen,
+            keep_kv,
+        }
     }
 }
 
 impl std::fmt::Debug for Follow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Follow({}, seen {})", self.slot.name, self.seen)
+        write!(
+            f,
+            "Follow({}, seen {}, keep {})",
+            self.slot.name, self.seen, self.keep_kv
+        )
     }
 }
 
@@ -112,6 +123,9 @@ pub enum EngineEvent {
         /// The adapter version whose forward computed it (0: the base); it changes within a
         /// choice only for requests that follow their adapter (`GenerateRequest::follow`).
         version: u64,
+        /// The K/V it attended to are all `version`'s (false after a switch that kept older
+        /// versions' K/V).
+        exact: bool,
     },
     Finished {
         choice: usize,

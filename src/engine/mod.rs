@@ -263,8 +263,8 @@ impl Engine {
     /// Partial rollouts: every sequence that follows its adapter and whose slot now serves
     /// another version moves to it here, between two steps (never within one): its K/V are
     /// recomputed under the new version, so every token after the switch is exactly what that
-    /// version computes for the whole sequence (train = serve per version; keeping the old K/V
-    /// would make them a mix no single version computes).
+    /// version computes for the whole sequence (train = serve per version), unless its adapter
+    /// keeps them (cheaper; the tokens after are then a mix no single version computes).
     fn follow_versions(&mut self) {
         let mut moves = Vec::new();
         for s in self.sched.sequences_mut() {
@@ -275,11 +275,11 @@ impl Engine {
             let v = f.slot.current();
             f.seen = v.uid;
             if s.adapter.as_ref().is_none_or(|a| a.uid != v.uid) {
-                moves.push((s.id, v));
+                moves.push((s.id, v, f.keep_kv));
             }
         }
-        for (id, v) in moves {
-            let dropped = self.sched.switch_version(id, v);
+        for (id, v, keep) in moves {
+            let dropped = self.sched.switch_version(id, v, keep);
             self.metrics.version_switches.inc();
             self.metrics.version_switch_tokens.inc_by(dropped as u64);
         }
@@ -494,7 +494,8 @@ impl Engine {
             let mut seq = Sequence::new(child_id, tokens, table, parent.adapter.clone());
             (seq.client, seq.request) = (parent.client, parent.request);
             seq.follow = parent.follow.clone();
-            let version = seq.adapter.as_ref().map_or(0, |a| a.version);
+            seq.mixed_kv = parent.mixed_kv;
+            let version = (seq.adapter.as_ref().map_or(0, |a| a.version), !seq.mixed_kv);
             seq.prompt_len = parent.prompt_len;
             seq.num_computed = full * bs;
             let at_end = seq.tokens.len() >= ctx;
@@ -519,7 +520,7 @@ impl Engine {
         let seq = self.sched.get_mut(id).expect("running");
         seq.tokens.push(s.token);
         let (num_generated, at_end) = (seq.num_generated(), seq.tokens.len() >= ctx);
-        let version = seq.adapter.as_ref().map_or(0, |a| a.version);
+        let version = (seq.adapter.as_ref().map_or(0, |a| a.version), !seq.mixed_kv);
         if out.emit(
             &self.tokenizer,
             &s,

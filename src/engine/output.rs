@@ -196,14 +196,14 @@ impl SeqOutput {
     }
 
     /// Record token `s` (the `num_generated`-th of this choice, computed by adapter version
-    /// `version`) and send its event; true when the choice is finished (its `Finished` event
-    /// sent too).
+    /// `version.0`, exactly when `version.1`) and send its event; true when the choice is
+    /// finished (its `Finished` event sent too).
     pub fn emit(
         &mut self,
         tok: &Tokenizer,
         s: &Sampled,
         num_generated: usize,
-        version: u64,
+        version: (u64, bool),
         at_context_end: bool,
         m: &Metrics,
     ) -> bool {
@@ -280,7 +280,8 @@ impl SeqOutput {
             sampling_logprob: s.sampling_logprob,
             top_logprobs: s.top.clone(),
             text,
-            version,
+            version: version.0,
+            exact: version.1,
         });
         let Some(reason) = finish else {
             return false;

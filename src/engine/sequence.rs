@@ -32,6 +32,9 @@ pub struct Sequence {
     pub request: u64,
     /// The slot whose newer versions it moves to (partial rollouts); None: pinned.
     pub follow: Option<Follow>,
+    /// Its cached K/V hold more than one version's (a switch kept them): its blocks are never
+    /// offered to the prefix cache, and its tokens are not exact. A recompute clears it.
+    pub mixed_kv: bool,
 }
 
 impl Sequence {
@@ -54,6 +57,7 @@ impl Sequence {
             client: ClientId::default(),
             request: id.0,
             follow: None,
+            mixed_kv: false,
         }
     }
 

@@ -270,6 +270,7 @@ mod tests {
                 .map(|(i, &version)| VersionSpan {
                     from_token: i as u32 + 1,
                     version,
+                    exact: true,
                 })
                 .collect();
         };

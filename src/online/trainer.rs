@@ -371,11 +371,14 @@ impl TrainerHandle {
         self.read().get(name)?.config.stop_on_repetition
     }
 
-    /// Whether learning adapter `name`'s generations follow its newest version.
-    pub fn follows_latest(&self, name: &str) -> bool {
-        self.read().get(name).is_some_and(|s| {
-            s.config.version_policy == crate::online::config::VersionPolicy::Latest
-        })
+    /// Whether learning adapter `name`'s generations follow its newest version: Some(whether a
+    /// switch keeps the K/V computed so far).
+    pub fn follows_latest(&self, name: &str) -> Option<bool> {
+        use crate::online::config::{VersionPolicy, VersionSwitch};
+        let st = self.read();
+        let c = &st.get(name)?.config;
+        (c.version_policy == VersionPolicy::Latest)
+            .then_some(c.version_switch == VersionSwitch::Keep)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Status>> {

@@ -263,6 +263,7 @@ impl Responder {
                 forced,
                 sampling_logprob,
                 version,
+                exact,
             } => {
                 let lp_chat = (self.job.params.logprobs && self.job.flavor != Flavor::Completion)
                     .then(|| self.chat_logprob(*token_id, *logprob, top_logprobs));
@@ -275,10 +276,14 @@ impl Responder {
                     });
                 let echo_len = self.job.echo.as_ref().map_or(0, String::len);
                 let c = &mut self.choices[*choice];
-                if c.versions.last().is_none_or(|v| v.version != *version) {
+                if c.versions
+                    .last()
+                    .is_none_or(|v| (v.version, v.exact) != (*version, *exact))
+                {
                     c.versions.push(VersionSpan {
                         from_token: c.token_ids.len() as u32,
                         version: *version,
+                        exact: *exact,
                     });
                 }
                 c.token_ids.push(*token_id);
@@ -354,7 +359,8 @@ impl Responder {
     /// A choice's version spans, when they are not just the response's `adapter_version`.
     fn versions_of(&self, c: &Choice) -> Option<Vec<VersionSpan>> {
         let pinned = self.job.adapter.as_ref().map_or(0, |a| a.version);
-        let one = c.versions.len() <= 1 && c.versions.iter().all(|v| v.version == pinned);
+        let one =
+            c.versions.len() <= 1 && c.versions.iter().all(|v| v.version == pinned && v.exact);
         (!one).then(|| c.versions.clone())
     }
 

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use std::path::PathBuf;
 
 mod serving;
-pub use serving::{RawRepetition, VersionPolicy};
+pub use serving::{RawRepetition, VersionPolicy, VersionSwitch};
 
 /// `[online]` as written.
 #[derive(Debug, Default, Deserialize)]
@@ -104,6 +104,9 @@ pub struct RawLearn {
     /// "latest": a generation moves to each newly published version at a step boundary (partial
     /// rollouts; `VersionPolicy`).
     pub version_policy: Option<String>,
+    /// "recompute" (default) or "keep": what a switch to a newer version does with the K/V
+    /// computed so far (`VersionSwitch`); with `version_policy = "latest"` only.
+    pub version_switch: Option<String>,
 }
 
 /// The validated `[online]` settings.
@@ -238,6 +241,7 @@ pub struct LearnConfig {
     pub teacher_prompt: Option<String>,
     pub distill_weight: Option<f32>,
     pub version_policy: VersionPolicy,
+    pub version_switch: VersionSwitch,
 }
 
 /// A setting of `[online]` that cannot be honoured: its key (under `online.`) and why.
@@ -483,6 +487,19 @@ impl RawLearn {
                 Some("latest") => VersionPolicy::Latest,
                 Some(other) => {
                     return Err(("version_policy", format!("'{other}': pinned or latest")))
+                }
+            },
+            version_switch: match (self.version_switch.as_deref(), &self.version_policy) {
+                (None | Some("recompute"), _) => VersionSwitch::Recompute,
+                (Some("keep"), Some(p)) if p == "latest" => VersionSwitch::Keep,
+                (Some("keep"), _) => {
+                    return Err((
+                        "version_switch",
+                        "is set, and version_policy is not \"latest\"".into(),
+                    ))
+                }
+                (Some(other), _) => {
+                    return Err(("version_switch", format!("'{other}': recompute or keep")))
                 }
             },
             correction: match self.correction.as_deref() {

@@ -11,9 +11,23 @@ pub enum VersionPolicy {
     /// The version it was admitted with, to its end.
     #[default]
     Pinned,
-    /// The newest: its K/V recomputed under each version published while it runs, every token
-    /// logged with the version that computed it.
+    /// The newest: it moves to each version published while it runs (`VersionSwitch`), every
+    /// token logged with the version that computed it.
     Latest,
+}
+
+/// What a switch to a newer version does with the K/V computed so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VersionSwitch {
+    /// Recomputed under the new version (a prefill of the sequence so far): the tokens after
+    /// the switch are exactly what that version computes for the whole sequence.
+    #[default]
+    Recompute,
+    /// Kept (PipelineRL's in-flight updates): no recompute; the tokens after the switch attend
+    /// to older versions' K/V, so their log-probs are no single version's (logged `exact:
+    /// false`, trained as off-policy tokens with those log-probs as behaviour).
+    Keep,
 }
 
 /// `stop_on_repetition` as written: a switch or a rule.

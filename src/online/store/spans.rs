@@ -8,32 +8,39 @@
 pub struct VersionSpan {
     pub from_token: u32,
     pub version: u64,
+    /// Every K/V these tokens attended to was computed by `version` too (the switch recomputed
+    /// them): exactly what that version computes for the whole sequence. False after a switch
+    /// that kept the older versions' K/V (`version_switch = "keep"`): a mix no single version
+    /// computes.
+    pub exact: bool,
 }
 
 impl VersionSpan {
-    /// Spans as stored: (u32 token, u64 version) little-endian, 12 bytes each.
+    /// Spans as stored: (u32 token, u64 version, u8 exact) little-endian, 13 bytes each.
     pub fn encode(spans: &[VersionSpan]) -> Vec<u8> {
         spans
             .iter()
             .flat_map(|s| {
                 let mut b = s.from_token.to_le_bytes().to_vec();
                 b.extend(s.version.to_le_bytes());
+                b.push(s.exact as u8);
                 b
             })
             .collect()
     }
 
     pub fn decode(b: &[u8]) -> Vec<VersionSpan> {
-        b.chunks_exact(12)
+        b.chunks_exact(13)
             .map(|c| VersionSpan {
                 from_token: u32::from_le_bytes(c[..4].try_into().expect("4 bytes")),
-                version: u64::from_le_bytes(c[4..].try_into().expect("8 bytes")),
+                version: u64::from_le_bytes(c[4..12].try_into().expect("8 bytes")),
+                exact: c[12] != 0,
             })
             .collect()
     }
 
     /// The positions of a completion of `len` tokens (first version `first`, then `switches`)
-    /// that version `v` computed.
+    /// that version `v` computed exactly (`exact`).
     pub fn positions_of(
         first: u64,
         switches: &[VersionSpan],
@@ -44,7 +51,7 @@ impl VersionSpan {
         let ends = all.iter().skip(1).map(|s| s.from_token as usize);
         all.iter()
             .zip(ends.chain([len]))
-            .filter(|(s, _)| s.version == v)
+            .filter(|(s, _)| s.version == v && s.exact)
             .map(|(s, end)| (s.from_token as usize).min(len)..end.min(len))
             .filter(|r| !r.is_empty())
             .collect()
@@ -55,6 +62,7 @@ impl VersionSpan {
         let mut v = vec![VersionSpan {
             from_token: 0,
             version: first,
+            exact: true,
         }];
         v.extend_from_slice(switches);
         v
