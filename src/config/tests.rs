@@ -243,4 +243,11 @@ fn the_learn_example_with_its_evaluation_set_validates() {
         l.correction.map(|c| c.rule),
         Some(crate::train::correction::Rule::Truncate { cap: 2.0 })
     );
+    assert_eq!(
+        (l.version_policy, l.version_switch),
+        (
+            crate::online::config::VersionPolicy::Latest,
+            crate::online::config::VersionSwitch::Keep
+        )
+    );
 }
