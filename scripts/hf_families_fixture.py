@@ -6,7 +6,9 @@ gguf-py, shipped in the llama-cpp-python sdist: LLAMA_CPP=<its vendor/llama.cpp>
     python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install torch transformers peft numpy
     LLAMA_CPP=/path/to/vendor/llama.cpp /tmp/hfenv/bin/python scripts/hf_families_fixture.py
 
-For each family (qwen2, qwen3, qwen3moe, llama3, gemma3) it builds a tiny random model with
+For each family (qwen2, qwen3, qwen3moe, llama3, gemma3, and gemma2 with its attention and final
+logit soft-caps set low enough to bite: without the attention cap transformers' log-probs move by
+2.5, without the final one by 6.9) it builds a tiny random model with
 transformers (config from scratch, weights rounded to f16 so the f16 GGUF is exact), converts it
 with llama.cpp's converter (its tensor names, Q/K permutation, Gemma's 1 + w norms, stacked
 experts), and writes to tests/fixtures/hf/<family>/:
@@ -118,6 +120,15 @@ def build(family, bench=False):
                              rope_parameters=rope,
                              tie_word_embeddings=True, **common)
         return tf.LlamaForCausalLM(cfg), ALL
+    if family == "gemma2":
+        hd = 64 if bench else 32
+        # Soft caps low enough that they change these random weights' scores and logits.
+        cfg = tf.Gemma2Config(num_hidden_layers=8 if bench else 4, num_key_value_heads=1,
+                              head_dim=hd, sliding_window=512 if bench else 5,
+                              query_pre_attn_scalar=hd, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=5.0, tie_word_embeddings=True, **common)
+        cfg._attn_implementation = "eager"
+        return tf.Gemma2ForCausalLM(cfg), ALL
     if family == "gemma3":
         hd = 64 if bench else 32
         cfg = tf.Gemma3TextConfig(num_hidden_layers=12 if bench else 6, num_key_value_heads=1,
@@ -197,7 +208,7 @@ def bench_model(family, out):
 
     model, _ = build(family, bench=True)
     model = model.float().eval()
-    init_weights(model, family == "gemma3")
+    init_weights(model, family.startswith("gemma"))
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         write_tokenizer(d)
@@ -211,14 +222,14 @@ def main():
     if sys.argv[1:2] == ["--bench"]:
         bench_model(sys.argv[2], sys.argv[3])
         return
-    families = sys.argv[1:] or ["qwen2", "qwen3", "qwen3moe", "llama3", "gemma3"]
+    families = sys.argv[1:] or ["qwen2", "qwen3", "qwen3moe", "llama3", "gemma3", "gemma2"]
     for family in families:
         out = ROOT / "tests" / "fixtures" / "hf" / family
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         model, targets = build(family)
         model = model.float().eval()
-        init_weights(model, family == "gemma3")
+        init_weights(model, family.startswith("gemma"))
         with tempfile.TemporaryDirectory() as d:
             model.save_pretrained(d)
             write_tokenizer(d)

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-const FAMILIES: [&str; 5] = ["qwen2", "qwen3", "qwen3moe", "llama3", "gemma3"];
+const FAMILIES: [&str; 6] = ["qwen2", "qwen3", "qwen3moe", "llama3", "gemma3", "gemma2"];
 
 #[derive(serde::Deserialize)]
 struct Expected {
