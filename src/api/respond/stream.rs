@@ -73,6 +73,10 @@ impl Responder {
                 }
                 let c = &self.choices[i];
                 let ids = token_ids.then(|| vec![*token_id]);
+                // vLLM's: a completion choice's prompt ids come with its first token (an echoed
+                // prompt's came with the chunk that echoed it).
+                let prompt_ids = (token_ids && c.token_ids.len() == 1 && self.job.echo.is_none())
+                    .then(|| self.job.prompt_ids.clone());
                 let choice = match self.job.flavor {
                     Flavor::Chat | Flavor::Generate => wire::Choice::ChatChunk(ChatChunkChoice {
                         index: self.first_choice + i,
@@ -104,7 +108,7 @@ impl Responder {
                         stop_reason: None,
                         token_ids: ids,
                         prompt_logprobs: None,
-                        prompt_token_ids: None,
+                        prompt_token_ids: prompt_ids,
                         adapter_versions: None,
                     }),
                 };
