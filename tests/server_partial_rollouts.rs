@@ -229,6 +229,11 @@ fn a_long_generation_moves_to_the_version_published_while_it_runs() {
     assert_eq!(st["last"]["sequences"], 2, "{st}");
     assert_eq!(st["last"]["logprob_diff_max"], 0.0, "{st}");
     assert_eq!(st["last"]["staleness_max"], 1, "{st}");
+    // Per token: the older version's head is one behind, the tail none.
+    let head: usize = choices.iter().map(|ch| ch.spans[1].0).sum();
+    let all: usize = choices.iter().map(|ch| ch.tokens.len()).sum();
+    let mean = st["last"]["staleness_token_mean"].as_f64().unwrap();
+    assert!((mean - head as f64 / all as f64).abs() < 1e-9, "{st}");
 
     // Version v again (rolled back to): the tokens it computed score as served, to the bit; the
     // later version's do not all.

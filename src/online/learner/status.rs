@@ -88,6 +88,10 @@ pub struct StepReport {
     pub version: u64,
     pub groups: usize,
     pub staleness_max: u64,
+    /// The mean over the step's completion tokens of how many versions behind the serving one
+    /// the version that computed each was (a partial rollout's tokens each count their own).
+    #[serde(default)]
+    pub staleness_token_mean: f64,
     /// The version's evaluation, when the adapter has an evaluation set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<crate::online::eval::EvalScore>,

@@ -148,6 +148,7 @@ impl Learner {
                 })
                 .max()
                 .unwrap_or(0),
+            staleness_token_mean: token_staleness(&plan.batch, cur.version),
             eval,
             held: matches!(outcome, Outcome::Hold { .. }),
         };
@@ -561,4 +562,20 @@ impl Member for Learner {
     fn gives_up(&self) -> bool {
         true
     }
+}
+
+/// The mean over `batch`'s completion tokens of `current` minus the version that computed each.
+fn token_staleness(batch: &[PendingGroup], current: u64) -> f64 {
+    let (mut sum, mut n) = (0u64, 0u64);
+    for m in batch.iter().flat_map(|g| &g.members) {
+        let len = m.completion.len();
+        let spans = VersionSpan::all(m.version, &m.switches);
+        let ends = spans.iter().skip(1).map(|s| s.from_token as usize);
+        for (s, end) in spans.iter().zip(ends.chain([len])) {
+            let k = end.min(len).saturating_sub(s.from_token as usize) as u64;
+            sum += current.saturating_sub(s.version) * k;
+            n += k;
+        }
+    }
+    sum as f64 / n.max(1) as f64
 }
