@@ -568,13 +568,9 @@ impl Member for Learner {
 fn token_staleness(batch: &[PendingGroup], current: u64) -> f64 {
     let (mut sum, mut n) = (0u64, 0u64);
     for m in batch.iter().flat_map(|g| &g.members) {
-        let len = m.completion.len();
-        let spans = VersionSpan::all(m.version, &m.switches);
-        let ends = spans.iter().skip(1).map(|s| s.from_token as usize);
-        for (s, end) in spans.iter().zip(ends.chain([len])) {
-            let k = end.min(len).saturating_sub(s.from_token as usize) as u64;
-            sum += current.saturating_sub(s.version) * k;
-            n += k;
+        for (s, r) in VersionSpan::ranges(m.version, &m.switches, m.completion.len()) {
+            sum += current.saturating_sub(s.version) * r.len() as u64;
+            n += r.len() as u64;
         }
     }
     sum as f64 / n.max(1) as f64

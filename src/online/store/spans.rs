@@ -39,6 +39,21 @@ impl VersionSpan {
             .collect()
     }
 
+    /// Each span of a completion of `len` tokens (first version `first`, then `switches`) with
+    /// the positions it covers.
+    pub fn ranges(
+        first: u64,
+        switches: &[VersionSpan],
+        len: usize,
+    ) -> Vec<(VersionSpan, std::ops::Range<usize>)> {
+        let all = VersionSpan::all(first, switches);
+        let ends = all.iter().skip(1).map(|s| s.from_token as usize);
+        all.iter()
+            .zip(ends.chain([len]))
+            .map(|(s, end)| (*s, (s.from_token as usize).min(len)..end.min(len)))
+            .collect()
+    }
+
     /// The positions of a completion of `len` tokens (first version `first`, then `switches`)
     /// that version `v` computed exactly (`exact`).
     pub fn positions_of(
@@ -47,13 +62,10 @@ impl VersionSpan {
         len: usize,
         v: u64,
     ) -> Vec<std::ops::Range<usize>> {
-        let all = VersionSpan::all(first, switches);
-        let ends = all.iter().skip(1).map(|s| s.from_token as usize);
-        all.iter()
-            .zip(ends.chain([len]))
-            .filter(|(s, _)| s.version == v && s.exact)
-            .map(|(s, end)| (s.from_token as usize).min(len)..end.min(len))
-            .filter(|r| !r.is_empty())
+        VersionSpan::ranges(first, switches, len)
+            .into_iter()
+            .filter(|(s, r)| s.version == v && s.exact && !r.is_empty())
+            .map(|(_, r)| r)
             .collect()
     }
 
