@@ -23,6 +23,9 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+from flywheel_server import stop  # noqa: E402
+
 FLYWHEEL = os.path.join(ROOT, "target", "release", "flywheel")
 PROMPT = "Once upon a time, in a land far away, there lived a curious engineer who"
 
@@ -93,11 +96,7 @@ def run(kind, a):
         assert len(done) == a.streams, done
         return sum(done) / secs, sum(done)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def main():

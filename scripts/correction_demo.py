@@ -12,11 +12,10 @@ import argparse
 import json
 import pathlib
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "python"))
-from flywheel_server import http, running  # noqa: E402
+from flywheel_server import http, running_config  # noqa: E402
 
 QUESTION = "Name one fruit. Answer as JSON."
 SCHEMA = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 12}},
@@ -54,30 +53,28 @@ def main():
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--lr", type=float, default=0.0005)
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = pathlib.Path(tmp) / "serve.toml"
-        cfg.write_text(
-            f"[[learn]]\nname = \"plain\"\nlr = {a.lr}\n"
-            f"[[learn]]\nname = \"tis\"\nlr = {a.lr}\ncorrection = \"tis\"\n")
-        with running(["--config", str(cfg)], timeout=300) as base:
-            t0 = time.time()
-            for rnd in range(1, a.rounds + 1):
-                row = {"round": rnd}
-                for name in ("plain", "tis"):
-                    before = status(base, name)
-                    mean, signal = round_of(base, name)
-                    deadline = time.time() + 300
-                    while signal:
-                        s = status(base, name)
-                        if s["steps"] > before["steps"] or s["dropped"] != before["dropped"]:
-                            break
-                        assert time.time() < deadline, s
-                        time.sleep(0.1)
+    toml = (
+        f"[[learn]]\nname = \"plain\"\nlr = {a.lr}\n"
+        f"[[learn]]\nname = \"tis\"\nlr = {a.lr}\ncorrection = \"tis\"\n")
+    with running_config(toml) as base:
+        t0 = time.time()
+        for rnd in range(1, a.rounds + 1):
+            row = {"round": rnd}
+            for name in ("plain", "tis"):
+                before = status(base, name)
+                mean, signal = round_of(base, name)
+                deadline = time.time() + 300
+                while signal:
                     s = status(base, name)
-                    row[name] = {"mean_reward": mean, "steps": s["steps"],
-                                 "dropped": s["dropped"]}
-                row["seconds"] = round(time.time() - t0, 1)
-                print(json.dumps(row), flush=True)
+                    if s["steps"] > before["steps"] or s["dropped"] != before["dropped"]:
+                        break
+                    assert time.time() < deadline, s
+                    time.sleep(0.1)
+                s = status(base, name)
+                row[name] = {"mean_reward": mean, "steps": s["steps"],
+                             "dropped": s["dropped"]}
+            row["seconds"] = round(time.time() - t0, 1)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "python"))
-from flywheel_server import http, running  # noqa: E402
+from flywheel_server import http, running_config  # noqa: E402
 
 TEACHER = ("<|im_start|>system\nYou are a pirate. Always answer like a pirate, with "
            "\"Arr\" and sea words.<|im_end|>\n")
@@ -70,38 +70,36 @@ def main():
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--lr", type=float, default=0.001)
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = pathlib.Path(tmp) / "serve.toml"
-        cfg.write_text(
-            "[online]\nmax_off_policy_steps = 1000\n[[learn]]\nname = \"brief\"\n"
-            f"loss = \"distill\"\nlr = {a.lr}\ngroups_per_step = 4\n"
-            f"teacher_prompt = {json.dumps(TEACHER)}\n")
-        with running(["--config", str(cfg)], timeout=300) as base:
-            model = json.loads(http("GET", base + "/v1/models")[2])["data"][0]["id"]
-            teacher_ids = json.loads(http("POST", base + "/tokenize",
-                                          {"prompt": TEACHER})[2])["tokens"]
-            curve = [round(reverse_kl(base, model, teacher_ids, "snap0", tmp), 4)]
-            print(json.dumps({"round": 0, "held_out_reverse_kl": curve[0]}), flush=True)
-            t0 = time.time()
-            trained = 0
-            for rnd in range(1, a.rounds + 1):
-                for q in TRAIN:
-                    st, _, body = http("POST", base + "/v1/chat/completions", {
-                        "model": "brief", "messages": [{"role": "user", "content": q}],
-                        "n": 4, "max_tokens": TOKENS, "temperature": 1.0})
-                    assert st == 200, body
-                trained += 4 * len(TRAIN)
-                deadline = time.time() + 600
-                while status(base)["trained"] < trained:
-                    assert time.time() < deadline, status(base)
-                    time.sleep(0.2)
-                s = status(base)
-                curve.append(round(reverse_kl(base, model, teacher_ids, f"snap{rnd}", tmp), 4))
-                print(json.dumps({"round": rnd, "steps": s["steps"],
-                                  "held_out_reverse_kl": curve[-1],
-                                  "last_step_teacher_kl": round(s["last"]["teacher_kl"], 4),
-                                  "seconds": round(time.time() - t0, 1)}), flush=True)
-            print(json.dumps({"held_out_reverse_kl_curve": curve}))
+    toml = (
+        "[online]\nmax_off_policy_steps = 1000\n[[learn]]\nname = \"brief\"\n"
+        f"loss = \"distill\"\nlr = {a.lr}\ngroups_per_step = 4\n"
+        f"teacher_prompt = {json.dumps(TEACHER)}\n")
+    with tempfile.TemporaryDirectory() as tmp, running_config(toml) as base:
+        model = json.loads(http("GET", base + "/v1/models")[2])["data"][0]["id"]
+        teacher_ids = json.loads(http("POST", base + "/tokenize",
+                                      {"prompt": TEACHER})[2])["tokens"]
+        curve = [round(reverse_kl(base, model, teacher_ids, "snap0", tmp), 4)]
+        print(json.dumps({"round": 0, "held_out_reverse_kl": curve[0]}), flush=True)
+        t0 = time.time()
+        trained = 0
+        for rnd in range(1, a.rounds + 1):
+            for q in TRAIN:
+                st, _, body = http("POST", base + "/v1/chat/completions", {
+                    "model": "brief", "messages": [{"role": "user", "content": q}],
+                    "n": 4, "max_tokens": TOKENS, "temperature": 1.0})
+                assert st == 200, body
+            trained += 4 * len(TRAIN)
+            deadline = time.time() + 600
+            while status(base)["trained"] < trained:
+                assert time.time() < deadline, status(base)
+                time.sleep(0.2)
+            s = status(base)
+            curve.append(round(reverse_kl(base, model, teacher_ids, f"snap{rnd}", tmp), 4))
+            print(json.dumps({"round": rnd, "steps": s["steps"],
+                              "held_out_reverse_kl": curve[-1],
+                              "last_step_teacher_kl": round(s["last"]["teacher_kl"], 4),
+                              "seconds": round(time.time() - t0, 1)}), flush=True)
+        print(json.dumps({"held_out_reverse_kl_curve": curve}))
 
 
 if __name__ == "__main__":

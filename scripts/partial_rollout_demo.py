@@ -18,12 +18,11 @@ import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "python"))
-from flywheel_server import http, running  # noqa: E402
+from flywheel_server import http, running_config  # noqa: E402
 
 QUESTIONS = ["Tell me a long story about a dragon.", "Explain how the internet works.",
              "Describe a day in the life of a sailor.", "Write a long essay about the sea."]
@@ -59,56 +58,54 @@ POLICIES = {"pinned": "", "latest": 'version_policy = "latest"\n',
 
 
 def run(policy, a):
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = pathlib.Path(tmp) / "serve.toml"
-        cfg.write_text(
-            "[online]\nmax_off_policy_steps = 1000\n[[learn]]\nname = \"brief\"\n"
-            "lr = 0.0002\n" + POLICIES[policy])
-        with running(["--config", str(cfg)], timeout=300) as base:
-            out = {}
-            threads = [threading.Thread(target=long_generation, args=(base, i, a.tokens, out))
-                       for i in range(a.streams)]
-            for t in threads:
-                t.start()
-            # A short group every `--every` seconds, rewarded at once, while the long generations
-            # run: the trainer steps and publishes on that schedule (the same in both runs).
-            k = 0
-            while any(t.is_alive() for t in threads):
-                t_next = time.time() + a.every
-                st, _, body = http("POST", base + "/v1/chat/completions", {
-                    "model": "brief", "messages": [{"role": "user", "content": f"Say {k}."}],
-                    "n": 4, "max_tokens": 8, "temperature": 1.0})
-                assert st == 200, body
-                rid = json.loads(body)["id"]
-                st, _, body = http("POST", base + "/v1/feedback", [
-                    {"id": rid, "choice": j, "reward": float(j % 2)} for j in range(4)])
-                assert st == 202, body
-                k += 1
-                while time.time() < t_next and any(t.is_alive() for t in threads):
-                    time.sleep(0.05)
-            for t in threads:
-                t.join()
-            lags, token_lags, n_tokens = [], 0.0, 0
-            for g in out.values():
-                newest = g["newest_at_end"]
-                spans = g["spans"]
-                lags.append(newest - spans[0]["version"])
-                ends = [s["from_token"] for s in spans[1:]] + [g["tokens"]]
-                for s, end in zip(spans, ends):
-                    token_lags += (newest - s["version"]) * (end - s["from_token"])
-                    n_tokens += end - s["from_token"]
-            secs = [g["seconds"] for g in out.values()]
-            return {
-                "policy": policy,
-                "steps": status(base)["steps"],
-                "median_seconds": round(statistics.median(secs), 2),
-                "tokens_per_second": round(n_tokens / max(secs), 1),
-                "switches": metric(base, "flywheel_version_switches_total"),
-                "recomputed_tokens": metric(base,
-                                            "flywheel_version_switch_recomputed_tokens_total"),
-                "sample_staleness_mean": round(statistics.mean(lags), 2),
-                "token_staleness_mean": round(token_lags / max(n_tokens, 1), 2),
-            }
+    toml = (
+        "[online]\nmax_off_policy_steps = 1000\n[[learn]]\nname = \"brief\"\n"
+        "lr = 0.0002\n" + POLICIES[policy])
+    with running_config(toml) as base:
+        out = {}
+        threads = [threading.Thread(target=long_generation, args=(base, i, a.tokens, out))
+                   for i in range(a.streams)]
+        for t in threads:
+            t.start()
+        # A short group every `--every` seconds, rewarded at once, while the long generations
+        # run: the trainer steps and publishes on that schedule (the same in both runs).
+        k = 0
+        while any(t.is_alive() for t in threads):
+            t_next = time.time() + a.every
+            st, _, body = http("POST", base + "/v1/chat/completions", {
+                "model": "brief", "messages": [{"role": "user", "content": f"Say {k}."}],
+                "n": 4, "max_tokens": 8, "temperature": 1.0})
+            assert st == 200, body
+            rid = json.loads(body)["id"]
+            st, _, body = http("POST", base + "/v1/feedback", [
+                {"id": rid, "choice": j, "reward": float(j % 2)} for j in range(4)])
+            assert st == 202, body
+            k += 1
+            while time.time() < t_next and any(t.is_alive() for t in threads):
+                time.sleep(0.05)
+        for t in threads:
+            t.join()
+        lags, token_lags, n_tokens = [], 0.0, 0
+        for g in out.values():
+            newest = g["newest_at_end"]
+            spans = g["spans"]
+            lags.append(newest - spans[0]["version"])
+            ends = [s["from_token"] for s in spans[1:]] + [g["tokens"]]
+            for s, end in zip(spans, ends):
+                token_lags += (newest - s["version"]) * (end - s["from_token"])
+                n_tokens += end - s["from_token"]
+        secs = [g["seconds"] for g in out.values()]
+        return {
+            "policy": policy,
+            "steps": status(base)["steps"],
+            "median_seconds": round(statistics.median(secs), 2),
+            "tokens_per_second": round(n_tokens / max(secs), 1),
+            "switches": metric(base, "flywheel_version_switches_total"),
+            "recomputed_tokens": metric(base,
+                                        "flywheel_version_switch_recomputed_tokens_total"),
+            "sample_staleness_mean": round(statistics.mean(lags), 2),
+            "token_staleness_mean": round(token_lags / max(n_tokens, 1), 2),
+        }
 
 
 def main():

@@ -39,11 +39,26 @@ def running(args=(), timeout=60):
     try:
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
+
+
+@contextlib.contextmanager
+def running_config(toml, args=(), timeout=300):
+    """`running` with `toml` as its `--config` (a temporary file): the demos' servers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = pathlib.Path(tmp) / "serve.toml"
+        cfg.write_text(toml)
+        with running(["--config", str(cfg), *args], timeout) as base:
+            yield base
+
+
+def stop(proc):
+    """Stop a server: SIGTERM (a server exits 0 on it), killed if still there after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def start_server(args, timeout=60):
