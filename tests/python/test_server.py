@@ -816,6 +816,24 @@ def test_the_openai_sdk_works():
         assert lps and all(len(t.top_logprobs) == 5 and t.logprob <= 0 for t in lps)
     assert len({tuple(t.token for t in c.logprobs.content) for c in r.choices}) > 1
 
+    # Token in, token out through the SDK as RL clients stream completions (vLLM's
+    # `return_token_ids`): each choice's prompt ids come once, with its first token.
+    ids = {"return_token_ids": True, "ignore_eos": True}
+    prompts, tokens = {}, {0: [], 1: []}
+    for chunk in client.completions.create(model=m, prompt="Once upon a time", max_tokens=5, n=2,
+                                           stream=True, extra_body=ids):
+        for c in chunk.choices:
+            extra = c.model_extra or {}
+            if extra.get("prompt_token_ids") is not None:
+                assert c.index not in prompts
+                prompts[c.index] = extra["prompt_token_ids"]
+            tokens[c.index] += extra.get("token_ids") or []
+    whole = client.completions.create(model=m, prompt="Once upon a time", max_tokens=1,
+                                      extra_body=ids)
+    want = whole.choices[0].model_extra["prompt_token_ids"]
+    assert want and prompts == {0: want, 1: want}
+    assert [len(t) for t in tokens.values()] == [5, 5]
+
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}],
                                        temperature=-1)
