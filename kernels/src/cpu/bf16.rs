@@ -308,6 +308,9 @@ mod x86 {
         let mut buf = std::mem::MaybeUninit::<[[f32; 256]; R]>::uninit();
         let buf = buf.as_mut_ptr() as *mut f32;
         let mut acc = [[_mm512_setzero_ps(); N]; R];
+        // Written before read, block by block (formats with `codes16` only).
+        let mut codes = [[0i8; 256]; R];
+        let (mut scale, mut min) = ([[0.0f32; 16]; R], [[0.0f32; 16]; R]);
         for u in 0..k / unit {
             let off = u * blocks * F::BB;
             // The R rows are one contiguous run: fetch the same place of the next run.
@@ -321,6 +324,25 @@ mod x86 {
                     let wv = _mm512_cvtne2ps_pbh(d[1], d[0]);
                     for i in 0..N {
                         acc[a][i] = _mm512_dpbf16_ps(acc[a][i], wv, load(x[i].add(u * 32)));
+                    }
+                }
+            } else if F::HAS_CODES16 {
+                // Super-blocks: codes as bytes, each 32 values widened and scaled in registers
+                // (the f32 values `dequant` gives, to the bit), rounded and dotted.
+                for a in 0..R {
+                    F::codes16::<Avx512>(w[a].add(off), &mut codes[a], &mut scale[a], &mut min[a]);
+                }
+                for c in 0..8 {
+                    for a in 0..R {
+                        let c8 = codes[a].as_ptr().add(32 * c) as *const u8;
+                        let (s, m) = (&scale[a][2 * c..], &min[a][2 * c..]);
+                        let lo = scaled16::<F>(c8, s[0], m[0]);
+                        let hi = scaled16::<F>(c8.add(16), s[1], m[1]);
+                        let wv = _mm512_cvtne2ps_pbh(hi, lo);
+                        for i in 0..N {
+                            let xv = load(x[i].add(u * unit + 32 * c));
+                            acc[a][i] = _mm512_dpbf16_ps(acc[a][i], wv, xv);
+                        }
                     }
                 }
             } else {
@@ -349,6 +371,17 @@ mod x86 {
             for (i, v) in acca.iter().enumerate() {
                 *j.y.add((i0 + i) * j.rows + r + a) = Avx512::reduce_add(*v);
             }
+        }
+    }
+
+    /// 16 codes at `c8` as `dequant`'s f32 values: code·s (+ m in one fma with `CODES_MIN`).
+    #[inline(always)]
+    unsafe fn scaled16<F: Format>(c8: *const u8, s: f32, m: f32) -> __m512 {
+        let q = Avx512::cvt(Avx512::load_i8(c8));
+        if F::CODES_MIN {
+            Avx512::fma(q, Avx512::splat(s), Avx512::splat(m))
+        } else {
+            Avx512::mul(q, Avx512::splat(s))
         }
     }
 

@@ -29,6 +29,26 @@ pub trait Format {
         unreachable!("decode32 is only called when HAS_DECODE32")
     }
 
+    /// Whether `codes16` is implemented (every super-block format: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+    /// IQ4_XS).
+    const HAS_CODES16: bool = false;
+    /// Whether a value is code·scale + min in one fma (else code·scale, one multiply).
+    const CODES_MIN: bool = false;
+
+    /// The block as 256 signed byte codes in value order with one scale (and, with `CODES_MIN`,
+    /// one min) per 16 values, such that value v = fma(code, scale[v/16], min[v/16]) (or
+    /// code·scale[v/16]) is `dequant`'s value to the bit. Decoded with AVX2 byte operations (every
+    /// kernel ISA has them), 32 codes per few instructions, so products can stay in registers.
+    #[inline(always)]
+    unsafe fn codes16<S: Simd>(
+        _src: *const u8,
+        _codes: &mut [i8; 256],
+        _scale: &mut [f32; 16],
+        _min: &mut [f32; 16],
+    ) {
+        unreachable!("codes16 is only called when HAS_CODES16")
+    }
+
     /// Fused dequantize-and-dot of one block against `N` activation rows (each pointer at this
     /// block's first value). Canonical order, shared by every matmul path so that a row's result
     /// does not depend on the batch around it: products are accumulated LANES values at a time,
@@ -66,7 +86,7 @@ pub struct IQ4NL;
 /// 16 bytes of IQ4 nibbles (value j low, j+16 high) looked up in the codebook into 32 signed
 /// bytes at `out`, in value order (`pshufb`: every kernel ISA has SSSE3).
 #[inline(always)]
-unsafe fn iq4_lookup(qs: *const u8, out: *mut i8) {
+pub(crate) unsafe fn iq4_lookup(qs: *const u8, out: *mut i8) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::*;

@@ -6,7 +6,7 @@
 // one block (`BB` bytes in, `BS` floats out).
 #![allow(clippy::missing_safety_doc)]
 
-use super::dequant::{iq4_scale, Format};
+use super::dequant::{iq4_lookup, iq4_scale, Format};
 use super::simd::Simd;
 use crate::quant::QuantType;
 use crate::reference::scale_min_k4;
@@ -43,34 +43,35 @@ impl Format for Q2K {
             }
         }
     }
-    /// The 2-bit codes split into bytes (four shifts and masks per 128 values), then dotted per
-    /// sub-block: the values `dequant` gives (one fma each), in the canonical order.
+    const HAS_CODES16: bool = true;
+    const CODES_MIN: bool = true;
+    /// The 2-bit codes split into bytes (four shifts and masks per 128 values); 4-bit scales and
+    /// mins per 16 values.
+    #[inline(always)]
+    unsafe fn codes16<S: Simd>(
+        src: *const u8,
+        codes: &mut [i8; 256],
+        scale: &mut [f32; 16],
+        min: &mut [f32; 16],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        for h in 0..2 {
+            store_groups(two_bit_groups(src.add(16 + 32 * h)), codes, 128 * h);
+        }
+        let (d, dmin) = (S::f16(src.add(80)), S::f16(src.add(82)));
+        for k in 0..16 {
+            let sc = *src.add(k);
+            scale[k] = d * (sc & 0xF) as f32;
+            min[k] = -(dmin * (sc >> 4) as f32);
+        }
+    }
     #[inline(always)]
     unsafe fn dot_block<S: Simd, const N: usize>(
         src: *const u8,
         x: &[*const f32; N],
         acc: &mut [[S::V; 2]; N],
     ) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::*;
-            let mut codes = [_mm256_setzero_si256(); 8];
-            for h in 0..2 {
-                let g = two_bit_groups(src.add(16 + 32 * h));
-                codes[4 * h..4 * h + 4].copy_from_slice(&g);
-            }
-            let (d, dmin) = (S::f16(src.add(80)), S::f16(src.add(82)));
-            let sc = |k: usize| *src.add(k);
-            let scale: [f32; 16] = std::array::from_fn(|k| d * (sc(k) & 0xF) as f32);
-            let min: [f32; 16] = std::array::from_fn(|k| -(dmin * (sc(k) >> 4) as f32));
-            dot_codes16::<S, N, true>(codes.as_ptr() as *const u8, &scale, &min, x, acc);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!(
-            "x86_64 kernels only ({src:?}, {} rows, {})",
-            x.len(),
-            acc.len()
-        )
+        dot_by_codes::<S, Self, N>(src, x, acc)
     }
 }
 
@@ -107,45 +108,47 @@ impl Format for Q3K {
             l += S::LANES;
         }
     }
+    const HAS_CODES16: bool = true;
     /// Codes low + 4·high − 4 formed as bytes (the high bit of group g is bit g of `hmask`'s
-    /// bytes), then dotted per sub-block as `dequant`'s values, in the canonical order.
+    /// bytes); 6-bit scales − 32 per 16 values.
+    #[inline(always)]
+    unsafe fn codes16<S: Simd>(
+        src: *const u8,
+        codes: &mut [i8; 256],
+        scale: &mut [f32; 16],
+        _min: &mut [f32; 16],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            let hm = _mm256_loadu_si256(src as *const __m256i);
+            let four = _mm256_set1_epi8(4);
+            for h in 0..2 {
+                let mut g = two_bit_groups(src.add(32 + 32 * h));
+                for (s, low) in g.iter_mut().enumerate() {
+                    let bit = _mm256_set1_epi8((1u8 << (4 * h + s)) as i8);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                    let high4 = _mm256_and_si256(set, four);
+                    *low = _mm256_sub_epi8(_mm256_add_epi8(*low, high4), four);
+                }
+                store_groups(g, codes, 128 * h);
+            }
+        }
+        let d = S::f16(src.add(108));
+        let sc = std::slice::from_raw_parts(src.add(96), 12);
+        for (k, v) in scale.iter_mut().enumerate() {
+            let lo = (sc[k % 8] >> (4 * (k / 8))) & 0xF;
+            let hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+            *v = d * ((lo | (hi << 4)) as i32 - 32) as f32;
+        }
+    }
     #[inline(always)]
     unsafe fn dot_block<S: Simd, const N: usize>(
         src: *const u8,
         x: &[*const f32; N],
         acc: &mut [[S::V; 2]; N],
     ) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::*;
-            let mut codes = [_mm256_setzero_si256(); 8];
-            let hm = _mm256_loadu_si256(src as *const __m256i);
-            let four = _mm256_set1_epi8(4);
-            for h in 0..2 {
-                let g = two_bit_groups(src.add(32 + 32 * h));
-                for (s, low) in g.into_iter().enumerate() {
-                    let bit = _mm256_set1_epi8((1u8 << (4 * h + s)) as i8);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-                    let high4 = _mm256_and_si256(set, four);
-                    let q = _mm256_sub_epi8(_mm256_add_epi8(low, high4), four);
-                    codes[4 * h + s] = q;
-                }
-            }
-            let d = S::f16(src.add(108));
-            let sc = std::slice::from_raw_parts(src.add(96), 12);
-            let scale: [f32; 16] = std::array::from_fn(|k| {
-                let lo = (sc[k % 8] >> (4 * (k / 8))) & 0xF;
-                let hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
-                d * ((lo | (hi << 4)) as i32 - 32) as f32
-            });
-            dot_codes16::<S, N, false>(codes.as_ptr() as *const u8, &scale, &[0.0; 16], x, acc);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!(
-            "x86_64 kernels only ({src:?}, {} rows, {})",
-            x.len(),
-            acc.len()
-        )
+        dot_by_codes::<S, Self, N>(src, x, acc)
     }
 }
 
@@ -190,6 +193,50 @@ unsafe fn dot_codes16<S: Simd, const N: usize, const MIN: bool>(
     }
 }
 
+/// `Format::dot_block` through `codes16`: the codes dotted per 16-value sub-block, in the
+/// canonical order (the values `dequant` gives, to the bit).
+#[inline(always)]
+unsafe fn dot_by_codes<S: Simd, F: Format, const N: usize>(
+    src: *const u8,
+    x: &[*const f32; N],
+    acc: &mut [[S::V; 2]; N],
+) {
+    let mut codes = [0i8; 256];
+    let (mut scale, mut min) = ([0.0f32; 16], [0.0f32; 16]);
+    F::codes16::<S>(src, &mut codes, &mut scale, &mut min);
+    let c8 = codes.as_ptr() as *const u8;
+    if F::CODES_MIN {
+        dot_codes16::<S, N, true>(c8, &scale, &min, x, acc);
+    } else {
+        dot_codes16::<S, N, false>(c8, &scale, &min, x, acc);
+    }
+}
+
+/// Four groups of 32 codes stored at `codes[at..at + 128]`, in order.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn store_groups(g: [std::arch::x86_64::__m256i; 4], codes: &mut [i8; 256], at: usize) {
+    use std::arch::x86_64::*;
+    for (k, v) in g.into_iter().enumerate() {
+        _mm256_storeu_si256(codes.as_mut_ptr().add(at + 32 * k) as *mut __m256i, v);
+    }
+}
+
+/// Bytes of `q` (32 of them) ORed with 16 where bit `bit` of the matching byte of `qh` is set:
+/// a fifth code bit on top of a nibble.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn with_bit4(
+    q: std::arch::x86_64::__m256i,
+    qh: std::arch::x86_64::__m256i,
+    bit: u32,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let b = _mm256_set1_epi8((1u8 << bit) as i8);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b), b);
+    _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+}
+
 impl Format for IQ4XS {
     const TY: QuantType = QuantType::IQ4XS;
     const BS: usize = 256;
@@ -204,6 +251,33 @@ impl Format for IQ4XS {
             let dj = d * ((lo | (hi << 4)) as i32 - 32) as f32;
             iq4_scale::<S>(src.add(8 + 16 * j), dj, dst.add(32 * j));
         }
+    }
+    const HAS_CODES16: bool = true;
+    /// The codebook's values as codes; one scale per 32 values (given for both halves).
+    #[inline(always)]
+    unsafe fn codes16<S: Simd>(
+        src: *const u8,
+        codes: &mut [i8; 256],
+        scale: &mut [f32; 16],
+        _min: &mut [f32; 16],
+    ) {
+        let d = S::f16(src);
+        let sh = u16::from_le_bytes([*src.add(2), *src.add(3)]);
+        for j in 0..8 {
+            let lo = (*src.add(4 + j / 2) >> (4 * (j % 2))) & 0xF;
+            let hi = ((sh >> (2 * j)) & 3) as u8;
+            let dj = d * ((lo | (hi << 4)) as i32 - 32) as f32;
+            (scale[2 * j], scale[2 * j + 1]) = (dj, dj);
+            iq4_lookup(src.add(8 + 16 * j), codes.as_mut_ptr().add(32 * j));
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
+        dot_by_codes::<S, Self, N>(src, x, acc)
     }
 }
 
@@ -238,6 +312,48 @@ impl Format for Q5K {
             l += S::LANES;
         }
     }
+    const HAS_CODES16: bool = true;
+    const CODES_MIN: bool = true;
+    /// Nibbles split into bytes with the fifth bit from `qh` on top; 6-bit scales and mins per
+    /// 32 values (given for both halves).
+    #[inline(always)]
+    unsafe fn codes16<S: Simd>(
+        src: *const u8,
+        codes: &mut [i8; 256],
+        scale: &mut [f32; 16],
+        min: &mut [f32; 16],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            let qh = _mm256_loadu_si256(src.add(16) as *const __m256i);
+            let nib = _mm256_set1_epi8(0x0F);
+            for c in 0..4 {
+                let b = _mm256_loadu_si256(src.add(48 + 32 * c) as *const __m256i);
+                let lo = with_bit4(_mm256_and_si256(b, nib), qh, 2 * c as u32);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(b), nib);
+                let hi = with_bit4(hi, qh, 2 * c as u32 + 1);
+                let out = codes.as_mut_ptr().add(64 * c) as *mut __m256i;
+                _mm256_storeu_si256(out, lo);
+                _mm256_storeu_si256(out.add(1), hi);
+            }
+        }
+        let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
+        let scales = std::slice::from_raw_parts(src.add(4), 12);
+        for j in 0..8 {
+            let (sc, m) = scale_min_k4(j, scales);
+            (scale[2 * j], scale[2 * j + 1]) = (d * sc as f32, d * sc as f32);
+            (min[2 * j], min[2 * j + 1]) = (-dmin * m as f32, -dmin * m as f32);
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot_block<S: Simd, const N: usize>(
+        src: *const u8,
+        x: &[*const f32; N],
+        acc: &mut [[S::V; 2]; N],
+    ) {
+        dot_by_codes::<S, Self, N>(src, x, acc)
+    }
 }
 
 impl Format for Q4K {
@@ -266,47 +382,43 @@ impl Format for Q4K {
         }
     }
 
-    /// The nibbles split into bytes with two AVX2 operations per 64 values, then per 32-value
-    /// block its codes widened and dequantized as `dequant` does (one fma: q·(d·sc) − dmin·m)
-    /// and dotted in value order (the canonical order, the same bits).
+    const HAS_CODES16: bool = true;
+    const CODES_MIN: bool = true;
+    /// The nibbles split into bytes with two AVX2 operations per 64 values; 6-bit scales and
+    /// mins per 32 values (given for both halves).
+    #[inline(always)]
+    unsafe fn codes16<S: Simd>(
+        src: *const u8,
+        codes: &mut [i8; 256],
+        scale: &mut [f32; 16],
+        min: &mut [f32; 16],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            let nib = _mm256_set1_epi8(0x0F);
+            for c in 0..4 {
+                let b = _mm256_loadu_si256(src.add(16 + 32 * c) as *const __m256i);
+                let out = codes.as_mut_ptr().add(64 * c) as *mut __m256i;
+                _mm256_storeu_si256(out, _mm256_and_si256(b, nib));
+                _mm256_storeu_si256(out.add(1), _mm256_and_si256(_mm256_srli_epi16::<4>(b), nib));
+            }
+        }
+        let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
+        let scales = std::slice::from_raw_parts(src.add(4), 12);
+        for j in 0..8 {
+            let (sc, m) = scale_min_k4(j, scales);
+            (scale[2 * j], scale[2 * j + 1]) = (d * sc as f32, d * sc as f32);
+            (min[2 * j], min[2 * j + 1]) = (-dmin * m as f32, -dmin * m as f32);
+        }
+    }
     #[inline(always)]
     unsafe fn dot_block<S: Simd, const N: usize>(
         src: *const u8,
         x: &[*const f32; N],
         acc: &mut [[S::V; 2]; N],
     ) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::*;
-            let mut codes = [_mm256_setzero_si256(); 8];
-            let nib = _mm256_set1_epi8(0x0F);
-            for c in 0..4 {
-                let b = _mm256_loadu_si256(src.add(16 + 32 * c) as *const __m256i);
-                codes[2 * c] = _mm256_and_si256(b, nib);
-                codes[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(b), nib);
-            }
-            let c8 = codes.as_ptr() as *const u8;
-            let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
-            let scales = std::slice::from_raw_parts(src.add(4), 12);
-            for blk in 0..8 {
-                let (sc, m) = scale_min_k4(blk, scales);
-                let (db, mb) = (S::splat(d * sc as f32), S::splat(-dmin * m as f32));
-                let mut c = 32 * blk;
-                while c < 32 * blk + 32 {
-                    let w = S::fma(S::cvt(S::load_u8(c8.add(c))), db, mb);
-                    for i in 0..N {
-                        acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
-                    }
-                    c += S::LANES;
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!(
-            "x86_64 kernels only ({src:?}, {} rows, {})",
-            x.len(),
-            acc.len()
-        )
+        dot_by_codes::<S, Self, N>(src, x, acc)
     }
 }
 
@@ -346,38 +458,38 @@ impl Format for Q6K {
         }
     }
 
-    /// In registers but for one stack pass: the super-block's 256 codes q − 32 decoded as bytes
-    /// (`q6k_groups`, 32 values per few instructions), then each 16-value sub-block's codes
-    /// widened, scaled by d·sc and dotted in value order: the values `dequant` gives, to the bit
-    /// ((q − 32)·(d·sc), exact integers times one f32), in the canonical order.
+    const HAS_CODES16: bool = true;
+    /// The super-block's 256 codes q − 32 as bytes (`q6k_groups`, 32 values per few
+    /// instructions); 8-bit scales per 16 values ((q − 32)·(d·sc): exact integers times one f32).
+    #[inline(always)]
+    unsafe fn codes16<S: Simd>(
+        src: *const u8,
+        codes: &mut [i8; 256],
+        scale: &mut [f32; 16],
+        _min: &mut [f32; 16],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            let k32 = _mm256_set1_epi8(32);
+            for hh in 0..2 {
+                let g = q6k_groups(src, hh).map(|q| _mm256_sub_epi8(q, k32));
+                store_groups(g, codes, 128 * hh);
+            }
+        }
+        let d = S::f16(src.add(208));
+        let sc = src.add(192) as *const i8;
+        for (k, v) in scale.iter_mut().enumerate() {
+            *v = d * *sc.add(k) as f32;
+        }
+    }
     #[inline(always)]
     unsafe fn dot_block<S: Simd, const N: usize>(
         src: *const u8,
         x: &[*const f32; N],
         acc: &mut [[S::V; 2]; N],
     ) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::*;
-            let mut codes = [_mm256_setzero_si256(); 8];
-            let k32 = _mm256_set1_epi8(32);
-            for hh in 0..2 {
-                let g = q6k_groups(src, hh);
-                for k in 0..4 {
-                    codes[4 * hh + k] = _mm256_sub_epi8(g[k], k32);
-                }
-            }
-            let d = S::f16(src.add(208));
-            let sc = src.add(192) as *const i8;
-            let scale: [f32; 16] = std::array::from_fn(|k| d * *sc.add(k) as f32);
-            dot_codes16::<S, N, false>(codes.as_ptr() as *const u8, &scale, &[0.0; 16], x, acc);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!(
-            "x86_64 kernels only ({src:?}, {} rows, {})",
-            x.len(),
-            acc.len()
-        )
+        dot_by_codes::<S, Self, N>(src, x, acc)
     }
 }
 
