@@ -71,9 +71,12 @@ pub fn compute(
             .map_err(|e| anyhow::anyhow!("precision int8: {e}; use exact or auto")),
         PrecisionChoice::Auto => {
             if Precision::Bf16.supported(isa) {
+                tracing::info!(
+                    "precision auto: bf16 (AVX512_BF16); --precision exact for f32 products"
+                );
                 Ok(cpu.with_precision(Precision::Bf16).expect("supported"))
             } else {
-                tracing::info!("precision auto: this CPU lacks AVX512_BF16; products stay exact");
+                tracing::info!("precision auto: exact (this CPU lacks AVX512_BF16)");
                 Ok(cpu)
             }
         }

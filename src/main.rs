@@ -36,9 +36,9 @@ struct ModelArgs {
     /// Run the scalar reference kernels (slow; for checking).
     #[arg(long)]
     reference_kernels: bool,
-    /// Arithmetic of the base's products: exact (f32), bf16 (AVX512_BF16), int8 (8-bit
-    /// activations) or auto.
-    #[arg(long, default_value = "exact")]
+    /// Arithmetic of the base's products: auto (the fastest this CPU has: bf16 with
+    /// AVX512_BF16, else exact), exact (f32), bf16 (AVX512_BF16) or int8 (8-bit activations).
+    #[arg(long, default_value = "auto")]
     precision: PrecisionChoice,
     /// Where the weights live: huge_pages (read into 2 MB pages where the kernel offers them,
     /// else mapped) or mmap (mapped, 4 KB pages, the page cache shared between processes).

@@ -135,24 +135,43 @@ fn greedy_generation_agrees_with_reference_kernels() {
 
 /// `--precision bf16` and `int8` end to end: the fast kernels agree with the reference emulating
 /// the same products, and differ from exact f32; a CPU without what the path needs refuses it
-/// by name (and `auto` falls back to exact there).
+/// by name. The default is `auto`: bf16 where the CPU has it, else exact, to the bit.
 #[test]
 fn low_precision_generation_agrees_with_the_emulated_reference() {
     use flywheel::kernels::cpu::Precision;
     let (_dir, path) = write_tiny(&TinySpec::small());
     let p = path.to_str().unwrap();
     let run = |extra: &[&str]| generate16(p, extra);
-    let (ok, exact, err) = run(&[]);
+    let (ok, exact, err) = run(&["--precision", "exact"]);
     assert!(ok, "{err}");
+    let (ok, default, err) = run(&[]);
+    assert!(ok, "{err}");
+    let (ok, auto, err) = run(&["--precision", "auto"]);
+    assert!(ok, "{err}");
+    // The output without its timings.
+    let body = |s: &str| {
+        let mut v: serde_json::Value = serde_json::from_str(s).unwrap();
+        v.as_object_mut().unwrap().remove("timings");
+        v
+    };
+    assert_eq!(body(&default), body(&auto), "the default is auto");
+    if !Precision::Bf16.supported(flywheel::kernels::Isa::detect()) {
+        assert_eq!(
+            body(&auto),
+            body(&exact),
+            "auto is exact without AVX512_BF16"
+        );
+    }
     for precision in [Precision::Bf16, Precision::Int8] {
         let name = precision.name();
         let (ok, fast, err) = run(&["--precision", name]);
         if !precision.supported(flywheel::kernels::Isa::detect()) {
             assert!(!ok && err.contains(precision.needs()), "{err}");
-            let (ok, _, err) = run(&["--precision", "auto"]);
-            assert!(ok, "{err}");
             eprintln!("{name} path skipped: this CPU lacks {}", precision.needs());
             continue;
+        }
+        if precision == Precision::Bf16 {
+            assert_eq!(body(&auto), body(&fast), "auto is bf16 with AVX512_BF16");
         }
         assert!(ok, "{err}");
         let (ok, refr, err) = run(&["--precision", name, "--reference-kernels"]);

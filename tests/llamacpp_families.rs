@@ -6,9 +6,12 @@
 mod common;
 
 use common::naive::naive_logprobs;
+use common::served::served_equals_trained;
 use common::{logprobs_all, python_json, write_tiny, TinySpec};
+use flywheel::kernels::cpu::Precision;
 use flywheel::kernels::{Cpu, QuantType};
 use flywheel::model::decoder::Decoder;
+use flywheel::model::kv_cache::KvDtype;
 
 /// llama.cpp's log-probs of the next token after each prefix of `tokens` (None: no llama_cpp).
 fn llamacpp_logprobs(path: &std::path::Path, tokens: &[u32]) -> Option<Vec<Vec<f64>>> {
@@ -135,7 +138,7 @@ fn llama_quantize_q4_k_m_files_of_every_family_load_and_agree() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
     let dir = tempfile::tempdir().unwrap();
     let mut seen = std::collections::BTreeSet::new();
-    for family in ["llama3", "qwen2", "qwen3", "qwen3moe", "gemma3"] {
+    for family in ["llama3", "qwen2", "qwen3", "qwen3moe", "gemma3", "gemma2"] {
         let path = dir.path().join(format!("{family}.Q4_K_M.gguf"));
         let orig = root.join(family).join("model.gguf");
         let Some(types) = llama_quantize(&orig, &path, "Q4_K_M") else {
@@ -153,22 +156,27 @@ fn llama_quantize_q4_k_m_files_of_every_family_load_and_agree() {
     }
 }
 
-/// The other presets people download for small machines and for quality (Q2_K, Q3_K_M, Q5_K_M,
-/// IQ4_XS, IQ4_NL), by llama.cpp's quantizer on each family with rows 256 wide (so that the
-/// K-quants and IQ4_XS are written, not their 32-value fallbacks), one preset per family and
-/// every preset on Llama: each file loads and agrees as above, and between them they hold every
-/// type those presets write.
+/// The presets people download (Q4_K_M, the most common; Q3_K_M, Q2_K and IQ4_XS for small
+/// machines), by llama.cpp's quantizer on every family with rows 256 wide (so that the K-quants
+/// and IQ4_XS are written, not their 32-value fallbacks), and Q5_K_M and IQ4_NL on Llama: each
+/// file loads and scores as above (exact math on the file; llama.cpp running it), and serves and
+/// trains — the log-probs served through OFT, LoRA and LoRA-with-head adapters equal the training
+/// forward's to the bit — in exact products and in the default (`auto`: BF16 where the CPU has
+/// it). Between them the files hold every type those presets write.
 #[test]
-fn llama_quantize_k_and_iq_presets_load_and_agree() {
-    let presets = ["Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_XS", "IQ4_NL"];
+fn llama_quantize_presets_of_every_family_load_serve_score_and_train() {
+    let presets = ["Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS"];
     let mut seen = std::collections::BTreeSet::new();
-    let families = TinySpec::families();
-    let runs = presets.iter().map(|&p| (TinySpec::llama3(), p)).chain(
-        families
-            .into_iter()
-            .filter(|f| f.seed != TinySpec::llama3().seed)
-            .zip(presets),
-    );
+    let runs = TinySpec::families()
+        .into_iter()
+        .flat_map(|f| presets.map(|p| (f.clone(), p)))
+        .chain(["Q5_K_M", "IQ4_NL"].map(|p| (TinySpec::llama3(), p)));
+    let auto = Precision::Bf16;
+    let auto = if auto.supported(flywheel::kernels::Isa::detect()) {
+        auto
+    } else {
+        Precision::Exact
+    };
     for (family, preset) in runs {
         let spec = TinySpec {
             hidden: 256,
@@ -186,6 +194,10 @@ fn llama_quantize_k_and_iq_presets_load_and_agree() {
         eprintln!("{} {preset}: {types:?}", spec.arch);
         seen.extend(types);
         quantized_file_agrees(&path, &orig, &format!("{} {preset}", spec.arch));
+        served_equals_trained(&path, Precision::Exact, KvDtype::F32);
+        if auto != Precision::Exact {
+            served_equals_trained(&path, auto, KvDtype::F16);
+        }
     }
     for t in ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"] {
         assert!(seen.contains(t), "llama-quantize wrote no {t}: {seen:?}");

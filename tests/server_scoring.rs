@@ -189,7 +189,8 @@ fn prompt_logprobs_on_chat_and_the_rules_around_scoring() {
 #[test]
 fn embeddings_are_the_mean_final_hidden_state_normalised() {
     let (dir, path) = common::write_tiny(&spec());
-    let s = Server::start(&path, CONFIG, &[]);
+    // Compared with exact math below: f32 products (the default may be BF16's).
+    let s = Server::start(&path, CONFIG, &["--precision", "exact"]);
     let embed = |body: Value| -> Value {
         let r = s.post("/v1/embeddings", &body);
         assert_eq!(r.status, 200, "{}", r.body_text());

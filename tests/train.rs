@@ -6,43 +6,18 @@
 mod common;
 
 use common::adapters::{lora, oft};
-use common::{write_tiny, Rng, TinySpec};
-use flywheel::adapter::registry::Registry;
-use flywheel::adapter::{
-    AdapterBase, AdapterConfig, AdapterLayout, AdapterWeights, Method, Target,
-};
-use flywheel::app::Base;
-use flywheel::engine::sampler::SamplingParams;
-use flywheel::generate::GenerateOptions;
+use common::served::{adapter, served_equals_trained};
+use common::{write_tiny, TinySpec};
+use flywheel::adapter::{AdapterBase, AdapterWeights, Target};
 use flywheel::kernels::cpu::Precision;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
-use flywheel::metrics::Metrics;
 use flywheel::model::decoder::{Decoder, TrainSeq, ACTIVATION_BUDGET, HEAD_CHUNK};
 use flywheel::model::kv_cache::KvDtype;
-use flywheel::model::tokenizer::Tokenizer;
 use flywheel::train::pack::Packed;
-use std::sync::Arc;
 use std::time::Duration;
 
 fn cpu(isa: Isa) -> Cpu {
     Cpu::new(isa, ThreadPool::new(2, Duration::from_micros(50)))
-}
-
-fn adapter(
-    model: &Decoder,
-    method: Method,
-    targets: &[Target],
-    seed: u64,
-    scale: f32,
-) -> AdapterWeights {
-    let cfg = AdapterConfig {
-        method,
-        targets: targets.to_vec(),
-        base_model: String::new(),
-    };
-    let layout = Arc::new(AdapterLayout::new(cfg, &model.config).unwrap());
-    let params = Rng(seed).vec(layout.num_params, scale);
-    AdapterWeights::new(layout, params).unwrap()
 }
 
 #[test]
@@ -120,91 +95,18 @@ fn served_equal_training(spec: &TinySpec, precision: Precision) -> Vec<Vec<f32>>
 }
 
 fn served_equal_training_kv(spec: &TinySpec, precision: Precision, kv: KvDtype) -> Vec<Vec<f32>> {
-    let detect = || Cpu::detect().with_precision(precision).unwrap();
-    let mut served_all = Vec::new();
     let (_dir, path) = write_tiny(spec);
-    let mut model = Decoder::open(&path).unwrap();
-    model.kv_dtype = kv;
-    let model = Arc::new(model);
-    let tok = Arc::new(Tokenizer::from_gguf(&model.gguf).unwrap());
-    let base = Base {
-        model: model.clone(),
-        tokenizer: tok,
-        cpu: Arc::new(detect()),
-    };
-    let reg = Registry::new(&model.config, Vec::new(), Arc::new(Metrics::new()));
-    let layers = model.config.adapter_shape().default_targets();
-    let with_head: Vec<Target> = layers.iter().copied().chain([Target::Head]).collect();
-    for (kind, method, targets) in [
-        ("oft", oft(), &layers),
-        ("lora", lora(), &layers),
-        ("lora-head", lora(), &with_head),
-    ] {
-        let w = adapter(&model, method, targets, 9, 0.1);
-        let v = reg.publish(kind, w).unwrap().0;
-        let mut seqs = Vec::new();
-        for (i, temperature) in [0.7f32, 1.0, 1.3].into_iter().enumerate() {
-            let prompt: Vec<u32> = (0..5 + 3 * i as u32)
-                .map(|t| (t * 17 + i as u32) % 250 + 3)
-                .collect();
-            let opts = GenerateOptions {
-                // Enough tokens for the LM head's chunks to split the batch (asserted below).
-                max_tokens: 80,
-                sampling: SamplingParams {
-                    temperature,
-                    ..Default::default()
-                },
-                seed: 40 + i as u64,
-                adapter: Some(v.clone()),
-            };
-            let out = flywheel::app::generate(&base, &prompt, &opts, None, |_| {}).unwrap();
-            served_all.push(out.logprobs.iter().map(|l| l.logprob).collect());
-            seqs.push((prompt, out.token_ids, out.logprobs, temperature));
-        }
-        let scored: usize = seqs.iter().map(|s| s.1.len()).sum();
+    let served = served_equals_trained(&path, precision, kv);
+    // Enough tokens for the LM head's chunks to split each kind's training batch.
+    for kind in served.chunks(3) {
+        let scored: usize = kind.iter().map(Vec::len).sum();
         assert!(
             scored > HEAD_CHUNK,
-            "{scored} scored tokens: one head chunk only"
+            "{}: {scored} scored tokens: one head chunk only",
+            spec.arch
         );
-        // Each temperature is its own training batch of all three sequences (packed together).
-        for &(_, _, _, temperature) in &seqs {
-            let toks: Vec<Vec<u32>> = seqs
-                .iter()
-                .map(|(p, c, _, _)| [p.clone(), c.clone()].concat())
-                .collect();
-            let batch: Vec<TrainSeq> = seqs
-                .iter()
-                .zip(&toks)
-                .map(|((p, _, _, _), t)| TrainSeq::whole(t, p.len()))
-                .collect();
-            let c = detect().background();
-            let (logps, _) = model
-                .train_forward(&c, &batch, &v.weights, temperature, ACTIVATION_BUDGET)
-                .unwrap();
-            let plain = model
-                .logprobs(&c, &batch, Some(&v.weights), temperature)
-                .unwrap();
-            assert_eq!(
-                logps, plain,
-                "the training forward's log-probs are the plain forward's"
-            );
-            for ((_, c, served, t), lp) in seqs.iter().zip(&logps) {
-                if *t != temperature {
-                    continue;
-                }
-                assert_eq!(lp.len(), c.len());
-                for (s, l) in served.iter().zip(lp) {
-                    assert_eq!(
-                        s.logprob.to_bits(),
-                        l.to_bits(),
-                        "{kind} T={t}: served {} vs trained {l}",
-                        s.logprob
-                    );
-                }
-            }
-        }
     }
-    served_all
+    served
 }
 
 /// J = Σ completion log-probs; dJ/dθ from the backward against central differences of J (reference

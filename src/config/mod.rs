@@ -124,9 +124,9 @@ pub struct CliOverrides {
     /// through the shared rollout store; never train). Overrides online.role.
     #[arg(long, env = "FLYWHEEL_ROLE")]
     pub role: Option<String>,
-    /// Arithmetic of the base's products, serving and training alike: exact (f32, the
-    /// default), bf16 (AVX512_BF16), int8 (8-bit activations) or auto. Overrides
-    /// model.precision.
+    /// Arithmetic of the base's products, serving and training alike: auto (the default: bf16
+    /// with AVX512_BF16, else exact), exact (f32), bf16 (AVX512_BF16) or int8 (8-bit
+    /// activations). Overrides model.precision.
     #[arg(long)]
     pub precision: Option<String>,
     /// Where the weights live: huge_pages (2 MB pages, the default) or mmap (the file
@@ -476,15 +476,17 @@ impl RawConfig {
 /// training alike.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrecisionChoice {
-    /// f32 products (the default; the exact path kept for checks).
-    #[default]
+    /// f32 products: exact math within f32 rounding, the same bits on every x86 kernel set (the
+    /// opt-in for bitwise-to-f32 work and checks).
     Exact,
     /// BF16 products (`vdpbf16ps`); an error on a CPU without AVX512_BF16.
     Bf16,
     /// Int8 activations x the weights' codes (`vpdpbusd` with AVX512_VNNI, else AVX2's
     /// `vpmaddubsw`: the same bits).
     Int8,
-    /// BF16 where the CPU has it, else exact (said in the start-up log).
+    /// The default: the fastest of the above this CPU has for serving and training together —
+    /// BF16 with AVX512_BF16, else exact (said in the start-up log; `app::compute`).
+    #[default]
     Auto,
 }
 

@@ -7,6 +7,7 @@ pub mod online;
 pub mod pg;
 pub mod replicas;
 pub mod s3;
+pub mod served;
 pub mod server;
 pub mod stores;
 pub mod tinker;

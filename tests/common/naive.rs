@@ -118,10 +118,11 @@ pub fn naive_hidden_with(
         get("attention.head_count") as usize,
         get("attention.head_count_kv") as usize,
     );
-    let (base, eps) = (
-        get("rope.freq_base"),
-        get("attention.layer_norm_rms_epsilon"),
-    );
+    // llama.cpp's converter leaves the RoPE base out where it is the default (Gemma 2's 10000).
+    let base = g
+        .get(&format!("{arch}.rope.freq_base"))
+        .map_or(10000.0, |v| v.as_f64().unwrap());
+    let eps = get("attention.layer_norm_rms_epsilon");
     let hd = g
         .get(&format!("{arch}.attention.key_length"))
         .map_or(hidden / heads, |v| v.as_f64().unwrap() as usize);

@@ -315,7 +315,12 @@ mod x86 {
             let off = u * blocks * F::BB;
             // The R rows are one contiguous run: fetch the same place of the next run.
             for wa in &w {
-                Avx512::prefetch(wa.add(off + R * j.row_bytes));
+                let next = wa.add(off + R * j.row_bytes);
+                let mut l = 0;
+                while l < blocks * F::BB {
+                    Avx512::prefetch(next.add(l));
+                    l += 64;
+                }
             }
             if F::HAS_DECODE32 {
                 for a in 0..R {
