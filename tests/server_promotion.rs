@@ -107,8 +107,8 @@ fn a_gated_candidate_that_scores_worse_is_held_and_one_that_scores_as_well_serve
     let (dir, path) = write_tiny(&spec());
     // f32 products: the last part needs a step too small to change a greedy answer, and BF16's
     // rounding of activations can turn the smallest change into a different near-tie.
-    let args = ["--precision", "exact"];
-    let s = start_learning(&path, &dir.path().join("data"), &learning_config(), &args);
+    let (data, exact) = (dir.path().join("data"), ["--precision", "exact"]);
+    let s = start_learning_with(&path, &data, &learning_config(), &[], &exact);
     let c = &s.client;
     // The untrained adapter (the identity) answers as the base does: those are the references.
     let refs = answers(c, &s_model(c));
