@@ -70,7 +70,9 @@ pub fn compute(
             .with_precision(Precision::Int8)
             .map_err(|e| anyhow::anyhow!("precision int8: {e}; use exact or auto")),
         PrecisionChoice::Auto => {
-            if Precision::Bf16.supported(isa) {
+            // Decided by the CPU, not by the kernels chosen: the reference kernels then emulate
+            // what the fast ones run here.
+            if Precision::Bf16.supported(Isa::detect()) {
                 tracing::info!(
                     "precision auto: bf16 (AVX512_BF16); --precision exact for f32 products"
                 );
