@@ -26,8 +26,10 @@ PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start
 
 
 def flywheel_top(adapter=None, k=20):
+    # Exact (f32) products: compared with PEFT's f32 forward to well under 1e-3 (the default,
+    # BF16 where the CPU has it, moves log-probs by some 0.05).
     args = [str(BIN), "generate", "--model", str(MODEL), "--prompt", PROMPT, "--max-tokens", "1",
-            "--json", "--top-logprobs", str(k)]
+            "--json", "--top-logprobs", str(k), "--precision", "exact"]
     if adapter:
         args += ["--adapter", str(adapter)]
     out = json.loads(subprocess.run(args, check=True, capture_output=True, text=True, timeout=300).stdout)
