@@ -204,7 +204,8 @@ enum Cmd {
     },
     /// Write a GGUF of a real model's shape with random weights (speed does not depend on the
     /// values): smollm2-135m (the default model's shape and formats), llama-1b, llama-3b (Llama
-    /// 3.2 1B/3B) or llama-8b (Llama 3.1 8B), in Q4_K_M's mix unless --quant says otherwise.
+    /// 3.2 1B/3B), llama-8b (Llama 3.1 8B), qwen3-0.6b, qwen3-1.7b or qwen3-4b, in Q4_K_M's mix
+    /// unless --quant says otherwise.
     RandomModel {
         #[arg(long)]
         shape: String,

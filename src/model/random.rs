@@ -14,6 +14,10 @@ use std::collections::HashMap;
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
     pub name: &'static str,
+    /// `llama`, or `qwen3` (per-head RMSNorm of q and k, RoPE base 10⁶, its own head width).
+    pub arch: &'static str,
+    /// Width of a head: 0 for hidden / heads.
+    pub head_dim: usize,
     pub layers: usize,
     pub hidden: usize,
     pub ffn: usize,
@@ -30,6 +34,8 @@ pub const SHAPES: &[Shape] = &[
     // SmolLM2-135M-Instruct as the default model's file stores it (Q4_1, Q8_0 embedding).
     Shape {
         name: "smollm2-135m",
+        arch: "llama",
+        head_dim: 0,
         layers: 30,
         hidden: 576,
         ffn: 1536,
@@ -51,6 +57,8 @@ pub const SHAPES: &[Shape] = &[
     // Llama 3.2 1B in llama-quantize's Q4_K_M mix (Q6_K for V, down and the embedding).
     Shape {
         name: "llama-1b",
+        arch: "llama",
+        head_dim: 0,
         layers: 16,
         hidden: 2048,
         ffn: 8192,
@@ -63,6 +71,8 @@ pub const SHAPES: &[Shape] = &[
     // Llama 3.2 3B, Q4_K_M's mix.
     Shape {
         name: "llama-3b",
+        arch: "llama",
+        head_dim: 0,
         layers: 28,
         hidden: 3072,
         ffn: 8192,
@@ -75,6 +85,8 @@ pub const SHAPES: &[Shape] = &[
     // Llama 3.1 8B, Q4_K_M's mix, its own output matrix.
     Shape {
         name: "llama-8b",
+        arch: "llama",
+        head_dim: 0,
         layers: 32,
         hidden: 4096,
         ffn: 14336,
@@ -82,6 +94,46 @@ pub const SHAPES: &[Shape] = &[
         kv_heads: 8,
         vocab: 128256,
         tied: false,
+        formats: Q4_K_M,
+    },
+    // Qwen3 0.6B, 1.7B and 4B (tied embeddings, 128-wide heads), Q4_K_M's mix.
+    Shape {
+        name: "qwen3-0.6b",
+        arch: "qwen3",
+        head_dim: 128,
+        layers: 28,
+        hidden: 1024,
+        ffn: 3072,
+        heads: 16,
+        kv_heads: 8,
+        vocab: 151936,
+        tied: true,
+        formats: Q4_K_M,
+    },
+    Shape {
+        name: "qwen3-1.7b",
+        arch: "qwen3",
+        head_dim: 128,
+        layers: 28,
+        hidden: 2048,
+        ffn: 6144,
+        heads: 16,
+        kv_heads: 8,
+        vocab: 151936,
+        tied: true,
+        formats: Q4_K_M,
+    },
+    Shape {
+        name: "qwen3-4b",
+        arch: "qwen3",
+        head_dim: 128,
+        layers: 36,
+        hidden: 2560,
+        ffn: 9728,
+        heads: 32,
+        kv_heads: 8,
+        vocab: 151936,
+        tied: true,
         formats: Q4_K_M,
     },
 ];
@@ -131,9 +183,14 @@ pub fn shape(name: &str) -> Result<Shape, String> {
 /// ChatML template: loadable by Flywheel and llama.cpp alike.
 pub fn write(s: &Shape, seed: u64) -> GgufWriter {
     let mut w = GgufWriter::new();
-    let k = |key: &str| format!("llama.{key}");
-    let hd = s.hidden / s.heads;
-    w.meta("general.architecture", Value::String("llama".into()))
+    let k = |key: &str| format!("{}.{key}", s.arch);
+    let qwen3 = s.arch == "qwen3";
+    let hd = if s.head_dim > 0 {
+        s.head_dim
+    } else {
+        s.hidden / s.heads
+    };
+    w.meta("general.architecture", Value::String(s.arch.into()))
         .meta("general.name", Value::String(format!("random {}", s.name)))
         .meta(&k("block_count"), Value::U32(s.layers as u32))
         .meta(&k("context_length"), Value::U32(8192))
@@ -141,8 +198,10 @@ pub fn write(s: &Shape, seed: u64) -> GgufWriter {
         .meta(&k("feed_forward_length"), Value::U32(s.ffn as u32))
         .meta(&k("attention.head_count"), Value::U32(s.heads as u32))
         .meta(&k("attention.head_count_kv"), Value::U32(s.kv_heads as u32))
-        .meta(&k("rope.freq_base"), Value::F32(10000.0))
+        .meta(&k("rope.freq_base"), Value::F32(if qwen3 { 1e6 } else { 1e4 }))
         .meta(&k("rope.dimension_count"), Value::U32(hd as u32))
+        .meta(&k("attention.key_length"), Value::U32(hd as u32))
+        .meta(&k("attention.value_length"), Value::U32(hd as u32))
         .meta(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
     let (tokens, types) = vocab(s.vocab);
     let strings =
@@ -193,6 +252,11 @@ pub fn write(s: &Shape, seed: u64) -> GgufWriter {
         mat(&mut w, &n("ffn_down"), s.hidden, s.ffn, f[6]);
         for t in ["attn_norm", "ffn_norm"] {
             w.tensor(&n(t), &[s.hidden as u64], QuantType::F32, ones.clone());
+        }
+        if qwen3 {
+            for t in ["attn_q_norm", "attn_k_norm"] {
+                w.tensor(&n(t), &[hd as u64], QuantType::F32, ones[..4 * hd].to_vec());
+            }
         }
     }
     w.tensor(
@@ -276,5 +340,22 @@ mod tests {
         let q8 = with_quant(shape("llama-8b").unwrap(), "q8_0").unwrap();
         assert_eq!((q8.formats[7], q8.tied), (QuantType::Q8_0, false));
         assert!(with_quant(q8, "q3").is_err());
+    }
+
+    #[test]
+    fn a_random_qwen3_has_its_head_width_and_head_norms() {
+        let s = Shape {
+            layers: 2,
+            vocab: 400,
+            ..shape("qwen3-0.6b").unwrap()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        write(&s, 1).write(&path).unwrap();
+        let m = crate::model::decoder::Decoder::open(&path).unwrap();
+        let c = &m.config;
+        assert_eq!((c.hidden, c.head_dim, c.num_heads, c.qk_norm), (1024, 128, 16, true));
+        assert_eq!(m.gguf.get_str("general.architecture").unwrap(), "qwen3");
+        assert_eq!((m.layers[0].wq.rows, m.layers[0].wq.ty), (2048, QuantType::Q4K));
     }
 }

@@ -52,14 +52,18 @@ pub trait Format {
     /// Fused dequantize-and-dot of one block against `N` activation rows (each pointer at this
     /// block's first value). Canonical order, shared by every matmul path so that a row's result
     /// does not depend on the batch around it: products are accumulated LANES values at a time,
-    /// in value order, into `acc[i][0]` (`acc[i][1]` stays zero). The default goes through a
-    /// stack buffer; the formats decode needs most override it to stay in registers.
+    /// in value order, into `acc[i][0]` (`acc[i][1]` stays zero). The default goes through
+    /// `codes16` where the format has it, else a stack buffer; the 32-value formats decode needs
+    /// most override it to stay in registers.
     #[inline(always)]
     unsafe fn dot_block<S: Simd, const N: usize>(
         src: *const u8,
         x: &[*const f32; N],
         acc: &mut [[S::V; 2]; N],
     ) {
+        if Self::HAS_CODES16 {
+            return dot_by_codes::<S, Self, N>(src, x, acc);
+        }
         let mut buf = [0.0f32; 256];
         Self::dequant::<S>(src, buf.as_mut_ptr());
         let mut c = 0;
@@ -70,6 +74,50 @@ pub trait Format {
             }
             c += S::LANES;
         }
+    }
+}
+
+/// 256 signed byte codes at `c8` (value order) dotted with N rows: value v's weight is
+/// code·scale[v/16] (+ min[v/16] in one fma with MIN), products accumulated LANES values at a
+/// time in value order (the canonical order).
+#[inline(always)]
+unsafe fn dot_codes16<S: Simd, const N: usize, const MIN: bool>(
+    c8: *const u8,
+    scale: &[f32; 16],
+    min: &[f32; 16],
+    x: &[*const f32; N],
+    acc: &mut [[S::V; 2]; N],
+) {
+    for sub in 0..16 {
+        let (s, m) = (S::splat(scale[sub]), S::splat(min[sub]));
+        let mut c = 16 * sub;
+        while c < 16 * sub + 16 {
+            let q = S::cvt(S::load_i8(c8.add(c)));
+            let w = if MIN { S::fma(q, s, m) } else { S::mul(q, s) };
+            for i in 0..N {
+                acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
+            }
+            c += S::LANES;
+        }
+    }
+}
+
+/// `Format::dot_block` through `codes16`: the codes dotted per 16-value sub-block, in the
+/// canonical order (the values `dequant` gives, to the bit).
+#[inline(always)]
+unsafe fn dot_by_codes<S: Simd, F: Format + ?Sized, const N: usize>(
+    src: *const u8,
+    x: &[*const f32; N],
+    acc: &mut [[S::V; 2]; N],
+) {
+    let mut codes = [0i8; 256];
+    let (mut scale, mut min) = ([0.0f32; 16], [0.0f32; 16]);
+    F::codes16::<S>(src, &mut codes, &mut scale, &mut min);
+    let c8 = codes.as_ptr() as *const u8;
+    if F::CODES_MIN {
+        dot_codes16::<S, N, true>(c8, &scale, &min, x, acc);
+    } else {
+        dot_codes16::<S, N, false>(c8, &scale, &min, x, acc);
     }
 }
 

@@ -1,6 +1,7 @@
 //! The super-block formats (256 values: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS): their
-//! dequantization and, for the exact product, their blocks split into bytes with AVX2 operations
-//! and dotted in the canonical order (`Format::dot_block`).
+//! dequantization and their blocks as byte codes with a scale (and min) per 16 values, decoded
+//! with AVX2 operations (`Format::codes16`: the f32 product's `dot_block` and the BF16 product's
+//! batch-1 path widen them in registers).
 
 // Safety of every `unsafe fn` here: the CPU has the features of `S`, and pointers are valid for
 // one block (`BB` bytes in, `BS` floats out).
@@ -64,14 +65,6 @@ impl Format for Q2K {
             scale[k] = d * (sc & 0xF) as f32;
             min[k] = -(dmin * (sc >> 4) as f32);
         }
-    }
-    #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(
-        src: *const u8,
-        x: &[*const f32; N],
-        acc: &mut [[S::V; 2]; N],
-    ) {
-        dot_by_codes::<S, Self, N>(src, x, acc)
     }
 }
 
@@ -142,14 +135,6 @@ impl Format for Q3K {
             *v = d * ((lo | (hi << 4)) as i32 - 32) as f32;
         }
     }
-    #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(
-        src: *const u8,
-        x: &[*const f32; N],
-        acc: &mut [[S::V; 2]; N],
-    ) {
-        dot_by_codes::<S, Self, N>(src, x, acc)
-    }
 }
 
 /// 32 bytes of 2-bit codes (byte l holds values l, l+32, l+64, l+96 at bits 0, 2, 4, 6) as four
@@ -168,47 +153,16 @@ pub(crate) unsafe fn two_bit_groups(q: *const u8) -> [std::arch::x86_64::__m256i
     ]
 }
 
-/// 256 signed byte codes at `c8` (value order) dotted with N rows: value v's weight is
-/// code·scale[v/16] (+ min[v/16] in one fma with MIN), products accumulated LANES values at a
-/// time in value order (the canonical order).
+/// Q4_K's and Q5_K's header (d, dmin, twelve bytes of 6-bit scales and mins per 32 values) as
+/// `codes16`'s scales and mins per 16 values: d·sc and −dmin·m, given for both halves.
 #[inline(always)]
-unsafe fn dot_codes16<S: Simd, const N: usize, const MIN: bool>(
-    c8: *const u8,
-    scale: &[f32; 16],
-    min: &[f32; 16],
-    x: &[*const f32; N],
-    acc: &mut [[S::V; 2]; N],
-) {
-    for sub in 0..16 {
-        let (s, m) = (S::splat(scale[sub]), S::splat(min[sub]));
-        let mut c = 16 * sub;
-        while c < 16 * sub + 16 {
-            let q = S::cvt(S::load_i8(c8.add(c)));
-            let w = if MIN { S::fma(q, s, m) } else { S::mul(q, s) };
-            for i in 0..N {
-                acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
-            }
-            c += S::LANES;
-        }
-    }
-}
-
-/// `Format::dot_block` through `codes16`: the codes dotted per 16-value sub-block, in the
-/// canonical order (the values `dequant` gives, to the bit).
-#[inline(always)]
-unsafe fn dot_by_codes<S: Simd, F: Format, const N: usize>(
-    src: *const u8,
-    x: &[*const f32; N],
-    acc: &mut [[S::V; 2]; N],
-) {
-    let mut codes = [0i8; 256];
-    let (mut scale, mut min) = ([0.0f32; 16], [0.0f32; 16]);
-    F::codes16::<S>(src, &mut codes, &mut scale, &mut min);
-    let c8 = codes.as_ptr() as *const u8;
-    if F::CODES_MIN {
-        dot_codes16::<S, N, true>(c8, &scale, &min, x, acc);
-    } else {
-        dot_codes16::<S, N, false>(c8, &scale, &min, x, acc);
+unsafe fn k4_scales<S: Simd>(src: *const u8, scale: &mut [f32; 16], min: &mut [f32; 16]) {
+    let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
+    let scales = std::slice::from_raw_parts(src.add(4), 12);
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, scales);
+        (scale[2 * j], scale[2 * j + 1]) = (d * sc as f32, d * sc as f32);
+        (min[2 * j], min[2 * j + 1]) = (-dmin * m as f32, -dmin * m as f32);
     }
 }
 
@@ -271,14 +225,6 @@ impl Format for IQ4XS {
             iq4_lookup(src.add(8 + 16 * j), codes.as_mut_ptr().add(32 * j));
         }
     }
-    #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(
-        src: *const u8,
-        x: &[*const f32; N],
-        acc: &mut [[S::V; 2]; N],
-    ) {
-        dot_by_codes::<S, Self, N>(src, x, acc)
-    }
 }
 
 impl Format for Q5K {
@@ -338,21 +284,7 @@ impl Format for Q5K {
                 _mm256_storeu_si256(out.add(1), hi);
             }
         }
-        let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
-        let scales = std::slice::from_raw_parts(src.add(4), 12);
-        for j in 0..8 {
-            let (sc, m) = scale_min_k4(j, scales);
-            (scale[2 * j], scale[2 * j + 1]) = (d * sc as f32, d * sc as f32);
-            (min[2 * j], min[2 * j + 1]) = (-dmin * m as f32, -dmin * m as f32);
-        }
-    }
-    #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(
-        src: *const u8,
-        x: &[*const f32; N],
-        acc: &mut [[S::V; 2]; N],
-    ) {
-        dot_by_codes::<S, Self, N>(src, x, acc)
+        k4_scales::<S>(src, scale, min);
     }
 }
 
@@ -404,21 +336,7 @@ impl Format for Q4K {
                 _mm256_storeu_si256(out.add(1), _mm256_and_si256(_mm256_srli_epi16::<4>(b), nib));
             }
         }
-        let (d, dmin) = (S::f16(src), S::f16(src.add(2)));
-        let scales = std::slice::from_raw_parts(src.add(4), 12);
-        for j in 0..8 {
-            let (sc, m) = scale_min_k4(j, scales);
-            (scale[2 * j], scale[2 * j + 1]) = (d * sc as f32, d * sc as f32);
-            (min[2 * j], min[2 * j + 1]) = (-dmin * m as f32, -dmin * m as f32);
-        }
-    }
-    #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(
-        src: *const u8,
-        x: &[*const f32; N],
-        acc: &mut [[S::V; 2]; N],
-    ) {
-        dot_by_codes::<S, Self, N>(src, x, acc)
+        k4_scales::<S>(src, scale, min);
     }
 }
 
@@ -482,14 +400,6 @@ impl Format for Q6K {
         for (k, v) in scale.iter_mut().enumerate() {
             *v = d * *sc.add(k) as f32;
         }
-    }
-    #[inline(always)]
-    unsafe fn dot_block<S: Simd, const N: usize>(
-        src: *const u8,
-        x: &[*const f32; N],
-        acc: &mut [[S::V; 2]; N],
-    ) {
-        dot_by_codes::<S, Self, N>(src, x, acc)
     }
 }
 
