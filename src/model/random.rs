@@ -198,7 +198,10 @@ pub fn write(s: &Shape, seed: u64) -> GgufWriter {
         .meta(&k("feed_forward_length"), Value::U32(s.ffn as u32))
         .meta(&k("attention.head_count"), Value::U32(s.heads as u32))
         .meta(&k("attention.head_count_kv"), Value::U32(s.kv_heads as u32))
-        .meta(&k("rope.freq_base"), Value::F32(if qwen3 { 1e6 } else { 1e4 }))
+        .meta(
+            &k("rope.freq_base"),
+            Value::F32(if qwen3 { 1e6 } else { 1e4 }),
+        )
         .meta(&k("rope.dimension_count"), Value::U32(hd as u32))
         .meta(&k("attention.key_length"), Value::U32(hd as u32))
         .meta(&k("attention.value_length"), Value::U32(hd as u32))
@@ -354,8 +357,14 @@ mod tests {
         write(&s, 1).write(&path).unwrap();
         let m = crate::model::decoder::Decoder::open(&path).unwrap();
         let c = &m.config;
-        assert_eq!((c.hidden, c.head_dim, c.num_heads, c.qk_norm), (1024, 128, 16, true));
+        assert_eq!(
+            (c.hidden, c.head_dim, c.num_heads, c.qk_norm),
+            (1024, 128, 16, true)
+        );
         assert_eq!(m.gguf.get_str("general.architecture").unwrap(), "qwen3");
-        assert_eq!((m.layers[0].wq.rows, m.layers[0].wq.ty), (2048, QuantType::Q4K));
+        assert_eq!(
+            (m.layers[0].wq.rows, m.layers[0].wq.ty),
+            (2048, QuantType::Q4K)
+        );
     }
 }
