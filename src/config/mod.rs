@@ -476,8 +476,8 @@ impl RawConfig {
 /// training alike.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrecisionChoice {
-    /// f32 products: exact math within f32 rounding, the same bits on every x86 kernel set (the
-    /// opt-in for bitwise-to-f32 work and checks).
+    /// f32 products: exact math within f32 rounding (the opt-in for checks against f32 and f64
+    /// references).
     Exact,
     /// BF16 products (`vdpbf16ps`); an error on a CPU without AVX512_BF16.
     Bf16,
