@@ -313,6 +313,15 @@ fn byte_chars() -> Vec<char> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::decoder::Decoder;
+
+    /// `s` written to a temporary file and opened.
+    fn written(s: &Shape) -> (tempfile::TempDir, Decoder) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        write(s, 1).write(&path).unwrap();
+        (dir, Decoder::open(&path).unwrap())
+    }
 
     #[test]
     fn a_random_model_loads_with_its_shape_and_vocabulary() {
@@ -322,10 +331,7 @@ mod tests {
             vocab: 400,
             ..shape("smollm2-135m").unwrap()
         };
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("m.gguf");
-        write(&s, 1).write(&path).unwrap();
-        let m = crate::model::decoder::Decoder::open(&path).unwrap();
+        let (_dir, m) = written(&s);
         assert_eq!(
             (
                 m.config.num_layers,
@@ -352,10 +358,7 @@ mod tests {
             vocab: 400,
             ..shape("qwen3-0.6b").unwrap()
         };
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("m.gguf");
-        write(&s, 1).write(&path).unwrap();
-        let m = crate::model::decoder::Decoder::open(&path).unwrap();
+        let (_dir, m) = written(&s);
         let c = &m.config;
         assert_eq!(
             (c.hidden, c.head_dim, c.num_heads, c.qk_norm),
