@@ -29,7 +29,7 @@ pub(crate) use x86::{backward_task, round_pairs, round_rows, task, BackwardJob};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::dequant::{dequant_row, Format};
+    use super::super::dequant::{code_values, dequant_row, Format};
     use super::super::formats::per_format;
     use super::super::job::{scratch, store_tile, JobRef, X_BLOCK};
     use super::super::simd::{Avx512, Simd};
@@ -345,8 +345,10 @@ mod x86 {
                     for a in 0..R {
                         let c8 = codes[a].as_ptr().add(32 * c) as *const u8;
                         let (s, m) = (&scale[a][2 * c..], &min[a][2 * c..]);
-                        let lo = scaled16::<F>(c8, s[0], m[0]);
-                        let hi = scaled16::<F>(c8.add(16), s[1], m[1]);
+                        let (s0, m0) = (Avx512::splat(s[0]), Avx512::splat(m[0]));
+                        let (s1, m1) = (Avx512::splat(s[1]), Avx512::splat(m[1]));
+                        let lo = code_values::<Avx512>(c8, s0, m0, F::CODES_MIN);
+                        let hi = code_values::<Avx512>(c8.add(16), s1, m1, F::CODES_MIN);
                         let wv = _mm512_cvtne2ps_pbh(hi, lo);
                         for i in 0..N {
                             let xv = load(x[i].add(u * unit + 32 * c));
@@ -380,17 +382,6 @@ mod x86 {
             for (i, v) in acca.iter().enumerate() {
                 *j.y.add((i0 + i) * j.rows + r + a) = Avx512::reduce_add(*v);
             }
-        }
-    }
-
-    /// 16 codes at `c8` as `dequant`'s f32 values: code·s (+ m in one fma with `CODES_MIN`).
-    #[inline(always)]
-    unsafe fn scaled16<F: Format>(c8: *const u8, s: f32, m: f32) -> __m512 {
-        let q = Avx512::cvt(Avx512::load_i8(c8));
-        if F::CODES_MIN {
-            Avx512::fma(q, Avx512::splat(s), Avx512::splat(m))
-        } else {
-            Avx512::mul(q, Avx512::splat(s))
         }
     }
 

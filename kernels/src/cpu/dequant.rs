@@ -92,13 +92,24 @@ unsafe fn dot_codes16<S: Simd, const N: usize, const MIN: bool>(
         let (s, m) = (S::splat(scale[sub]), S::splat(min[sub]));
         let mut c = 16 * sub;
         while c < 16 * sub + 16 {
-            let q = S::cvt(S::load_i8(c8.add(c)));
-            let w = if MIN { S::fma(q, s, m) } else { S::mul(q, s) };
+            let w = code_values::<S>(c8.add(c), s, m, MIN);
             for i in 0..N {
                 acc[i][0] = S::fma(w, S::load(x[i].add(c)), acc[i][0]);
             }
             c += S::LANES;
         }
+    }
+}
+
+/// LANES codes at `c8` as `dequant`'s values: code·s, + m in one fma with `with_min` (a
+/// format's `CODES_MIN`). Every path that reads `codes16` widens through here.
+#[inline(always)]
+pub(crate) unsafe fn code_values<S: Simd>(c8: *const u8, s: S::V, m: S::V, with_min: bool) -> S::V {
+    let q = S::cvt(S::load_i8(c8));
+    if with_min {
+        S::fma(q, s, m)
+    } else {
+        S::mul(q, s)
     }
 }
 
