@@ -18,6 +18,10 @@
 #                                llama-bench for sm_90 into /tmp (kept while the machine is warm)
 #   scripts/gpu_proof.sh profile (~3 minutes) ncu's duration of every kernel of the 1B shape's
 #                                eager decode at batch 1, summed by kernel (profile-1b.md)
+#   scripts/gpu_proof.sh layouts (~7 minutes) the product layouts (kernels/src/cuda/products.rs):
+#                                the kernels test (every layout bit-equal to the default), the
+#                                forward under the candidates, then the 1B shape's speed in each
+#                                (pp512, tg64 at batch 1/8/64), one after another
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -71,6 +75,20 @@ speed() {
       --decode-tokens 64 --batch 1,8,32,64 --runs 3 --kv-cache-dtype f16
     grep -E "^(model|test|pp|tg)" "$OUT/bench-$shape.log" | sed 's/^/    /' >>"$SUMMARY"
     [ -x "$LLAMA_BENCH" ] && llama_bench "$shape"
+  done
+}
+
+# The 1B shape's speed in each product layout ("decode batch" pairs, the default first), each run
+# after the other in this one command (the GPU's timings are steadier than these CPUs').
+layouts() {
+  local m=/tmp/llama-1b.gguf
+  [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
+  for pair in "block row" "warp tile4x8" "warp tile2x16"; do
+    set -- $pair
+    step "bench-llama-1b-$1-$2" env FLYWHEEL_CUDA_DECODE="$1" FLYWHEEL_CUDA_BATCH="$2" \
+      "$B/flywheel" bench --device cuda --model "$m" --prompt-tokens 512 --decode-tokens 64 \
+      --batch 1,8,64 --runs 3 --kv-cache-dtype f16
+    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-$1-$2.log" | sed 's/^/    /' >>"$SUMMARY"
   done
 }
 
@@ -157,6 +175,12 @@ check)
 speed)
   speed
   ;;
+layouts)
+  STEP_S=100 step kernels "$B/kernels-cuda" --test-threads 1
+  STEP_S=120 step forward-warp-tile4x8 env FLYWHEEL_CUDA_DECODE=warp FLYWHEEL_CUDA_BATCH=tile4x8 \
+    "$B/cuda-forward" --test-threads 1
+  STEP_S=100 layouts
+  ;;
 llamacpp)
   build_llamacpp
   ;;
@@ -178,7 +202,7 @@ race)
   fi
   ;;
 *)
-  echo "usage: scripts/gpu_proof.sh all|check|llamacpp|speed|race" >&2
+  echo "usage: scripts/gpu_proof.sh all|check|layouts|llamacpp|profile|speed|race" >&2
   exit 2
   ;;
 esac

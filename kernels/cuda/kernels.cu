@@ -17,6 +17,11 @@
 #define FW_MM_WARPS 2
 // Units (32 values) a matmul block takes at a time: one a thread.
 #define FW_MM_UNITS (FW_MM_WARPS * FW_WARP)
+// Warps per block of the warp-a-row decode product (`MMW_WARPS` in cuda/launch.rs): a row each.
+#define FW_MMW_WARPS 4
+// The batch product's tiles, rows × tokens a block (`BatchProduct` in cuda/mod.rs): more rows
+// read x fewer times, more tokens decode the weights fewer times; both take registers (4 × 8
+// takes ~250 of them, 2 × 16 ~150), which the speed run weighs on a GPU.
 // Blocks per SM the decode product is compiled for (registers: 64 K / (64 threads · 10) = 102;
 // at 12 and 16 it spilled).
 #define FW_MM1_BLOCKS 10
@@ -63,140 +68,7 @@ __device__ float fw_block_max(float v) {
   return fw_warp_max(v);
 }
 
-// A unit's span in the stored row: units come in groups (a K-quant block holds 8, the 32-value
-// formats' blocks 1, F32/F16/BF16 are taken 32 values at a time) of `fw_group_bytes` bytes.
-template <int TY>
-__device__ constexpr int fw_group_units() {
-  return fw_block_values(TY) == 256 ? 8 : 1;
-}
-template <int TY>
-__device__ constexpr int fw_group_bytes() {
-  return fw_block_values(TY) == 1 ? 32 * fw_block_bytes(TY) : fw_block_bytes(TY);
-}
-
-// Copy bytes [g, g + len) of global memory into `stage` so that stage + off mirrors g, off = g's
-// offset in its 16-byte word (fw_words then reads the same alignment): the aligned 16-byte words
-// by every thread at once (a thread's loads issued before any is stored: all in flight together),
-// the last < 16 bytes one by one. Nothing is read past g + len; the aligned start may lie before g
-// but not before its allocation (allocations are 256-byte aligned). Returns off. CAP: the stage's
-// size in 16-byte words.
-template <int CAP>
-__device__ __forceinline__ int fw_stage(const uint8_t* __restrict__ g, int len, uint4* stage) {
-  const uintptr_t a = (uintptr_t)g & ~(uintptr_t)15, end = (uintptr_t)g + len;
-  const int words = (int)(((end & ~(uintptr_t)15) - a) / 16);
-  constexpr int T = FW_MM_WARPS * FW_WARP, PER = (CAP + T - 1) / T;
-  uint4 w[PER];
-#pragma unroll
-  for (int k = 0; k < PER; k++) {
-    const int i = threadIdx.x + k * T;
-    if (i < words) w[k] = __ldg((const uint4*)a + i);
-  }
-#pragma unroll
-  for (int k = 0; k < PER; k++) {
-    const int i = threadIdx.x + k * T;
-    if (i < words) stage[i] = w[k];
-  }
-  const int tail = (int)(end - (end & ~(uintptr_t)15));
-  if ((int)threadIdx.x < tail)
-    ((uint8_t*)stage)[16 * words + threadIdx.x] = __ldg((const uint8_t*)(end & ~(uintptr_t)15) + threadIdx.x);
-  return (int)((uintptr_t)g - a);
-}
-
-// x[0..32·cu] of one token into `xs`, unit u's 32 values at xs[33u ..]: the pad makes thread t's
-// reads of its unit (33t + j) fall in distinct banks. A thread's loads go out 4 at a time (8 at
-// once held 32 registers, and the decode product spilled).
-__device__ __forceinline__ void fw_stage_x(const float* __restrict__ x, int cu, float* xs) {
-  constexpr int T = FW_MM_WARPS * FW_WARP, PER = FW_MM_UNITS * 8 / T;  // float4s a thread
-#pragma unroll
-  for (int k0 = 0; k0 < PER; k0 += 4) {
-    float4 v[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const int i = threadIdx.x + (k0 + k) * T;  // float4 i: unit i / 8, values 4·(i % 8) ..
-      if (i < 8 * cu) v[k] = __ldg((const float4*)x + i);
-    }
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const int i = threadIdx.x + (k0 + k) * T;
-      if (i < 8 * cu) {
-        float* o = xs + 33 * (i / 8) + 4 * (i % 8);
-        o[0] = v[k].x;
-        o[1] = v[k].y;
-        o[2] = v[k].z;
-        o[3] = v[k].w;
-      }
-    }
-  }
-}
-
-// y (n, rows) = x (n, cols) · Wᵀ, W `rows` rows of `row_bytes` bytes in format TY. One block of
-// FW_MM_WARPS warps per weight row (grid (rows, ceil(n / NT))), the row taken FW_MM_UNITS units
-// (32 values each) at a time, one unit a thread: the chunk's weight bytes are staged in shared
-// memory (every load in flight at once), each thread dequantizes its unit once (`fw_unit_fast`,
-// the CPU's values bit for bit), then for each token the chunk of x is staged (padded: no bank
-// conflicts) and the thread adds its 32 products in order. The H200's profile found the previous
-// layout (4 values a thread, a unit's scales decoded for each 4) issue-bound at ~40 instructions a
-// weight. Each thread's sum runs over its units in order, each warp sums its lanes, then the
-// warps' sums are added in warp order: a (row, token)'s sum runs in the same order whatever n and
-// NT are (batch-invariant). NT is 1 for a batch of one token (decode), else FW_MM_TOKENS.
-template <int TY, int NT>
-__device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, int rows, int cols,
-                                               long long row_bytes, const float* __restrict__ x,
-                                               int n, float* __restrict__ y) {
-  constexpr int GU = fw_group_units<TY>(), GB = fw_group_bytes<TY>();
-  // The chunk's bytes, its alignment offset and fw_words' reads up to 8 bytes past a unit.
-  constexpr int CAP = (FW_MM_UNITS / GU * GB + 16 + 16 + 15) / 16;
-  __shared__ uint4 stage[CAP];
-  __shared__ float xs[33 * FW_MM_UNITS];
-  __shared__ float sums[NT][FW_MM_WARPS];
-  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
-  const int r = blockIdx.x;
-  const int t0 = blockIdx.y * NT;
-  const int nt = min(NT, n - t0);
-  const uint8_t* row = w + (size_t)r * row_bytes;
-  float acc[NT];
-#pragma unroll
-  for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-  const int units = cols / 32;
-  for (int c0 = 0; c0 < units; c0 += FW_MM_UNITS) {
-    const int cu = min(FW_MM_UNITS, units - c0);
-    const int off = fw_stage<CAP>(row + (size_t)(c0 / GU) * GB, cu / GU * GB, stage);
-    fw_stage_x(x + (size_t)t0 * cols + 32 * c0, cu, xs);
-    __syncthreads();
-    const bool mine = (int)threadIdx.x < cu;
-    float v[32];
-    fw_unit_fast<TY>((const uint8_t*)stage + off, mine ? threadIdx.x : 0, v);
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-      if (NT > 1 && t >= nt) break;  // nt is the block's: every thread breaks together
-      if (t > 0) {
-        __syncthreads();  // the previous token's reads of xs are done
-        fw_stage_x(x + (size_t)(t0 + t) * cols + 32 * c0, cu, xs);
-        __syncthreads();
-      }
-      if (mine) {
-        const float* xu = xs + 33 * threadIdx.x;
-        float a = acc[t];
-#pragma unroll
-        for (int j = 0; j < 32; j++) a = fmaf(v[j], xu[j], a);
-        acc[t] = a;
-      }
-    }
-    __syncthreads();  // the chunk's weight reads are done before the next is staged
-  }
-#pragma unroll
-  for (int t = 0; t < NT; t++) {
-    const float s = fw_warp_sum(acc[t]);
-    if (lane == 0) sums[t][warp] = s;
-  }
-  __syncthreads();
-  if ((int)threadIdx.x < nt) {
-    float s = sums[threadIdx.x][0];
-#pragma unroll
-    for (int k = 1; k < FW_MM_WARPS; k++) s = fw_add(s, sums[threadIdx.x][k]);
-    y[(size_t)(t0 + threadIdx.x) * rows + r] = s;
-  }
-}
+#include "products.cuh"
 
 // Rows of a table (the token embedding) dequantized: out (n, cols) = table[tokens[i]].
 // Grid (n), FW_ROW_THREADS threads, one unit per thread per step: the CPU's values exactly.
@@ -227,6 +99,21 @@ __device__ __forceinline__ void fw_embed_body(const uint8_t* __restrict__ table,
                                                long long row_bytes, const float* x, int n,      \
                                                float* y) {                                       \
     fw_matmul_body<TY, 1>(w, rows, cols, row_bytes, x, n, y);                                   \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(FW_MMW_WARPS * FW_WARP)                          \
+      fw_matmulw_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,               \
+                        const float* x, int n, float* y) {                                       \
+    fw_matmul_warp_body<TY>(w, rows, cols, row_bytes, x, y);                                     \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)                           \
+      fw_matmul_t4x8_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,           \
+                            const float* x, int n, float* y) {                                   \
+    fw_matmul_tile_body<TY, 4, 8>(w, rows, cols, row_bytes, x, n, y);                            \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)                           \
+      fw_matmul_t2x16_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,          \
+                             const float* x, int n, float* y) {                                  \
+    fw_matmul_tile_body<TY, 2, 16>(w, rows, cols, row_bytes, x, n, y);                           \
   }                                                                                              \
   extern "C" __global__ void fw_embed_##NAME(const uint8_t* table, long long row_bytes,          \
                                              const uint32_t* tokens, int cols, float* out) {     \

@@ -10,7 +10,9 @@ mod common;
 
 use common::{seq, Rng};
 use flywheel_kernels::cpu::ops;
-use flywheel_kernels::cuda::{Gpu, GpuKv, KERNELS, PTXAS_REPORT};
+use flywheel_kernels::cuda::{
+    kernels, BatchProduct, DecodeProduct, Gpu, GpuKv, Products, PTXAS_REPORT,
+};
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::quant::{f16_to_f32, f32_to_f16};
 use flywheel_kernels::reference::{self, AttnOpts, PagedKv, RopeLayout, F16};
@@ -78,10 +80,11 @@ fn ptxas_kernels() -> Vec<Kernel> {
 
 #[test]
 fn every_kernel_compiles_for_sm80_and_sm90_without_spills_within_the_limits() {
-    let kernels = ptxas_kernels();
+    let compiled = ptxas_kernels();
+    let names = kernels();
     for arch in ["sm_80", "sm_90"] {
-        for name in KERNELS {
-            let k = kernels
+        for name in &names {
+            let k = compiled
                 .iter()
                 .find(|k| k.name == *name && k.arch == arch)
                 .unwrap_or_else(|| panic!("{name} was not compiled for {arch}"));
@@ -102,8 +105,8 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_spills_within_the_limits() {
         }
     }
     assert_eq!(
-        kernels.len(),
-        2 * KERNELS.len(),
+        compiled.len(),
+        2 * names.len(),
         "kernels the list does not name"
     );
 }
@@ -139,10 +142,15 @@ fn dequantize(ty: QuantType, w: &[u8], rows: usize, cols: usize) -> Vec<f32> {
 
 /// Matmul of every format against the reference's f64 sums, within 1e-5 of Σ|w·x| (f32 sums of
 /// up to 8448 terms in another order); each token's row equal, bit for bit, to the same token
-/// alone (batch invariance); embedding rows equal to the CPU's dequantization bit for bit.
+/// alone (batch invariance), and every product layout (`Products`) equal to the default's bit for
+/// bit; embedding rows equal to the CPU's dequantization bit for bit.
 #[test]
 fn matmul_and_embedding_match_the_cpu_for_every_format() {
-    let Some(g) = gpu() else { return };
+    let Some(mut g) = gpu() else { return };
+    let layouts: Vec<Products> = DecodeProduct::ALL
+        .into_iter()
+        .flat_map(|decode| BatchProduct::ALL.map(|batch| Products { decode, batch }))
+        .collect();
     let mut rng = Rng(3);
     for ty in QuantType::ALL {
         // The widest rows take several of the kernels' staging chunks (4 KB each).
@@ -156,7 +164,7 @@ fn matmul_and_embedding_match_the_cpu_for_every_format() {
             let w = quantize(ty, &rng.vec(rows * cols, 1.0));
             let wf = dequantize(ty, &w, rows, cols);
             let dw = g.matrix(ty, rows, cols, &w).unwrap();
-            for n in [1usize, 3, 8, 13] {
+            for n in [1usize, 3, 8, 13, 17] {
                 let x = rng.vec(n * cols, 1.0);
                 let mut want = vec![0f32; n * rows];
                 reference::matmul(ty, &w, rows, cols, &x, &mut want);
@@ -174,19 +182,34 @@ fn matmul_and_embedding_match_the_cpu_for_every_format() {
                     .collect();
                 close(&got[..n * rows], &want, |i| 1e-5 * mag[i] + 1e-6)
                     .unwrap_or_else(|e| panic!("{} {rows}×{cols}, n={n}: {e}", ty.name()));
-                // Batch invariance: each token alone gives the same bits.
-                for t in 0..n {
-                    let one = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
-                    let mut y1 = g.zeros::<f32>(rows).unwrap();
-                    g.matmul(&dw, &one, 1, &mut y1).unwrap();
-                    let y1 = g.download(&y1).unwrap();
-                    assert_eq!(
-                        &y1[..rows],
-                        &got[t * rows..(t + 1) * rows],
-                        "{}: token {t} of {n} differs from itself alone",
-                        ty.name()
+                // Batch invariance: each token alone gives the same bits, in every layout; so
+                // does the batch in every layout.
+                for &p in &layouts {
+                    g.set_products(p);
+                    let mut dy = g.zeros::<f32>(n * rows).unwrap();
+                    g.matmul(&dw, &dx, n, &mut dy).unwrap();
+                    assert!(
+                        g.download(&dy).unwrap() == got,
+                        "{} {rows}×{cols}, n={n}: {} differs from {}",
+                        ty.name(),
+                        p.describe(),
+                        Products::default().describe()
                     );
+                    for t in 0..n {
+                        let one = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
+                        let mut y1 = g.zeros::<f32>(rows).unwrap();
+                        g.matmul(&dw, &one, 1, &mut y1).unwrap();
+                        let y1 = g.download(&y1).unwrap();
+                        assert_eq!(
+                            &y1[..rows],
+                            &got[t * rows..(t + 1) * rows],
+                            "{}: token {t} of {n} differs from itself alone ({})",
+                            ty.name(),
+                            p.describe()
+                        );
+                    }
                 }
+                g.set_products(Products::default());
             }
             let tokens = [0u32, 66, 5, 5, 31];
             let mut out = g.zeros::<f32>(tokens.len() * cols).unwrap();

@@ -10,10 +10,6 @@ use cudarc::driver::{
     CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig, PushKernelArg,
 };
 
-/// Tokens per matmul block row-pass (`FW_MM_TOKENS`), warps per matmul block: one weight row's
-/// (`FW_MM_WARPS`).
-const MM_TOKENS: usize = 16;
-const MM_WARPS: usize = 2;
 /// Threads of the row kernels and of the elementwise ones.
 pub(super) const ROW_THREADS: u32 = 256;
 /// Warps of the attention kernel (`FW_ATT_WARPS`).
@@ -100,23 +96,14 @@ impl Gpu {
         len_at_least(w, rows * row_bytes, "matmul w")?;
         len_at_least(x, n * cols, "matmul x")?;
         len_at_least(y, n * rows, "matmul y")?;
-        check(
-            rows <= i32::MAX as usize && n.div_ceil(MM_TOKENS) <= 65535,
-            || format!("a matmul of {rows} rows and {n} tokens (a launch's grid is smaller)"),
-        )?;
         if n == 0 || rows == 0 {
             return Ok(());
         }
-        // One token (decode at batch 1): the kernel that keeps one token's sums, same order.
-        let (kernel, tokens) = if n == 1 {
-            ("fw_matmul1", 1)
-        } else {
-            ("fw_matmul", MM_TOKENS)
-        };
-        let f = self.function(&format!("{kernel}_{}", type_name(ty)))?;
+        let plan = self.products().plan(rows, n)?;
+        let f = self.function(&format!("{}_{}", plan.kernel, type_name(ty)))?;
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, n.div_ceil(tokens) as u32, 1),
-            block_dim: ((MM_WARPS * 32) as u32, 1, 1),
+            grid_dim: (plan.grid.0, plan.grid.1, 1),
+            block_dim: (plan.threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let (wp, xp, yp) = (self.ptr(w), self.ptr(x), self.ptr_mut(y));

@@ -8,9 +8,11 @@
 
 mod launch;
 mod paged;
+mod products;
 
 pub use launch::ATT_MAX_HEAD_DIM;
 pub use paged::Tokens;
+pub use products::{BatchProduct, DecodeProduct, Products};
 
 use crate::quant::QuantType;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr};
@@ -28,53 +30,19 @@ pub const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas.txt
 /// The host twin of the kernels' shared helpers (`cuda/twin.cu`), for `tests/cuda_twin.rs`.
 pub const TWIN: &str = concat!(env!("OUT_DIR"), "/fw_twin");
 
-/// Every kernel in the fatbin, by name: the tests check each was compiled for each architecture.
-pub const KERNELS: &[&str] = &[
-    "fw_matmul_f32",
-    "fw_matmul_f16",
-    "fw_matmul_bf16",
-    "fw_matmul_q4_0",
-    "fw_matmul_q4_1",
-    "fw_matmul_q5_0",
-    "fw_matmul_q5_1",
-    "fw_matmul_q8_0",
-    "fw_matmul_q4_k",
-    "fw_matmul_q6_k",
-    "fw_matmul_q2_k",
-    "fw_matmul_q3_k",
-    "fw_matmul_q5_k",
-    "fw_matmul_iq4_nl",
-    "fw_matmul_iq4_xs",
-    "fw_matmul1_f32",
-    "fw_matmul1_f16",
-    "fw_matmul1_bf16",
-    "fw_matmul1_q4_0",
-    "fw_matmul1_q4_1",
-    "fw_matmul1_q5_0",
-    "fw_matmul1_q5_1",
-    "fw_matmul1_q8_0",
-    "fw_matmul1_q4_k",
-    "fw_matmul1_q6_k",
-    "fw_matmul1_q2_k",
-    "fw_matmul1_q3_k",
-    "fw_matmul1_q5_k",
-    "fw_matmul1_iq4_nl",
-    "fw_matmul1_iq4_xs",
-    "fw_embed_f32",
-    "fw_embed_f16",
-    "fw_embed_bf16",
-    "fw_embed_q4_0",
-    "fw_embed_q4_1",
-    "fw_embed_q5_0",
-    "fw_embed_q5_1",
-    "fw_embed_q8_0",
-    "fw_embed_q4_k",
-    "fw_embed_q6_k",
-    "fw_embed_q2_k",
-    "fw_embed_q3_k",
-    "fw_embed_q5_k",
-    "fw_embed_iq4_nl",
-    "fw_embed_iq4_xs",
+/// The kernels compiled once per storage format, named `<prefix>_<format>` (`type_name`): the
+/// products in each layout (`Products`) and the embedding's rows.
+const PER_FORMAT: &[&str] = &[
+    "fw_matmul",
+    "fw_matmul1",
+    "fw_matmulw",
+    "fw_matmul_t4x8",
+    "fw_matmul_t2x16",
+    "fw_embed",
+];
+
+/// The other kernels of the fatbin.
+const OTHERS: &[&str] = &[
     "fw_rmsnorm",
     "fw_rope",
     "fw_swiglu",
@@ -93,6 +61,15 @@ pub const KERNELS: &[&str] = &[
     "fw_block_matmul",
     "fw_moe_combine",
 ];
+
+/// Every kernel in the fatbin, by name: the tests check each was compiled for each architecture.
+pub fn kernels() -> Vec<String> {
+    PER_FORMAT
+        .iter()
+        .flat_map(|p| QuantType::ALL.map(|ty| format!("{p}_{}", type_name(ty))))
+        .chain(OTHERS.iter().map(|k| k.to_string()))
+        .collect()
+}
 
 /// The kernels' number for a storage format (`FwType` in `cuda/common.cuh`).
 pub fn type_code(ty: QuantType) -> i32 {
@@ -195,8 +172,10 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
-    /// Every kernel of `KERNELS`, looked up once (a lookup inside a graph capture is avoided).
-    functions: HashMap<&'static str, CudaFunction>,
+    /// Every kernel of `kernels()`, looked up once (a lookup inside a graph capture is avoided).
+    functions: HashMap<String, CudaFunction>,
+    /// The layouts the products launch in.
+    products: Products,
     name: String,
     capability: (i32, i32),
     memory: usize,
@@ -218,6 +197,7 @@ impl Gpu {
         check(ordinal < count.max(0) as usize, || {
             format!("no CUDA device {ordinal} (this machine has {count})")
         })?;
+        let products = Products::from_env()?;
         let ctx = CudaContext::new(ordinal)?;
         let capability = ctx.compute_capability()?;
         check(capability.0 >= 8, || {
@@ -236,11 +216,11 @@ impl Gpu {
             .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
             .map_err(|e| GpuError(format!("loading the kernels: {e}")))?;
         let mut functions = HashMap::new();
-        for name in KERNELS {
+        for name in kernels() {
             let f = module
-                .load_function(name)
+                .load_function(&name)
                 .map_err(|e| GpuError(format!("kernel {name}: {e}")))?;
-            functions.insert(*name, f);
+            functions.insert(name, f);
         }
         Ok(Gpu {
             name: ctx.name()?,
@@ -250,18 +230,30 @@ impl Gpu {
             _module: module,
             functions,
             capability,
+            products,
         })
     }
 
-    /// "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)".
+    /// "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB; products: decode block, batch row)".
     pub fn describe(&self) -> String {
         format!(
-            "{} (sm_{}{}, {:.1} GiB)",
+            "{} (sm_{}{}, {:.1} GiB; {})",
             self.name,
             self.capability.0,
             self.capability.1,
-            self.memory as f64 / (1u64 << 30) as f64
+            self.memory as f64 / (1u64 << 30) as f64,
+            self.products.describe()
         )
+    }
+
+    /// The layouts the products launch in (`FLYWHEEL_CUDA_DECODE`, `FLYWHEEL_CUDA_BATCH`).
+    pub fn products(&self) -> Products {
+        self.products
+    }
+
+    /// Launch later products in other layouts (the same bits; `Products`).
+    pub fn set_products(&mut self, products: Products) {
+        self.products = products;
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
