@@ -2,7 +2,8 @@
 //! mixture of experts too),
 //! K-quants, both KV cache types, prefill with every kind of logits asked for, decode steps
 //! through CUDA graphs (padded buckets) equal to the same steps launched eagerly, and OFT/LoRA
-//! adapters in mixed batches. Without a GPU the tests say so and pass (FLYWHEEL_REQUIRE_GPU=1: fail).
+//! adapters in mixed batches (LoRA on the LM head too). Without a GPU the tests say so and pass
+//! (FLYWHEEL_REQUIRE_GPU=1: fail).
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -78,10 +79,15 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn adapter(model: &Decoder, method: Method, seed: u64) -> Arc<AdapterWeights> {
+/// An adapter of every layer's projections, and of the LM head too with `head` (LoRA only).
+fn adapter(model: &Decoder, method: Method, seed: u64, head: bool) -> Arc<AdapterWeights> {
+    let mut targets = Target::ALL.to_vec();
+    if head {
+        targets.push(Target::Head);
+    }
     let config = AdapterConfig {
         method,
-        targets: Target::ALL.to_vec(),
+        targets,
         base_model: "tiny".into(),
     };
     let layout = Arc::new(AdapterLayout::new(config, &model.config).unwrap());
@@ -119,8 +125,12 @@ fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, g: Gpu) {
             alpha: 8.0,
             use_rslora: false,
         });
-        seqs[1].adapter = Some(adapter(&model, oft, 5));
-        seqs[3].adapter = Some(adapter(&model, lora, 6));
+        seqs[1].adapter = Some(adapter(&model, oft, 5, false));
+        seqs[3].adapter = Some(adapter(&model, lora.clone(), 6, false));
+        // LoRA on the LM head too (Tinker's train_unembed): sequences 2 and 4, one version.
+        let with_head = adapter(&model, lora, 7, true);
+        seqs[2].adapter = Some(with_head.clone());
+        seqs[4].adapter = Some(with_head);
     }
     let what = format!("{} ({dtype:?}, adapters {adapters})", spec.arch);
     let mut steps: Vec<Vec<(usize, usize, Logits)>> = vec![vec![
@@ -194,7 +204,10 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
         alpha: 8.0,
         use_rslora: false,
     });
-    let versions = [adapter(&model, lora.clone(), 1), adapter(&model, lora, 2)];
+    let versions = [
+        adapter(&model, lora.clone(), 1, false),
+        adapter(&model, lora, 2, false),
+    ];
     let mut rng = Rng(3);
     let mut seqs: Vec<Seq> = (0..6)
         .map(|i| Seq {

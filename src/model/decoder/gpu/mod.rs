@@ -265,7 +265,8 @@ impl GpuDecoder {
             act: z(t * f)?,
             rotated: z(t * widest)?,
             lora_h: z(t * lora_r)?,
-            lora_d: z(t * widest)?,
+            // A head pass's LoRA delta takes at least one row of the vocabulary.
+            lora_d: z((t * widest).max(c.vocab_size))?,
             moe: {
                 let (ne, k, ef) = c
                     .moe
@@ -407,6 +408,17 @@ impl GpuDecoder {
         for (i, chunk) in logit_rows.chunks(HEAD_ROWS).enumerate() {
             self.final_norm(model, chunk)?;
             self.head(chunk.len())?;
+            let a = &mut self.acts;
+            head_lora(
+                &self.gpu,
+                &self.adapters,
+                &groups,
+                chunk,
+                &a.normed,
+                &mut a.logits,
+                &mut a.lora_h,
+                &mut a.lora_d,
+            )?;
             let at = i * HEAD_ROWS * vocab;
             let out = &mut bufs.logits[at..at + chunk.len() * vocab];
             self.gpu
@@ -583,4 +595,4 @@ impl GpuDecoder {
 }
 
 mod ops;
-use ops::{attend, cudarc_mode, residual, Experts, Projector};
+use ops::{attend, cudarc_mode, head_lora, residual, Experts, Projector};

@@ -14,13 +14,6 @@ impl GpuDecoder {
                 a.last_step = self.step;
                 continue;
             }
-            if w.layout.head().is_some() {
-                return Err(ModelError::Unsupported(
-                    "an adapter on the LM head (lm_head, Tinker's train_unembed) is served on the \
-                     CPU only so far (--device cpu)"
-                        .into(),
-                ));
-            }
             let params = match &w.layout.config.method {
                 Method::Lora(_) => Some(self.gpu.upload(f32_bytes(&w.params))?),
                 Method::Oft(_) => None,
@@ -257,4 +250,64 @@ impl Projector<'_> {
 
 fn span(rows: &Range<usize>, width: usize) -> Range<usize> {
     rows.start * width..rows.end * width
+}
+
+/// LoRA on the LM head for one head pass: logits[j] += s·B(A normed[j]) for each row j of
+/// `chunk` (the pass's token rows) whose sequence's adapter adapts the head (`Decoder::head_lora`,
+/// the CPU's: A's product, Bᵀ's, then the scaled delta added). The rows go run by run of
+/// consecutive rows of one group, in pieces `lora_d` holds, so that no row is gathered or
+/// scattered.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn head_lora(
+    g: &Gpu,
+    adapters: &HashMap<u64, GpuAdapter>,
+    groups: &[AdapterGroup],
+    chunk: &[u32],
+    normed: &CudaSlice<f32>,
+    logits: &mut CudaSlice<f32>,
+    lora_h: &mut CudaSlice<f32>,
+    lora_d: &mut CudaSlice<f32>,
+) -> Result<(), ModelError> {
+    for grp in groups {
+        let (Some(m), Method::Lora(cfg)) =
+            (grp.weights.layout.head(), &grp.weights.layout.config.method)
+        else {
+            continue;
+        };
+        let (h, vocab) = (m.in_dim, m.out_dim);
+        let piece = (lora_d.len() / vocab).min(lora_h.len() / cfg.r.max(1));
+        if piece == 0 {
+            return Err(ModelError::Unsupported(format!(
+                "LoRA rank {} on the GPU's LM head",
+                cfg.r
+            )));
+        }
+        let dev = &adapters[&grp.weights.uid()];
+        let params = dev.params.as_ref().expect("LoRA keeps its parameters");
+        let a_range = &m.tensors[0].range;
+        let a = params.slice(a_range.start * 4..a_range.end * 4);
+        let bt = dev
+            .derived
+            .slice(m.derived_offset..m.derived_offset + cfg.r * vocab);
+        let mine = |j: usize| grp.rows.iter().any(|r| r.contains(&(chunk[j] as usize)));
+        let mut j = 0;
+        while j < chunk.len() {
+            if !mine(j) {
+                j += 1;
+                continue;
+            }
+            let mut end = j + 1;
+            while end < chunk.len() && end - j < piece && mine(end) {
+                end += 1;
+            }
+            let k = end - j;
+            let xs = normed.slice(j * h..end * h);
+            g.matmul_raw(QuantType::F32, &a, cfg.r, h, &xs, k, lora_h)?;
+            g.block_matmul(&*lora_h, &bt, k, 1, cfg.r, vocab, lora_d)?;
+            let mut ys = logits.slice_mut(j * vocab..end * vocab);
+            g.axpy(&mut ys, &*lora_d, cfg.scale(), k * vocab)?;
+            j = end;
+        }
+    }
+    Ok(())
 }
