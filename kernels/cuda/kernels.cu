@@ -69,6 +69,7 @@ __device__ float fw_block_max(float v) {
 }
 
 #include "products.cuh"
+#include "adapters.cuh"
 
 // Rows of a table (the token embedding) dequantized: out (n, cols) = table[tokens[i]].
 // Grid (n), FW_ROW_THREADS threads, one unit per thread per step: the CPU's values exactly.

@@ -169,42 +169,52 @@ __device__ __forceinline__ float fw_dot_unit(const float* v, const float* __rest
   return a;
 }
 
-// Decode, a warp a row: y (rows) = x (cols) · Wᵀ for one token. Grid ceil(rows / FW_MMW_WARPS)
-// blocks of FW_MMW_WARPS warps, warp w of block b computing row FW_MMW_WARPS·b + w alone (no
-// barrier but the warp's own). Lane l keeps slots l and l + 32 (`fw_matmul_body`'s warps 0 and 1):
-// per chunk of 64 units the warp stages its row's bytes in its part of shared memory, then lane l
-// dequantizes units l and l + 32 and adds their products to the two slots' sums, x read straight
-// from global memory (the same x for every row: it stays in the L1 cache) instead of staged by
-// every block with two barriers, as the block layout does. Same bits as fw_matmul1.
+// One (row, token)'s sum by one warp: row · x over `cols` values, returned to every lane. Lane l
+// keeps slots l and l + 32 (`fw_matmul_body`'s warps 0 and 1): per chunk of 64 units the warp
+// stages the row's bytes in `stage` (its own part of shared memory, fw_stage_words<TY>() words),
+// then lane l dequantizes units l and l + 32 and adds their products to the two slots' sums, x
+// read straight from global memory. No barrier but the warp's own: the callers' warps may return
+// early. Same bits as every layout of fw_matmul.
 template <int TY>
-__device__ __forceinline__ void fw_matmul_warp_body(const uint8_t* __restrict__ w, int rows, int cols,
-                                                    long long row_bytes, const float* __restrict__ x,
-                                                    float* __restrict__ y) {
+__device__ __forceinline__ float fw_matmul_warp_row(const uint8_t* __restrict__ row, int cols,
+                                                    const float* __restrict__ x, uint4* stage,
+                                                    int lane) {
   constexpr int GU = fw_group_units<TY>(), GB = fw_group_bytes<TY>(), CAP = fw_stage_words<TY>();
-  __shared__ uint4 stage[FW_MMW_WARPS][CAP];
-  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
-  const int r = blockIdx.x * FW_MMW_WARPS + warp;
-  if (r >= rows) return;  // the whole warp: nothing below waits on another warp
-  const uint8_t* row = w + (size_t)r * row_bytes;
   float acc[2] = {0.0f, 0.0f};
   const int units = cols / 32;
   for (int c0 = 0; c0 < units; c0 += FW_MM_UNITS) {
     const int cu = min(FW_MM_UNITS, units - c0);
-    const int off = fw_stage<CAP, FW_WARP>(row + (size_t)(c0 / GU) * GB, cu / GU * GB, stage[warp], lane);
+    const int off = fw_stage<CAP, FW_WARP>(row + (size_t)(c0 / GU) * GB, cu / GU * GB, stage, lane);
     __syncwarp();
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int u = lane + FW_WARP * h;
       if (u < cu) {
         float v[32];
-        fw_unit_fast<TY>((const uint8_t*)stage[warp] + off, u, v);
+        fw_unit_fast<TY>((const uint8_t*)stage + off, u, v);
         acc[h] = fw_dot_unit(v, x + 32 * (size_t)(c0 + u), acc[h]);
       }
     }
     __syncwarp();  // the chunk's reads of the stage are done before the next is staged
   }
-  const float s0 = fw_warp_sum(acc[0]), s1 = fw_warp_sum(acc[1]);
-  if (lane == 0) y[r] = fw_add(s0, s1);
+  return fw_add(fw_warp_sum(acc[0]), fw_warp_sum(acc[1]));
+}
+
+// Decode, a warp a row: y (rows) = x (cols) · Wᵀ for one token. Grid ceil(rows / FW_MMW_WARPS)
+// blocks of FW_MMW_WARPS warps, warp w of block b computing row FW_MMW_WARPS·b + w alone
+// (`fw_matmul_warp_row`): no block barrier, and x read through the cache (the same x for every
+// row: it stays in L1) instead of staged by every row's block with two barriers, as the block
+// layout does. Same bits as fw_matmul1.
+template <int TY>
+__device__ __forceinline__ void fw_matmul_warp_body(const uint8_t* __restrict__ w, int rows, int cols,
+                                                    long long row_bytes, const float* __restrict__ x,
+                                                    float* __restrict__ y) {
+  __shared__ uint4 stage[FW_MMW_WARPS][fw_stage_words<TY>()];
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
+  const int r = blockIdx.x * FW_MMW_WARPS + warp;
+  if (r >= rows) return;  // the whole warp: nothing below waits on another warp
+  const float s = fw_matmul_warp_row<TY>(w + (size_t)r * row_bytes, cols, x, stage[warp], lane);
+  if (lane == 0) y[r] = s;
 }
 
 // Batches, a tile a block: y (n, rows) = x (n, cols) · Wᵀ, a block of 2 warps for R rows × NT

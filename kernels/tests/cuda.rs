@@ -7,6 +7,8 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "cuda/rows.rs"]
+mod rows;
 
 use common::{seq, Rng};
 use flywheel_kernels::cpu::ops;

@@ -6,10 +6,12 @@
 //! The driver is loaded at run time: a build with the feature starts on a machine with no GPU
 //! and no CUDA library, where `Gpu::open` says why it cannot run.
 
+mod adapters;
 mod launch;
 mod paged;
 mod products;
 
+pub use adapters::{AdapterEntry, AdapterRows};
 pub use launch::ATT_MAX_HEAD_DIM;
 pub use paged::Tokens;
 pub use products::{BatchProduct, DecodeProduct, Products};
@@ -60,6 +62,9 @@ const OTHERS: &[&str] = &[
     "fw_gather_rows",
     "fw_block_matmul",
     "fw_moe_combine",
+    "fw_oft_rows",
+    "fw_lora_a_rows",
+    "fw_lora_b_rows",
 ];
 
 /// Every kernel in the fatbin, by name: the tests check each was compiled for each architecture.
