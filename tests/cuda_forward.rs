@@ -189,8 +189,10 @@ fn every_family_forwards_on_the_gpu_as_on_the_cpu() {
 
 /// Decode through graphs equals the same steps launched eagerly, bit for bit (the kernels are
 /// batch-invariant, so padding rows change nothing), also after a graph has been replayed, and
-/// around adapter versions published mid-decode (a step with an adapter launches eagerly; the
-/// graphs captured before stay valid: they hold no adapter and weights never move).
+/// with adapters: a decode step with adapters replays the graph of its bucket and signature (which
+/// modules some version rotates or adds LoRA to), reading each row's version from the directory,
+/// against the eager steps' group-by-group ops. A version published mid-decode (the same
+/// adapter's next) replays the graph captured for the one before: no new capture.
 #[test]
 fn graph_replays_equal_eager_launches_bit_for_bit() {
     let Some(g1) = gpu() else { return };
@@ -204,10 +206,19 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
         alpha: 8.0,
         use_rslora: false,
     });
+    let oft = Method::Oft(OftConfig {
+        block_size: 16,
+        ..OftConfig::default()
+    });
     let versions = [
         adapter(&model, lora.clone(), 1, false),
-        adapter(&model, lora, 2, false),
+        adapter(&model, lora.clone(), 2, false),
     ];
+    // Sequence 1 through OFT, sequence 2 through LoRA with the LM head, where a step says so.
+    let (rotating, with_head) = (
+        adapter(&model, oft, 3, false),
+        adapter(&model, lora, 4, true),
+    );
     let mut rng = Rng(3);
     let mut seqs: Vec<Seq> = (0..6)
         .map(|i| Seq {
@@ -216,19 +227,23 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
             adapter: None,
         })
         .collect();
-    // (sequences decoding, the adapter version of sequence 0 at this step)
-    let plan: [(usize, Option<usize>); 9] = [
-        (6, None),
-        (1, None),
-        (3, None),
-        (6, None),
-        (6, Some(0)),
-        (6, None),
-        (3, Some(1)),
-        (3, None),
-        (1, None),
+    // (sequences decoding, sequence 0's adapter version, sequences 1 and 2 adapted, graphs
+    // captured after the step)
+    let plan: [(usize, Option<usize>, bool, usize); 12] = [
+        (6, None, false, 0), // prefill: eager
+        (1, None, false, 1),
+        (3, None, false, 2),
+        (6, None, false, 3),
+        (6, Some(0), false, 4), // bucket 8 with LoRA
+        (6, Some(1), false, 4), // the next version: the same graph
+        (6, None, false, 4),
+        (3, Some(1), true, 5), // bucket 4 with LoRA, OFT and the head's LoRA
+        (3, Some(0), true, 5),
+        (6, None, true, 6), // bucket 8 with OFT and the head's LoRA
+        (1, Some(0), false, 7),
+        (1, None, false, 7),
     ];
-    for (n, &(k, version)) in plan.iter().enumerate() {
+    for (n, &(k, version, extras, captured)) in plan.iter().enumerate() {
         let new = if n == 0 { 4 } else { 1 };
         if n > 0 {
             for s in &mut seqs[..k] {
@@ -236,13 +251,15 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
             }
         }
         seqs[0].adapter = version.map(|v| versions[v].clone());
+        seqs[1].adapter = extras.then(|| rotating.clone());
+        seqs[2].adapter = extras.then(|| with_head.clone());
         let step: Vec<(usize, usize, Logits)> = (0..k).map(|i| (i, new, Logits::Last)).collect();
         let b = batch(&seqs, &step);
         let (mut a, mut e) = (ForwardBuffers::default(), ForwardBuffers::default());
         graphs.forward_into(&model, &b, &mut a).unwrap();
         eager.forward_into(&model, &b, &mut e).unwrap();
         assert_eq!(a.logits, e.logits, "step {n}");
+        assert_eq!(graphs.graphs_captured(), captured, "graphs after step {n}");
     }
-    assert_eq!(graphs.graphs_captured(), 3, "buckets 1, 4 and 8");
     assert_eq!(eager.graphs_captured(), 0);
 }

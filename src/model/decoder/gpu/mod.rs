@@ -7,22 +7,26 @@
 //! (and hidden rows) in `ForwardBuffers` on the host, for the engine's sampler. The steps are the
 //! CPU forward's (`forward/`) in its order; each kernel has its CPU twin (kernels/tests/cuda.rs).
 //!
-//! Decode steps (every sequence one token, wanting its next-token logits, no adapter) replay a
-//! graph captured once per batch bucket (`plan::graph_bucket`), the batch padded with rows that
+//! Decode steps (every sequence one token, wanting its next-token logits) replay a graph captured
+//! once per batch bucket (`plan::graph_bucket`) and adapter signature (which modules some version
+//! of the step rotates or adds LoRA to, `adapters::AdapterSig`), the batch padded with rows that
 //! read and write only the scratch block. The graph reads each step's tokens, positions, RoPE
-//! table and block tables from buffers whose addresses never change; weights never change, so a
-//! publish never invalidates a graph. Steps with adapters launch eagerly (their groups vary), and
-//! so does every step of a mixture of experts: its routing is read back and grouped on the host
-//! (`moe::route`, the CPU forward's own), each expert's rows then run as one product on the GPU.
+//! table, block tables and each row's adapter slot from buffers whose addresses never change, and
+//! a slot's tensors from the adapter directory (`AdapterRows`); weights never change, so a publish
+//! (a new version: a slot's entries written) never invalidates or re-captures a graph. Prefill and
+//! other eager steps apply adapters group by group. Every step of a mixture of experts launches
+//! eagerly: its routing is read back and grouped on the host (`moe::route`, the CPU forward's
+//! own), each expert's rows then run as one product on the GPU.
 
 use super::forward::{adapter_groups, AdapterGroup};
 use super::moe::{ranges, route, MoeActs};
 use super::pack::{BatchSeq, Logits, Packed};
 use super::{Activation, Decoder, ForwardBuffers, Mlp, ModelError, MoeConfig, Weight};
-use crate::adapter::{Method, Target};
+use crate::adapter::{AdapterWeights, Method, Target, NUM_TARGETS};
 use crate::model::kv_cache::KvDtype;
 use flywheel_kernels::cuda::{
-    CudaGraph, CudaSlice, DeviceMatrix, Gpu, GpuError, GpuKv, Tokens, ATT_MAX_HEAD_DIM,
+    AdapterEntry, AdapterRows, CudaGraph, CudaSlice, DeviceMatrix, Gpu, GpuError, GpuKv, Tokens,
+    ATT_MAX_HEAD_DIM,
 };
 use flywheel_kernels::plan::{graph_bucket, GRAPH_MAX_BATCH};
 use flywheel_kernels::reference::AttnSeq;
@@ -38,8 +42,6 @@ impl From<GpuError> for ModelError {
 
 /// Rows of logits the LM head computes per pass (prompt scoring asks for every row's).
 const HEAD_ROWS: usize = 256;
-/// Adapter versions kept on the GPU beyond those the current step uses.
-const ADAPTERS_KEPT: usize = 8;
 
 struct GpuLayer {
     attn_norm: CudaSlice<f32>,
@@ -79,55 +81,6 @@ enum Cache {
     F16(Vec<(CudaSlice<u16>, CudaSlice<u16>)>),
 }
 
-/// The activations, sized once for the most tokens a step holds (fixed addresses: graphs).
-struct Acts {
-    tokens: CudaSlice<u32>,
-    rope: CudaSlice<f32>,
-    rope_local: CudaSlice<f32>,
-    /// The rows whose logits (or hidden states) are wanted, per head pass.
-    rows: CudaSlice<u32>,
-    x: CudaSlice<f32>,
-    n: CudaSlice<f32>,
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
-    att: CudaSlice<f32>,
-    proj: CudaSlice<f32>,
-    gate: CudaSlice<f32>,
-    up: CudaSlice<f32>,
-    act: CudaSlice<f32>,
-    /// A projection's input with an OFT group's rows rotated.
-    rotated: CudaSlice<f32>,
-    lora_h: CudaSlice<f32>,
-    lora_d: CudaSlice<f32>,
-    moe: MoeBufs,
-    xs: CudaSlice<f32>,
-    normed: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
-}
-
-/// A mixture of experts' activations (one row per token and choice; empty for dense models).
-struct MoeBufs {
-    logits: CudaSlice<f32>,
-    /// Each grouped row's token, each choice's grouped row, each choice's weight.
-    tok: CudaSlice<u32>,
-    row_of: CudaSlice<u32>,
-    weight: CudaSlice<f32>,
-    xs: CudaSlice<f32>,
-    gate: CudaSlice<f32>,
-    up: CudaSlice<f32>,
-    act: CudaSlice<f32>,
-    out: CudaSlice<f32>,
-}
-
-/// An adapter version on the GPU: its derived tensors (OFT's rotations, LoRA's Bᵀ) and, for
-/// LoRA, its parameters as bytes (A is read as an f32 matrix).
-struct GpuAdapter {
-    derived: CudaSlice<f32>,
-    params: Option<CudaSlice<u8>>,
-    last_step: u64,
-}
-
 pub struct GpuDecoder {
     gpu: Gpu,
     layers: Vec<GpuLayer>,
@@ -142,9 +95,13 @@ pub struct GpuDecoder {
     max_tokens: usize,
     acts: Acts,
     meta: Tokens,
-    graphs: HashMap<usize, CudaGraph>,
+    /// Decode graphs by bucket and, for steps with adapters, their signature.
+    graphs: HashMap<(usize, Option<AdapterSig>), CudaGraph>,
     use_graphs: bool,
     adapters: HashMap<u64, GpuAdapter>,
+    /// The adapter directory decode graphs read, and its free slots.
+    rowwise: AdapterRows,
+    free_slots: Vec<usize>,
     step: u64,
     /// The host's side of MoE routing (the router's softmax, the choices, the grouping).
     routing: MoeActs,
@@ -244,49 +201,7 @@ impl GpuDecoder {
             ),
         };
         let t = shape.max_tokens.max(GRAPH_MAX_BATCH);
-        let (h, qd, kvd, f) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
-        let widest = h.max(qd).max(f);
-        let lora_r = 256; // LoRA ranks up to this run on the GPU (`project` checks)
-        let z = |n: usize| gpu.zeros::<f32>(n);
-        let acts = Acts {
-            tokens: gpu.zeros(t)?,
-            rope: z(t * c.rope_dim)?,
-            rope_local: z(t * c.rope_dim)?,
-            rows: gpu.zeros(t)?,
-            x: z(t * h)?,
-            n: z(t * h)?,
-            q: z(t * qd)?,
-            k: z(t * kvd)?,
-            v: z(t * kvd)?,
-            att: z(t * qd)?,
-            proj: z(t * h)?,
-            gate: z(t * f)?,
-            up: z(t * f)?,
-            act: z(t * f)?,
-            rotated: z(t * widest)?,
-            lora_h: z(t * lora_r)?,
-            // A head pass's LoRA delta takes at least one row of the vocabulary.
-            lora_d: z((t * widest).max(c.vocab_size))?,
-            moe: {
-                let (ne, k, ef) = c
-                    .moe
-                    .map_or((0, 0, 0), |m| (m.experts, m.used, m.expert_ffn));
-                MoeBufs {
-                    logits: z(t * ne)?,
-                    tok: gpu.zeros(t * k)?,
-                    row_of: gpu.zeros(t * k)?,
-                    weight: z(t * k)?,
-                    xs: z(t * k * h)?,
-                    gate: z(t * k * ef)?,
-                    up: z(t * k * ef)?,
-                    act: z(t * k * ef)?,
-                    out: z(t * k * h)?,
-                }
-            },
-            xs: z(HEAD_ROWS * h)?,
-            normed: z(HEAD_ROWS * h)?,
-            logits: z(HEAD_ROWS * c.vocab_size)?,
-        };
+        let acts = Acts::new(&gpu, c, t)?;
         let per_seq = shape.max_model_len.div_ceil(shape.block_size);
         let meta = gpu.tokens_with_capacity(t, shape.max_seqs.max(1) * per_seq + t)?;
         gpu.synchronize()?;
@@ -305,6 +220,8 @@ impl GpuDecoder {
             // A mixture of experts routes on the host, layer by layer: no graph holds that.
             use_graphs: shape.graphs && c.moe.is_none(),
             adapters: HashMap::new(),
+            rowwise: gpu.adapter_rows(ADAPTER_SLOTS, module_dims(c), t)?,
+            free_slots: (0..ADAPTER_SLOTS).rev().collect(),
             step: 0,
             routing: MoeActs::default(),
             gpu,
@@ -351,8 +268,18 @@ impl GpuDecoder {
         let groups = adapter_groups(batch);
         let decode = batch
             .iter()
-            .all(|s| s.tokens.len() == 1 && s.logits == Logits::Last && s.adapter.is_none());
-        let bucket = graph_bucket(t).filter(|_| self.use_graphs && decode);
+            .all(|s| s.tokens.len() == 1 && s.logits == Logits::Last);
+        let mut bucket = graph_bucket(t).filter(|_| self.use_graphs && decode);
+        self.upload_adapters(&groups)?;
+        // A decode step with adapters replays its signature's graph, each row's version read from
+        // the directory; a version without a slot launches eagerly.
+        let mut sig = None;
+        if let (Some(b), false) = (bucket, groups.is_empty()) {
+            sig = self.adapter_rows(&groups, b)?;
+            if sig.is_none() {
+                bucket = None;
+            }
+        }
         // Padding rows up to the bucket: token 0 at position 0 of the scratch block.
         let n = bucket.unwrap_or(t);
         let scratch = [self.scratch_block];
@@ -367,7 +294,6 @@ impl GpuDecoder {
             });
             logit_rows.push(row as u32);
         }
-        self.upload_adapters(&groups)?;
         let (rope, rope_local) = model.rope_tables(&positions);
         let g = &self.gpu;
         g.write(&tokens, &mut self.acts.tokens)?;
@@ -382,11 +308,12 @@ impl GpuDecoder {
         if let Some(b) = bucket {
             // Every row wants its logits: the head runs over the whole bucket inside the graph.
             self.gpu.write(&logit_rows, &mut self.acts.rows)?;
-            if !self.graphs.contains_key(&b) {
-                let graph = self.capture(model, b)?;
-                self.graphs.insert(b, graph);
+            let key = (b, sig);
+            if !self.graphs.contains_key(&key) {
+                let graph = self.capture(model, b, key.1.as_ref())?;
+                self.graphs.insert(key.clone(), graph);
             }
-            self.graphs[&b].launch().map_err(GpuError::from)?;
+            self.graphs[&key].launch().map_err(GpuError::from)?;
             bufs.logits.resize(t * vocab, 0.0);
             self.gpu
                 .read_into(&self.acts.logits.slice(..t * vocab), &mut bufs.logits)?;
@@ -394,7 +321,7 @@ impl GpuDecoder {
             c.cap_logits(&mut bufs.logits);
             return Ok(());
         }
-        self.body(model, n, &groups)?;
+        self.body(model, n, &groups, None)?;
         // Hidden rows (embeddings), then logits, HEAD_ROWS rows per pass.
         bufs.hidden.resize(hidden_rows.len() * c.hidden, 0.0);
         for (i, chunk) in hidden_rows.chunks(HEAD_ROWS).enumerate() {
@@ -428,15 +355,30 @@ impl GpuDecoder {
         Ok(())
     }
 
-    /// Capture the decode step of `n` rows (the layers and the head over every row).
-    fn capture(&mut self, model: &Decoder, n: usize) -> Result<CudaGraph, ModelError> {
+    /// Capture the decode step of `n` rows (the layers and the head over every row), with the
+    /// adapters of signature `sig` row by row from the directory.
+    fn capture(
+        &mut self,
+        model: &Decoder,
+        n: usize,
+        sig: Option<&AdapterSig>,
+    ) -> Result<CudaGraph, ModelError> {
         let stream = self.gpu.stream().clone();
         stream
             .begin_capture(cudarc_mode::THREAD_LOCAL)
             .map_err(GpuError::from)?;
-        let run = self.body(model, n, &[]).and_then(|()| {
+        let run = self.body(model, n, &[], sig).and_then(|()| {
             self.norm_rows(model, n)?;
-            self.head(n)
+            self.head(n)?;
+            if let Some(sig) = sig {
+                let rw = Rowwise {
+                    rows: &self.rowwise,
+                    sig,
+                };
+                let a = &mut self.acts;
+                rw.head(&self.gpu, n, &a.normed, &mut a.lora_h, &mut a.logits)?;
+            }
+            Ok(())
         });
         // The capture ends whatever happened, so that the stream is usable again.
         let graph = stream.end_capture(cudarc_mode::INSTANTIATE_DEFAULT);
@@ -446,12 +388,14 @@ impl GpuDecoder {
             .ok_or_else(|| ModelError::Gpu("the capture made no graph".into()))
     }
 
-    /// The embedding and every layer over rows 0..n of the step's buffers.
+    /// The embedding and every layer over rows 0..n of the step's buffers, through the groups'
+    /// adapters (eager steps) or those of signature `sig` row by row (a decode graph).
     fn body(
         &mut self,
         model: &Decoder,
         n: usize,
         groups: &[AdapterGroup],
+        sig: Option<&AdapterSig>,
     ) -> Result<(), ModelError> {
         let c = &model.config;
         let (h, kvd, f) = (c.hidden, c.kv_dim(), c.ffn);
@@ -464,8 +408,13 @@ impl GpuDecoder {
             meta,
             adapters,
             routing,
+            rowwise,
             ..
         } = self;
+        let rowwise = sig.map(|sig| Rowwise {
+            rows: &*rowwise,
+            sig,
+        });
         g.embed(embd, &a.tokens, n, &mut a.x)?;
         if let Some(s) = c.embed_scale {
             g.scale(&mut a.x, s, n * h)?;
@@ -479,6 +428,7 @@ impl GpuDecoder {
                 rotated: &mut a.rotated,
                 lora_h: &mut a.lora_h,
                 lora_d: &mut a.lora_d,
+                rowwise,
             };
             g.rmsnorm(&a.x, &layer.attn_norm, c.eps, n, &mut a.n)?;
             proj.run(Target::Q, &layer.wq, &a.n, n, &mut a.q)?;
@@ -594,5 +544,9 @@ impl GpuDecoder {
     }
 }
 
+mod acts;
+mod adapters;
 mod ops;
-use ops::{attend, cudarc_mode, head_lora, residual, Experts, Projector};
+use acts::{Acts, MoeBufs};
+use adapters::{head_lora, module_dims, AdapterSig, GpuAdapter, Projector, Rowwise, ADAPTER_SLOTS};
+use ops::{attend, cudarc_mode, residual, Experts};
