@@ -22,6 +22,10 @@
 #                                the kernels test (every layout bit-equal to the default), the
 #                                forward under the candidates, then the 1B shape's speed in each
 #                                (pp512, tg64 at batch 1/8/64), one after another
+#   scripts/gpu_proof.sh adapters (~5 minutes) the forward test (decode graphs with LoRA, OFT and
+#                                the head's LoRA = eager, bit for bit; a publish re-captures
+#                                nothing), then the 1B shape's decode through a LoRA and an OFT
+#                                adapter, graphs against eager, and what a publish costs
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -181,6 +185,16 @@ layouts)
     "$B/cuda-forward" --test-threads 1
   STEP_S=100 layouts
   ;;
+adapters)
+  STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
+  m=/tmp/llama-1b.gguf
+  [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
+  for a in lora oft; do
+    STEP_S=120 step "bench-llama-1b-$a" "$B/flywheel" bench --device cuda --model "$m" --adapter "$a" \
+      --prompt-tokens 128 --decode-tokens 32 --batch 1,8 --runs 3 --kv-cache-dtype f16
+    grep -E "^(model|test|pp|tg|publish)" "$OUT/bench-llama-1b-$a.log" | sed 's/^/    /' >>"$SUMMARY"
+  done
+  ;;
 llamacpp)
   build_llamacpp
   ;;
@@ -202,7 +216,7 @@ race)
   fi
   ;;
 *)
-  echo "usage: scripts/gpu_proof.sh all|check|layouts|llamacpp|profile|speed|race" >&2
+  echo "usage: scripts/gpu_proof.sh all|check|layouts|adapters|llamacpp|profile|speed|race" >&2
   exit 2
   ;;
 esac

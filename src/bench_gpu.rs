@@ -1,7 +1,11 @@
 //! `flywheel bench --device cuda`: the CUDA engine's prefill (ppN) and batched decode (tgN)
 //! throughput, decode through CUDA graphs and launched eagerly alternating run by run (medians),
-//! and the weight bandwidth batch-1 decode achieves.
+//! and the weight bandwidth batch-1 decode achieves. With `--adapter`, decode again with every
+//! sequence through it (tgN+a), and the cost of a publish: the first decode step through a new
+//! version (its upload and directory slot) against a step through a version already there, and
+//! whether it captured a graph.
 
+use crate::adapter::AdapterWeights;
 use crate::bench::{median, BenchOptions};
 use crate::generate::BLOCK_SIZE;
 use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
@@ -54,8 +58,26 @@ impl Bench {
     }
 
     /// Seconds for `steps` decode steps of `b` sequences (8-token prompts, greedy), the
-    /// logits back on the host each step as the engine has them.
-    fn decode(&mut self, model: &Decoder, b: usize, steps: usize) -> anyhow::Result<f64> {
+    /// logits back on the host each step as the engine has them; every sequence through
+    /// `adapter` where given.
+    fn decode(
+        &mut self,
+        model: &Decoder,
+        b: usize,
+        steps: usize,
+        adapter: Option<&AdapterWeights>,
+    ) -> anyhow::Result<f64> {
+        Ok(self.decode_timed(model, b, steps, adapter)?.1)
+    }
+
+    /// `decode`, also returning the seconds of the prompts' step before it.
+    fn decode_timed(
+        &mut self,
+        model: &Decoder,
+        b: usize,
+        steps: usize,
+        adapter: Option<&AdapterWeights>,
+    ) -> anyhow::Result<(f64, f64)> {
         let per_seq = (8 + steps).div_ceil(BLOCK_SIZE);
         let tables: Vec<Vec<u32>> = (0..b)
             .map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect())
@@ -74,7 +96,7 @@ impl Bench {
                     block_table: t,
                     window_table: &[],
                     logits: Logits::Last,
-                    adapter: None,
+                    adapter,
                 })
                 .collect();
             g.gpu.forward_into(model, &batch, &mut g.bufs)?;
@@ -84,14 +106,16 @@ impl Bench {
                 .map(crate::engine::sampler::argmax)
                 .collect())
         };
+        let t = Instant::now();
         let next = run(self, &seqs, 8)?;
+        let prompts = t.elapsed().as_secs_f64();
         seqs.iter_mut().zip(next).for_each(|(s, t)| s.push(t));
         let t = Instant::now();
         for _ in 0..steps {
             let next = run(self, &seqs, 1)?;
             seqs.iter_mut().zip(next).for_each(|(s, t)| s.push(t));
         }
-        Ok(t.elapsed().as_secs_f64())
+        Ok((prompts, t.elapsed().as_secs_f64()))
     }
 }
 
@@ -115,10 +139,6 @@ fn copy_bandwidth() -> anyhow::Result<f64> {
 
 /// Run the tests on GPU 0 and print a table and one JSON line.
 pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        o.adapter.is_none(),
-        "--adapter is not measured on the GPU yet"
-    );
     let mut graphs = Bench::new(model, o, true)?;
     let mut eager = Bench::new(model, o, false)?;
     let device = Gpu::open(0)?.describe();
@@ -126,9 +146,15 @@ pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
     let prompt: Vec<u32> = (0..pp).map(|i| (i * 7 % 256) as u32).collect();
     // Warm-up: every kernel once, and the graphs of the measured buckets captured.
     graphs.prefill(model, &prompt)?;
+    let adapter = o.adapter.as_ref();
     for &b in &o.batches {
-        graphs.decode(model, b, 2)?;
-        eager.decode(model, b, 2)?;
+        for a in [None, adapter]
+            .into_iter()
+            .take(1 + adapter.is_some() as usize)
+        {
+            graphs.decode(model, b, 2, a)?;
+            eager.decode(model, b, 2, a)?;
+        }
     }
     let mut rows: Vec<(String, usize, f64, f64)> = Vec::new();
     let pp_rate = median(
@@ -138,20 +164,30 @@ pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
     );
     rows.push((format!("pp{pp}"), 1, pp_rate, pp_rate));
     let tg = o.decode_tokens;
-    for &b in &o.batches {
-        let (mut with, mut without) = (Vec::new(), Vec::new());
-        for r in 0..o.runs {
-            // Alternating which goes first, run by run.
-            for first in [r % 2 == 0, r % 2 == 1] {
-                if first {
-                    with.push((b * tg) as f64 / graphs.decode(model, b, tg)?);
-                } else {
-                    without.push((b * tg) as f64 / eager.decode(model, b, tg)?);
+    for a in [None, adapter]
+        .into_iter()
+        .take(1 + adapter.is_some() as usize)
+    {
+        for &b in &o.batches {
+            let (mut with, mut without) = (Vec::new(), Vec::new());
+            for r in 0..o.runs {
+                // Alternating which goes first, run by run.
+                for first in [r % 2 == 0, r % 2 == 1] {
+                    if first {
+                        with.push((b * tg) as f64 / graphs.decode(model, b, tg, a)?);
+                    } else {
+                        without.push((b * tg) as f64 / eager.decode(model, b, tg, a)?);
+                    }
                 }
             }
+            let name = format!("tg{tg}{}", if a.is_some() { "+a" } else { "" });
+            rows.push((name, b, median(with), median(without)));
         }
-        rows.push((format!("tg{tg}"), b, median(with), median(without)));
     }
+    let publish = match adapter {
+        Some(a) => Some(publish_cost(model, &mut graphs, a, &o.batches)?),
+        None => None,
+    };
     let per_token = model.weight_bytes_per_token() as f64;
     let bandwidth = copy_bandwidth()?;
     println!(
@@ -176,8 +212,28 @@ pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
             }
         );
     }
+    if let Some(p) = &publish {
+        println!(
+            "publish (batch {}, graphs): the prompts' step through a new version {:.2} ms (its \
+             upload and directory slot) against {:.2} ms through one already there; the next \
+             decode step {:.2} ms against {:.2} ms; graphs captured {} -> {}",
+            p.batch,
+            p.first_prompt_ms,
+            p.steady_prompt_ms,
+            p.first_ms,
+            p.steady_ms,
+            p.graphs_before,
+            p.graphs_after
+        );
+    }
     let json = serde_json::json!({
         "model": o.model_path,
+        "adapter": adapter.map(|a| format!("{:?}", a.layout.config.method)),
+        "publish": publish.as_ref().map(|p| serde_json::json!({
+            "batch": p.batch, "first_step_ms": p.first_ms, "steady_step_ms": p.steady_ms,
+            "first_prompt_step_ms": p.first_prompt_ms, "steady_prompt_step_ms": p.steady_prompt_ms,
+            "graphs_before": p.graphs_before, "graphs_after": p.graphs_after,
+        })),
         "device": device,
         "runs": o.runs,
         "weight_bytes_per_token": model.weight_bytes_per_token(),
@@ -188,4 +244,56 @@ pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
     });
     println!("{json}");
     Ok(())
+}
+
+struct Publish {
+    batch: usize,
+    first_prompt_ms: f64,
+    steady_prompt_ms: f64,
+    first_ms: f64,
+    steady_ms: f64,
+    graphs_before: usize,
+    graphs_after: usize,
+}
+
+/// A publish during decode at the smallest measured batch: the prompts' step and one decode step
+/// through `a` (steady: medians of 5), then through each of 5 new versions (the same layout,
+/// other values: the trainer's next; medians); and the graphs captured around them.
+fn publish_cost(
+    model: &Decoder,
+    graphs: &mut Bench,
+    a: &AdapterWeights,
+    batches: &[usize],
+) -> anyhow::Result<Publish> {
+    let b = batches.iter().copied().min().unwrap_or(1);
+    let steady: Vec<(f64, f64)> = (0..5)
+        .map(|_| graphs.decode_timed(model, b, 1, Some(a)))
+        .collect::<anyhow::Result<_>>()?;
+    let before = graphs.gpu.graphs_captured();
+    let mut firsts = Vec::new();
+    for k in 1..=5 {
+        let params: Vec<f32> = a
+            .params
+            .iter()
+            .map(|p| p * (1.0 + 0.01 * k as f32))
+            .collect();
+        let next = AdapterWeights::new(a.layout.clone(), params)?;
+        firsts.push(graphs.decode_timed(model, b, 1, Some(&next))?);
+    }
+    let ms = |v: &[(f64, f64)], second: bool| {
+        median(
+            v.iter()
+                .map(|p| if second { p.1 } else { p.0 } * 1e3)
+                .collect(),
+        )
+    };
+    Ok(Publish {
+        batch: b,
+        first_prompt_ms: ms(&firsts, false),
+        steady_prompt_ms: ms(&steady, false),
+        first_ms: ms(&firsts, true),
+        steady_ms: ms(&steady, true),
+        graphs_before: before,
+        graphs_after: graphs.gpu.graphs_captured(),
+    })
 }
