@@ -130,8 +130,9 @@ impl Gpu {
         scale: f32,
     ) -> Result<AdapterEntry> {
         let (inp, out) = self.module_dims(rows, m)?;
+        // A is read by the products' kernels: rows of whole 32-value units.
         check(
-            r > 0 && a.len() == r * inp * 4 && bt.len() == r * out,
+            r > 0 && inp % 32 == 0 && a.len() == r * inp * 4 && bt.len() == r * out,
             || {
                 format!(
                     "LoRA of rank {r} for {inp} → {out}: A {} bytes, Bᵀ {} values",

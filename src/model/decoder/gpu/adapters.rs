@@ -72,10 +72,19 @@ impl GpuDecoder {
                 last_step: self.step,
                 slot: None,
             };
+            // A slot of the directory for decode graphs; a version whose entries the directory
+            // cannot hold (or with no slot free) is served by eager launches.
             if let Some(slot) = self.free_slots.pop() {
-                let entries = self.entries(w, &a)?;
-                self.gpu.set_slot(&mut self.rowwise, slot, &entries)?;
-                a.slot = Some(slot);
+                match self.entries(w, &a) {
+                    Ok(entries) => {
+                        self.gpu.set_slot(&mut self.rowwise, slot, &entries)?;
+                        a.slot = Some(slot);
+                    }
+                    Err(e) => {
+                        self.free_slots.push(slot);
+                        tracing::debug!("adapter version served eagerly on the GPU: {e}");
+                    }
+                }
             }
             self.adapters.insert(w.uid(), a);
         }
