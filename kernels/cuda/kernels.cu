@@ -70,6 +70,7 @@ __device__ float fw_block_max(float v) {
 
 #include "products.cuh"
 #include "adapters.cuh"
+#include "moe.cuh"
 
 // Rows of a table (the token embedding) dequantized: out (n, cols) = table[tokens[i]].
 // Grid (n), FW_ROW_THREADS threads, one unit per thread per step: the CPU's values exactly.
@@ -115,6 +116,12 @@ __device__ __forceinline__ void fw_embed_body(const uint8_t* __restrict__ table,
       fw_matmul_t2x16_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,          \
                              const float* x, int n, float* y) {                                  \
     fw_matmul_tile_body<TY, 2, 16>(w, rows, cols, row_bytes, x, n, y);                           \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(FW_MMW_WARPS * FW_WARP)                          \
+      fw_matmul_experts_##NAME(const uint64_t* experts, const uint32_t* expert, int ne, int out, \
+                               int cols, long long row_bytes, const float* x, int xdiv,          \
+                               float* y) {                                                       \
+    fw_matmul_experts_body<TY>(experts, expert, ne, out, cols, row_bytes, x, xdiv, y);           \
   }                                                                                              \
   extern "C" __global__ void fw_embed_##NAME(const uint8_t* table, long long row_bytes,          \
                                              const uint32_t* tokens, int cols, float* out) {     \

@@ -7,6 +7,8 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "cuda/moe.rs"]
+mod moe;
 #[path = "cuda/rows.rs"]
 mod rows;
 

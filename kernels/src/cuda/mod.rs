@@ -8,11 +8,13 @@
 
 mod adapters;
 mod launch;
+mod moe;
 mod paged;
 mod products;
 
 pub use adapters::{AdapterEntry, AdapterRows};
 pub use launch::ATT_MAX_HEAD_DIM;
+pub use moe::{ExpertTable, MOE_MAX_USED};
 pub use paged::Tokens;
 pub use products::{BatchProduct, DecodeProduct, Products};
 
@@ -40,6 +42,7 @@ const PER_FORMAT: &[&str] = &[
     "fw_matmulw",
     "fw_matmul_t4x8",
     "fw_matmul_t2x16",
+    "fw_matmul_experts",
     "fw_embed",
 ];
 
@@ -65,6 +68,7 @@ const OTHERS: &[&str] = &[
     "fw_oft_rows",
     "fw_lora_a_rows",
     "fw_lora_b_rows",
+    "fw_moe_route",
 ];
 
 /// Every kernel in the fatbin, by name: the tests check each was compiled for each architecture.
