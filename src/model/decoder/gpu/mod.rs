@@ -14,9 +14,10 @@
 //! table, block tables and each row's adapter slot from buffers whose addresses never change, and
 //! a slot's tensors from the adapter directory (`AdapterRows`); weights never change, so a publish
 //! (a new version: a slot's entries written) never invalidates or re-captures a graph. Prefill and
-//! other eager steps apply adapters group by group. Every step of a mixture of experts launches
-//! eagerly: its routing is read back and grouped on the host (`moe::route`, the CPU forward's
-//! own), each expert's rows then run as one product on the GPU.
+//! other eager steps apply adapters group by group. A mixture of experts routes on the device in
+//! decode steps (graph or eager: the same launches), each (token, choice) row its expert's
+//! product; other steps read the routing back and group it on the host (`moe::route`, the CPU
+//! forward's own), each expert's rows then one product on the GPU.
 
 use super::forward::{adapter_groups, AdapterGroup};
 use super::moe::{ranges, route, MoeActs};
@@ -25,8 +26,8 @@ use super::{Activation, Decoder, ForwardBuffers, Mlp, ModelError, MoeConfig, Wei
 use crate::adapter::{AdapterWeights, Method, Target, NUM_TARGETS};
 use crate::model::kv_cache::KvDtype;
 use flywheel_kernels::cuda::{
-    AdapterEntry, AdapterRows, CudaGraph, CudaSlice, DeviceMatrix, Gpu, GpuError, GpuKv, Tokens,
-    ATT_MAX_HEAD_DIM,
+    AdapterEntry, AdapterRows, CudaGraph, CudaSlice, DeviceMatrix, ExpertTable, Gpu, GpuError,
+    GpuKv, Tokens, ATT_MAX_HEAD_DIM, MOE_MAX_USED,
 };
 use flywheel_kernels::plan::{graph_bucket, GRAPH_MAX_BATCH};
 use flywheel_kernels::reference::AttnSeq;
@@ -72,6 +73,9 @@ enum GpuMlp {
         gate: Vec<DeviceMatrix>,
         up: Vec<DeviceMatrix>,
         down: Vec<DeviceMatrix>,
+        /// The gate's, up's and down's expert tables for routing on the device (decode steps),
+        /// where a token uses no more experts than the device's router takes.
+        tables: Option<[ExpertTable; 3]>,
     },
 }
 
@@ -154,11 +158,23 @@ impl GpuDecoder {
                 },
                 Mlp::Moe(x) => {
                     let all = |ws: &[Weight]| ws.iter().map(&matrix).collect::<Result<Vec<_>, _>>();
+                    let (gate, up, down) = (all(&x.gate)?, all(&x.up)?, all(&x.down)?);
+                    let on_device = c.moe.is_some_and(|m| m.used <= MOE_MAX_USED);
+                    let tables = if on_device {
+                        Some([
+                            gpu.expert_table(&gate)?,
+                            gpu.expert_table(&up)?,
+                            gpu.expert_table(&down)?,
+                        ])
+                    } else {
+                        None
+                    };
                     GpuMlp::Moe {
                         router: matrix(&x.router)?,
-                        gate: all(&x.gate)?,
-                        up: all(&x.up)?,
-                        down: all(&x.down)?,
+                        gate,
+                        up,
+                        down,
+                        tables,
                     }
                 }
             };
@@ -217,8 +233,8 @@ impl GpuDecoder {
             acts,
             meta,
             graphs: HashMap::new(),
-            // A mixture of experts routes on the host, layer by layer: no graph holds that.
-            use_graphs: shape.graphs && c.moe.is_none(),
+            // A mixture of experts decodes through graphs where its router runs on the device.
+            use_graphs: shape.graphs && c.moe.is_none_or(|m| m.used <= MOE_MAX_USED),
             adapters: HashMap::new(),
             rowwise: gpu.adapter_rows(ADAPTER_SLOTS, module_dims(c), t)?,
             free_slots: (0..ADAPTER_SLOTS).rev().collect(),
@@ -321,7 +337,7 @@ impl GpuDecoder {
             c.cap_logits(&mut bufs.logits);
             return Ok(());
         }
-        self.body(model, n, &groups, None)?;
+        self.body(model, n, &groups, None, decode)?;
         // Hidden rows (embeddings), then logits, HEAD_ROWS rows per pass.
         bufs.hidden.resize(hidden_rows.len() * c.hidden, 0.0);
         for (i, chunk) in hidden_rows.chunks(HEAD_ROWS).enumerate() {
@@ -367,7 +383,7 @@ impl GpuDecoder {
         stream
             .begin_capture(cudarc_mode::THREAD_LOCAL)
             .map_err(GpuError::from)?;
-        let run = self.body(model, n, &[], sig).and_then(|()| {
+        let run = self.body(model, n, &[], sig, true).and_then(|()| {
             self.norm_rows(model, n)?;
             self.head(n)?;
             if let Some(sig) = sig {
@@ -390,12 +406,15 @@ impl GpuDecoder {
 
     /// The embedding and every layer over rows 0..n of the step's buffers, through the groups'
     /// adapters (eager steps) or those of signature `sig` row by row (a decode graph).
+    /// `decode`: every row is a sequence's one new token (a mixture of experts routes on the
+    /// device then, so that a decode step is the same launches through a graph or eagerly).
     fn body(
         &mut self,
         model: &Decoder,
         n: usize,
         groups: &[AdapterGroup],
         sig: Option<&AdapterSig>,
+        decode: bool,
     ) -> Result<(), ModelError> {
         let c = &model.config;
         let (h, kvd, f) = (c.hidden, c.kv_dim(), c.ffn);
@@ -487,6 +506,7 @@ impl GpuDecoder {
                     gate,
                     up,
                     down,
+                    tables,
                 } => {
                     let mc = c.moe.expect("a MoE layer has a MoE config");
                     let experts = Experts {
@@ -494,6 +514,7 @@ impl GpuDecoder {
                         gate,
                         up,
                         down,
+                        tables: tables.as_ref().filter(|_| decode),
                     };
                     experts.run(g, &mc, &a.n, n, h, &mut a.moe, routing, &mut a.proj)?;
                     g.add(&mut a.x, &a.proj, n * h)?;

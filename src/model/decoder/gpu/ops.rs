@@ -10,12 +10,16 @@ pub(super) struct Experts<'a> {
     pub(super) gate: &'a [DeviceMatrix],
     pub(super) up: &'a [DeviceMatrix],
     pub(super) down: &'a [DeviceMatrix],
+    /// With the gate's, up's and down's expert tables: route on the device (decode steps).
+    pub(super) tables: Option<&'a [ExpertTable; 3]>,
 }
 
 impl Experts<'_> {
-    /// y (n, h) = the mixture of experts of m (n, h): the router's logits read back and routed on
-    /// the host (`moe::route`, the CPU's), the rows gathered by expert, each expert's rows one
-    /// product per projection, then each token's outputs weighted in the order of its choices.
+    /// y (n, h) = the mixture of experts of m (n, h). With the expert tables (decode steps): routed
+    /// on the device and each (token, choice) row's expert product row by row, nothing read back
+    /// (graphs hold it). Else: the router's logits read back and routed on the host
+    /// (`moe::route`, the CPU's), the rows gathered by expert, each expert's rows one product per
+    /// projection. Then each token's outputs weighted in the order of its choices.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
@@ -30,6 +34,26 @@ impl Experts<'_> {
     ) -> Result<(), ModelError> {
         let (ne, k, f) = (mc.experts, mc.used, mc.expert_ffn);
         g.matmul(self.router, m, n, &mut b.logits)?;
+        if let Some([gate, up, down]) = self.tables {
+            // On the device: each (token, choice) row its expert's product (`b.tok` holds the
+            // experts here), the outputs in the order of the choices (row_of = t·k + s).
+            g.moe_route(
+                &b.logits,
+                n,
+                ne,
+                k,
+                mc.norm_topk,
+                &mut b.tok,
+                &mut b.weight,
+                &mut b.row_of,
+            )?;
+            g.matmul_experts(gate, &b.tok, n * k, m, k, &mut b.gate)?;
+            g.matmul_experts(up, &b.tok, n * k, m, k, &mut b.up)?;
+            g.swiglu(&b.gate, &b.up, n * k * f, &mut b.act)?;
+            g.matmul_experts(down, &b.tok, n * k, &b.act, 1, &mut b.out)?;
+            g.moe_combine(&b.out, &b.row_of, &b.weight, n, k, h, y)?;
+            return Ok(());
+        }
         host.probs.resize(n * ne, 0.0);
         g.read_into(&b.logits.slice(..n * ne), &mut host.probs)?;
         route(mc, n, host);
