@@ -49,10 +49,14 @@ step() {
   local name=$1
   shift
   local t0=$SECONDS
-  if timeout -k 5 "${STEP_S:-600}" "$@" >"$OUT/$name.log" 2>&1; then
+  timeout -k 5 "${STEP_S:-600}" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  if [ "$rc" = 0 ]; then
     echo "- $name: ok ($((SECONDS - t0)) s)" | tee -a "$SUMMARY"
   else
-    echo "- $name: FAILED ($((SECONDS - t0)) s): see $name.log" | tee -a "$SUMMARY"
+    local why="FAILED (exit $rc)"
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && why="TIMED OUT after ${STEP_S:-600} s"
+    echo "- $name: $why ($((SECONDS - t0)) s): see $name.log" | tee -a "$SUMMARY"
     tail -20 "$OUT/$name.log"
     failed=$((failed + 1))
   fi
