@@ -185,6 +185,54 @@ fn every_family_forwards_on_the_gpu_as_on_the_cpu() {
     compare(&TinySpec::qwen3(), KvDtype::F32, true, gpu().unwrap());
 }
 
+/// A decoder through graphs and one launching eagerly, of one model.
+fn graphs_and_eager(model: &Decoder) -> (GpuDecoder, GpuDecoder) {
+    let graphs = GpuDecoder::new(gpu().unwrap(), model, shape(true)).unwrap();
+    (
+        graphs,
+        GpuDecoder::new(gpu().unwrap(), model, shape(false)).unwrap(),
+    )
+}
+
+/// `count` sequences of 4 random tokens, 8 blocks each.
+fn prompts(count: usize, vocab: u64, rng: &mut Rng) -> Vec<Seq> {
+    (0..count)
+        .map(|i| Seq {
+            tokens: (0..4).map(|_| (rng.next() % vocab) as u32).collect(),
+            table: (0..8).map(|b| (i * 8 + b) as u32).collect(),
+            adapter: None,
+        })
+        .collect()
+}
+
+/// Step `n` (the prompts at 0, then one new token for each of the first `k` sequences) on both
+/// decoders: the same logits bit for bit, and `captured` graphs after it.
+fn step_both(
+    model: &Decoder,
+    (graphs, eager): (&mut GpuDecoder, &mut GpuDecoder),
+    seqs: &mut [Seq],
+    rng: &mut Rng,
+    n: usize,
+    k: usize,
+    captured: usize,
+) {
+    let vocab = model.config.vocab_size as u64;
+    let new = if n == 0 { 4 } else { 1 };
+    if n > 0 {
+        for s in &mut seqs[..k] {
+            s.tokens.push((rng.next() % vocab) as u32);
+        }
+    }
+    let step: Vec<(usize, usize, Logits)> = (0..k).map(|i| (i, new, Logits::Last)).collect();
+    let b = batch(seqs, &step);
+    let (mut a, mut e) = (ForwardBuffers::default(), ForwardBuffers::default());
+    graphs.forward_into(model, &b, &mut a).unwrap();
+    eager.forward_into(model, &b, &mut e).unwrap();
+    assert_eq!(a.logits, e.logits, "step {n}");
+    assert_eq!(graphs.graphs_captured(), captured, "graphs after step {n}");
+    assert_eq!(eager.graphs_captured(), 0);
+}
+
 /// Decode through graphs equals the same steps launched eagerly, bit for bit (the kernels are
 /// batch-invariant, so padding rows change nothing), also after a graph has been replayed, and
 /// with adapters: a decode step with adapters replays the graph of its bucket and signature (which
@@ -193,12 +241,12 @@ fn every_family_forwards_on_the_gpu_as_on_the_cpu() {
 /// adapter's next) replays the graph captured for the one before: no new capture.
 #[test]
 fn graph_replays_equal_eager_launches_bit_for_bit() {
-    let Some(g1) = gpu() else { return };
+    if gpu().is_none() {
+        return;
+    }
     let (_dir, path) = write_tiny(&TinySpec::llama3());
     let model = Decoder::open(&path).unwrap();
-    let vocab = model.config.vocab_size as u64;
-    let mut graphs = GpuDecoder::new(g1, &model, shape(true)).unwrap();
-    let mut eager = GpuDecoder::new(gpu().unwrap(), &model, shape(false)).unwrap();
+    let (mut graphs, mut eager) = graphs_and_eager(&model);
     let lora = Method::Lora(LoraConfig {
         r: 4,
         alpha: 8.0,
@@ -218,13 +266,7 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
         adapter(&model, lora, 4, true),
     );
     let mut rng = Rng(3);
-    let mut seqs: Vec<Seq> = (0..6)
-        .map(|i| Seq {
-            tokens: (0..4).map(|_| (rng.next() % vocab) as u32).collect(),
-            table: (0..8).map(|b| (i * 8 + b) as u32).collect(),
-            adapter: None,
-        })
-        .collect();
+    let mut seqs = prompts(6, model.config.vocab_size as u64, &mut rng);
     // (sequences decoding, sequence 0's adapter version, sequences 1 and 2 adapted, graphs
     // captured after the step)
     let plan: [(usize, Option<usize>, bool, usize); 12] = [
@@ -242,61 +284,39 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
         (1, None, false, 7),
     ];
     for (n, &(k, version, extras, captured)) in plan.iter().enumerate() {
-        let new = if n == 0 { 4 } else { 1 };
-        if n > 0 {
-            for s in &mut seqs[..k] {
-                s.tokens.push((rng.next() % vocab) as u32);
-            }
-        }
         seqs[0].adapter = version.map(|v| versions[v].clone());
         seqs[1].adapter = extras.then(|| rotating.clone());
         seqs[2].adapter = extras.then(|| with_head.clone());
-        let step: Vec<(usize, usize, Logits)> = (0..k).map(|i| (i, new, Logits::Last)).collect();
-        let b = batch(&seqs, &step);
-        let (mut a, mut e) = (ForwardBuffers::default(), ForwardBuffers::default());
-        graphs.forward_into(&model, &b, &mut a).unwrap();
-        eager.forward_into(&model, &b, &mut e).unwrap();
-        assert_eq!(a.logits, e.logits, "step {n}");
-        assert_eq!(graphs.graphs_captured(), captured, "graphs after step {n}");
+        let both = (&mut graphs, &mut eager);
+        step_both(&model, both, &mut seqs, &mut rng, n, k, captured);
     }
-    assert_eq!(eager.graphs_captured(), 0);
 }
 
 /// A mixture of experts decodes through graphs (routed on the device, each (token, choice) row its
 /// expert's product) equal to the same steps launched eagerly, bit for bit, padded buckets too.
 #[test]
 fn moe_decode_graphs_equal_eager_launches_bit_for_bit() {
-    let Some(g1) = gpu() else { return };
+    if gpu().is_none() {
+        return;
+    }
     let (_dir, path) = write_tiny(&TinySpec::qwen3moe());
     let model = Decoder::open(&path).unwrap();
-    let vocab = model.config.vocab_size as u64;
-    let mut graphs = GpuDecoder::new(g1, &model, shape(true)).unwrap();
-    let mut eager = GpuDecoder::new(gpu().unwrap(), &model, shape(false)).unwrap();
+    let (mut graphs, mut eager) = graphs_and_eager(&model);
     let mut rng = Rng(5);
-    let mut seqs: Vec<Seq> = (0..5)
-        .map(|i| Seq {
-            tokens: (0..4).map(|_| (rng.next() % vocab) as u32).collect(),
-            table: (0..8).map(|b| (i * 8 + b) as u32).collect(),
-            adapter: None,
-        })
-        .collect();
+    let mut seqs = prompts(5, model.config.vocab_size as u64, &mut rng);
     // (sequences, graphs captured after the step): the prompts eagerly, then buckets 8, 1, 4.
     for (n, &(k, captured)) in [(5, 0), (5, 1), (1, 2), (3, 3), (5, 3), (3, 3)]
         .iter()
         .enumerate()
     {
-        let new = if n == 0 { 4 } else { 1 };
-        if n > 0 {
-            for s in &mut seqs[..k] {
-                s.tokens.push((rng.next() % vocab) as u32);
-            }
-        }
-        let step: Vec<(usize, usize, Logits)> = (0..k).map(|i| (i, new, Logits::Last)).collect();
-        let b = batch(&seqs, &step);
-        let (mut a, mut e) = (ForwardBuffers::default(), ForwardBuffers::default());
-        graphs.forward_into(&model, &b, &mut a).unwrap();
-        eager.forward_into(&model, &b, &mut e).unwrap();
-        assert_eq!(a.logits, e.logits, "step {n}");
-        assert_eq!(graphs.graphs_captured(), captured, "graphs after step {n}");
+        step_both(
+            &model,
+            (&mut graphs, &mut eager),
+            &mut seqs,
+            &mut rng,
+            n,
+            k,
+            captured,
+        );
     }
 }

@@ -4,6 +4,8 @@
 //! head.
 
 use super::*;
+use crate::adapter::ModuleLayout;
+use flywheel_kernels::cuda::CudaView;
 
 /// Adapter versions kept on the GPU beyond those the current step uses.
 const ADAPTERS_KEPT: usize = 8;
@@ -127,10 +129,7 @@ impl GpuDecoder {
                     g.oft_entry(rows, i, &r, b)?
                 }
                 Method::Lora(cfg) => {
-                    let params = a.params.as_ref().expect("LoRA keeps its parameters");
-                    let ar = &m.tensors[0].range;
-                    let am = params.slice(ar.start * 4..ar.end * 4);
-                    let bt = a.derived.slice(at..at + cfg.r * m.out_dim);
+                    let (am, bt) = a.lora(m, cfg.r);
                     g.lora_entry(rows, i, &am, &bt, cfg.r, cfg.scale())?
                 }
             };
@@ -207,6 +206,19 @@ impl Rowwise<'_> {
             return Ok(());
         }
         g.lora_rows(self.rows, m, normed, n, self.sig.max_r, lora_h, logits)
+    }
+}
+
+impl GpuAdapter {
+    /// A LoRA module's A (r × in f32, as bytes) and Bᵀ (r × out) in this version's buffers.
+    fn lora(&self, m: &ModuleLayout, r: usize) -> (CudaView<'_, u8>, CudaView<'_, f32>) {
+        let params = self.params.as_ref().expect("LoRA keeps its parameters");
+        let a = &m.tensors[0].range;
+        let at = m.derived_offset;
+        (
+            params.slice(a.start * 4..a.end * 4),
+            self.derived.slice(at..at + r * m.out_dim),
+        )
     }
 }
 
@@ -298,13 +310,7 @@ impl Projector<'_> {
                     cfg.r
                 )));
             }
-            let dev = &self.adapters[&grp.weights.uid()];
-            let params = dev.params.as_ref().expect("LoRA keeps its parameters");
-            let a_range = &m.tensors[0].range;
-            let a = params.slice(a_range.start * 4..a_range.end * 4);
-            let bt = dev
-                .derived
-                .slice(m.derived_offset..m.derived_offset + cfg.r * out);
+            let (a, bt) = self.adapters[&grp.weights.uid()].lora(m, cfg.r);
             for rows in &grp.rows {
                 let k = rows.len();
                 let xs = x.slice(span(rows, inp));
@@ -352,13 +358,7 @@ pub(super) fn head_lora(
                 cfg.r
             )));
         }
-        let dev = &adapters[&grp.weights.uid()];
-        let params = dev.params.as_ref().expect("LoRA keeps its parameters");
-        let a_range = &m.tensors[0].range;
-        let a = params.slice(a_range.start * 4..a_range.end * 4);
-        let bt = dev
-            .derived
-            .slice(m.derived_offset..m.derived_offset + cfg.r * vocab);
+        let (a, bt) = adapters[&grp.weights.uid()].lora(m, cfg.r);
         let mine = |j: usize| grp.rows.iter().any(|r| r.contains(&(chunk[j] as usize)));
         let mut j = 0;
         while j < chunk.len() {

@@ -514,7 +514,9 @@ impl GpuDecoder {
                         gate,
                         up,
                         down,
-                        tables: tables.as_ref().filter(|_| decode),
+                        // Routed on the device in decode steps (a launch's grid holds up to
+                        // 65535 rows of choices).
+                        tables: tables.as_ref().filter(|_| decode && n * mc.used <= 65535),
                     };
                     experts.run(g, &mc, &a.n, n, h, &mut a.moe, routing, &mut a.proj)?;
                     g.add(&mut a.x, &a.proj, n * h)?;
