@@ -186,8 +186,9 @@ fn matmul_and_embedding_match_the_cpu_for_every_format() {
                     .collect();
                 close(&got[..n * rows], &want, |i| 1e-5 * mag[i] + 1e-6)
                     .unwrap_or_else(|e| panic!("{} {rows}×{cols}, n={n}: {e}", ty.name()));
-                // Batch invariance: each token alone gives the same bits, in every layout; so
-                // does the batch in every layout.
+                // Batch invariance: each token alone gives the same bits (in the default layout
+                // every token, in the others the first and the last: a launch each keeps the
+                // proof's memcheck of this test short); so does the batch in every layout.
                 for &p in &layouts {
                     g.set_products(p);
                     let mut dy = g.zeros::<f32>(n * rows).unwrap();
@@ -199,7 +200,12 @@ fn matmul_and_embedding_match_the_cpu_for_every_format() {
                         p.describe(),
                         Products::default().describe()
                     );
-                    for t in 0..n {
+                    let alone: Vec<usize> = if p == Products::default() {
+                        (0..n).collect()
+                    } else {
+                        vec![0, n - 1]
+                    };
+                    for t in alone {
                         let one = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
                         let mut y1 = g.zeros::<f32>(rows).unwrap();
                         g.matmul(&dw, &one, 1, &mut y1).unwrap();
