@@ -176,6 +176,43 @@ extern "C" __global__ void fw_rmsnorm(const float* __restrict__ x, const float* 
   }
 }
 
+// x += y, then out = RMSNorm(x)·weight, per row of d: fw_residual_add then fw_rmsnorm in one
+// launch (the residual stream and the next block's norm). Each thread adds the values it then
+// squares, in fw_rmsnorm's order, and reads back only its own writes, so the bits are the two
+// kernels'. Grid (rows), FW_ROW_THREADS threads; out must not overlap x.
+extern "C" __global__ void fw_add_rmsnorm(float* __restrict__ x, const float* __restrict__ y,
+                                          const float* __restrict__ weight, float eps, int d,
+                                          float* __restrict__ out) {
+  float* xr = x + (size_t)blockIdx.x * d;
+  const float* yr = y + (size_t)blockIdx.x * d;
+  float* o = out + (size_t)blockIdx.x * d;
+  float ss = 0.0f;
+  const int T = blockDim.x;
+  for (int c0 = threadIdx.x; c0 < d; c0 += 8 * T) {
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = c0 + k * T < d ? fw_add(xr[c0 + k * T], __ldg(yr + c0 + k * T)) : 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+      if (c0 + k * T < d) xr[c0 + k * T] = v[k];
+#pragma unroll
+    for (int k = 0; k < 8; k++) ss = fmaf(v[k], v[k], ss);
+  }
+  ss = fw_block_sum(ss);
+  const float scale = 1.0f / sqrtf(ss / (float)d + eps);
+  for (int c0 = threadIdx.x; c0 < d; c0 += 8 * T) {
+    float v[8], g[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      v[k] = c0 + k * T < d ? xr[c0 + k * T] : 0.0f;  // this thread's own writes above
+      g[k] = c0 + k * T < d ? __ldg(weight + c0 + k * T) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+      if (c0 + k * T < d) o[c0 + k * T] = fw_mul(fw_mul(v[k], scale), g[k]);
+  }
+}
+
 // RoPE by the table of `ops::rope_table` ((cos, sin) per pair per token): pair i of each head
 // turns; `neox` picks (i, i + rope_dim/2) over (2i, 2i+1). One thread per (token, head, pair).
 // The CPU's operations in its order, each rounded once: equal to `ops::rope` bit for bit.

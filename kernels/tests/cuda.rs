@@ -257,6 +257,34 @@ fn row_and_elementwise_ops_match_the_cpu() {
         2e-6 + 2e-6 * want[i].abs()
     })
     .unwrap_or_else(|e| panic!("rmsnorm: {e}"));
+    // The residual add and the next norm in one launch: the two kernels' bits, at widths that
+    // leave threads with fewer values than others (576, 2100) and several passes (5000).
+    for d in [576usize, 2100, 5000] {
+        let (x, y, w) = (
+            rng.vec(rows * d, 2.0),
+            rng.vec(rows * d, 2.0),
+            rng.vec(d, 1.0),
+        );
+        let (dy, dw) = (g.upload(&y).unwrap(), g.upload(&w).unwrap());
+        let mut x1 = g.upload(&x).unwrap();
+        let mut want = g.zeros::<f32>(rows * d).unwrap();
+        g.add(&mut x1, &dy, rows * d).unwrap();
+        g.rmsnorm(&x1, &dw, 1e-5, rows, &mut want).unwrap();
+        let mut x2 = g.upload(&x).unwrap();
+        let mut got = g.zeros::<f32>(rows * d).unwrap();
+        g.add_rmsnorm(&mut x2, &dy, &dw, 1e-5, rows, &mut got)
+            .unwrap();
+        assert_eq!(
+            g.download(&x2).unwrap(),
+            g.download(&x1).unwrap(),
+            "add_rmsnorm x {d}"
+        );
+        assert_eq!(
+            g.download(&got).unwrap(),
+            g.download(&want).unwrap(),
+            "add_rmsnorm {d}"
+        );
+    }
 
     // RoPE: the CPU's arithmetic in its order, so the same bits, in both layouts.
     let (n, heads, hd, rd) = (5, 3, 64, 32);

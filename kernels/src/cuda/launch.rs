@@ -161,6 +161,35 @@ impl Gpu {
         self.rmsnorm_ptrs(xp, weight, eps, n, op)
     }
 
+    /// x += y, then out = RMSNorm(x)·weight (n rows of weight.len()): `add` then `rmsnorm` in one
+    /// launch, the same bits.
+    pub fn add_rmsnorm(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        y: &impl DevicePtr<f32>,
+        weight: &impl DevicePtr<f32>,
+        eps: f32,
+        n: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let d = weight.len();
+        len_at_least(x, n * d, "add_rmsnorm x")?;
+        len_at_least(y, n * d, "add_rmsnorm y")?;
+        len_at_least(out, n * d, "add_rmsnorm out")?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_add_rmsnorm")?;
+        let (xp, yp, wp, op) = (
+            self.ptr_mut(x),
+            self.ptr(y),
+            self.ptr(weight),
+            self.ptr_mut(out),
+        );
+        let di = d as i32;
+        self.launch(f, rows(n, ROW_THREADS), &[&xp, &yp, &wp, &eps, &di, &op])
+    }
+
     /// `rmsnorm` in place (each head's q/k norm).
     pub fn rmsnorm_in_place(
         &self,

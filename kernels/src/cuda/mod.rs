@@ -49,6 +49,7 @@ const PER_FORMAT: &[&str] = &[
 /// The other kernels of the fatbin.
 const OTHERS: &[&str] = &[
     "fw_rmsnorm",
+    "fw_add_rmsnorm",
     "fw_rope",
     "fw_swiglu",
     "fw_geglu",

@@ -449,7 +449,10 @@ impl GpuDecoder {
                 lora_d: &mut a.lora_d,
                 rowwise,
             };
-            g.rmsnorm(&a.x, &layer.attn_norm, c.eps, n, &mut a.n)?;
+            // Later layers' attention norm ran with the residual before them.
+            if l == 0 {
+                g.rmsnorm(&a.x, &layer.attn_norm, c.eps, n, &mut a.n)?;
+            }
             proj.run(Target::Q, &layer.wq, &a.n, n, &mut a.q)?;
             proj.run(Target::K, &layer.wk, &a.n, n, &mut a.k)?;
             proj.run(Target::V, &layer.wv, &a.n, n, &mut a.v)?;
@@ -488,19 +491,20 @@ impl GpuDecoder {
                 }
             }
             proj.run(Target::O, &layer.wo, &a.att, n, &mut a.proj)?;
-            residual(
-                g,
-                &mut a.x,
-                &a.proj,
-                &mut a.n,
-                &layer.post_attn_norm,
-                c.eps,
-                n,
-                h,
-            )?;
-            g.rmsnorm(&a.x, &layer.ffn_norm, c.eps, n, &mut a.n)?;
-            let (gate, up, down) = match &layer.mlp {
-                GpuMlp::Dense { gate, up, down } => (gate, up, down),
+            let norms = (c.eps, n, h);
+            let ffn_norm = Some(&layer.ffn_norm);
+            let post = &layer.post_attn_norm;
+            residual_then_norm(g, &mut a.x, &a.proj, &mut a.n, post, ffn_norm, norms)?;
+            match &layer.mlp {
+                GpuMlp::Dense { gate, up, down } => {
+                    proj.run(Target::Gate, gate, &a.n, n, &mut a.gate)?;
+                    proj.run(Target::Up, up, &a.n, n, &mut a.up)?;
+                    match c.activation {
+                        Activation::Silu => g.swiglu(&a.gate, &a.up, n * f, &mut a.act)?,
+                        Activation::GeluTanh => g.geglu(&a.gate, &a.up, n * f, &mut a.act)?,
+                    }
+                    proj.run(Target::Down, down, &a.act, n, &mut a.proj)?;
+                }
                 GpuMlp::Moe {
                     router,
                     gate,
@@ -519,27 +523,12 @@ impl GpuDecoder {
                         tables: tables.as_ref().filter(|_| decode && n * mc.used <= 65535),
                     };
                     experts.run(g, &mc, &a.n, n, h, &mut a.moe, routing, &mut a.proj)?;
-                    g.add(&mut a.x, &a.proj, n * h)?;
-                    continue;
                 }
-            };
-            proj.run(Target::Gate, gate, &a.n, n, &mut a.gate)?;
-            proj.run(Target::Up, up, &a.n, n, &mut a.up)?;
-            match c.activation {
-                Activation::Silu => g.swiglu(&a.gate, &a.up, n * f, &mut a.act)?,
-                Activation::GeluTanh => g.geglu(&a.gate, &a.up, n * f, &mut a.act)?,
             }
-            proj.run(Target::Down, down, &a.act, n, &mut a.proj)?;
-            residual(
-                g,
-                &mut a.x,
-                &a.proj,
-                &mut a.n,
-                &layer.post_ffn_norm,
-                c.eps,
-                n,
-                h,
-            )?;
+            // The residual, then the next layer's attention norm (none after the last).
+            let next_norm = layers.get(l + 1).map(|nx| &nx.attn_norm);
+            let post = &layer.post_ffn_norm;
+            residual_then_norm(g, &mut a.x, &a.proj, &mut a.n, post, next_norm, norms)?;
         }
         Ok(())
     }
@@ -572,4 +561,4 @@ mod adapters;
 mod ops;
 use acts::{Acts, MoeBufs};
 use adapters::{head_lora, module_dims, AdapterSig, GpuAdapter, Projector, Rowwise, ADAPTER_SLOTS};
-use ops::{attend, cudarc_mode, residual, Experts};
+use ops::{attend, cudarc_mode, residual_then_norm, Experts};

@@ -113,24 +113,28 @@ pub(super) fn attend<E: GpuKv>(
     g.attention(q, att, meta, kc, vc, heads, kv_heads, hd, scale, window)
 }
 
-/// x += y, or x += RMSNorm(y)·w through `scratch` where the family norms a block's output
-/// (Gemma 3's post-norms).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn residual(
+/// x += y, or x += RMSNorm(y)·w through `n_buf` where the family norms a block's output (Gemma
+/// 3's post-norms); then, with `next`, n_buf = RMSNorm(x)·next (the next block's norm). Without a
+/// post-norm the two run as one launch (`add_rmsnorm`: the same bits as the two kernels).
+pub(super) fn residual_then_norm(
     g: &Gpu,
     x: &mut CudaSlice<f32>,
     y: &CudaSlice<f32>,
-    scratch: &mut CudaSlice<f32>,
+    n_buf: &mut CudaSlice<f32>,
     post_norm: &Option<CudaSlice<f32>>,
-    eps: f32,
-    n: usize,
-    h: usize,
+    next: Option<&CudaSlice<f32>>,
+    (eps, n, h): (f32, usize, usize),
 ) -> Result<(), GpuError> {
-    match post_norm {
-        Some(w) => {
-            g.rmsnorm(y, w, eps, n, scratch)?;
-            g.add(x, &*scratch, n * h)
+    match (post_norm, next) {
+        (None, Some(w)) => return g.add_rmsnorm(x, y, w, eps, n, n_buf),
+        (None, None) => g.add(x, y, n * h)?,
+        (Some(w), _) => {
+            g.rmsnorm(y, w, eps, n, n_buf)?;
+            g.add(x, &*n_buf, n * h)?;
         }
-        None => g.add(x, y, n * h),
     }
+    if let Some(w) = next {
+        g.rmsnorm(&*x, w, eps, n, n_buf)?;
+    }
+    Ok(())
 }
