@@ -213,9 +213,19 @@ extern "C" __global__ void fw_add_rmsnorm(float* __restrict__ x, const float* __
   }
 }
 
-// RoPE by the table of `ops::rope_table` ((cos, sin) per pair per token): pair i of each head
-// turns; `neox` picks (i, i + rope_dim/2) over (2i, 2i+1). One thread per (token, head, pair).
-// The CPU's operations in its order, each rounded once: equal to `ops::rope` bit for bit.
+// Pair `pair` of one head (xh) turned by its token's row of `ops::rope_table` ((cos, sin) per
+// pair): `neox` picks (i, i + half) over (2i, 2i+1). The CPU's operations in its order, each
+// rounded once: equal to `ops::rope` bit for bit.
+__device__ __forceinline__ void fw_rope_pair(float* __restrict__ xh, const float* __restrict__ tr,
+                                             int pair, int half, int neox) {
+  const float c = tr[2 * pair], s = tr[2 * pair + 1];
+  const int p = neox ? pair : 2 * pair, q = neox ? pair + half : 2 * pair + 1;
+  const float a = xh[p], b = xh[q];
+  xh[p] = fw_sub(fw_mul(a, c), fw_mul(b, s));
+  xh[q] = fw_add(fw_mul(a, s), fw_mul(b, c));
+}
+
+// RoPE in place on n rows of n_heads heads. One thread per (token, head, pair).
 extern "C" __global__ void fw_rope(float* __restrict__ x, const float* __restrict__ table, int n,
                                    int n_heads, int head_dim, int rope_dim, int neox) {
   const int half = rope_dim / 2;
@@ -224,13 +234,22 @@ extern "C" __global__ void fw_rope(float* __restrict__ x, const float* __restric
   const int pair = (int)(i % half);
   const int h = (int)((i / half) % n_heads);
   const int t = (int)(i / ((long long)half * n_heads));
-  const float c = table[(size_t)t * rope_dim + 2 * pair];
-  const float s = table[(size_t)t * rope_dim + 2 * pair + 1];
-  float* xh = x + ((size_t)t * n_heads + h) * head_dim;
-  const int p = neox ? pair : 2 * pair, q = neox ? pair + half : 2 * pair + 1;
-  const float a = xh[p], b = xh[q];
-  xh[p] = fw_sub(fw_mul(a, c), fw_mul(b, s));
-  xh[q] = fw_add(fw_mul(a, s), fw_mul(b, c));
+  fw_rope_pair(x + ((size_t)t * n_heads + h) * head_dim, table + (size_t)t * rope_dim, pair, half, neox);
+}
+
+// RoPE on queries (n rows of hq heads) and keys (n rows of hk heads) in one launch: fw_rope's
+// arithmetic on each. One thread per (token, head of q then k, pair).
+extern "C" __global__ void fw_rope_qk(float* __restrict__ q, float* __restrict__ k,
+                                      const float* __restrict__ table, int n, int hq, int hk,
+                                      int head_dim, int rope_dim, int neox) {
+  const int half = rope_dim / 2, heads = hq + hk;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)n * heads * half) return;
+  const int pair = (int)(i % half);
+  const int h = (int)((i / half) % heads);
+  const int t = (int)(i / ((long long)half * heads));
+  float* xh = h < hq ? q + ((size_t)t * hq + h) * head_dim : k + ((size_t)t * hk + (h - hq)) * head_dim;
+  fw_rope_pair(xh, table + (size_t)t * rope_dim, pair, half, neox);
 }
 
 // out = silu(gate) · up.

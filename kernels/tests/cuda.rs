@@ -298,6 +298,15 @@ fn row_and_elementwise_ops_match_the_cpu() {
         let dt = g.upload(&table).unwrap();
         g.rope(&mut dx, &dt, n, heads, hd, rd, layout).unwrap();
         assert_eq!(g.download(&dx).unwrap(), want, "rope {layout:?}");
+        // Queries and keys (here 3 and 2 heads) in one launch: the same bits.
+        let k = rng.vec(n * 2 * hd, 1.0);
+        let mut want_k = k.clone();
+        ops::rope(&mut want_k, &table, 2, hd, rd, layout);
+        let (mut dq, mut dk) = (g.upload(&x).unwrap(), g.upload(&k).unwrap());
+        g.rope_qk(&mut dq, &mut dk, &dt, n, (heads, 2), hd, rd, layout)
+            .unwrap();
+        assert_eq!(g.download(&dq).unwrap(), want, "rope_qk q {layout:?}");
+        assert_eq!(g.download(&dk).unwrap(), want_k, "rope_qk k {layout:?}");
     }
 
     // SwiGLU and GeGLU: expf against f64's exp, a few ulps.

@@ -252,6 +252,42 @@ impl Gpu {
         )
     }
 
+    /// `rope` on queries (n rows of `heads`) and keys (n rows of `kv_heads`) in one launch, the
+    /// same bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_qk(
+        &self,
+        q: &mut impl DevicePtrMut<f32>,
+        k: &mut impl DevicePtrMut<f32>,
+        table: &impl DevicePtr<f32>,
+        n: usize,
+        (heads, kv_heads): (usize, usize),
+        head_dim: usize,
+        rope_dim: usize,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        check(rope_dim <= head_dim && rope_dim.is_multiple_of(2), || {
+            format!("rope_dim {rope_dim} with head_dim {head_dim}")
+        })?;
+        len_at_least(q, n * heads * head_dim, "rope q")?;
+        len_at_least(k, n * kv_heads * head_dim, "rope k")?;
+        len_at_least(table, n * rope_dim, "rope table")?;
+        let work = n * (heads + kv_heads) * (rope_dim / 2);
+        if work == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_rope_qk")?;
+        let (qp, kp, tp) = (self.ptr_mut(q), self.ptr_mut(k), self.ptr(table));
+        let (ni, hq, hk) = (n as i32, heads as i32, kv_heads as i32);
+        let (hd, rd) = (head_dim as i32, rope_dim as i32);
+        let neox = (layout == RopeLayout::Neox) as i32;
+        self.launch(
+            f,
+            grid1(work, ROW_THREADS),
+            &[&qp, &kp, &tp, &ni, &hq, &hk, &hd, &rd, &neox],
+        )
+    }
+
     fn gated(
         &self,
         name: &str,

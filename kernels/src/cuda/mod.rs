@@ -51,6 +51,7 @@ const OTHERS: &[&str] = &[
     "fw_rmsnorm",
     "fw_add_rmsnorm",
     "fw_rope",
+    "fw_rope_qk",
     "fw_swiglu",
     "fw_geglu",
     "fw_residual_add",

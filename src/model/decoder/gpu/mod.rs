@@ -474,8 +474,8 @@ impl GpuDecoder {
                 None => &a.rope,
             };
             let (hd, rd, lay) = (c.head_dim, c.rope_dim, c.rope_layout);
-            g.rope(&mut a.q, rope, n, c.num_heads, hd, rd, lay)?;
-            g.rope(&mut a.k, rope, n, c.num_kv_heads, hd, rd, lay)?;
+            let heads = (c.num_heads, c.num_kv_heads);
+            g.rope_qk(&mut a.q, &mut a.k, rope, n, heads, hd, rd, lay)?;
             let (heads, kv_heads, scale, window) =
                 (c.num_heads, c.num_kv_heads, c.attn_scale, c.attn_opts(l));
             let shape = (heads, kv_heads, hd, scale, window);
