@@ -144,6 +144,28 @@ FW_PER_TYPE(q5_k, FW_Q5K)
 FW_PER_TYPE(iq4_nl, FW_IQ4NL)
 FW_PER_TYPE(iq4_xs, FW_IQ4XS)
 
+// An RMSNorm row's second pass: o = x · scale · weight (each product rounded once), scale from
+// the row's sum of squares ss, 8 values a thread at a time with their loads issued together.
+// WRITTEN: x was written by this launch (read with plain loads, not the read-only cache).
+template <bool WRITTEN>
+__device__ __forceinline__ void fw_norm_write(const float* xr, const float* __restrict__ weight,
+                                              float ss, float eps, int d, float* __restrict__ o) {
+  const float scale = 1.0f / sqrtf(ss / (float)d + eps);
+  const int T = blockDim.x;
+  for (int c0 = threadIdx.x; c0 < d; c0 += 8 * T) {
+    float v[8], g[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      const bool in = c0 + k * T < d;
+      v[k] = in ? (WRITTEN ? xr[c0 + k * T] : __ldg(xr + c0 + k * T)) : 0.0f;
+      g[k] = in ? __ldg(weight + c0 + k * T) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+      if (c0 + k * T < d) o[c0 + k * T] = fw_mul(fw_mul(v[k], scale), g[k]);
+  }
+}
+
 // out = x / sqrt(mean(x²) + eps) · weight per row of d; grid (rows), FW_ROW_THREADS threads.
 extern "C" __global__ void fw_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight,
                                       float eps, int d, float* __restrict__ out) {
@@ -161,19 +183,7 @@ extern "C" __global__ void fw_rmsnorm(const float* __restrict__ x, const float* 
 #pragma unroll
     for (int k = 0; k < 8; k++) ss = fmaf(v[k], v[k], ss);
   }
-  ss = fw_block_sum(ss);
-  const float scale = 1.0f / sqrtf(ss / (float)d + eps);
-  for (int c0 = threadIdx.x; c0 < d; c0 += 8 * T) {
-    float v[8], g[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-      v[k] = c0 + k * T < d ? __ldg(xr + c0 + k * T) : 0.0f;
-      g[k] = c0 + k * T < d ? __ldg(weight + c0 + k * T) : 0.0f;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-      if (c0 + k * T < d) o[c0 + k * T] = fw_mul(fw_mul(v[k], scale), g[k]);
-  }
+  fw_norm_write<false>(xr, weight, fw_block_sum(ss), eps, d, o);
 }
 
 // x += y, then out = RMSNorm(x)·weight, per row of d: fw_residual_add then fw_rmsnorm in one
@@ -198,19 +208,8 @@ extern "C" __global__ void fw_add_rmsnorm(float* __restrict__ x, const float* __
 #pragma unroll
     for (int k = 0; k < 8; k++) ss = fmaf(v[k], v[k], ss);
   }
-  ss = fw_block_sum(ss);
-  const float scale = 1.0f / sqrtf(ss / (float)d + eps);
-  for (int c0 = threadIdx.x; c0 < d; c0 += 8 * T) {
-    float v[8], g[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-      v[k] = c0 + k * T < d ? xr[c0 + k * T] : 0.0f;  // this thread's own writes above
-      g[k] = c0 + k * T < d ? __ldg(weight + c0 + k * T) : 0.0f;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-      if (c0 + k * T < d) o[c0 + k * T] = fw_mul(fw_mul(v[k], scale), g[k]);
-  }
+  // This thread's own writes above are read back with plain loads.
+  fw_norm_write<true>(xr, weight, fw_block_sum(ss), eps, d, o);
 }
 
 // Pair `pair` of one head (xh) turned by its token's row of `ops::rope_table` ((cos, sin) per
