@@ -26,6 +26,10 @@
 #                                the head's LoRA = eager, bit for bit; a publish re-captures
 #                                nothing), then the 1B shape's decode through a LoRA and an OFT
 #                                adapter, graphs against eager, and what a publish costs
+#   scripts/gpu_proof.sh next    (one command, at most ~9 minutes, for a session with little
+#                                device time) what was written since the last lent GPU: the
+#                                kernels and the forward tests, then the 1B shape in the proven
+#                                layouts against warp + tile4x8, and through a LoRA adapter
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -91,7 +95,7 @@ speed() {
 layouts() {
   local m=/tmp/llama-1b.gguf
   [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
-  for pair in "block row" "warp tile4x8" "warp tile2x16"; do
+  for pair in "${@:-block row}" ; do
     set -- $pair
     step "bench-llama-1b-$1-$2" env FLYWHEEL_CUDA_DECODE="$1" FLYWHEEL_CUDA_BATCH="$2" \
       "$B/flywheel" bench --device cuda --model "$m" --prompt-tokens 512 --decode-tokens 64 \
@@ -187,7 +191,16 @@ layouts)
   STEP_S=100 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=120 step forward-warp-tile4x8 env FLYWHEEL_CUDA_DECODE=warp FLYWHEEL_CUDA_BATCH=tile4x8 \
     "$B/cuda-forward" --test-threads 1
-  STEP_S=100 layouts
+  STEP_S=100 layouts "block row" "warp tile4x8" "warp tile2x16"
+  ;;
+next)
+  STEP_S=100 step kernels "$B/kernels-cuda" --test-threads 1
+  STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
+  STEP_S=90 layouts "block row" "warp tile4x8"
+  m=/tmp/llama-1b.gguf
+  STEP_S=90 step bench-llama-1b-lora "$B/flywheel" bench --device cuda --model "$m" --adapter lora \
+    --prompt-tokens 128 --decode-tokens 32 --batch 1,8 --runs 3 --kv-cache-dtype f16
+  grep -E "^(model|test|pp|tg|publish)" "$OUT/bench-llama-1b-lora.log" | sed 's/^/    /' >>"$SUMMARY"
   ;;
 adapters)
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
@@ -220,7 +233,7 @@ race)
   fi
   ;;
 *)
-  echo "usage: scripts/gpu_proof.sh all|check|layouts|adapters|llamacpp|profile|speed|race" >&2
+  echo "usage: scripts/gpu_proof.sh all|check|next|layouts|adapters|llamacpp|profile|speed|race" >&2
   exit 2
   ;;
 esac
