@@ -1,0 +1,155 @@
+//! Paged attention and the cache writer against the CPU's, on random page tables.
+
+use super::{close, gpu};
+use crate::common::{seq, Rng};
+use flywheel_kernels::cuda::{Gpu, GpuKv};
+use flywheel_kernels::quant::{f16_to_f32, f32_to_f16};
+use flywheel_kernels::reference::{self, AttnOpts, PagedKv, F16};
+
+/// The cache writes (the same bits as the CPU's layout, halves rounded as the CPU rounds them)
+/// and paged attention against the reference on scattered page tables: prefill, decode, a chunk
+/// continuing, sliding windows, GQA groups, head dims that are and are not multiples of 32.
+#[test]
+fn paged_attention_and_cache_writes_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    for (n_heads, n_kv, hd) in [(8, 2, 64), (4, 4, 128), (6, 1, 80), (2, 1, 256)] {
+        for window in [None, Some(1), Some(19)] {
+            attention_case::<f32>(&g, 16, n_heads, n_kv, hd, window.into());
+            attention_case::<u16>(&g, 16, n_heads, n_kv, hd, window.into());
+        }
+        // Gemma 2's soft-capped scores, with and without a window.
+        for window in [None, Some(19)] {
+            let opts = AttnOpts {
+                window,
+                softcap: Some(0.3),
+            };
+            attention_case::<f32>(&g, 16, n_heads, n_kv, hd, opts);
+        }
+    }
+    attention_case::<u16>(&g, 32, 8, 2, 64, None.into());
+    attention_case::<f32>(&g, 7, 8, 2, 64, Some(9).into());
+}
+
+fn attention_case<E: GpuKv>(
+    g: &Gpu,
+    bs: usize,
+    n_heads: usize,
+    n_kv: usize,
+    hd: usize,
+    window: AttnOpts,
+) {
+    let half = E::NAME == "f16";
+    let mut rng = Rng(17 + hd as u64);
+    let kv_dim = n_kv * hd;
+    let n_blocks = 200 / bs + 12;
+    // Three sequences on scattered blocks: a prefill of 21 from 0, a decode at 37, a chunk of 5
+    // from 9 (as tests/attention.rs).
+    let need = |n: usize| n.div_ceil(bs);
+    let t1: Vec<u32> = (0..need(21))
+        .map(|i| (n_blocks - 1 - 2 * i) as u32)
+        .collect();
+    let t2: Vec<u32> = (0..need(38)).map(|i| (2 * i) as u32).collect();
+    let t3: Vec<u32> = (0..need(14))
+        .map(|i| (n_blocks - 2 - 2 * i) as u32)
+        .collect();
+    // The whole context of each, written through the GPU's cache writer.
+    let ctx = [seq(0, 21, 0, &t1), seq(21, 38, 0, &t2), seq(59, 14, 0, &t3)];
+    let n_ctx = 73;
+    let k = rng.vec(n_ctx * kv_dim, 1.0);
+    let v = rng.vec(n_ctx * kv_dim, 1.0);
+    let cache_len = n_blocks * bs * kv_dim;
+    let mut kc = g.zeros::<E>(cache_len).unwrap();
+    let mut vc = g.zeros::<E>(cache_len).unwrap();
+    let toks = g.tokens(&ctx, bs, n_blocks).unwrap();
+    let (dk, dv) = (g.upload(&k).unwrap(), g.upload(&v).unwrap());
+    g.kv_write(&dk, &dv, &toks, kv_dim, &mut kc, &mut vc)
+        .unwrap();
+    // The CPU's layout of the same writes.
+    let round = |x: f32| if half { f16_to_f32(f32_to_f16(x)) } else { x };
+    let mut want_k = vec![0f32; cache_len];
+    let mut want_v = vec![0f32; cache_len];
+    let layout = PagedKv::<f32> {
+        k: &[],
+        v: &[],
+        block_size: bs,
+        kv_dim,
+    };
+    for s in &ctx {
+        for i in 0..s.q_len {
+            let t = s.q_start + i;
+            for c in 0..kv_dim {
+                want_k[layout.k_index(s.block_table, i, c)] = round(k[t * kv_dim + c]);
+                want_v[layout.v_offset(s.block_table, i) + c] = round(v[t * kv_dim + c]);
+            }
+        }
+    }
+    let as_f32 = |x: Vec<E>| -> Vec<f32> {
+        // SAFETY: E is f32 or u16 (GpuKv's two implementations), read as what it is.
+        if half {
+            x.iter()
+                .map(|e| f16_to_f32(unsafe { *(e as *const E as *const u16) }))
+                .collect()
+        } else {
+            x.iter()
+                .map(|e| unsafe { *(e as *const E as *const f32) })
+                .collect()
+        }
+    };
+    let got_k = as_f32(g.download(&kc).unwrap());
+    let got_v = as_f32(g.download(&vc).unwrap());
+    assert!(
+        got_k
+            .iter()
+            .zip(&want_k)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "K cache ({})",
+        E::NAME
+    );
+    assert!(
+        got_v
+            .iter()
+            .zip(&want_v)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "V cache ({})",
+        E::NAME
+    );
+
+    // Queries: the prefill's 21, the decode's 1 at 37, the chunk's 5 at 9..14.
+    let seqs = [seq(0, 21, 0, &t1), seq(21, 1, 37, &t2), seq(22, 5, 9, &t3)];
+    let n = 27;
+    let q = rng.vec(n * n_heads * hd, 1.0);
+    let mut want = vec![0f32; q.len()];
+    if half {
+        let kh: Vec<F16> = want_k.iter().map(|&x| F16(f32_to_f16(x))).collect();
+        let vh: Vec<F16> = want_v.iter().map(|&x| F16(f32_to_f16(x))).collect();
+        let kv = PagedKv {
+            k: &kh,
+            v: &vh,
+            block_size: bs,
+            kv_dim,
+        };
+        reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125, window);
+    } else {
+        let kv = PagedKv {
+            k: &want_k,
+            v: &want_v,
+            block_size: bs,
+            kv_dim,
+        };
+        reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, 0.125, window);
+    }
+    let qt = g.tokens(&seqs, bs, n_blocks).unwrap();
+    let dq = g.upload(&q).unwrap();
+    let mut out = g.zeros::<f32>(q.len()).unwrap();
+    g.attention(
+        &dq, &mut out, &qt, &kc, &vc, n_heads, n_kv, hd, 0.125, window,
+    )
+    .unwrap();
+    // A convex mix of V rows (|v| ≤ 1): f32 sums in another order.
+    close(&g.download(&out).unwrap(), &want, |_| 2e-5).unwrap_or_else(|e| {
+        panic!(
+            "attention ({}, bs {bs}, {n_heads}/{n_kv}×{hd}, window {window:?}): {e}",
+            E::NAME
+        )
+    });
+}
