@@ -147,11 +147,11 @@ pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
     // Warm-up: every kernel once, and the graphs of the measured buckets captured.
     graphs.prefill(model, &prompt)?;
     let adapter = o.adapter.as_ref();
+    // The base, then the adapter where one is given.
+    let variants: Vec<Option<&AdapterWeights>> =
+        std::iter::once(None).chain(adapter.map(Some)).collect();
     for &b in &o.batches {
-        for a in [None, adapter]
-            .into_iter()
-            .take(1 + adapter.is_some() as usize)
-        {
+        for &a in &variants {
             graphs.decode(model, b, 2, a)?;
             eager.decode(model, b, 2, a)?;
         }
@@ -164,10 +164,7 @@ pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
     );
     rows.push((format!("pp{pp}"), 1, pp_rate, pp_rate));
     let tg = o.decode_tokens;
-    for a in [None, adapter]
-        .into_iter()
-        .take(1 + adapter.is_some() as usize)
-    {
+    for &a in &variants {
         for &b in &o.batches {
             let (mut with, mut without) = (Vec::new(), Vec::new());
             for r in 0..o.runs {

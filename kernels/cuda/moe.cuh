@@ -68,7 +68,7 @@ extern "C" __global__ void fw_moe_route(const float* __restrict__ logits, int n,
 // to the down), by one warp (`fw_matmul_warp_row`: the products' order of sums, so each row
 // equals the eagerly grouped product of its expert bit for bit). `experts` holds each expert's
 // matrix address; every expert `out` rows of `cols` values, `row_bytes` a row. Grid
-// (ceil(out / FW_MMW_WARPS), rows), FW_MMW_WARPS warps.
+// (rows, ceil(out / FW_MMW_WARPS)), FW_MMW_WARPS warps.
 template <int TY>
 __device__ __forceinline__ void fw_matmul_experts_body(const uint64_t* __restrict__ experts,
                                                        const uint32_t* __restrict__ expert, int ne,
@@ -77,7 +77,7 @@ __device__ __forceinline__ void fw_matmul_experts_body(const uint64_t* __restric
                                                        float* __restrict__ y) {
   __shared__ uint4 stage[FW_MMW_WARPS][fw_stage_words<TY>()];
   const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
-  const int r = blockIdx.y, j = blockIdx.x * FW_MMW_WARPS + warp;
+  const int r = blockIdx.x, j = blockIdx.y * FW_MMW_WARPS + warp;
   const uint32_t e = expert[r];
   if (j >= out || e >= (uint32_t)ne) return;  // the whole warp
   const uint8_t* row = (const uint8_t*)experts[e] + (size_t)j * row_bytes;

@@ -203,8 +203,8 @@ __device__ __forceinline__ float fw_matmul_warp_row(const uint8_t* __restrict__ 
 // Decode, a warp a row: y (rows) = x (cols) · Wᵀ for one token. Grid ceil(rows / FW_MMW_WARPS)
 // blocks of FW_MMW_WARPS warps, warp w of block b computing row FW_MMW_WARPS·b + w alone
 // (`fw_matmul_warp_row`): no block barrier, and x read through the cache (the same x for every
-// row: it stays in L1) instead of staged by every row's block with two barriers, as the block
-// layout does. Same bits as fw_matmul1.
+// row, so it should stay in L1; not yet measured) instead of staged by every row's block with two
+// barriers, as the block layout does. Same bits as fw_matmul1.
 template <int TY>
 __device__ __forceinline__ void fw_matmul_warp_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                     long long row_bytes, const float* __restrict__ x,
@@ -218,12 +218,13 @@ __device__ __forceinline__ void fw_matmul_warp_body(const uint8_t* __restrict__ 
 }
 
 // Batches, a tile a block: y (n, rows) = x (n, cols) · Wᵀ, a block of 2 warps for R rows × NT
-// tokens (grid (ceil(rows / R), ceil(n / NT))), thread i slot i as in fw_matmul_body. Per chunk the block stages its rows'
-// bytes, thread i dequantizes unit i of every row of the tile once (held in registers), then for
-// each token reads its unit of x straight from global memory and adds it to every row's sum: a
-// weight is decoded once per NT tokens and a value of x read once per R rows, with no barrier per
-// token (the row layout stages x for each token of each row between two
-// barriers, which the H200 measured as prefill's cost). Same bits as fw_matmul_body.
+// tokens (grid (ceil(rows / R), ceil(n / NT))), thread i slot i as in fw_matmul_body. Per chunk
+// the block stages its rows' bytes, thread i dequantizes unit i of every row of the tile once
+// (held in registers), then for each token reads its unit of x straight from global memory and
+// adds it to every row's sum: a weight is decoded once per NT tokens and a value of x read once
+// per R rows, with no barrier per token. (The row layout stages x for each token of each row
+// between two barriers; prefill and batch 8-64 fell back on the H200 when that came in, which
+// points at it, though no profile isolated it.) Same bits as fw_matmul_body.
 template <int TY, int R, int NT>
 __device__ __forceinline__ void fw_matmul_tile_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                     long long row_bytes, const float* __restrict__ x,

@@ -46,7 +46,6 @@ impl AdapterEntry {
 pub struct AdapterRows {
     /// Each module's (inputs, outputs).
     dims: Vec<(usize, usize)>,
-    slots: usize,
     dir: CudaSlice<AdapterEntry>,
     row_slot: CudaSlice<i32>,
     /// Each slot's largest LoRA rank, and the largest of the rows set by the last `set_rows`.
@@ -58,7 +57,7 @@ pub struct AdapterRows {
 
 impl AdapterRows {
     pub fn slots(&self) -> usize {
-        self.slots
+        self.slot_rank.len()
     }
 
     pub fn modules(&self) -> usize {
@@ -85,7 +84,6 @@ impl Gpu {
             dir: self.zeros(slots * dims.len())?,
             row_slot: self.zeros(max_rows.max(1))?,
             dims,
-            slots,
             slot_rank: vec![0; slots],
             rows_rank: 0,
             n: 0,
@@ -165,11 +163,11 @@ impl Gpu {
         entries: &[AdapterEntry],
     ) -> Result<()> {
         check(
-            slot < rows.slots && entries.len() == rows.dims.len(),
+            slot < rows.slots() && entries.len() == rows.dims.len(),
             || {
                 format!(
                     "slot {slot} of {} with {} entries for {} modules",
-                    rows.slots,
+                    rows.slots(),
                     entries.len(),
                     rows.dims.len()
                 )
@@ -188,8 +186,8 @@ impl Gpu {
     /// The step's slot of each row (-1: no adapter).
     pub fn set_rows(&self, rows: &mut AdapterRows, slots: &[i32]) -> Result<()> {
         check(
-            slots.iter().all(|&s| s >= -1 && s < rows.slots as i32),
-            || format!("row slots {slots:?} of a directory of {}", rows.slots),
+            slots.iter().all(|&s| s >= -1 && s < rows.slots() as i32),
+            || format!("row slots {slots:?} of a directory of {}", rows.slots()),
         )?;
         self.write(slots, &mut rows.row_slot)?;
         rows.n = slots.len();

@@ -20,7 +20,6 @@ pub struct ExpertTable {
     cols: usize,
     row_bytes: usize,
     ptrs: CudaSlice<u64>,
-    count: usize,
 }
 
 impl Gpu {
@@ -42,7 +41,6 @@ impl Gpu {
             cols: first.cols,
             row_bytes: first.row_bytes,
             ptrs: self.upload(&ptrs)?,
-            count: experts.len(),
         })
     }
 
@@ -97,9 +95,16 @@ impl Gpu {
         xdiv: usize,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        check(xdiv >= 1 && rows <= 65535, || {
-            format!("matmul_experts of {rows} rows, {xdiv} a token")
-        })?;
+        let out_blocks = table.rows.div_ceil(EXPERT_WARPS);
+        check(
+            xdiv >= 1 && rows <= i32::MAX as usize && out_blocks <= 65535,
+            || {
+                format!(
+                    "matmul_experts of {rows} rows of {} values, {xdiv} a token",
+                    table.rows
+                )
+            },
+        )?;
         super::launch::len_at_least(expert, rows, "matmul_experts expert")?;
         super::launch::len_at_least(x, rows.div_ceil(xdiv) * table.cols, "matmul_experts x")?;
         super::launch::len_at_least(y, rows * table.rows, "matmul_experts y")?;
@@ -108,7 +113,8 @@ impl Gpu {
         }
         let f = self.function(&format!("fw_matmul_experts_{}", type_name(table.ty)))?;
         let cfg = LaunchConfig {
-            grid_dim: (table.rows.div_ceil(EXPERT_WARPS) as u32, rows as u32, 1),
+            // Rows along x (up to 2³¹ − 1 of them), each row's outputs along y.
+            grid_dim: (rows as u32, out_blocks as u32, 1),
             block_dim: ((EXPERT_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -118,7 +124,11 @@ impl Gpu {
             self.ptr(x),
             self.ptr_mut(y),
         );
-        let (ne, out, cols) = (table.count as i32, table.rows as i32, table.cols as i32);
+        let (ne, out, cols) = (
+            table.ptrs.len() as i32,
+            table.rows as i32,
+            table.cols as i32,
+        );
         let (rb, xd) = (table.row_bytes as i64, xdiv as i32);
         self.launch(f, cfg, &[&tp, &ep, &ne, &out, &cols, &rb, &xp, &xd, &yp])
     }

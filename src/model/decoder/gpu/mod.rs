@@ -518,9 +518,8 @@ impl GpuDecoder {
                         gate,
                         up,
                         down,
-                        // Routed on the device in decode steps (a launch's grid holds up to
-                        // 65535 rows of choices).
-                        tables: tables.as_ref().filter(|_| decode && n * mc.used <= 65535),
+                        // Routed on the device in decode steps.
+                        tables: tables.as_ref().filter(|_| decode),
                     };
                     experts.run(g, &mc, &a.n, n, h, &mut a.moe, routing, &mut a.proj)?;
                 }
