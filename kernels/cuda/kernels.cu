@@ -71,6 +71,7 @@ __device__ float fw_block_max(float v) {
 #include "products.cuh"
 #include "adapters.cuh"
 #include "moe.cuh"
+#include "int8.cuh"
 
 // Rows of a table (the token embedding) dequantized: out (n, cols) = table[tokens[i]].
 // Grid (n), FW_ROW_THREADS threads, one unit per thread per step: the CPU's values exactly.
@@ -143,6 +144,36 @@ FW_PER_TYPE(q3_k, FW_Q3K)
 FW_PER_TYPE(q5_k, FW_Q5K)
 FW_PER_TYPE(iq4_nl, FW_IQ4NL)
 FW_PER_TYPE(iq4_xs, FW_IQ4XS)
+
+// The int8 products (int8.cuh), for the formats `reference::int8_applies` names: a token a
+// thread (decode) or FW_I8_TOKENS (batches; the same bits).
+#define FW_I8_TOKENS 8
+#define FW_PER_INT8(NAME, TY)                                                                    \
+  extern "C" __global__ void __launch_bounds__(4 * FW_I8_ROWS)                                   \
+      fw_matmul_i8_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,             \
+                          const int8_t* xq, const float* xd, const int* xs, int n, float* y) {    \
+    fw_matmul_i8_body<TY, 1>(w, rows, cols, row_bytes, xq, xd, xs, n, y);                        \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(4 * FW_I8_ROWS)                                   \
+      fw_matmul_i8b_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,            \
+                           const int8_t* xq, const float* xd, const int* xs, int n, float* y) {   \
+    fw_matmul_i8_body<TY, FW_I8_TOKENS>(w, rows, cols, row_bytes, xq, xd, xs, n, y);             \
+  }
+
+FW_PER_INT8(q4_0, FW_Q4_0)
+FW_PER_INT8(q4_1, FW_Q4_1)
+FW_PER_INT8(q8_0, FW_Q8_0)
+FW_PER_INT8(q4_k, FW_Q4K)
+FW_PER_INT8(q6_k, FW_Q6K)
+FW_PER_INT8(q3_k, FW_Q3K)
+FW_PER_INT8(q5_k, FW_Q5K)
+FW_PER_INT8(iq4_nl, FW_IQ4NL)
+FW_PER_INT8(iq4_xs, FW_IQ4XS)
+
+extern "C" __global__ void fw_quantize_q8(const float* x, int n, int cols, int8_t* xq, float* xd,
+                                          int* xs) {
+  fw_quantize_q8_body(x, n, cols, xq, xd, xs);
+}
 
 // An RMSNorm row's second pass: o = x · scale · weight (each product rounded once), scale from
 // the row's sum of squares ss, 8 values a thread at a time with their loads issued together.

@@ -7,12 +7,19 @@
 //   fw_twin kv BLOCK_SIZE KV_DIM POSITIONS     stdin: the block table (u32); stdout: per position,
 //                                              its V offset, then each dim's K index (u64 each)
 //   fw_twin first_key POS WINDOW               stdout: the first position seen, in text
+//   fw_twin int8 TYPE ROWS COLS ROW_BYTES N    stdin: the rows' bytes, then N·COLS f32; stdout:
+//                                              N·ROWS f32, the int8 product by int8.cuh's
+//                                              quantizer, threads' shares (a token at a time)
+//                                              and tree, checked equal to the shares taken 8
+//                                              tokens at a time, as the batch kernel does (exit
+//                                              3 if not)
 #include <stdio.h>
 #include <stdlib.h>
 #include <vector>
 
 #include "common.cuh"
 #include "units.cuh"
+#include "int8.cuh"
 
 static std::vector<unsigned char> read_all() {
   std::vector<unsigned char> v;
@@ -22,7 +29,78 @@ static std::vector<unsigned char> read_all() {
   return v;
 }
 
+// y (n, rows) by the GPU's int8 arithmetic; false if a token's value differs between NT = 1 and
+// NT = 8.
+template <int TY>
+static bool int8_product(const unsigned char* w, int rows, int cols, long row_bytes, const float* x,
+                         int n, float* y) {
+  const int xb = fw_q8_blocks(cols), nb = cols / 32;
+  // The device's layout: codes 16-byte aligned, a pair's missing block zeros.
+  std::vector<int8_t> xq((size_t)n * xb * 32 + 16, 0);
+  std::vector<float> xd((size_t)n * xb, 0.0f);
+  std::vector<int> xs((size_t)n * xb, 0);
+  for (int t = 0; t < n; t++)
+    for (int b = 0; b < nb; b++) {
+      const size_t k = (size_t)t * xb + b;
+      xd[k] = fw_q8_block(x + (size_t)t * cols + 32 * b, &xq[k * 32], &xs[k]);
+    }
+  for (int r = 0; r < rows; r++) {
+    const unsigned char* row = w + (size_t)r * row_bytes;
+    for (int t0 = 0; t0 < n; t0 += 8) {
+      const int nt = n - t0 < 8 ? n - t0 : 8;
+      const size_t x0 = (size_t)t0 * xb;
+      float tile[4][8][4];
+      for (int k = 0; k < 4; k++)
+        fw_i8_thread<TY, 8>(row, nb, k & 1, k >> 1, &xq[x0 * 32], &xd[x0], &xs[x0], xb, nt, tile[k]);
+      for (int t = 0; t < nt; t++) {
+        const size_t xt = (size_t)(t0 + t) * xb;
+        float s[4][4], sb[4][4];
+        for (int k = 0; k < 4; k++) {
+          float one[1][4];
+          fw_i8_thread<TY, 1>(row, nb, k & 1, k >> 1, &xq[xt * 32], &xd[xt], &xs[xt], xb, 1, one);
+          memcpy(s[k], one[0], sizeof s[k]);
+          memcpy(sb[k], tile[k][t], sizeof sb[k]);
+        }
+        const float one = fw_i8_tree(s), batch = fw_i8_tree(sb);
+        if (memcmp(&one, &batch, 4) != 0 && !(one != one && batch != batch)) {
+          fprintf(stderr, "type %d row %d token %d: alone %g, in a batch %g\n", TY, r, t0 + t, one, batch);
+          return false;
+        }
+        y[(size_t)(t0 + t) * rows + r] = one;
+      }
+    }
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 7 && !strcmp(argv[1], "int8")) {
+    const int ty = atoi(argv[2]), rows = atoi(argv[3]), cols = atoi(argv[4]), n = atoi(argv[6]);
+    const long row_bytes = atol(argv[5]);
+    std::vector<unsigned char> in = read_all();
+    const size_t wb = (size_t)rows * row_bytes;
+    if (in.size() != wb + (size_t)n * cols * 4 || cols % 32) return 2;
+    std::vector<unsigned char> w(in.begin(), in.begin() + wb);
+    w.resize(wb + 16);  // fw_words reads up to a word past a unit, as the device's padding allows
+    std::vector<float> x((size_t)n * cols), y((size_t)n * rows);
+    memcpy(x.data(), in.data() + wb, x.size() * 4);
+    bool ok;
+    switch (ty) {
+      case FW_Q4_0: ok = int8_product<FW_Q4_0>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      case FW_Q4_1: ok = int8_product<FW_Q4_1>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      case FW_Q8_0: ok = int8_product<FW_Q8_0>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      case FW_Q4K: ok = int8_product<FW_Q4K>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      case FW_Q6K: ok = int8_product<FW_Q6K>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      case FW_Q3K: ok = int8_product<FW_Q3K>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      case FW_Q5K: ok = int8_product<FW_Q5K>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      case FW_IQ4NL: ok = int8_product<FW_IQ4NL>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      case FW_IQ4XS: ok = int8_product<FW_IQ4XS>(w.data(), rows, cols, row_bytes, x.data(), n, y.data()); break;
+      default: return 2;
+    }
+    if (!ok) return 3;
+    fwrite(y.data(), 4, y.size(), stdout);
+    return 0;
+  }
   if (argc >= 6 && !strcmp(argv[1], "dequant")) {
     const int ty = atoi(argv[2]), rows = atoi(argv[3]), cols = atoi(argv[4]);
     const long row_bytes = atol(argv[5]);
@@ -73,6 +151,6 @@ int main(int argc, char** argv) {
     printf("%d\n", fw_first_key(atoi(argv[2]), atoi(argv[3])));
     return 0;
   }
-  fprintf(stderr, "usage: fw_twin dequant|kv|first_key ...\n");
+  fprintf(stderr, "usage: fw_twin dequant|kv|first_key|int8 ...\n");
   return 1;
 }

@@ -137,3 +137,76 @@ fn the_first_key_a_window_lets_a_query_see_is_the_cpus() {
         }
     }
 }
+
+/// x with the blocks the quantizer treats apart: one of zeros (d = 0), one tiny enough that d is
+/// subnormal and 1/d infinite, one holding a NaN (its code 0), one of large values.
+fn edge_activations(rng: &mut Rng, n: usize, cols: usize) -> Vec<f32> {
+    let mut x = rng.vec(n * cols, 2.0);
+    let blocks = n * cols / 32;
+    for (i, b) in [1usize, 2, 3, 5].into_iter().enumerate() {
+        if b >= blocks {
+            continue;
+        }
+        let v = &mut x[32 * b..32 * b + 32];
+        match i {
+            0 => v.fill(0.0),
+            1 => v.iter_mut().for_each(|e| *e *= 1e-40),
+            2 => v[7] = f32::NAN,
+            _ => v.iter_mut().for_each(|e| *e *= 3e4),
+        }
+    }
+    x
+}
+
+#[test]
+fn int8_products_equal_the_cpu_int8_reference_bit_for_bit_for_every_format() {
+    let mut rng = Rng(21);
+    let rows = 7;
+    for ty in QuantType::ALL {
+        // Odd block counts (a pair's missing block) where the format allows them, and widths of
+        // several K-quant super-blocks.
+        let widths = if ty.block_size() == 256 {
+            [256, 2816]
+        } else {
+            [96, 800]
+        };
+        if !reference::int8_applies(ty, widths[0]) {
+            continue;
+        }
+        for cols in widths {
+            let rb = ty.row_bytes(cols).unwrap();
+            let w: Vec<u8> = (0..rows)
+                .flat_map(|_| quantize(ty, &rng.vec(cols, 1.5)))
+                .collect();
+            for n in [1usize, 5, 11] {
+                let x = edge_activations(&mut rng, n, cols);
+                let mut want = vec![0f32; n * rows];
+                reference::matmul_int8(ty, &w, rows, cols, &x, &mut want);
+                let args = ["int8".to_string(), type_code(ty).to_string()]
+                    .into_iter()
+                    .chain([rows, cols, rb, n].map(|v| v.to_string()))
+                    .collect::<Vec<_>>();
+                let input: Vec<u8> = w
+                    .iter()
+                    .copied()
+                    .chain(x.iter().flat_map(|v| v.to_le_bytes()))
+                    .collect();
+                let got: Vec<f32> = twin(&args, &input)
+                    .chunks(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                assert_eq!(got.len(), want.len());
+                let bad = (0..want.len()).find(|&i| !same(got[i], want[i]));
+                assert!(
+                    bad.is_none(),
+                    "{} {rows}×{cols}, n={n}: value {} is {} on the GPU's path, {} on the CPU's",
+                    ty.name(),
+                    bad.unwrap(),
+                    got[bad.unwrap()],
+                    want[bad.unwrap()]
+                );
+                assert!(want.iter().all(|v| v.is_finite()), "{}", ty.name());
+            }
+        }
+    }
+}

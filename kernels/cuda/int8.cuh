@@ -1,0 +1,301 @@
+// The int8 products (`Precision::Int8`) on the GPU: `reference::int8`'s arithmetic to the bit, so
+// that a product here equals the CPU's int8 product (`reference::matmul_int8`, which the CPU's
+// VNNI and AVX2 kernels equal) bit for bit. Activations are quantized per block of 32 to int8
+// (llama.cpp's Q8); each 4-value group's integer dot product with the weights' own codes is
+// exact (`__dp4a`), and only the f32 steps after it are ordered, as the reference orders them:
+//
+//   16 lanes A; pairs of blocks (b, b+1), b even, in order; lane L takes block b + L%2, values
+//   4·(L/2) .. + 4: A[L] = fma(Σ w·x as f32, d_w·d_x, A[L]) (d_w: the scale of that half of the
+//   block); with a min (Q4_1, Q4_K, Q5_K) 16 lanes B, blocks in order: B[b%16] = fma(m, d_x ·
+//   Σx as f32, B[b%16]), then A[L] += B[L]; then y = ((A[l] + A[l+8]) … ) by halves, as AVX-512's
+//   reduce_add: 16 → 8 → 4 → 2 → 1.
+//
+// On the GPU 4 threads hold one (row, token)'s 16 lanes: thread (h, q) lanes h + 8q + 2i
+// (i = 0..3), i.e. values 16q .. 16q + 16 of the odd or even block of each pair, one scale. Its
+// share (`fw_i8_thread`) and the sum of the four shares (`fw_i8_tree`) are written once for the
+// device and the host twin (`twin.cu`), which `kernels/tests/cuda_twin.rs` checks against the
+// reference on every machine; the kernels' shuffles follow fw_i8_tree's order.
+//
+// Written here: llama.cpp's CUDA kernels sum in their own order (and are not a Rust dependency);
+// no crate does GGUF products with a fixed order of sums.
+#pragma once
+#include <math.h>
+
+#include "common.cuh"
+#include "units.cuh"
+
+// The quantized activations' layout (`cuda::Q8Acts`): per token, 2·ceil(nb / 2) blocks (a pair's
+// missing second block is zeros), 32 codes each, and per block its scale d and code sum.
+FW_HD int fw_q8_blocks(int cols) { return 2 * ((cols / 32 + 1) / 2); }
+
+// One block of 32 activations quantized (`reference::quantize_block_q8`): codes into q, returns
+// d; *sum = the codes' sum.
+FW_HD float fw_q8_block(const float* x, int8_t* q, int* sum) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+  const float d = amax / 127.0f;  // IEEE division on both sides (nvcc's default -prec-div=true)
+  const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+  int s = 0;
+  for (int j = 0; j < 32; j++) {
+    // Rust's `round_ties_even() as i8`: NaN → 0, saturating (an infinite 1/d makes ±inf).
+    const float p = fw_mul(x[j], inv), v = fminf(fmaxf(p, -128.0f), 127.0f);
+#ifdef __CUDA_ARCH__
+    const int c = __float2int_rn(v);  // to nearest, ties to even
+#else
+    const int c = (int)lrintf(v);  // the default rounding mode: to nearest, ties to even
+#endif
+    q[j] = (int8_t)(p != p ? 0 : c);
+    s += q[j];
+  }
+  *sum = s;
+  return d;
+}
+
+// Σ of the 4 products of signed bytes a[k]·b[k].
+FW_HD int fw_dp4a(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  return __dp4a((int)a, (int)b, 0);
+#else
+  int s = 0;
+  for (int k = 0; k < 4; k++) s += (int)(int8_t)(a >> (8 * k)) * (int)(int8_t)(b >> (8 * k));
+  return s;
+#endif
+}
+
+// Each byte (0 .. 127) minus k, as signed bytes.
+FW_HD uint32_t fw_sub_bytes(uint32_t w, uint32_t k) {
+  return ((w | 0x80808080u) - k * 0x01010101u) ^ 0x80808080u;
+}
+
+// Each byte's low nibble through IQ4's codebook.
+FW_HD uint32_t fw_iq4_bytes(uint32_t w) {
+  uint32_t o = 0;
+  for (int k = 0; k < 4; k++) o |= ((uint32_t)(int)fw_iq4((int)(w >> (8 * k))) & 0xFF) << (8 * k);
+  return o;
+}
+
+// Values 16q .. 16q + 16 of block b (32 values) of a row as the int8 products read them: their
+// integer codes as signed bytes, c[i] byte k = value 16q + 4i + k; returns that half's scale.
+template <int TY>
+FW_HD float fw_i8_codes(const uint8_t* row, int b, int q, uint32_t* c) {
+  if (TY == FW_Q4_0 || TY == FW_IQ4NL) {
+    // d, then 16 bytes: value k < 16 the low nibble of byte k, value 16 + k its high nibble.
+    const uint8_t* blk = row + (size_t)b * 18;
+    uint32_t w[4];
+    fw_words<4>(blk + 2, w);
+    for (int i = 0; i < 4; i++) {
+      const uint32_t nib = (w[i] >> (4 * q)) & 0x0F0F0F0Fu;
+      c[i] = TY == FW_Q4_0 ? fw_sub_bytes(nib, 8) : fw_iq4_bytes(nib);
+    }
+    return fw_f16((uint16_t)fw_u16_at(blk));
+  } else if (TY == FW_Q4_1) {
+    const uint8_t* blk = row + (size_t)b * 20;
+    uint32_t w[4];
+    fw_words<4>(blk + 4, w);
+    for (int i = 0; i < 4; i++) c[i] = (w[i] >> (4 * q)) & 0x0F0F0F0Fu;
+    return fw_f16((uint16_t)fw_u16_at(blk));
+  } else if (TY == FW_Q8_0) {
+    const uint8_t* blk = row + (size_t)b * 34;
+    fw_words<4>(blk + 2 + 16 * q, c);
+    return fw_f16((uint16_t)fw_u16_at(blk));
+  } else if (TY == FW_Q4K || TY == FW_Q5K) {
+    // d, dmin, 12 scale bytes, (Q5_K: 32 bytes of fifth bits,) 128 nibble bytes: block j the low
+    // (j even) or high nibbles of bytes 32·(j/2) ...
+    const bool q5 = TY == FW_Q5K;
+    const int j = b % 8;
+    const uint8_t* blk = row + (size_t)(b / 8) * (q5 ? 176 : 144);
+    uint32_t w[4], s[3], sc, m;
+    fw_words<4>(blk + (q5 ? 48 : 16) + 32 * (j / 2) + 16 * q, w);
+    for (int i = 0; i < 4; i++) c[i] = (w[i] >> (4 * (j % 2))) & 0x0F0F0F0Fu;
+    if (q5) {
+      uint32_t h[4];
+      fw_words<4>(blk + 16 + 16 * q, h);
+      for (int i = 0; i < 4; i++) c[i] |= ((h[i] >> j) & 0x01010101u) << 4;
+    }
+    fw_words<3>(blk + 4, s);
+    fw_scale_min_k4_words(j, s, &sc, &m);
+    return fw_mul(fw_f16((uint16_t)fw_u16_at(blk)), (float)sc);
+  } else if (TY == FW_Q6K) {
+    // 128 low-bit bytes, 64 high-bit bytes, 16 i8 scales, d: block j in half h = j/4, group g:
+    // low or high nibbles of ql[64h + 32·(g%2) ..], bits 2g of qh[32h ..], minus 32.
+    const int j = b % 8, h = j / 4, g = j % 4;
+    const uint8_t* blk = row + (size_t)(b / 8) * 210;
+    uint32_t lo[4], hi[4];
+    fw_words<4>(blk + 64 * h + 32 * (g % 2) + 16 * q, lo);
+    fw_words<4>(blk + 128 + 32 * h + 16 * q, hi);
+    for (int i = 0; i < 4; i++) {
+      const uint32_t l4 = (lo[i] >> (4 * (g / 2))) & 0x0F0F0F0Fu;
+      c[i] = fw_sub_bytes(l4 | (((hi[i] >> (2 * g)) & 0x03030303u) << 4), 32);
+    }
+    const float d = fw_f16((uint16_t)fw_u16_at(blk + 208));
+    return fw_mul(d, (float)(int8_t)blk[192 + 8 * h + 2 * g + q]);
+  } else if (TY == FW_Q3K) {
+    // 32 bytes of high bits, 64 of low bit pairs, 12 of 6-bit scales, d: value k of block j is
+    // ((qs[32·(j/4) + k] >> 2·(j%4)) & 3) + 4·bit j of hmask[k] − 4; half q's scale is
+    // sub-block 2j + q's, minus 32.
+    const int j = b % 8;
+    const uint8_t* blk = row + (size_t)(b / 8) * 110;
+    uint32_t lo[4], hm[4];
+    fw_words<4>(blk + 32 + 32 * (j / 4) + 16 * q, lo);
+    fw_words<4>(blk + 16 * q, hm);
+    for (int i = 0; i < 4; i++) {
+      const uint32_t l2 = (lo[i] >> (2 * (j % 4))) & 0x03030303u;
+      c[i] = fw_sub_bytes(l2 | (((hm[i] >> j) & 0x01010101u) << 2), 4);
+    }
+    const int k = 2 * j + q;
+    const int sl = (blk[96 + k % 8] >> (4 * (k / 8))) & 0xF, sh = (blk[104 + k % 4] >> (2 * (k / 4))) & 3;
+    return fw_mul(fw_f16((uint16_t)fw_u16_at(blk + 108)), (float)((sl | (sh << 4)) - 32));
+  } else {  // FW_IQ4XS: d, high scale bits (u16), 4 bytes of low scale nibbles, 128 nibble bytes
+    const int j = b % 8;
+    const uint8_t* blk = row + (size_t)(b / 8) * 136;
+    uint32_t w[4];
+    fw_words<4>(blk + 8 + 16 * j, w);
+    for (int i = 0; i < 4; i++) c[i] = fw_iq4_bytes((w[i] >> (4 * q)) & 0x0F0F0F0Fu);
+    const int lo = (blk[4 + j / 2] >> (4 * (j % 2))) & 0xF, hi = (fw_u16_at(blk + 2) >> (2 * j)) & 3;
+    return fw_mul(fw_f16((uint16_t)fw_u16_at(blk)), (float)((lo | (hi << 4)) - 32));
+  }
+}
+
+FW_HD constexpr bool fw_i8_has_min(int ty) { return ty == FW_Q4_1 || ty == FW_Q4K || ty == FW_Q5K; }
+
+// Block b's min m (the formats of fw_i8_has_min): Q4_1's m, −(dmin · m_j) for Q4_K and Q5_K.
+template <int TY>
+FW_HD float fw_i8_min(const uint8_t* row, int b) {
+  if (TY == FW_Q4_1) return fw_f16((uint16_t)fw_u16_at(row + (size_t)b * 20 + 2));
+  const uint8_t* blk = row + (size_t)(b / 8) * (TY == FW_Q5K ? 176 : 144);
+  uint32_t s[3], sc, m;
+  fw_words<3>(blk + 4, s);
+  fw_scale_min_k4_words(b % 8, s, &sc, &m);
+  return -fw_mul(fw_f16((uint16_t)fw_u16_at(blk + 2)), (float)m);
+}
+
+// Thread (h, q)'s share of NT tokens' sums over a row of nb blocks: its lanes h + 8q + 2i
+// (i = 0..3), with the min lanes added, into a[t][i]. xq/xd/xs: the first token's codes, scales
+// and code sums (`fw_q8_blocks(cols)` = xb blocks a token); tokens past nt are left at 0.
+template <int TY, int NT>
+FW_HD void fw_i8_thread(const uint8_t* row, int nb, int h, int q, const int8_t* xq,
+                        const float* xd, const int* xs, int xb, int nt, float (*a)[4]) {
+  for (int t = 0; t < NT; t++)
+    for (int i = 0; i < 4; i++) a[t][i] = 0.0f;
+  const int np = (nb + 1) / 2;
+  for (int p = 0; p < np; p++) {
+    const int b = 2 * p + h;
+    uint32_t c[4] = {0, 0, 0, 0};
+    float dw = 0.0f;  // a missing block's weights are zeros, as its activations are
+    if (b < nb) dw = fw_i8_codes<TY>(row, b, q, c);
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+    for (int t = 0; t < NT; t++) {
+      if (t >= nt) continue;
+      const int8_t* xc = xq + ((size_t)t * xb + b) * 32 + 16 * q;
+      uint32_t x4[4];
+#ifdef __CUDA_ARCH__
+      const uint4 v = __ldg((const uint4*)xc);  // 16-byte aligned: blocks of 32, offsets of 16
+      x4[0] = v.x, x4[1] = v.y, x4[2] = v.z, x4[3] = v.w;
+#else
+      memcpy(x4, xc, 16);
+#endif
+      const float s = fw_mul(dw, xd[(size_t)t * xb + b]);
+      for (int i = 0; i < 4; i++) a[t][i] = fmaf((float)fw_dp4a(c[i], x4[i]), s, a[t][i]);
+    }
+  }
+  if (fw_i8_has_min(TY)) {
+    for (int i = 0; i < 4; i++) {
+      float m[NT];
+      for (int t = 0; t < NT; t++) m[t] = 0.0f;
+      for (int b = h + 8 * q + 2 * i; b < nb; b += 16) {
+        const float mb = fw_i8_min<TY>(row, b);
+        for (int t = 0; t < NT; t++) {
+          if (t >= nt) continue;
+          const size_t k = (size_t)t * xb + b;
+          m[t] = fmaf(mb, fw_mul(xd[k], (float)xs[k]), m[t]);
+        }
+      }
+      for (int t = 0; t < NT; t++) a[t][i] = fw_add(a[t][i], m[t]);
+    }
+  }
+}
+
+// The (row, token)'s value from its four threads' shares s[h + 2q] (fw_i8_thread's a[t]): the
+// reference's halving sums, A[l] + A[l + 8] (thread q = 0's lane plus q = 1's), then within
+// thread q = 0: lanes l and l + 4 (i, i + 2), l and l + 2 (i = 0, 1), then h = 0's plus h = 1's.
+FW_HD float fw_i8_tree(const float (*s)[4]) {
+  float y[2];
+  for (int h = 0; h < 2; h++) {
+    float v[4];
+    for (int i = 0; i < 4; i++) v[i] = fw_add(s[h][i], s[h + 2][i]);
+    y[h] = fw_add(fw_add(v[0], v[2]), fw_add(v[1], v[3]));
+  }
+  return fw_add(y[0], y[1]);
+}
+
+#ifdef __CUDA_ARCH__
+// Activations quantized (fw_q8_block): x (n, cols) into codes (n, xb·32), scales and code sums
+// (n, xb), xb = fw_q8_blocks(cols); a pair's missing block is written as zeros. A thread a block.
+__device__ __forceinline__ void fw_quantize_q8_body(const float* __restrict__ x, int n, int cols,
+                                                    int8_t* __restrict__ xq, float* __restrict__ xd,
+                                                    int* __restrict__ xs) {
+  const int xb = fw_q8_blocks(cols), nb = cols / 32;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)n * xb) return;
+  const int t = (int)(i / xb), b = (int)(i % xb);
+  int8_t q[32];
+  int sum = 0;
+  float d = 0.0f;
+  if (b < nb) {
+    float v[32];
+    const float4* x4 = (const float4*)(x + (size_t)t * cols + 32 * b);
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      const float4 f = __ldg(x4 + k);
+      v[4 * k] = f.x, v[4 * k + 1] = f.y, v[4 * k + 2] = f.z, v[4 * k + 3] = f.w;
+    }
+    d = fw_q8_block(v, q, &sum);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 32; k++) q[k] = 0;
+  }
+  uint4* o = (uint4*)(xq + i * 32);
+  uint32_t w[8];
+  memcpy(w, q, 32);
+  o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  xd[i] = d;
+  xs[i] = sum;
+}
+
+// Rows of an int8 product: FW_I8_ROWS a block of 4·FW_I8_ROWS threads, 4 a (row, token).
+#define FW_I8_ROWS 32
+
+// y (n, rows) = x · Wᵀ with x quantized (fw_quantize_q8_body's buffers): grid (ceil(rows /
+// FW_I8_ROWS), ceil(n / NT)), NT tokens a thread. A (row, token)'s value is the same whatever NT
+// and the batch: its arithmetic is fw_i8_thread's and fw_i8_tree's alone.
+template <int TY, int NT>
+__device__ __forceinline__ void fw_matmul_i8_body(const uint8_t* __restrict__ w, int rows, int cols,
+                                                  long long row_bytes, const int8_t* __restrict__ xq,
+                                                  const float* __restrict__ xd,
+                                                  const int* __restrict__ xs, int n,
+                                                  float* __restrict__ y) {
+  const int quad = threadIdx.x & 3, h = quad & 1, q = quad >> 1;
+  const int r = blockIdx.x * FW_I8_ROWS + (int)(threadIdx.x >> 2);
+  const int t0 = blockIdx.y * NT, nt = min(NT, n - t0);
+  const int xb = fw_q8_blocks(cols);
+  // A row past the last computes the last again (every thread takes part in the shuffles).
+  const uint8_t* row = w + (size_t)min(r, rows - 1) * row_bytes;
+  const size_t x0 = (size_t)t0 * xb;
+  float a[NT][4];
+  fw_i8_thread<TY, NT>(row, cols / 32, h, q, xq + x0 * 32, xd + x0, xs + x0, xb, nt, a);
+#pragma unroll
+  for (int t = 0; t < NT; t++) {
+    // fw_i8_tree by shuffles within the quad: q = 1's lanes onto q = 0's, then h = 1's sum onto
+    // h = 0's.
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) v[i] = fw_add(a[t][i], __shfl_down_sync(0xffffffffu, a[t][i], 2, 4));
+    float s = fw_add(fw_add(v[0], v[2]), fw_add(v[1], v[3]));
+    s = fw_add(s, __shfl_down_sync(0xffffffffu, s, 1, 4));
+    if (quad == 0 && r < rows && t < nt) y[(size_t)(t0 + t) * rows + r] = s;
+  }
+}
+#endif
