@@ -19,7 +19,7 @@ struct Bench {
 }
 
 impl Bench {
-    fn new(model: &Decoder, o: &BenchOptions, graphs: bool) -> anyhow::Result<Bench> {
+    fn new(model: &Decoder, o: &BenchOptions, graphs: bool, int8: bool) -> anyhow::Result<Bench> {
         let max_b = o.batches.iter().copied().max().unwrap_or(1);
         let per_seq = (8 + o.decode_tokens).div_ceil(BLOCK_SIZE);
         let blocks = (o.prompt_tokens.div_ceil(BLOCK_SIZE)).max(max_b * per_seq);
@@ -30,6 +30,7 @@ impl Bench {
             max_seqs: max_b,
             max_model_len: o.prompt_tokens.max(8 + o.decode_tokens),
             graphs,
+            int8,
         };
         let gpu = GpuDecoder::new(Gpu::open(0)?, model, shape)?;
         Ok(Bench {
@@ -138,10 +139,11 @@ fn copy_bandwidth() -> anyhow::Result<f64> {
 }
 
 /// Run the tests on GPU 0 and print a table and one JSON line.
-pub fn run(model: &Decoder, o: &BenchOptions) -> anyhow::Result<()> {
-    let mut graphs = Bench::new(model, o, true)?;
-    let mut eager = Bench::new(model, o, false)?;
-    let device = Gpu::open(0)?.describe();
+/// `int8`: the base's products in int8 (`--precision int8`), else in f32.
+pub fn run(model: &Decoder, o: &BenchOptions, int8: bool) -> anyhow::Result<()> {
+    let mut graphs = Bench::new(model, o, true, int8)?;
+    let mut eager = Bench::new(model, o, false, int8)?;
+    let device = graphs.gpu.describe();
     let pp = o.prompt_tokens;
     let prompt: Vec<u32> = (0..pp).map(|i| (i * 7 % 256) as u32).collect();
     // Warm-up: every kernel once, and the graphs of the measured buckets captured.

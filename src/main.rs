@@ -525,7 +525,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 "cuda" => {
                     let mut model = flywheel::model::decoder::Decoder::open(&m.model)?;
                     model.kv_dtype = opts.kv_dtype;
-                    flywheel::bench_gpu::run(&model, &opts)
+                    let int8 = cpu.precision() == flywheel_kernels::cpu::Precision::Int8;
+                    flywheel::bench_gpu::run(&model, &opts, int8)
                 }
                 #[cfg(not(feature = "cuda"))]
                 "cuda" => anyhow::bail!(

@@ -12,6 +12,7 @@ use common::{write_tiny, Rng, TinySpec};
 use flywheel::adapter::{
     AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
+use flywheel::kernels::cpu::Precision;
 use flywheel::kernels::cuda::Gpu;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
@@ -43,6 +44,7 @@ fn shape(graphs: bool) -> GpuShape {
         max_seqs: 8,
         max_model_len: 64,
         graphs,
+        int8: false,
     }
 }
 
@@ -97,14 +99,37 @@ fn adapter(model: &Decoder, method: Method, seed: u64, head: bool) -> Arc<Adapte
 
 /// Prefill (logits of the last token, of every token, hidden states), then decode steps of 2, 3
 /// and 5 sequences (buckets 2, 4 and 8, two of them padded), on the CPU and the GPU.
-fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, g: Gpu) {
+/// `int8`: the products in int8 on both (`Precision::Int8`; each product equal to the CPU's bit
+/// for bit, kernels/tests/cuda/int8.rs). The forwards then differ where another op's rounding
+/// moves an activation across a code's rounding boundary, one code step (of 254 a block) in one
+/// term: within 2e-2 rather than 2e-3, and nearer the CPU's int8 logits than the CPU's exact ones
+/// are (so the int8 path ran).
+fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, int8: bool, g: Gpu) {
     let (_dir, path) = write_tiny(spec);
     let mut model = Decoder::open(&path).unwrap();
     model.kv_dtype = dtype;
     let c = model.config.clone();
-    let cpu = Cpu::new(Isa::detect(), ThreadPool::new(2, Duration::from_micros(50)));
+    let pool = || ThreadPool::new(2, Duration::from_micros(50));
+    let exact = Cpu::new(Isa::detect(), pool());
+    let cpu = if int8 {
+        Cpu::new(Isa::detect(), pool())
+            .with_precision(Precision::Int8)
+            .unwrap()
+    } else {
+        Cpu::new(Isa::detect(), pool())
+    };
     let mut cache = KvCache::with_dtype(c.num_layers, c.kv_dim(), BS, BLOCKS, dtype);
-    let mut gl = GpuDecoder::new(g, &model, shape(true)).unwrap();
+    let mut exact_cache = KvCache::with_dtype(c.num_layers, c.kv_dim(), BS, BLOCKS, dtype);
+    let mut gl = GpuDecoder::new(
+        g,
+        &model,
+        GpuShape {
+            int8,
+            ..shape(true)
+        },
+    )
+    .unwrap();
+    let (mut to_cpu, mut to_exact) = (0f32, 0f32);
     let mut rng = Rng(spec.seed);
     let mut seqs: Vec<Seq> = (0..5)
         .map(|i| Seq {
@@ -132,7 +157,11 @@ fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, g: Gpu) {
         seqs[2].adapter = Some(with_head.clone());
         seqs[4].adapter = Some(with_head);
     }
-    let what = format!("{} ({dtype:?}, adapters {adapters})", spec.arch);
+    let what = format!(
+        "{} ({dtype:?}, adapters {adapters}, int8 {int8})",
+        spec.arch
+    );
+    let tol = if int8 { 2e-2 } else { 2e-3 };
     let mut steps: Vec<Vec<(usize, usize, Logits)>> = vec![vec![
         (0, 3, Logits::Last),
         (1, 5, Logits::All),
@@ -158,10 +187,23 @@ fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, g: Gpu) {
         gl.forward_into(&model, &b, &mut on_gpu).unwrap();
         // f32 sums in another order through a few layers: logits of magnitude ~10.
         let d = max_diff(&on_gpu.logits, &on_cpu.logits);
-        assert!(d < 2e-3, "{what}, step {n}: logits differ by {d}");
+        assert!(d < tol, "{what}, step {n}: logits differ by {d}");
         let d = max_diff(&on_gpu.hidden, &on_cpu.hidden);
-        assert!(d < 2e-3, "{what}, step {n}: hidden states differ by {d}");
+        assert!(d < tol, "{what}, step {n}: hidden states differ by {d}");
+        if int8 {
+            let mut e = ForwardBuffers::default();
+            model
+                .forward_into(&exact, &mut exact_cache, &b, &mut e)
+                .unwrap();
+            to_cpu += max_diff(&on_gpu.logits, &on_cpu.logits);
+            to_exact += max_diff(&on_gpu.logits, &e.logits);
+        }
     }
+    assert!(
+        to_cpu <= to_exact,
+        "{what}: the GPU's int8 logits are nearer exact math ({to_exact}) than the CPU's int8 \
+         ones ({to_cpu})"
+    );
     // Buckets 2, 4 and 8 (a mixture of experts routing on the device), each with the step's
     // adapter signature where it has adapters.
     assert_eq!(gl.graphs_captured(), 3, "{what}");
@@ -178,15 +220,64 @@ fn every_family_forwards_on_the_gpu_as_on_the_cpu() {
     specs.push(TinySpec::q5());
     for spec in &specs {
         for dtype in [KvDtype::F16, KvDtype::F32] {
-            compare(spec, dtype, false, gpu().unwrap());
+            compare(spec, dtype, false, false, gpu().unwrap());
         }
     }
-    compare(&TinySpec::small(), KvDtype::F16, true, gpu().unwrap());
-    compare(&TinySpec::qwen3(), KvDtype::F32, true, gpu().unwrap());
+    compare(
+        &TinySpec::small(),
+        KvDtype::F16,
+        true,
+        false,
+        gpu().unwrap(),
+    );
+    compare(
+        &TinySpec::qwen3(),
+        KvDtype::F32,
+        true,
+        false,
+        gpu().unwrap(),
+    );
 }
 
-/// A decoder through graphs and one launching eagerly, of one model.
-fn graphs_and_eager(model: &Decoder) -> (GpuDecoder, GpuDecoder) {
+/// Int8 products (`--precision int8`) on the GPU against the CPU's int8 forward: every format
+/// with an int8 kernel (small's Q4_0, Q4_1, Q8_0 beside f16 and bf16 ones, which stay f32;
+/// the K-quants; IQ4), with adapters (OFT rotates a projection's input before it is quantized).
+#[test]
+fn int8_forwards_on_the_gpu_as_on_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    compare(&TinySpec::small(), KvDtype::F16, true, true, gpu().unwrap());
+    compare(
+        &TinySpec::k_quants(),
+        KvDtype::F32,
+        false,
+        true,
+        gpu().unwrap(),
+    );
+    compare(
+        &TinySpec::k_and_iq(),
+        KvDtype::F16,
+        false,
+        true,
+        gpu().unwrap(),
+    );
+    let (_dir, path) = write_tiny(&TinySpec::qwen3moe());
+    let model = Decoder::open(&path).unwrap();
+    let int8 = GpuShape {
+        int8: true,
+        ..shape(true)
+    };
+    let e = GpuDecoder::new(gpu().unwrap(), &model, int8).err().unwrap();
+    assert!(e.to_string().contains("mixture of experts"), "{e}");
+}
+
+/// A decoder through graphs and one launching eagerly, of one model (int8 products or f32).
+fn graphs_and_eager(model: &Decoder, int8: bool) -> (GpuDecoder, GpuDecoder) {
+    let shape = |graphs| GpuShape {
+        int8,
+        ..shape(graphs)
+    };
     let graphs = GpuDecoder::new(gpu().unwrap(), model, shape(true)).unwrap();
     (
         graphs,
@@ -244,9 +335,15 @@ fn graph_replays_equal_eager_launches_bit_for_bit() {
     if gpu().is_none() {
         return;
     }
+    for int8 in [false, true] {
+        graph_replays_equal_eager_launches(int8);
+    }
+}
+
+fn graph_replays_equal_eager_launches(int8: bool) {
     let (_dir, path) = write_tiny(&TinySpec::llama3());
     let model = Decoder::open(&path).unwrap();
-    let (mut graphs, mut eager) = graphs_and_eager(&model);
+    let (mut graphs, mut eager) = graphs_and_eager(&model, int8);
     let lora = Method::Lora(LoraConfig {
         r: 4,
         alpha: 8.0,
@@ -301,7 +398,7 @@ fn moe_decode_graphs_equal_eager_launches_bit_for_bit() {
     }
     let (_dir, path) = write_tiny(&TinySpec::qwen3moe());
     let model = Decoder::open(&path).unwrap();
-    let (mut graphs, mut eager) = graphs_and_eager(&model);
+    let (mut graphs, mut eager) = graphs_and_eager(&model, false);
     let mut rng = Rng(5);
     let mut seqs = prompts(5, model.config.vocab_size as u64, &mut rng);
     // (sequences, graphs captured after the step): the prompts eagerly, then buckets 8, 1, 4.

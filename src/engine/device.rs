@@ -127,10 +127,13 @@ pub(super) fn window_pool(
 }
 
 /// The KV cache (and, on a GPU, the model's copy there) on `device`.
+/// `precision`: the CPU's products' arithmetic, which the GPU's follow where it has them (int8;
+/// bf16 is the CPU's alone: the GPU's products then run in f32, and the log says so).
 pub(super) fn backend(
     model: &Decoder,
     cfg: &EngineConfig,
     device: Device,
+    precision: flywheel_kernels::cpu::Precision,
 ) -> Result<Backend, DeviceError> {
     let c = &model.config;
     match device {
@@ -162,7 +165,14 @@ pub(super) fn backend(
                 max_seqs: cfg.max_num_seqs,
                 max_model_len: c.context_length,
                 graphs: std::env::var("FLYWHEEL_CUDA_GRAPHS").as_deref() != Ok("0"),
+                int8: precision == flywheel_kernels::cpu::Precision::Int8,
             };
+            if precision == flywheel_kernels::cpu::Precision::Bf16 {
+                tracing::info!(
+                    "precision bf16 is the CPU's: the GPU's products run in f32 (--precision \
+                     int8 runs them in int8 there too)"
+                );
+            }
             let g = crate::model::decoder::GpuDecoder::new(gpu, model, shape)?;
             tracing::info!(
                 "device: cuda, {} ({} KV blocks of {}, decode graphs {})",

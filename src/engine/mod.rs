@@ -109,7 +109,7 @@ impl Engine {
             .stack_size(grammar_bounds::COMPILE_STACK)
             .spawn(move || {
                 let _guard = AliveGuard(alive);
-                let backend = match device::backend(&model, &cfg, device) {
+                let backend = match device::backend(&model, &cfg, device, cpu.precision()) {
                     Ok(b) => b,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));

@@ -7,12 +7,14 @@
 //! and no CUDA library, where `Gpu::open` says why it cannot run.
 
 mod adapters;
+mod int8;
 mod launch;
 mod moe;
 mod paged;
 mod products;
 
 pub use adapters::{AdapterEntry, AdapterRows};
+pub use int8::Q8Acts;
 pub use launch::ATT_MAX_HEAD_DIM;
 pub use moe::{ExpertTable, MOE_MAX_USED};
 pub use paged::Tokens;
@@ -71,6 +73,7 @@ const OTHERS: &[&str] = &[
     "fw_lora_a_rows",
     "fw_lora_b_rows",
     "fw_moe_route",
+    "fw_quantize_q8",
 ];
 
 /// Every kernel in the fatbin, by name: the tests check each was compiled for each architecture.
@@ -78,6 +81,11 @@ pub fn kernels() -> Vec<String> {
     PER_FORMAT
         .iter()
         .flat_map(|p| QuantType::ALL.map(|ty| format!("{p}_{}", type_name(ty))))
+        .chain(
+            ["fw_matmul_i8", "fw_matmul_i8b"]
+                .iter()
+                .flat_map(|p| int8::INT8_FORMATS.map(|ty| format!("{p}_{}", type_name(ty)))),
+        )
         .chain(OTHERS.iter().map(|k| k.to_string()))
         .collect()
 }

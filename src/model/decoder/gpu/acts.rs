@@ -4,7 +4,7 @@
 use super::adapters::LORA_MAX_R;
 use super::HEAD_ROWS;
 use crate::model::decoder::DecoderConfig;
-use flywheel_kernels::cuda::{CudaSlice, Gpu, GpuError};
+use flywheel_kernels::cuda::{CudaSlice, Gpu, GpuError, Q8Acts};
 
 /// The activations, sized once for the most tokens a step holds (fixed addresses: graphs).
 pub(super) struct Acts {
@@ -31,6 +31,8 @@ pub(super) struct Acts {
     pub(super) xs: CudaSlice<f32>,
     pub(super) normed: CudaSlice<f32>,
     pub(super) logits: CudaSlice<f32>,
+    /// A projection's input quantized for int8 products (int8 decoders only).
+    pub(super) q8: Option<Q8Acts>,
 }
 
 /// A mixture of experts' activations (one row per token and choice; empty for dense models).
@@ -48,8 +50,14 @@ pub(super) struct MoeBufs {
 }
 
 impl Acts {
-    /// Buffers for up to `t` tokens of a model of shape `c`.
-    pub(super) fn new(gpu: &Gpu, c: &DecoderConfig, t: usize) -> Result<Acts, GpuError> {
+    /// Buffers for up to `t` tokens of a model of shape `c` (with room to quantize inputs for
+    /// int8 products where `int8`).
+    pub(super) fn new(
+        gpu: &Gpu,
+        c: &DecoderConfig,
+        t: usize,
+        int8: bool,
+    ) -> Result<Acts, GpuError> {
         let (h, qd, kvd, f) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
         let widest = h.max(qd).max(f);
         let lora_r = LORA_MAX_R; // LoRA ranks up to this run on the GPU (`project` checks)
@@ -92,6 +100,7 @@ impl Acts {
             xs: z(HEAD_ROWS * h)?,
             normed: z(HEAD_ROWS * h)?,
             logits: z(HEAD_ROWS * c.vocab_size)?,
+            q8: int8.then(|| gpu.q8_acts(t, widest)).transpose()?,
         })
     }
 }

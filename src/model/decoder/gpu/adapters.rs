@@ -5,7 +5,8 @@
 
 use super::*;
 use crate::adapter::ModuleLayout;
-use flywheel_kernels::cuda::CudaView;
+use flywheel_kernels::cuda::{CudaView, Q8Acts};
+use flywheel_kernels::reference::int8_applies;
 
 /// Adapter versions kept on the GPU beyond those the current step uses.
 const ADAPTERS_KEPT: usize = 8;
@@ -240,6 +241,40 @@ pub(super) struct Projector<'a> {
     pub(super) lora_d: &'a mut CudaSlice<f32>,
     /// Inside a decode graph: the adapters row by row from the directory (`groups` is empty).
     pub(super) rowwise: Option<Rowwise<'a>>,
+    /// Int8 decoders: where inputs are quantized, and whose unrotated input it holds now.
+    pub(super) q8: Option<&'a mut Q8Acts>,
+    pub(super) q8_holds: Option<Target>,
+}
+
+/// The base's product y = x · Wᵀ: in int8 where the decoder runs int8 (`q8`) and the CPU would
+/// (`int8_applies`: the format and width), else in f32. K and V take the quantized input Q left,
+/// Up the one Gate left (`holds`), when theirs is the same unrotated input (the body's order: q,
+/// k, v of one normed x; gate, up of another): the bits of quantizing it again.
+#[allow(clippy::too_many_arguments)]
+fn base(
+    g: &Gpu,
+    q8: Option<&mut Q8Acts>,
+    holds: &mut Option<Target>,
+    target: Target,
+    w: &DeviceMatrix,
+    x: &CudaSlice<f32>,
+    rotated: bool,
+    n: usize,
+    y: &mut CudaSlice<f32>,
+) -> Result<(), ModelError> {
+    let Some(q) = q8.filter(|_| int8_applies(w.ty, w.cols)) else {
+        return Ok(g.matmul(w, x, n, y)?);
+    };
+    let shares = match target {
+        Target::K | Target::V => Some(Target::Q),
+        Target::Up => Some(Target::Gate),
+        _ => None,
+    };
+    if rotated || shares.is_none_or(|s| *holds != Some(s)) || q.holds() != (n, w.cols) {
+        g.quantize_q8(x, n, w.cols, q)?;
+        *holds = (!rotated).then_some(target);
+    }
+    Ok(g.matmul_int8(w, q, y)?)
 }
 
 impl Projector<'_> {
@@ -258,9 +293,11 @@ impl Projector<'_> {
             let bits = rw.bits(m);
             if bits & OFT_BIT != 0 {
                 g.oft_rows(rw.rows, m, x, n, self.rotated)?;
-                g.matmul(w, &*self.rotated, n, y)?;
+                let (q8, holds) = (self.q8.as_deref_mut(), &mut self.q8_holds);
+                base(g, q8, holds, target, w, self.rotated, true, n, y)?;
             } else {
-                g.matmul(w, x, n, y)?;
+                let (q8, holds) = (self.q8.as_deref_mut(), &mut self.q8_holds);
+                base(g, q8, holds, target, w, x, false, n, y)?;
             }
             if bits & LORA_BIT != 0 {
                 g.lora_rows(rw.rows, m, x, n, rw.sig.max_r, self.lora_h, y)?;
@@ -293,9 +330,11 @@ impl Projector<'_> {
             }
         }
         if rotated {
-            g.matmul(w, &*self.rotated, n, y)?;
+            let (q8, holds) = (self.q8.as_deref_mut(), &mut self.q8_holds);
+            base(g, q8, holds, target, w, self.rotated, true, n, y)?;
         } else {
-            g.matmul(w, x, n, y)?;
+            let (q8, holds) = (self.q8.as_deref_mut(), &mut self.q8_holds);
+            base(g, q8, holds, target, w, x, false, n, y)?;
         }
         for grp in self.groups {
             let Method::Lora(cfg) = &grp.weights.layout.config.method else {

@@ -124,6 +124,9 @@ pub struct GpuShape {
     pub max_model_len: usize,
     /// Decode through CUDA graphs (else every step launches eagerly).
     pub graphs: bool,
+    /// The base's products in int8 (`Precision::Int8`: each product the CPU's int8 bits, in the
+    /// formats and shapes the CPU runs in int8; the LM head stays f32 as there), else in f32.
+    pub int8: bool,
 }
 
 impl GpuDecoder {
@@ -131,6 +134,13 @@ impl GpuDecoder {
     /// what the GPU path does not run (heads over 256) or what does not fit.
     pub fn new(gpu: Gpu, model: &Decoder, shape: GpuShape) -> Result<GpuDecoder, ModelError> {
         let c = &model.config;
+        if shape.int8 && c.moe.is_some() {
+            return Err(ModelError::Unsupported(
+                "int8 products for a mixture of experts on the GPU (its expert products have no \
+                 int8 kernel yet; --precision exact serves it)"
+                    .into(),
+            ));
+        }
         if c.head_dim > ATT_MAX_HEAD_DIM {
             return Err(ModelError::Unsupported(format!(
                 "head_dim {} on the GPU (its attention takes up to {ATT_MAX_HEAD_DIM})",
@@ -217,7 +227,7 @@ impl GpuDecoder {
             ),
         };
         let t = shape.max_tokens.max(GRAPH_MAX_BATCH);
-        let acts = Acts::new(&gpu, c, t)?;
+        let acts = Acts::new(&gpu, c, t, shape.int8)?;
         let per_seq = shape.max_model_len.div_ceil(shape.block_size);
         let meta = gpu.tokens_with_capacity(t, shape.max_seqs.max(1) * per_seq + t)?;
         gpu.synchronize()?;
@@ -244,9 +254,14 @@ impl GpuDecoder {
         })
     }
 
-    /// The GPU, for the start-up log.
+    /// The GPU and the products' arithmetic, for the start-up log.
     pub fn describe(&self) -> String {
-        self.gpu.describe()
+        let int8 = if self.acts.q8.is_some() {
+            ", int8 products"
+        } else {
+            ""
+        };
+        format!("{}{int8}", self.gpu.describe())
     }
 
     /// Decode graphs captured so far (one per batch bucket used).
@@ -448,6 +463,8 @@ impl GpuDecoder {
                 lora_h: &mut a.lora_h,
                 lora_d: &mut a.lora_d,
                 rowwise,
+                q8: a.q8.as_mut(),
+                q8_holds: None,
             };
             // Later layers' attention norm ran with the residual before them.
             if l == 0 {
