@@ -28,8 +28,9 @@
 #                                adapter, graphs against eager, and what a publish costs
 #   scripts/gpu_proof.sh next    (one command, at most ~9 minutes, for a session with little
 #                                device time) what was written since the last lent GPU: the
-#                                kernels and the forward tests, then the 1B shape in the proven
-#                                layouts against warp + tile4x8, and through a LoRA adapter
+#                                kernels and the forward tests (the int8 products against the
+#                                CPU's bit for bit, the int8 forward), the 1B shape's speed with
+#                                f32 and int8 products, memcheck and racecheck of the kernels
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -197,11 +198,17 @@ layouts)
 next)
   STEP_S=100 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
-  STEP_S=90 layouts "block row" "warp tile4x8"
   m=/tmp/llama-1b.gguf
-  STEP_S=90 step bench-llama-1b-lora "$B/flywheel" bench --device cuda --model "$m" --adapter lora \
-    --prompt-tokens 128 --decode-tokens 32 --batch 1,8 --runs 3 --kv-cache-dtype f16
-  grep -E "^(model|test|pp|tg|publish)" "$OUT/bench-llama-1b-lora.log" | sed 's/^/    /' >>"$SUMMARY"
+  [ -f "$m" ] || STEP_S=60 step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
+  for p in exact int8; do
+    STEP_S=80 step "bench-llama-1b-$p" "$B/flywheel" bench --device cuda --precision "$p" \
+      --model "$m" --prompt-tokens 512 --decode-tokens 64 --batch 1,8,64 --runs 3 --kv-cache-dtype f16
+    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-$p.log" | sed 's/^/    /' >>"$SUMMARY"
+  done
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=90 step memcheck-kernels compute-sanitizer --tool memcheck \
+    --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=90 step racecheck compute-sanitizer --tool racecheck \
+    --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   ;;
 adapters)
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1

@@ -133,6 +133,7 @@ pub(super) fn backend(
     model: &Decoder,
     cfg: &EngineConfig,
     device: Device,
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     precision: flywheel_kernels::cpu::Precision,
 ) -> Result<Backend, DeviceError> {
     let c = &model.config;
