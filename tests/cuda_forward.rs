@@ -223,53 +223,41 @@ fn every_family_forwards_on_the_gpu_as_on_the_cpu() {
             compare(spec, dtype, false, false, gpu().unwrap());
         }
     }
-    compare(
-        &TinySpec::small(),
-        KvDtype::F16,
-        true,
-        false,
-        gpu().unwrap(),
-    );
-    compare(
-        &TinySpec::qwen3(),
-        KvDtype::F32,
-        true,
-        false,
-        gpu().unwrap(),
-    );
+    for (spec, dtype) in [
+        (TinySpec::small(), KvDtype::F16),
+        (TinySpec::qwen3(), KvDtype::F32),
+    ] {
+        compare(&spec, dtype, true, false, gpu().unwrap());
+    }
 }
 
 /// Int8 products (`--precision int8`) on the GPU against the CPU's int8 forward: every format
 /// with an int8 kernel (small's Q4_0, Q4_1, Q8_0 beside f16 and bf16 ones, which stay f32;
-/// the K-quants; IQ4), with adapters (OFT rotates a projection's input before it is quantized).
+/// the K-quants; IQ4), with adapters (OFT rotates a projection's input before it is quantized),
+/// and a mixture of experts whose gate, up and down all run in int8.
 #[test]
 fn int8_forwards_on_the_gpu_as_on_the_cpu() {
     if gpu().is_none() {
         return;
     }
-    compare(&TinySpec::small(), KvDtype::F16, true, true, gpu().unwrap());
-    compare(
-        &TinySpec::k_quants(),
-        KvDtype::F32,
-        false,
-        true,
-        gpu().unwrap(),
-    );
-    compare(
-        &TinySpec::k_and_iq(),
-        KvDtype::F16,
-        false,
-        true,
-        gpu().unwrap(),
-    );
-    let (_dir, path) = write_tiny(&TinySpec::qwen3moe());
-    let model = Decoder::open(&path).unwrap();
-    let int8 = GpuShape {
-        int8: true,
-        ..shape(true)
-    };
-    let e = GpuDecoder::new(gpu().unwrap(), &model, int8).err().unwrap();
-    assert!(e.to_string().contains("mixture of experts"), "{e}");
+    let cases = [
+        (TinySpec::small(), KvDtype::F16, true),
+        (TinySpec::k_quants(), KvDtype::F32, false),
+        (TinySpec::k_and_iq(), KvDtype::F16, false),
+        (moe_int8(), KvDtype::F16, false),
+    ];
+    for (spec, dtype, adapters) in &cases {
+        compare(spec, *dtype, *adapters, true, gpu().unwrap());
+    }
+}
+
+/// Qwen3-MoE with every expert projection in a format the int8 products take.
+fn moe_int8() -> TinySpec {
+    use flywheel::kernels::QuantType::*;
+    TinySpec {
+        formats: [Q4_1, Q4_0, Q8_0, F16, Q4_1, Q4_0, Q8_0, Q8_0],
+        ..TinySpec::qwen3moe()
+    }
 }
 
 /// A decoder through graphs and one launching eagerly, of one model (int8 products or f32).
@@ -396,9 +384,15 @@ fn moe_decode_graphs_equal_eager_launches_bit_for_bit() {
     if gpu().is_none() {
         return;
     }
-    let (_dir, path) = write_tiny(&TinySpec::qwen3moe());
+    for (spec, int8) in [(TinySpec::qwen3moe(), false), (moe_int8(), true)] {
+        moe_graphs_equal_eager_launches(&spec, int8);
+    }
+}
+
+fn moe_graphs_equal_eager_launches(spec: &TinySpec, int8: bool) {
+    let (_dir, path) = write_tiny(spec);
     let model = Decoder::open(&path).unwrap();
-    let (mut graphs, mut eager) = graphs_and_eager(&model, false);
+    let (mut graphs, mut eager) = graphs_and_eager(&model, int8);
     let mut rng = Rng(5);
     let mut seqs = prompts(5, model.config.vocab_size as u64, &mut rng);
     // (sequences, graphs captured after the step): the prompts eagerly, then buckets 8, 1, 4.

@@ -265,6 +265,16 @@ __device__ __forceinline__ void fw_quantize_q8_body(const float* __restrict__ x,
   xs[i] = sum;
 }
 
+// fw_i8_tree by shuffles within a quad of threads (a[i]: thread (h, q)'s lanes): q = 1's lanes
+// added to q = 0's, then h = 1's sum to h = 0's. The quad's first thread holds the value.
+__device__ __forceinline__ float fw_i8_quad_sum(const float* a) {
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) v[i] = fw_add(a[i], __shfl_down_sync(0xffffffffu, a[i], 2, 4));
+  const float s = fw_add(fw_add(v[0], v[2]), fw_add(v[1], v[3]));
+  return fw_add(s, __shfl_down_sync(0xffffffffu, s, 1, 4));
+}
+
 // Rows of an int8 product: FW_I8_ROWS a block of 4·FW_I8_ROWS threads, 4 a (row, token).
 #define FW_I8_ROWS 32
 
@@ -288,14 +298,30 @@ __device__ __forceinline__ void fw_matmul_i8_body(const uint8_t* __restrict__ w,
   fw_i8_thread<TY, NT>(row, cols / 32, h, q, xq + x0 * 32, xd + x0, xs + x0, xb, nt, a);
 #pragma unroll
   for (int t = 0; t < NT; t++) {
-    // fw_i8_tree by shuffles within the quad: q = 1's lanes onto q = 0's, then h = 1's sum onto
-    // h = 0's.
-    float v[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) v[i] = fw_add(a[t][i], __shfl_down_sync(0xffffffffu, a[t][i], 2, 4));
-    float s = fw_add(fw_add(v[0], v[2]), fw_add(v[1], v[3]));
-    s = fw_add(s, __shfl_down_sync(0xffffffffu, s, 1, 4));
+    const float s = fw_i8_quad_sum(a[t]);
     if (quad == 0 && r < rows && t < nt) y[(size_t)(t0 + t) * rows + r] = s;
   }
+}
+
+// A mixture of experts' rows in int8 (`fw_matmul_experts_body`'s shape): y[r][j] = W_{expert[r]}
+// row j · x[r / xdiv], x quantized (n = rows / xdiv tokens), each row the bits of its expert's
+// int8 product. Grid (rows, ceil(out / FW_I8_ROWS)), 4·FW_I8_ROWS threads, 4 an output.
+template <int TY>
+__device__ __forceinline__ void fw_matmul_experts_i8_body(
+    const uint64_t* __restrict__ experts, const uint32_t* __restrict__ expert, int ne, int out,
+    int cols, long long row_bytes, const int8_t* __restrict__ xq, const float* __restrict__ xd,
+    const int* __restrict__ xs, int xdiv, float* __restrict__ y) {
+  const int quad = threadIdx.x & 3;
+  const int r = blockIdx.x, j = blockIdx.y * FW_I8_ROWS + (int)(threadIdx.x >> 2);
+  const uint32_t e = expert[r];
+  if (e >= (uint32_t)ne) return;  // the whole block: e is the block's
+  // An output past the last computes the last again (every thread takes part in the shuffles).
+  const uint8_t* row = (const uint8_t*)experts[e] + (size_t)min(j, out - 1) * row_bytes;
+  const int xb = fw_q8_blocks(cols);
+  const size_t x0 = (size_t)(r / xdiv) * xb;
+  float a[1][4];
+  fw_i8_thread<TY, 1>(row, cols / 32, quad & 1, quad >> 1, xq + x0 * 32, xd + x0, xs + x0, xb, 1, a);
+  const float s = fw_i8_quad_sum(a[0]);
+  if (quad == 0 && j < out) y[(size_t)r * out + j] = s;
 }
 #endif

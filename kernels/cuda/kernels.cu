@@ -158,6 +158,12 @@ FW_PER_TYPE(iq4_xs, FW_IQ4XS)
       fw_matmul_i8b_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,            \
                            const int8_t* xq, const float* xd, const int* xs, int n, float* y) {   \
     fw_matmul_i8_body<TY, FW_I8_TOKENS>(w, rows, cols, row_bytes, xq, xd, xs, n, y);             \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(4 * FW_I8_ROWS)                                   \
+      fw_matmul_experts_i8_##NAME(const uint64_t* experts, const uint32_t* expert, int ne,       \
+                                  int out, int cols, long long row_bytes, const int8_t* xq,      \
+                                  const float* xd, const int* xs, int xdiv, float* y) {          \
+    fw_matmul_experts_i8_body<TY>(experts, expert, ne, out, cols, row_bytes, xq, xd, xs, xdiv, y); \
   }
 
 FW_PER_INT8(q4_0, FW_Q4_0)

@@ -12,7 +12,7 @@ use crate::reference::{int8_applies, Q8_BLOCK};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// Rows of an int8 product's block (`FW_I8_ROWS`), 4 threads each.
-const I8_ROWS: usize = 32;
+pub(super) const I8_ROWS: usize = 32;
 /// Tokens a thread of the batch kernel takes (`FW_I8_TOKENS`).
 const I8_TOKENS: usize = 8;
 
@@ -31,7 +31,7 @@ pub(super) const INT8_FORMATS: [QuantType; 9] = [
 ];
 
 /// Blocks a quantized token holds: its blocks rounded up to pairs (`fw_q8_blocks`).
-fn q8_blocks(cols: usize) -> usize {
+pub(super) fn q8_blocks(cols: usize) -> usize {
     (cols / Q8_BLOCK).div_ceil(2) * 2
 }
 
@@ -39,13 +39,13 @@ fn q8_blocks(cols: usize) -> usize {
 /// codes' sum, for up to `max_tokens` tokens of up to `max_cols` values. It records what it holds
 /// (tokens and width) for the products that read it.
 pub struct Q8Acts {
-    codes: CudaSlice<i8>,
-    scales: CudaSlice<f32>,
-    sums: CudaSlice<i32>,
+    pub(super) codes: CudaSlice<i8>,
+    pub(super) scales: CudaSlice<f32>,
+    pub(super) sums: CudaSlice<i32>,
     max_tokens: usize,
     max_cols: usize,
-    n: usize,
-    cols: usize,
+    pub(super) n: usize,
+    pub(super) cols: usize,
 }
 
 impl Q8Acts {
@@ -108,16 +108,22 @@ impl Gpu {
         q: &Q8Acts,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        check(int8_applies(w.ty, w.cols), || {
-            format!("no int8 product for {} × {}", w.ty.name(), w.cols)
+        self.matmul_int8_range(w, q, 0..q.n, y)
+    }
+
+    /// `matmul_int8` of q's tokens `tokens` only: y (tokens.len(), rows).
+    pub fn matmul_int8_range(
+        &self,
+        w: &DeviceMatrix,
+        q: &Q8Acts,
+        tokens: std::ops::Range<usize>,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        check_int8(w, q)?;
+        check(tokens.start <= tokens.end && tokens.end <= q.n, || {
+            format!("int8 tokens {tokens:?} of {}", q.n)
         })?;
-        check(q.cols == w.cols, || {
-            format!(
-                "int8 activations of {} values for a matrix of {} columns",
-                q.cols, w.cols
-            )
-        })?;
-        let n = q.n;
+        let n = tokens.len();
         len_at_least(y, n * w.rows, "matmul_int8 y")?;
         if n == 0 || w.rows == 0 {
             return Ok(());
@@ -139,10 +145,29 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let (wp, yp) = (self.ptr(&w.data), self.ptr_mut(y));
-        let (cp, dp, sp) = (self.ptr(&q.codes), self.ptr(&q.scales), self.ptr(&q.sums));
+        // The first token's codes (xb·32 bytes a token: 64-byte aligned), scales and sums.
+        let first = (tokens.start * q8_blocks(q.cols)) as u64;
+        let cp = self.ptr(&q.codes) + first * Q8_BLOCK as u64;
+        let (dp, sp) = (
+            self.ptr(&q.scales) + 4 * first,
+            self.ptr(&q.sums) + 4 * first,
+        );
         let (r, c, rb, ni) = (w.rows as i32, w.cols as i32, w.row_bytes as i64, n as i32);
         self.launch(f, cfg, &[&wp, &r, &c, &rb, &cp, &dp, &sp, &ni, &yp])
     }
+}
+
+/// A matrix `q` can multiply in int8: a format and width with an int8 kernel, q's width.
+pub(super) fn check_int8(w: &DeviceMatrix, q: &Q8Acts) -> Result<()> {
+    check(int8_applies(w.ty, w.cols), || {
+        format!("no int8 product for {} × {}", w.ty.name(), w.cols)
+    })?;
+    check(q.cols == w.cols, || {
+        format!(
+            "int8 activations of {} values for a matrix of {} columns",
+            q.cols, w.cols
+        )
+    })
 }
 
 #[cfg(test)]

@@ -82,7 +82,7 @@ pub fn kernels() -> Vec<String> {
         .iter()
         .flat_map(|p| QuantType::ALL.map(|ty| format!("{p}_{}", type_name(ty))))
         .chain(
-            ["fw_matmul_i8", "fw_matmul_i8b"]
+            ["fw_matmul_i8", "fw_matmul_i8b", "fw_matmul_experts_i8"]
                 .iter()
                 .flat_map(|p| int8::INT8_FORMATS.map(|ty| format!("{p}_{}", type_name(ty)))),
         )

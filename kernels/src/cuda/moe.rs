@@ -2,9 +2,12 @@
 //! on the device and each (token, choice)'s expert product row by row, so that a decode step reads
 //! nothing back to the host.
 
+use super::int8::I8_ROWS;
 use super::launch::grid1;
+use super::Q8Acts;
 use super::{check, type_name, DeviceMatrix, Gpu, Result};
 use crate::quant::QuantType;
+use crate::reference::int8_applies;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// The most experts a token uses that `moe_route` takes (`FW_MOE_MAX_USED`).
@@ -131,5 +134,61 @@ impl Gpu {
         );
         let (rb, xd) = (table.row_bytes as i64, xdiv as i32);
         self.launch(f, cfg, &[&tp, &ep, &ne, &out, &cols, &rb, &xp, &xd, &yp])
+    }
+
+    /// `matmul_experts` in int8: x as `q` holds it (rows / xdiv tokens of the table's width),
+    /// each row the bits of its expert's `matmul_int8`.
+    pub fn matmul_experts_int8(
+        &self,
+        table: &ExpertTable,
+        expert: &impl DevicePtr<u32>,
+        rows: usize,
+        q: &Q8Acts,
+        xdiv: usize,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        check(
+            int8_applies(table.ty, table.cols) && q.cols == table.cols,
+            || {
+                format!(
+                    "int8 expert products of {} × {} from activations of {} values",
+                    table.ty.name(),
+                    table.cols,
+                    q.cols
+                )
+            },
+        )?;
+        let out_blocks = table.rows.div_ceil(I8_ROWS);
+        check(
+            xdiv >= 1 && rows <= i32::MAX as usize && out_blocks <= 65535,
+            || format!("int8 expert products of {rows} rows, {xdiv} a token"),
+        )?;
+        check(rows.div_ceil(xdiv) <= q.n, || {
+            format!("{rows} expert rows ({xdiv} a token) from {} tokens", q.n)
+        })?;
+        super::launch::len_at_least(expert, rows, "matmul_experts_int8 expert")?;
+        super::launch::len_at_least(y, rows * table.rows, "matmul_experts_int8 y")?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(&format!("fw_matmul_experts_i8_{}", type_name(table.ty)))?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, out_blocks as u32, 1),
+            block_dim: ((4 * I8_ROWS) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (tp, ep, yp) = (self.ptr(&table.ptrs), self.ptr(expert), self.ptr_mut(y));
+        let (cp, dp, sp) = (self.ptr(&q.codes), self.ptr(&q.scales), self.ptr(&q.sums));
+        let (ne, out, cols) = (
+            table.ptrs.len() as i32,
+            table.rows as i32,
+            table.cols as i32,
+        );
+        let (rb, xd) = (table.row_bytes as i64, xdiv as i32);
+        self.launch(
+            f,
+            cfg,
+            &[&tp, &ep, &ne, &out, &cols, &rb, &cp, &dp, &sp, &xd, &yp],
+        )
     }
 }

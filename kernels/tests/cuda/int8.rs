@@ -113,3 +113,74 @@ fn int8_products_refuse_what_they_do_not_run() {
     let e = g.matmul_int8(&q4, &q, &mut y).unwrap_err().0;
     assert!(e.contains("256 values for a matrix of 512"), "{e}");
 }
+
+/// A mixture of experts' rows in int8 (`matmul_experts_int8`, decode graphs) and a range of
+/// tokens (`matmul_int8_range`, prefill's rows grouped by expert): each row equal to its expert's
+/// `matmul_int8` of the same token, bit for bit.
+#[test]
+fn int8_expert_rows_and_token_ranges_equal_whole_products() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(33);
+    for (ty, rows, cols) in [(QuantType::Q4K, 45, 512), (QuantType::Q8_0, 33, 96)] {
+        let experts: Vec<_> = (0..3)
+            .map(|_| {
+                let w = quantize(ty, &rng.vec(rows * cols, 1.0));
+                g.matrix(ty, rows, cols, &w).unwrap()
+            })
+            .collect();
+        let table = g.expert_table(&experts).unwrap();
+        let (n, k) = (5usize, 2usize);
+        let x = g.upload(&rng.vec(n * k * cols, 1.0)).unwrap();
+        // Each token's (and each row's) products by every expert, whole.
+        let mut q = g.q8_acts(n * k, cols).unwrap();
+        let mut whole = Vec::new();
+        for m in [n, n * k] {
+            g.quantize_q8(&x, m, cols, &mut q).unwrap();
+            let per: Vec<Vec<f32>> = experts
+                .iter()
+                .map(|e| {
+                    let mut y = g.zeros::<f32>(m * rows).unwrap();
+                    g.matmul_int8(e, &q, &mut y).unwrap();
+                    g.download(&y).unwrap()
+                })
+                .collect();
+            whole.push(per);
+        }
+        let choice: Vec<u32> = (0..n * k).map(|i| ((i * 7 + 1) % 3) as u32).collect();
+        let dc = g.upload(&choice).unwrap();
+        // xdiv = k: row r reads token r / k (the gate and up); xdiv = 1: its own row (the down).
+        for (xdiv, m, per) in [(k, n, &whole[0]), (1, n * k, &whole[1])] {
+            g.quantize_q8(&x, m, cols, &mut q).unwrap();
+            let mut y = g.zeros::<f32>(n * k * rows).unwrap();
+            g.matmul_experts_int8(&table, &dc, n * k, &q, xdiv, &mut y)
+                .unwrap();
+            let y = g.download(&y).unwrap();
+            for r in 0..n * k {
+                let (e, t) = (choice[r] as usize, r / xdiv);
+                assert!(
+                    same(
+                        &y[r * rows..(r + 1) * rows],
+                        &per[e][t * rows..(t + 1) * rows]
+                    ),
+                    "{} row {r} (expert {e}, token {t}, xdiv {xdiv})",
+                    ty.name()
+                );
+            }
+        }
+        // Tokens 3..7 of the n·k rows alone.
+        let mut y = g.zeros::<f32>(4 * rows).unwrap();
+        g.matmul_int8_range(&experts[1], &q, 3..7, &mut y).unwrap();
+        let y = g.download(&y).unwrap();
+        assert!(
+            same(&y[..4 * rows], &whole[1][1][3 * rows..7 * rows]),
+            "{}: a range of tokens differs from the whole product's rows",
+            ty.name()
+        );
+        let mut past = g.zeros::<f32>(2 * rows).unwrap();
+        let e = g
+            .matmul_int8_range(&experts[1], &q, 9..11, &mut past)
+            .unwrap_err()
+            .0;
+        assert!(e.contains("int8 tokens 9..11 of 10"), "{e}");
+    }
+}

@@ -100,7 +100,13 @@ impl Acts {
             xs: z(HEAD_ROWS * h)?,
             normed: z(HEAD_ROWS * h)?,
             logits: z(HEAD_ROWS * c.vocab_size)?,
-            q8: int8.then(|| gpu.q8_acts(t, widest)).transpose()?,
+            // A mixture of experts quantizes its (token, choice) rows: k a token.
+            q8: int8
+                .then(|| {
+                    let (k, ef) = c.moe.map_or((1, 0), |m| (m.used.max(1), m.expert_ffn));
+                    gpu.q8_acts(t * k, widest.max(ef))
+                })
+                .transpose()?,
         })
     }
 }

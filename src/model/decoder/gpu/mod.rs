@@ -134,13 +134,6 @@ impl GpuDecoder {
     /// what the GPU path does not run (heads over 256) or what does not fit.
     pub fn new(gpu: Gpu, model: &Decoder, shape: GpuShape) -> Result<GpuDecoder, ModelError> {
         let c = &model.config;
-        if shape.int8 && c.moe.is_some() {
-            return Err(ModelError::Unsupported(
-                "int8 products for a mixture of experts on the GPU (its expert products have no \
-                 int8 kernel yet; --precision exact serves it)"
-                    .into(),
-            ));
-        }
         if c.head_dim > ATT_MAX_HEAD_DIM {
             return Err(ModelError::Unsupported(format!(
                 "head_dim {} on the GPU (its attention takes up to {ATT_MAX_HEAD_DIM})",
@@ -538,7 +531,8 @@ impl GpuDecoder {
                         // Routed on the device in decode steps.
                         tables: tables.as_ref().filter(|_| decode),
                     };
-                    experts.run(g, &mc, &a.n, n, h, &mut a.moe, routing, &mut a.proj)?;
+                    let q8 = a.q8.as_mut();
+                    experts.run(g, &mc, &a.n, n, h, &mut a.moe, routing, q8, &mut a.proj)?;
                 }
             }
             // The residual, then the next layer's attention norm (none after the last).

@@ -2,7 +2,8 @@
 //! residual with its optional post-norm.
 
 use super::*;
-use flywheel_kernels::reference::AttnOpts;
+use flywheel_kernels::cuda::Q8Acts;
+use flywheel_kernels::reference::{int8_applies, AttnOpts};
 
 /// One layer's experts on the GPU.
 pub(super) struct Experts<'a> {
@@ -19,7 +20,9 @@ impl Experts<'_> {
     /// on the device and each (token, choice) row's expert product row by row, nothing read back
     /// (graphs hold it). Else: the router's logits read back and routed on the host
     /// (`moe::route`, the CPU's), the rows gathered by expert, each expert's rows one product per
-    /// projection. Then each token's outputs weighted in the order of its choices.
+    /// projection. Then each token's outputs weighted in the order of its choices. `q8` (int8
+    /// decoders): the router's and experts' products in int8 where the CPU's are (their formats
+    /// and widths), each row the bits of its expert's int8 product.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
@@ -30,11 +33,28 @@ impl Experts<'_> {
         h: usize,
         b: &mut MoeBufs,
         host: &mut MoeActs,
+        mut q8: Option<&mut Q8Acts>,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), ModelError> {
         let (ne, k, f) = (mc.experts, mc.used, mc.expert_ffn);
-        g.matmul(self.router, m, n, &mut b.logits)?;
-        if let Some([gate, up, down]) = self.tables {
+        // Int8 decoders: each product in int8 where the CPU's would be (its format and width).
+        let int8 = |ty: QuantType, cols: usize| q8.is_some() && int8_applies(ty, cols);
+        let (router, gate8, up8, down8) = (
+            int8(self.router.ty, h),
+            int8(self.gate[0].ty, h),
+            int8(self.up[0].ty, h),
+            int8(self.down[0].ty, f),
+        );
+        // The router's input quantized serves the gate's and up's rows routed on the device.
+        if router || ((gate8 || up8) && self.tables.is_some()) {
+            g.quantize_q8(m, n, h, q8.as_deref_mut().expect("int8"))?;
+        }
+        if router {
+            g.matmul_int8(self.router, q8.as_deref().expect("int8"), &mut b.logits)?;
+        } else {
+            g.matmul(self.router, m, n, &mut b.logits)?;
+        }
+        if let Some([gt, ut, dt]) = self.tables {
             // On the device: each (token, choice) row its expert's product (`b.tok` holds the
             // experts here), the outputs in the order of the choices (row_of = t·k + s).
             g.moe_route(
@@ -47,10 +67,20 @@ impl Experts<'_> {
                 &mut b.weight,
                 &mut b.row_of,
             )?;
-            g.matmul_experts(gate, &b.tok, n * k, m, k, &mut b.gate)?;
-            g.matmul_experts(up, &b.tok, n * k, m, k, &mut b.up)?;
+            for (t, out, on) in [(gt, &mut b.gate, gate8), (ut, &mut b.up, up8)] {
+                match q8.as_deref() {
+                    Some(q) if on => g.matmul_experts_int8(t, &b.tok, n * k, q, k, out)?,
+                    _ => g.matmul_experts(t, &b.tok, n * k, m, k, out)?,
+                }
+            }
             g.swiglu(&b.gate, &b.up, n * k * f, &mut b.act)?;
-            g.matmul_experts(down, &b.tok, n * k, &b.act, 1, &mut b.out)?;
+            match q8.as_deref_mut() {
+                Some(q) if down8 => {
+                    g.quantize_q8(&b.act, n * k, f, q)?;
+                    g.matmul_experts_int8(dt, &b.tok, n * k, q, 1, &mut b.out)?;
+                }
+                _ => g.matmul_experts(dt, &b.tok, n * k, &b.act, 1, &mut b.out)?,
+            }
             g.moe_combine(&b.out, &b.row_of, &b.weight, n, k, h, y)?;
             return Ok(());
         }
@@ -64,22 +94,36 @@ impl Experts<'_> {
         g.write(&row_of, &mut b.row_of)?;
         g.write(&weight, &mut b.weight)?;
         g.gather_rows(m, &b.tok, n * k, h, &mut b.xs)?;
+        if gate8 || up8 {
+            g.quantize_q8(&b.xs, n * k, h, q8.as_deref_mut().expect("int8"))?;
+        }
         for (e, r) in ranges(&host.counts) {
-            let xs = b.xs.slice(r.start * h..r.end * h);
             let span = r.start * f..r.end * f;
-            g.matmul(
-                &self.gate[e],
-                &xs,
-                r.len(),
-                &mut b.gate.slice_mut(span.clone()),
-            )?;
-            g.matmul(&self.up[e], &xs, r.len(), &mut b.up.slice_mut(span))?;
+            let xs = b.xs.slice(r.start * h..r.end * h);
+            for (w, out, on) in [
+                (&self.gate[e], &mut b.gate, gate8),
+                (&self.up[e], &mut b.up, up8),
+            ] {
+                let mut o = out.slice_mut(span.clone());
+                match q8.as_deref() {
+                    Some(q) if on => g.matmul_int8_range(w, q, r.clone(), &mut o)?,
+                    _ => g.matmul(w, &xs, r.len(), &mut o)?,
+                }
+            }
         }
         g.swiglu(&b.gate, &b.up, n * k * f, &mut b.act)?;
+        if down8 {
+            g.quantize_q8(&b.act, n * k, f, q8.as_deref_mut().expect("int8"))?;
+        }
         for (e, r) in ranges(&host.counts) {
-            let act = b.act.slice(r.start * f..r.end * f);
             let mut out = b.out.slice_mut(r.start * h..r.end * h);
-            g.matmul(&self.down[e], &act, r.len(), &mut out)?;
+            match q8.as_deref() {
+                Some(q) if down8 => g.matmul_int8_range(&self.down[e], q, r, &mut out)?,
+                _ => {
+                    let act = b.act.slice(r.start * f..r.end * f);
+                    g.matmul(&self.down[e], &act, r.len(), &mut out)?
+                }
+            }
         }
         g.moe_combine(&b.out, &b.row_of, &b.weight, n, k, h, y)?;
         Ok(())
