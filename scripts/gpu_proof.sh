@@ -18,6 +18,8 @@
 #                                llama-bench for sm_90 into /tmp (kept while the machine is warm)
 #   scripts/gpu_proof.sh profile (~3 minutes) ncu's duration of every kernel of the 1B shape's
 #                                eager decode at batch 1, summed by kernel (profile-1b.md)
+#   scripts/gpu_proof.sh profile-adapter [lora|oft]  (~2 minutes) ncu's duration of each adapter
+#                                kernel in the 1B shape's batch-1 decode through the adapter
 #   scripts/gpu_proof.sh layouts (~7 minutes) the product layouts (kernels/src/cuda/products.rs):
 #                                the kernels test (every layout bit-equal to the default), the
 #                                forward under the candidates, then the 1B shape's speed in each
@@ -166,6 +168,32 @@ case "${1:-}" in
 profile)
   profile
   ;;
+profile-adapter)
+  # Where decode through an adapter goes (LoRA at batch 1 ran at 0.53x the base's, OFT 0.68x,
+  # on an H200): ncu's duration of the adapter kernels alone, graph nodes and eager launches.
+  a=${2:-lora}
+  m=/tmp/llama-1b.gguf
+  [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
+  step "ncu-adapter-$a" ncu --csv --metrics gpu__time_duration.sum --cache-control none \
+    --clock-control none --kernel-name-base function \
+    --kernel-name 'regex:fw_(lora|oft|block_matmul|axpy|matmul1_f32|matmul_t4x8_f32)' \
+    --launch-count 1500 "$B/flywheel" bench --device cuda --model "$m" --adapter "$a" \
+    --prompt-tokens 64 --decode-tokens 32 --batch 1 --runs 1 --kv-cache-dtype f16
+  python3 - "$OUT/ncu-adapter-$a.log" <<'PY' | tee "$OUT/profile-adapter-$a.md" | tee -a "$SUMMARY"
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 15]
+head = rows[0]; rows = [r for r in rows[1:] if r[0] != "ID"]
+name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
+total = collections.Counter(); count = collections.Counter()
+for r in rows:
+    ns = float(r[value].replace(",", "")) * {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3,
+                                            "ms": 1e6, "msecond": 1e6}[r[unit]]
+    total[r[name]] += ns; count[r[name]] += 1
+print(f"    {len(rows)} adapter kernels profiled")
+for k, ns in total.most_common():
+    print(f"    {k:<28} {count[k]:6d} launches {ns/count[k]/1e3:8.2f} us each")
+PY
+  ;;
 all)
   STEP_S=100 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
@@ -196,16 +224,17 @@ layouts)
   STEP_S=100 layouts "block row" "warp tile4x8" "warp tile2x16"
   ;;
 next)
-  STEP_S=100 step kernels "$B/kernels-cuda" --test-threads 1
-  STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
+  # Each step bounded; the bounds add up to 490 s (a call may run 600).
+  STEP_S=60 step kernels "$B/kernels-cuda" --test-threads 1
+  STEP_S=120 step forward "$B/cuda-forward" --test-threads 1
   m=/tmp/llama-1b.gguf
-  [ -f "$m" ] || STEP_S=60 step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
+  [ -f "$m" ] || STEP_S=40 step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
   for p in exact int8; do
-    STEP_S=80 step "bench-llama-1b-$p" "$B/flywheel" bench --device cuda --precision "$p" \
+    STEP_S=60 step "bench-llama-1b-$p" "$B/flywheel" bench --device cuda --precision "$p" \
       --model "$m" --prompt-tokens 512 --decode-tokens 64 --batch 1,8,64 --runs 3 --kv-cache-dtype f16
     grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-$p.log" | sed 's/^/    /' >>"$SUMMARY"
   done
-  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=90 step memcheck-kernels compute-sanitizer --tool memcheck \
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=90 step racecheck compute-sanitizer --tool racecheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
@@ -241,7 +270,7 @@ race)
   fi
   ;;
 *)
-  echo "usage: scripts/gpu_proof.sh all|check|next|layouts|adapters|llamacpp|profile|speed|race" >&2
+  echo "usage: scripts/gpu_proof.sh all|check|next|layouts|adapters|llamacpp|profile|profile-adapter [lora|oft]|speed|race" >&2
   exit 2
   ;;
 esac
