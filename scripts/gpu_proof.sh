@@ -32,7 +32,8 @@
 #                                device time) what was written since the last lent GPU: the
 #                                kernels and the forward tests (the int8 products against the
 #                                CPU's bit for bit, the int8 forward), the 1B shape's speed with
-#                                f32 and int8 products, memcheck and racecheck of the kernels
+#                                f32 and int8 products, memcheck and racecheck of the kernels,
+#                                the adapter kernels' times in decode through LoRA
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -164,15 +165,10 @@ PY
   cat "$OUT/profile-1b.md" | head -30 | tee -a "$SUMMARY"
 }
 
-case "${1:-}" in
-profile)
-  profile
-  ;;
-profile-adapter)
-  # Where decode through an adapter goes (LoRA at batch 1 ran at 0.53x the base's, OFT 0.68x,
-  # on an H200): ncu's duration of the adapter kernels alone, graph nodes and eager launches.
-  a=${2:-lora}
-  m=/tmp/llama-1b.gguf
+# Where decode through an adapter goes (LoRA at batch 1 ran at 0.53x the base's, OFT 0.68x, on
+# an H200): ncu's duration of the adapter kernels alone, graph nodes and eager launches.
+profile_adapter() {
+  local a=${1:-lora} m=/tmp/llama-1b.gguf
   [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
   step "ncu-adapter-$a" ncu --csv --metrics gpu__time_duration.sum --cache-control none \
     --clock-control none --kernel-name-base function \
@@ -193,6 +189,14 @@ print(f"    {len(rows)} adapter kernels profiled")
 for k, ns in total.most_common():
     print(f"    {k:<28} {count[k]:6d} launches {ns/count[k]/1e3:8.2f} us each")
 PY
+}
+
+case "${1:-}" in
+profile)
+  profile
+  ;;
+profile-adapter)
+  profile_adapter "${2:-lora}"
   ;;
 all)
   STEP_S=100 step kernels "$B/kernels-cuda" --test-threads 1
@@ -224,7 +228,8 @@ layouts)
   STEP_S=100 layouts "block row" "warp tile4x8" "warp tile2x16"
   ;;
 next)
-  # Each step bounded; the bounds add up to 490 s (a call may run 600).
+  # Each step bounded; the bounds add up to 570 s (a call may run 600; the steps took ~3
+  # minutes in all when last measured, the benches and racecheck most of it).
   STEP_S=60 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=120 step forward "$B/cuda-forward" --test-threads 1
   m=/tmp/llama-1b.gguf
@@ -238,6 +243,7 @@ next)
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=90 step racecheck compute-sanitizer --tool racecheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
+  STEP_S=80 profile_adapter lora
   ;;
 adapters)
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
