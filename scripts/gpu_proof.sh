@@ -228,7 +228,7 @@ layouts)
   STEP_S=100 layouts "block row" "warp tile4x8" "warp tile2x16"
   ;;
 next)
-  # Each step bounded; the bounds add up to 570 s (a call may run 600; the steps took ~3
+  # Each step bounded; the bounds add up to 590 s (a call may run 600; the steps took ~3
   # minutes in all when last measured, the benches and racecheck most of it).
   STEP_S=60 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=120 step forward "$B/cuda-forward" --test-threads 1
@@ -241,9 +241,15 @@ next)
   done
   FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
-  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=90 step racecheck compute-sanitizer --tool racecheck \
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=80 step racecheck compute-sanitizer --tool racecheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   STEP_S=80 profile_adapter lora
+  # Why a decode step's attention takes ~23-51 µs a layer where a latency estimate says ~5:
+  # ncu's full report of a few decode attention launches (batch 8, tens of positions).
+  STEP_S=30 step ncu-attention ncu --set full --kernel-name-base function \
+    --kernel-name 'regex:fw_attention' --launch-skip 40 --launch-count 3 "$B/flywheel" bench \
+    --device cuda --model "$m" --prompt-tokens 64 --decode-tokens 16 --batch 8 --runs 1 \
+    --kv-cache-dtype f16
   ;;
 adapters)
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
