@@ -136,18 +136,10 @@ build_llamacpp() {
   [ -x "$LLAMA_BENCH" ] && echo "  built $LLAMA_BENCH" | tee -a "$SUMMARY"
 }
 
-# ncu's duration of each kernel in a stretch of eager batch-1 decode steps, summed per kernel name
-# and per step, beside the step's measured time (is a step the kernels' time, or the host's?).
-profile() {
-  local m=/tmp/llama-1b.gguf
-  [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
-  # Caches and clocks as they are in a run (ncu flushes the caches and locks base clocks by
-  # default, which made every small kernel look latency-bound).
-  step ncu-llama-1b ncu --csv --metrics gpu__time_duration.sum --cache-control none \
-    --clock-control none \
-    --launch-skip 5000 --launch-count 780 "$B/flywheel" bench --device cuda --model "$m" \
-    --prompt-tokens 64 --decode-tokens 64 --batch 1 --runs 1 --kv-cache-dtype f16
-  python3 - "$OUT/ncu-llama-1b.log" >"$OUT/profile-1b.md" <<'PY'
+# ncu's CSV (gpu__time_duration.sum per launch) in LOG summed by kernel name: per decode step
+# where the launches include whole steps (counted by the embedding's launches), else in all.
+ncu_table() {
+  python3 - "$1" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 15]
 head = rows[0]; rows = [r for r in rows[1:] if r[0] != "ID"]
@@ -162,6 +154,20 @@ print(f"{len(rows)} kernels over {steps} steps; kernel time per step: {sum(total
 for k, ns in total.most_common():
     print(f"{k:<28} {count[k]/steps:6.1f}/step {ns/steps/1e3:9.1f} us/step {ns/count[k]/1e3:8.2f} us each")
 PY
+}
+
+# ncu's duration of each kernel in a stretch of eager batch-1 decode steps, summed per kernel name
+# and per step, beside the step's measured time (is a step the kernels' time, or the host's?).
+profile() {
+  local m=/tmp/llama-1b.gguf
+  [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
+  # Caches and clocks as they are in a run (ncu flushes the caches and locks base clocks by
+  # default, which made every small kernel look latency-bound).
+  step ncu-llama-1b ncu --csv --metrics gpu__time_duration.sum --cache-control none \
+    --clock-control none \
+    --launch-skip 5000 --launch-count 780 "$B/flywheel" bench --device cuda --model "$m" \
+    --prompt-tokens 64 --decode-tokens 64 --batch 1 --runs 1 --kv-cache-dtype f16
+  ncu_table "$OUT/ncu-llama-1b.log" >"$OUT/profile-1b.md"
   cat "$OUT/profile-1b.md" | head -30 | tee -a "$SUMMARY"
 }
 
@@ -175,20 +181,7 @@ profile_adapter() {
     --kernel-name 'regex:fw_(lora|oft|block_matmul|axpy|matmul1_f32|matmul_t4x8_f32)' \
     --launch-count 1500 "$B/flywheel" bench --device cuda --model "$m" --adapter "$a" \
     --prompt-tokens 64 --decode-tokens 32 --batch 1 --runs 1 --kv-cache-dtype f16
-  python3 - "$OUT/ncu-adapter-$a.log" <<'PY' | tee "$OUT/profile-adapter-$a.md" | tee -a "$SUMMARY"
-import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 15]
-head = rows[0]; rows = [r for r in rows[1:] if r[0] != "ID"]
-name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
-total = collections.Counter(); count = collections.Counter()
-for r in rows:
-    ns = float(r[value].replace(",", "")) * {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3,
-                                            "ms": 1e6, "msecond": 1e6}[r[unit]]
-    total[r[name]] += ns; count[r[name]] += 1
-print(f"    {len(rows)} adapter kernels profiled")
-for k, ns in total.most_common():
-    print(f"    {k:<28} {count[k]:6d} launches {ns/count[k]/1e3:8.2f} us each")
-PY
+  ncu_table "$OUT/ncu-adapter-$a.log" | sed 's/^/    /' | tee "$OUT/profile-adapter-$a.md" | tee -a "$SUMMARY"
 }
 
 case "${1:-}" in
