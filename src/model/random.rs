@@ -168,6 +168,30 @@ pub fn with_quant(s: Shape, quant: &str) -> Result<Shape, String> {
     Ok(Shape { formats, ..s })
 }
 
+/// The format llama-quantize writes where a tensor's rows are not whole blocks of `ty`
+/// (`tensor_type_fallback` in llama.cpp's llama-quant.cpp): the 256-value formats fall back to a
+/// 32-value one (Q2_K and Q3_K to Q4_0, Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, IQ4_XS to
+/// IQ4_NL), and to F16 where even that does not fit. E.g. q4_0's Q6_K embedding of SmolLM2's 576
+/// columns is Q8_0.
+fn fallback(ty: QuantType, cols: usize) -> QuantType {
+    if cols.is_multiple_of(ty.block_size()) {
+        return ty;
+    }
+    let to = match ty {
+        QuantType::Q2K | QuantType::Q3K => QuantType::Q4_0,
+        QuantType::Q4K => QuantType::Q5_0,
+        QuantType::Q5K => QuantType::Q5_1,
+        QuantType::Q6K => QuantType::Q8_0,
+        QuantType::IQ4XS => QuantType::IQ4NL,
+        t => t,
+    };
+    if cols.is_multiple_of(to.block_size()) {
+        to
+    } else {
+        QuantType::F16
+    }
+}
+
 pub fn shape(name: &str) -> Result<Shape, String> {
     SHAPES
         .iter()
@@ -229,6 +253,7 @@ pub fn write(s: &Shape, seed: u64) -> GgufWriter {
     let mut rng = Rng::new(seed);
     let mut made: HashMap<(usize, usize, QuantType), Vec<u8>> = HashMap::new();
     let mut mat = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize, ty: QuantType| {
+        let ty = fallback(ty, cols);
         let bytes = made
             .entry((rows, cols, ty))
             .or_insert_with(|| {
@@ -346,6 +371,17 @@ mod tests {
         let ids = t.encode("hello").unwrap();
         assert_eq!(t.decode(&ids), "hello");
         assert!(shape("nope").unwrap_err().contains("llama-1b"));
+        // q4_0's Q6_K embedding is not whole blocks of 576 columns: Q8_0, as llama-quantize does.
+        let q4 = with_quant(s, "q4_0").unwrap();
+        let (_dir, m) = written(&q4);
+        assert_eq!(
+            (m.token_embd.ty, m.layers[0].wq.ty),
+            (QuantType::Q8_0, QuantType::Q4_0)
+        );
+        assert_eq!(fallback(QuantType::Q4K, 576), QuantType::Q5_0);
+        assert_eq!(fallback(QuantType::Q4K, 512), QuantType::Q4K);
+        assert_eq!(fallback(QuantType::IQ4XS, 96), QuantType::IQ4NL);
+        assert_eq!(fallback(QuantType::Q6K, 40), QuantType::F16);
         let q8 = with_quant(shape("llama-8b").unwrap(), "q8_0").unwrap();
         assert_eq!((q8.formats[7], q8.tied), (QuantType::Q8_0, false));
         assert!(with_quant(q8, "q3").is_err());
