@@ -203,8 +203,9 @@ __device__ __forceinline__ float fw_matmul_warp_row(const uint8_t* __restrict__ 
 // Decode, a warp a row: y (rows) = x (cols) · Wᵀ for one token. Grid ceil(rows / FW_MMW_WARPS)
 // blocks of FW_MMW_WARPS warps, warp w of block b computing row FW_MMW_WARPS·b + w alone
 // (`fw_matmul_warp_row`): no block barrier, and x read through the cache (the same x for every
-// row, so it should stay in L1; not yet measured) instead of staged by every row's block with two
-// barriers, as the block layout does. Same bits as fw_matmul1.
+// row) instead of staged by every row's block with two barriers, as the block layout does. Same
+// bits as fw_matmul1. Slower than the block layout on an H200 (the 1B shape's batch-1 decode: 379
+// against 455 tokens/s, 2026-11-27), so not the default.
 template <int TY>
 __device__ __forceinline__ void fw_matmul_warp_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                     long long row_bytes, const float* __restrict__ x,

@@ -119,7 +119,7 @@ impl Gpu {
         tokens: std::ops::Range<usize>,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        check_int8(w, q)?;
+        check_int8(w.ty, w.cols, q)?;
         check(tokens.start <= tokens.end && tokens.end <= q.n, || {
             format!("int8 tokens {tokens:?} of {}", q.n)
         })?;
@@ -157,15 +157,16 @@ impl Gpu {
     }
 }
 
-/// A matrix `q` can multiply in int8: a format and width with an int8 kernel, q's width.
-pub(super) fn check_int8(w: &DeviceMatrix, q: &Q8Acts) -> Result<()> {
-    check(int8_applies(w.ty, w.cols), || {
-        format!("no int8 product for {} × {}", w.ty.name(), w.cols)
+/// Matrices of format `ty` and `cols` columns that `q` can multiply in int8: a format and width
+/// with an int8 kernel, q's width.
+pub(super) fn check_int8(ty: QuantType, cols: usize, q: &Q8Acts) -> Result<()> {
+    check(int8_applies(ty, cols), || {
+        format!("no int8 product for {} × {cols}", ty.name())
     })?;
-    check(q.cols == w.cols, || {
+    check(q.cols == cols, || {
         format!(
-            "int8 activations of {} values for a matrix of {} columns",
-            q.cols, w.cols
+            "int8 activations of {} values for a matrix of {cols} columns",
+            q.cols
         )
     })
 }

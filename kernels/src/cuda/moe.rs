@@ -2,12 +2,11 @@
 //! on the device and each (token, choice)'s expert product row by row, so that a decode step reads
 //! nothing back to the host.
 
-use super::int8::I8_ROWS;
+use super::int8::{check_int8, I8_ROWS};
 use super::launch::grid1;
 use super::Q8Acts;
 use super::{check, type_name, DeviceMatrix, Gpu, Result};
 use crate::quant::QuantType;
-use crate::reference::int8_applies;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// The most experts a token uses that `moe_route` takes (`FW_MOE_MAX_USED`).
@@ -147,17 +146,7 @@ impl Gpu {
         xdiv: usize,
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        check(
-            int8_applies(table.ty, table.cols) && q.cols == table.cols,
-            || {
-                format!(
-                    "int8 expert products of {} × {} from activations of {} values",
-                    table.ty.name(),
-                    table.cols,
-                    q.cols
-                )
-            },
-        )?;
+        check_int8(table.ty, table.cols, q)?;
         let out_blocks = table.rows.div_ceil(I8_ROWS);
         check(
             xdiv >= 1 && rows <= i32::MAX as usize && out_blocks <= 65535,
