@@ -13,6 +13,10 @@
 //                                              and tree, checked equal to the shares taken 8
 //                                              tokens at a time, as the batch kernel does (exit
 //                                              3 if not)
+//   fw_twin draw VOCAB K M                     stdin: 1/T (f32), VOCAB f32 logits, M uniforms
+//                                              (f64; < 0: greedy); stdout: the row's log-probs
+//                                              (f32), then per uniform the token and the K best
+//                                              (u32 each), by draw.cuh's helpers in fw_draw's order
 #include <stdio.h>
 #include <stdlib.h>
 #include <vector>
@@ -20,6 +24,7 @@
 #include "common.cuh"
 #include "units.cuh"
 #include "int8.cuh"
+#include "draw.cuh"
 
 static std::vector<unsigned char> read_all() {
   std::vector<unsigned char> v;
@@ -73,7 +78,84 @@ static bool int8_product(const unsigned char* w, int rows, int cols, long row_by
   return true;
 }
 
+// fw_draw's steps, its threads one after another.
+static void draw(std::vector<float>& r, float inv, const std::vector<double>& us, int k,
+                 std::vector<uint32_t>& out) {
+  const int vocab = (int)r.size(), nt = FW_DRAW_THREADS;
+  float mx = -INFINITY;
+  for (float& v : r) {
+    v = fw_mul(v, inv);
+    mx = fmaxf(mx, v);
+  }
+  std::vector<double> part(nt);
+  for (int t = 0; t < nt; t++) part[t] = fw_draw_lse_part(r.data(), vocab, t, nt, mx);
+  const float lse = fw_draw_lse(mx, fw_draw_sum(part.data(), nt));
+  for (float& v : r) v = fw_sub(v, lse);
+  float bv = -INFINITY;
+  int bi = -1;
+  for (int i = 0; i < vocab; i++)
+    if (fw_argmax_before(r[i], i, bv, bi)) {
+      bv = r[i];
+      bi = i;
+    }
+  std::vector<uint32_t> top;
+  int32_t pk = 0;
+  int pi = -1;
+  for (int j = 0; j < k && j < vocab; j++) {
+    int32_t ck = 0;
+    int ci = -1;
+    for (int i = 0; i < vocab; i++) {
+      const int32_t key = fw_total_key(r[i]);
+      if ((pi < 0 || fw_draw_before(pk, pi, key, i)) && fw_draw_before(key, i, ck, ci)) {
+        ck = key;
+        ci = i;
+      }
+    }
+    top.push_back((uint32_t)ci);
+    pk = ci < 0 ? pk : ck;
+    pi = ci;
+  }
+  for (double u : us) {
+    int token = bi < 0 ? 0 : bi;
+    if (u >= 0.0) {
+      for (int t = 0; t < nt; t++) {
+        int lo, hi;
+        fw_draw_chunk(vocab, nt, t, &lo, &hi);
+        part[t] = fw_draw_mass(r.data(), lo, hi);
+      }
+      const double total = fw_draw_scan(part.data(), nt);
+      int found = -1;
+      for (int t = 0; t < nt && found < 0; t++) {
+        int lo, hi;
+        fw_draw_chunk(vocab, nt, t, &lo, &hi);
+        found = fw_draw_find(r.data(), lo, hi, part[t], u * total);
+      }
+      for (int i = vocab - 1; i >= 0 && found < 0; i--)
+        if (r[i] > -INFINITY) found = i;
+      if (found >= 0) token = found;
+    }
+    out.push_back((uint32_t)token);
+    out.insert(out.end(), top.begin(), top.end());
+  }
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 5 && !strcmp(argv[1], "draw")) {
+    const int vocab = atoi(argv[2]), k = atoi(argv[3]), m = atoi(argv[4]);
+    std::vector<unsigned char> in = read_all();
+    if (vocab < 1 || in.size() != 4 + (size_t)vocab * 4 + (size_t)m * 8) return 2;
+    float inv;
+    memcpy(&inv, in.data(), 4);
+    std::vector<float> r(vocab);
+    memcpy(r.data(), in.data() + 4, (size_t)vocab * 4);
+    std::vector<double> us(m);
+    memcpy(us.data(), in.data() + 4 + (size_t)vocab * 4, (size_t)m * 8);
+    std::vector<uint32_t> out;
+    draw(r, inv, us, k, out);
+    fwrite(r.data(), 4, r.size(), stdout);
+    fwrite(out.data(), 4, out.size(), stdout);
+    return 0;
+  }
   if (argc >= 7 && !strcmp(argv[1], "int8")) {
     const int ty = atoi(argv[2]), rows = atoi(argv[3]), cols = atoi(argv[4]), n = atoi(argv[6]);
     const long row_bytes = atol(argv[5]);
@@ -151,6 +233,6 @@ int main(int argc, char** argv) {
     printf("%d\n", fw_first_key(atoi(argv[2]), atoi(argv[3])));
     return 0;
   }
-  fprintf(stderr, "usage: fw_twin dequant|kv|first_key|int8 ...\n");
+  fprintf(stderr, "usage: fw_twin dequant|kv|first_key|int8|draw ...\n");
   return 1;
 }

@@ -6,13 +6,15 @@
 
 use crate::quant::{bf16_to_f32, f16_to_f32, QuantType, IQ4_VALUES, QK};
 
-// The backward ops' twins, and the BF16 and int8 products' emulation, in files of their own; their paths
-// stay `reference::*`.
+// The backward ops' twins, the BF16 and int8 products' emulation and a token's draw, in files of
+// their own; their paths stay `reference::*`.
 mod backward;
 mod bf16;
+mod draw;
 mod int8;
 pub use backward::*;
 pub use bf16::*;
+pub use draw::*;
 pub use int8::*;
 
 /// Which dims of a head RoPE turns together (pair `i` turns by frequency `i` either way).

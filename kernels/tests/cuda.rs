@@ -9,6 +9,8 @@
 #[path = "cuda/attention.rs"]
 mod attention;
 mod common;
+#[path = "cuda/draw.rs"]
+mod draw;
 #[path = "cuda/int8.rs"]
 mod int8;
 #[path = "cuda/moe.rs"]

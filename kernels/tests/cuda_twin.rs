@@ -210,3 +210,86 @@ fn int8_products_equal_the_cpu_int8_reference_bit_for_bit_for_every_format() {
         }
     }
 }
+
+/// A row of logits with what a draw must get right: ties at the top (the lower index first),
+/// masked tokens (-inf), and a spread wide enough that the inverse CDF crosses many chunks.
+fn draw_logits(rng: &mut Rng, vocab: usize) -> Vec<f32> {
+    let mut x = rng.vec(vocab, 6.0);
+    if vocab > 10 {
+        let top = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max) + 0.5;
+        (x[9], x[4]) = (top, top);
+        x[3] = f32::NEG_INFINITY;
+        x[vocab - 1] = f32::NEG_INFINITY;
+    }
+    x
+}
+
+#[test]
+fn device_draws_equal_the_samplers_reference_draws() {
+    let mut rng = Rng(33);
+    // One token, fewer tokens than threads, a row not a multiple of the threads, SmolLM2's and
+    // Llama 3's vocabularies.
+    for vocab in [1usize, 7, 1000, 49152, 128256] {
+        let x = draw_logits(&mut rng, vocab);
+        let k = 20.min(vocab);
+        for temperature in [None, Some(0.7f32), Some(1.0), Some(1.3)] {
+            let mut us: Vec<f64> = (0..40)
+                .map(|_| (rng.next() >> 11) as f64 / (1u64 << 53) as f64)
+                .collect();
+            us.extend([0.0, 1.0 - f64::EPSILON / 2.0, 0.5]);
+            let inv = match temperature {
+                Some(t) if t != 1.0 => 1.0 / t,
+                _ => 1.0f32,
+            };
+            // What the engine's sampler computes: scale (not when greedy or T = 1), log-softmax.
+            let mut lp = x.clone();
+            if inv != 1.0 {
+                lp.iter_mut().for_each(|v| *v *= inv);
+            }
+            reference::log_softmax(&mut lp);
+            let greedy = temperature.is_none();
+            let sent: Vec<f64> = if greedy { vec![-1.0] } else { us.clone() };
+            let input: Vec<u8> = inv
+                .to_le_bytes()
+                .into_iter()
+                .chain(x.iter().flat_map(|v| v.to_le_bytes()))
+                .chain(sent.iter().flat_map(|u| u.to_le_bytes()))
+                .collect();
+            let args = [
+                "draw".to_string(),
+                vocab.to_string(),
+                k.to_string(),
+                sent.len().to_string(),
+            ];
+            let words: Vec<u32> = twin(&args, &input)
+                .chunks(4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(words.len(), vocab + sent.len() * (1 + k));
+            let what = format!("vocab {vocab}, T {temperature:?}");
+            let bad = (0..vocab).find(|&i| !same(f32::from_bits(words[i]), lp[i]));
+            assert!(
+                bad.is_none(),
+                "{what}: log-prob {bad:?} differs from the reference's"
+            );
+            let top = reference::top_indices(&lp, k);
+            for (j, (&u, got)) in sent.iter().zip(words[vocab..].chunks(1 + k)).enumerate() {
+                let want = if greedy {
+                    reference::argmax(&lp)
+                } else {
+                    reference::inverse_cdf(&lp, u)
+                };
+                assert_eq!(got[0], want, "{what}, draw {j} at u = {u}");
+                assert_eq!(&got[1..], &top[..], "{what}: the top {k}");
+            }
+            if vocab > 10 {
+                assert_eq!(
+                    top[..2],
+                    [4, 9],
+                    "{what}: the tie at the top, lower index first"
+                );
+                assert!(!top.contains(&3), "{what}: a masked token among the best");
+            }
+        }
+    }
+}

@@ -7,6 +7,7 @@
 //! and no CUDA library, where `Gpu::open` says why it cannot run.
 
 mod adapters;
+mod draw;
 mod int8;
 mod launch;
 mod moe;
@@ -14,6 +15,7 @@ mod paged;
 mod products;
 
 pub use adapters::{AdapterEntry, AdapterRows};
+pub use draw::{DrawBuffers, DrawSpec, Drawn, DRAW_TOP};
 pub use int8::Q8Acts;
 pub use launch::ATT_MAX_HEAD_DIM;
 pub use moe::{ExpertTable, MOE_MAX_USED};
@@ -63,6 +65,7 @@ const OTHERS: &[&str] = &[
     "fw_attention_f16",
     "fw_log_softmax",
     "fw_argmax",
+    "fw_draw",
     "fw_scale",
     "fw_axpy",
     "fw_add_bias",

@@ -6,9 +6,12 @@
 use super::constraint::TokenMask;
 use crate::policy::{is_greedy, scale_and_normalize};
 use crate::util::Rng;
-use flywheel_kernels::Cpu;
+use flywheel_kernels::{reference, Cpu};
 use std::collections::HashMap;
 use std::sync::Arc;
+
+/// The index of the largest logit (the lowest of equals).
+pub use flywheel_kernels::reference::argmax;
 
 #[derive(Clone, Debug)]
 pub struct SamplingParams {
@@ -272,29 +275,10 @@ pub fn score_row(
     }
 }
 
-/// The index of the largest value (the lowest index on ties).
-pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// The `k` best (token, logprob), best first.
 pub fn top_k(lp: &[f32], k: usize) -> Vec<TopLogprob> {
-    if k == 0 {
-        return Vec::new();
-    }
-    let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
-    let k = k.min(idx.len());
-    let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
-    idx.select_nth_unstable_by(k - 1, cmp);
-    idx.truncate(k);
-    idx.sort_by(cmp);
-    idx.into_iter()
+    reference::top_indices(lp, k)
+        .into_iter()
         .map(|i| TopLogprob {
             token_id: i,
             logprob: lp[i as usize],
@@ -309,16 +293,7 @@ fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> (u32, f64)
     let (top_k, top_p) = (p.top_k, p.top_p);
     let u = rng.next_f64();
     if top_k == 0 && top_p >= 1.0 && p.min_p <= 0.0 {
-        // Inverse CDF over the full distribution.
-        let mut acc = 0.0f64;
-        let target = u * lp.iter().map(|v| (*v as f64).exp()).sum::<f64>();
-        for (i, v) in lp.iter().enumerate() {
-            acc += (*v as f64).exp();
-            if acc > target {
-                return (i as u32, 0.0);
-            }
-        }
-        return (argmax(lp), 0.0);
+        return (reference::inverse_cdf(lp, u), 0.0);
     }
     let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
     let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));

@@ -1,0 +1,242 @@
+// Drawing each sequence's next token on the GPU, so that a decode step returns a few words a row
+// (the token, its log-prob, the top alternatives) instead of the whole row of logits: 33 MB a
+// step at batch 64 with a 128k vocabulary, and the host's sampling of it.
+//
+// One block per drawn row (`fw_draw`), the steps of the engine's sampler (`engine::sampler`) for
+// a draw from the whole distribution:
+//   1. scale the logits by 1/T (the host sends 1 when greedy or T = 1, and x·1 = x);
+//   2. log-softmax as `reference::log_softmax` computes it: the max, Σ exp(x - max) in f64,
+//      lse = max + (f32) ln Σ, x - lse. Each thread sums its strided values, thread 0 adds the
+//      threads' sums in order (`fw_draw_sum`): the f64 sum is rounded to f32 once, so lse is the
+//      reference's (the CPU's SIMD kernels are within 1e-5 of it) but where the two f64 sums round to different f32 values (a sum's rounding error,
+//      ~1e-16 relative, against f32's 6e-8);
+//   3. greedy: the argmax of the log-probs (the first of equals); otherwise the inverse CDF at
+//      the host's u (`reference::inverse_cdf`): thread t sums exp(lp) over its contiguous chunk
+//      (f64), thread 0 turns the chunk sums into their running sums (`fw_draw_scan`), and each
+//      thread finds the first index in its chunk where the running sum passes u·Σ
+//      (`fw_draw_find`); the first of those is the token. Where rounding left none (u near 1),
+//      the last token of positive probability, where u → 1 lands (the argmax if none). The
+//      sums are grouped by chunk where the CPU's run in one line, so the token is the CPU's but
+//      where u·Σ falls within rounding (~1e-16) of a boundary between two tokens;
+//   4. the k best (token, log-prob), best first by `total_cmp` then index (`reference::top_indices`):
+//      k passes, each the best after the one before under that total order (a unique answer, so
+//      any order of reduction gives it).
+// The helpers are written once for the device and the host twin (`twin.cu draw`), which
+// `kernels/tests/cuda_twin.rs` checks against `reference` on every machine. Written here: no crate
+// draws on CUDA from Rust with the CPU sampler's rule.
+#pragma once
+
+#define FW_DRAW_THREADS 512
+// The most alternatives a row reports (OpenAI's top_logprobs ≤ 20).
+#define FW_DRAW_TOP 20
+// A spec: row, 1/T's bits, u's low and high words, greedy, k. A result: token, its log-prob's bits,
+// then FW_DRAW_TOP ids and FW_DRAW_TOP log-probs' bits.
+#define FW_DRAW_SPEC_WORDS 6
+#define FW_DRAWN_WORDS (2 + 2 * FW_DRAW_TOP)
+
+#ifdef __CUDA_ARCH__
+#define FW_EXP(x) exp(x)
+#define FW_LOG(x) log(x)
+#else
+#include <math.h>
+#define FW_EXP(x) ::exp(x)
+#define FW_LOG(x) ::log(x)
+#endif
+
+// Thread t's share of Σ exp(x - max) (f64): its values t, t + nt, ….
+FW_HD double fw_draw_lse_part(const float* r, int vocab, int t, int nt, float mx) {
+  double s = 0.0;
+  for (int i = t; i < vocab; i += nt) s += FW_EXP((double)fw_sub(r[i], mx));
+  return s;
+}
+
+// Σ of the threads' shares, in order.
+FW_HD double fw_draw_sum(const double* part, int nt) {
+  double s = 0.0;
+  for (int j = 0; j < nt; j++) s += part[j];
+  return s;
+}
+
+// The log-sum-exp as the reference rounds it: max + (f32) ln Σ.
+FW_HD float fw_draw_lse(float mx, double sum) { return fw_add(mx, (float)FW_LOG(sum)); }
+
+// Thread t's contiguous chunk [lo, hi) of the row.
+FW_HD void fw_draw_chunk(int vocab, int nt, int t, int* lo, int* hi) {
+  const int c = (vocab + nt - 1) / nt;
+  const long a = (long)t * c, b = a + c;
+  *lo = a < vocab ? (int)a : vocab;
+  *hi = b < vocab ? (int)b : vocab;
+}
+
+// Σ exp(lp) over [lo, hi), in order (f64).
+FW_HD double fw_draw_mass(const float* lp, int lo, int hi) {
+  double s = 0.0;
+  for (int i = lo; i < hi; i++) s += FW_EXP((double)lp[i]);
+  return s;
+}
+
+// The chunks' sums turned into the running sum before each chunk, in order; returns the total.
+FW_HD double fw_draw_scan(double* part, int nt) {
+  double acc = 0.0;
+  for (int j = 0; j < nt; j++) {
+    const double m = part[j];
+    part[j] = acc;
+    acc += m;
+  }
+  return acc;
+}
+
+// The first index in [lo, hi) where the running sum from `before` passes `target`; -1 if none.
+FW_HD int fw_draw_find(const float* lp, int lo, int hi, double before, double target) {
+  double acc = before;
+  for (int i = lo; i < hi; i++) {
+    acc += FW_EXP((double)lp[i]);
+    if (acc > target) return i;
+  }
+  return -1;
+}
+
+// Rust's f32::total_cmp as an integer order: -NaN < -inf < … < -0 < +0 < … < +inf < +NaN.
+FW_HD int32_t fw_total_key(float v) {
+  int32_t b;
+  memcpy(&b, &v, 4);
+  return b ^ (int32_t)((uint32_t)(b >> 31) >> 1);
+}
+
+// Whether (key a, index i) comes before (key b, index j): larger first, then the lower index.
+// j < 0: nothing yet, everything comes before it.
+FW_HD bool fw_draw_before(int32_t a, int i, int32_t b, int j) {
+  return j < 0 || a > b || (a == b && i < j);
+}
+
+// The argmax's order: a larger value (`>`: NaN never), then the lower index; j < 0: nothing yet.
+FW_HD bool fw_argmax_before(float a, int i, float b, int j) {
+  return (j < 0 && a == a) || (j >= 0 && (a > b || (a == b && i < j)));
+}
+
+// The kernel, in kernels.cu's build only (it takes that file's block reductions; the twin
+// compiles the helpers above).
+#if defined(__CUDA_ARCH__) && defined(FW_ROW_THREADS)
+// The best (value, index) of the block by `before` (a strict total order on distinct indices:
+// the answer is unique, whatever the order of reduction). Every thread gets it.
+template <typename K, typename B>
+__device__ void fw_draw_best(K* key, int* at, B before) {
+  __shared__ K bk[FW_DRAW_THREADS / 32];
+  __shared__ int bi[FW_DRAW_THREADS / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const K ok = __shfl_xor_sync(0xffffffffu, *key, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, *at, o);
+    if (oi >= 0 && before(ok, oi, *key, *at)) {
+      *key = ok;
+      *at = oi;
+    }
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();
+  if (lane == 0) {
+    bk[warp] = *key;
+    bi[warp] = *at;
+  }
+  __syncthreads();
+  for (int w = 0; w < FW_DRAW_THREADS / 32; w++)
+    if (bi[w] >= 0 && before(bk[w], bi[w], *key, *at)) {
+      *key = bk[w];
+      *at = bi[w];
+    }
+}
+
+// Grid (drawn rows), FW_DRAW_THREADS threads. x: the step's logits, `vocab` a row; spec and out:
+// FW_DRAW_SPEC_WORDS and FW_DRAWN_WORDS words a drawn row. The row's logits are left as its
+// log-probs.
+extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS)
+    fw_draw(float* __restrict__ x, int vocab, const uint32_t* __restrict__ spec,
+            uint32_t* __restrict__ out) {
+  __shared__ double part[FW_DRAW_THREADS];
+  __shared__ float lse_s;
+  __shared__ double total_s;
+  __shared__ int32_t prev_k;
+  __shared__ int prev_i;
+  const uint32_t* s = spec + (size_t)blockIdx.x * FW_DRAW_SPEC_WORDS;
+  uint32_t* o = out + (size_t)blockIdx.x * FW_DRAWN_WORDS;
+  float* r = x + (size_t)s[0] * vocab;
+  const float inv = __uint_as_float(s[1]);
+  const double u = __hiloint2double((int)s[3], (int)s[2]);
+  const bool greedy = s[4] != 0;
+  const int k = min(min((int)s[5], FW_DRAW_TOP), vocab);
+  const int t = threadIdx.x, nt = FW_DRAW_THREADS;
+
+  float mx = -INFINITY;
+  for (int i = t; i < vocab; i += nt) {
+    const float v = fw_mul(r[i], inv);
+    r[i] = v;
+    mx = fmaxf(mx, v);
+  }
+  mx = fw_block_max(mx);
+  part[t] = fw_draw_lse_part(r, vocab, t, nt, mx);
+  __syncthreads();
+  if (t == 0) lse_s = fw_draw_lse(mx, fw_draw_sum(part, nt));
+  __syncthreads();
+  const float lse = lse_s;
+  for (int i = t; i < vocab; i += nt) r[i] = fw_sub(r[i], lse);
+  __syncthreads();
+
+  // The argmax: the greedy token, and the draw's token where rounding leaves none.
+  float bv = -INFINITY;
+  int bi = -1;
+  for (int i = t; i < vocab; i += nt)
+    if (fw_argmax_before(r[i], i, bv, bi)) {
+      bv = r[i];
+      bi = i;
+    }
+  fw_draw_best(&bv, &bi, [](float a, int i, float b, int j) { return fw_argmax_before(a, i, b, j); });
+  int token = bi < 0 ? 0 : bi;
+  if (!greedy) {
+    int lo, hi;
+    fw_draw_chunk(vocab, nt, t, &lo, &hi);
+    part[t] = fw_draw_mass(r, lo, hi);
+    __syncthreads();
+    if (t == 0) total_s = fw_draw_scan(part, nt);
+    __syncthreads();
+    const int f = fw_draw_find(r, lo, hi, part[t], u * total_s);
+    // The first found: as an argmax of -index (no key: every found index is a candidate).
+    int32_t key = 0;
+    int at = f;
+    fw_draw_best(&key, &at, [](int32_t, int i, int32_t, int j) { return j < 0 || i < j; });
+    if (at < 0) {
+      // The last token of positive probability (uniform across the block: `at` is everyone's).
+      for (int i = t; i < vocab; i += nt)
+        if (r[i] > -INFINITY) at = i;
+      fw_draw_best(&key, &at, [](int32_t, int i, int32_t, int j) { return j < 0 || i > j; });
+    }
+    if (at >= 0) token = at;
+  }
+  if (t == 0) {
+    o[0] = (uint32_t)token;
+    o[1] = __float_as_uint(r[token]);
+  }
+  // The k best after the one before, pass by pass.
+  if (t == 0) prev_i = -1;
+  for (int j = 0; j < k; j++) {
+    __syncthreads();
+    const int32_t pk = prev_k;
+    const int pi = prev_i;
+    int32_t ck = 0;
+    int ci = -1;
+    for (int i = t; i < vocab; i += nt) {
+      const int32_t key = fw_total_key(r[i]);
+      if ((pi < 0 || fw_draw_before(pk, pi, key, i)) && fw_draw_before(key, i, ck, ci)) {
+        ck = key;
+        ci = i;
+      }
+    }
+    fw_draw_best(&ck, &ci, [](int32_t a, int i, int32_t b, int j) { return fw_draw_before(a, i, b, j); });
+    if (t == 0) {
+      prev_k = ck;
+      prev_i = ci;
+      o[2 + j] = (uint32_t)ci;
+      o[2 + FW_DRAW_TOP + j] = __float_as_uint(r[ci]);
+    }
+  }
+}
+#endif

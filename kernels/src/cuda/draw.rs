@@ -1,0 +1,146 @@
+//! Each row's next token drawn on the GPU (`cuda/draw.cuh`): the sampler's rule for a draw from
+//! the whole distribution (greedy, or the inverse CDF at a uniform the host draws from the
+//! sequence's own random stream), its log-prob and the top alternatives, so that a decode step
+//! reads back a few words a row instead of its logits. Rows the rule does not cover (penalties,
+//! biases, grammars, top-k/top-p/min-p) keep their logits for the host's sampler.
+
+use super::launch::len_at_least;
+use super::{check, Gpu, Result};
+use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
+
+/// The most alternatives a drawn row reports (`FW_DRAW_TOP`; OpenAI's `top_logprobs` ≤ 20).
+pub const DRAW_TOP: usize = 20;
+/// `FW_DRAW_THREADS`, `FW_DRAW_SPEC_WORDS`, `FW_DRAWN_WORDS`.
+const THREADS: u32 = 512;
+const SPEC_WORDS: usize = 6;
+const DRAWN_WORDS: usize = 2 + 2 * DRAW_TOP;
+
+/// How one row of logits is drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrawSpec {
+    /// The row of the step's logits.
+    pub row: u32,
+    /// None: greedy (the argmax of log-softmax(logits)); Some((T, u)): the inverse CDF of
+    /// log-softmax(logits / T) at u in [0, 1).
+    pub sample: Option<(f32, f64)>,
+    /// How many alternatives to report (≤ `DRAW_TOP`).
+    pub top: usize,
+}
+
+/// A drawn row: the token, its log-prob, and the `top` best (token, log-prob), best first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Drawn {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// A step's specs and results on the device, for up to `rows` drawn rows.
+pub struct DrawBuffers {
+    spec: CudaSlice<u32>,
+    out: CudaSlice<u32>,
+    host: Vec<u32>,
+    rows: usize,
+}
+
+impl DrawSpec {
+    /// The spec's words (`fw_draw`'s layout): row, 1/T, u's low and high words, greedy, k. 1/T
+    /// is 1 when greedy or T = 1, where the sampler does not scale.
+    fn words(&self) -> [u32; SPEC_WORDS] {
+        let (inv, u) = match self.sample {
+            Some((t, u)) if t != 1.0 => (1.0 / t, u),
+            Some((_, u)) => (1.0, u),
+            None => (1.0f32, 0.0f64),
+        };
+        let ub = u.to_bits();
+        [
+            self.row,
+            inv.to_bits(),
+            ub as u32,
+            (ub >> 32) as u32,
+            self.sample.is_none() as u32,
+            self.top as u32,
+        ]
+    }
+}
+
+impl Gpu {
+    /// Room for the draws of up to `rows` rows a step.
+    pub fn draw_buffers(&self, rows: usize) -> Result<DrawBuffers> {
+        let rows = rows.max(1);
+        Ok(DrawBuffers {
+            spec: self.zeros(rows * SPEC_WORDS)?,
+            out: self.zeros(rows * DRAWN_WORDS)?,
+            host: vec![0; rows * DRAWN_WORDS],
+            rows,
+        })
+    }
+
+    /// Draw the rows `specs` name from `x` (`n` rows of `vocab` logits; each drawn row is left as
+    /// its log-probs, the others untouched), after everything queued before; `out` gets one
+    /// `Drawn` per spec, in order.
+    pub fn draw(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        n: usize,
+        vocab: usize,
+        specs: &[DrawSpec],
+        bufs: &mut DrawBuffers,
+        out: &mut Vec<Drawn>,
+    ) -> Result<()> {
+        out.clear();
+        check(specs.len() <= bufs.rows, || {
+            format!("{} rows to draw, room for {}", specs.len(), bufs.rows)
+        })?;
+        check(vocab > 0 && vocab <= i32::MAX as usize, || {
+            format!("draw: a vocabulary of {vocab}")
+        })?;
+        len_at_least(x, n * vocab, "draw")?;
+        let mut words = Vec::with_capacity(specs.len() * SPEC_WORDS);
+        for s in specs {
+            check((s.row as usize) < n, || {
+                format!("draw: row {} of {n}", s.row)
+            })?;
+            check(s.top <= DRAW_TOP.min(vocab), || {
+                format!("draw: {} alternatives of {vocab}, at most {DRAW_TOP}", s.top)
+            })?;
+            if let Some((t, u)) = s.sample {
+                check(t > 0.0 && t.is_finite() && (0.0..1.0).contains(&u), || {
+                    format!("draw: temperature {t}, u {u}")
+                })?;
+            }
+            words.extend(s.words());
+        }
+        // Two specs of one row would draw from log-probs already computed in place.
+        let mut seen: Vec<u32> = specs.iter().map(|s| s.row).collect();
+        seen.sort_unstable();
+        check(seen.windows(2).all(|w| w[0] != w[1]), || {
+            "draw: a row named twice".to_string()
+        })?;
+        if specs.is_empty() {
+            return Ok(());
+        }
+        self.write(&words, &mut bufs.spec)?;
+        let f = self.function("fw_draw")?;
+        let (xp, v) = (self.ptr_mut(x), vocab as i32);
+        let (sp, op) = (self.ptr(&bufs.spec), self.ptr_mut(&mut bufs.out));
+        let cfg = LaunchConfig {
+            grid_dim: (specs.len() as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(f, cfg, &[&xp, &v, &sp, &op])?;
+        let got = &mut bufs.host[..specs.len() * DRAWN_WORDS];
+        self.read_into(&bufs.out.slice(..got.len()), got)?;
+        out.extend(got.chunks(DRAWN_WORDS).zip(specs).map(|(w, s)| {
+            Drawn {
+                token: w[0],
+                logprob: f32::from_bits(w[1]),
+                top: (0..s.top)
+                    .map(|j| (w[2 + j], f32::from_bits(w[2 + DRAW_TOP + j])))
+                    .collect(),
+            }
+        }));
+        Ok(())
+    }
+}

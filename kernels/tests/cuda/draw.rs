@@ -1,0 +1,107 @@
+//! Tokens drawn on the GPU (`Gpu::draw`, `cuda/draw.cuh`) against the engine sampler's reference
+//! (`reference::log_softmax`, `argmax`, `inverse_cdf`, `top_indices`). The host twin checks the
+//! same arithmetic on every machine (`tests/cuda_twin.rs`); this checks the kernel: its threads,
+//! reductions and launch, several rows at once, the rows not drawn left as they were.
+
+use super::gpu;
+use crate::common::Rng;
+use flywheel_kernels::cuda::{DrawSpec, DRAW_TOP};
+use flywheel_kernels::reference;
+
+#[test]
+fn drawn_tokens_and_log_probs_are_the_samplers() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(41);
+    for vocab in [7usize, 1000, 49152, 128256] {
+        let n = 9;
+        let mut x = rng.vec(n * vocab, 6.0);
+        if vocab > 10 {
+            // A tie at the top of row 0 and a masked token.
+            let top = x[..vocab].iter().cloned().fold(f32::NEG_INFINITY, f32::max) + 0.5;
+            (x[9], x[4], x[3]) = (top, top, f32::NEG_INFINITY);
+        }
+        let mut dx = g.upload(&x).unwrap();
+        // Rows 0, 2, 3, 5, 8: greedy, and draws at three temperatures; rows 1, 4, 6, 7 kept.
+        let specs: Vec<DrawSpec> = [
+            (0u32, None),
+            (2, Some(0.7f32)),
+            (3, Some(1.0)),
+            (5, Some(1.3)),
+            (8, None),
+        ]
+        .into_iter()
+        .map(|(row, t)| DrawSpec {
+            row,
+            sample: t.map(|t| (t, (rng.next() >> 11) as f64 / (1u64 << 53) as f64)),
+            top: (row as usize * 3).min(DRAW_TOP).min(vocab),
+        })
+        .collect();
+        let mut bufs = g.draw_buffers(8).unwrap();
+        let mut out = Vec::new();
+        g.draw(&mut dx, n, vocab, &specs, &mut bufs, &mut out)
+            .unwrap();
+        let after = g.download(&dx).unwrap();
+        assert_eq!(out.len(), specs.len());
+        for (s, d) in specs.iter().zip(&out) {
+            let r = s.row as usize;
+            let mut want = x[r * vocab..(r + 1) * vocab].to_vec();
+            if let Some((t, _)) = s.sample.filter(|(t, _)| *t != 1.0) {
+                let inv = 1.0 / t;
+                want.iter_mut().for_each(|v| *v *= inv);
+            }
+            reference::log_softmax(&mut want);
+            let lp = &after[r * vocab..(r + 1) * vocab];
+            // The device's f64 exp and log may round differently from the host's by an ulp of
+            // f64, which moves lse by an ulp of f32 at most.
+            for (i, (&a, &b)) in lp.iter().zip(&want).enumerate() {
+                assert!(
+                    a == b || (a - b).abs() <= 4e-7 * b.abs().max(1.0),
+                    "vocab {vocab} row {r}: log-prob {i} is {a} on the GPU, {b} by the reference"
+                );
+            }
+            // The rest is exact given the device's log-probs.
+            let token = match s.sample {
+                None => reference::argmax(lp),
+                Some((_, u)) => reference::inverse_cdf(lp, u),
+            };
+            assert_eq!(d.token, token, "vocab {vocab} row {r}: {s:?}");
+            assert_eq!(d.logprob.to_bits(), lp[token as usize].to_bits());
+            let top: Vec<(u32, f32)> = reference::top_indices(lp, s.top)
+                .into_iter()
+                .map(|i| (i, lp[i as usize]))
+                .collect();
+            assert_eq!(d.top, top, "vocab {vocab} row {r}: the top {}", s.top);
+        }
+        if vocab > 10 {
+            assert_eq!(out[0].token, 4, "greedy at a tie: the lower index");
+        }
+        for r in [1usize, 4, 6, 7] {
+            assert_eq!(
+                after[r * vocab..(r + 1) * vocab],
+                x[r * vocab..(r + 1) * vocab]
+            );
+        }
+    }
+}
+
+#[test]
+fn draws_the_kernel_cannot_take_are_refused() {
+    let Some(g) = gpu() else { return };
+    let mut dx = g.upload(&vec![0.0f32; 2 * 50]).unwrap();
+    let mut bufs = g.draw_buffers(2).unwrap();
+    let mut out = Vec::new();
+    let spec = |row, sample, top| DrawSpec { row, sample, top };
+    for bad in [
+        vec![spec(2, None, 0)],                                     // past the rows
+        vec![spec(0, None, DRAW_TOP + 1)],                          // too many alternatives
+        vec![spec(0, None, 0), spec(0, None, 0)],                   // a row twice
+        vec![spec(0, Some((0.0, 0.5)), 0)],                         // no temperature
+        vec![spec(0, Some((1.0, 1.0)), 0)],                         // u outside [0, 1)
+        vec![spec(0, None, 0), spec(1, None, 0), spec(1, None, 0)], // more than the room
+    ] {
+        assert!(
+            g.draw(&mut dx, 2, 50, &bad, &mut bufs, &mut out).is_err(),
+            "{bad:?}"
+        );
+    }
+}
