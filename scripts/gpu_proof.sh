@@ -223,8 +223,8 @@ layouts)
 next)
   # Each step bounded; the bounds add up to 590 s (a call may run 600; the steps took ~3
   # minutes in all when last measured, the benches and racecheck most of it).
-  STEP_S=60 step kernels "$B/kernels-cuda" --test-threads 1
-  STEP_S=120 step forward "$B/cuda-forward" --test-threads 1
+  STEP_S=50 step kernels "$B/kernels-cuda" --test-threads 1
+  STEP_S=100 step forward "$B/cuda-forward" --test-threads 1
   m=/tmp/llama-1b.gguf
   [ -f "$m" ] || STEP_S=40 step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
   for p in exact int8; do
@@ -232,9 +232,15 @@ next)
       --model "$m" --prompt-tokens 512 --decode-tokens 64 --batch 1,8,64 --runs 3 --kv-cache-dtype f16
     grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-$p.log" | sed 's/^/    /' >>"$SUMMARY"
   done
-  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
+  # The same with every token's logits back on the host and the argmax there (as before the
+  # GPU drew tokens): what drawing on the GPU saves a decode step.
+  FLYWHEEL_CUDA_SAMPLING=0 STEP_S=50 step bench-llama-1b-host-draws "$B/flywheel" bench \
+    --device cuda --model "$m" --prompt-tokens 512 --decode-tokens 64 --batch 1,8,64 --runs 3 \
+    --kv-cache-dtype f16
+  grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-host-draws.log" | sed 's/^/    /' >>"$SUMMARY"
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=50 step memcheck-kernels compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
-  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=80 step racecheck compute-sanitizer --tool racecheck \
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=70 step racecheck compute-sanitizer --tool racecheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   STEP_S=80 profile_adapter lora
   # Why a decode step's attention takes ~23-51 µs a layer where a latency estimate says ~5:

@@ -9,13 +9,14 @@ use crate::adapter::AdapterWeights;
 use crate::bench::{median, BenchOptions};
 use crate::generate::BLOCK_SIZE;
 use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
-use flywheel_kernels::cuda::Gpu;
+use flywheel_kernels::cuda::{DrawSpec, Drawn, Gpu};
 use std::time::Instant;
 
 /// One engine (graphs on or off) and the cache blocks each decode sequence owns.
 struct Bench {
     gpu: GpuDecoder,
     bufs: ForwardBuffers,
+    drawn: Vec<Drawn>,
 }
 
 impl Bench {
@@ -31,11 +32,13 @@ impl Bench {
             max_model_len: o.prompt_tokens.max(8 + o.decode_tokens),
             graphs,
             int8,
+            draws: std::env::var("FLYWHEEL_CUDA_SAMPLING").as_deref() != Ok("0"),
         };
         let gpu = GpuDecoder::new(Gpu::open(0)?, model, shape)?;
         Ok(Bench {
             gpu,
             bufs: ForwardBuffers::default(),
+            drawn: Vec::new(),
         })
     }
 
@@ -58,8 +61,9 @@ impl Bench {
         Ok(t.elapsed().as_secs_f64())
     }
 
-    /// Seconds for `steps` decode steps of `b` sequences (8-token prompts, greedy), the
-    /// logits back on the host each step as the engine has them; every sequence through
+    /// Seconds for `steps` decode steps of `b` sequences (8-token prompts, greedy), each token
+    /// drawn as the engine has it (on the GPU; with FLYWHEEL_CUDA_SAMPLING=0 the logits back
+    /// on the host and the argmax there); every sequence through
     /// `adapter` where given.
     fn decode(
         &mut self,
@@ -100,6 +104,21 @@ impl Bench {
                     adapter,
                 })
                 .collect();
+            if g.gpu.draws() {
+                // As the engine serves greedy rows: the tokens drawn on the GPU.
+                let specs: Vec<Option<DrawSpec>> = (0..batch.len() as u32)
+                    .map(|row| {
+                        Some(DrawSpec {
+                            row,
+                            sample: None,
+                            top: 0,
+                        })
+                    })
+                    .collect();
+                g.gpu
+                    .forward_drawing(model, &batch, &specs, &mut g.bufs, &mut g.drawn)?;
+                return Ok(g.drawn.iter().map(|d| d.token).collect());
+            }
             g.gpu.forward_into(model, &batch, &mut g.bufs)?;
             Ok(g.bufs
                 .logits
@@ -191,9 +210,10 @@ pub fn run(model: &Decoder, o: &BenchOptions, int8: bool) -> anyhow::Result<()> 
     let bandwidth = copy_bandwidth()?;
     println!(
         "model: {}  device: {device}  weights read per decode step: {:.1} MB  \
-         copy bandwidth: {bandwidth:.0} GB/s",
+         copy bandwidth: {bandwidth:.0} GB/s  tokens drawn on the {}",
         o.model_path,
-        per_token / 1e6
+        per_token / 1e6,
+        if graphs.gpu.draws() { "GPU" } else { "host" }
     );
     println!(
         "{:<8} {:>6} {:>14} {:>14} {:>8} {:>16}",
@@ -234,6 +254,7 @@ pub fn run(model: &Decoder, o: &BenchOptions, int8: bool) -> anyhow::Result<()> 
             "graphs_before": p.graphs_before, "graphs_after": p.graphs_after,
         })),
         "device": device,
+        "tokens_drawn_on_gpu": graphs.gpu.draws(),
         "runs": o.runs,
         "weight_bytes_per_token": model.weight_bytes_per_token(),
         "copy_bandwidth_gbps": bandwidth,

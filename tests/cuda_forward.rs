@@ -13,7 +13,8 @@ use flywheel::adapter::{
     AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
 use flywheel::kernels::cpu::Precision;
-use flywheel::kernels::cuda::Gpu;
+use flywheel::kernels::cuda::{DrawSpec, Gpu};
+use flywheel::kernels::reference;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
 use flywheel::model::kv_cache::{KvCache, KvDtype};
@@ -45,6 +46,7 @@ fn shape(graphs: bool) -> GpuShape {
         max_model_len: 64,
         graphs,
         int8: false,
+        draws: true,
     }
 }
 
@@ -410,4 +412,110 @@ fn moe_graphs_equal_eager_launches(spec: &TinySpec, int8: bool) {
             captured,
         );
     }
+}
+
+/// Tokens drawn on the GPU (`forward_drawing`) are the host sampler's for the same logits: greedy
+/// and at temperatures, with alternatives, mixed in one step with rows whose logits come back
+/// (prompt scoring's rows, a row left to the host), in prefill (eager) and decode (graphs) steps;
+/// the logits that come back are `forward_into`'s bit for bit.
+#[test]
+fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
+    if gpu().is_none() {
+        return;
+    }
+    let (_dir, path) = write_tiny(&TinySpec::llama3());
+    let model = Decoder::open(&path).unwrap();
+    let vocab = model.config.vocab_size;
+    let mut drawing = GpuDecoder::new(gpu().unwrap(), &model, shape(true)).unwrap();
+    assert!(drawing.draws());
+    let host_shape = GpuShape {
+        draws: false,
+        ..shape(true)
+    };
+    let mut host = GpuDecoder::new(gpu().unwrap(), &model, host_shape).unwrap();
+    assert!(!host.draws());
+    let mut rng = Rng(8);
+    let mut seqs = prompts(5, vocab as u64, &mut rng);
+    let uniform = |rng: &mut Rng| (rng.next() >> 11) as f64 / (1u64 << 53) as f64;
+    for n in 0..6 {
+        // The prompts (sequence 0's scored: every row's logits), then decode steps.
+        let steps: Vec<(usize, usize, Logits)> = (0..5)
+            .map(|i| match (n, i) {
+                (0, 0) => (i, 4, Logits::All),
+                (0, _) => (i, 4, Logits::Last),
+                _ => (i, 1, Logits::Last),
+            })
+            .collect();
+        let b = batch(&seqs, &steps);
+        let mut want = ForwardBuffers::default();
+        host.forward_into(&model, &b, &mut want).unwrap();
+        let rows = want.logits.len() / vocab;
+        // Per logit row: greedy, T 0.8, the host's, T 1 with 20 alternatives, greedy with 3.
+        let specs: Vec<Option<DrawSpec>> = (0..rows)
+            .map(|r| {
+                let last = if n == 0 { r.checked_sub(3) } else { Some(r) };
+                let sample = match last? % 5 {
+                    0 => None,
+                    1 => Some((0.8, uniform(&mut rng))),
+                    2 => return None,
+                    3 => Some((1.0, uniform(&mut rng))),
+                    _ => None,
+                };
+                let top = [0, 0, 0, 20, 3][last? % 5];
+                Some(DrawSpec {
+                    row: r as u32,
+                    sample,
+                    top,
+                })
+            })
+            .collect();
+        let mut got = ForwardBuffers::default();
+        let mut drawn = Vec::new();
+        drawing
+            .forward_drawing(&model, &b, &specs, &mut got, &mut drawn)
+            .unwrap();
+        assert_eq!(drawn.len(), specs.iter().flatten().count(), "step {n}");
+        let mut drawn = drawn.into_iter();
+        let mut next = Vec::new();
+        for (r, spec) in specs.iter().enumerate() {
+            let row = &want.logits[r * vocab..(r + 1) * vocab];
+            let Some(s) = spec else {
+                assert_eq!(
+                    &got.logits[r * vocab..(r + 1) * vocab],
+                    row,
+                    "step {n} row {r}"
+                );
+                next.push(reference::argmax(row));
+                continue;
+            };
+            let d = drawn.next().unwrap();
+            let mut lp = row.to_vec();
+            if let Some((t, _)) = s.sample.filter(|(t, _)| *t != 1.0) {
+                let inv = 1.0 / t;
+                lp.iter_mut().for_each(|v| *v *= inv);
+            }
+            reference::log_softmax(&mut lp);
+            let token = match s.sample {
+                None => reference::argmax(&lp),
+                Some((_, u)) => reference::inverse_cdf(&lp, u),
+            };
+            assert_eq!(d.token, token, "step {n} row {r}: {s:?}");
+            let near = |a: f32, b: f32| (a - b).abs() <= 4e-7 * b.abs().max(1.0);
+            assert!(near(d.logprob, lp[token as usize]), "step {n} row {r}");
+            let top = reference::top_indices(&lp, s.top);
+            assert_eq!(d.top.iter().map(|t| t.0).collect::<Vec<_>>(), top);
+            assert!(d.top.iter().all(|&(i, v)| near(v, lp[i as usize])));
+            next.push(d.token);
+        }
+        // The sampled rows' tokens feed the next step (the scored prompt's last row is its own).
+        let firsts = if n == 0 { 3 } else { 0 };
+        for (s, &t) in seqs.iter_mut().zip(&next[firsts..]) {
+            s.tokens.push(t);
+        }
+        assert_eq!(drawing.graphs_captured(), host.graphs_captured());
+    }
+    assert!(
+        drawing.graphs_captured() > 0,
+        "the decode steps replayed graphs"
+    );
 }

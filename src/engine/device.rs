@@ -2,9 +2,15 @@
 //! feature, on a machine with an NVIDIA driver and a GPU of sm_80 or later). `--device auto`
 //! picks the GPU where one is usable and says at start-up why not otherwise.
 
+use super::output::SeqOutput;
+use super::sampler::{DeviceDraw, Sampled};
+use super::scheduler::{Chunk, Scheduler};
+use super::sequence::SeqId;
 use super::EngineConfig;
-use crate::model::decoder::Decoder;
+use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, ModelError};
 use crate::model::kv_cache::KvCache;
+use flywheel_kernels::Cpu;
+use std::collections::HashMap;
 
 /// What `--device` / `engine.device` asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -112,6 +118,84 @@ pub(super) enum Backend {
     Gpu(Box<crate::model::decoder::GpuDecoder>),
 }
 
+/// For each row of logits the step of `chunks` makes, the draw `backend` makes of its next token
+/// (a choice's row whose draw the device's rule covers, `SeqOutput::device_draw`, which takes
+/// the draw's uniform from the choice's stream), or None; empty where `backend` draws nothing.
+pub(super) fn device_draws(
+    backend: &Backend,
+    chunks: &[Chunk],
+    sched: &Scheduler,
+    outputs: &mut HashMap<SeqId, SeqOutput>,
+) -> Vec<Option<DeviceDraw>> {
+    let draws_tokens = match backend {
+        Backend::Cpu(_) => false,
+        #[cfg(feature = "cuda")]
+        Backend::Gpu(g) => g.draws(),
+    };
+    if !draws_tokens {
+        return Vec::new();
+    }
+    let mut draws = Vec::new();
+    for c in chunks {
+        let Some(s) = sched.get(c.seq) else { continue };
+        // The rows `Engine::step` asks logits for: none for embeddings, every row for prompt
+        // scoring (the host scores them), the last for a token.
+        if s.embed {
+            continue;
+        }
+        if super::scores_prompt(s, c) {
+            draws.extend(std::iter::repeat_n(None, c.len));
+        } else if c.wants_logits {
+            draws.push(outputs.get_mut(&c.seq).and_then(|o| o.device_draw()));
+        }
+    }
+    if draws.iter().all(Option::is_none) {
+        draws.clear();
+    }
+    draws
+}
+
+/// The step's forward on `backend`: the logits (and hidden rows) in `bufs`, but for the rows
+/// `draws` names (one per row of logits, or none), which the device drew: their tokens, in order.
+pub(super) fn forward(
+    backend: &mut Backend,
+    model: &Decoder,
+    cpu: &Cpu,
+    batch: &[BatchSeq],
+    bufs: &mut ForwardBuffers,
+    draws: &[Option<DeviceDraw>],
+) -> Result<Vec<Sampled>, ModelError> {
+    match backend {
+        Backend::Cpu(cache) => {
+            debug_assert!(draws.is_empty(), "the CPU draws no tokens in its forward");
+            model.forward_into(cpu, cache, batch, bufs)?;
+            Ok(Vec::new())
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Gpu(g) => {
+            use flywheel_kernels::cuda::DrawSpec;
+            let specs: Vec<Option<DrawSpec>> = draws
+                .iter()
+                .enumerate()
+                .map(|(row, d)| {
+                    d.map(|d| DrawSpec {
+                        row: row as u32,
+                        sample: d.sample,
+                        top: d.top,
+                    })
+                })
+                .collect();
+            let mut drawn = Vec::new();
+            g.forward_drawing(model, batch, &specs, bufs, &mut drawn)?;
+            Ok(drawn
+                .iter()
+                .zip(draws.iter().flatten())
+                .map(|(r, d)| d.sampled(r.token, r.logprob, &r.top))
+                .collect())
+        }
+    }
+}
+
 /// The window pool the block manager keeps for `backend`'s cache: (window, blocks), where its
 /// sliding-window layers hold their own blocks (the CPU's cache; the GPU's takes one pool).
 pub(super) fn window_pool(
@@ -167,6 +251,7 @@ pub(super) fn backend(
                 max_model_len: c.context_length,
                 graphs: std::env::var("FLYWHEEL_CUDA_GRAPHS").as_deref() != Ok("0"),
                 int8: precision == flywheel_kernels::cpu::Precision::Int8,
+                draws: std::env::var("FLYWHEEL_CUDA_SAMPLING").as_deref() != Ok("0"),
             };
             if precision == flywheel_kernels::cpu::Precision::Bf16 {
                 tracing::info!(
@@ -176,7 +261,7 @@ pub(super) fn backend(
             }
             let g = crate::model::decoder::GpuDecoder::new(gpu, model, shape)?;
             tracing::info!(
-                "device: cuda, {} ({} KV blocks of {}, decode graphs {})",
+                "device: cuda, {} ({} KV blocks of {}, decode graphs {}, tokens drawn {})",
                 g.describe(),
                 cfg.num_kv_blocks,
                 cfg.block_size,
@@ -184,6 +269,11 @@ pub(super) fn backend(
                     "on"
                 } else {
                     "off (FLYWHEEL_CUDA_GRAPHS=0)"
+                },
+                match (g.draws(), shape.draws) {
+                    (true, _) => "on the GPU",
+                    (false, true) => "on the host (the logits' final soft-cap is the host's)",
+                    (false, false) => "on the host (FLYWHEEL_CUDA_SAMPLING=0)",
                 }
             );
             Ok(Backend::Gpu(Box::new(g)))

@@ -311,6 +311,10 @@ impl Engine {
         if plan.chunks.is_empty() {
             return false;
         }
+        // Rows whose tokens the device draws (only their tokens come back), decided before the
+        // grammar thread takes the constraints.
+        let draws =
+            device::device_draws(&self.backend, &plan.chunks, &self.sched, &mut self.outputs);
         let batch: Vec<BatchSeq> = plan
             .chunks
             .iter()
@@ -377,10 +381,8 @@ impl Engine {
                 })
                 .expect("spawn the grammar mask thread")
             });
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| match backend {
-                device::Backend::Cpu(cache) => model.forward_into(cpu, cache, &batch, bufs),
-                #[cfg(feature = "cuda")]
-                device::Backend::Gpu(g) => g.forward_into(model, &batch, bufs),
+            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                device::forward(backend, model, cpu, &batch, bufs, &draws)
             }));
             // The thread catches its panics, so joining it does not fail.
             let ahead = masks.and_then(|h| h.join().ok()).unwrap_or_default();
@@ -393,8 +395,8 @@ impl Engine {
                 o.next_mask = Some(m);
             }
         }
-        match result {
-            Ok(Ok(())) => {}
+        let mut drawn = match result {
+            Ok(Ok(drawn)) => drawn.into_iter(),
             Ok(Err(e)) => {
                 let ids: Vec<SeqId> = plan.chunks.iter().map(|c| c.seq).collect();
                 self.fail(&ids, &format!("forward pass failed: {e}"));
@@ -432,9 +434,12 @@ impl Engine {
                 row += all as usize;
                 continue;
             }
-            let l = &mut logits[row * vocab..(row + 1) * vocab];
+            let next = match draws.get(row) {
+                Some(Some(_)) => Next::Drawn(drawn.next().expect("one drawn token a draw")),
+                _ => Next::Logits(&mut logits[row * vocab..(row + 1) * vocab]),
+            };
             row += 1;
-            let r = std::panic::catch_unwind(AssertUnwindSafe(|| self.on_logits(c.seq, l)));
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| self.on_logits(c.seq, next)));
             if let Err(panic) = r {
                 let msg = format!("sampling panicked: {}", panic_text(&panic));
                 self.fail(&[c.seq], &msg);
@@ -445,8 +450,9 @@ impl Engine {
         true
     }
 
-    /// Sample the next token of `id` (and, on its first token, of its sibling choices).
-    fn on_logits(&mut self, id: SeqId, logits: &mut [f32]) {
+    /// Sample the next token of `id` (and, on its first token, of its sibling choices), or take
+    /// the one the device drew.
+    fn on_logits(&mut self, id: SeqId, next: Next<'_>) {
         let Some(out) = self.outputs.get_mut(&id) else {
             return;
         };
@@ -470,8 +476,13 @@ impl Engine {
         let (req, num_cached) = (out.req.clone(), out.num_cached_tokens);
         let ctx = self.model.config.context_length;
         let bs = self.sched.blocks().block_size();
-        for choice in 1..=forks {
-            let mut row = logits.to_vec();
+        // A device draws no row with forks to make (`SeqOutput::device_draw`).
+        let fork_from: &[f32] = match &next {
+            Next::Logits(l) => l,
+            Next::Drawn(_) => &[],
+        };
+        for choice in (1..=forks).filter(|_| !fork_from.is_empty()) {
+            let mut row = fork_from.to_vec();
             let mut child = SeqOutput::new(req.clone(), choice);
             child.scheduled_at = Some(Instant::now());
             child.num_cached_tokens = num_cached;
@@ -506,7 +517,11 @@ impl Engine {
         }
         let out = self.outputs.get_mut(&id).expect("present");
         let seq = self.sched.get(id).expect("running");
-        let s = match out.sample(&self.cpu, logits, &seq.tokens[seq.prompt_len..]) {
+        let sampled = match next {
+            Next::Logits(logits) => out.sample(&self.cpu, logits, &seq.tokens[seq.prompt_len..]),
+            Next::Drawn(s) => Ok(s),
+        };
+        let s = match sampled {
             Ok(s) => s,
             Err(e) => {
                 // Its siblings end with it: one event ends the request.
@@ -550,6 +565,12 @@ impl Engine {
         m.prefix_cache_hits.inc_by(st.num_prefix_hit_tokens - h);
         self.last_prefix = (st.num_prefix_queried_tokens, st.num_prefix_hit_tokens);
     }
+}
+
+/// A row's next token: its logits for the host's sampler, or the token the device drew.
+enum Next<'a> {
+    Logits(&'a mut [f32]),
+    Drawn(sampler::Sampled),
 }
 
 /// Whether chunk `c` of `s` covers prompt positions whose scores are wanted (its every row's

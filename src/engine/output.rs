@@ -171,6 +171,17 @@ impl SeqOutput {
         Ok(s)
     }
 
+    /// The draw a device can make for this choice's next token (`SamplingParams::device_draw`,
+    /// its uniform taken from this choice's stream), or None: a grammar, sibling choices to fork
+    /// off this row's logits, scoring only, or what only the host's sampler does.
+    pub fn device_draw(&mut self) -> Option<sampler::DeviceDraw> {
+        let r = &self.req.req;
+        if self.pending_forks > 0 || r.max_tokens == 0 || r.constraint.is_some() {
+            return None;
+        }
+        r.sampling.device_draw(&mut self.rng)
+    }
+
     /// End choice `choice` of this request without a token (`max_tokens` 0: prompt scoring).
     pub fn finish_without_tokens(&self, choice: usize, m: &Metrics) {
         let reason = FinishReason::Length;

@@ -102,7 +102,10 @@ impl Gpu {
                 format!("draw: row {} of {n}", s.row)
             })?;
             check(s.top <= DRAW_TOP.min(vocab), || {
-                format!("draw: {} alternatives of {vocab}, at most {DRAW_TOP}", s.top)
+                format!(
+                    "draw: {} alternatives of {vocab}, at most {DRAW_TOP}",
+                    s.top
+                )
             })?;
             if let Some((t, u)) = s.sample {
                 check(t > 0.0 && t.is_finite() && (0.0..1.0).contains(&u), || {

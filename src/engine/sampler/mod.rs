@@ -105,6 +105,58 @@ impl Default for SamplingParams {
     }
 }
 
+/// The most alternatives a device's draw reports (the API's `top_logprobs` ≤ 20).
+pub const DEVICE_DRAW_TOP: usize = 20;
+
+/// A token drawn where the logits are (the GPU) by the sampler's rule for a draw from the whole
+/// distribution, so that only the token, its log-prob and the alternatives come back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceDraw {
+    /// None: greedy (the argmax of log-softmax(logits)); Some((T, u)): the inverse CDF of
+    /// log-softmax(logits / T) at u (`reference::inverse_cdf`).
+    pub sample: Option<(f32, f64)>,
+    /// How many alternatives to report.
+    pub top: usize,
+}
+
+impl SamplingParams {
+    /// The draw a device can make for the next token, its uniform taken from `rng` as
+    /// `sample_seen` takes it (one `next_f64` when not greedy, none when greedy), so that a
+    /// choice's random stream is the same wherever its tokens are drawn. None where only the
+    /// host's sampler applies: penalties, biases, bans, grammars, allowed tokens, and top-k,
+    /// top-p or min-p when not greedy (rng untouched).
+    pub fn device_draw(&self, rng: &mut Rng) -> Option<DeviceDraw> {
+        if self.edits_logits() || self.top_logprobs > DEVICE_DRAW_TOP {
+            return None;
+        }
+        let greedy = is_greedy(self.temperature);
+        if !greedy && !self.samples_the_policy() {
+            return None;
+        }
+        Some(DeviceDraw {
+            sample: (!greedy).then(|| (self.temperature, rng.next_f64())),
+            top: self.top_logprobs,
+        })
+    }
+}
+
+impl DeviceDraw {
+    /// What `sample_seen` returns for the token the device drew: its log-prob is the one it was
+    /// drawn with (0 when greedy, as there).
+    pub fn sampled(&self, token: u32, logprob: f32, top: &[(u32, f32)]) -> Sampled {
+        Sampled {
+            token,
+            forced: false,
+            logprob,
+            sampling_logprob: if self.sample.is_some() { logprob } else { 0.0 },
+            top: top
+                .iter()
+                .map(|&(token_id, logprob)| TopLogprob { token_id, logprob })
+                .collect(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TopLogprob {
     pub token_id: u32,

@@ -422,3 +422,115 @@ fn the_sampling_logprob_is_the_drawn_distributions() {
     );
     assert_eq!(s.sampling_logprob, 0.0);
 }
+
+/// A device's draw takes the same uniform from the choice's stream as the host's sampler, and
+/// the token the reference draws with it is the sampler's; what only the host's sampler does is
+/// never given to a device.
+#[test]
+fn device_draws_take_the_samplers_uniform_and_only_whole_distributions() {
+    let logits: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32) / 17.0).collect();
+    for temperature in [0.0f32, 0.6, 1.0, 1.7] {
+        for seed in 0..20u64 {
+            let p = SamplingParams {
+                temperature,
+                top_logprobs: 3,
+                ..Default::default()
+            };
+            let (mut host_rng, mut dev_rng) = (Rng::new(seed), Rng::new(seed));
+            let mut l = logits.clone();
+            let host = sample(&cpu(), &mut l, &p, &HashMap::new(), &mut host_rng);
+            let d = p
+                .device_draw(&mut dev_rng)
+                .expect("a whole-distribution draw");
+            // The device's arithmetic is the reference's: log-softmax of logits / T, then the draw.
+            let mut lp = logits.clone();
+            scale_and_normalize(&cpu(), &mut lp, temperature);
+            let token = match d.sample {
+                None => reference::argmax(&lp),
+                Some((t, u)) => {
+                    assert_eq!(t, temperature);
+                    reference::inverse_cdf(&lp, u)
+                }
+            };
+            let top: Vec<(u32, f32)> = reference::top_indices(&lp, d.top)
+                .into_iter()
+                .map(|i| (i, lp[i as usize]))
+                .collect();
+            let dev = d.sampled(token, lp[token as usize], &top);
+            assert_eq!(
+                (dev.token, dev.logprob, dev.sampling_logprob),
+                (host.token, host.logprob, host.sampling_logprob),
+                "T {temperature}, seed {seed}"
+            );
+            let ids = |s: &Sampled| {
+                s.top
+                    .iter()
+                    .map(|t| (t.token_id, t.logprob))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(ids(&dev), ids(&host));
+            // The streams stay in step.
+            assert_eq!(host_rng.next_u64(), dev_rng.next_u64(), "T {temperature}");
+        }
+    }
+    let refused = [
+        SamplingParams {
+            top_p: 0.9,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_k: 5,
+            ..Default::default()
+        },
+        SamplingParams {
+            min_p: 0.1,
+            ..Default::default()
+        },
+        SamplingParams {
+            presence_penalty: 0.5,
+            ..Default::default()
+        },
+        SamplingParams {
+            repetition_penalty: 1.1,
+            ..Default::default()
+        },
+        SamplingParams {
+            logit_bias: vec![(1, 2.0)],
+            ..Default::default()
+        },
+        SamplingParams {
+            constrained: true,
+            temperature: 0.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            min_tokens: 2,
+            ..Default::default()
+        },
+        SamplingParams {
+            allowed_tokens: Some(Arc::from(vec![1u32])),
+            ..Default::default()
+        },
+        SamplingParams {
+            bad_words: Arc::from(vec![vec![1u32]]),
+            ..Default::default()
+        },
+    ];
+    for p in refused {
+        let mut rng = Rng::new(1);
+        assert!(p.device_draw(&mut rng).is_none(), "{p:?}");
+        assert_eq!(
+            rng.next_u64(),
+            Rng::new(1).next_u64(),
+            "a refusal takes no uniform"
+        );
+    }
+    // Greedy ignores truncation: the argmax is inside any of it.
+    let p = SamplingParams {
+        temperature: 0.0,
+        top_p: 0.5,
+        top_k: 3,
+        ..Default::default()
+    };
+    assert_eq!(p.device_draw(&mut Rng::new(1)).unwrap().sample, None);
+}

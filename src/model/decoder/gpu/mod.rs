@@ -26,8 +26,8 @@ use super::{Activation, Decoder, ForwardBuffers, Mlp, ModelError, MoeConfig, Wei
 use crate::adapter::{AdapterWeights, Method, Target, NUM_TARGETS};
 use crate::model::kv_cache::KvDtype;
 use flywheel_kernels::cuda::{
-    AdapterEntry, AdapterRows, CudaGraph, CudaSlice, DeviceMatrix, ExpertTable, Gpu, GpuError,
-    GpuKv, Tokens, ATT_MAX_HEAD_DIM, MOE_MAX_USED,
+    AdapterEntry, AdapterRows, CudaGraph, CudaSlice, DeviceMatrix, DrawBuffers, DrawSpec, Drawn,
+    ExpertTable, Gpu, GpuError, GpuKv, Tokens, ATT_MAX_HEAD_DIM, MOE_MAX_USED,
 };
 use flywheel_kernels::plan::{graph_bucket, GRAPH_MAX_BATCH};
 use flywheel_kernels::reference::AttnSeq;
@@ -109,6 +109,9 @@ pub struct GpuDecoder {
     step: u64,
     /// The host's side of MoE routing (the router's softmax, the choices, the grouping).
     routing: MoeActs,
+    /// Room for the tokens drawn on the GPU (`draw.rs`); None: every row's logits come back.
+    draw: Option<DrawBuffers>,
+    drawn: Vec<Drawn>,
 }
 
 /// What `GpuDecoder::new` sizes its buffers for.
@@ -127,6 +130,9 @@ pub struct GpuShape {
     /// The base's products in int8 (`Precision::Int8`: each product the CPU's int8 bits, in the
     /// formats and shapes the CPU runs in int8; the LM head stays f32 as there), else in f32.
     pub int8: bool,
+    /// Draw the tokens of rows the engine's sampler would draw from the whole distribution on
+    /// the GPU (`forward_drawing`; FLYWHEEL_CUDA_SAMPLING=0 turns it off).
+    pub draws: bool,
 }
 
 impl GpuDecoder {
@@ -243,6 +249,11 @@ impl GpuDecoder {
             free_slots: (0..ADAPTER_SLOTS).rev().collect(),
             step: 0,
             routing: MoeActs::default(),
+            draw: match shape.draws && c.final_softcap.is_none() {
+                true => Some(gpu.draw_buffers(HEAD_ROWS.max(GRAPH_MAX_BATCH))?),
+                false => None,
+            },
+            drawn: Vec::new(),
             gpu,
         })
     }
@@ -269,6 +280,21 @@ impl GpuDecoder {
         batch: &[BatchSeq],
         bufs: &mut ForwardBuffers,
     ) -> Result<(), ModelError> {
+        self.forward_drawing(model, batch, &[], bufs, &mut Vec::new())
+    }
+
+    /// `forward_into`, with the rows `draws` names (one entry per logit row of the step, its
+    /// `row` that index; or none at all) drawn on the GPU (`draws()` must hold): their results
+    /// in `drawn`, in order, and their rows of `bufs.logits` left as they were.
+    pub fn forward_drawing(
+        &mut self,
+        model: &Decoder,
+        batch: &[BatchSeq],
+        draws: &[Option<DrawSpec>],
+        bufs: &mut ForwardBuffers,
+        drawn: &mut Vec<Drawn>,
+    ) -> Result<(), ModelError> {
+        drawn.clear();
         let c = &model.config;
         self.step += 1;
         let Packed {
@@ -280,6 +306,13 @@ impl GpuDecoder {
             logit_rows,
             hidden_rows,
         } = model.pack(batch, self.block_size)?;
+        if !draws.is_empty() && draws.len() != logit_rows.len() {
+            return Err(ModelError::Batch(format!(
+                "{} draws for {} rows of logits",
+                draws.len(),
+                logit_rows.len()
+            )));
+        }
         let mut logit_rows: Vec<u32> = logit_rows.into_iter().map(|r| r as u32).collect();
         let hidden_rows: Vec<u32> = hidden_rows.into_iter().map(|r| r as u32).collect();
         let t = tokens.len();
@@ -339,11 +372,8 @@ impl GpuDecoder {
             }
             self.graphs[&key].launch().map_err(GpuError::from)?;
             bufs.logits.resize(t * vocab, 0.0);
-            self.gpu
-                .read_into(&self.acts.logits.slice(..t * vocab), &mut bufs.logits)?;
             // The final soft-cap (Gemma 2) on the host, where sampling reads the logits.
-            c.cap_logits(&mut bufs.logits);
-            return Ok(());
+            return self.rows_out(model, 0, t, draws, &mut bufs.logits, drawn);
         }
         self.body(model, n, &groups, None, decode)?;
         // Hidden rows (embeddings), then logits, HEAD_ROWS rows per pass.
@@ -372,9 +402,7 @@ impl GpuDecoder {
             )?;
             let at = i * HEAD_ROWS * vocab;
             let out = &mut bufs.logits[at..at + chunk.len() * vocab];
-            self.gpu
-                .read_into(&self.acts.logits.slice(..out.len()), out)?;
-            c.cap_logits(out);
+            self.rows_out(model, i * HEAD_ROWS, chunk.len(), draws, out, drawn)?;
         }
         Ok(())
     }
@@ -568,6 +596,7 @@ impl GpuDecoder {
 
 mod acts;
 mod adapters;
+mod draw;
 mod ops;
 use acts::{Acts, MoeBufs};
 use adapters::{head_lora, module_dims, AdapterSig, GpuAdapter, Projector, Rowwise, ADAPTER_SLOTS};
