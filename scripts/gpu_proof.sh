@@ -31,9 +31,14 @@
 #   scripts/gpu_proof.sh next    (one command, at most ~9 minutes, for a session with little
 #                                device time) what was written since the last lent GPU: the
 #                                kernels and the forward tests (the int8 products against the
-#                                CPU's bit for bit, the int8 forward), the 1B shape's speed with
-#                                f32 and int8 products, memcheck and racecheck of the kernels,
-#                                the adapter kernels' times in decode through LoRA
+#                                CPU's bit for bit, the int8 forward, tokens drawn on the GPU
+#                                against the host's sampler), the 1B shape's speed with f32 and
+#                                int8 products and with tokens drawn on the host, memcheck and
+#                                racecheck of the kernels, the adapter kernels' times in decode
+#                                through LoRA, ncu's report of decode attention
+#   scripts/gpu_proof.sh context (~7 minutes) the 1B shape's decode after 8-, 2048- and
+#                                8192-token prompts (batch 1/8/32), and ncu's times of decode
+#                                attention at 2048 positions: the case for split-K attention
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -250,6 +255,21 @@ next)
     --device cuda --model "$m" --prompt-tokens 64 --decode-tokens 16 --batch 8 --runs 1 \
     --kv-cache-dtype f16
   ;;
+context)
+  # Decode after long prompts: what attention costs a step at 2k and 8k positions against 8 (the
+  # speed runs' default), the case split-K decode attention would be for.
+  m=/tmp/llama-1b.gguf
+  [ -f "$m" ] || STEP_S=40 step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
+  for ctx in 8 2048 8192; do
+    STEP_S=120 step "bench-llama-1b-ctx$ctx" "$B/flywheel" bench --device cuda --model "$m" \
+      --prompt-tokens 512 --decode-tokens 32 --decode-context "$ctx" --batch 1,8,32 --runs 3 \
+      --kv-cache-dtype f16
+    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-ctx$ctx.log" | sed 's/^/    /' >>"$SUMMARY"
+  done
+  STEP_S=60 step ncu-attention-ctx2048 ncu --kernel-name-base function --kernel-name 'regex:fw_attention' \
+    --launch-skip 200 --launch-count 16 "$B/flywheel" bench --device cuda --model "$m" \
+    --prompt-tokens 64 --decode-tokens 8 --decode-context 2048 --batch 8 --runs 1 --kv-cache-dtype f16
+  ;;
 adapters)
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1
   m=/tmp/llama-1b.gguf
@@ -281,7 +301,7 @@ race)
   fi
   ;;
 *)
-  echo "usage: scripts/gpu_proof.sh all|check|next|layouts|adapters|llamacpp|profile|profile-adapter [lora|oft]|speed|race" >&2
+  echo "usage: scripts/gpu_proof.sh all|check|next|context|layouts|adapters|llamacpp|profile|profile-adapter [lora|oft]|speed|race" >&2
   exit 2
   ;;
 esac

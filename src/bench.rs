@@ -18,6 +18,8 @@ pub struct BenchOptions {
     pub model_path: String,
     pub prompt_tokens: usize,
     pub decode_tokens: usize,
+    /// Each decode sequence's prompt: the context its decode steps attend to (8 by default).
+    pub decode_context: usize,
     pub batches: Vec<usize>,
     pub runs: usize,
     pub busy_peer: bool,
@@ -155,13 +157,11 @@ pub fn run(model: &Decoder, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> any
     rows.push((format!("pp{pp}"), 1, pp_rates));
     let tg = o.decode_tokens;
     for &b in &o.batches {
-        // Eight-token prompts at different offsets (a shorter --prompt-tokens: all of it).
-        let len = 8.min(pp);
+        // Prompts of --decode-context tokens (8 unless told) at different offsets of the text's,
+        // taken round it where longer.
+        let len = o.decode_context;
         let prompts: Vec<Vec<u32>> = (0..b)
-            .map(|i| {
-                let at = (i % 7).min(pp - len);
-                prompt[at..at + len].to_vec()
-            })
+            .map(|i| (0..len).map(|j| prompt[(i % 7 + j) % pp]).collect())
             .collect();
         let rates = alternate(o.runs, &variants, |a| {
             let secs = decode_batch(model, cpu, &prompts, tg, a)?;
@@ -188,13 +188,14 @@ pub fn run(model: &Decoder, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> any
         )
     });
     println!(
-        "model: {} ({})  kernels: {}  threads: {}  busy peer: {}  adapter: {}",
+        "model: {} ({})  kernels: {}  threads: {}  busy peer: {}  adapter: {}  decode context: {}",
         o.model_path,
         if huge { "in 2 MB pages" } else { "mapped" },
         cpu.isa.name(),
         cpu.pool.num_threads(),
         o.busy_peer,
-        adapter_desc.as_deref().unwrap_or("none")
+        adapter_desc.as_deref().unwrap_or("none"),
+        o.decode_context
     );
     let paths = cpu.paths();
     println!("cpu paths: {paths}");
@@ -240,6 +241,7 @@ pub fn run(model: &Decoder, tok: &Tokenizer, cpu: &Cpu, o: &BenchOptions) -> any
         "cpu_paths": paths,
         "threads": cpu.pool.num_threads(),
         "busy_peer": o.busy_peer,
+        "decode_context": o.decode_context,
         "runs": o.runs,
         "adapter": adapter_desc,
         "weight_bytes_per_token": model.weight_bytes_per_token(),

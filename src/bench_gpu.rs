@@ -15,6 +15,9 @@ use std::time::Instant;
 /// One engine (graphs on or off) and the cache blocks each decode sequence owns.
 struct Bench {
     gpu: GpuDecoder,
+    /// Each decode sequence's prompt (`--decode-context`), and the most tokens a step runs.
+    ctx: usize,
+    max_tokens: usize,
     bufs: ForwardBuffers,
     drawn: Vec<Drawn>,
 }
@@ -22,14 +25,15 @@ struct Bench {
 impl Bench {
     fn new(model: &Decoder, o: &BenchOptions, graphs: bool, int8: bool) -> anyhow::Result<Bench> {
         let max_b = o.batches.iter().copied().max().unwrap_or(1);
-        let per_seq = (8 + o.decode_tokens).div_ceil(BLOCK_SIZE);
+        let ctx = o.decode_context;
+        let per_seq = (ctx + o.decode_tokens).div_ceil(BLOCK_SIZE);
         let blocks = (o.prompt_tokens.div_ceil(BLOCK_SIZE)).max(max_b * per_seq);
         let shape = GpuShape {
             num_kv_blocks: blocks,
             block_size: BLOCK_SIZE,
-            max_tokens: o.prompt_tokens.max(max_b * 8),
+            max_tokens: o.prompt_tokens.max(max_b * 8).max(ctx),
             max_seqs: max_b,
-            max_model_len: o.prompt_tokens.max(8 + o.decode_tokens),
+            max_model_len: o.prompt_tokens.max(ctx + o.decode_tokens),
             graphs,
             int8,
             draws: std::env::var("FLYWHEEL_CUDA_SAMPLING").as_deref() != Ok("0"),
@@ -37,6 +41,8 @@ impl Bench {
         let gpu = GpuDecoder::new(Gpu::open(0)?, model, shape)?;
         Ok(Bench {
             gpu,
+            ctx,
+            max_tokens: shape.max_tokens,
             bufs: ForwardBuffers::default(),
             drawn: Vec::new(),
         })
@@ -61,7 +67,8 @@ impl Bench {
         Ok(t.elapsed().as_secs_f64())
     }
 
-    /// Seconds for `steps` decode steps of `b` sequences (8-token prompts, greedy), each token
+    /// Seconds for `steps` decode steps of `b` sequences (prompts of `--decode-context` tokens,
+    /// 8 unless told; greedy), each token
     /// drawn as the engine has it (on the GPU; with FLYWHEEL_CUDA_SAMPLING=0 the logits back
     /// on the host and the argmax there); every sequence through
     /// `adapter` where given.
@@ -83,18 +90,19 @@ impl Bench {
         steps: usize,
         adapter: Option<&AdapterWeights>,
     ) -> anyhow::Result<(f64, f64)> {
-        let per_seq = (8 + steps).div_ceil(BLOCK_SIZE);
+        let ctx = self.ctx;
+        let per_seq = (ctx + steps).div_ceil(BLOCK_SIZE);
         let tables: Vec<Vec<u32>> = (0..b)
             .map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect())
             .collect();
         let vocab = model.config.vocab_size;
         let mut seqs: Vec<Vec<u32>> = (0..b)
-            .map(|i| (0..8).map(|j| (i + j) as u32 % 256).collect())
+            .map(|i| (0..ctx).map(|j| (i + j) as u32 % 256).collect())
             .collect();
-        let run = |g: &mut Bench, seqs: &[Vec<u32>], new: usize| -> anyhow::Result<Vec<u32>> {
+        let run = |g: &mut Bench, seqs: &[Vec<u32>], tables: &[Vec<u32>], new: usize| {
             let batch: Vec<BatchSeq> = seqs
                 .iter()
-                .zip(&tables)
+                .zip(tables)
                 .map(|(s, t)| BatchSeq {
                     tokens: &s[s.len() - new..],
                     first_pos: s.len() - new,
@@ -120,19 +128,26 @@ impl Bench {
                 return Ok(g.drawn.iter().map(|d| d.token).collect());
             }
             g.gpu.forward_into(model, &batch, &mut g.bufs)?;
-            Ok(g.bufs
-                .logits
-                .chunks(vocab)
-                .map(crate::engine::sampler::argmax)
-                .collect())
+            anyhow::Ok(
+                g.bufs
+                    .logits
+                    .chunks(vocab)
+                    .map(crate::engine::sampler::argmax)
+                    .collect::<Vec<u32>>(),
+            )
         };
+        // The prompts, as many a step as the buffers hold.
         let t = Instant::now();
-        let next = run(self, &seqs, 8)?;
+        let group = (self.max_tokens / ctx).max(1);
+        let mut next = Vec::with_capacity(b);
+        for (s, tb) in seqs.chunks(group).zip(tables.chunks(group)) {
+            next.extend(run(self, s, tb, ctx)?);
+        }
         let prompts = t.elapsed().as_secs_f64();
         seqs.iter_mut().zip(next).for_each(|(s, t)| s.push(t));
         let t = Instant::now();
         for _ in 0..steps {
-            let next = run(self, &seqs, 1)?;
+            let next = run(self, &seqs, &tables, 1)?;
             seqs.iter_mut().zip(next).for_each(|(s, t)| s.push(t));
         }
         Ok((prompts, t.elapsed().as_secs_f64()))
@@ -210,10 +225,11 @@ pub fn run(model: &Decoder, o: &BenchOptions, int8: bool) -> anyhow::Result<()> 
     let bandwidth = copy_bandwidth()?;
     println!(
         "model: {}  device: {device}  weights read per decode step: {:.1} MB  \
-         copy bandwidth: {bandwidth:.0} GB/s  tokens drawn on the {}",
+         copy bandwidth: {bandwidth:.0} GB/s  tokens drawn on the {}  decode context: {}",
         o.model_path,
         per_token / 1e6,
-        if graphs.gpu.draws() { "GPU" } else { "host" }
+        if graphs.gpu.draws() { "GPU" } else { "host" },
+        o.decode_context
     );
     println!(
         "{:<8} {:>6} {:>14} {:>14} {:>8} {:>16}",
@@ -255,6 +271,7 @@ pub fn run(model: &Decoder, o: &BenchOptions, int8: bool) -> anyhow::Result<()> 
         })),
         "device": device,
         "tokens_drawn_on_gpu": graphs.gpu.draws(),
+        "decode_context": o.decode_context,
         "runs": o.runs,
         "weight_bytes_per_token": model.weight_bytes_per_token(),
         "copy_bandwidth_gbps": bandwidth,

@@ -167,6 +167,9 @@ enum Cmd {
         prompt_tokens: usize,
         #[arg(long, default_value_t = 128)]
         decode_tokens: usize,
+        /// Each decode sequence's prompt, in tokens: the context the decode steps attend to.
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+        decode_context: u64,
         /// Decode batch sizes to measure.
         #[arg(long, value_delimiter = ',', default_value = "1,16")]
         batch: Vec<usize>,
@@ -478,6 +481,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             m,
             prompt_tokens,
             decode_tokens,
+            decode_context,
             batch,
             runs,
             busy_peer,
@@ -511,6 +515,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 model_path: m.model.display().to_string(),
                 prompt_tokens,
                 decode_tokens,
+                decode_context: decode_context as usize,
                 batches: batch,
                 runs: runs.max(1),
                 busy_peer,

@@ -219,6 +219,47 @@ fn tokenize_applies_merges_digits_and_control_tokens() {
     );
 }
 
+/// `bench --decode-context`: the decode rows run after prompts of that many tokens (the context
+/// their attention reads), and the report says so; a context of 0 is refused.
+#[test]
+fn bench_decodes_after_the_context_asked_for() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let p = path.to_str().unwrap();
+    let args = [
+        "bench",
+        "--model",
+        p,
+        "--prompt-tokens",
+        "16",
+        "--decode-tokens",
+        "3",
+        "--batch",
+        "1,2",
+        "--runs",
+        "1",
+        "--decode-context",
+        "40",
+    ];
+    let (ok, out, err) = flywheel(&args, None);
+    assert!(ok, "{err}");
+    assert!(out.contains("decode context: 40"), "{out}");
+    let json = out.lines().rfind(|l| l.starts_with('{')).unwrap();
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(v["decode_context"], 40);
+    let tg: Vec<u64> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["test"] == "tg3")
+        .map(|r| r["batch"].as_u64().unwrap())
+        .collect();
+    assert_eq!(tg, [1, 2]);
+    let mut zero = args;
+    zero[12] = "0";
+    let (ok, _, err) = flywheel(&zero, None);
+    assert!(!ok && err.contains("--decode-context"), "{err}");
+}
+
 #[test]
 fn bad_arguments_and_missing_files_are_clear_errors() {
     let (ok, _, err) = flywheel(

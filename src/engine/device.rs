@@ -137,7 +137,7 @@ pub(super) fn device_draws(
     }
     let mut draws = Vec::new();
     for c in chunks {
-        let Some(s) = sched.get(c.seq) else { continue };
+        let s = sched.get(c.seq).expect("scheduled sequence exists");
         // The rows `Engine::step` asks logits for: none for embeddings, every row for prompt
         // scoring (the host scores them), the last for a token.
         if s.embed {
