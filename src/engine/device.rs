@@ -174,6 +174,9 @@ pub(super) fn forward(
         #[cfg(feature = "cuda")]
         Backend::Gpu(g) => {
             use flywheel_kernels::cuda::DrawSpec;
+            // A vocabulary smaller than the alternatives asked for gives all it has, as the
+            // host's sampler does.
+            let vocab = model.config.vocab_size;
             let specs: Vec<Option<DrawSpec>> = draws
                 .iter()
                 .enumerate()
@@ -181,7 +184,7 @@ pub(super) fn forward(
                     d.map(|d| DrawSpec {
                         row: row as u32,
                         sample: d.sample,
-                        top: d.top,
+                        top: d.top.min(vocab),
                     })
                 })
                 .collect();
