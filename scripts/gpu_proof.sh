@@ -35,10 +35,11 @@
 #                                against the host's sampler), the 1B shape's speed with f32 and
 #                                int8 products and with tokens drawn on the host, memcheck and
 #                                racecheck of the kernels, the adapter kernels' times in decode
-#                                through LoRA, ncu's report of decode attention
-#   scripts/gpu_proof.sh context (~7 minutes) the 1B shape's decode after 8-, 2048- and
-#                                8192-token prompts (batch 1/8/32), and ncu's times of decode
-#                                attention at 2048 positions: the case for split-K attention
+#                                through LoRA, the device HTTP test (GPU draws = host draws)
+#   scripts/gpu_proof.sh context (~8 minutes) the 1B shape's decode after 8-, 2048- and
+#                                8192-token prompts (batch 1/8/32), ncu's full report of a few
+#                                decode attention launches and its times of decode attention at
+#                                2048 positions: the case for split-K attention
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -245,15 +246,11 @@ next)
   grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-host-draws.log" | sed 's/^/    /' >>"$SUMMARY"
   FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=50 step memcheck-kernels compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
-  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=70 step racecheck compute-sanitizer --tool racecheck \
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step racecheck compute-sanitizer --tool racecheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   STEP_S=80 profile_adapter lora
-  # Why a decode step's attention takes ~23-51 µs a layer where a latency estimate says ~5:
-  # ncu's full report of a few decode attention launches (batch 8, tens of positions).
-  STEP_S=30 step ncu-attention ncu --set full --kernel-name-base function \
-    --kernel-name 'regex:fw_attention' --launch-skip 40 --launch-count 3 "$B/flywheel" bench \
-    --device cuda --model "$m" --prompt-tokens 64 --decode-tokens 16 --batch 8 --runs 1 \
-    --kv-cache-dtype f16
+  # The server on --device cuda: tokens drawn on the GPU against the host's, through the API.
+  FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=40 step http-server-device "$B/server-device"
   ;;
 context)
   # Decode after long prompts: what attention costs a step at 2k and 8k positions against 8 (the
@@ -266,6 +263,12 @@ context)
       --kv-cache-dtype f16
     grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-ctx$ctx.log" | sed 's/^/    /' >>"$SUMMARY"
   done
+  # Why a decode step's attention takes ~23-51 µs a layer where a latency estimate says ~5:
+  # ncu's full report of a few decode attention launches (batch 8, tens of positions).
+  STEP_S=30 step ncu-attention ncu --set full --kernel-name-base function \
+    --kernel-name 'regex:fw_attention' --launch-skip 40 --launch-count 3 "$B/flywheel" bench \
+    --device cuda --model "$m" --prompt-tokens 64 --decode-tokens 16 --batch 8 --runs 1 \
+    --kv-cache-dtype f16
   STEP_S=60 step ncu-attention-ctx2048 ncu --kernel-name-base function --kernel-name 'regex:fw_attention' \
     --launch-skip 200 --launch-count 16 "$B/flywheel" bench --device cuda --model "$m" \
     --prompt-tokens 64 --decode-tokens 8 --decode-context 2048 --batch 8 --runs 1 --kv-cache-dtype f16

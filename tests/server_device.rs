@@ -88,3 +88,92 @@ fn a_device_that_is_not_one_is_refused_by_name() {
         "{err}"
     );
 }
+
+/// On a GPU: the tokens drawn there (greedy, at temperatures, `n` > 1 whose first token forks on
+/// the host) are those the host's sampler draws from the same logits (FLYWHEEL_CUDA_SAMPLING=0),
+/// with the same alternatives and log-probs within 1e-5 (the host's log-softmax is the CPU's SIMD
+/// kernel, the GPU's the reference's arithmetic); rows only the host draws (top_p) agree too.
+/// Without a usable GPU there is nothing to compare, and it says so.
+#[test]
+fn tokens_drawn_on_the_gpu_are_those_the_host_draws() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    if let Err(err) = serve_on_cuda(&path) {
+        eprintln!(
+            "skipped: no usable GPU here ({})",
+            err.lines().last().unwrap_or("")
+        );
+        return;
+    }
+    let gpu = Server::start(&path, "", &["--device", "cuda"]);
+    assert!(
+        gpu.stderr().contains("tokens drawn on the GPU"),
+        "{}",
+        gpu.stderr()
+    );
+    let host = Server::start_in(
+        &["env", "FLYWHEEL_CUDA_SAMPLING=0"],
+        &path,
+        "",
+        &["--device", "cuda"],
+    );
+    let log = host.stderr();
+    assert!(
+        log.contains("tokens drawn on the host (FLYWHEEL_CUDA_SAMPLING=0)"),
+        "{log}"
+    );
+    let prompt = "The quick brown fox";
+    for extra in [
+        json!({"temperature": 0, "logprobs": 5}),
+        json!({"temperature": 0.8, "seed": 7, "n": 3, "logprobs": 3}),
+        json!({"temperature": 1.0, "seed": 11, "logprobs": 0}),
+        json!({"temperature": 1.3, "seed": 3, "top_p": 0.8, "logprobs": 2}),
+    ] {
+        let mut body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 16});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (a, b) = (
+            gpu.post("/v1/completions", &body),
+            host.post("/v1/completions", &body),
+        );
+        assert_eq!(
+            (a.status, b.status),
+            (200, 200),
+            "{} {}",
+            a.body_text(),
+            b.body_text()
+        );
+        let (a, b) = (a.json(), b.json());
+        let (ca, cb) = (
+            a["choices"].as_array().unwrap(),
+            b["choices"].as_array().unwrap(),
+        );
+        assert_eq!(ca.len(), cb.len());
+        for (x, y) in ca.iter().zip(cb) {
+            let what = format!("{extra}: {x} against {y}");
+            assert_eq!(x["text"], y["text"], "{what}");
+            let (lx, ly) = (&x["logprobs"], &y["logprobs"]);
+            assert_eq!(lx["tokens"], ly["tokens"], "{what}");
+            let lps = |l: &serde_json::Value| -> Vec<f64> {
+                l["token_logprobs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap())
+                    .collect()
+            };
+            for (p, q) in lps(lx).into_iter().zip(lps(ly)) {
+                assert!((p - q).abs() <= 1e-5 * q.abs().max(1.0), "{what}");
+            }
+            let keys = |l: &serde_json::Value| -> Vec<Vec<String>> {
+                l["top_logprobs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|m| m.as_object().unwrap().keys().cloned().collect())
+                    .collect()
+            };
+            assert_eq!(keys(lx), keys(ly), "{what}");
+        }
+    }
+}
