@@ -9,7 +9,7 @@ use crate::adapter::AdapterWeights;
 use crate::bench::{median, BenchOptions};
 use crate::generate::BLOCK_SIZE;
 use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
-use flywheel_kernels::cuda::{DrawSpec, Drawn, Gpu};
+use flywheel_kernels::cuda::{DrawSpec, Drawn, Gpu, Truncate};
 use std::time::Instant;
 
 /// One engine (graphs on or off) and the cache blocks each decode sequence owns.
@@ -120,6 +120,7 @@ impl Bench {
                             row,
                             sample: None,
                             top: 0,
+                            truncate: Truncate::NONE,
                         })
                     })
                     .collect();

@@ -13,7 +13,7 @@ use flywheel::adapter::{
     AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
 };
 use flywheel::kernels::cpu::Precision;
-use flywheel::kernels::cuda::{DrawSpec, Gpu};
+use flywheel::kernels::cuda::{DrawSpec, Gpu, Truncate};
 use flywheel::kernels::reference;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
@@ -450,7 +450,8 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
         let mut want = ForwardBuffers::default();
         host.forward_into(&model, &b, &mut want).unwrap();
         let rows = want.logits.len() / vocab;
-        // Per logit row: greedy, T 0.8, the host's, T 1 with 20 alternatives, greedy with 3.
+        // Per logit row: greedy, T 0.8 among llama.cpp's default cut (top-k 40, top-p 0.95,
+        // min-p 0.05), the host's, T 1 with 20 alternatives, greedy with 3.
         let specs: Vec<Option<DrawSpec>> = (0..rows)
             .map(|r| {
                 let last = if n == 0 { r.checked_sub(3) } else { Some(r) };
@@ -462,10 +463,19 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
                     _ => None,
                 };
                 let top = [0, 0, 0, 20, 3][last? % 5];
+                let truncate = match last? % 5 {
+                    1 => Truncate {
+                        top_k: 40,
+                        top_p: 0.95,
+                        min_p: 0.05,
+                    },
+                    _ => Truncate::NONE,
+                };
                 Some(DrawSpec {
                     row: r as u32,
                     sample,
                     top,
+                    truncate,
                 })
             })
             .collect();
@@ -495,11 +505,19 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
                 lp.iter_mut().for_each(|v| *v *= inv);
             }
             reference::log_softmax(&mut lp);
-            let token = match s.sample {
-                None => reference::argmax(&lp),
-                Some((_, u)) => reference::inverse_cdf(&lp, u),
+            let c = s.truncate;
+            let (token, kept) = match s.sample {
+                None => (reference::argmax(&lp), 1.0),
+                Some((_, u)) if c.top_k > 0 => {
+                    reference::truncated_draw(&lp, c.top_k, c.top_p, c.min_p, u)
+                }
+                Some((_, u)) => (reference::inverse_cdf(&lp, u), 1.0),
             };
             assert_eq!(d.token, token, "step {n} row {r}: {s:?}");
+            assert!(
+                (d.kept - kept).abs() <= 1e-6 * kept,
+                "step {n} row {r}: mass kept"
+            );
             let near = |a: f32, b: f32| (a - b).abs() <= 4e-7 * b.abs().max(1.0);
             assert!(near(d.logprob, lp[token as usize]), "step {n} row {r}");
             let top = reference::top_indices(&lp, s.top);

@@ -89,10 +89,11 @@ fn a_device_that_is_not_one_is_refused_by_name() {
     );
 }
 
-/// On a GPU: the tokens drawn there (greedy, at temperatures, `n` > 1 whose first token forks on
-/// the host) are those the host's sampler draws from the same logits (FLYWHEEL_CUDA_SAMPLING=0),
-/// with the same alternatives and log-probs within 1e-5 (the host's log-softmax is the CPU's SIMD
-/// kernel, the GPU's the reference's arithmetic); rows only the host draws (top_p) agree too.
+/// On a GPU: the tokens drawn there (greedy, at temperatures, among llama.cpp's default top-k 40 /
+/// top-p 0.95 / min-p 0.05, `n` > 1 whose first token forks on the host) are those the host's
+/// sampler draws from the same logits (FLYWHEEL_CUDA_SAMPLING=0), with the same alternatives and
+/// log-probs within 1e-5 (the host's log-softmax is the CPU's SIMD kernel, the GPU's the
+/// reference's arithmetic); rows only the host draws (top_p without top_k) agree too.
 /// Without a usable GPU there is nothing to compare, and it says so.
 #[test]
 fn tokens_drawn_on_the_gpu_are_those_the_host_draws() {
@@ -126,6 +127,7 @@ fn tokens_drawn_on_the_gpu_are_those_the_host_draws() {
         json!({"temperature": 0, "logprobs": 5}),
         json!({"temperature": 0.8, "seed": 7, "n": 3, "logprobs": 3}),
         json!({"temperature": 1.0, "seed": 11, "logprobs": 0}),
+        json!({"temperature": 0.8, "seed": 5, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "logprobs": 2}),
         json!({"temperature": 1.3, "seed": 3, "top_p": 0.8, "logprobs": 2}),
     ] {
         let mut body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 16});

@@ -20,19 +20,27 @@
 //      where u·Σ falls within rounding (~1e-16) of a boundary between two tokens;
 //   4. the k best (token, log-prob), best first by `total_cmp` then index (`reference::top_indices`):
 //      k passes, each the best after the one before under that total order (a unique answer, so
-//      any order of reduction gives it).
+//      any order of reduction gives it);
+//   5. with a top-k (≤ FW_DRAW_CAND; top-p and min-p with it), the draw is among those
+//      candidates, found by the same passes: one thread runs `reference::truncated_pick`'s steps
+//      over them in order (`fw_draw_truncated`), the sums in the reference's own order, so the
+//      token is the reference's but where the device's f64 exp rounds differently from the host's
+//      at a boundary.
 // The helpers are written once for the device and the host twin (`twin.cu draw`), which
 // `kernels/tests/cuda_twin.rs` checks against `reference` on every machine. Written here: no crate
 // draws on CUDA from Rust with the CPU sampler's rule.
 #pragma once
 
 #define FW_DRAW_THREADS 512
-// The most alternatives a row reports (OpenAI's top_logprobs ≤ 20).
+// The most alternatives a row reports (OpenAI's top_logprobs ≤ 20), and the largest top-k drawn
+// here (llama.cpp's clients send 40 by default).
 #define FW_DRAW_TOP 20
-// A spec: row, 1/T's bits, u's low and high words, greedy, k. A result: token, its log-prob's bits,
-// then FW_DRAW_TOP ids and FW_DRAW_TOP log-probs' bits.
-#define FW_DRAW_SPEC_WORDS 6
-#define FW_DRAWN_WORDS (2 + 2 * FW_DRAW_TOP)
+#define FW_DRAW_CAND 128
+// A spec: row, 1/T's bits, u's low and high words, greedy, k, top-k (0: none), top-p's and
+// min-p's bits. A result: token, its log-prob's bits, the mass kept (f64: low, high word; 1 when
+// nothing is cut), then FW_DRAW_TOP ids and FW_DRAW_TOP log-probs' bits.
+#define FW_DRAW_SPEC_WORDS 9
+#define FW_DRAWN_WORDS (4 + 2 * FW_DRAW_TOP)
 
 #ifdef __CUDA_ARCH__
 #define FW_EXP(x) exp(x)
@@ -96,6 +104,54 @@ FW_HD int fw_draw_find(const float* lp, int lo, int hi, double before, double ta
   return -1;
 }
 
+// a / b rounded once (IEEE), as the host divides.
+FW_HD double fw_ddiv(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// `reference::truncated_pick`: over n candidates' probabilities in order (p[j] = exp(lp[j]) in
+// f64), top-p's and min-p's prefix, then the first kept candidate whose running sum passes
+// u·kept: its position, and the mass kept.
+struct FwPick {
+  int at;
+  double kept;
+};
+FW_HD FwPick fw_draw_truncated(const double* p, int n, float top_p, float min_p, double u) {
+  double total = 0.0;
+  for (int j = 0; j < n; j++) total += p[j];
+  int keep = n;
+  if (top_p < 1.0f) {
+    double acc = 0.0;
+    for (int j = 0; j < n; j++) {
+      acc += fw_ddiv(p[j], total);
+      if (acc >= (double)top_p) {
+        keep = j + 1;
+        break;
+      }
+    }
+  }
+  if (min_p > 0.0f) {
+    const double floor = p[0] * (double)min_p;
+    int c = 0;
+    while (c < n && p[c] >= floor) c++;
+    if (c < 1) c = 1;
+    if (c < keep) keep = c;
+  }
+  double m = 0.0;
+  for (int j = 0; j < keep; j++) m += p[j];
+  const double target = u * m;
+  double acc = 0.0;
+  for (int j = 0; j < keep; j++) {
+    acc += p[j];
+    if (acc > target) return FwPick{j, m};
+  }
+  return FwPick{keep - 1, m};
+}
+
 // Rust's f32::total_cmp as an integer order: -NaN < -inf < … < -0 < +0 < … < +inf < +NaN.
 FW_HD int32_t fw_total_key(float v) {
   int32_t b;
@@ -146,10 +202,11 @@ __device__ void fw_draw_best(K* key, int* at, B before) {
     }
 }
 
-// Grid (drawn rows), FW_DRAW_THREADS threads. x: the step's logits, `vocab` a row; spec and out:
+// Grid (drawn rows), FW_DRAW_THREADS threads (a block an SM is enough: one a row; with the
+// default minimum, ptxas gave sm_80 32 registers and spills). x: the step's logits, `vocab` a row; spec and out:
 // FW_DRAW_SPEC_WORDS and FW_DRAWN_WORDS words a drawn row. The row's logits are left as its
 // log-probs.
-extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS)
+extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
     fw_draw(float* __restrict__ x, int vocab, const uint32_t* __restrict__ spec,
             uint32_t* __restrict__ out) {
   __shared__ double part[FW_DRAW_THREADS];
@@ -157,6 +214,9 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS)
   __shared__ double total_s;
   __shared__ int32_t prev_k;
   __shared__ int prev_i;
+  __shared__ int cand_i[FW_DRAW_CAND];
+  __shared__ float cand_v[FW_DRAW_CAND];
+  __shared__ double cand_p[FW_DRAW_CAND];
   const uint32_t* s = spec + (size_t)blockIdx.x * FW_DRAW_SPEC_WORDS;
   uint32_t* o = out + (size_t)blockIdx.x * FW_DRAWN_WORDS;
   float* r = x + (size_t)s[0] * vocab;
@@ -164,6 +224,9 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS)
   const double u = __hiloint2double((int)s[3], (int)s[2]);
   const bool greedy = s[4] != 0;
   const int k = min(min((int)s[5], FW_DRAW_TOP), vocab);
+  // Candidates of a top-k draw (0: the whole distribution).
+  const int nc = greedy ? 0 : min(min((int)s[6], FW_DRAW_CAND), vocab);
+  const float top_p = __uint_as_float(s[7]), min_p = __uint_as_float(s[8]);
   const int t = threadIdx.x, nt = FW_DRAW_THREADS;
 
   float mx = -INFINITY;
@@ -191,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS)
     }
   fw_draw_best(&bv, &bi, [](float a, int i, float b, int j) { return fw_argmax_before(a, i, b, j); });
   int token = bi < 0 ? 0 : bi;
-  if (!greedy) {
+  if (!greedy && nc == 0) {
     int lo, hi;
     fw_draw_chunk(vocab, nt, t, &lo, &hi);
     part[t] = fw_draw_mass(r, lo, hi);
@@ -211,13 +274,10 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS)
     }
     if (at >= 0) token = at;
   }
-  if (t == 0) {
-    o[0] = (uint32_t)token;
-    o[1] = __float_as_uint(r[token]);
-  }
-  // The k best after the one before, pass by pass.
+  // The k best after the one before, pass by pass (as many as the alternatives and the
+  // candidates need).
   if (t == 0) prev_i = -1;
-  for (int j = 0; j < k; j++) {
+  for (int j = 0; j < max(k, nc); j++) {
     __syncthreads();
     const int32_t pk = prev_k;
     const int pi = prev_i;
@@ -234,9 +294,30 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS)
     if (t == 0) {
       prev_k = ck;
       prev_i = ci;
-      o[2 + j] = (uint32_t)ci;
-      o[2 + FW_DRAW_TOP + j] = __float_as_uint(r[ci]);
+      if (j < FW_DRAW_CAND) {
+        cand_i[j] = ci;
+        cand_v[j] = r[ci];
+      }
+      if (j < k) {
+        o[4 + j] = (uint32_t)ci;
+        o[4 + FW_DRAW_TOP + j] = __float_as_uint(r[ci]);
+      }
     }
+  }
+  __syncthreads();
+  if (t < nc) cand_p[t] = FW_EXP((double)cand_v[t]);
+  __syncthreads();
+  if (t == 0) {
+    double kept = 1.0;
+    if (nc > 0) {
+      const FwPick p = fw_draw_truncated(cand_p, nc, top_p, min_p, u);
+      token = cand_i[p.at];
+      kept = p.kept;
+    }
+    o[0] = (uint32_t)token;
+    o[1] = __float_as_uint(r[token]);
+    o[2] = (uint32_t)__double2loint(kept);
+    o[3] = (uint32_t)__double2hiint(kept);
   }
 }
 #endif

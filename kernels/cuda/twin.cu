@@ -13,10 +13,11 @@
 //                                              and tree, checked equal to the shares taken 8
 //                                              tokens at a time, as the batch kernel does (exit
 //                                              3 if not)
-//   fw_twin draw VOCAB K M                     stdin: 1/T (f32), VOCAB f32 logits, M uniforms
+//   fw_twin draw VOCAB K M TOPK TOPP MINP      stdin: 1/T (f32), VOCAB f32 logits, M uniforms
 //                                              (f64; < 0: greedy); stdout: the row's log-probs
-//                                              (f32), then per uniform the token and the K best
-//                                              (u32 each), by draw.cuh's helpers in fw_draw's order
+//                                              (f32), then per uniform the token (u32), the mass
+//                                              kept (f64) and the K best (u32 each), by
+//                                              draw.cuh's helpers in fw_draw's order
 #include <stdio.h>
 #include <stdlib.h>
 #include <vector>
@@ -79,8 +80,8 @@ static bool int8_product(const unsigned char* w, int rows, int cols, long row_by
 }
 
 // fw_draw's steps, its threads one after another.
-static void draw(std::vector<float>& r, float inv, const std::vector<double>& us, int k,
-                 std::vector<uint32_t>& out) {
+static void draw(std::vector<float>& r, float inv, const std::vector<double>& us, int k, int tk,
+                 float top_p, float min_p, std::vector<uint32_t>& out) {
   const int vocab = (int)r.size(), nt = FW_DRAW_THREADS;
   float mx = -INFINITY;
   for (float& v : r) {
@@ -98,10 +99,12 @@ static void draw(std::vector<float>& r, float inv, const std::vector<double>& us
       bv = r[i];
       bi = i;
     }
-  std::vector<uint32_t> top;
+  std::vector<uint32_t> cand_ids;
+  std::vector<float> cand;
+  const int nc = tk < FW_DRAW_CAND ? (tk < vocab ? tk : vocab) : (FW_DRAW_CAND < vocab ? FW_DRAW_CAND : vocab);
   int32_t pk = 0;
   int pi = -1;
-  for (int j = 0; j < k && j < vocab; j++) {
+  for (int j = 0; j < (k > nc ? k : nc) && j < vocab; j++) {
     int32_t ck = 0;
     int ci = -1;
     for (int i = 0; i < vocab; i++) {
@@ -111,13 +114,17 @@ static void draw(std::vector<float>& r, float inv, const std::vector<double>& us
         ci = i;
       }
     }
-    top.push_back((uint32_t)ci);
+    cand_ids.push_back((uint32_t)ci);
+    cand.push_back(r[ci]);
     pk = ci < 0 ? pk : ck;
     pi = ci;
   }
+  const std::vector<uint32_t> top(cand_ids.begin(), cand_ids.begin() + (k < vocab ? k : vocab));
   for (double u : us) {
     int token = bi < 0 ? 0 : bi;
-    if (u >= 0.0) {
+    double kept = 1.0;
+    if (u >= 0.0 && nc > 0) token = -1;  // drawn among the candidates below
+    if (u >= 0.0 && nc == 0) {
       for (int t = 0; t < nt; t++) {
         int lo, hi;
         fw_draw_chunk(vocab, nt, t, &lo, &hi);
@@ -134,14 +141,26 @@ static void draw(std::vector<float>& r, float inv, const std::vector<double>& us
         if (r[i] > -INFINITY) found = i;
       if (found >= 0) token = found;
     }
+    if (token < 0) {
+      std::vector<double> probs(nc);
+      for (int j = 0; j < nc; j++) probs[j] = FW_EXP((double)cand[j]);
+      const FwPick p = fw_draw_truncated(probs.data(), nc, top_p, min_p, u);
+      token = (int)cand_ids[p.at];
+      kept = p.kept;
+    }
     out.push_back((uint32_t)token);
+    uint64_t kb;
+    memcpy(&kb, &kept, 8);
+    out.push_back((uint32_t)kb);
+    out.push_back((uint32_t)(kb >> 32));
     out.insert(out.end(), top.begin(), top.end());
   }
 }
 
 int main(int argc, char** argv) {
-  if (argc >= 5 && !strcmp(argv[1], "draw")) {
-    const int vocab = atoi(argv[2]), k = atoi(argv[3]), m = atoi(argv[4]);
+  if (argc >= 8 && !strcmp(argv[1], "draw")) {
+    const int vocab = atoi(argv[2]), k = atoi(argv[3]), m = atoi(argv[4]), tk = atoi(argv[5]);
+    const float top_p = (float)atof(argv[6]), min_p = (float)atof(argv[7]);
     std::vector<unsigned char> in = read_all();
     if (vocab < 1 || in.size() != 4 + (size_t)vocab * 4 + (size_t)m * 8) return 2;
     float inv;
@@ -151,7 +170,7 @@ int main(int argc, char** argv) {
     std::vector<double> us(m);
     memcpy(us.data(), in.data() + 4 + (size_t)vocab * 4, (size_t)m * 8);
     std::vector<uint32_t> out;
-    draw(r, inv, us, k, out);
+    draw(r, inv, us, k, tk, top_p, min_p, out);
     fwrite(r.data(), 4, r.size(), stdout);
     fwrite(out.data(), 4, out.size(), stdout);
     return 0;

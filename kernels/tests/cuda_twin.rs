@@ -227,68 +227,90 @@ fn draw_logits(rng: &mut Rng, vocab: usize) -> Vec<f32> {
 #[test]
 fn device_draws_equal_the_samplers_reference_draws() {
     let mut rng = Rng(33);
+    // (top-k, top-p, min-p): the whole distribution, llama.cpp's defaults, a narrow nucleus, the
+    // largest top-k drawn on the device, one candidate.
+    let cuts = [
+        (0usize, 1.0f32, 0.0f32),
+        (40, 0.95, 0.05),
+        (40, 1.0, 0.0),
+        (5, 0.5, 0.0),
+        (128, 0.9, 0.0),
+        (1, 1.0, 0.0),
+    ];
     // One token, fewer tokens than threads, a row not a multiple of the threads, SmolLM2's and
     // Llama 3's vocabularies.
     for vocab in [1usize, 7, 1000, 49152, 128256] {
         let x = draw_logits(&mut rng, vocab);
         let k = 20.min(vocab);
         for temperature in [None, Some(0.7f32), Some(1.0), Some(1.3)] {
-            let mut us: Vec<f64> = (0..40)
-                .map(|_| (rng.next() >> 11) as f64 / (1u64 << 53) as f64)
-                .collect();
-            us.extend([0.0, 1.0 - f64::EPSILON / 2.0, 0.5]);
-            let inv = match temperature {
-                Some(t) if t != 1.0 => 1.0 / t,
-                _ => 1.0f32,
-            };
-            // What the engine's sampler computes: scale (not when greedy or T = 1), log-softmax.
-            let mut lp = x.clone();
-            if inv != 1.0 {
-                lp.iter_mut().for_each(|v| *v *= inv);
-            }
-            reference::log_softmax(&mut lp);
             let greedy = temperature.is_none();
-            let sent: Vec<f64> = if greedy { vec![-1.0] } else { us.clone() };
-            let input: Vec<u8> = inv
-                .to_le_bytes()
-                .into_iter()
-                .chain(x.iter().flat_map(|v| v.to_le_bytes()))
-                .chain(sent.iter().flat_map(|u| u.to_le_bytes()))
-                .collect();
-            let args = [
-                "draw".to_string(),
-                vocab.to_string(),
-                k.to_string(),
-                sent.len().to_string(),
-            ];
-            let words: Vec<u32> = twin(&args, &input)
-                .chunks(4)
-                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
-            assert_eq!(words.len(), vocab + sent.len() * (1 + k));
-            let what = format!("vocab {vocab}, T {temperature:?}");
-            let bad = (0..vocab).find(|&i| !same(f32::from_bits(words[i]), lp[i]));
-            assert!(
-                bad.is_none(),
-                "{what}: log-prob {bad:?} differs from the reference's"
-            );
-            let top = reference::top_indices(&lp, k);
-            for (j, (&u, got)) in sent.iter().zip(words[vocab..].chunks(1 + k)).enumerate() {
-                let want = if greedy {
-                    reference::argmax(&lp)
-                } else {
-                    reference::inverse_cdf(&lp, u)
+            for &(top_k, top_p, min_p) in if greedy { &cuts[..1] } else { &cuts[..] } {
+                let cut = (top_k, top_p, min_p);
+                let mut us: Vec<f64> = (0..40)
+                    .map(|_| (rng.next() >> 11) as f64 / (1u64 << 53) as f64)
+                    .collect();
+                us.extend([0.0, 1.0 - f64::EPSILON / 2.0, 0.5]);
+                let inv = match temperature {
+                    Some(t) if t != 1.0 => 1.0 / t,
+                    _ => 1.0f32,
                 };
-                assert_eq!(got[0], want, "{what}, draw {j} at u = {u}");
-                assert_eq!(&got[1..], &top[..], "{what}: the top {k}");
-            }
-            if vocab > 10 {
-                assert_eq!(
-                    top[..2],
-                    [4, 9],
-                    "{what}: the tie at the top, lower index first"
+                // What the engine's sampler computes: scale (not when greedy or T = 1), log-softmax.
+                let mut lp = x.clone();
+                if inv != 1.0 {
+                    lp.iter_mut().for_each(|v| *v *= inv);
+                }
+                reference::log_softmax(&mut lp);
+                let sent: Vec<f64> = if greedy { vec![-1.0] } else { us.clone() };
+                let input: Vec<u8> = inv
+                    .to_le_bytes()
+                    .into_iter()
+                    .chain(x.iter().flat_map(|v| v.to_le_bytes()))
+                    .chain(sent.iter().flat_map(|u| u.to_le_bytes()))
+                    .collect();
+                let args = [
+                    "draw".to_string(),
+                    vocab.to_string(),
+                    k.to_string(),
+                    sent.len().to_string(),
+                    top_k.to_string(),
+                    top_p.to_string(),
+                    min_p.to_string(),
+                ];
+                let words: Vec<u32> = twin(&args, &input)
+                    .chunks(4)
+                    .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                assert_eq!(words.len(), vocab + sent.len() * (3 + k));
+                let what = format!("vocab {vocab}, T {temperature:?}, cut {cut:?}");
+                let bad = (0..vocab).find(|&i| !same(f32::from_bits(words[i]), lp[i]));
+                assert!(
+                    bad.is_none(),
+                    "{what}: log-prob {bad:?} differs from the reference's"
                 );
-                assert!(!top.contains(&3), "{what}: a masked token among the best");
+                let top = reference::top_indices(&lp, k);
+                for (j, (&u, got)) in sent.iter().zip(words[vocab..].chunks(3 + k)).enumerate() {
+                    let (want, kept) = match (greedy, top_k) {
+                        (true, _) => (reference::argmax(&lp), 1.0),
+                        (false, 0) => (reference::inverse_cdf(&lp, u), 1.0),
+                        _ => reference::truncated_draw(&lp, top_k, top_p, min_p, u),
+                    };
+                    let got_kept = f64::from_bits(got[1] as u64 | (got[2] as u64) << 32);
+                    assert_eq!(got[0], want, "{what}, draw {j} at u = {u}");
+                    assert_eq!(
+                        got_kept.to_bits(),
+                        kept.to_bits(),
+                        "{what}, draw {j}: mass kept"
+                    );
+                    assert_eq!(&got[3..], &top[..], "{what}: the top {k}");
+                }
+                if vocab > 10 {
+                    assert_eq!(
+                        top[..2],
+                        [4, 9],
+                        "{what}: the tie at the top, lower index first"
+                    );
+                    assert!(!top.contains(&3), "{what}: a masked token among the best");
+                }
             }
         }
     }

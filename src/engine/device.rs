@@ -173,7 +173,7 @@ pub(super) fn forward(
         }
         #[cfg(feature = "cuda")]
         Backend::Gpu(g) => {
-            use flywheel_kernels::cuda::DrawSpec;
+            use flywheel_kernels::cuda::{DrawSpec, Truncate};
             // A vocabulary smaller than the alternatives asked for gives all it has, as the
             // host's sampler does.
             let vocab = model.config.vocab_size;
@@ -185,6 +185,11 @@ pub(super) fn forward(
                         row: row as u32,
                         sample: d.sample,
                         top: d.top.min(vocab),
+                        truncate: Truncate {
+                            top_k: d.truncate.0,
+                            top_p: d.truncate.1,
+                            min_p: d.truncate.2,
+                        },
                     })
                 })
                 .collect();
@@ -193,7 +198,7 @@ pub(super) fn forward(
             Ok(drawn
                 .iter()
                 .zip(draws.iter().flatten())
-                .map(|(r, d)| d.sampled(r.token, r.logprob, &r.top))
+                .map(|(r, d)| d.sampled(r.token, r.logprob, r.kept, &r.top))
                 .collect())
         }
     }

@@ -1,8 +1,9 @@
 //! Each row's next token drawn on the GPU (`cuda/draw.cuh`): the sampler's rule for a draw from
 //! the whole distribution (greedy, or the inverse CDF at a uniform the host draws from the
-//! sequence's own random stream), its log-prob and the top alternatives, so that a decode step
-//! reads back a few words a row instead of its logits. Rows the rule does not cover (penalties,
-//! biases, grammars, top-k/top-p/min-p) keep their logits for the host's sampler.
+//! sequence's own random stream; or among the top-k candidates, top-p and min-p applied), its
+//! log-prob and the top alternatives, so that a decode step reads back a few words a row instead
+//! of its logits. Rows the rule does not cover (penalties, biases, grammars, top-p or min-p
+//! without a top-k) keep their logits for the host's sampler.
 
 use super::launch::len_at_least;
 use super::{check, Gpu, Result};
@@ -10,10 +11,12 @@ use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
 
 /// The most alternatives a drawn row reports (`FW_DRAW_TOP`; OpenAI's `top_logprobs` ≤ 20).
 pub const DRAW_TOP: usize = 20;
+/// The largest top-k drawn on the device (`FW_DRAW_CAND`).
+pub const DRAW_CANDIDATES: usize = 128;
 /// `FW_DRAW_THREADS`, `FW_DRAW_SPEC_WORDS`, `FW_DRAWN_WORDS`.
 const THREADS: u32 = 512;
-const SPEC_WORDS: usize = 6;
-const DRAWN_WORDS: usize = 2 + 2 * DRAW_TOP;
+const SPEC_WORDS: usize = 9;
+const DRAWN_WORDS: usize = 4 + 2 * DRAW_TOP;
 
 /// How one row of logits is drawn.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -25,6 +28,26 @@ pub struct DrawSpec {
     pub sample: Option<(f32, f64)>,
     /// How many alternatives to report (≤ `DRAW_TOP`).
     pub top: usize,
+    /// What cuts the distribution before a (non-greedy) draw.
+    pub truncate: Truncate,
+}
+
+/// Top-k, top-p and min-p (`reference::truncated_draw`); on the device only with a top-k of 1 to
+/// `DRAW_CANDIDATES` (the candidates the draw is made among).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Truncate {
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+}
+
+impl Truncate {
+    /// Nothing cut: the whole distribution.
+    pub const NONE: Truncate = Truncate {
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+    };
 }
 
 /// A drawn row: the token, its log-prob, and the `top` best (token, log-prob), best first.
@@ -32,6 +55,9 @@ pub struct DrawSpec {
 pub struct Drawn {
     pub token: u32,
     pub logprob: f32,
+    /// The probability mass the truncation kept (1 when nothing was cut or greedy): the token's
+    /// log-prob under the distribution drawn from is `logprob − ln kept`.
+    pub kept: f64,
     pub top: Vec<(u32, f32)>,
 }
 
@@ -44,8 +70,8 @@ pub struct DrawBuffers {
 }
 
 impl DrawSpec {
-    /// The spec's words (`fw_draw`'s layout): row, 1/T, u's low and high words, greedy, k. 1/T
-    /// is 1 when greedy or T = 1, where the sampler does not scale.
+    /// The spec's words (`fw_draw`'s layout): row, 1/T, u's low and high words, greedy, k,
+    /// top-k, top-p, min-p. 1/T is 1 when greedy or T = 1, where the sampler does not scale.
     fn words(&self) -> [u32; SPEC_WORDS] {
         let (inv, u) = match self.sample {
             Some((t, u)) if t != 1.0 => (1.0 / t, u),
@@ -60,6 +86,9 @@ impl DrawSpec {
             (ub >> 32) as u32,
             self.sample.is_none() as u32,
             self.top as u32,
+            self.truncate.top_k as u32,
+            self.truncate.top_p.to_bits(),
+            self.truncate.min_p.to_bits(),
         ]
     }
 }
@@ -112,6 +141,16 @@ impl Gpu {
                     format!("draw: temperature {t}, u {u}")
                 })?;
             }
+            let c = s.truncate;
+            let cuts = c.top_p < 1.0 || c.min_p > 0.0;
+            check(
+                c.top_k <= DRAW_CANDIDATES
+                    && (c.top_k > 0 || !cuts)
+                    && c.top_p > 0.0
+                    && c.top_p <= 1.0
+                    && (0.0..=1.0).contains(&c.min_p),
+                || format!("draw: {c:?} (top-p or min-p need a top-k of 1 to {DRAW_CANDIDATES})"),
+            )?;
             words.extend(s.words());
         }
         // Two specs of one row would draw from log-probs already computed in place.
@@ -139,8 +178,9 @@ impl Gpu {
             Drawn {
                 token: w[0],
                 logprob: f32::from_bits(w[1]),
+                kept: f64::from_bits(w[2] as u64 | (w[3] as u64) << 32),
                 top: (0..s.top)
-                    .map(|j| (w[2 + j], f32::from_bits(w[2 + DRAW_TOP + j])))
+                    .map(|j| (w[4 + j], f32::from_bits(w[4 + DRAW_TOP + j])))
                     .collect(),
             }
         }));

@@ -15,7 +15,7 @@ mod paged;
 mod products;
 
 pub use adapters::{AdapterEntry, AdapterRows};
-pub use draw::{DrawBuffers, DrawSpec, Drawn, DRAW_TOP};
+pub use draw::{DrawBuffers, DrawSpec, Drawn, Truncate, DRAW_CANDIDATES, DRAW_TOP};
 pub use int8::Q8Acts;
 pub use launch::ATT_MAX_HEAD_DIM;
 pub use moe::{ExpertTable, MOE_MAX_USED};

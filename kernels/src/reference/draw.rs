@@ -48,3 +48,53 @@ pub fn last_possible(lp: &[f32]) -> Option<u32> {
         .rposition(|v| *v > f32::NEG_INFINITY)
         .map(|i| i as u32)
 }
+
+/// A draw after top-k, top-p and min-p (the engine sampler's): the candidates (the `top_k` best in
+/// `top_indices`' order; every token when 0), then `truncated_pick`. Returns the token and the
+/// probability mass kept (its log-prob under the truncated distribution is lp − ln kept).
+pub fn truncated_draw(lp: &[f32], top_k: usize, top_p: f32, min_p: f32, u: f64) -> (u32, f64) {
+    let k = if top_k > 0 && top_k < lp.len() {
+        top_k
+    } else {
+        lp.len()
+    };
+    let idx = top_indices(lp, k);
+    let sorted: Vec<f32> = idx.iter().map(|&i| lp[i as usize]).collect();
+    let (j, kept) = truncated_pick(&sorted, top_p, min_p, u);
+    (idx[j], kept)
+}
+
+/// `truncated_draw` over the candidates' log-probs in their order: their probabilities exp(lp)
+/// (f64); top-p keeps the shortest prefix whose running share (Σ p/total, in order) reaches
+/// `top_p`; min-p the prefix at or above `min_p` times the first (at least one); then the first
+/// kept candidate whose running sum passes u·kept (the last kept where rounding leaves none).
+/// Returns the candidate's position and the mass kept.
+pub fn truncated_pick(sorted: &[f32], top_p: f32, min_p: f32, u: f64) -> (usize, f64) {
+    let probs: Vec<f64> = sorted.iter().map(|&v| (v as f64).exp()).collect();
+    let total: f64 = probs.iter().sum();
+    let mut keep = probs.len();
+    if top_p < 1.0 {
+        let mut acc = 0.0;
+        for (j, p) in probs.iter().enumerate() {
+            acc += p / total;
+            if acc >= top_p as f64 {
+                keep = j + 1;
+                break;
+            }
+        }
+    }
+    if min_p > 0.0 {
+        let floor = probs[0] * min_p as f64;
+        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+    }
+    let kept: f64 = probs[..keep].iter().sum();
+    let target = u * kept;
+    let mut acc = 0.0;
+    for (j, p) in probs[..keep].iter().enumerate() {
+        acc += p;
+        if acc > target {
+            return (j, kept);
+        }
+    }
+    (keep - 1, kept)
+}

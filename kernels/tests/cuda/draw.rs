@@ -5,7 +5,7 @@
 
 use super::gpu;
 use crate::common::Rng;
-use flywheel_kernels::cuda::{DrawSpec, DRAW_TOP};
+use flywheel_kernels::cuda::{DrawSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP};
 use flywheel_kernels::reference;
 
 #[test]
@@ -34,6 +34,20 @@ fn drawn_tokens_and_log_probs_are_the_samplers() {
             row,
             sample: t.map(|t| (t, (rng.next() >> 11) as f64 / (1u64 << 53) as f64)),
             top: (row as usize * 3).min(DRAW_TOP).min(vocab),
+            // Row 3 among llama.cpp's default cut, row 5 among its 5 best.
+            truncate: match row {
+                3 => Truncate {
+                    top_k: 40,
+                    top_p: 0.95,
+                    min_p: 0.05,
+                },
+                5 => Truncate {
+                    top_k: 5,
+                    top_p: 1.0,
+                    min_p: 0.0,
+                },
+                _ => Truncate::NONE,
+            },
         })
         .collect();
         let mut bufs = g.draw_buffers(8).unwrap();
@@ -60,11 +74,20 @@ fn drawn_tokens_and_log_probs_are_the_samplers() {
                 );
             }
             // The rest is exact given the device's log-probs.
-            let token = match s.sample {
-                None => reference::argmax(lp),
-                Some((_, u)) => reference::inverse_cdf(lp, u),
+            let c = s.truncate;
+            let (token, kept) = match s.sample {
+                None => (reference::argmax(lp), 1.0),
+                Some((_, u)) if c.top_k > 0 => {
+                    reference::truncated_draw(lp, c.top_k, c.top_p, c.min_p, u)
+                }
+                Some((_, u)) => (reference::inverse_cdf(lp, u), 1.0),
             };
             assert_eq!(d.token, token, "vocab {vocab} row {r}: {s:?}");
+            // The device's f64 exp may round an ulp away from the host's.
+            assert!(
+                (d.kept - kept).abs() <= 1e-12 * kept,
+                "vocab {vocab} row {r}: mass kept"
+            );
             assert_eq!(d.logprob.to_bits(), lp[token as usize].to_bits());
             let top: Vec<(u32, f32)> = reference::top_indices(lp, s.top)
                 .into_iter()
@@ -90,7 +113,20 @@ fn draws_the_kernel_cannot_take_are_refused() {
     let mut dx = g.upload(&vec![0.0f32; 2 * 50]).unwrap();
     let mut bufs = g.draw_buffers(2).unwrap();
     let mut out = Vec::new();
-    let spec = |row, sample, top| DrawSpec { row, sample, top };
+    let spec = |row, sample, top| DrawSpec {
+        row,
+        sample,
+        top,
+        truncate: Truncate::NONE,
+    };
+    let cut = |top_k, top_p| DrawSpec {
+        truncate: Truncate {
+            top_k,
+            top_p,
+            min_p: 0.0,
+        },
+        ..spec(0, Some((1.0, 0.5)), 0)
+    };
     for bad in [
         vec![spec(2, None, 0)],                                     // past the rows
         vec![spec(0, None, DRAW_TOP + 1)],                          // too many alternatives
@@ -98,6 +134,9 @@ fn draws_the_kernel_cannot_take_are_refused() {
         vec![spec(0, Some((0.0, 0.5)), 0)],                         // no temperature
         vec![spec(0, Some((1.0, 1.0)), 0)],                         // u outside [0, 1)
         vec![spec(0, None, 0), spec(1, None, 0), spec(1, None, 0)], // more than the room
+        vec![cut(0, 0.9)],                                          // a nucleus of the whole row
+        vec![cut(DRAW_CANDIDATES + 1, 1.0)],                        // too many candidates
+        vec![cut(5, 0.0)],                                          // top-p of nothing
     ] {
         assert!(
             g.draw(&mut dx, 2, 50, &bad, &mut bufs, &mut out).is_err(),

@@ -105,50 +105,67 @@ impl Default for SamplingParams {
     }
 }
 
-/// The most alternatives a device's draw reports (the API's `top_logprobs` ≤ 20).
+/// The most alternatives a device's draw reports (the API's `top_logprobs` ≤ 20), and the largest
+/// top-k it draws among (llama.cpp's clients send 40).
 pub const DEVICE_DRAW_TOP: usize = 20;
+pub const DEVICE_DRAW_TOP_K: usize = 128;
 
-/// A token drawn where the logits are (the GPU) by the sampler's rule for a draw from the whole
-/// distribution, so that only the token, its log-prob and the alternatives come back.
+/// A token drawn where the logits are (the GPU) by the sampler's rule — from the whole
+/// distribution, or among the top-k candidates with top-p and min-p — so that only the token, its
+/// log-prob and the alternatives come back.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceDraw {
     /// None: greedy (the argmax of log-softmax(logits)); Some((T, u)): the inverse CDF of
-    /// log-softmax(logits / T) at u (`reference::inverse_cdf`).
+    /// log-softmax(logits / T) at u (`reference::inverse_cdf`, or `reference::truncated_draw`
+    /// with a top-k).
     pub sample: Option<(f32, f64)>,
     /// How many alternatives to report.
     pub top: usize,
+    /// (top-k, top-p, min-p) when sampled; (0, 1, 0): nothing cut.
+    pub truncate: (usize, f32, f32),
 }
 
 impl SamplingParams {
     /// The draw a device can make for the next token, its uniform taken from `rng` as
     /// `sample_seen` takes it (one `next_f64` when not greedy, none when greedy), so that a
     /// choice's random stream is the same wherever its tokens are drawn. None where only the
-    /// host's sampler applies: penalties, biases, bans, grammars, allowed tokens, and top-k,
-    /// top-p or min-p when not greedy (rng untouched).
+    /// host's sampler applies: penalties, biases, bans, grammars, allowed tokens, and top-p or
+    /// min-p without a top-k, or a top-k above `DEVICE_DRAW_TOP_K`, when not greedy (rng
+    /// untouched).
     pub fn device_draw(&self, rng: &mut Rng) -> Option<DeviceDraw> {
         if self.edits_logits() || self.top_logprobs > DEVICE_DRAW_TOP {
             return None;
         }
         let greedy = is_greedy(self.temperature);
-        if !greedy && !self.samples_the_policy() {
-            return None;
-        }
+        let truncate = match greedy || self.samples_the_policy() {
+            // Greedy: the argmax is inside any cut.
+            true => (0, 1.0, 0.0),
+            false if (1..=DEVICE_DRAW_TOP_K).contains(&self.top_k) => {
+                (self.top_k, self.top_p, self.min_p.max(0.0))
+            }
+            false => return None,
+        };
         Some(DeviceDraw {
             sample: (!greedy).then(|| (self.temperature, rng.next_f64())),
             top: self.top_logprobs,
+            truncate,
         })
     }
 }
 
 impl DeviceDraw {
-    /// What `sample_seen` returns for the token the device drew: its log-prob is the one it was
-    /// drawn with (0 when greedy, as there).
-    pub fn sampled(&self, token: u32, logprob: f32, top: &[(u32, f32)]) -> Sampled {
+    /// What `sample_seen` returns for the token the device drew, `kept` the probability mass the
+    /// cut kept (1: none): the log-prob it was drawn with is logprob − ln kept (0 when greedy, as
+    /// there).
+    pub fn sampled(&self, token: u32, logprob: f32, kept: f64, top: &[(u32, f32)]) -> Sampled {
         Sampled {
             token,
             forced: false,
             logprob,
-            sampling_logprob: if self.sample.is_some() { logprob } else { 0.0 },
+            sampling_logprob: match self.sample {
+                Some(_) => (logprob as f64 - kept.ln()) as f32,
+                None => 0.0,
+            },
             top: top
                 .iter()
                 .map(|&(token_id, logprob)| TopLogprob { token_id, logprob })
@@ -347,41 +364,8 @@ fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> (u32, f64)
     if top_k == 0 && top_p >= 1.0 && p.min_p <= 0.0 {
         return (reference::inverse_cdf(lp, u), 0.0);
     }
-    let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
-    let cmp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
-    if top_k > 0 && top_k < idx.len() {
-        idx.select_nth_unstable_by(top_k - 1, cmp);
-        idx.truncate(top_k);
-    }
-    idx.sort_by(cmp);
-    let probs: Vec<f64> = idx.iter().map(|&i| (lp[i as usize] as f64).exp()).collect();
-    let total: f64 = probs.iter().sum();
-    let mut keep = probs.len();
-    if top_p < 1.0 {
-        let mut acc = 0.0;
-        for (j, p) in probs.iter().enumerate() {
-            acc += p / total;
-            if acc >= top_p as f64 {
-                keep = j + 1;
-                break;
-            }
-        }
-    }
-    if p.min_p > 0.0 {
-        // probs is sorted: keep the prefix at or above min_p times the best.
-        let floor = probs[0] * p.min_p as f64;
-        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
-    }
-    let kept: f64 = probs[..keep].iter().sum();
-    let target = u * kept;
-    let mut acc = 0.0;
-    for j in 0..keep {
-        acc += probs[j];
-        if acc > target {
-            return (idx[j], kept.ln());
-        }
-    }
-    (idx[keep - 1], kept.ln())
+    let (t, kept) = reference::truncated_draw(lp, top_k, top_p, p.min_p, u);
+    (t, kept.ln())
 }
 
 #[cfg(test)]

@@ -424,16 +424,25 @@ fn the_sampling_logprob_is_the_drawn_distributions() {
 }
 
 /// A device's draw takes the same uniform from the choice's stream as the host's sampler, and
-/// the token the reference draws with it is the sampler's; what only the host's sampler does is
-/// never given to a device.
+/// the token the reference draws with it (from the whole distribution, or among a top-k with
+/// top-p and min-p) is the sampler's, with the same log-prob drawn with; what only the host's
+/// sampler does is never given to a device.
 #[test]
 fn device_draws_take_the_samplers_uniform_and_only_whole_distributions() {
     let logits: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32) / 17.0).collect();
-    for temperature in [0.0f32, 0.6, 1.0, 1.7] {
+    // Nothing cut, llama.cpp's default cut, a top-k alone.
+    let cuts = [(0usize, 1.0f32, 0.0f32), (40, 0.95, 0.05), (5, 1.0, 0.0)];
+    for (temperature, (top_k, top_p, min_p)) in [0.0f32, 0.6, 1.0, 1.7]
+        .into_iter()
+        .flat_map(|t| cuts.map(|c| (t, c)))
+    {
         for seed in 0..20u64 {
             let p = SamplingParams {
                 temperature,
                 top_logprobs: 3,
+                top_k,
+                top_p,
+                min_p,
                 ..Default::default()
             };
             let (mut host_rng, mut dev_rng) = (Rng::new(seed), Rng::new(seed));
@@ -445,18 +454,21 @@ fn device_draws_take_the_samplers_uniform_and_only_whole_distributions() {
             // The device's arithmetic is the reference's: log-softmax of logits / T, then the draw.
             let mut lp = logits.clone();
             scale_and_normalize(&cpu(), &mut lp, temperature);
-            let token = match d.sample {
-                None => reference::argmax(&lp),
+            let (token, kept) = match d.sample {
+                None => (reference::argmax(&lp), 1.0),
                 Some((t, u)) => {
                     assert_eq!(t, temperature);
-                    reference::inverse_cdf(&lp, u)
+                    match d.truncate {
+                        (0, _, _) => (reference::inverse_cdf(&lp, u), 1.0),
+                        (k, tp, mp) => reference::truncated_draw(&lp, k, tp, mp, u),
+                    }
                 }
             };
             let top: Vec<(u32, f32)> = reference::top_indices(&lp, d.top)
                 .into_iter()
                 .map(|i| (i, lp[i as usize]))
                 .collect();
-            let dev = d.sampled(token, lp[token as usize], &top);
+            let dev = d.sampled(token, lp[token as usize], kept, &top);
             assert_eq!(
                 (dev.token, dev.logprob, dev.sampling_logprob),
                 (host.token, host.logprob, host.sampling_logprob),
@@ -479,7 +491,7 @@ fn device_draws_take_the_samplers_uniform_and_only_whole_distributions() {
             ..Default::default()
         },
         SamplingParams {
-            top_k: 5,
+            top_k: DEVICE_DRAW_TOP_K + 1,
             ..Default::default()
         },
         SamplingParams {
