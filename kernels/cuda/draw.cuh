@@ -203,9 +203,9 @@ __device__ void fw_draw_best(K* key, int* at, B before) {
 }
 
 // Grid (drawn rows), FW_DRAW_THREADS threads (a block an SM is enough: one a row; with the
-// default minimum, ptxas gave sm_80 32 registers and spills). x: the step's logits, `vocab` a row; spec and out:
-// FW_DRAW_SPEC_WORDS and FW_DRAWN_WORDS words a drawn row. The row's logits are left as its
-// log-probs.
+// default minimum, ptxas gave sm_80 32 registers and spills). x: the step's logits, `vocab` a
+// row; spec and out: FW_DRAW_SPEC_WORDS and FW_DRAWN_WORDS words a drawn row. The row's logits
+// are left as its log-probs.
 extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
     fw_draw(float* __restrict__ x, int vocab, const uint32_t* __restrict__ spec,
             uint32_t* __restrict__ out) {

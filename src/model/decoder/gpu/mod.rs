@@ -570,28 +570,6 @@ impl GpuDecoder {
         }
         Ok(())
     }
-
-    /// normed (rows.len(), hidden) = the output norm of the rows `rows` of x.
-    fn final_norm(&mut self, model: &Decoder, rows: &[u32]) -> Result<(), ModelError> {
-        self.gpu.write(rows, &mut self.acts.rows)?;
-        self.norm_rows(model, rows.len())
-    }
-
-    /// normed = the output norm of the first m rows named in `acts.rows`.
-    fn norm_rows(&mut self, model: &Decoder, m: usize) -> Result<(), ModelError> {
-        let (c, a, g) = (&model.config, &mut self.acts, &self.gpu);
-        g.gather_rows(&a.x, &a.rows, m, c.hidden, &mut a.xs)?;
-        g.rmsnorm(&a.xs, &self.output_norm, c.eps, m, &mut a.normed)?;
-        Ok(())
-    }
-
-    /// logits (m, vocab) = normed · Woutᵀ.
-    fn head(&mut self, m: usize) -> Result<(), ModelError> {
-        let w = self.output.as_ref().unwrap_or(&self.embd);
-        self.gpu
-            .matmul(w, &self.acts.normed, m, &mut self.acts.logits)?;
-        Ok(())
-    }
 }
 
 mod acts;

@@ -1,5 +1,5 @@
 //! The GPU forward's pieces below a layer: a mixture of experts, attention over the cache, the
-//! residual with its optional post-norm.
+//! residual with its optional post-norm; and after the layers, the output norm and the LM head.
 
 use super::*;
 use flywheel_kernels::cuda::Q8Acts;
@@ -181,4 +181,28 @@ pub(super) fn residual_then_norm(
         g.rmsnorm(&*x, w, eps, n, n_buf)?;
     }
     Ok(())
+}
+
+impl GpuDecoder {
+    /// normed (rows.len(), hidden) = the output norm of the rows `rows` of x.
+    pub(super) fn final_norm(&mut self, model: &Decoder, rows: &[u32]) -> Result<(), ModelError> {
+        self.gpu.write(rows, &mut self.acts.rows)?;
+        self.norm_rows(model, rows.len())
+    }
+
+    /// normed = the output norm of the first m rows named in `acts.rows`.
+    pub(super) fn norm_rows(&mut self, model: &Decoder, m: usize) -> Result<(), ModelError> {
+        let (c, a, g) = (&model.config, &mut self.acts, &self.gpu);
+        g.gather_rows(&a.x, &a.rows, m, c.hidden, &mut a.xs)?;
+        g.rmsnorm(&a.xs, &self.output_norm, c.eps, m, &mut a.normed)?;
+        Ok(())
+    }
+
+    /// logits (m, vocab) = normed · Woutᵀ.
+    pub(super) fn head(&mut self, m: usize) -> Result<(), ModelError> {
+        let w = self.output.as_ref().unwrap_or(&self.embd);
+        self.gpu
+            .matmul(w, &self.acts.normed, m, &mut self.acts.logits)?;
+        Ok(())
+    }
 }
