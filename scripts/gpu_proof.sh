@@ -35,11 +35,14 @@
 #                                against the host's sampler), the 1B shape's speed with f32 and
 #                                int8 products and with tokens drawn on the host, memcheck and
 #                                racecheck of the kernels, the adapter kernels' times in decode
-#                                through LoRA, the device HTTP test (GPU draws = host draws)
-#   scripts/gpu_proof.sh context (~8 minutes) the 1B shape's decode after 8-, 2048- and
-#                                8192-token prompts (batch 1/8/32), ncu's full report of a few
-#                                decode attention launches and its times of decode attention at
-#                                2048 positions: the case for split-K attention
+#                                through LoRA, the device HTTP test (GPU draws = host draws), the
+#                                forward through the chunks attention kernel and decode at 2048
+#                                positions by each attention kernel
+#   scripts/gpu_proof.sh context (at most ~9.5 minutes) the chunks attention kernel (split-K
+#                                decode attention): its kernels test and the forward through it,
+#                                then the 1B shape's decode after 2048-, 8192- and 8-token prompts
+#                                by the rows kernel and by the chunks kernel, and ncu's times of
+#                                each at 2048 positions
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -58,18 +61,29 @@ failed=0
 export FLYWHEEL_REQUIRE_GPU=1
 
 # step NAME COMMAND...: run it with its output in $OUT/NAME.log, a line in the summary; a step
-# runs at most $STEP_S seconds (default 600; `all` sets it per step, to fit one lent session).
+# runs at most $STEP_S seconds (default 600; `all` sets it per step, to fit one lent session),
+# and never past $DEADLINE seconds from the start (default 575: a call runs at most 600, and the
+# logs are packed at the end): a step with under 15 s left is skipped and says so.
+DEADLINE=${DEADLINE:-575}
 step() {
   local name=$1
   shift
   local t0=$SECONDS
-  timeout -k 5 "${STEP_S:-600}" "$@" >"$OUT/$name.log" 2>&1
+  local bound=${STEP_S:-600}
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    echo "- $name: SKIPPED (${left} s left of the command's ${DEADLINE})" | tee -a "$SUMMARY" "$OUT/$name.log"
+    failed=$((failed + 1))
+    return
+  fi
+  [ "$left" -lt "$bound" ] && bound=$left
+  timeout -k 5 "$bound" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   if [ "$rc" = 0 ]; then
     echo "- $name: ok ($((SECONDS - t0)) s)" | tee -a "$SUMMARY"
   else
     local why="FAILED (exit $rc)"
-    [ "$rc" = 124 ] || [ "$rc" = 137 ] && why="TIMED OUT after ${STEP_S:-600} s"
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && why="TIMED OUT after $bound s"
     echo "- $name: $why ($((SECONDS - t0)) s): see $name.log" | tee -a "$SUMMARY"
     tail -20 "$OUT/$name.log"
     failed=$((failed + 1))
@@ -111,6 +125,19 @@ layouts() {
       "$B/flywheel" bench --device cuda --model "$m" --prompt-tokens 512 --decode-tokens 64 \
       --batch 1,8,64 --runs 3 --kv-cache-dtype f16
     grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-$1-$2.log" | sed 's/^/    /' >>"$SUMMARY"
+  done
+}
+
+# attention_kernels CONTEXT BATCHES: the 1B shape's decode after CONTEXT-token prompts, by the
+# rows kernel and then the chunks kernel (FLYWHEEL_CUDA_ATTENTION), one after the other.
+M1B=/tmp/llama-1b.gguf
+attention_kernels() {
+  [ -f "$M1B" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$M1B"
+  for a in rows chunks; do
+    FLYWHEEL_CUDA_ATTENTION=$a step "bench-llama-1b-ctx$1-$a" "$B/flywheel" bench --device cuda \
+      --model "$M1B" --prompt-tokens 512 --decode-tokens 32 --decode-context "$1" --batch "$2" \
+      --runs 2 --kv-cache-dtype f16
+    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-ctx$1-$a.log" | sed 's/^/    /' >>"$SUMMARY"
   done
 }
 
@@ -227,8 +254,9 @@ layouts)
   STEP_S=100 layouts "block row" "warp tile4x8" "warp tile2x16"
   ;;
 next)
-  # Each step bounded; the bounds add up to 590 s (a call may run 600; the steps took ~3
-  # minutes in all when last measured, the benches and racecheck most of it).
+  # Each step bounded, and the command by DEADLINE (the steps up to the HTTP test took ~3
+  # minutes in all when last measured, the benches and racecheck most of it); the most wanted
+  # first.
   STEP_S=50 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=100 step forward "$B/cuda-forward" --test-threads 1
   m=/tmp/llama-1b.gguf
@@ -248,30 +276,30 @@ next)
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step racecheck compute-sanitizer --tool racecheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
-  STEP_S=80 profile_adapter lora
   # The server on --device cuda: tokens drawn on the GPU against the host's, through the API.
   FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=40 step http-server-device "$B/server-device"
+  # The chunks attention kernel (its kernels test ran above): the forward through it (graphs =
+  # eager, every family against the CPU), then decode at 2048 positions by each kernel.
+  FLYWHEEL_CUDA_ATTENTION=chunks STEP_S=100 step forward-chunks "$B/cuda-forward" --test-threads 1
+  STEP_S=70 attention_kernels 2048 1,8
+  STEP_S=80 profile_adapter lora
   ;;
 context)
-  # Decode after long prompts: what attention costs a step at 2k and 8k positions against 8 (the
-  # speed runs' default), the case split-K decode attention would be for.
-  m=/tmp/llama-1b.gguf
-  [ -f "$m" ] || STEP_S=40 step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
-  for ctx in 8 2048 8192; do
-    STEP_S=120 step "bench-llama-1b-ctx$ctx" "$B/flywheel" bench --device cuda --model "$m" \
-      --prompt-tokens 512 --decode-tokens 32 --decode-context "$ctx" --batch 1,8,32 --runs 3 \
-      --kv-cache-dtype f16
-    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-ctx$ctx.log" | sed 's/^/    /' >>"$SUMMARY"
+  # Decode after long prompts by each attention kernel: the rows kernel (a block a (token,
+  # head)) against the chunks kernel (a query's positions split over up to 16 warps), at 8, 2048
+  # and 8192 positions; the chunks kernel's forward first (graphs = eager, against the CPU).
+  STEP_S=60 step kernels "$B/kernels-cuda" --test-threads 1 attention
+  FLYWHEEL_CUDA_ATTENTION=chunks STEP_S=100 step forward-chunks "$B/cuda-forward" --test-threads 1
+  STEP_S=60 attention_kernels 2048 1,8
+  STEP_S=60 attention_kernels 8192 1
+  STEP_S=50 attention_kernels 8 1,8,64
+  # ncu's times of decode attention at 2048 positions, each kernel.
+  for a in rows chunks; do
+    FLYWHEEL_CUDA_ATTENTION=$a STEP_S=40 step "ncu-attention-$a-ctx2048" ncu --kernel-name-base function \
+      --kernel-name 'regex:fw_attention' --launch-skip 200 --launch-count 16 "$B/flywheel" bench \
+      --device cuda --model "$M1B" --prompt-tokens 64 --decode-tokens 8 --decode-context 2048 \
+      --batch 1 --runs 1 --kv-cache-dtype f16
   done
-  # Why a decode step's attention takes ~23-51 µs a layer where a latency estimate says ~5:
-  # ncu's full report of a few decode attention launches (batch 8, tens of positions).
-  STEP_S=30 step ncu-attention ncu --set full --kernel-name-base function \
-    --kernel-name 'regex:fw_attention' --launch-skip 40 --launch-count 3 "$B/flywheel" bench \
-    --device cuda --model "$m" --prompt-tokens 64 --decode-tokens 16 --batch 8 --runs 1 \
-    --kv-cache-dtype f16
-  STEP_S=60 step ncu-attention-ctx2048 ncu --kernel-name-base function --kernel-name 'regex:fw_attention' \
-    --launch-skip 200 --launch-count 16 "$B/flywheel" bench --device cuda --model "$m" \
-    --prompt-tokens 64 --decode-tokens 8 --decode-context 2048 --batch 8 --runs 1 --kv-cache-dtype f16
   ;;
 adapters)
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1

@@ -29,8 +29,6 @@
 #define FW_ROW_THREADS 256
 // Warps per block of the attention kernel.
 #define FW_ATT_WARPS 4
-// The largest head the attention kernel holds in registers (8 values per lane).
-#define FW_MAX_HEAD_DIM 256
 
 __device__ __forceinline__ float fw_warp_sum(float v) {
 #pragma unroll
@@ -386,12 +384,13 @@ struct FwTokens {
   const int* pos;
 };
 
+// Attention in chunks of positions (and fw_load, the cache's values as f32).
+#include "attention.cuh"
+
 __device__ __forceinline__ void fw_store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void fw_store(uint16_t* p, float v) {
   *p = __half_as_ushort(__float2half_rn(v));
 }
-__device__ __forceinline__ float fw_load(const float* p) { return *p; }
-__device__ __forceinline__ float fw_load(const uint16_t* p) { return fw_f16(*p); }
 
 // Write n tokens' K and V rows (n, kv_dim) into the cache at their positions; halves round to
 // nearest even, as the CPU's writer (`ops::round_to_f16`). One thread per (token, value).
@@ -422,9 +421,9 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
                                                   const E* __restrict__ vc, int n_heads,
                                                   int n_kv_heads, int head_dim, int block_size,
                                                   float scale, int window, float softcap) {
-  __shared__ float qs[FW_MAX_HEAD_DIM];
+  __shared__ float qs[FW_ATT_MAX_DIM];
   __shared__ float wm[FW_ATT_WARPS], wl[FW_ATT_WARPS];
-  __shared__ float wacc[FW_ATT_WARPS][FW_MAX_HEAD_DIM];
+  __shared__ float wacc[FW_ATT_WARPS][FW_ATT_MAX_DIM];
   const int t = blockIdx.x, h = blockIdx.y;
   const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
   const int kvh = h / (n_heads / n_kv_heads);
@@ -437,9 +436,9 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
   __syncthreads();
 
   const int per_lane = (head_dim + FW_WARP - 1) / FW_WARP;
-  float acc[FW_MAX_HEAD_DIM / FW_WARP];
+  float acc[FW_ATT_MAX_DIM / FW_WARP];
 #pragma unroll
-  for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) acc[j] = 0.0f;
+  for (int j = 0; j < FW_ATT_MAX_DIM / FW_WARP; j++) acc[j] = 0.0f;
   float m = -INFINITY, l = 0.0f;
   for (int p0 = lo + warp * FW_WARP; p0 <= pos; p0 += FW_ATT_WARPS * FW_WARP) {
     const int p = p0 + lane;
@@ -461,7 +460,7 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
     const float corr = expf(m - m_new);  // 0 on the first chunk (m = −inf)
     l = l * corr + fw_warp_sum(pr);
 #pragma unroll
-    for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) acc[j] *= corr;
+    for (int j = 0; j < FW_ATT_MAX_DIM / FW_WARP; j++) acc[j] *= corr;
     const int last = min(FW_WARP, pos - p0 + 1);
     // Each lane looks up its own position's V row (in parallel); the loop below takes them by
     // shuffle, so that its V loads wait on no block-table load.
@@ -473,7 +472,7 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
       // fw_v_offset of position p0 + i, from lane i's slot.
       const E* vr = vc + (size_t)__shfl_sync(0xffffffffu, my_slot, i) * kv_dim + kvh * head_dim;
 #pragma unroll
-      for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) {
+      for (int j = 0; j < FW_ATT_MAX_DIM / FW_WARP; j++) {
         const int d = lane + FW_WARP * j;
         if (j < per_lane && d < head_dim) acc[j] = fmaf(w, fw_load(vr + d), acc[j]);
       }
@@ -485,7 +484,7 @@ __device__ __forceinline__ void fw_attention_body(const float* __restrict__ q,
     wl[warp] = l;
   }
 #pragma unroll
-  for (int j = 0; j < FW_MAX_HEAD_DIM / FW_WARP; j++) {
+  for (int j = 0; j < FW_ATT_MAX_DIM / FW_WARP; j++) {
     const int d = lane + FW_WARP * j;
     if (j < per_lane && d < head_dim) wacc[warp][d] = acc[j];
   }

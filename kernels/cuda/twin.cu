@@ -18,6 +18,16 @@
 //                                              (f32), then per uniform the token (u32), the mass
 //                                              kept (f64) and the K best (u32 each), by
 //                                              draw.cuh's helpers in fw_draw's order
+//   fw_twin attention BS HEADS KV_HEADS HEAD_DIM WINDOW SOFTCAP N TABLE BLOCKS SCALE
+//                                              stdin: the block tables (TABLE u32), per token
+//                                              where its table starts and its position (i32
+//                                              each), q (N·HEADS·HEAD_DIM f32), the K and V
+//                                              caches (f32, BLOCKS·BS·KV_HEADS·HEAD_DIM each);
+//                                              stdout: the chunks kernel's output by
+//                                              attention.cuh's helpers, the chunks folded,
+//                                              checked equal to the chunks' partials merged
+//                                              from the scratch in order, as a split launch
+//                                              does (exit 3 if not)
 #include <stdio.h>
 #include <stdlib.h>
 #include <vector>
@@ -26,6 +36,7 @@
 #include "units.cuh"
 #include "int8.cuh"
 #include "draw.cuh"
+#include "attention.cuh"
 
 static std::vector<unsigned char> read_all() {
   std::vector<unsigned char> v;
@@ -157,7 +168,121 @@ static void draw(std::vector<float>& r, float inv, const std::vector<double>& us
   }
 }
 
+// The device's butterflies over a warp's 32 values (fw_warp_sum, fw_warp_max): lane l adds (or
+// takes the max of) lane l ^ o's value, o = 16, 8, 4, 2, 1; every lane ends with lane 0's.
+static float warp_reduce(const float* v, bool max) {
+  float a[32], b[32];
+  memcpy(a, v, sizeof a);
+  for (int o = 16; o > 0; o >>= 1) {
+    for (int l = 0; l < 32; l++) b[l] = max ? fmaxf(a[l], a[l ^ o]) : a[l] + a[l ^ o];
+    memcpy(a, b, sizeof a);
+  }
+  return a[0];
+}
+
+// fw_att_chunk's steps, its lanes one after another: the partial (m, l, acc[head_dim]) over
+// positions c0 .. c1 - 1.
+static void att_chunk(const float* qs, const uint32_t* bt, const float* kc, const float* vc, int c0,
+                      int c1, int kv_col, int hd, int bs, int kv_dim, float softcap, float* m_out,
+                      float* l_out, float* acc) {
+  float m = -INFINITY, l = 0.0f;
+  for (int d = 0; d < hd; d++) acc[d] = 0.0f;
+  for (int p0 = c0; p0 < c1; p0 += FW_ATT_TILE) {
+    float sc[32], pr[32];
+    for (int i = 0; i < 32; i++)
+      sc[i] = p0 + i < c1 ? fw_att_score(qs, kc, bt, p0 + i, kv_col, hd, bs, kv_dim, softcap) : -INFINITY;
+    const float m_new = fmaxf(m, warp_reduce(sc, true));
+    for (int i = 0; i < 32; i++) pr[i] = p0 + i < c1 ? FW_EXPF(sc[i] - m_new) : 0.0f;
+    const float keep = fw_att_keep(m, m_new);
+    l = fmaf(l, keep, warp_reduce(pr, false));
+    for (int d = 0; d < hd; d++) acc[d] = fw_mul(acc[d], keep);
+    const int last = c1 - p0 < FW_ATT_TILE ? c1 - p0 : FW_ATT_TILE;
+    for (int i = 0; i < last; i++) {
+      const int p = p0 + i;
+      const float* vr = vc + ((size_t)bt[p / bs] * bs + p % bs) * kv_dim + kv_col;
+      for (int d = 0; d < hd; d++) acc[d] = fmaf(pr[i], fw_load(vr + d), acc[d]);
+    }
+    m = m_new;
+  }
+  *m_out = m;
+  *l_out = l;
+}
+
+// fw_attention_chunks_body for one (token, head): folded (out) and split (partials in a scratch,
+// merged in order: split_out).
+static void att_query(const float* qh, float scale, const uint32_t* bt, int pos, int window,
+                      const float* kc, const float* vc, int kv_col, int hd, int bs, int kv_dim,
+                      float softcap, float* out, float* split_out) {
+  float qs[FW_ATT_MAX_DIM];
+  for (int d = 0; d < hd; d++) qs[d] = qh[d] * scale;
+  const int lo = fw_first_key(pos, window);
+  int len, count;
+  fw_att_chunks(pos - lo + 1, &len, &count);
+  const size_t stride = (size_t)hd + 2;
+  std::vector<float> part(count * stride);
+  float M = 0.0f, L = 0.0f;
+  std::vector<float> A(hd);
+  for (int s = 0; s < count; s++) {
+    const int c0 = lo + s * len, c1 = c0 + len < pos + 1 ? c0 + len : pos + 1;
+    float* ps = &part[s * stride];
+    att_chunk(qs, bt, kc, vc, c0, c1, kv_col, hd, bs, kv_dim, softcap, ps, ps + 1, ps + 2);
+    if (s == 0) {
+      M = ps[0];
+      L = ps[1];
+      for (int d = 0; d < hd; d++) A[d] = ps[2 + d];
+    } else {
+      float ca, cb;
+      fw_att_merge(&M, &L, ps[0], ps[1], &ca, &cb);
+      for (int d = 0; d < hd; d++) A[d] = fw_att_mix(A[d], ca, ps[2 + d], cb);
+    }
+  }
+  for (int d = 0; d < hd; d++) out[d] = A[d] / L;
+  // The split launch's last block: the partials read back, merged in order.
+  float SM = part[0], SL = part[1];
+  std::vector<float> SA(part.begin() + 2, part.begin() + 2 + hd);
+  for (int s = 1; s < count; s++) {
+    const float* ps = &part[s * stride];
+    float ca, cb;
+    fw_att_merge(&SM, &SL, ps[0], ps[1], &ca, &cb);
+    for (int d = 0; d < hd; d++) SA[d] = fw_att_mix(SA[d], ca, ps[2 + d], cb);
+  }
+  for (int d = 0; d < hd; d++) split_out[d] = SA[d] / SL;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 12 && !strcmp(argv[1], "attention")) {
+    const int bs = atoi(argv[2]), heads = atoi(argv[3]), kv_heads = atoi(argv[4]), hd = atoi(argv[5]);
+    const int window = atoi(argv[6]), n = atoi(argv[8]), n_table = atoi(argv[9]), blocks = atoi(argv[10]);
+    const float softcap = (float)atof(argv[7]), scale = (float)atof(argv[11]);
+    const int kv_dim = kv_heads * hd;
+    const size_t cache = (size_t)blocks * bs * kv_dim, nq = (size_t)n * heads * hd;
+    std::vector<unsigned char> in = read_all();
+    if (hd < 1 || hd > FW_ATT_MAX_DIM || heads % kv_heads ||
+        in.size() != (size_t)n_table * 4 + (size_t)n * 8 + nq * 4 + cache * 8)
+      return 2;
+    const unsigned char* at = in.data();
+    std::vector<uint32_t> table(n_table);
+    std::vector<int32_t> table_at(n), pos(n);
+    std::vector<float> q(nq), kc(cache), vc(cache), out(nq), split(nq);
+    memcpy(table.data(), at, table.size() * 4), at += table.size() * 4;
+    memcpy(table_at.data(), at, (size_t)n * 4), at += (size_t)n * 4;
+    memcpy(pos.data(), at, (size_t)n * 4), at += (size_t)n * 4;
+    memcpy(q.data(), at, nq * 4), at += nq * 4;
+    memcpy(kc.data(), at, cache * 4), at += cache * 4;
+    memcpy(vc.data(), at, cache * 4);
+    for (int t = 0; t < n; t++)
+      for (int h = 0; h < heads; h++) {
+        const size_t o = ((size_t)t * heads + h) * hd;
+        att_query(&q[o], scale, &table[table_at[t]], pos[t], window, kc.data(), vc.data(),
+                  (h / (heads / kv_heads)) * hd, hd, bs, kv_dim, softcap, &out[o], &split[o]);
+      }
+    if (memcmp(out.data(), split.data(), nq * 4) != 0) {
+      fprintf(stderr, "the split launch's merge differs from the fold\n");
+      return 3;
+    }
+    fwrite(out.data(), 4, nq, stdout);
+    return 0;
+  }
   if (argc >= 8 && !strcmp(argv[1], "draw")) {
     const int vocab = atoi(argv[2]), k = atoi(argv[3]), m = atoi(argv[4]), tk = atoi(argv[5]);
     const float top_p = (float)atof(argv[6]), min_p = (float)atof(argv[7]);
@@ -252,6 +377,6 @@ int main(int argc, char** argv) {
     printf("%d\n", fw_first_key(atoi(argv[2]), atoi(argv[3])));
     return 0;
   }
-  fprintf(stderr, "usage: fw_twin dequant|kv|first_key|int8|draw ...\n");
+  fprintf(stderr, "usage: fw_twin dequant|kv|first_key|int8|draw|attention ...\n");
   return 1;
 }

@@ -315,3 +315,110 @@ fn device_draws_equal_the_samplers_reference_draws() {
         }
     }
 }
+
+/// The chunks attention kernel's arithmetic (`cuda/attention.cuh`: the chunk bounds, each warp's
+/// online softmax over its tiles, the merge of the chunks in order), its lanes walked by the twin,
+/// against `reference::attention_windowed` on scattered page tables: a prefill, decodes that see
+/// 1 to 16 chunks (up to 3000 positions: chunks of 192), a chunk of tokens continuing, sliding
+/// windows shorter and longer than a chunk, Gemma 2's soft-cap, block sizes that are and are not
+/// powers of two, head dims up to 256. The twin also checks that merging the chunks' partials
+/// from a scratch (a split launch) gives the fold's bits.
+#[test]
+fn chunked_attention_matches_the_reference() {
+    let mut rng = Rng(41);
+    for (bs, n_heads, n_kv, hd) in [
+        (16, 8, 2, 64),
+        (7, 6, 1, 80),
+        (32, 2, 1, 256),
+        (16, 3, 3, 32),
+    ] {
+        for (window, softcap) in [
+            (None, None),
+            (Some(19), None),
+            (Some(600), None),
+            (None, Some(0.3)),
+        ] {
+            let opts = reference::AttnOpts { window, softcap };
+            // (first position, tokens): a prefill of 40, decodes at 31, 700 and 3000, 5 tokens from 1020.
+            let shapes: [(usize, usize); 5] = [(0, 40), (31, 1), (700, 1), (3000, 1), (1020, 5)];
+            let kv_dim = n_kv * hd;
+            let need: Vec<usize> = shapes.iter().map(|&(f, q)| (f + q).div_ceil(bs)).collect();
+            let n_blocks: usize = need.iter().sum::<usize>() + 3;
+            // Every sequence's blocks scattered over the cache (a permutation of its blocks).
+            let mut order: Vec<u32> = (0..n_blocks as u32).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+            }
+            let mut tables = Vec::new();
+            let mut at = 0;
+            for &k in &need {
+                tables.push(order[at..at + k].to_vec());
+                at += k;
+            }
+            let kc = rng.vec(n_blocks * bs * kv_dim, 1.0);
+            let vc = rng.vec(n_blocks * bs * kv_dim, 1.0);
+            let mut seqs = Vec::new();
+            let mut q_start = 0;
+            for (i, &(first, q_len)) in shapes.iter().enumerate() {
+                seqs.push(common::seq(q_start, q_len, first, &tables[i]));
+                q_start += q_len;
+            }
+            let n = q_start;
+            let q = rng.vec(n * n_heads * hd, 1.0);
+            let scale = 1.0 / (hd as f32).sqrt();
+            let mut want = vec![0f32; q.len()];
+            let kv = PagedKv {
+                k: &kc,
+                v: &vc,
+                block_size: bs,
+                kv_dim,
+            };
+            reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, scale, opts);
+
+            let mut input = Vec::new();
+            let (mut table_at, mut pos, mut flat) = (Vec::new(), Vec::new(), Vec::new());
+            for s in &seqs {
+                for i in 0..s.q_len {
+                    table_at.push(flat.len() as i32);
+                    pos.push((s.first_pos + i) as i32);
+                }
+                flat.extend_from_slice(s.block_table);
+            }
+            input.extend(flat.iter().flat_map(|v| v.to_le_bytes()));
+            input.extend(table_at.iter().flat_map(|v| v.to_le_bytes()));
+            input.extend(pos.iter().flat_map(|v| v.to_le_bytes()));
+            for x in [&q, &kc, &vc] {
+                input.extend(x.iter().flat_map(|v| v.to_le_bytes()));
+            }
+            let args: Vec<String> = [
+                "attention".to_string(),
+                bs.to_string(),
+                n_heads.to_string(),
+                n_kv.to_string(),
+                hd.to_string(),
+                window.unwrap_or(0).to_string(),
+                softcap.unwrap_or(0.0).to_string(),
+                n.to_string(),
+                flat.len().to_string(),
+                n_blocks.to_string(),
+                format!("{scale:e}"),
+            ]
+            .into();
+            let got: Vec<f32> = twin(&args, &input)
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(got.len(), want.len());
+            // A convex mix of V rows (|v| ≤ 1), f32 sums in another order: the GPU test's bound.
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 2e-5,
+                    "bs {bs}, {n_heads}/{n_kv}×{hd}, {opts:?}: value {i} (token {}, head {}): \
+                     {a} against the reference's {b}",
+                    i / (n_heads * hd),
+                    i / hd % n_heads
+                );
+            }
+        }
+    }
+}

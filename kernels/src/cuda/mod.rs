@@ -7,6 +7,7 @@
 //! and no CUDA library, where `Gpu::open` says why it cannot run.
 
 mod adapters;
+mod attention;
 mod draw;
 mod int8;
 mod launch;
@@ -15,6 +16,9 @@ mod paged;
 mod products;
 
 pub use adapters::{AdapterEntry, AdapterRows};
+pub use attention::{
+    att_chunks, AttentionKernel, ChunkLaunch, ATTENTION_VAR, ATT_SPLITS, SPLIT_PAIRS,
+};
 pub use draw::{DrawBuffers, DrawSpec, Drawn, Truncate, DRAW_CANDIDATES, DRAW_TOP};
 pub use int8::Q8Acts;
 pub use launch::ATT_MAX_HEAD_DIM;
@@ -63,6 +67,8 @@ const OTHERS: &[&str] = &[
     "fw_kv_write_f16",
     "fw_attention_f32",
     "fw_attention_f16",
+    "fw_attention_chunks_f32",
+    "fw_attention_chunks_f16",
     "fw_log_softmax",
     "fw_argmax",
     "fw_draw",
@@ -198,6 +204,9 @@ pub struct Gpu {
     functions: HashMap<String, CudaFunction>,
     /// The layouts the products launch in.
     products: Products,
+    /// The attention kernel `attention` launches, and the chunks kernel's scratch.
+    attention_kernel: AttentionKernel,
+    att_scratch: Box<attention::AttnScratch>,
     name: String,
     capability: (i32, i32),
     memory: usize,
@@ -220,6 +229,7 @@ impl Gpu {
             format!("no CUDA device {ordinal} (this machine has {count})")
         })?;
         let products = Products::from_env()?;
+        let attention_kernel = AttentionKernel::from_env()?;
         let ctx = CudaContext::new(ordinal)?;
         let capability = ctx.compute_capability()?;
         check(capability.0 >= 8, || {
@@ -237,6 +247,7 @@ impl Gpu {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
             .map_err(|e| GpuError(format!("loading the kernels: {e}")))?;
+        let att_scratch = Box::new(attention::AttnScratch::new(&stream)?);
         let mut functions = HashMap::new();
         for name in kernels() {
             let f = module
@@ -253,18 +264,22 @@ impl Gpu {
             functions,
             capability,
             products,
+            attention_kernel,
+            att_scratch,
         })
     }
 
-    /// "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB; products: decode block, batch row)".
+    /// "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB; products: decode block, batch row; attention
+    /// rows)".
     pub fn describe(&self) -> String {
         format!(
-            "{} (sm_{}{}, {:.1} GiB; {})",
+            "{} (sm_{}{}, {:.1} GiB; {}; attention {})",
             self.name,
             self.capability.0,
             self.capability.1,
             self.memory as f64 / (1u64 << 30) as f64,
-            self.products.describe()
+            self.products.describe(),
+            self.attention_kernel.name()
         )
     }
 

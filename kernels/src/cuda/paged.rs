@@ -2,10 +2,10 @@
 //! and paged attention, each checked on the host before launch (every block-table entry against
 //! the cache's size).
 
-use super::launch::{grid1, len_at_least, ATT_MAX_HEAD_DIM, ATT_WARPS, ROW_THREADS};
+use super::launch::{grid1, len_at_least, ROW_THREADS};
 use super::{check, Gpu, GpuError, GpuKv, Result};
 use crate::reference::AttnSeq;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
 
 /// The per-token metadata of a packed batch on the GPU (`FwTokens`): each token's position and
 /// where its sequence's block table starts, every table entry checked against the cache's size.
@@ -30,7 +30,7 @@ impl Tokens {
 /// `FwTokens` as the kernels take it: three device pointers.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct FwTokens {
+pub(super) struct FwTokens {
     block_tables: u64,
     table_at: u64,
     pos: u64,
@@ -114,7 +114,7 @@ impl Gpu {
         Ok(())
     }
 
-    fn tokens_arg(&self, t: &Tokens) -> FwTokens {
+    pub(super) fn tokens_arg(&self, t: &Tokens) -> FwTokens {
         FwTokens {
             block_tables: self.ptr(&t.block_tables),
             table_at: self.ptr(&t.table_at),
@@ -122,7 +122,7 @@ impl Gpu {
         }
     }
 
-    fn cache_fits<E>(
+    pub(super) fn cache_fits<E>(
         &self,
         t: &Tokens,
         kv_dim: usize,
@@ -160,66 +160,6 @@ impl Gpu {
             f,
             grid1(n * kv_dim, ROW_THREADS),
             &[&kp, &vp, &ni, &kd, &bs, &toks, &kcp, &vcp],
-        )
-    }
-
-    /// Causal GQA attention of the batch's queries q (tokens.n, n_heads·head_dim) over the cache,
-    /// through a sliding window and with soft-capped scores as `opts` says
-    /// (`reference::AttnOpts`; an `Option<usize>` is a window alone).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention<E: GpuKv>(
-        &self,
-        q: &impl DevicePtr<f32>,
-        out: &mut impl DevicePtrMut<f32>,
-        tokens: &Tokens,
-        kc: &impl DevicePtr<E>,
-        vc: &impl DevicePtr<E>,
-        n_heads: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-        scale: f32,
-        opts: impl Into<crate::reference::AttnOpts>,
-    ) -> Result<()> {
-        let crate::reference::AttnOpts { window, softcap } = opts.into();
-        check(softcap.is_none_or(|c| c.is_finite() && c > 0.0), || {
-            format!("soft-cap {softcap:?} (a positive number)")
-        })?;
-        check(
-            n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && n_heads <= 65535,
-            || format!("{n_heads} query heads over {n_kv_heads} KV heads"),
-        )?;
-        check((1..=ATT_MAX_HEAD_DIM).contains(&head_dim), || {
-            format!("head_dim {head_dim} (the kernel takes 1..={ATT_MAX_HEAD_DIM})")
-        })?;
-        let n = tokens.n;
-        len_at_least(q, n * n_heads * head_dim, "attention q")?;
-        len_at_least(out, n * n_heads * head_dim, "attention out")?;
-        self.cache_fits(tokens, n_kv_heads * head_dim, kc, vc)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let f = self.function(&format!("fw_attention_{}", E::NAME))?;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, n_heads as u32, 1),
-            block_dim: (ATT_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (qp, op, kp, vp) = (self.ptr(q), self.ptr_mut(out), self.ptr(kc), self.ptr(vc));
-        let (nh, nkv, hd, bs) = (
-            n_heads as i32,
-            n_kv_heads as i32,
-            head_dim as i32,
-            tokens.block_size as i32,
-        );
-        let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        let cap = softcap.unwrap_or(0.0);
-        let toks = self.tokens_arg(tokens);
-        self.launch(
-            f,
-            cfg,
-            &[
-                &qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win, &cap,
-            ],
         )
     }
 }

@@ -82,7 +82,7 @@ impl BatchProduct {
 }
 
 /// The value of `var` among `all` by name (None: the variable is unset or empty).
-fn choose<T: Copy>(
+pub(super) fn choose<T: Copy>(
     var: &str,
     value: Option<&str>,
     all: &[T],

@@ -2,7 +2,7 @@
 
 use super::{close, gpu};
 use crate::common::{seq, Rng};
-use flywheel_kernels::cuda::{Gpu, GpuKv};
+use flywheel_kernels::cuda::{att_chunks, AttentionKernel, ChunkLaunch, Gpu, GpuKv};
 use flywheel_kernels::quant::{f16_to_f32, f32_to_f16};
 use flywheel_kernels::reference::{self, AttnOpts, PagedKv, F16};
 
@@ -152,4 +152,181 @@ fn attention_case<E: GpuKv>(
             E::NAME
         )
     });
+}
+
+/// The chunks kernel (`cuda/attention.cuh`) at contexts of 1 to 16 chunks (up to 3000 positions),
+/// windows shorter and longer than a chunk, Gemma 2's soft-cap, f32 and f16 caches: folded and
+/// split launches give the same bits (twice over: the split's counters reset themselves), each
+/// within the rows kernel's tolerance of the reference, and `attention` launches it where it is
+/// the `Gpu`'s kernel.
+#[test]
+fn chunked_attention_folds_and_splits_to_the_same_bits() {
+    let Some(mut g) = gpu() else { return };
+    for (bs, n_heads, n_kv, hd) in [(16, 8, 2, 64), (7, 6, 1, 80), (32, 2, 1, 256)] {
+        for (window, softcap) in [
+            (None, None),
+            (Some(19), None),
+            (Some(600), None),
+            (None, Some(0.3)),
+        ] {
+            let opts = AttnOpts { window, softcap };
+            chunks_case::<f32>(&mut g, bs, (n_heads, n_kv, hd), opts);
+            chunks_case::<u16>(&mut g, bs, (n_heads, n_kv, hd), opts);
+        }
+    }
+}
+
+fn chunks_case<E: GpuKv>(
+    g: &mut Gpu,
+    bs: usize,
+    (n_heads, n_kv, hd): (usize, usize, usize),
+    opts: AttnOpts,
+) {
+    let half = E::NAME == "f16";
+    let mut rng = Rng(5 + bs as u64 + hd as u64);
+    // (first position, tokens): a prefill of 40, decodes at 31, 700 and 3000, 5 tokens from 1020.
+    let shapes: [(usize, usize); 5] = [(0, 40), (31, 1), (700, 1), (3000, 1), (1020, 5)];
+    assert_eq!(att_chunks(3001), (192, 16));
+    let kv_dim = n_kv * hd;
+    let need: Vec<usize> = shapes.iter().map(|&(f, q)| (f + q).div_ceil(bs)).collect();
+    let n_blocks = need.iter().sum::<usize>() + 2;
+    // Each sequence's blocks from the far end, every other one: scattered and out of order.
+    let mut free: Vec<u32> = (0..n_blocks as u32).rev().collect();
+    free.sort_by_key(|b| (b % 2, u32::MAX - b));
+    let mut at = 0;
+    let tables: Vec<Vec<u32>> = need
+        .iter()
+        .map(|&k| {
+            at += k;
+            free[at - k..at].to_vec()
+        })
+        .collect();
+    let round = |x: f32| if half { f16_to_f32(f32_to_f16(x)) } else { x };
+    let kc: Vec<f32> = rng
+        .vec(n_blocks * bs * kv_dim, 1.0)
+        .into_iter()
+        .map(round)
+        .collect();
+    let vc: Vec<f32> = rng
+        .vec(n_blocks * bs * kv_dim, 1.0)
+        .into_iter()
+        .map(round)
+        .collect();
+    let mut seqs = Vec::new();
+    let mut n = 0;
+    for (i, &(first, q_len)) in shapes.iter().enumerate() {
+        seqs.push(seq(n, q_len, first, &tables[i]));
+        n += q_len;
+    }
+    let q = rng.vec(n * n_heads * hd, 1.0);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut want = vec![0f32; q.len()];
+    if half {
+        let kh: Vec<F16> = kc.iter().map(|&x| F16(f32_to_f16(x))).collect();
+        let vh: Vec<F16> = vc.iter().map(|&x| F16(f32_to_f16(x))).collect();
+        let kv = PagedKv {
+            k: &kh,
+            v: &vh,
+            block_size: bs,
+            kv_dim,
+        };
+        reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, scale, opts);
+    } else {
+        let kv = PagedKv {
+            k: &kc,
+            v: &vc,
+            block_size: bs,
+            kv_dim,
+        };
+        reference::attention_windowed(&q, &mut want, &seqs, kv, n_heads, n_kv, hd, scale, opts);
+    }
+    // The caches as the kernels read them: f32, or halves' bits.
+    let cache = |x: &[f32]| -> Vec<E> {
+        x.iter()
+            .map(|&v| {
+                // SAFETY: E is f32 or u16 (GpuKv's two implementations), written as what it is.
+                unsafe {
+                    if half {
+                        std::mem::transmute_copy::<u16, E>(&f32_to_f16(v))
+                    } else {
+                        std::mem::transmute_copy::<f32, E>(&v)
+                    }
+                }
+            })
+            .collect()
+    };
+    let (dk, dv) = (
+        g.upload(&cache(&kc)).unwrap(),
+        g.upload(&cache(&vc)).unwrap(),
+    );
+    let toks = g.tokens(&seqs, bs, n_blocks).unwrap();
+    let dq = g.upload(&q).unwrap();
+    let what = format!("{}, bs {bs}, {n_heads}/{n_kv}×{hd}, {opts:?}", E::NAME);
+    let run = |g: &Gpu, how: Option<ChunkLaunch>| -> Vec<f32> {
+        let mut out = g.zeros::<f32>(q.len()).unwrap();
+        match how {
+            Some(how) => g
+                .attention_chunks(
+                    &dq,
+                    &mut out,
+                    &toks,
+                    &dk,
+                    &dv,
+                    (n_heads, n_kv, hd),
+                    scale,
+                    opts,
+                    how,
+                )
+                .unwrap(),
+            None => g
+                .attention(
+                    &dq, &mut out, &toks, &dk, &dv, n_heads, n_kv, hd, scale, opts,
+                )
+                .unwrap(),
+        }
+        g.download(&out).unwrap()
+    };
+    let fold = run(g, Some(ChunkLaunch::Fold));
+    close(&fold, &want, |_| 2e-5).unwrap_or_else(|e| panic!("chunks, folded ({what}): {e}"));
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for round in 0..2 {
+        let split = run(g, Some(ChunkLaunch::Split));
+        assert!(
+            bits(&split) == bits(&fold),
+            "split ≠ fold ({what}, launch {round})"
+        );
+    }
+    assert!(
+        bits(&run(g, Some(ChunkLaunch::Auto))) == bits(&fold),
+        "auto ≠ fold ({what})"
+    );
+    let before = g.attention_kernel();
+    g.set_attention_kernel(AttentionKernel::Chunks);
+    assert!(
+        bits(&run(g, None)) == bits(&fold),
+        "attention ≠ fold ({what})"
+    );
+    g.set_attention_kernel(AttentionKernel::Rows);
+    let rows = run(g, None);
+    close(&rows, &want, |_| 2e-5).unwrap_or_else(|e| panic!("rows ({what}): {e}"));
+    g.set_attention_kernel(before);
+    // A split launch takes at most SPLIT_PAIRS (token, head) pairs.
+    let many = g
+        .tokens(&[seq(0, 600, 0, &tables[3])], bs, n_blocks)
+        .unwrap();
+    let dq_many = g.upload(&vec![0.5f32; 600 * n_heads * hd]).unwrap();
+    let mut out_many = g.zeros::<f32>(600 * n_heads * hd).unwrap();
+    assert!(g
+        .attention_chunks(
+            &dq_many,
+            &mut out_many,
+            &many,
+            &dk,
+            &dv,
+            (n_heads, n_kv, hd),
+            scale,
+            opts,
+            ChunkLaunch::Split
+        )
+        .is_err());
 }

@@ -1,0 +1,319 @@
+//! Paged attention over the cache, in one of two kernels (`FLYWHEEL_CUDA_ATTENTION`):
+//! - `rows` (the default, proven on an H200): one block of 4 warps a (token, head), each warp
+//!   taking every fourth tile of 32 positions, the warps merged at the end (`fw_attention_<kv>`);
+//! - `chunks` ("flash-decoding", `cuda/attention.cuh`): a query's positions cut into at most
+//!   `ATT_SPLITS` chunks by its own count of positions, each chunk's partial computed by one warp,
+//!   the partials merged in order. Small batches split (a block a chunk, the last to finish
+//!   merges: many more blocks where a decode step has only n_heads of them), large ones fold (a
+//!   block a query, its chunks in turn); both give the same bits (the kernels test checks it), so
+//!   a query's result does not depend on its batch or on the launch.
+//!
+//! The choice is one of speed, which a GPU's speed run makes (`scripts/gpu_proof.sh context`).
+
+use super::launch::{len_at_least, ATT_MAX_HEAD_DIM, ATT_WARPS};
+use super::paged::Tokens;
+use super::{check, Gpu, GpuKv, Result};
+use crate::reference::AttnOpts;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+
+pub const ATTENTION_VAR: &str = "FLYWHEEL_CUDA_ATTENTION";
+
+/// The most chunks a query's positions are cut into (`FW_ATT_SPLITS`).
+pub const ATT_SPLITS: usize = 16;
+/// Positions of a chunk come in tiles of this many (`FW_ATT_TILE`).
+const ATT_TILE: usize = 32;
+/// The most (token, head) pairs a split launch takes (its scratch's size); `Auto` splits batches
+/// up to it: at 32 heads, 16 tokens, and 8192 blocks of a warp.
+pub const SPLIT_PAIRS: usize = 512;
+
+/// Which attention kernel a `Gpu` launches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    #[default]
+    Rows,
+    Chunks,
+}
+
+impl AttentionKernel {
+    pub const ALL: [AttentionKernel; 2] = [AttentionKernel::Rows, AttentionKernel::Chunks];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKernel::Rows => "rows",
+            AttentionKernel::Chunks => "chunks",
+        }
+    }
+
+    /// The kernel `FLYWHEEL_CUDA_ATTENTION` names, the default where unset.
+    pub fn from_env() -> Result<AttentionKernel> {
+        AttentionKernel::from_value(std::env::var(ATTENTION_VAR).ok().as_deref())
+    }
+
+    fn from_value(v: Option<&str>) -> Result<AttentionKernel> {
+        Ok(super::products::choose(ATTENTION_VAR, v, &Self::ALL, Self::name)?.unwrap_or_default())
+    }
+}
+
+/// How the chunks kernel is launched: the same bits each way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkLaunch {
+    /// Split up to `SPLIT_PAIRS` (token, head) pairs, fold beyond.
+    Auto,
+    /// A block a (token, head), its chunks one after another.
+    Fold,
+    /// A block a chunk (grid.z = `ATT_SPLITS`), the last of a query's merging.
+    Split,
+}
+
+/// The split launch's partials (`SPLIT_PAIRS` × `ATT_SPLITS` × (head_dim + 2) floats) and its
+/// counters (zero between launches: the last block of a query resets its own). One a `Gpu`: its
+/// launches run in order on one stream.
+pub(super) struct AttnScratch {
+    part: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
+}
+
+impl AttnScratch {
+    pub(super) fn new(stream: &std::sync::Arc<CudaStream>) -> Result<AttnScratch> {
+        Ok(AttnScratch {
+            part: stream.alloc_zeros(SPLIT_PAIRS * ATT_SPLITS * (ATT_MAX_HEAD_DIM + 2))?,
+            counters: stream.alloc_zeros(SPLIT_PAIRS)?,
+        })
+    }
+}
+
+/// (chunk length, chunks) for a query that sees `n_pos` positions (`fw_att_chunks`).
+pub fn att_chunks(n_pos: usize) -> (usize, usize) {
+    let len = ATT_TILE * n_pos.div_ceil(ATT_TILE * ATT_SPLITS).max(1);
+    (len, n_pos.div_ceil(len))
+}
+
+/// The arguments both kernels check.
+#[allow(clippy::too_many_arguments)]
+fn check_args<E: GpuKv>(
+    g: &Gpu,
+    q: &impl DevicePtr<f32>,
+    out: &impl DevicePtrMut<f32>,
+    tokens: &Tokens,
+    kc: &impl DevicePtr<E>,
+    vc: &impl DevicePtr<E>,
+    (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+    softcap: Option<f32>,
+) -> Result<()> {
+    check(softcap.is_none_or(|c| c.is_finite() && c > 0.0), || {
+        format!("soft-cap {softcap:?} (a positive number)")
+    })?;
+    check(
+        n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && n_heads <= 65535,
+        || format!("{n_heads} query heads over {n_kv_heads} KV heads"),
+    )?;
+    check((1..=ATT_MAX_HEAD_DIM).contains(&head_dim), || {
+        format!("head_dim {head_dim} (the kernel takes 1..={ATT_MAX_HEAD_DIM})")
+    })?;
+    let n = tokens.n;
+    len_at_least(q, n * n_heads * head_dim, "attention q")?;
+    len_at_least(out, n * n_heads * head_dim, "attention out")?;
+    g.cache_fits(tokens, n_kv_heads * head_dim, kc, vc)
+}
+
+impl Gpu {
+    /// Causal GQA attention of the batch's queries q (tokens.n, n_heads·head_dim) over the cache,
+    /// through a sliding window and with soft-capped scores as `opts` says
+    /// (`reference::AttnOpts`; an `Option<usize>` is a window alone), by the kernel this `Gpu`
+    /// launches (`attention_kernel`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention<E: GpuKv>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        tokens: &Tokens,
+        kc: &impl DevicePtr<E>,
+        vc: &impl DevicePtr<E>,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        opts: impl Into<AttnOpts>,
+    ) -> Result<()> {
+        let heads = (n_heads, n_kv_heads, head_dim);
+        match self.attention_kernel {
+            AttentionKernel::Rows => {
+                self.attention_rows(q, out, tokens, kc, vc, heads, scale, opts.into())
+            }
+            AttentionKernel::Chunks => self.attention_chunks(
+                q,
+                out,
+                tokens,
+                kc,
+                vc,
+                heads,
+                scale,
+                opts,
+                ChunkLaunch::Auto,
+            ),
+        }
+    }
+
+    /// The attention kernel `attention` launches (`FLYWHEEL_CUDA_ATTENTION`).
+    pub fn attention_kernel(&self) -> AttentionKernel {
+        self.attention_kernel
+    }
+
+    /// Launch later attention by `kernel`.
+    pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+        self.attention_kernel = kernel;
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rows<E: GpuKv>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        tokens: &Tokens,
+        kc: &impl DevicePtr<E>,
+        vc: &impl DevicePtr<E>,
+        (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+        scale: f32,
+        AttnOpts { window, softcap }: AttnOpts,
+    ) -> Result<()> {
+        let heads = (n_heads, n_kv_heads, head_dim);
+        check_args(self, q, out, tokens, kc, vc, heads, softcap)?;
+        let n = tokens.n;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(&format!("fw_attention_{}", E::NAME))?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, n_heads as u32, 1),
+            block_dim: (ATT_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (qp, op, kp, vp) = (self.ptr(q), self.ptr_mut(out), self.ptr(kc), self.ptr(vc));
+        let (nh, nkv, hd, bs) = (
+            n_heads as i32,
+            n_kv_heads as i32,
+            head_dim as i32,
+            tokens.block_size as i32,
+        );
+        let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let cap = softcap.unwrap_or(0.0);
+        let toks = self.tokens_arg(tokens);
+        self.launch(
+            f,
+            cfg,
+            &[
+                &qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win, &cap,
+            ],
+        )
+    }
+
+    /// Attention by the chunks kernel, launched as `how` says (the same bits every way).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_chunks<E: GpuKv>(
+        &self,
+        q: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        tokens: &Tokens,
+        kc: &impl DevicePtr<E>,
+        vc: &impl DevicePtr<E>,
+        (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+        scale: f32,
+        opts: impl Into<AttnOpts>,
+        how: ChunkLaunch,
+    ) -> Result<()> {
+        let AttnOpts { window, softcap } = opts.into();
+        let heads = (n_heads, n_kv_heads, head_dim);
+        check_args(self, q, out, tokens, kc, vc, heads, softcap)?;
+        let n = tokens.n;
+        if n == 0 {
+            return Ok(());
+        }
+        let pairs = n * n_heads;
+        let split = match how {
+            ChunkLaunch::Auto => pairs <= SPLIT_PAIRS,
+            ChunkLaunch::Fold => false,
+            ChunkLaunch::Split => {
+                check(pairs <= SPLIT_PAIRS, || {
+                    format!("a split attention launch of {pairs} (token, head) pairs (at most {SPLIT_PAIRS})")
+                })?;
+                true
+            }
+        };
+        check(n <= i32::MAX as usize, || format!("{n} tokens"))?;
+        let f = self.function(&format!("fw_attention_chunks_{}", E::NAME))?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                n as u32,
+                n_heads as u32,
+                if split { ATT_SPLITS as u32 } else { 1 },
+            ),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (qp, op, kp, vp) = (self.ptr(q), self.ptr_mut(out), self.ptr(kc), self.ptr(vc));
+        // The scratch is the device's to write: its handle is shared, its contents are not
+        // Rust's (launches on the one stream run in order).
+        let (pp, cp) = (
+            self.ptr(&self.att_scratch.part),
+            self.ptr(&self.att_scratch.counters),
+        );
+        let (nh, nkv, hd, bs) = (
+            n_heads as i32,
+            n_kv_heads as i32,
+            head_dim as i32,
+            tokens.block_size as i32,
+        );
+        let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let cap = softcap.unwrap_or(0.0);
+        let sp = split as i32;
+        let toks = self.tokens_arg(tokens);
+        self.launch(
+            f,
+            cfg,
+            &[
+                &qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win, &cap, &pp, &cp, &sp,
+            ],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_every_position_once_in_at_most_the_splits() {
+        for n_pos in 1..=5000 {
+            let (len, count) = att_chunks(n_pos);
+            assert!(
+                len % ATT_TILE == 0 && (1..=ATT_SPLITS).contains(&count),
+                "{n_pos}"
+            );
+            assert!((count - 1) * len < n_pos && count * len >= n_pos, "{n_pos}");
+            // The fewest tiles a chunk that leave at most ATT_SPLITS chunks.
+            if len > ATT_TILE {
+                assert!(n_pos.div_ceil(len - ATT_TILE) > ATT_SPLITS, "{n_pos}");
+            }
+        }
+        assert_eq!(att_chunks(70), (32, 3));
+        assert_eq!(att_chunks(2048), (128, 16));
+        assert_eq!(att_chunks(8192), (512, 16));
+    }
+
+    #[test]
+    fn the_kernel_is_named_and_an_unknown_one_names_the_choices() {
+        assert_eq!(
+            AttentionKernel::from_value(None).unwrap(),
+            AttentionKernel::Rows
+        );
+        assert_eq!(
+            AttentionKernel::from_value(Some(" chunks")).unwrap(),
+            AttentionKernel::Chunks
+        );
+        let e = AttentionKernel::from_value(Some("flash")).unwrap_err().0;
+        assert!(
+            e.contains("FLYWHEEL_CUDA_ATTENTION=flash") && e.contains("rows, chunks"),
+            "{e}"
+        );
+    }
+}
