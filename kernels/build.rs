@@ -52,6 +52,7 @@ fn main() {
         "nvcc (the kernels)",
     );
     std::fs::write(out.join("ptxas.txt"), report).unwrap();
+    std::fs::write(out.join("conversions.txt"), conversions(&nvcc, &fatbin)).unwrap();
 
     // The host twin: the helpers of common.cuh through nvcc's host path.
     let lib = nvcc.parent().unwrap().join("../lib");
@@ -64,6 +65,73 @@ fn main() {
             .arg(src.join("twin.cu")),
         "nvcc (the host twin)",
     );
+}
+
+/// Per kernel and architecture, the integer-to-float conversions of values (I2F, I2FP: an eighth
+/// of the FP32 rate on sm_90) in the fatbin's SASS, "name arch count" a line, from cuobjdump beside nvcc
+/// (`scripts/cuda-toolkit` installs it); "unavailable: why" without it (the test says so).
+fn conversions(nvcc: &Path, fatbin: &Path) -> String {
+    let bin = nvcc.parent().unwrap();
+    let cuobjdump = bin.join("cuobjdump");
+    // Read again once scripts/cuda-toolkit has installed it.
+    println!("cargo:rerun-if-changed={}", cuobjdump.display());
+    if !cuobjdump.exists() {
+        return format!(
+            "unavailable: no {} (run scripts/cuda-toolkit)\n",
+            cuobjdump.display()
+        );
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut dirs = vec![bin.to_path_buf()];
+    dirs.extend(std::env::split_paths(&path));
+    let o = Command::new(&cuobjdump)
+        .arg("-sass")
+        .arg(fatbin)
+        .env("PATH", std::env::join_paths(dirs).unwrap())
+        .output();
+    let o = match o {
+        Ok(o) if o.status.success() => o,
+        Ok(o) => {
+            return format!(
+                "unavailable: cuobjdump failed: {}\n",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )
+        }
+        Err(e) => return format!("unavailable: cuobjdump: {e}\n"),
+    };
+    let (mut arch, mut report) = (String::new(), String::new());
+    let mut current: Option<(String, usize)> = None;
+    let flush = |current: &mut Option<(String, usize)>, arch: &str, report: &mut String| {
+        if let Some((name, n)) = current.take() {
+            report.push_str(&format!("{name} {arch} {n}\n"));
+        }
+    };
+    for line in String::from_utf8_lossy(&o.stdout).lines() {
+        let t = line.trim();
+        if let Some(a) = t.strip_prefix("code for ") {
+            flush(&mut current, &arch, &mut report);
+            arch = a.trim().to_string();
+        } else if let Some(f) = t.strip_prefix("Function : ") {
+            flush(&mut current, &arch, &mut report);
+            current = Some((f.trim().to_string(), 0));
+        } else if let (Some((_, n)), Some(rest)) = (current.as_mut(), t.strip_prefix("/*")) {
+            // "/*0a10*/  @!P0 I2FP.F32.U32 R1, R2 ;": the opcode after the address and predicate.
+            let op = rest
+                .split_once("*/")
+                .map(|(_, r)| {
+                    r.split_whitespace()
+                        .find(|w| !w.starts_with('@'))
+                        .unwrap_or("")
+                })
+                .unwrap_or("");
+            // Not I2F.RP (.U32.RP): with MUFU.RCP, the compiler's integer division.
+            if op.starts_with("I2F") && !op.contains(".RP") {
+                *n += 1;
+            }
+        }
+    }
+    flush(&mut current, &arch, &mut report);
+    report
 }
 
 /// Runs `cmd`, panicking with its output if it fails; returns stdout and stderr together.

@@ -58,9 +58,11 @@ __device__ __forceinline__ int fw_stage(const uint8_t* __restrict__ g, int len, 
   return (int)((uintptr_t)g - a);
 }
 
-// x[0..32·cu] of one token into `xs`, unit u's 32 values at xs[33u ..]: the pad makes thread t's
-// reads of its unit (33t + j) fall in distinct banks. A thread's loads go out 4 at a time (8 at
-// once held 32 registers, and the decode product spilled).
+// x[0..32·cu] of one token into `xs`, unit u's 32 values at xs[FW_XS_STRIDE·u ..]: thread t
+// reads its unit as 8 float4s (one LDS.128 for 4 values), and the pad of 4 puts the 8 threads of
+// each quarter-warp's load on distinct banks (36t + 4k ≡ 4(t + k) mod 32). A thread's loads go
+// out 4 at a time (8 at once held 32 registers, and the decode product spilled).
+#define FW_XS_STRIDE 36
 __device__ __forceinline__ void fw_stage_x(const float* __restrict__ x, int cu, float* xs) {
   constexpr int T = FW_MM_WARPS * FW_WARP, PER = FW_MM_UNITS * 8 / T;  // float4s a thread
 #pragma unroll
@@ -75,11 +77,7 @@ __device__ __forceinline__ void fw_stage_x(const float* __restrict__ x, int cu, 
     for (int k = 0; k < 4; k++) {
       const int i = threadIdx.x + (k0 + k) * T;
       if (i < 8 * cu) {
-        float* o = xs + 33 * (i / 8) + 4 * (i % 8);
-        o[0] = v[k].x;
-        o[1] = v[k].y;
-        o[2] = v[k].z;
-        o[3] = v[k].w;
+        *(float4*)(xs + FW_XS_STRIDE * (i / 8) + 4 * (i % 8)) = v[k];
       }
     }
   }
@@ -101,7 +99,7 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
                                                int n, float* __restrict__ y) {
   constexpr int GU = fw_group_units<TY>(), GB = fw_group_bytes<TY>(), CAP = fw_stage_words<TY>();
   __shared__ uint4 stage[CAP];
-  __shared__ float xs[33 * FW_MM_UNITS];
+  __shared__ __align__(16) float xs[FW_XS_STRIDE * FW_MM_UNITS];
   __shared__ float sums[NT][FW_MM_WARPS];
   const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
   const int r = blockIdx.x;
@@ -129,10 +127,16 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
         __syncthreads();
       }
       if (mine) {
-        const float* xu = xs + 33 * threadIdx.x;
+        const float4* xu = (const float4*)(xs + FW_XS_STRIDE * threadIdx.x);
         float a = acc[t];
 #pragma unroll
-        for (int j = 0; j < 32; j++) a = fmaf(v[j], xu[j], a);
+        for (int k = 0; k < 8; k++) {
+          const float4 xv = xu[k];
+          a = fmaf(v[4 * k], xv.x, a);
+          a = fmaf(v[4 * k + 1], xv.y, a);
+          a = fmaf(v[4 * k + 2], xv.z, a);
+          a = fmaf(v[4 * k + 3], xv.w, a);
+        }
         acc[t] = a;
       }
     }

@@ -46,6 +46,44 @@ FW_HD void fw_words(const uint8_t* p, uint32_t* w) {
 // Byte i (a constant after unrolling) of little-endian words w.
 #define FW_BYTE(w, i) (((w)[(i) >> 2] >> (8 * ((i) & 3))) & 0xFFu)
 
+// CUDA's __byte_perm: byte n of the result is byte s<4n+2:4n> of the 8 bytes {x, y} (x's
+// bytes 0..3, then y's); the selector's nibbles here never set their top bit.
+FW_HD uint32_t fw_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t v = (uint64_t)x | ((uint64_t)y << 32);
+  uint32_t r = 0;
+  for (int n = 0; n < 4; n++) r |= (uint32_t)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+  return r;
+#endif
+}
+
+// (float)(byte k of w) − bias, exactly (a byte and an integer bias ≤ 256: every value and the
+// difference are integers below 2²⁴), without an integer-to-float conversion: one byte
+// permute makes the bits of 2²³ + byte (0x4B000000 | byte), one subtraction takes 2²³ + bias
+// away. The conversion it replaces runs at a quarter of the FP32 rate or less (I2F/I2FP on
+// sm_80/sm_90), and the products decode one code a weight: the same values, fewer slots.
+FW_HD float fw_code(uint32_t w, int k, int bias) {
+#ifdef __CUDA_ARCH__
+  // PTX's prmt d, a, b, c with c (the selector) an immediate (k is a constant after unrolling)
+  // and 2²³'s bits in a register: left to the compiler, both constants, it moved each of the
+  // four selectors into a register again for every unit.
+  uint32_t bits;
+#define FW_PRMT(SEL) asm("prmt.b32 %0, %1, %2, " #SEL ";" : "=r"(bits) : "r"(w), "r"(0x4B000000u))
+  switch (k) {
+    case 0: FW_PRMT(0x7540); break;
+    case 1: FW_PRMT(0x7541); break;
+    case 2: FW_PRMT(0x7542); break;
+    default: FW_PRMT(0x7543); break;
+  }
+#undef FW_PRMT
+#else
+  const uint32_t bits = fw_byte_perm(w, 0x4B000000u, 0x7540u | (uint32_t)k);
+#endif
+  return fw_sub(fw_bits_to_float(bits), (float)(8388608 + bias));
+}
+
 FW_HD uint32_t fw_u16_at(const uint8_t* p) {
 #ifdef __CUDA_ARCH__
   return *(const uint16_t*)p;  // every 16-bit field of these formats is 2-byte aligned
@@ -90,11 +128,12 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
     fw_words<4>(b + 2, q);
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-      const uint32_t c = FW_BYTE(q, j);
       if (TY == FW_Q4_0) {
-        out[j] = fw_mul((float)((int)(c & 0xF) - 8), d);
-        out[j + 16] = fw_mul((float)((int)(c >> 4) - 8), d);
+        // Low nibbles then high ones, a word's four bytes at a time.
+        out[j] = fw_mul(fw_code(q[j / 4] & 0x0F0F0F0Fu, j % 4, 8), d);
+        out[j + 16] = fw_mul(fw_code((q[j / 4] >> 4) & 0x0F0F0F0Fu, j % 4, 8), d);
       } else {
+        const uint32_t c = FW_BYTE(q, j);
         out[j] = fw_mul(d, fw_iq4((int)c));
         out[j + 16] = fw_mul(d, fw_iq4((int)(c >> 4)));
       }
@@ -106,9 +145,9 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
     const float d = fw_f16((uint16_t)(w[0] & 0xFFFF)), m = fw_f16((uint16_t)(w[0] >> 16));
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-      const uint32_t c = FW_BYTE(w, 4 + j);
-      out[j] = fw_add(fw_mul((float)(c & 0xF), d), m);
-      out[j + 16] = fw_add(fw_mul((float)(c >> 4), d), m);
+      const uint32_t c = w[1 + j / 4];
+      out[j] = fw_add(fw_mul(fw_code(c & 0x0F0F0F0Fu, j % 4, 0), d), m);
+      out[j + 16] = fw_add(fw_mul(fw_code((c >> 4) & 0x0F0F0F0Fu, j % 4, 0), d), m);
     }
   } else if (TY == FW_Q5_0 || TY == FW_Q5_1) {
     const bool q51 = TY == FW_Q5_1;
@@ -136,7 +175,8 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
     uint32_t q[8];
     fw_words<8>(b + 2, q);
 #pragma unroll
-    for (int j = 0; j < 32; j++) out[j] = fw_mul((float)(int8_t)(uint8_t)FW_BYTE(q, j), d);
+    // A signed byte v is (v ^ 0x80) − 128 read unsigned.
+    for (int j = 0; j < 32; j++) out[j] = fw_mul(fw_code(q[j / 4] ^ 0x80808080u, j % 4, 128), d);
   } else if (TY == FW_Q4K || TY == FW_Q5K) {
     const bool q5 = TY == FW_Q5K;
     const uint8_t* b = row + (size_t)(u / 8) * (q5 ? 176 : 144);
@@ -151,12 +191,15 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
     fw_words<8>(b + (q5 ? 48 : 16) + 32 * (s / 2), q);
     if (q5) fw_words<8>(b + 16, h);
     const int shift = (s % 2) * 4;
+    // Each word's four codes at once: the nibbles (and Q5_K's fifth bits, bit s of each byte)
+    // moved into place by whole-word shifts and masks.
 #pragma unroll
-    for (int l = 0; l < 32; l++) {
-      uint32_t code = (FW_BYTE(q, l) >> shift) & 0xF;
-      if (q5) code |= ((FW_BYTE(h, l) >> s) & 1) << 4;
-      out[l] = fw_sub(fw_mul(d1, (float)code), m1);
+    for (int i = 0; i < 8; i++) {
+      q[i] = (q[i] >> shift) & 0x0F0F0F0Fu;
+      if (q5) q[i] |= ((h[i] >> s) & 0x01010101u) << 4;
     }
+#pragma unroll
+    for (int l = 0; l < 32; l++) out[l] = fw_sub(fw_mul(d1, fw_code(q[l / 4], l % 4, 0)), m1);
   } else if (TY == FW_Q2K) {
     const uint8_t* b = row + (size_t)(u / 8) * 84;
     const int s = u % 8;
@@ -174,8 +217,10 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
       ml[i] = fw_mul(dmin, (float)(sc >> 4));
     }
 #pragma unroll
+    for (int i = 0; i < 8; i++) q[i] = (q[i] >> shift) & 0x03030303u;
+#pragma unroll
     for (int l = 0; l < 32; l++)
-      out[l] = fw_sub(fw_mul(dl[l / 16], (float)((FW_BYTE(q, l) >> shift) & 3)), ml[l / 16]);
+      out[l] = fw_sub(fw_mul(dl[l / 16], fw_code(q[l / 4], l % 4, 0)), ml[l / 16]);
   } else if (TY == FW_Q3K) {
     const uint8_t* b = row + (size_t)(u / 8) * 110;
     const int s = u % 8;
@@ -194,11 +239,11 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
       const uint32_t hi = ((sw[2] >> (8 * (k % 4))) >> (2 * (k / 4))) & 3;
       ds[i] = fw_mul(d, (float)((int)(lo | (hi << 4)) - 32));
     }
+    // code + 4 = the 2 low bits | the high-mask bit << 2 (code = low − 4 where the bit is clear).
 #pragma unroll
-    for (int l = 0; l < 32; l++) {
-      const int code = (int)((FW_BYTE(q, l) >> shift) & 3) - 4 * (1 - (int)((FW_BYTE(hm, l) >> s) & 1));
-      out[l] = fw_mul(ds[l / 16], (float)code);
-    }
+    for (int i = 0; i < 8; i++) q[i] = ((q[i] >> shift) & 0x03030303u) | (((hm[i] >> s) & 0x01010101u) << 2);
+#pragma unroll
+    for (int l = 0; l < 32; l++) out[l] = fw_mul(ds[l / 16], fw_code(q[l / 4], l % 4, 4));
   } else if (TY == FW_IQ4XS) {
     const uint8_t* b = row + (size_t)(u / 8) * 136;
     const int s = u % 8;
@@ -225,11 +270,12 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
     const float ds[2] = {fw_mul(d, (float)(int8_t)(uint8_t)(scs & 0xFF)),
                          fw_mul(d, (float)(int8_t)(uint8_t)(scs >> 8))};
     const int lshift = (k / 2) * 4, hshift = 2 * k;
+    // Each word's four 6-bit codes at once (low nibble | 2 high bits << 4), then q − 32.
 #pragma unroll
-    for (int l = 0; l < 32; l++) {
-      const int q = (int)(((FW_BYTE(ql, l) >> lshift) & 0xF) | (((FW_BYTE(qh, l) >> hshift) & 3) << 4)) - 32;
-      out[l] = fw_mul(ds[l / 16], (float)q);
-    }
+    for (int i = 0; i < 8; i++)
+      ql[i] = ((ql[i] >> lshift) & 0x0F0F0F0Fu) | (((qh[i] >> hshift) & 0x03030303u) << 4);
+#pragma unroll
+    for (int l = 0; l < 32; l++) out[l] = fw_mul(ds[l / 16], fw_code(ql[l / 4], l % 4, 32));
   }
 }
 

@@ -39,6 +39,9 @@ pub use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtr,
 pub const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flywheel.fatbin"));
 /// ptxas's report for every kernel and architecture: registers, spills, shared memory.
 pub const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas.txt"));
+/// Integer-to-float conversions in each kernel's SASS ("name arch count" lines, from cuobjdump;
+/// "unavailable: why" where build.rs found none), for `tests/cuda.rs`.
+pub const SASS_CONVERSIONS: &str = include_str!(concat!(env!("OUT_DIR"), "/conversions.txt"));
 /// The host twin of the kernels' shared helpers (`cuda/twin.cu`), for `tests/cuda_twin.rs`.
 pub const TWIN: &str = concat!(env!("OUT_DIR"), "/fw_twin");
 

@@ -78,3 +78,73 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_spills_within_the_limits() {
         "kernels the list does not name"
     );
 }
+
+/// The products decode a code a weight without converting it from an integer (I2F/I2FP run at 16
+/// a clock an SM against FP32's 128 on sm_90: with one a weight they bounded the decode products,
+/// which the H200's profile found issue-bound). `units.cuh`'s `fw_code` makes the float from the
+/// bits instead; what is left are the per-unit scales' conversions (a few a unit), far from the 32
+/// a unit that one a weight would put there. Read from the fatbin's SASS (cuobjdump) on every
+/// machine.
+#[test]
+fn the_products_convert_no_code_a_weight_to_float() {
+    let report = flywheel_kernels::cuda::SASS_CONVERSIONS;
+    assert!(
+        !report.starts_with("unavailable"),
+        "the SASS could not be read: {report}"
+    );
+    let count = |name: &str, arch: &str| -> usize {
+        report
+            .lines()
+            .find_map(|l| {
+                let mut w = l.split_whitespace();
+                (w.next() == Some(name) && w.next() == Some(arch))
+                    .then(|| w.next().unwrap().parse().unwrap())
+            })
+            .unwrap_or_else(|| panic!("no {name} for {arch} in the SASS report"))
+    };
+    let formats = [
+        "q4_0", "q4_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+    ];
+    // (layout, units a thread decodes at a time)
+    let layouts = [
+        ("fw_matmul1", 1),
+        ("fw_matmulw", 2),
+        ("fw_matmul", 1),
+        ("fw_matmul_t4x8", 4),
+        ("fw_matmul_t2x16", 2),
+        ("fw_matmul_experts", 2),
+    ];
+    for arch in ["sm_80", "sm_90"] {
+        for f in formats {
+            for (layout, units) in layouts {
+                let name = format!("{layout}_{f}");
+                let n = count(&name, arch);
+                eprintln!("{name} {arch}: {n} conversions");
+                // A unit's scales and mins (Q2_K: 4), never one a value: the decode is unrolled
+                // over the unit's 32 values, so one a value would be 32 a unit.
+                assert!(
+                    n < 16 * units,
+                    "{name} on {arch}: {n} integer-to-float conversions (32 a unit means one a \
+                     weight)"
+                );
+            }
+        }
+        // The int8 products: each dp4a's sum becomes a float by its bits (fw_dp4a_float), and the
+        // formats without K-quant scales convert nothing (there were 12 to 136 before).
+        for f in ["q4_0", "q4_1", "q8_0"] {
+            for layout in ["fw_matmul_i8", "fw_matmul_i8b", "fw_matmul_experts_i8"] {
+                let name = format!("{layout}_{f}");
+                assert_eq!(count(&name, arch), 0, "{name} on {arch}");
+            }
+        }
+    }
+    // The count sees conversions where they are: IQ4_NL's products still convert each codebook
+    // value (fw_iq4) and Q5_0's each code.
+    for name in ["fw_matmul1_iq4_nl", "fw_matmul1_q5_0"] {
+        assert!(
+            count(name, "sm_90") >= 32,
+            "{name}: {}",
+            count(name, "sm_90")
+        );
+    }
+}
