@@ -130,10 +130,13 @@ FW_HD constexpr int fw_block_values(int ty) {
 // IQ4_NL's and IQ4_XS's codebook (`quant::IQ4_VALUES`: −127, −104, −83, −65, −49, −35, −22, −10,
 // 1, 13, 25, 38, 53, 69, 89, 113) as bytes of two constants: an indexed local array would put a
 // stack frame in every product kernel.
+// The value comes out as a float by its bits, not a conversion (see units.cuh's fw_code): the
+// signed byte v read as v + 128 (its top bit flipped) below 2²³'s bits, then 2²³ + 128 taken away.
 FW_HD float fw_iq4(int code) {
   code &= 0xF;
   const uint64_t half = code < 8 ? 0xf6eaddcfbfad9881ull : 0x7159453526190d01ull;
-  return (float)(int8_t)(uint8_t)(half >> (8 * (code & 7)));
+  const uint32_t b = (uint32_t)(half >> (8 * (code & 7))) & 0xFFu;
+  return fw_sub(fw_bits_to_float((b ^ 0x80u) | 0x4B000000u), 8388736.0f);
 }
 
 // Unit `u` of a row: its values 32u .. 32u+32, dequantized into out[0..32]. A unit is a whole

@@ -156,17 +156,25 @@ FW_HD void fw_unit_fast(const uint8_t* row, int u, float* out) {
     uint32_t w[5];  // qh, then the 16 nibble bytes
     fw_words<5>(b + (q51 ? 4 : 2), w);
     const uint32_t qh = w[0];
+    // Value j's fifth bit is bit j of qh (j + 16's, bit j + 16): four of them spread to bit 4 of
+    // each byte of a word of codes.
+    const auto spread = [](uint32_t b4) {
+      return ((b4 & 1u) << 4) | ((b4 & 2u) << 11) | ((b4 & 4u) << 18) | ((b4 & 8u) << 25);
+    };
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
-      const uint32_t c = FW_BYTE(w, 4 + j);
-      const int q0 = (int)((c & 0xF) | (((qh >> j) & 1) << 4));
-      const int q1 = (int)((c >> 4) | (((qh >> (j + 16)) & 1) << 4));
-      if (q51) {
-        out[j] = fw_add(fw_mul((float)q0, d), m);
-        out[j + 16] = fw_add(fw_mul((float)q1, d), m);
-      } else {
-        out[j] = fw_mul((float)(q0 - 16), d);
-        out[j + 16] = fw_mul((float)(q1 - 16), d);
+    for (int i = 0; i < 4; i++) {
+      const uint32_t lo = (w[1 + i] & 0x0F0F0F0Fu) | spread((qh >> (4 * i)) & 0xFu);
+      const uint32_t hi = ((w[1 + i] >> 4) & 0x0F0F0F0Fu) | spread((qh >> (16 + 4 * i)) & 0xFu);
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const int j = 4 * i + k;
+        if (q51) {
+          out[j] = fw_add(fw_mul(fw_code(lo, k, 0), d), m);
+          out[j + 16] = fw_add(fw_mul(fw_code(hi, k, 0), d), m);
+        } else {
+          out[j] = fw_mul(fw_code(lo, k, 16), d);
+          out[j + 16] = fw_mul(fw_code(hi, k, 16), d);
+        }
       }
     }
   } else if (TY == FW_Q8_0) {

@@ -138,13 +138,7 @@ fn the_products_convert_no_code_a_weight_to_float() {
             }
         }
     }
-    // The count sees conversions where they are: IQ4_NL's products still convert each codebook
-    // value (fw_iq4) and Q5_0's each code.
-    for name in ["fw_matmul1_iq4_nl", "fw_matmul1_q5_0"] {
-        assert!(
-            count(name, "sm_90") >= 32,
-            "{name}: {}",
-            count(name, "sm_90")
-        );
-    }
+    // The count sees conversions where there are some: IQ4_XS's 6-bit block scale, once a unit.
+    // (One a value, as every format above had before fw_code, shows as ≥ 32 a unit.)
+    assert!(count("fw_matmul1_iq4_xs", "sm_90") >= 1);
 }
