@@ -6,10 +6,11 @@
 // by the query's own count of positions (`fw_att_chunks`), and each chunk's (max, Σ, Σ p·V) is
 // computed by one warp the same way wherever it runs. The chunks are then merged in order, each
 // into the running result (`fw_att_mix`):
-//   - split: one block (a warp) a chunk; each writes its partial to the scratch, and the block
-//     that finishes last (a counter per (token, head), reset by it) merges them all in order;
-//   - fold: one block a (token, head) computes its chunks one after another and merges each as
-//     it comes.
+//   - split: a warp a chunk (blocks of FW_ATT_CW warps); each writes its partial to the scratch,
+//     and the warp that finishes last (a counter per (token, head), reset by it) merges them all
+//     in order;
+//   - fold: a block a (token, head), its warps taking the chunks in turn, the partials in shared
+//     memory, merged in order by the first warp.
 // The same partials merged in the same order give the same bits, so a query's result does not
 // depend on which the host launched (the host splits small batches, where blocks are few, and
 // folds large ones: `cuda::paged`), nor on its batch. The helpers are written once for the
@@ -23,6 +24,9 @@
 #define FW_ATT_TILE 32
 // The largest head held in registers (8 values a lane).
 #define FW_ATT_MAX_DIM 256
+// Warps a block of the chunks kernel (`ATT_CHUNK_WARPS` in cuda/attention.rs); FW_ATT_SPLITS is a
+// multiple of it.
+#define FW_ATT_CW 4
 
 #ifdef __CUDA_ARCH__
 #define FW_EXPF(x) expf(x)
@@ -79,11 +83,13 @@ FW_HD void fw_att_merge(float* M, float* L, float m, float l, float* ca, float* 
 // The kernel, in kernels.cu's build only (FwTokens and the warp reductions are that file's; the
 // twin compiles the helpers above and walks the lanes itself).
 #if defined(__CUDA_ARCH__) && defined(FW_ROW_THREADS)
-#define FW_ATT_PER_LANE (FW_ATT_MAX_DIM / FW_WARP)
+// The kernel is compiled for heads of up to 32·PL values (PL = 2, 4, 8: head dims ≤ 64, ≤ 128,
+// ≤ 256), each lane holding PL of a row's values: registers for what the head has, not for 256
+// (the V loop's loads in flight took 8 a position, and sm_90 spilled).
 
 // The warp's partial over positions c0 .. c1 - 1 of the query (all seen by it): tiles of 32, lane
 // i scoring position p0 + i; an online softmax (m, l) and acc[j] = Σ p·V[lane + 32 j] under m.
-template <typename E>
+template <int PL, typename E>
 __device__ __forceinline__ void fw_att_chunk(const float* qs, const uint32_t* bt, const E* kc,
                                              const E* vc, int c0, int c1, int kv_col,
                                              int head_dim, int block_size, int kv_dim,
@@ -92,7 +98,7 @@ __device__ __forceinline__ void fw_att_chunk(const float* qs, const uint32_t* bt
   const int lane = threadIdx.x % FW_WARP;
   float m = -INFINITY, l = 0.0f;
 #pragma unroll
-  for (int j = 0; j < FW_ATT_PER_LANE; j++) acc[j] = 0.0f;
+  for (int j = 0; j < PL; j++) acc[j] = 0.0f;
   for (int p0 = c0; p0 < c1; p0 += FW_ATT_TILE) {
     const int p = p0 + lane;
     const bool in = p < c1;
@@ -103,7 +109,7 @@ __device__ __forceinline__ void fw_att_chunk(const float* qs, const uint32_t* bt
     const float keep = fw_att_keep(m, m_new);
     l = fmaf(l, keep, fw_warp_sum(pr));
 #pragma unroll
-    for (int j = 0; j < FW_ATT_PER_LANE; j++) acc[j] = fw_mul(acc[j], keep);
+    for (int j = 0; j < PL; j++) acc[j] = fw_mul(acc[j], keep);
     // Lane i's V row (looked up in parallel), taken by shuffle below.
     const int pl = in ? p : c1 - 1;
     const int my_slot = (int)bt[pl / block_size] * block_size + pl % block_size;
@@ -113,7 +119,7 @@ __device__ __forceinline__ void fw_att_chunk(const float* qs, const uint32_t* bt
       const float w = __shfl_sync(0xffffffffu, pr, i);
       const E* vr = vc + (size_t)__shfl_sync(0xffffffffu, my_slot, i) * kv_dim + kv_col;
 #pragma unroll
-      for (int j = 0; j < FW_ATT_PER_LANE; j++) {
+      for (int j = 0; j < PL; j++) {
         const int d = lane + FW_WARP * j;
         if (d < head_dim) acc[j] = fmaf(w, fw_load(vr + d), acc[j]);
       }
@@ -124,16 +130,76 @@ __device__ __forceinline__ void fw_att_chunk(const float* qs, const uint32_t* bt
   *l_out = l;
 }
 
-// Grid (n, n_heads, split ? FW_ATT_SPLITS : 1), one warp a block. part: FW_ATT_SPLITS partials of
-// head_dim + 2 floats (m, l, acc) for each (token, head) of a split launch; counters: one a
-// (token, head), zero between launches.
-template <typename E>
+// A chunk's partial written for the merge: m and l, then acc's head_dim values.
+template <int PL>
+__device__ __forceinline__ void fw_att_put(float* p, float m, float l, const float* acc,
+                                           int head_dim) {
+  const int lane = threadIdx.x % FW_WARP;
+  if (lane == 0) {
+    p[0] = m;
+    p[1] = l;
+  }
+#pragma unroll
+  for (int j = 0; j < PL; j++) {
+    const int d = lane + FW_WARP * j;
+    if (d < head_dim) p[2 + d] = acc[j];
+  }
+}
+
+// The query's output from its `count` partials (`stride` floats apart from `part`), merged in
+// order by one warp: the first as it is, each next by fw_att_merge. L2: read past L1 (the
+// partials of a split launch were written by other SMs).
+template <int PL, bool L2>
+__device__ __forceinline__ void fw_att_finish(const float* part, size_t stride, int count,
+                                              int head_dim, float* out) {
+  const int lane = threadIdx.x % FW_WARP;
+  float M = 0.0f, L = 0.0f, A[PL];
+  for (int s = 0; s < count; s++) {
+    const float* ps = part + s * stride;
+    const float m = L2 ? __ldcg(ps) : ps[0], l = L2 ? __ldcg(ps + 1) : ps[1];
+    float acc[PL];
+#pragma unroll
+    for (int j = 0; j < PL; j++) {
+      const int d = lane + FW_WARP * j;
+      acc[j] = d < head_dim ? (L2 ? __ldcg(ps + 2 + d) : ps[2 + d]) : 0.0f;
+    }
+    if (s == 0) {
+      M = m;
+      L = l;
+#pragma unroll
+      for (int j = 0; j < PL; j++) A[j] = acc[j];
+    } else {
+      float ca, cb;
+      fw_att_merge(&M, &L, m, l, &ca, &cb);
+#pragma unroll
+      for (int j = 0; j < PL; j++) A[j] = fw_att_mix(A[j], ca, acc[j], cb);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < PL; j++) {
+    const int d = lane + FW_WARP * j;
+    if (d < head_dim) out[d] = A[j] / L;
+  }
+}
+
+// Grid (n, n_heads, split ? FW_ATT_SPLITS / FW_ATT_CW : 1), FW_ATT_CW warps a block; warp g of the
+// query (z · FW_ATT_CW + w) computes chunks g, g + G, … (G: the query's warps), each partial the
+// same wherever it is computed:
+//   - fold (a block a query): the partials into shared memory (dynamic: FW_ATT_SPLITS ·
+//     (head_dim + 2) floats), then warp 0 merges them in order;
+//   - split (FW_ATT_SPLITS warps a query, a chunk each): the partials into `part` (FW_ATT_SPLITS
+//     of head_dim + 2 floats a (token, head)), and the warp that finishes last (`counters`, one a
+//     (token, head), zero between launches: it resets its own) merges them in order. A query of
+//     one chunk writes its output at once (the merge of one partial is the partial: the same).
+template <int PL, typename E>
 __device__ __forceinline__ void fw_attention_chunks_body(
     const float* __restrict__ q, float* __restrict__ out, FwTokens toks, const E* __restrict__ kc,
     const E* __restrict__ vc, int n_heads, int n_kv_heads, int head_dim, int block_size,
     float scale, int window, float softcap, float* part, unsigned* counters, int split) {
   __shared__ float qs[FW_ATT_MAX_DIM];
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+  extern __shared__ float fold_part[];
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
   const int kv_col = (h / (n_heads / n_kv_heads)) * head_dim;
   const int kv_dim = n_kv_heads * head_dim;
   const uint32_t* bt = toks.block_tables + toks.table_at[t];
@@ -141,97 +207,66 @@ __device__ __forceinline__ void fw_attention_chunks_body(
   const int lo = fw_first_key(pos, window);
   int len, count;
   fw_att_chunks(pos - lo + 1, &len, &count);
-  const int z = split ? (int)blockIdx.z : 0;
-  if (z >= count) return;
+  if (split && (int)blockIdx.z * FW_ATT_CW >= count) return;  // the whole block: no chunk here
   const float* qh = q + ((size_t)t * n_heads + h) * head_dim;
-  for (int d = lane; d < head_dim; d += FW_WARP) qs[d] = qh[d] * scale;
-  __syncwarp();
-  float* oh = out + ((size_t)t * n_heads + h) * head_dim;
-  float M, L, A[FW_ATT_PER_LANE];
-  if (!split || count == 1) {
-    // Fold: the chunks in order, each merged as it comes.
-    for (int s = 0; s < count; s++) {
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d] * scale;
+  __syncthreads();
+  const size_t th = (size_t)t * n_heads + h, stride = (size_t)head_dim + 2;
+  float* oh = out + th * head_dim;
+  if (!split) {
+    for (int s = warp; s < count; s += FW_ATT_CW) {
       const int c0 = lo + s * len, c1 = min(c0 + len, pos + 1);
-      float m, l, acc[FW_ATT_PER_LANE];
-      fw_att_chunk(qs, bt, kc, vc, c0, c1, kv_col, head_dim, block_size, kv_dim, softcap, &m, &l, acc);
-      if (s == 0) {
-        M = m;
-        L = l;
-#pragma unroll
-        for (int j = 0; j < FW_ATT_PER_LANE; j++) A[j] = acc[j];
-      } else {
-        float ca, cb;
-        fw_att_merge(&M, &L, m, l, &ca, &cb);
-#pragma unroll
-        for (int j = 0; j < FW_ATT_PER_LANE; j++) A[j] = fw_att_mix(A[j], ca, acc[j], cb);
-      }
+      float m, l, acc[PL];
+      fw_att_chunk<PL>(qs, bt, kc, vc, c0, c1, kv_col, head_dim, block_size, kv_dim, softcap, &m, &l, acc);
+      fw_att_put<PL>(fold_part + s * stride, m, l, acc, head_dim);
     }
-  } else {
-    // Split: chunk z here, its partial to the scratch; the last of the query's blocks to finish
-    // merges every partial in order.
-    const size_t th = (size_t)t * n_heads + h, stride = (size_t)head_dim + 2;
-    float* mine = part + (th * FW_ATT_SPLITS + z) * stride;
-    {
-      const int c0 = lo + z * len, c1 = min(c0 + len, pos + 1);
-      float m, l, acc[FW_ATT_PER_LANE];
-      fw_att_chunk(qs, bt, kc, vc, c0, c1, kv_col, head_dim, block_size, kv_dim, softcap, &m, &l, acc);
-      if (lane == 0) {
-        mine[0] = m;
-        mine[1] = l;
-      }
-#pragma unroll
-      for (int j = 0; j < FW_ATT_PER_LANE; j++) {
-        const int d = lane + FW_WARP * j;
-        if (d < head_dim) mine[2 + d] = acc[j];
-      }
-    }
-    // Each lane's writes visible to the whole device before the count says they are there.
-    __threadfence();
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(&counters[th], 1u) == (unsigned)(count - 1);
-    if (!__shfl_sync(0xffffffffu, last, 0)) return;
-    __threadfence();
-    // Read past L1 (another SM wrote these; this one may hold an earlier launch's lines).
-    for (int s = 0; s < count; s++) {
-      const float* ps = part + (th * FW_ATT_SPLITS + s) * stride;
-      const float m = __ldcg(ps), l = __ldcg(ps + 1);
-      float acc[FW_ATT_PER_LANE];
-#pragma unroll
-      for (int j = 0; j < FW_ATT_PER_LANE; j++) {
-        const int d = lane + FW_WARP * j;
-        acc[j] = d < head_dim ? __ldcg(ps + 2 + d) : 0.0f;
-      }
-      if (s == 0) {
-        M = m;
-        L = l;
-#pragma unroll
-        for (int j = 0; j < FW_ATT_PER_LANE; j++) A[j] = acc[j];
-      } else {
-        float ca, cb;
-        fw_att_merge(&M, &L, m, l, &ca, &cb);
-#pragma unroll
-        for (int j = 0; j < FW_ATT_PER_LANE; j++) A[j] = fw_att_mix(A[j], ca, acc[j], cb);
-      }
-    }
-    if (lane == 0) counters[th] = 0;
+    __syncthreads();
+    if (warp == 0) fw_att_finish<PL, false>(fold_part, stride, count, head_dim, oh);
+    return;
   }
+  const int s = (int)blockIdx.z * FW_ATT_CW + warp;
+  if (s >= count) return;  // the whole warp
+  const int c0 = lo + s * len, c1 = min(c0 + len, pos + 1);
+  float m, l, acc[PL];
+  fw_att_chunk<PL>(qs, bt, kc, vc, c0, c1, kv_col, head_dim, block_size, kv_dim, softcap, &m, &l, acc);
+  if (count == 1) {
 #pragma unroll
-  for (int j = 0; j < FW_ATT_PER_LANE; j++) {
-    const int d = lane + FW_WARP * j;
-    if (d < head_dim) oh[d] = A[j] / L;
+    for (int j = 0; j < PL; j++) {
+      const int d = lane + FW_WARP * j;
+      if (d < head_dim) oh[d] = acc[j] / l;
+    }
+    return;
   }
+  float* mine = part + th * FW_ATT_SPLITS * stride;
+  fw_att_put<PL>(mine + s * stride, m, l, acc, head_dim);
+  // Each lane's writes visible to the whole device before the count says they are there.
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&counters[th], 1u) == (unsigned)(count - 1);
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  __threadfence();
+  fw_att_finish<PL, true>(mine, stride, count, head_dim, oh);
+  if (lane == 0) counters[th] = 0;
 }
 
-#define FW_ATT_CHUNKS(NAME, E)                                                                   \
-  extern "C" __global__ void __launch_bounds__(FW_WARP) fw_attention_chunks_##NAME(             \
-      const float* q, float* out, FwTokens toks, const E* kc, const E* vc, int n_heads,           \
-      int n_kv_heads, int head_dim, int block_size, float scale, int window, float softcap,       \
-      float* part, unsigned* counters, int split) {                                               \
-    fw_attention_chunks_body<E>(q, out, toks, kc, vc, n_heads, n_kv_heads, head_dim, block_size,  \
-                                scale, window, softcap, part, counters, split);                   \
+// fw_attention_chunks_<kv>_<DIM> for heads of up to DIM values. BLOCKS: the blocks an SM the
+// registers are held to (the most at which sm_90's ptxas spilled nothing: 6, 5 and 4; sm_80 needs
+// fewer registers).
+#define FW_ATT_CHUNKS(NAME, E, DIM, PL, BLOCKS)                                                   \
+  extern "C" __global__ void __launch_bounds__(FW_ATT_CW * FW_WARP, BLOCKS)                      \
+      fw_attention_chunks_##NAME##_##DIM(const float* q, float* out, FwTokens toks, const E* kc,  \
+                                        const E* vc, int n_heads, int n_kv_heads, int head_dim,   \
+                                        int block_size, float scale, int window, float softcap,   \
+                                        float* part, unsigned* counters, int split) {             \
+    fw_attention_chunks_body<PL, E>(q, out, toks, kc, vc, n_heads, n_kv_heads, head_dim,          \
+                                    block_size, scale, window, softcap, part, counters, split);   \
   }
 
-FW_ATT_CHUNKS(f32, float)
-FW_ATT_CHUNKS(f16, uint16_t)
+FW_ATT_CHUNKS(f32, float, 64, 2, 6)
+FW_ATT_CHUNKS(f32, float, 128, 4, 5)
+FW_ATT_CHUNKS(f32, float, 256, 8, 4)
+FW_ATT_CHUNKS(f16, uint16_t, 64, 2, 6)
+FW_ATT_CHUNKS(f16, uint16_t, 128, 4, 5)
+FW_ATT_CHUNKS(f16, uint16_t, 256, 8, 4)
 #endif

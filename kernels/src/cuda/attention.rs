@@ -3,10 +3,11 @@
 //!   taking every fourth tile of 32 positions, the warps merged at the end (`fw_attention_<kv>`);
 //! - `chunks` ("flash-decoding", `cuda/attention.cuh`): a query's positions cut into at most
 //!   `ATT_SPLITS` chunks by its own count of positions, each chunk's partial computed by one warp,
-//!   the partials merged in order. Small batches split (a block a chunk, the last to finish
-//!   merges: many more blocks where a decode step has only n_heads of them), large ones fold (a
-//!   block a query, its chunks in turn); both give the same bits (the kernels test checks it), so
-//!   a query's result does not depend on its batch or on the launch.
+//!   the partials merged in order. Small batches split (a warp a chunk, the last to finish
+//!   merges: many more warps where a decode step has only n_heads blocks), large ones fold (a
+//!   block of 4 warps a query, taking its chunks in turn, the partials in shared memory); both
+//!   give the same bits (the kernels test checks it), so a query's result does not depend on its
+//!   batch or on the launch.
 //!
 //! The choice is one of speed, which a GPU's speed run makes (`scripts/gpu_proof.sh context`).
 
@@ -22,6 +23,9 @@ pub const ATTENTION_VAR: &str = "FLYWHEEL_CUDA_ATTENTION";
 pub const ATT_SPLITS: usize = 16;
 /// Positions of a chunk come in tiles of this many (`FW_ATT_TILE`).
 const ATT_TILE: usize = 32;
+/// Warps a block of the chunks kernel (`FW_ATT_CW`): a fold's warps take a query's chunks in
+/// turn, a split's blocks hold this many chunks' warps.
+const ATT_CHUNK_WARPS: usize = 4;
 /// The most (token, head) pairs a split launch takes (its scratch's size); `Auto` splits batches
 /// up to it: at 32 heads, 16 tokens, and 8192 blocks of a warp.
 pub const SPLIT_PAIRS: usize = 512;
@@ -240,15 +244,23 @@ impl Gpu {
             }
         };
         check(n <= i32::MAX as usize, || format!("{n} tokens"))?;
-        let f = self.function(&format!("fw_attention_chunks_{}", E::NAME))?;
+        // Compiled for heads of up to 64, 128 and 256 values (registers for what the head has).
+        let dim = [64, 128, 256].into_iter().find(|&d| head_dim <= d).unwrap();
+        let f = self.function(&format!("fw_attention_chunks_{}_{dim}", E::NAME))?;
+        // A fold keeps a query's partials in shared memory (at most 16.5 KB).
+        let fold_bytes = ATT_SPLITS * (head_dim + 2) * 4;
         let cfg = LaunchConfig {
             grid_dim: (
                 n as u32,
                 n_heads as u32,
-                if split { ATT_SPLITS as u32 } else { 1 },
+                if split {
+                    (ATT_SPLITS / ATT_CHUNK_WARPS) as u32
+                } else {
+                    1
+                },
             ),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
+            block_dim: (ATT_CHUNK_WARPS as u32 * 32, 1, 1),
+            shared_mem_bytes: if split { 0 } else { fold_bytes as u32 },
         };
         let (qp, op, kp, vp) = (self.ptr(q), self.ptr_mut(out), self.ptr(kc), self.ptr(vc));
         // The scratch is the device's to write: its handle is shared, its contents are not
