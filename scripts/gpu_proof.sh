@@ -286,7 +286,7 @@ next)
   ;;
 context)
   # Decode after long prompts by each attention kernel: the rows kernel (a block a (token,
-  # head)) against the chunks kernel (a query's positions split over up to 16 warps), at 8, 2048
+  # head)) against the chunks kernel (a query's positions split over up to 32 warps), at 8, 2048
   # and 8192 positions; the chunks kernel's forward first (graphs = eager, against the CPU).
   STEP_S=60 step kernels "$B/kernels-cuda" --test-threads 1 attention
   FLYWHEEL_CUDA_ATTENTION=chunks STEP_S=100 step forward-chunks "$B/cuda-forward" --test-threads 1

@@ -19,7 +19,7 @@
 #pragma once
 
 // The most chunks a query's positions are cut into (the split launch's grid.z).
-#define FW_ATT_SPLITS 16
+#define FW_ATT_SPLITS 32
 // Positions of a tile: one a lane.
 #define FW_ATT_TILE 32
 // The largest head held in registers (8 values a lane).

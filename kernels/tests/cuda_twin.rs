@@ -319,7 +319,7 @@ fn device_draws_equal_the_samplers_reference_draws() {
 /// The chunks attention kernel's arithmetic (`cuda/attention.cuh`: the chunk bounds, each warp's
 /// online softmax over its tiles, the merge of the chunks in order), its lanes walked by the twin,
 /// against `reference::attention_windowed` on scattered page tables: a prefill, decodes that see
-/// 1 to 16 chunks (up to 3000 positions: chunks of 192), a chunk of tokens continuing, sliding
+/// 1 to 32 chunks (up to 3001 positions: chunks of 96), a chunk of tokens continuing, sliding
 /// windows shorter and longer than a chunk, Gemma 2's soft-cap, block sizes that are and are not
 /// powers of two, head dims up to 256. The twin also checks that merging the chunks' partials
 /// from a scratch (a split launch) gives the fold's bits.

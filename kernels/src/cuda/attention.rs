@@ -20,14 +20,15 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfi
 pub const ATTENTION_VAR: &str = "FLYWHEEL_CUDA_ATTENTION";
 
 /// The most chunks a query's positions are cut into (`FW_ATT_SPLITS`).
-pub const ATT_SPLITS: usize = 16;
+pub const ATT_SPLITS: usize = 32;
 /// Positions of a chunk come in tiles of this many (`FW_ATT_TILE`).
 const ATT_TILE: usize = 32;
 /// Warps a block of the chunks kernel (`FW_ATT_CW`): a fold's warps take a query's chunks in
 /// turn, a split's blocks hold this many chunks' warps.
 const ATT_CHUNK_WARPS: usize = 4;
 /// The most (token, head) pairs a split launch takes (its scratch's size); `Auto` splits batches
-/// up to it: at 32 heads, 16 tokens, and 8192 blocks of a warp.
+/// up to it: at 32 heads, 16 tokens (4096 blocks of 4 warps, most of them empty at short
+/// contexts: a block with no chunk returns at once).
 pub const SPLIT_PAIRS: usize = 512;
 
 /// Which attention kernel a `Gpu` launches.
@@ -65,7 +66,7 @@ pub enum ChunkLaunch {
     Auto,
     /// A block a (token, head), its chunks one after another.
     Fold,
-    /// A block a chunk (grid.z = `ATT_SPLITS`), the last of a query's merging.
+    /// A warp a chunk (grid.z = `ATT_SPLITS` / 4), the last of a query's merging.
     Split,
 }
 
@@ -247,7 +248,7 @@ impl Gpu {
         // Compiled for heads of up to 64, 128 and 256 values (registers for what the head has).
         let dim = [64, 128, 256].into_iter().find(|&d| head_dim <= d).unwrap();
         let f = self.function(&format!("fw_attention_chunks_{}_{dim}", E::NAME))?;
-        // A fold keeps a query's partials in shared memory (at most 16.5 KB).
+        // A fold keeps a query's partials in shared memory (at most 33 KB).
         let fold_bytes = ATT_SPLITS * (head_dim + 2) * 4;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -308,8 +309,9 @@ mod tests {
             }
         }
         assert_eq!(att_chunks(70), (32, 3));
-        assert_eq!(att_chunks(2048), (128, 16));
-        assert_eq!(att_chunks(8192), (512, 16));
+        assert_eq!(att_chunks(2048), (64, 32));
+        assert_eq!(att_chunks(8192), (256, 32));
+        assert_eq!(att_chunks(32768), (1024, 32));
     }
 
     #[test]

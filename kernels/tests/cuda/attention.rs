@@ -154,7 +154,7 @@ fn attention_case<E: GpuKv>(
     });
 }
 
-/// The chunks kernel (`cuda/attention.cuh`) at contexts of 1 to 16 chunks (up to 3000 positions),
+/// The chunks kernel (`cuda/attention.cuh`) at contexts of 1 to 32 chunks (up to 3001 positions),
 /// windows shorter and longer than a chunk, Gemma 2's soft-cap, f32 and f16 caches: folded and
 /// split launches give the same bits (twice over: the split's counters reset themselves), each
 /// within the rows kernel's tolerance of the reference, and `attention` launches it where it is
@@ -186,7 +186,7 @@ fn chunks_case<E: GpuKv>(
     let mut rng = Rng(5 + bs as u64 + hd as u64);
     // (first position, tokens): a prefill of 40, decodes at 31, 700 and 3000, 5 tokens from 1020.
     let shapes: [(usize, usize); 5] = [(0, 40), (31, 1), (700, 1), (3000, 1), (1020, 5)];
-    assert_eq!(att_chunks(3001), (192, 16));
+    assert_eq!(att_chunks(3001), (96, 32));
     let kv_dim = n_kv * hd;
     let need: Vec<usize> = shapes.iter().map(|&(f, q)| (f + q).div_ceil(bs)).collect();
     let n_blocks = need.iter().sum::<usize>() + 2;
