@@ -339,31 +339,11 @@ fn chunked_attention_matches_the_reference() {
             (None, Some(0.3)),
         ] {
             let opts = reference::AttnOpts { window, softcap };
-            // (first position, tokens): a prefill of 40, decodes at 31, 700 and 3000, 5 tokens from 1020.
-            let shapes: [(usize, usize); 5] = [(0, 40), (31, 1), (700, 1), (3000, 1), (1020, 5)];
             let kv_dim = n_kv * hd;
-            let need: Vec<usize> = shapes.iter().map(|&(f, q)| (f + q).div_ceil(bs)).collect();
-            let n_blocks: usize = need.iter().sum::<usize>() + 3;
-            // Every sequence's blocks scattered over the cache (a permutation of its blocks).
-            let mut order: Vec<u32> = (0..n_blocks as u32).collect();
-            for i in (1..order.len()).rev() {
-                order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
-            }
-            let mut tables = Vec::new();
-            let mut at = 0;
-            for &k in &need {
-                tables.push(order[at..at + k].to_vec());
-                at += k;
-            }
+            let (tables, n_blocks) = common::scattered_tables(&mut rng, &common::LONG_SHAPES, bs);
             let kc = rng.vec(n_blocks * bs * kv_dim, 1.0);
             let vc = rng.vec(n_blocks * bs * kv_dim, 1.0);
-            let mut seqs = Vec::new();
-            let mut q_start = 0;
-            for (i, &(first, q_len)) in shapes.iter().enumerate() {
-                seqs.push(common::seq(q_start, q_len, first, &tables[i]));
-                q_start += q_len;
-            }
-            let n = q_start;
+            let (seqs, n) = common::packed_seqs(&common::LONG_SHAPES, &tables);
             let q = rng.vec(n * n_heads * hd, 1.0);
             let scale = 1.0 / (hd as f32).sqrt();
             let mut want = vec![0f32; q.len()];

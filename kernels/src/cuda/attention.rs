@@ -11,11 +11,11 @@
 //!
 //! The choice is one of speed, which a GPU's speed run makes (`scripts/gpu_proof.sh context`).
 
-use super::launch::{len_at_least, ATT_MAX_HEAD_DIM, ATT_WARPS};
+use super::launch::{len_at_least, Arg, ATT_MAX_HEAD_DIM, ATT_WARPS};
 use super::paged::Tokens;
 use super::{check, Gpu, GpuKv, Result};
 use crate::reference::AttnOpts;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 pub const ATTENTION_VAR: &str = "FLYWHEEL_CUDA_ATTENTION";
 
@@ -193,6 +193,28 @@ impl Gpu {
             block_dim: (ATT_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
+        let opts = AttnOpts { window, softcap };
+        self.launch_attention(f, cfg, (q, out, tokens, kc, vc), heads, scale, opts, &[])
+    }
+
+    /// Launch an attention kernel with the arguments both take (then `extra`).
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn launch_attention<E: GpuKv>(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        (q, out, tokens, kc, vc): (
+            &impl DevicePtr<f32>,
+            &mut impl DevicePtrMut<f32>,
+            &Tokens,
+            &impl DevicePtr<E>,
+            &impl DevicePtr<E>,
+        ),
+        (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+        scale: f32,
+        AttnOpts { window, softcap }: AttnOpts,
+        extra: &[&dyn Arg],
+    ) -> Result<()> {
         let (qp, op, kp, vp) = (self.ptr(q), self.ptr_mut(out), self.ptr(kc), self.ptr(vc));
         let (nh, nkv, hd, bs) = (
             n_heads as i32,
@@ -203,13 +225,11 @@ impl Gpu {
         let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let cap = softcap.unwrap_or(0.0);
         let toks = self.tokens_arg(tokens);
-        self.launch(
-            f,
-            cfg,
-            &[
-                &qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win, &cap,
-            ],
-        )
+        let mut args: Vec<&dyn Arg> = vec![
+            &qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win, &cap,
+        ];
+        args.extend_from_slice(extra);
+        self.launch(f, cfg, &args)
     }
 
     /// Attention by the chunks kernel, launched as `how` says (the same bits every way).
@@ -263,30 +283,16 @@ impl Gpu {
             block_dim: (ATT_CHUNK_WARPS as u32 * 32, 1, 1),
             shared_mem_bytes: if split { 0 } else { fold_bytes as u32 },
         };
-        let (qp, op, kp, vp) = (self.ptr(q), self.ptr_mut(out), self.ptr(kc), self.ptr(vc));
         // The scratch is the device's to write: its handle is shared, its contents are not
         // Rust's (launches on the one stream run in order).
         let (pp, cp) = (
             self.ptr(&self.att_scratch.part),
             self.ptr(&self.att_scratch.counters),
         );
-        let (nh, nkv, hd, bs) = (
-            n_heads as i32,
-            n_kv_heads as i32,
-            head_dim as i32,
-            tokens.block_size as i32,
-        );
-        let win = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        let cap = softcap.unwrap_or(0.0);
         let sp = split as i32;
-        let toks = self.tokens_arg(tokens);
-        self.launch(
-            f,
-            cfg,
-            &[
-                &qp, &op, &toks, &kp, &vp, &nh, &nkv, &hd, &bs, &scale, &win, &cap, &pp, &cp, &sp,
-            ],
-        )
+        let opts = AttnOpts { window, softcap };
+        let extra: [&dyn Arg; 3] = [&pp, &cp, &sp];
+        self.launch_attention(f, cfg, (q, out, tokens, kc, vc), heads, scale, opts, &extra)
     }
 }
 

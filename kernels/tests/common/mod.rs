@@ -42,3 +42,49 @@ pub fn seq(q_start: usize, q_len: usize, first_pos: usize, block_table: &[u32]) 
         block_table,
     }
 }
+
+/// Attention at long contexts (the chunks kernel's tests): (first position, tokens) of a prefill
+/// of 40, decodes at 31, 700 and 3000, and 5 tokens from 1020.
+pub const LONG_SHAPES: [(usize, usize); 5] = [(0, 40), (31, 1), (700, 1), (3000, 1), (1020, 5)];
+
+/// Block tables of `bs`-position blocks for `shapes` (first position, tokens), every sequence's
+/// blocks a run of one random permutation of the cache's (scattered, out of order); and the
+/// cache's size in blocks (3 to spare).
+pub fn scattered_tables(
+    rng: &mut Rng,
+    shapes: &[(usize, usize)],
+    bs: usize,
+) -> (Vec<Vec<u32>>, usize) {
+    let need: Vec<usize> = shapes.iter().map(|&(f, q)| (f + q).div_ceil(bs)).collect();
+    let n_blocks = need.iter().sum::<usize>() + 3;
+    let mut order: Vec<u32> = (0..n_blocks as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let mut at = 0;
+    let tables = need
+        .iter()
+        .map(|&k| {
+            at += k;
+            order[at - k..at].to_vec()
+        })
+        .collect();
+    (tables, n_blocks)
+}
+
+/// The packed batch of `shapes` over `tables`, and its number of tokens.
+pub fn packed_seqs<'a>(
+    shapes: &[(usize, usize)],
+    tables: &'a [Vec<u32>],
+) -> (Vec<AttnSeq<'a>>, usize) {
+    let mut n = 0;
+    let seqs = shapes
+        .iter()
+        .zip(tables)
+        .map(|(&(first, q_len), t)| {
+            n += q_len;
+            seq(n - q_len, q_len, first, t)
+        })
+        .collect();
+    (seqs, n)
+}

@@ -1,7 +1,7 @@
 //! Paged attention and the cache writer against the CPU's, on random page tables.
 
 use super::{close, gpu};
-use crate::common::{seq, Rng};
+use crate::common::{packed_seqs, scattered_tables, seq, Rng, LONG_SHAPES};
 use flywheel_kernels::cuda::{att_chunks, AttentionKernel, ChunkLaunch, Gpu, GpuKv};
 use flywheel_kernels::quant::{f16_to_f32, f32_to_f16};
 use flywheel_kernels::reference::{self, AttnOpts, PagedKv, F16};
@@ -184,23 +184,9 @@ fn chunks_case<E: GpuKv>(
 ) {
     let half = E::NAME == "f16";
     let mut rng = Rng(5 + bs as u64 + hd as u64);
-    // (first position, tokens): a prefill of 40, decodes at 31, 700 and 3000, 5 tokens from 1020.
-    let shapes: [(usize, usize); 5] = [(0, 40), (31, 1), (700, 1), (3000, 1), (1020, 5)];
     assert_eq!(att_chunks(3001), (96, 32));
     let kv_dim = n_kv * hd;
-    let need: Vec<usize> = shapes.iter().map(|&(f, q)| (f + q).div_ceil(bs)).collect();
-    let n_blocks = need.iter().sum::<usize>() + 2;
-    // Each sequence's blocks from the far end, every other one: scattered and out of order.
-    let mut free: Vec<u32> = (0..n_blocks as u32).rev().collect();
-    free.sort_by_key(|b| (b % 2, u32::MAX - b));
-    let mut at = 0;
-    let tables: Vec<Vec<u32>> = need
-        .iter()
-        .map(|&k| {
-            at += k;
-            free[at - k..at].to_vec()
-        })
-        .collect();
+    let (tables, n_blocks) = scattered_tables(&mut rng, &LONG_SHAPES, bs);
     let round = |x: f32| if half { f16_to_f32(f32_to_f16(x)) } else { x };
     let kc: Vec<f32> = rng
         .vec(n_blocks * bs * kv_dim, 1.0)
@@ -212,12 +198,7 @@ fn chunks_case<E: GpuKv>(
         .into_iter()
         .map(round)
         .collect();
-    let mut seqs = Vec::new();
-    let mut n = 0;
-    for (i, &(first, q_len)) in shapes.iter().enumerate() {
-        seqs.push(seq(n, q_len, first, &tables[i]));
-        n += q_len;
-    }
+    let (seqs, n) = packed_seqs(&LONG_SHAPES, &tables);
     let q = rng.vec(n * n_heads * hd, 1.0);
     let scale = 1.0 / (hd as f32).sqrt();
     let mut want = vec![0f32; q.len()];
