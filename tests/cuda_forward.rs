@@ -451,22 +451,31 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
         host.forward_into(&model, &b, &mut want).unwrap();
         let rows = want.logits.len() / vocab;
         // Per logit row: greedy, T 0.8 among llama.cpp's default cut (top-k 40, top-p 0.95,
-        // min-p 0.05), the host's, T 1 with 20 alternatives, greedy with 3.
+        // min-p 0.05), the host's, T 1 with 20 alternatives, greedy with 3, T 1.2 in a nucleus
+        // (top-p 0.9, min-p 0.05, no top-k: on the device where its cut is among the 128 best,
+        // else drawn from the row's log-probs by the host).
         let specs: Vec<Option<DrawSpec>> = (0..rows)
             .map(|r| {
                 let last = if n == 0 { r.checked_sub(3) } else { Some(r) };
-                let sample = match last? % 5 {
-                    0 => None,
+                // The kinds turn with the step, so that each row of a step takes each in turn.
+                let kind = (last? + n) % 6;
+                let sample = match kind {
+                    0 | 4 => None,
                     1 => Some((0.8, uniform(&mut rng))),
                     2 => return None,
                     3 => Some((1.0, uniform(&mut rng))),
-                    _ => None,
+                    _ => Some((1.2, uniform(&mut rng))),
                 };
-                let top = [0, 0, 0, 20, 3][last? % 5];
-                let truncate = match last? % 5 {
+                let top = [0, 0, 0, 20, 3, 2][kind];
+                let truncate = match kind {
                     1 => Truncate {
                         top_k: 40,
                         top_p: 0.95,
+                        min_p: 0.05,
+                    },
+                    5 => Truncate {
+                        top_k: 0,
+                        top_p: 0.9,
                         min_p: 0.05,
                     },
                     _ => Truncate::NONE,
@@ -508,7 +517,7 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
             let c = s.truncate;
             let (token, kept) = match s.sample {
                 None => (reference::argmax(&lp), 1.0),
-                Some((_, u)) if c.top_k > 0 => {
+                Some((_, u)) if c.top_k > 0 || c.top_p < 1.0 || c.min_p > 0.0 => {
                     reference::truncated_draw(&lp, c.top_k, c.top_p, c.min_p, u)
                 }
                 Some((_, u)) => (reference::inverse_cdf(&lp, u), 1.0),

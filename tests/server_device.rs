@@ -93,7 +93,8 @@ fn a_device_that_is_not_one_is_refused_by_name() {
 /// top-p 0.95 / min-p 0.05, `n` > 1 whose first token forks on the host) are those the host's
 /// sampler draws from the same logits (FLYWHEEL_CUDA_SAMPLING=0), with the same alternatives and
 /// log-probs within 1e-5 (the host's log-softmax is the CPU's SIMD kernel, the GPU's the
-/// reference's arithmetic); rows only the host draws (top_p without top_k) agree too.
+/// reference's arithmetic); so does a top-p alone (a nucleus: drawn on the GPU where its cut falls
+/// among the 128 best, else from the row's log-probs on the host).
 /// Without a usable GPU there is nothing to compare, and it says so.
 #[test]
 fn tokens_drawn_on_the_gpu_are_those_the_host_draws() {

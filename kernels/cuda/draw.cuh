@@ -25,7 +25,13 @@
 //      candidates, found by the same passes: one thread runs `reference::truncated_pick`'s steps
 //      over them in order (`fw_draw_truncated`), the sums in the reference's own order, so the
 //      token is the reference's but where the device's f64 exp rounds differently from the host's
-//      at a boundary.
+//      at a boundary;
+//   6. a nucleus (top-p or min-p with no top-k: the sampler's cut of the whole sorted row) is
+//      drawn among the row's FW_DRAW_CAND best the same way, the shares of top-p taken of the
+//      row's Σ exp(lp) (by chunks, as step 3's: the reference sums it in sorted order, so a cut
+//      can differ only where a running share is within rounding of top-p), where the cut falls
+//      among those candidates (`fw_draw_pick`); where it reaches past them (a flat distribution)
+//      the token is FW_DRAW_HOST and the host draws from the row's log-probs, left in place.
 // The helpers are written once for the device and the host twin (`twin.cu draw`), which
 // `kernels/tests/cuda_twin.rs` checks against `reference` on every machine. Written here: no crate
 // draws on CUDA from Rust with the CPU sampler's rule.
@@ -40,6 +46,8 @@
 // min-p's bits. A result: token, its log-prob's bits, the mass kept (f64: low, high word; 1 when
 // nothing is cut), then FW_DRAW_TOP ids and FW_DRAW_TOP log-probs' bits.
 #define FW_DRAW_SPEC_WORDS 9
+// The token of a nucleus whose cut falls past the candidates: the host draws it (`Gpu::draw`).
+#define FW_DRAW_HOST 0xFFFFFFFFu
 #define FW_DRAWN_WORDS (4 + 2 * FW_DRAW_TOP)
 
 #ifdef __CUDA_ARCH__
@@ -114,22 +122,26 @@ FW_HD double fw_ddiv(double a, double b) {
 }
 
 // `reference::truncated_pick`: over n candidates' probabilities in order (p[j] = exp(lp[j]) in
-// f64), top-p's and min-p's prefix, then the first kept candidate whose running sum passes
-// u·kept: its position, and the mass kept.
+// f64) and the `total` the shares are of, top-p's and min-p's prefix, then the first kept
+// candidate whose running sum passes u·kept: its position, and the mass kept. `whole`: the
+// candidates are every token the cut chooses among (a top-k's, or a row of at most n tokens);
+// otherwise (a nucleus of a longer row: the n best of it) a cut that reaches past the n
+// candidates is not known here, and where neither cut is known within them the pick is `at` -1.
 struct FwPick {
   int at;
   double kept;
 };
-FW_HD FwPick fw_draw_truncated(const double* p, int n, float top_p, float min_p, double u) {
-  double total = 0.0;
-  for (int j = 0; j < n; j++) total += p[j];
+FW_HD FwPick fw_draw_pick(const double* p, int n, double total, float top_p, float min_p, double u,
+                          bool whole) {
   int keep = n;
+  bool known = whole;
   if (top_p < 1.0f) {
     double acc = 0.0;
     for (int j = 0; j < n; j++) {
       acc += fw_ddiv(p[j], total);
       if (acc >= (double)top_p) {
         keep = j + 1;
+        known = true;
         break;
       }
     }
@@ -138,9 +150,14 @@ FW_HD FwPick fw_draw_truncated(const double* p, int n, float top_p, float min_p,
     const double floor = p[0] * (double)min_p;
     int c = 0;
     while (c < n && p[c] >= floor) c++;
-    if (c < 1) c = 1;
-    if (c < keep) keep = c;
+    // Every candidate at or above the floor: tokens past them may be too (unless whole).
+    if (c < n || whole) {
+      if (c < 1) c = 1;
+      if (c < keep) keep = c;
+      known = true;
+    }
   }
+  if (!known) return FwPick{-1, 0.0};
   double m = 0.0;
   for (int j = 0; j < keep; j++) m += p[j];
   const double target = u * m;
@@ -150,6 +167,13 @@ FW_HD FwPick fw_draw_truncated(const double* p, int n, float top_p, float min_p,
     if (acc > target) return FwPick{j, m};
   }
   return FwPick{keep - 1, m};
+}
+
+// A top-k's draw: the total is its candidates' sum, in order (`reference::truncated_pick`).
+FW_HD FwPick fw_draw_truncated(const double* p, int n, float top_p, float min_p, double u) {
+  double total = 0.0;
+  for (int j = 0; j < n; j++) total += p[j];
+  return fw_draw_pick(p, n, total, top_p, min_p, u, true);
 }
 
 // Rust's f32::total_cmp as an integer order: -NaN < -inf < … < -0 < +0 < … < +inf < +NaN.
@@ -224,9 +248,12 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
   const double u = __hiloint2double((int)s[3], (int)s[2]);
   const bool greedy = s[4] != 0;
   const int k = min(min((int)s[5], FW_DRAW_TOP), vocab);
-  // Candidates of a top-k draw (0: the whole distribution).
-  const int nc = greedy ? 0 : min(min((int)s[6], FW_DRAW_CAND), vocab);
   const float top_p = __uint_as_float(s[7]), min_p = __uint_as_float(s[8]);
+  // A nucleus: top-p or min-p with no top-k, drawn among the row's FW_DRAW_CAND best where its
+  // cut falls among them (else left to the host: `Gpu::draw`).
+  const bool nucleus = !greedy && s[6] == 0 && (top_p < 1.0f || min_p > 0.0f);
+  // Candidates of a top-k draw or a nucleus (0: the whole distribution).
+  const int nc = greedy ? 0 : min(min(nucleus ? FW_DRAW_CAND : (int)s[6], FW_DRAW_CAND), vocab);
   const int t = threadIdx.x, nt = FW_DRAW_THREADS;
 
   float mx = -INFINITY;
@@ -254,13 +281,18 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
     }
   fw_draw_best(&bv, &bi, [](float a, int i, float b, int j) { return fw_argmax_before(a, i, b, j); });
   int token = bi < 0 ? 0 : bi;
-  if (!greedy && nc == 0) {
+  if (!greedy && (nc == 0 || nucleus)) {
+    // Σ exp(lp) by chunks (a nucleus's shares are of it).
     int lo, hi;
     fw_draw_chunk(vocab, nt, t, &lo, &hi);
     part[t] = fw_draw_mass(r, lo, hi);
     __syncthreads();
     if (t == 0) total_s = fw_draw_scan(part, nt);
     __syncthreads();
+  }
+  if (!greedy && nc == 0) {
+    int lo, hi;
+    fw_draw_chunk(vocab, nt, t, &lo, &hi);
     const int f = fw_draw_find(r, lo, hi, part[t], u * total_s);
     // The first found: as an argmax of -index (no key: every found index is a candidate).
     int32_t key = 0;
@@ -310,12 +342,17 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
   if (t == 0) {
     double kept = 1.0;
     if (nc > 0) {
-      const FwPick p = fw_draw_truncated(cand_p, nc, top_p, min_p, u);
-      token = cand_i[p.at];
+      // A nucleus of a row of at most FW_DRAW_CAND tokens: its candidates are the whole row, in
+      // the reference's order, and so is its total.
+      const bool whole = !nucleus || nc == vocab;
+      const FwPick p = whole ? fw_draw_truncated(cand_p, nc, top_p, min_p, u)
+                             : fw_draw_pick(cand_p, nc, total_s, top_p, min_p, u, false);
+      // Undecided (the cut past the candidates): FW_DRAW_HOST for the token.
+      token = p.at < 0 ? -1 : cand_i[p.at];
       kept = p.kept;
     }
     o[0] = (uint32_t)token;
-    o[1] = __float_as_uint(r[token]);
+    o[1] = token < 0 ? 0u : __float_as_uint(r[token]);
     o[2] = (uint32_t)__double2loint(kept);
     o[3] = (uint32_t)__double2hiint(kept);
   }

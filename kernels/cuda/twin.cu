@@ -15,9 +15,11 @@
 //                                              3 if not)
 //   fw_twin draw VOCAB K M TOPK TOPP MINP      stdin: 1/T (f32), VOCAB f32 logits, M uniforms
 //                                              (f64; < 0: greedy); stdout: the row's log-probs
-//                                              (f32), then per uniform the token (u32), the mass
-//                                              kept (f64) and the K best (u32 each), by
-//                                              draw.cuh's helpers in fw_draw's order
+//                                              (f32), then per uniform the token (u32; a nucleus
+//                                              left to the host: FW_DRAW_HOST), the mass kept
+//                                              (f64) and the K best (u32 each), by draw.cuh's
+//                                              helpers in fw_draw's order (TOPK 0 with TOPP < 1
+//                                              or MINP > 0: a nucleus)
 //   fw_twin attention BS HEADS KV_HEADS HEAD_DIM WINDOW SOFTCAP N TABLE BLOCKS SCALE
 //                                              stdin: the block tables (TABLE u32), per token
 //                                              where its table starts and its position (i32
@@ -112,7 +114,10 @@ static void draw(std::vector<float>& r, float inv, const std::vector<double>& us
     }
   std::vector<uint32_t> cand_ids;
   std::vector<float> cand;
-  const int nc = tk < FW_DRAW_CAND ? (tk < vocab ? tk : vocab) : (FW_DRAW_CAND < vocab ? FW_DRAW_CAND : vocab);
+  // A nucleus (no top-k, a top-p or min-p) takes the FW_DRAW_CAND best as candidates.
+  const bool nucleus = tk == 0 && (top_p < 1.0f || min_p > 0.0f);
+  const int ck = nucleus ? FW_DRAW_CAND : tk;
+  const int nc = ck < FW_DRAW_CAND ? (ck < vocab ? ck : vocab) : (FW_DRAW_CAND < vocab ? FW_DRAW_CAND : vocab);
   int32_t pk = 0;
   int pi = -1;
   for (int j = 0; j < (k > nc ? k : nc) && j < vocab; j++) {
@@ -155,8 +160,20 @@ static void draw(std::vector<float>& r, float inv, const std::vector<double>& us
     if (token < 0) {
       std::vector<double> probs(nc);
       for (int j = 0; j < nc; j++) probs[j] = FW_EXP((double)cand[j]);
-      const FwPick p = fw_draw_truncated(probs.data(), nc, top_p, min_p, u);
-      token = (int)cand_ids[p.at];
+      FwPick p;
+      if (nucleus && nc < vocab) {
+        // The row's Σ exp(lp) by the kernel's chunks.
+        for (int t = 0; t < nt; t++) {
+          int lo, hi;
+          fw_draw_chunk(vocab, nt, t, &lo, &hi);
+          part[t] = fw_draw_mass(r.data(), lo, hi);
+        }
+        const double total = fw_draw_scan(part.data(), nt);
+        p = fw_draw_pick(probs.data(), nc, total, top_p, min_p, u, false);
+      } else {
+        p = fw_draw_truncated(probs.data(), nc, top_p, min_p, u);
+      }
+      token = p.at < 0 ? (int)FW_DRAW_HOST : (int)cand_ids[p.at];
       kept = p.kept;
     }
     out.push_back((uint32_t)token);

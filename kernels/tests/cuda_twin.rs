@@ -228,7 +228,8 @@ fn draw_logits(rng: &mut Rng, vocab: usize) -> Vec<f32> {
 fn device_draws_equal_the_samplers_reference_draws() {
     let mut rng = Rng(33);
     // (top-k, top-p, min-p): the whole distribution, llama.cpp's defaults, a narrow nucleus, the
-    // largest top-k drawn on the device, one candidate.
+    // largest top-k drawn on the device, one candidate; then nuclei of the whole row (no top-k):
+    // top-p alone (OpenAI's clients' cut), min-p alone, both.
     let cuts = [
         (0usize, 1.0f32, 0.0f32),
         (40, 0.95, 0.05),
@@ -236,11 +237,29 @@ fn device_draws_equal_the_samplers_reference_draws() {
         (5, 0.5, 0.0),
         (128, 0.9, 0.0),
         (1, 1.0, 0.0),
+        (0, 0.9, 0.0),
+        (0, 0.5, 0.0),
+        (0, 1.0, 0.05),
+        (0, 0.95, 0.1),
     ];
+    let (mut on_device, mut to_host) = (0, 0);
     // One token, fewer tokens than threads, a row not a multiple of the threads, SmolLM2's and
-    // Llama 3's vocabularies.
-    for vocab in [1usize, 7, 1000, 49152, 128256] {
-        let x = draw_logits(&mut rng, vocab);
+    // Llama 3's vocabularies; spread 1 (flat: a nucleus reaches past the candidates) and 4 (a few
+    // tokens hold most of the mass).
+    for (vocab, spread) in [
+        (1usize, 1.0f32),
+        (7, 1.0),
+        (1000, 1.0),
+        (1000, 4.0),
+        (49152, 1.0),
+        (49152, 4.0),
+        (128256, 1.0),
+        (128256, 4.0),
+    ] {
+        let x: Vec<f32> = draw_logits(&mut rng, vocab)
+            .into_iter()
+            .map(|v| v * spread)
+            .collect();
         let k = 20.min(vocab);
         for temperature in [None, Some(0.7f32), Some(1.0), Some(1.3)] {
             let greedy = temperature.is_none();
@@ -249,7 +268,12 @@ fn device_draws_equal_the_samplers_reference_draws() {
                 let mut us: Vec<f64> = (0..40)
                     .map(|_| (rng.next() >> 11) as f64 / (1u64 << 53) as f64)
                     .collect();
-                us.extend([0.0, 1.0 - f64::EPSILON / 2.0, 0.5]);
+                us.extend([0.0, 0.5]);
+                // u within 2⁻⁵³ of 1 lands where the two orders of f64 sums round differently
+                // on a peaked row (its tail adds nothing to either sum): on flat rows only.
+                if spread == 1.0 {
+                    us.push(1.0 - f64::EPSILON / 2.0);
+                }
                 let inv = match temperature {
                     Some(t) if t != 1.0 => 1.0 / t,
                     _ => 1.0f32,
@@ -288,12 +312,36 @@ fn device_draws_equal_the_samplers_reference_draws() {
                     "{what}: log-prob {bad:?} differs from the reference's"
                 );
                 let top = reference::top_indices(&lp, k);
+                let nucleus = top_k == 0 && (top_p < 1.0 || min_p > 0.0);
+                // Whether the nucleus's cut reaches past the 128 best (where the host draws it).
+                let past = nucleus && vocab > 128 && {
+                    let p: Vec<f64> = reference::top_indices(&lp, vocab)
+                        .iter()
+                        .map(|&i| (lp[i as usize] as f64).exp())
+                        .collect();
+                    let share = p[..128].iter().sum::<f64>() / p.iter().sum::<f64>();
+                    (top_p >= 1.0 || share < top_p as f64)
+                        && (min_p <= 0.0 || p[127] >= p[0] * min_p as f64)
+                };
                 for (j, (&u, got)) in sent.iter().zip(words[vocab..].chunks(3 + k)).enumerate() {
                     let (want, kept) = match (greedy, top_k) {
                         (true, _) => (reference::argmax(&lp), 1.0),
-                        (false, 0) => (reference::inverse_cdf(&lp, u), 1.0),
+                        (false, 0) if !nucleus => (reference::inverse_cdf(&lp, u), 1.0),
                         _ => reference::truncated_draw(&lp, top_k, top_p, min_p, u),
                     };
+                    if !greedy && nucleus {
+                        // Left to the host exactly where the cut reaches past the 128 best.
+                        assert_eq!(
+                            got[0] == u32::MAX,
+                            past,
+                            "{what}, draw {j}: left to the host"
+                        );
+                        if past {
+                            to_host += 1;
+                            continue;
+                        }
+                    }
+                    on_device += nucleus as usize;
                     let got_kept = f64::from_bits(got[1] as u64 | (got[2] as u64) << 32);
                     assert_eq!(got[0], want, "{what}, draw {j} at u = {u}");
                     assert_eq!(
@@ -314,6 +362,11 @@ fn device_draws_equal_the_samplers_reference_draws() {
             }
         }
     }
+    // Both ways of a nucleus were taken.
+    assert!(
+        on_device > 0 && to_host > 0,
+        "{on_device} on the device, {to_host} left to the host"
+    );
 }
 
 /// The chunks attention kernel's arithmetic (`cuda/attention.cuh`: the chunk bounds, each warp's

@@ -2,12 +2,15 @@
 //! the whole distribution (greedy, or the inverse CDF at a uniform the host draws from the
 //! sequence's own random stream; or among the top-k candidates, top-p and min-p applied), its
 //! log-prob and the top alternatives, so that a decode step reads back a few words a row instead
-//! of its logits. Rows the rule does not cover (penalties, biases, grammars, top-p or min-p
-//! without a top-k) keep their logits for the host's sampler.
+//! of its logits. A nucleus (top-p or min-p without a top-k) is drawn among the row's
+//! `DRAW_CANDIDATES` best where its cut falls among them; where it does not (a flat
+//! distribution), `draw` reads the row's log-probs back and draws it by `reference::truncated_draw`
+//! on the host, so every spec gets its token. Rows the rule does not cover (penalties, biases,
+//! grammars, a top-k above `DRAW_CANDIDATES`) keep their logits for the host's sampler.
 
 use super::launch::len_at_least;
 use super::{check, Gpu, Result};
-use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 /// The most alternatives a drawn row reports (`FW_DRAW_TOP`; OpenAI's `top_logprobs` ≤ 20).
 pub const DRAW_TOP: usize = 20;
@@ -16,6 +19,8 @@ pub const DRAW_CANDIDATES: usize = 128;
 /// `FW_DRAW_THREADS`, `FW_DRAW_SPEC_WORDS`, `FW_DRAWN_WORDS`.
 const THREADS: u32 = 512;
 const SPEC_WORDS: usize = 9;
+/// `FW_DRAW_HOST`: a nucleus whose cut reaches past the candidates, for the host to draw.
+const HOST: u32 = u32::MAX;
 const DRAWN_WORDS: usize = 4 + 2 * DRAW_TOP;
 
 /// How one row of logits is drawn.
@@ -32,8 +37,8 @@ pub struct DrawSpec {
     pub truncate: Truncate,
 }
 
-/// Top-k, top-p and min-p (`reference::truncated_draw`); on the device only with a top-k of 1 to
-/// `DRAW_CANDIDATES` (the candidates the draw is made among).
+/// Top-k, top-p and min-p (`reference::truncated_draw`): a top-k of 1 to `DRAW_CANDIDATES` (the
+/// candidates the draw is made among), or none (0: a nucleus of the whole row, or nothing cut).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Truncate {
     pub top_k: usize,
@@ -110,7 +115,7 @@ impl Gpu {
     /// `Drawn` per spec, in order.
     pub fn draw(
         &self,
-        x: &mut impl DevicePtrMut<f32>,
+        x: &mut CudaSlice<f32>,
         n: usize,
         vocab: usize,
         specs: &[DrawSpec],
@@ -142,14 +147,12 @@ impl Gpu {
                 })?;
             }
             let c = s.truncate;
-            let cuts = c.top_p < 1.0 || c.min_p > 0.0;
             check(
                 c.top_k <= DRAW_CANDIDATES
-                    && (c.top_k > 0 || !cuts)
                     && c.top_p > 0.0
                     && c.top_p <= 1.0
                     && (0.0..=1.0).contains(&c.min_p),
-                || format!("draw: {c:?} (top-p or min-p need a top-k of 1 to {DRAW_CANDIDATES})"),
+                || format!("draw: {c:?} (a top-k of at most {DRAW_CANDIDATES})"),
             )?;
             words.extend(s.words());
         }
@@ -184,6 +187,22 @@ impl Gpu {
                     .collect(),
             }
         }));
+        // A nucleus whose cut reaches past the candidates: its log-probs (left in place) drawn
+        // here by the reference's rule, at the same uniform.
+        let mut lp = Vec::new();
+        for (d, s) in out.iter_mut().zip(specs) {
+            if d.token != HOST {
+                continue;
+            }
+            let (Some((_, u)), c) = (s.sample, s.truncate) else {
+                return Err(super::GpuError("draw: the kernel left a greedy row".into()));
+            };
+            let r = s.row as usize * vocab;
+            lp.resize(vocab, 0.0);
+            self.read_into(&x.slice(r..r + vocab), &mut lp)?;
+            let (token, kept) = crate::reference::truncated_draw(&lp, 0, c.top_p, c.min_p, u);
+            (d.token, d.logprob, d.kept) = (token, lp[token as usize], kept);
+        }
         Ok(())
     }
 }

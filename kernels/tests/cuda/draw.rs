@@ -1,5 +1,5 @@
 //! Tokens drawn on the GPU (`Gpu::draw`, `cuda/draw.cuh`) against the engine sampler's reference
-//! (`reference::log_softmax`, `argmax`, `inverse_cdf`, `top_indices`). The host twin checks the
+//! (`reference::log_softmax`, `argmax`, `inverse_cdf`, `truncated_draw`, `top_indices`). The host twin checks the
 //! same arithmetic on every machine (`tests/cuda_twin.rs`); this checks the kernel: its threads,
 //! reductions and launch, several rows at once, the rows not drawn left as they were.
 
@@ -20,13 +20,19 @@ fn drawn_tokens_and_log_probs_are_the_samplers() {
             let top = x[..vocab].iter().cloned().fold(f32::NEG_INFINITY, f32::max) + 0.5;
             (x[9], x[4], x[3]) = (top, top, f32::NEG_INFINITY);
         }
+        // Row 7 peaked: a few tokens hold most of the mass (its nucleus is among the 128 best).
+        x[7 * vocab..8 * vocab].iter_mut().for_each(|v| *v *= 4.0);
         let mut dx = g.upload(&x).unwrap();
-        // Rows 0, 2, 3, 5, 8: greedy, and draws at three temperatures; rows 1, 4, 6, 7 kept.
+        // Rows 0, 2, 3, 5, 6, 7, 8: greedy, and draws at three temperatures, two of them nuclei
+        // (row 6's flat: past the candidates from 1000 tokens on, drawn from its log-probs by
+        // the host; row 7's peaked: on the device); rows 1 and 4 kept.
         let specs: Vec<DrawSpec> = [
             (0u32, None),
             (2, Some(0.7f32)),
             (3, Some(1.0)),
             (5, Some(1.3)),
+            (6, Some(1.0)),
+            (7, Some(0.8)),
             (8, None),
         ]
         .into_iter()
@@ -45,6 +51,16 @@ fn drawn_tokens_and_log_probs_are_the_samplers() {
                     top_k: 5,
                     top_p: 1.0,
                     min_p: 0.0,
+                },
+                6 => Truncate {
+                    top_k: 0,
+                    top_p: 0.9,
+                    min_p: 0.0,
+                },
+                7 => Truncate {
+                    top_k: 0,
+                    top_p: 0.95,
+                    min_p: 0.05,
                 },
                 _ => Truncate::NONE,
             },
@@ -77,7 +93,7 @@ fn drawn_tokens_and_log_probs_are_the_samplers() {
             let c = s.truncate;
             let (token, kept) = match s.sample {
                 None => (reference::argmax(lp), 1.0),
-                Some((_, u)) if c.top_k > 0 => {
+                Some((_, u)) if c.top_k > 0 || c.top_p < 1.0 || c.min_p > 0.0 => {
                     reference::truncated_draw(lp, c.top_k, c.top_p, c.min_p, u)
                 }
                 Some((_, u)) => (reference::inverse_cdf(lp, u), 1.0),
@@ -98,7 +114,7 @@ fn drawn_tokens_and_log_probs_are_the_samplers() {
         if vocab > 10 {
             assert_eq!(out[0].token, 4, "greedy at a tie: the lower index");
         }
-        for r in [1usize, 4, 6, 7] {
+        for r in [1usize, 4] {
             assert_eq!(
                 after[r * vocab..(r + 1) * vocab],
                 x[r * vocab..(r + 1) * vocab]
@@ -134,7 +150,6 @@ fn draws_the_kernel_cannot_take_are_refused() {
         vec![spec(0, Some((0.0, 0.5)), 0)],                         // no temperature
         vec![spec(0, Some((1.0, 1.0)), 0)],                         // u outside [0, 1)
         vec![spec(0, None, 0), spec(1, None, 0), spec(1, None, 0)], // more than the room
-        vec![cut(0, 0.9)],                                          // a nucleus of the whole row
         vec![cut(DRAW_CANDIDATES + 1, 1.0)],                        // too many candidates
         vec![cut(5, 0.0)],                                          // top-p of nothing
     ] {

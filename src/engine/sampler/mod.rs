@@ -111,13 +111,13 @@ pub const DEVICE_DRAW_TOP: usize = 20;
 pub const DEVICE_DRAW_TOP_K: usize = 128;
 
 /// A token drawn where the logits are (the GPU) by the sampler's rule — from the whole
-/// distribution, or among the top-k candidates with top-p and min-p — so that only the token, its
-/// log-prob and the alternatives come back.
+/// distribution, among the top-k candidates with top-p and min-p, or a nucleus (top-p or min-p
+/// alone) — so that only the token, its log-prob and the alternatives come back.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceDraw {
     /// None: greedy (the argmax of log-softmax(logits)); Some((T, u)): the inverse CDF of
     /// log-softmax(logits / T) at u (`reference::inverse_cdf`, or `reference::truncated_draw`
-    /// with a top-k).
+    /// with a cut).
     pub sample: Option<(f32, f64)>,
     /// How many alternatives to report.
     pub top: usize,
@@ -129,9 +129,8 @@ impl SamplingParams {
     /// The draw a device can make for the next token, its uniform taken from `rng` as
     /// `sample_seen` takes it (one `next_f64` when not greedy, none when greedy), so that a
     /// choice's random stream is the same wherever its tokens are drawn. None where only the
-    /// host's sampler applies: penalties, biases, bans, grammars, allowed tokens, and top-p or
-    /// min-p without a top-k, or a top-k above `DEVICE_DRAW_TOP_K`, when not greedy (rng
-    /// untouched).
+    /// host's sampler applies: penalties, biases, bans, grammars, allowed tokens, and a top-k
+    /// above `DEVICE_DRAW_TOP_K` when not greedy (rng untouched).
     pub fn device_draw(&self, rng: &mut Rng) -> Option<DeviceDraw> {
         if self.edits_logits() || self.top_logprobs > DEVICE_DRAW_TOP {
             return None;
@@ -140,7 +139,10 @@ impl SamplingParams {
         let truncate = match greedy || self.samples_the_policy() {
             // Greedy: the argmax is inside any cut.
             true => (0, 1.0, 0.0),
-            false if (1..=DEVICE_DRAW_TOP_K).contains(&self.top_k) => {
+            // A top-k of up to DEVICE_DRAW_TOP_K, or none (a nucleus of the whole row: drawn
+            // among the device's best where its cut falls among them, else from the row's
+            // log-probs by `reference::truncated_draw`).
+            false if self.top_k <= DEVICE_DRAW_TOP_K => {
                 (self.top_k, self.top_p, self.min_p.max(0.0))
             }
             false => return None,

@@ -428,10 +428,17 @@ fn the_sampling_logprob_is_the_drawn_distributions() {
 /// top-p and min-p) is the sampler's, with the same log-prob drawn with; what only the host's
 /// sampler does is never given to a device.
 #[test]
-fn device_draws_take_the_samplers_uniform_and_only_whole_distributions() {
+fn device_draws_take_the_samplers_uniform_and_its_cuts() {
     let logits: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32) / 17.0).collect();
-    // Nothing cut, llama.cpp's default cut, a top-k alone.
-    let cuts = [(0usize, 1.0f32, 0.0f32), (40, 0.95, 0.05), (5, 1.0, 0.0)];
+    // Nothing cut, llama.cpp's default cut, a top-k alone, a nucleus (top-p, min-p, both).
+    let cuts = [
+        (0usize, 1.0f32, 0.0f32),
+        (40, 0.95, 0.05),
+        (5, 1.0, 0.0),
+        (0, 0.9, 0.0),
+        (0, 1.0, 0.1),
+        (0, 0.8, 0.05),
+    ];
     for (temperature, (top_k, top_p, min_p)) in [0.0f32, 0.6, 1.0, 1.7]
         .into_iter()
         .flat_map(|t| cuts.map(|c| (t, c)))
@@ -459,7 +466,9 @@ fn device_draws_take_the_samplers_uniform_and_only_whole_distributions() {
                 Some((t, u)) => {
                     assert_eq!(t, temperature);
                     match d.truncate {
-                        (0, _, _) => (reference::inverse_cdf(&lp, u), 1.0),
+                        (0, tp, mp) if tp >= 1.0 && mp <= 0.0 => {
+                            (reference::inverse_cdf(&lp, u), 1.0)
+                        }
                         (k, tp, mp) => reference::truncated_draw(&lp, k, tp, mp, u),
                     }
                 }
@@ -487,15 +496,7 @@ fn device_draws_take_the_samplers_uniform_and_only_whole_distributions() {
     }
     let refused = [
         SamplingParams {
-            top_p: 0.9,
-            ..Default::default()
-        },
-        SamplingParams {
             top_k: DEVICE_DRAW_TOP_K + 1,
-            ..Default::default()
-        },
-        SamplingParams {
-            min_p: 0.1,
             ..Default::default()
         },
         SamplingParams {
