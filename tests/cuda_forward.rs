@@ -514,13 +514,9 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
                 lp.iter_mut().for_each(|v| *v *= inv);
             }
             reference::log_softmax(&mut lp);
-            let c = s.truncate;
             let (token, kept) = match s.sample {
                 None => (reference::argmax(&lp), 1.0),
-                Some((_, u)) if c.top_k > 0 || c.top_p < 1.0 || c.min_p > 0.0 => {
-                    reference::truncated_draw(&lp, c.top_k, c.top_p, c.min_p, u)
-                }
-                Some((_, u)) => (reference::inverse_cdf(&lp, u), 1.0),
+                Some((_, u)) => reference::draw_cut(&lp, s.truncate, u),
             };
             assert_eq!(d.token, token, "step {n} row {r}: {s:?}");
             assert!(

@@ -173,7 +173,7 @@ pub(super) fn forward(
         }
         #[cfg(feature = "cuda")]
         Backend::Gpu(g) => {
-            use flywheel_kernels::cuda::{DrawSpec, Truncate};
+            use flywheel_kernels::cuda::DrawSpec;
             // A vocabulary smaller than the alternatives asked for gives all it has, as the
             // host's sampler does.
             let vocab = model.config.vocab_size;
@@ -185,11 +185,7 @@ pub(super) fn forward(
                         row: row as u32,
                         sample: d.sample,
                         top: d.top.min(vocab),
-                        truncate: Truncate {
-                            top_k: d.truncate.0,
-                            top_p: d.truncate.1,
-                            min_p: d.truncate.2,
-                        },
+                        truncate: d.truncate,
                     })
                 })
                 .collect();

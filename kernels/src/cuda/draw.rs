@@ -37,23 +37,9 @@ pub struct DrawSpec {
     pub truncate: Truncate,
 }
 
-/// Top-k, top-p and min-p (`reference::truncated_draw`): a top-k of 1 to `DRAW_CANDIDATES` (the
-/// candidates the draw is made among), or none (0: a nucleus of the whole row, or nothing cut).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Truncate {
-    pub top_k: usize,
-    pub top_p: f32,
-    pub min_p: f32,
-}
-
-impl Truncate {
-    /// Nothing cut: the whole distribution.
-    pub const NONE: Truncate = Truncate {
-        top_k: 0,
-        top_p: 1.0,
-        min_p: 0.0,
-    };
-}
+/// Top-k, top-p and min-p (`reference::Truncate`); on the device a top-k of at most
+/// `DRAW_CANDIDATES` (the candidates the draw is made among), or none.
+pub use crate::reference::Truncate;
 
 /// A drawn row: the token, its log-prob, and the `top` best (token, log-prob), best first.
 #[derive(Clone, Debug, PartialEq)]

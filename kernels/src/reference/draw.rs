@@ -49,6 +49,40 @@ pub fn last_possible(lp: &[f32]) -> Option<u32> {
         .map(|i| i as u32)
 }
 
+/// The cut a sampled draw is made after (the sampler's top-k, top-p and min-p; a top-k of 0 is
+/// none): nothing, a top-k (with any top-p and min-p), or a nucleus (top-p or min-p alone).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Truncate {
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+}
+
+impl Truncate {
+    /// Nothing cut: the whole distribution.
+    pub const NONE: Truncate = Truncate {
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+    };
+
+    /// Whether it cuts anything.
+    pub fn cuts(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
+    }
+}
+
+/// The sampler's draw at `u` after the cut `c`: the inverse CDF of the whole distribution where
+/// nothing is cut, else `truncated_draw`. Returns the token and the probability mass kept (1
+/// where nothing is cut).
+pub fn draw_cut(lp: &[f32], c: Truncate, u: f64) -> (u32, f64) {
+    if c.cuts() {
+        truncated_draw(lp, c.top_k, c.top_p, c.min_p, u)
+    } else {
+        (inverse_cdf(lp, u), 1.0)
+    }
+}
+
 /// A draw after top-k, top-p and min-p (the engine sampler's): the candidates (the `top_k` best in
 /// `top_indices`' order; every token when 0), then `truncated_pick`. Returns the token and the
 /// probability mass kept (its log-prob under the truncated distribution is lp − ln kept).

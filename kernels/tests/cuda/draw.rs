@@ -90,13 +90,9 @@ fn drawn_tokens_and_log_probs_are_the_samplers() {
                 );
             }
             // The rest is exact given the device's log-probs.
-            let c = s.truncate;
             let (token, kept) = match s.sample {
                 None => (reference::argmax(lp), 1.0),
-                Some((_, u)) if c.top_k > 0 || c.top_p < 1.0 || c.min_p > 0.0 => {
-                    reference::truncated_draw(lp, c.top_k, c.top_p, c.min_p, u)
-                }
-                Some((_, u)) => (reference::inverse_cdf(lp, u), 1.0),
+                Some((_, u)) => reference::draw_cut(lp, s.truncate, u),
             };
             assert_eq!(d.token, token, "vocab {vocab} row {r}: {s:?}");
             // The device's f64 exp may round an ulp away from the host's.

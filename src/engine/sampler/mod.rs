@@ -6,7 +6,8 @@
 use super::constraint::TokenMask;
 use crate::policy::{is_greedy, scale_and_normalize};
 use crate::util::Rng;
-use flywheel_kernels::{reference, Cpu};
+use flywheel_kernels::reference::{self, Truncate};
+use flywheel_kernels::Cpu;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -77,6 +78,15 @@ impl SamplingParams {
         out
     }
 
+    /// The top-k, top-p and min-p a sampled token is drawn after (`reference::draw_cut`).
+    pub fn cut(&self) -> Truncate {
+        Truncate {
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p.max(0.0),
+        }
+    }
+
     /// Whether a completion is drawn from exactly log-softmax(logits / T), the distribution the
     /// reported (behaviour) log-probs describe: false with truncation (top-p, top-k, min-p),
     /// penalties or logit biases. A trainer treats other completions as off-policy.
@@ -121,8 +131,8 @@ pub struct DeviceDraw {
     pub sample: Option<(f32, f64)>,
     /// How many alternatives to report.
     pub top: usize,
-    /// (top-k, top-p, min-p) when sampled; (0, 1, 0): nothing cut.
-    pub truncate: (usize, f32, f32),
+    /// The cut when sampled; `Truncate::NONE` when greedy or nothing is cut.
+    pub truncate: Truncate,
 }
 
 impl SamplingParams {
@@ -138,13 +148,11 @@ impl SamplingParams {
         let greedy = is_greedy(self.temperature);
         let truncate = match greedy || self.samples_the_policy() {
             // Greedy: the argmax is inside any cut.
-            true => (0, 1.0, 0.0),
+            true => Truncate::NONE,
             // A top-k of up to DEVICE_DRAW_TOP_K, or none (a nucleus of the whole row: drawn
             // among the device's best where its cut falls among them, else from the row's
             // log-probs by `reference::truncated_draw`).
-            false if self.top_k <= DEVICE_DRAW_TOP_K => {
-                (self.top_k, self.top_p, self.min_p.max(0.0))
-            }
+            false if self.top_k <= DEVICE_DRAW_TOP_K => self.cut(),
             false => return None,
         };
         Some(DeviceDraw {
@@ -361,12 +369,7 @@ pub fn top_k(lp: &[f32], k: usize) -> Vec<TopLogprob> {
 /// mass kept (0 when nothing was cut: the token's probability under the truncated distribution is
 /// exp(lp[token]) / kept).
 fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> (u32, f64) {
-    let (top_k, top_p) = (p.top_k, p.top_p);
-    let u = rng.next_f64();
-    if top_k == 0 && top_p >= 1.0 && p.min_p <= 0.0 {
-        return (reference::inverse_cdf(lp, u), 0.0);
-    }
-    let (t, kept) = reference::truncated_draw(lp, top_k, top_p, p.min_p, u);
+    let (t, kept) = reference::draw_cut(lp, p.cut(), rng.next_f64());
     (t, kept.ln())
 }
 

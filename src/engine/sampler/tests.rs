@@ -465,12 +465,7 @@ fn device_draws_take_the_samplers_uniform_and_its_cuts() {
                 None => (reference::argmax(&lp), 1.0),
                 Some((t, u)) => {
                     assert_eq!(t, temperature);
-                    match d.truncate {
-                        (0, tp, mp) if tp >= 1.0 && mp <= 0.0 => {
-                            (reference::inverse_cdf(&lp, u), 1.0)
-                        }
-                        (k, tp, mp) => reference::truncated_draw(&lp, k, tp, mp, u),
-                    }
+                    reference::draw_cut(&lp, d.truncate, u)
                 }
             };
             let top: Vec<(u32, f32)> = reference::top_indices(&lp, d.top)
