@@ -26,10 +26,8 @@
 //                                              each), q (N·HEADS·HEAD_DIM f32), the K and V
 //                                              caches (f32, BLOCKS·BS·KV_HEADS·HEAD_DIM each);
 //                                              stdout: the chunks kernel's output by
-//                                              attention.cuh's helpers, the chunks folded,
-//                                              checked equal to the chunks' partials merged
-//                                              from the scratch in order, as a split launch
-//                                              does (exit 3 if not)
+//                                              attention.cuh's helpers, its lanes walked one
+//                                              after another
 #include <stdio.h>
 #include <stdlib.h>
 #include <vector>
@@ -225,23 +223,20 @@ static void att_chunk(const float* qs, const uint32_t* bt, const float* kc, cons
   *l_out = l;
 }
 
-// fw_attention_chunks_body for one (token, head): folded (out) and split (partials in a scratch,
-// merged in order: split_out).
+// fw_attention_chunks_body for one (token, head): the chunks' partials, merged in order.
 static void att_query(const float* qh, float scale, const uint32_t* bt, int pos, int window,
                       const float* kc, const float* vc, int kv_col, int hd, int bs, int kv_dim,
-                      float softcap, float* out, float* split_out) {
+                      float softcap, float* out) {
   float qs[FW_ATT_MAX_DIM];
   for (int d = 0; d < hd; d++) qs[d] = qh[d] * scale;
   const int lo = fw_first_key(pos, window);
   int len, count;
   fw_att_chunks(pos - lo + 1, &len, &count);
-  const size_t stride = (size_t)hd + 2;
-  std::vector<float> part(count * stride);
   float M = 0.0f, L = 0.0f;
-  std::vector<float> A(hd);
+  std::vector<float> A(hd), part(hd + 2);
   for (int s = 0; s < count; s++) {
     const int c0 = lo + s * len, c1 = c0 + len < pos + 1 ? c0 + len : pos + 1;
-    float* ps = &part[s * stride];
+    float* ps = part.data();
     att_chunk(qs, bt, kc, vc, c0, c1, kv_col, hd, bs, kv_dim, softcap, ps, ps + 1, ps + 2);
     if (s == 0) {
       M = ps[0];
@@ -254,16 +249,6 @@ static void att_query(const float* qh, float scale, const uint32_t* bt, int pos,
     }
   }
   for (int d = 0; d < hd; d++) out[d] = A[d] / L;
-  // The split launch's last block: the partials read back, merged in order.
-  float SM = part[0], SL = part[1];
-  std::vector<float> SA(part.begin() + 2, part.begin() + 2 + hd);
-  for (int s = 1; s < count; s++) {
-    const float* ps = &part[s * stride];
-    float ca, cb;
-    fw_att_merge(&SM, &SL, ps[0], ps[1], &ca, &cb);
-    for (int d = 0; d < hd; d++) SA[d] = fw_att_mix(SA[d], ca, ps[2 + d], cb);
-  }
-  for (int d = 0; d < hd; d++) split_out[d] = SA[d] / SL;
 }
 
 int main(int argc, char** argv) {
@@ -280,7 +265,7 @@ int main(int argc, char** argv) {
     const unsigned char* at = in.data();
     std::vector<uint32_t> table(n_table);
     std::vector<int32_t> table_at(n), pos(n);
-    std::vector<float> q(nq), kc(cache), vc(cache), out(nq), split(nq);
+    std::vector<float> q(nq), kc(cache), vc(cache), out(nq);
     memcpy(table.data(), at, table.size() * 4), at += table.size() * 4;
     memcpy(table_at.data(), at, (size_t)n * 4), at += (size_t)n * 4;
     memcpy(pos.data(), at, (size_t)n * 4), at += (size_t)n * 4;
@@ -291,12 +276,8 @@ int main(int argc, char** argv) {
       for (int h = 0; h < heads; h++) {
         const size_t o = ((size_t)t * heads + h) * hd;
         att_query(&q[o], scale, &table[table_at[t]], pos[t], window, kc.data(), vc.data(),
-                  (h / (heads / kv_heads)) * hd, hd, bs, kv_dim, softcap, &out[o], &split[o]);
+                  (h / (heads / kv_heads)) * hd, hd, bs, kv_dim, softcap, &out[o]);
       }
-    if (memcmp(out.data(), split.data(), nq * 4) != 0) {
-      fprintf(stderr, "the split launch's merge differs from the fold\n");
-      return 3;
-    }
     fwrite(out.data(), 4, nq, stdout);
     return 0;
   }

@@ -312,7 +312,12 @@ fn device_draws_equal_the_samplers_reference_draws() {
                     "{what}: log-prob {bad:?} differs from the reference's"
                 );
                 let top = reference::top_indices(&lp, k);
-                let nucleus = top_k == 0 && (top_p < 1.0 || min_p > 0.0);
+                let c = reference::Truncate {
+                    top_k,
+                    top_p,
+                    min_p,
+                };
+                let nucleus = top_k == 0 && c.cuts();
                 // Whether the nucleus's cut reaches past the 128 best (where the host draws it).
                 let past = nucleus && vocab > 128 && {
                     let p: Vec<f64> = reference::top_indices(&lp, vocab)
@@ -324,10 +329,9 @@ fn device_draws_equal_the_samplers_reference_draws() {
                         && (min_p <= 0.0 || p[127] >= p[0] * min_p as f64)
                 };
                 for (j, (&u, got)) in sent.iter().zip(words[vocab..].chunks(3 + k)).enumerate() {
-                    let (want, kept) = match (greedy, top_k) {
-                        (true, _) => (reference::argmax(&lp), 1.0),
-                        (false, 0) if !nucleus => (reference::inverse_cdf(&lp, u), 1.0),
-                        _ => reference::truncated_draw(&lp, top_k, top_p, min_p, u),
+                    let (want, kept) = match greedy {
+                        true => (reference::argmax(&lp), 1.0),
+                        false => reference::draw_cut(&lp, c, u),
                     };
                     if !greedy && nucleus {
                         // Left to the host exactly where the cut reaches past the 128 best.
@@ -374,8 +378,8 @@ fn device_draws_equal_the_samplers_reference_draws() {
 /// against `reference::attention_windowed` on scattered page tables: a prefill, decodes that see
 /// 1 to 32 chunks (up to 3001 positions: chunks of 96), a chunk of tokens continuing, sliding
 /// windows shorter and longer than a chunk, Gemma 2's soft-cap, block sizes that are and are not
-/// powers of two, head dims up to 256. The twin also checks that merging the chunks' partials
-/// from a scratch (a split launch) gives the fold's bits.
+/// powers of two, head dims up to 256. (Whether a split launch gives the fold's bits is the GPU
+/// test's: on the host both are this one walk.)
 #[test]
 fn chunked_attention_matches_the_reference() {
     let mut rng = Rng(41);
