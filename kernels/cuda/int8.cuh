@@ -63,7 +63,7 @@ FW_HD int fw_dp4a(uint32_t a, uint32_t b) {
 }
 
 // (float)(a · b as 4 signed byte pairs), exactly, with no integer-to-float conversion (those run
-// at 16 a clock an SM, an eighth of FP32's on sm_90, one a dp4a): the dot product added to the
+// at 16 a clock an SM by the CUDA guide's table, an eighth of FP32's on sm_90, one a dp4a): the dot product added to the
 // bits of 1.5·2²³ (0x4B400000) is the float 1.5·2²³ + the sum (|sum| ≤ 4·128·127 < 2²²: the
 // exponent stays), and subtracting 1.5·2²³ leaves the sum, exactly.
 FW_HD float fw_dp4a_float(uint32_t a, uint32_t b) {

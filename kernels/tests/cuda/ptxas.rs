@@ -80,8 +80,8 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_spills_within_the_limits() {
 }
 
 /// The products decode a code a weight without converting it from an integer (I2F/I2FP run at 16
-/// a clock an SM against FP32's 128 on sm_90: with one a weight they bounded the decode products,
-/// which the H200's profile found issue-bound). `units.cuh`'s `fw_code` makes the float from the
+/// a clock an SM against FP32's 128 on sm_90, by the CUDA guide's table; the H200's profile found
+/// the decode products issue-bound, with one a weight; the gain is not timed yet). `units.cuh`'s `fw_code` makes the float from the
 /// bits instead; what is left are the per-unit scales' conversions (a few a unit), far from the 32
 /// a unit that one a weight would put there. Read from the fatbin's SASS (cuobjdump) on every
 /// machine.
