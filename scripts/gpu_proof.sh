@@ -40,9 +40,16 @@
 #                                positions by each attention kernel
 #   scripts/gpu_proof.sh context (at most ~9.5 minutes) the chunks attention kernel (split-K
 #                                decode attention): its kernels test and the forward through it,
-#                                then the 1B shape's decode after 2048-, 8192- and 8-token prompts
+#                                then the 1B shape's decode after 2048-, 8000- and 8-token prompts
 #                                by the rows kernel and by the chunks kernel, and ncu's times of
 #                                each at 2048 positions
+#   scripts/gpu_proof.sh int8    (at most ~8 minutes) the int8 products' lanes layout: the kernels
+#                                test, the int8 forward, the 1B shape with int8 products in each
+#                                layout and with f32 ones, decode at 8 and 8000 positions by each
+#                                attention kernel, racecheck of the kernels given 200 s
+#   scripts/gpu_proof.sh int8-profile (~4 minutes) the int8 forward, ncu's times of each kernel
+#                                in the 1B shape's int8 decode, decode at 8000 positions by each
+#                                attention kernel
 #   scripts/gpu_proof.sh speed   random-weight models of the default model's shape and Llama 3.2
 #                                1B's; prefill and decode at batch 1/8/32/64 through graphs and
 #                                eagerly; the card's copy bandwidth; llama.cpp's CUDA build of the
@@ -191,17 +198,20 @@ PY
 
 # ncu's duration of each kernel in a stretch of eager batch-1 decode steps, summed per kernel name
 # and per step, beside the step's measured time (is a step the kernels' time, or the host's?).
+# profile [TAG [BENCH ARGS...]]: TAG names the logs (profile-1b$TAG.md), the arguments are
+# added to the bench's (e.g. "-int8 --precision int8").
 profile() {
-  local m=/tmp/llama-1b.gguf
+  local m=/tmp/llama-1b.gguf tag=${1:-}
+  shift || true
   [ -f "$m" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
   # Caches and clocks as they are in a run (ncu flushes the caches and locks base clocks by
   # default, which made every small kernel look latency-bound).
-  step ncu-llama-1b ncu --csv --metrics gpu__time_duration.sum --cache-control none \
+  step "ncu-llama-1b$tag" ncu --csv --metrics gpu__time_duration.sum --cache-control none \
     --clock-control none \
     --launch-skip 5000 --launch-count 780 "$B/flywheel" bench --device cuda --model "$m" \
-    --prompt-tokens 64 --decode-tokens 64 --batch 1 --runs 1 --kv-cache-dtype f16
-  ncu_table "$OUT/ncu-llama-1b.log" >"$OUT/profile-1b.md"
-  cat "$OUT/profile-1b.md" | head -30 | tee -a "$SUMMARY"
+    --prompt-tokens 64 --decode-tokens 64 --batch 1 --runs 1 --kv-cache-dtype f16 "$@"
+  ncu_table "$OUT/ncu-llama-1b$tag.log" >"$OUT/profile-1b$tag.md"
+  cat "$OUT/profile-1b$tag.md" | head -30 | tee -a "$SUMMARY"
 }
 
 # Where decode through an adapter goes (LoRA at batch 1 ran at 0.53x the base's, OFT 0.68x, on
@@ -286,12 +296,13 @@ next)
   ;;
 context)
   # Decode after long prompts by each attention kernel: the rows kernel (a block a (token,
-  # head)) against the chunks kernel (a query's positions split over up to 32 warps), at 8, 2048
-  # and 8192 positions; the chunks kernel's forward first (graphs = eager, against the CPU).
+  # head)) against the chunks kernel (the default: a query's positions split over up to 32
+  # warps), at 8, 2048 and 8000 positions (the shape holds 8192); the rows kernel's forward first
+  # (graphs = eager, against the CPU; the default's is the forward step's).
   STEP_S=60 step kernels "$B/kernels-cuda" --test-threads 1 attention
-  FLYWHEEL_CUDA_ATTENTION=chunks STEP_S=100 step forward-chunks "$B/cuda-forward" --test-threads 1
+  FLYWHEEL_CUDA_ATTENTION=rows STEP_S=100 step forward-rows "$B/cuda-forward" --test-threads 1
   STEP_S=60 attention_kernels 2048 1,8
-  STEP_S=60 attention_kernels 8192 1
+  STEP_S=60 attention_kernels 8000 1
   STEP_S=50 attention_kernels 8 1,8,64
   # ncu's times of decode attention at 2048 positions, each kernel.
   for a in rows chunks; do
@@ -300,6 +311,34 @@ context)
       --device cuda --model "$M1B" --prompt-tokens 64 --decode-tokens 8 --decode-context 2048 \
       --batch 1 --runs 1 --kv-cache-dtype f16
   done
+  ;;
+int8)
+  # The int8 products' lanes layout (the kernels test: every layout = the CPU's bits), the int8
+  # forward (each step's distances printed), the 1B shape's int8 speed in each layout beside the
+  # f32 products', decode at 8 positions by each attention kernel, racecheck of the kernels with
+  # room (60 s was not enough: it stopped in the products' test), then decode at 8000 positions.
+  STEP_S=50 step kernels "$B/kernels-cuda" --test-threads 1
+  STEP_S=60 step forward-int8 "$B/cuda-forward" --test-threads 1 --nocapture int8
+  [ -f "$M1B" ] || STEP_S=40 step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$M1B"
+  for p in int8-lanes int8-quads exact; do
+    l=${p#int8-}
+    [ "$p" = exact ] && l=
+    FLYWHEEL_CUDA_INT8=$l STEP_S=60 step "bench-llama-1b-$p" "$B/flywheel" bench \
+      --device cuda --precision "${p%-*}" --model "$M1B" --prompt-tokens 512 --decode-tokens 64 \
+      --batch 1,8,64 --runs 3 --kv-cache-dtype f16
+    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-$p.log" | sed 's/^/    /' >>"$SUMMARY"
+  done
+  STEP_S=50 attention_kernels 8 1,8,64
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=200 step racecheck compute-sanitizer --tool racecheck \
+    --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
+  STEP_S=60 attention_kernels 8000 1
+  ;;
+int8-profile)
+  # The int8 forward (held to the int8-exact distance), ncu's times of each kernel in the 1B
+  # shape's int8 decode at batch 1, decode at 8000 positions by each attention kernel.
+  STEP_S=60 step forward-int8 "$B/cuda-forward" --test-threads 1 --nocapture int8
+  STEP_S=90 profile -int8 --precision int8
+  STEP_S=60 attention_kernels 8000 1
   ;;
 adapters)
   STEP_S=150 step forward "$B/cuda-forward" --test-threads 1

@@ -163,7 +163,6 @@ fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, int8: bool, g: Gpu) 
         "{} ({dtype:?}, adapters {adapters}, int8 {int8})",
         spec.arch
     );
-    let tol = if int8 { 2e-2 } else { 2e-3 };
     let mut steps: Vec<Vec<(usize, usize, Logits)>> = vec![vec![
         (0, 3, Logits::Last),
         (1, 5, Logits::All),
@@ -187,19 +186,46 @@ fn compare(spec: &TinySpec, dtype: KvDtype, adapters: bool, int8: bool, g: Gpu) 
             .forward_into(&cpu, &mut cache, &b, &mut on_cpu)
             .unwrap();
         gl.forward_into(&model, &b, &mut on_gpu).unwrap();
-        // f32 sums in another order through a few layers: logits of magnitude ~10.
+        // f32 sums in another order through a few layers: logits of magnitude ~10. In int8, an
+        // activation within that difference of a rounding boundary takes the other code on one
+        // side, every row of its product moves by a code's worth, and later quantizations round
+        // differently in turn: on an H200 the k_and_iq model's final hidden states came 0.063
+        // apart where int8 and exact ones were 0.090 apart (its logits 0.038 and 0.271; most
+        // steps of the other models within 3e-5). So each step is held within the distance
+        // between the CPU's int8 and exact forwards, and over all steps the GPU's int8 logits
+        // must lie nearer the CPU's int8 ones than exact ones (which a GPU in other arithmetic,
+        // exact products for one, would not); the kernels test holds each product to the CPU's
+        // bits.
+        let (mut tol, mut tol_hidden) = (2e-3f32, 2e-3f32);
         let d = max_diff(&on_gpu.logits, &on_cpu.logits);
-        assert!(d < tol, "{what}, step {n}: logits differ by {d}");
-        let d = max_diff(&on_gpu.hidden, &on_cpu.hidden);
-        assert!(d < tol, "{what}, step {n}: hidden states differ by {d}");
+        let dh = max_diff(&on_gpu.hidden, &on_cpu.hidden);
         if int8 {
             let mut e = ForwardBuffers::default();
             model
                 .forward_into(&exact, &mut exact_cache, &b, &mut e)
                 .unwrap();
-            to_cpu += max_diff(&on_gpu.logits, &on_cpu.logits);
-            to_exact += max_diff(&on_gpu.logits, &e.logits);
+            let (int8_err, int8_err_hidden, gpu_exact) = (
+                max_diff(&on_cpu.logits, &e.logits),
+                max_diff(&on_cpu.hidden, &e.hidden),
+                max_diff(&on_gpu.logits, &e.logits),
+            );
+            eprintln!(
+                "{what}, step {n}: logits GPU-CPU {d}, CPU int8-exact {int8_err}, GPU-exact \
+                 {gpu_exact}; hidden GPU-CPU {dh}, CPU int8-exact {int8_err_hidden}"
+            );
+            tol = tol.max(int8_err);
+            tol_hidden = tol_hidden.max(int8_err_hidden);
+            to_cpu += d;
+            to_exact += gpu_exact;
         }
+        assert!(
+            d < tol,
+            "{what}, step {n}: logits differ by {d} (bound {tol})"
+        );
+        assert!(
+            dh < tol_hidden,
+            "{what}, step {n}: hidden states differ by {dh} (bound {tol_hidden})"
+        );
     }
     assert!(
         to_cpu <= to_exact,

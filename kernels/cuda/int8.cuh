@@ -92,88 +92,103 @@ FW_HD uint32_t fw_iq4_bytes(uint32_t w) {
   return o;
 }
 
-// Values 16q .. 16q + 16 of block b (32 values) of a row as the int8 products read them: their
-// integer codes as signed bytes, c[i] byte k = value 16q + 4i + k; returns that half's scale.
+// Values 16q + 4i .. + 4 of block b (32 values) of a row as the int8 products read them: their
+// integer codes as signed bytes (byte k = value 16q + 4i + k).
 template <int TY>
-FW_HD float fw_i8_codes(const uint8_t* row, int b, int q, uint32_t* c) {
+FW_HD uint32_t fw_i8_word(const uint8_t* row, int b, int q, int i) {
+  uint32_t w;
   if (TY == FW_Q4_0 || TY == FW_IQ4NL) {
     // d, then 16 bytes: value k < 16 the low nibble of byte k, value 16 + k its high nibble.
-    const uint8_t* blk = row + (size_t)b * 18;
-    uint32_t w[4];
-    fw_words<4>(blk + 2, w);
-    for (int i = 0; i < 4; i++) {
-      const uint32_t nib = (w[i] >> (4 * q)) & 0x0F0F0F0Fu;
-      c[i] = TY == FW_Q4_0 ? fw_sub_bytes(nib, 8) : fw_iq4_bytes(nib);
-    }
-    return fw_f16((uint16_t)fw_u16_at(blk));
+    fw_words<1>(row + (size_t)b * 18 + 2 + 4 * i, &w);
+    const uint32_t nib = (w >> (4 * q)) & 0x0F0F0F0Fu;
+    return TY == FW_Q4_0 ? fw_sub_bytes(nib, 8) : fw_iq4_bytes(nib);
   } else if (TY == FW_Q4_1) {
-    const uint8_t* blk = row + (size_t)b * 20;
-    uint32_t w[4];
-    fw_words<4>(blk + 4, w);
-    for (int i = 0; i < 4; i++) c[i] = (w[i] >> (4 * q)) & 0x0F0F0F0Fu;
-    return fw_f16((uint16_t)fw_u16_at(blk));
+    fw_words<1>(row + (size_t)b * 20 + 4 + 4 * i, &w);
+    return (w >> (4 * q)) & 0x0F0F0F0Fu;
   } else if (TY == FW_Q8_0) {
-    const uint8_t* blk = row + (size_t)b * 34;
-    fw_words<4>(blk + 2 + 16 * q, c);
-    return fw_f16((uint16_t)fw_u16_at(blk));
+    fw_words<1>(row + (size_t)b * 34 + 2 + 16 * q + 4 * i, &w);
+    return w;
   } else if (TY == FW_Q4K || TY == FW_Q5K) {
     // d, dmin, 12 scale bytes, (Q5_K: 32 bytes of fifth bits,) 128 nibble bytes: block j the low
     // (j even) or high nibbles of bytes 32·(j/2) ...
     const bool q5 = TY == FW_Q5K;
     const int j = b % 8;
     const uint8_t* blk = row + (size_t)(b / 8) * (q5 ? 176 : 144);
-    uint32_t w[4], s[3], sc, m;
-    fw_words<4>(blk + (q5 ? 48 : 16) + 32 * (j / 2) + 16 * q, w);
-    for (int i = 0; i < 4; i++) c[i] = (w[i] >> (4 * (j % 2))) & 0x0F0F0F0Fu;
+    fw_words<1>(blk + (q5 ? 48 : 16) + 32 * (j / 2) + 16 * q + 4 * i, &w);
+    uint32_t c = (w >> (4 * (j % 2))) & 0x0F0F0F0Fu;
     if (q5) {
-      uint32_t h[4];
-      fw_words<4>(blk + 16 + 16 * q, h);
-      for (int i = 0; i < 4; i++) c[i] |= ((h[i] >> j) & 0x01010101u) << 4;
+      uint32_t h;
+      fw_words<1>(blk + 16 + 16 * q + 4 * i, &h);
+      c |= ((h >> j) & 0x01010101u) << 4;
     }
-    fw_words<3>(blk + 4, s);
-    fw_scale_min_k4_words(j, s, &sc, &m);
-    return fw_mul(fw_f16((uint16_t)fw_u16_at(blk)), (float)sc);
+    return c;
   } else if (TY == FW_Q6K) {
     // 128 low-bit bytes, 64 high-bit bytes, 16 i8 scales, d: block j in half h = j/4, group g:
     // low or high nibbles of ql[64h + 32·(g%2) ..], bits 2g of qh[32h ..], minus 32.
     const int j = b % 8, h = j / 4, g = j % 4;
     const uint8_t* blk = row + (size_t)(b / 8) * 210;
-    uint32_t lo[4], hi[4];
-    fw_words<4>(blk + 64 * h + 32 * (g % 2) + 16 * q, lo);
-    fw_words<4>(blk + 128 + 32 * h + 16 * q, hi);
-    for (int i = 0; i < 4; i++) {
-      const uint32_t l4 = (lo[i] >> (4 * (g / 2))) & 0x0F0F0F0Fu;
-      c[i] = fw_sub_bytes(l4 | (((hi[i] >> (2 * g)) & 0x03030303u) << 4), 32);
-    }
-    const float d = fw_f16((uint16_t)fw_u16_at(blk + 208));
-    return fw_mul(d, (float)(int8_t)blk[192 + 8 * h + 2 * g + q]);
+    uint32_t hi;
+    fw_words<1>(blk + 64 * h + 32 * (g % 2) + 16 * q + 4 * i, &w);
+    fw_words<1>(blk + 128 + 32 * h + 16 * q + 4 * i, &hi);
+    const uint32_t l4 = (w >> (4 * (g / 2))) & 0x0F0F0F0Fu;
+    return fw_sub_bytes(l4 | (((hi >> (2 * g)) & 0x03030303u) << 4), 32);
   } else if (TY == FW_Q3K) {
     // 32 bytes of high bits, 64 of low bit pairs, 12 of 6-bit scales, d: value k of block j is
-    // ((qs[32·(j/4) + k] >> 2·(j%4)) & 3) + 4·bit j of hmask[k] − 4; half q's scale is
-    // sub-block 2j + q's, minus 32.
+    // ((qs[32·(j/4) + k] >> 2·(j%4)) & 3) + 4·bit j of hmask[k] − 4.
     const int j = b % 8;
     const uint8_t* blk = row + (size_t)(b / 8) * 110;
-    uint32_t lo[4], hm[4];
-    fw_words<4>(blk + 32 + 32 * (j / 4) + 16 * q, lo);
-    fw_words<4>(blk + 16 * q, hm);
-    for (int i = 0; i < 4; i++) {
-      const uint32_t l2 = (lo[i] >> (2 * (j % 4))) & 0x03030303u;
-      c[i] = fw_sub_bytes(l2 | (((hm[i] >> j) & 0x01010101u) << 2), 4);
-    }
-    const int k = 2 * j + q;
+    uint32_t hm;
+    fw_words<1>(blk + 32 + 32 * (j / 4) + 16 * q + 4 * i, &w);
+    fw_words<1>(blk + 16 * q + 4 * i, &hm);
+    const uint32_t l2 = (w >> (2 * (j % 4))) & 0x03030303u;
+    return fw_sub_bytes(l2 | (((hm >> j) & 0x01010101u) << 2), 4);
+  } else {  // FW_IQ4XS: d, high scale bits (u16), 4 bytes of low scale nibbles, 128 nibble bytes
+    fw_words<1>(row + (size_t)(b / 8) * 136 + 8 + 16 * (b % 8) + 4 * i, &w);
+    return fw_iq4_bytes((w >> (4 * q)) & 0x0F0F0F0Fu);
+  }
+}
+// The scale of values 16q .. 16q + 16 of block b (fw_i8_word's codes times it are the values).
+template <int TY>
+FW_HD float fw_i8_scale(const uint8_t* row, int b, int q) {
+  if (TY == FW_Q4_0 || TY == FW_IQ4NL) {
+    return fw_f16((uint16_t)fw_u16_at(row + (size_t)b * 18));
+  } else if (TY == FW_Q4_1) {
+    return fw_f16((uint16_t)fw_u16_at(row + (size_t)b * 20));
+  } else if (TY == FW_Q8_0) {
+    return fw_f16((uint16_t)fw_u16_at(row + (size_t)b * 34));
+  } else if (TY == FW_Q4K || TY == FW_Q5K) {
+    const uint8_t* blk = row + (size_t)(b / 8) * (TY == FW_Q5K ? 176 : 144);
+    uint32_t s[3], sc, m;
+    fw_words<3>(blk + 4, s);
+    fw_scale_min_k4_words(b % 8, s, &sc, &m);
+    return fw_mul(fw_f16((uint16_t)fw_u16_at(blk)), (float)sc);
+  } else if (TY == FW_Q6K) {
+    const int j = b % 8;
+    const uint8_t* blk = row + (size_t)(b / 8) * 210;
+    const float d = fw_f16((uint16_t)fw_u16_at(blk + 208));
+    return fw_mul(d, (float)(int8_t)blk[192 + 8 * (j / 4) + 2 * (j % 4) + q]);
+  } else if (TY == FW_Q3K) {
+    // Half q's scale is sub-block 2j + q's 6 bits, minus 32.
+    const uint8_t* blk = row + (size_t)(b / 8) * 110;
+    const int k = 2 * (b % 8) + q;
     const int sl = (blk[96 + k % 8] >> (4 * (k / 8))) & 0xF, sh = (blk[104 + k % 4] >> (2 * (k / 4))) & 3;
     return fw_mul(fw_f16((uint16_t)fw_u16_at(blk + 108)), (float)((sl | (sh << 4)) - 32));
-  } else {  // FW_IQ4XS: d, high scale bits (u16), 4 bytes of low scale nibbles, 128 nibble bytes
+  } else {
     const int j = b % 8;
     const uint8_t* blk = row + (size_t)(b / 8) * 136;
-    uint32_t w[4];
-    fw_words<4>(blk + 8 + 16 * j, w);
-    for (int i = 0; i < 4; i++) c[i] = fw_iq4_bytes((w[i] >> (4 * q)) & 0x0F0F0F0Fu);
     const int lo = (blk[4 + j / 2] >> (4 * (j % 2))) & 0xF, hi = (fw_u16_at(blk + 2) >> (2 * j)) & 3;
     return fw_mul(fw_f16((uint16_t)fw_u16_at(blk)), (float)((lo | (hi << 4)) - 32));
   }
 }
-
+// Values 16q .. 16q + 16 of block b: c[i] = fw_i8_word(.., i); returns their scale.
+template <int TY>
+FW_HD float fw_i8_codes(const uint8_t* row, int b, int q, uint32_t* c) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int i = 0; i < 4; i++) c[i] = fw_i8_word<TY>(row, b, q, i);
+  return fw_i8_scale<TY>(row, b, q);
+}
 FW_HD constexpr bool fw_i8_has_min(int ty) { return ty == FW_Q4_1 || ty == FW_Q4K || ty == FW_Q5K; }
 
 // Block b's min m (the formats of fw_i8_has_min): Q4_1's m, −(dmin · m_j) for Q4_K and Q5_K.
@@ -248,6 +263,63 @@ FW_HD float fw_i8_tree(const float (*s)[4]) {
   return fw_add(y[0], y[1]);
 }
 
+// The lanes layout (`fw_matmul_i8_lanes_body`): a thread a lane. Lane L (0 .. 16) of a (row,
+// token) is fw_i8_thread's lane i = (L >> 1) & 3 of thread (h, q) = (L & 1, L >> 3): block
+// b = 2p + h of each pair p, values 16q + 4i .. + 4, and (with a min) the blocks b ≡ L mod 16.
+// Its share of the pairs of blocks [b0, b0 + FW_I8_CHUNK) (b0 a multiple of FW_I8_CHUNK), the
+// chunk's bytes at `chunk` (the row's from block b0 on), carried in a[t] (the pairs' sums) and
+// m[t] (the mins'): fw_i8_thread's steps for that lane, in its order, a chunk at a time. NT
+// tokens from xq/xd/xs as fw_i8_thread takes them; tokens past nt are left alone.
+#define FW_I8_CHUNK 64
+template <int TY, int NT>
+FW_HD void fw_i8_lane(const uint8_t* chunk, int b0, int nb, int L, const int8_t* xq,
+                      const float* xd, const int* xs, int xb, int nt, float* a, float* m) {
+  const int h = L & 1, i = (L >> 1) & 3, q = L >> 3;
+  const int pend = min((nb + 1) / 2, (b0 + FW_I8_CHUNK) / 2);
+  for (int p = b0 / 2; p < pend; p++) {
+    const int b = 2 * p + h;
+    uint32_t c = 0;
+    float dw = 0.0f;  // a missing block's weights are zeros, as its activations are
+    if (b < nb) {
+      c = fw_i8_word<TY>(chunk, b - b0, q, i);
+      dw = fw_i8_scale<TY>(chunk, b - b0, q);
+    }
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+    for (int t = 0; t < NT; t++) {
+      if (t >= nt) continue;
+      const int8_t* xc = xq + ((size_t)t * xb + b) * 32 + 16 * q + 4 * i;
+#ifdef __CUDA_ARCH__
+      const uint32_t xw = __ldg((const uint32_t*)xc);
+#else
+      uint32_t xw;
+      memcpy(&xw, xc, 4);
+#endif
+      a[t] = fmaf(fw_dp4a_float(c, xw), fw_mul(dw, xd[(size_t)t * xb + b]), a[t]);
+    }
+  }
+  if (fw_i8_has_min(TY)) {
+    for (int b = b0 + L; b < min(nb, b0 + FW_I8_CHUNK); b += 16) {
+      const float mb = fw_i8_min<TY>(chunk, b - b0);
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+      for (int t = 0; t < NT; t++) {
+        if (t >= nt) continue;
+        const size_t k = (size_t)t * xb + b;
+        m[t] = fmaf(mb, fw_mul(xd[k], fw_small_int_float(xs[k])), m[t]);
+      }
+    }
+  }
+}
+// Bytes of a row from block b (a multiple of FW_I8_CHUNK) on: b / 8 K-quant super-blocks, or b
+// blocks of 32 values.
+template <int TY>
+FW_HD constexpr long long fw_i8_offset(int b) {
+  return fw_block_values(TY) == 256 ? (long long)(b / 8) * fw_block_bytes(TY)
+                                    : (long long)b * fw_block_bytes(TY);
+}
 #ifdef __CUDA_ARCH__
 // Activations quantized (fw_q8_block): x (n, cols) into codes (n, xb·32), scales and code sums
 // (n, xb), xb = fw_q8_blocks(cols); a pair's missing block is written as zeros. A thread a block.

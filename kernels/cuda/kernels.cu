@@ -144,8 +144,59 @@ FW_PER_TYPE(q5_k, FW_Q5K)
 FW_PER_TYPE(iq4_nl, FW_IQ4NL)
 FW_PER_TYPE(iq4_xs, FW_IQ4XS)
 
-// The int8 products (int8.cuh), for the formats `reference::int8_applies` names: a token a
-// thread (decode) or FW_I8_TOKENS (batches; the same bits).
+// The int8 products in the lanes layout (`cuda::Int8Layout`; decode's by default): a thread a lane
+// (`fw_i8_lane`), 16 threads a (row, token), FW_I8L_ROWS rows a block; each row's bytes staged in
+// shared memory FW_I8_CHUNK blocks at a time by its 16 threads (`fw_stage`: every load in flight
+// at once, where the quads layout (`fw_matmul_i8_body`) reads its row a word at a time from
+// global memory, four threads a row, and an H200 ran the 1B shape's int8 decode at 0.38x the f32
+// decode's speed), x read through the cache. Grid (ceil(rows / FW_I8L_ROWS), ceil(n / NT)). Each
+// lane's steps and the 16 lanes' sum are fw_i8_thread's and fw_i8_tree's: the quads layout's
+// bits, the CPU's.
+#define FW_I8L_ROWS 8
+template <int TY>
+__device__ constexpr int fw_i8_stage_words() {
+  return (int)((fw_i8_offset<TY>(FW_I8_CHUNK) + 16 + 16 + 15) / 16);
+}
+template <int TY, int NT>
+__device__ __forceinline__ void fw_matmul_i8_lanes_body(const uint8_t* __restrict__ w, int rows,
+                                                        int cols, long long row_bytes,
+                                                        const int8_t* __restrict__ xq,
+                                                        const float* __restrict__ xd,
+                                                        const int* __restrict__ xs, int n,
+                                                        float* __restrict__ y) {
+  constexpr int CAP = fw_i8_stage_words<TY>();
+  __shared__ uint4 stage[FW_I8L_ROWS][CAP];
+  const int L = threadIdx.x & 15, slot = threadIdx.x >> 4;
+  const int r = blockIdx.x * FW_I8L_ROWS + slot;
+  const int t0 = blockIdx.y * NT, nt = min(NT, n - t0);
+  const int xb = fw_q8_blocks(cols), nb = cols / 32;
+  // A row past the last computes the last again (every thread takes part in the shuffles).
+  const uint8_t* row = w + (size_t)min(r, rows - 1) * row_bytes;
+  const size_t x0 = (size_t)t0 * xb;
+  float a[NT], m[NT];
+#pragma unroll
+  for (int t = 0; t < NT; t++) a[t] = m[t] = 0.0f;
+  for (int b0 = 0; b0 < nb; b0 += FW_I8_CHUNK) {
+    const long long lo = fw_i8_offset<TY>(b0), hi = fw_i8_offset<TY>(min(nb, b0 + FW_I8_CHUNK));
+    const int off = fw_stage<CAP, 16>(row + lo, (int)(hi - lo), stage[slot], L);
+    __syncwarp();
+    fw_i8_lane<TY, NT>((const uint8_t*)stage[slot] + off, b0, nb, L, xq + x0 * 32, xd + x0,
+                       xs + x0, xb, nt, a, m);
+    __syncwarp();  // the chunk's reads of the stage are done before the next is staged
+  }
+#pragma unroll
+  for (int t = 0; t < NT; t++) {
+    float s = fw_i8_has_min(TY) ? fw_add(a[t], m[t]) : a[t];
+    // fw_i8_tree: A[L] + A[L + 8], then lanes L and L + 4, L and L + 2, L and L + 1.
+#pragma unroll
+    for (int k = 8; k >= 1; k /= 2) s = fw_add(s, __shfl_down_sync(0xffffffffu, s, k, 16));
+    if (L == 0 && r < rows && t < nt) y[(size_t)(t0 + t) * rows + r] = s;
+  }
+}
+
+// The int8 products (int8.cuh), for the formats `reference::int8_applies` names: in the quads
+// layout (i8, i8b) and the lanes layout (i8l, i8lb), a token a thread (decode) or FW_I8_TOKENS
+// (batches; the same bits), and a mixture of experts' rows (quads).
 #define FW_I8_TOKENS 8
 #define FW_PER_INT8(NAME, TY)                                                                    \
   extern "C" __global__ void __launch_bounds__(4 * FW_I8_ROWS)                                   \
@@ -157,6 +208,16 @@ FW_PER_TYPE(iq4_xs, FW_IQ4XS)
       fw_matmul_i8b_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,            \
                            const int8_t* xq, const float* xd, const int* xs, int n, float* y) {   \
     fw_matmul_i8_body<TY, FW_I8_TOKENS>(w, rows, cols, row_bytes, xq, xd, xs, n, y);             \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(16 * FW_I8L_ROWS)                                 \
+      fw_matmul_i8l_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,            \
+                           const int8_t* xq, const float* xd, const int* xs, int n, float* y) {   \
+    fw_matmul_i8_lanes_body<TY, 1>(w, rows, cols, row_bytes, xq, xd, xs, n, y);                  \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(16 * FW_I8L_ROWS)                                 \
+      fw_matmul_i8lb_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,           \
+                            const int8_t* xq, const float* xd, const int* xs, int n, float* y) {  \
+    fw_matmul_i8_lanes_body<TY, FW_I8_TOKENS>(w, rows, cols, row_bytes, xq, xd, xs, n, y);       \
   }                                                                                              \
   extern "C" __global__ void __launch_bounds__(4 * FW_I8_ROWS)                                   \
       fw_matmul_experts_i8_##NAME(const uint64_t* experts, const uint32_t* expert, int ne,       \

@@ -46,8 +46,28 @@ static std::vector<unsigned char> read_all() {
   return v;
 }
 
+// The lanes layout's (row, tokens) values (kernels.cu's fw_matmul_i8_lanes_body), its 16 threads
+// one after another: each lane's share chunk by chunk (the row's bytes from the chunk's first
+// block on, as its stage holds them), the min added, then the shuffles' sums (lane L adds lane
+// L + k's value, its own past the 16th, for k = 8, 4, 2, 1).
+template <int TY, int NT>
+static void int8_lanes(const unsigned char* row, int nb, const int8_t* xq, const float* xd,
+                       const int* xs, int xb, int nt, float* out) {
+  float a[16][NT] = {}, m[16][NT] = {};
+  for (int b0 = 0; b0 < nb; b0 += FW_I8_CHUNK)
+    for (int L = 0; L < 16; L++)
+      fw_i8_lane<TY, NT>(row + fw_i8_offset<TY>(b0), b0, nb, L, xq, xd, xs, xb, nt, a[L], m[L]);
+  for (int t = 0; t < nt; t++) {
+    float v[16];
+    for (int L = 0; L < 16; L++) v[L] = fw_i8_has_min(TY) ? fw_add(a[L][t], m[L][t]) : a[L][t];
+    for (int k = 8; k >= 1; k /= 2)
+      for (int L = 0; L < 16; L++) v[L] = fw_add(v[L], v[L + k < 16 ? L + k : L]);
+    out[t] = v[0];
+  }
+}
+
 // y (n, rows) by the GPU's int8 arithmetic; false if a token's value differs between NT = 1 and
-// NT = 8.
+// NT = 8 or between the quads and lanes layouts.
 template <int TY>
 static bool int8_product(const unsigned char* w, int rows, int cols, long row_bytes, const float* x,
                          int n, float* y) {
@@ -69,6 +89,8 @@ static bool int8_product(const unsigned char* w, int rows, int cols, long row_by
       float tile[4][8][4];
       for (int k = 0; k < 4; k++)
         fw_i8_thread<TY, 8>(row, nb, k & 1, k >> 1, &xq[x0 * 32], &xd[x0], &xs[x0], xb, nt, tile[k]);
+      float lane8[8];
+      int8_lanes<TY, 8>(row, nb, &xq[x0 * 32], &xd[x0], &xs[x0], xb, nt, lane8);
       for (int t = 0; t < nt; t++) {
         const size_t xt = (size_t)(t0 + t) * xb;
         float s[4][4], sb[4][4];
@@ -79,9 +101,14 @@ static bool int8_product(const unsigned char* w, int rows, int cols, long row_by
           memcpy(sb[k], tile[k][t], sizeof sb[k]);
         }
         const float one = fw_i8_tree(s), batch = fw_i8_tree(sb);
-        if (memcmp(&one, &batch, 4) != 0 && !(one != one && batch != batch)) {
-          fprintf(stderr, "type %d row %d token %d: alone %g, in a batch %g\n", TY, r, t0 + t, one, batch);
-          return false;
+        float lane1;
+        int8_lanes<TY, 1>(row, nb, &xq[xt * 32], &xd[xt], &xs[xt], xb, 1, &lane1);
+        for (float other : {batch, lane1, lane8[t]}) {
+          if (memcmp(&one, &other, 4) != 0 && !(one != one && other != other)) {
+            fprintf(stderr, "type %d row %d token %d: alone %g; in a batch %g; lanes alone %g, in a batch %g\n",
+                    TY, r, t0 + t, one, batch, lane1, lane8[t]);
+            return false;
+          }
         }
         y[(size_t)(t0 + t) * rows + r] = one;
       }

@@ -163,17 +163,17 @@ fn int8_products_equal_the_cpu_int8_reference_bit_for_bit_for_every_format() {
     let mut rng = Rng(21);
     let rows = 7;
     for ty in QuantType::ALL {
-        // Odd block counts (a pair's missing block) where the format allows them, and widths of
-        // several K-quant super-blocks.
-        let widths = if ty.block_size() == 256 {
-            [256, 2816]
+        // Odd block counts (a pair's missing block) where the format allows them, widths of
+        // several K-quant super-blocks, rows of 1 to 3 of the lanes layout's chunks (64 blocks).
+        let widths: &[usize] = if ty.block_size() == 256 {
+            &[256, 2816]
         } else {
-            [96, 800]
+            &[96, 800, 4160]
         };
         if !reference::int8_applies(ty, widths[0]) {
             continue;
         }
-        for cols in widths {
+        for &cols in widths {
             let rb = ty.row_bytes(cols).unwrap();
             let w: Vec<u8> = (0..rows)
                 .flat_map(|_| quantize(ty, &rng.vec(cols, 1.5)))

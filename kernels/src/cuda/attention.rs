@@ -1,15 +1,19 @@
 //! Paged attention over the cache, in one of two kernels (`FLYWHEEL_CUDA_ATTENTION`):
-//! - `rows` (the default, proven on an H200): one block of 4 warps a (token, head), each warp
-//!   taking every fourth tile of 32 positions, the warps merged at the end (`fw_attention_<kv>`);
-//! - `chunks` ("flash-decoding", `cuda/attention.cuh`): a query's positions cut into at most
-//!   `ATT_SPLITS` chunks by its own count of positions, each chunk's partial computed by one warp,
-//!   the partials merged in order. Small batches split (a warp a chunk, the last to finish
-//!   merges: many more warps where a decode step has only n_heads blocks), large ones fold (a
-//!   block of 4 warps a query, taking its chunks in turn, the partials in shared memory); both
-//!   give the same bits (the kernels test checks it), so a query's result does not depend on its
-//!   batch or on the launch.
+//! - `chunks` (the default; "flash-decoding", `cuda/attention.cuh`): a query's positions cut
+//!   into at most `ATT_SPLITS` chunks by its own count of positions, each chunk's partial
+//!   computed by one warp, the partials merged in order. Small batches split (a warp a chunk,
+//!   the last to finish merges: many more warps where a decode step has only n_heads blocks),
+//!   large ones fold (a block of 4 warps a query, taking its chunks in turn, the partials in
+//!   shared memory); both give the same bits (the kernels test checks it), so a query's result
+//!   does not depend on its batch or on the launch;
+//! - `rows` (the first, proven on an H200 before): one block of 4 warps a (token, head), each
+//!   warp taking every fourth tile of 32 positions, the warps merged at the end
+//!   (`fw_attention_<kv>`).
 //!
-//! The choice is one of speed, which a GPU's speed run makes (`scripts/gpu_proof.sh context`).
+//! On an H200 (2026-11-28, the 1B shape's decode through graphs, tokens/s, rows → chunks): after
+//! 8-token prompts 534 → 608 at batch 1, 1710 → 1794 at 8, 2267 → 2301 at 64; after 2048, 121 →
+//! 494 at batch 1 and 726 → 1511 at 8; after 8000, 36 → 360 at batch 1
+//! (`scripts/gpu_proof.sh context`).
 
 use super::launch::{len_at_least, Arg, ATT_MAX_HEAD_DIM, ATT_WARPS};
 use super::paged::Tokens;
@@ -34,8 +38,8 @@ pub const SPLIT_PAIRS: usize = 512;
 /// Which attention kernel a `Gpu` launches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
-    #[default]
     Rows,
+    #[default]
     Chunks,
 }
 
@@ -324,11 +328,11 @@ mod tests {
     fn the_kernel_is_named_and_an_unknown_one_names_the_choices() {
         assert_eq!(
             AttentionKernel::from_value(None).unwrap(),
-            AttentionKernel::Rows
+            AttentionKernel::Chunks
         );
         assert_eq!(
-            AttentionKernel::from_value(Some(" chunks")).unwrap(),
-            AttentionKernel::Chunks
+            AttentionKernel::from_value(Some(" rows")).unwrap(),
+            AttentionKernel::Rows
         );
         let e = AttentionKernel::from_value(Some("flash")).unwrap_err().0;
         assert!(

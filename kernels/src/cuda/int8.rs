@@ -11,8 +11,76 @@ use crate::quant::QuantType;
 use crate::reference::{int8_applies, Q8_BLOCK};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
-/// Rows of an int8 product's block (`FW_I8_ROWS`), 4 threads each.
+/// Rows of an int8 product's block in the quads layout (`FW_I8_ROWS`), 4 threads each.
 pub(super) const I8_ROWS: usize = 32;
+/// Rows of a block in the lanes layout (`FW_I8L_ROWS`), 16 threads each.
+const I8_LANE_ROWS: usize = 8;
+
+pub const INT8_VAR: &str = "FLYWHEEL_CUDA_INT8";
+
+/// How the int8 products of dense matrices are launched (`FLYWHEEL_CUDA_INT8`): the same bits
+/// every way (the CPU's), so the choice is one of speed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Int8Layout {
+    /// Lanes up to `I8_TOKENS` tokens (decode), quads beyond (prefill, large batches): on an
+    /// H200, the 1B shape's decode at batch 1 ran at 308 tok/s in lanes and 172 in quads, batch
+    /// 8 at 684 and 562, batch 64 at 1374 and 2230, a 512-token prefill at 1659 and 3793.
+    #[default]
+    Auto,
+    /// A thread a lane of the CPU's 16, 16 threads a row, each row's bytes staged in shared
+    /// memory 64 blocks at a time (`fw_matmul_i8l`): more rows in flight where a product has few
+    /// tokens, but each lane decodes its block's scale again.
+    Lanes,
+    /// Four threads a row, four lanes each, the row read from global memory a word at a time
+    /// (`fw_matmul_i8`).
+    Quads,
+}
+
+impl Int8Layout {
+    pub const ALL: [Int8Layout; 3] = [Int8Layout::Auto, Int8Layout::Lanes, Int8Layout::Quads];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Int8Layout::Auto => "auto",
+            Int8Layout::Lanes => "lanes",
+            Int8Layout::Quads => "quads",
+        }
+    }
+
+    /// The layout `FLYWHEEL_CUDA_INT8` names, the default where unset.
+    pub fn from_env() -> Result<Int8Layout> {
+        let v = std::env::var(INT8_VAR).ok();
+        Ok(
+            super::products::choose(INT8_VAR, v.as_deref(), &Self::ALL, Self::name)?
+                .unwrap_or_default(),
+        )
+    }
+
+    /// The kernels' prefix for a product of n tokens, the tokens a thread takes and the rows a
+    /// block.
+    fn kernel(self, n: usize) -> (&'static str, usize, usize) {
+        let lanes = match self {
+            Int8Layout::Auto => n <= I8_TOKENS,
+            Int8Layout::Lanes => true,
+            Int8Layout::Quads => false,
+        };
+        match (lanes, n) {
+            (true, 1) => ("fw_matmul_i8l", 1, I8_LANE_ROWS),
+            (true, _) => ("fw_matmul_i8lb", I8_TOKENS, I8_LANE_ROWS),
+            (false, 1) => ("fw_matmul_i8", 1, I8_ROWS),
+            (false, _) => ("fw_matmul_i8b", I8_TOKENS, I8_ROWS),
+        }
+    }
+}
+
+/// The dense int8 kernels' prefixes (`fw_<prefix>_<format>`), every layout's.
+pub(super) const INT8_KERNELS: [&str; 5] = [
+    "fw_matmul_i8",
+    "fw_matmul_i8b",
+    "fw_matmul_i8l",
+    "fw_matmul_i8lb",
+    "fw_matmul_experts_i8",
+];
 /// Tokens a thread of the batch kernel takes (`FW_I8_TOKENS`).
 const I8_TOKENS: usize = 8;
 
@@ -128,12 +196,8 @@ impl Gpu {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (kernel, nt) = if n == 1 {
-            ("fw_matmul_i8", 1)
-        } else {
-            ("fw_matmul_i8b", I8_TOKENS)
-        };
-        let (gx, gy) = (w.rows.div_ceil(I8_ROWS), n.div_ceil(nt));
+        let (kernel, nt, block_rows) = self.int8_layout.kernel(n);
+        let (gx, gy) = (w.rows.div_ceil(block_rows), n.div_ceil(nt));
         check(
             w.rows <= i32::MAX as usize && gx <= i32::MAX as usize && gy <= 65535,
             || format!("an int8 product of {} rows and {n} tokens", w.rows),
@@ -141,7 +205,7 @@ impl Gpu {
         let f = self.function(&format!("{kernel}_{}", type_name(w.ty)))?;
         let cfg = LaunchConfig {
             grid_dim: (gx as u32, gy as u32, 1),
-            block_dim: (4 * I8_ROWS as u32, 1, 1),
+            block_dim: (128, 1, 1), // 4 threads × 32 rows, or 16 × 8
             shared_mem_bytes: 0,
         };
         let (wp, yp) = (self.ptr(&w.data), self.ptr_mut(y));
@@ -174,6 +238,30 @@ pub(super) fn check_int8(ty: QuantType, cols: usize, q: &Q8Acts) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_takes_lanes_for_a_few_tokens_and_quads_beyond() {
+        let kernel = |l: Int8Layout, n| l.kernel(n).0;
+        assert_eq!(kernel(Int8Layout::Auto, 1), "fw_matmul_i8l");
+        assert_eq!(kernel(Int8Layout::Auto, I8_TOKENS), "fw_matmul_i8lb");
+        assert_eq!(kernel(Int8Layout::Auto, I8_TOKENS + 1), "fw_matmul_i8b");
+        assert_eq!(kernel(Int8Layout::Lanes, 512), "fw_matmul_i8lb");
+        assert_eq!(kernel(Int8Layout::Quads, 1), "fw_matmul_i8");
+        for l in Int8Layout::ALL {
+            for n in [1, 2, 8, 9, 64] {
+                let (name, nt, rows) = l.kernel(n);
+                assert!(INT8_KERNELS.contains(&name));
+                assert_eq!(nt == 1, n == 1, "{name}");
+                // The launch's 128 threads: 4 a row in quads, 16 in lanes.
+                let per_row = if name.starts_with("fw_matmul_i8l") {
+                    16
+                } else {
+                    4
+                };
+                assert_eq!(rows * per_row, 128, "{name}");
+            }
+        }
+    }
 
     #[test]
     fn the_int8_formats_are_those_the_cpu_runs_in_int8() {

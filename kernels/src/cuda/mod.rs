@@ -20,7 +20,7 @@ pub use attention::{
     att_chunks, AttentionKernel, ChunkLaunch, ATTENTION_VAR, ATT_SPLITS, SPLIT_PAIRS,
 };
 pub use draw::{DrawBuffers, DrawSpec, Drawn, Truncate, DRAW_CANDIDATES, DRAW_TOP};
-pub use int8::Q8Acts;
+pub use int8::{Int8Layout, Q8Acts, INT8_VAR};
 pub use launch::ATT_MAX_HEAD_DIM;
 pub use moe::{ExpertTable, MOE_MAX_USED};
 pub use paged::Tokens;
@@ -98,7 +98,7 @@ pub fn kernels() -> Vec<String> {
         .iter()
         .flat_map(|p| QuantType::ALL.map(|ty| format!("{p}_{}", type_name(ty))))
         .chain(
-            ["fw_matmul_i8", "fw_matmul_i8b", "fw_matmul_experts_i8"]
+            int8::INT8_KERNELS
                 .iter()
                 .flat_map(|p| int8::INT8_FORMATS.map(|ty| format!("{p}_{}", type_name(ty)))),
         )
@@ -214,6 +214,8 @@ pub struct Gpu {
     /// The attention kernel `attention` launches, and the chunks kernel's scratch.
     attention_kernel: AttentionKernel,
     att_scratch: Box<attention::AttnScratch>,
+    /// The layout of the dense int8 products.
+    int8_layout: Int8Layout,
     name: String,
     capability: (i32, i32),
     memory: usize,
@@ -237,6 +239,7 @@ impl Gpu {
         })?;
         let products = Products::from_env()?;
         let attention_kernel = AttentionKernel::from_env()?;
+        let int8_layout = Int8Layout::from_env()?;
         let ctx = CudaContext::new(ordinal)?;
         let capability = ctx.compute_capability()?;
         check(capability.0 >= 8, || {
@@ -273,21 +276,33 @@ impl Gpu {
             products,
             attention_kernel,
             att_scratch,
+            int8_layout,
         })
     }
 
     /// "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB; products: decode block, batch row; attention
-    /// rows)".
+    /// rows; int8 lanes)".
     pub fn describe(&self) -> String {
         format!(
-            "{} (sm_{}{}, {:.1} GiB; {}; attention {})",
+            "{} (sm_{}{}, {:.1} GiB; {}; attention {}; int8 {})",
             self.name,
             self.capability.0,
             self.capability.1,
             self.memory as f64 / (1u64 << 30) as f64,
             self.products.describe(),
-            self.attention_kernel.name()
+            self.attention_kernel.name(),
+            self.int8_layout.name()
         )
+    }
+
+    /// The layout of the dense int8 products (`FLYWHEEL_CUDA_INT8`).
+    pub fn int8_layout(&self) -> Int8Layout {
+        self.int8_layout
+    }
+
+    /// Launch later int8 products in another layout (the same bits).
+    pub fn set_int8_layout(&mut self, layout: Int8Layout) {
+        self.int8_layout = layout;
     }
 
     /// The layouts the products launch in (`FLYWHEEL_CUDA_DECODE`, `FLYWHEEL_CUDA_BATCH`).

@@ -5,6 +5,7 @@
 
 use super::gpu;
 use crate::common::Rng;
+use flywheel_kernels::cuda::Int8Layout;
 use flywheel_kernels::quant::quantize::quantize;
 use flywheel_kernels::reference;
 use flywheel_kernels::QuantType;
@@ -18,7 +19,7 @@ fn same(a: &[f32], b: &[f32]) -> bool {
 
 #[test]
 fn int8_products_equal_the_cpus_bit_for_bit_alone_and_in_batches() {
-    let Some(g) = gpu() else { return };
+    let Some(mut g) = gpu() else { return };
     let mut rng = Rng(31);
     let mut q = g.q8_acts(17, 8448).unwrap();
     let mut checked = 0;
@@ -41,35 +42,45 @@ fn int8_products_equal_the_cpus_bit_for_bit_alone_and_in_batches() {
                 let mut want = vec![0f32; n * rows];
                 reference::matmul_int8(ty, &w, rows, cols, &x, &mut want);
                 let dx = g.upload(&x).unwrap();
-                g.quantize_q8(&dx, n, cols, &mut q).unwrap();
-                assert_eq!(q.holds(), (n, cols));
-                let mut dy = g.zeros::<f32>(n * rows).unwrap();
-                g.matmul_int8(&dw, &q, &mut dy).unwrap();
-                let got = g.download(&dy).unwrap();
-                assert!(
-                    same(&got[..n * rows], &want),
-                    "{} {rows}×{cols}, n={n}: the GPU's int8 product differs from the CPU's \
-                     (first at {:?})",
-                    ty.name(),
-                    (0..n * rows).find(|&i| got[i].to_bits() != want[i].to_bits())
-                );
-                // The last token alone: the decode kernel.
-                let t = n - 1;
-                let one = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
-                g.quantize_q8(&one, 1, cols, &mut q).unwrap();
-                let mut y1 = g.zeros::<f32>(rows).unwrap();
-                g.matmul_int8(&dw, &q, &mut y1).unwrap();
-                let y1 = g.download(&y1).unwrap();
-                assert!(
-                    same(&y1[..rows], &want[t * rows..]),
-                    "{}: token {t} of {n} alone differs",
-                    ty.name()
-                );
-                checked += 1;
+                let one = g.upload(&x[(n - 1) * cols..]).unwrap();
+                for layout in [Int8Layout::Lanes, Int8Layout::Quads] {
+                    g.set_int8_layout(layout);
+                    g.quantize_q8(&dx, n, cols, &mut q).unwrap();
+                    assert_eq!(q.holds(), (n, cols));
+                    let mut dy = g.zeros::<f32>(n * rows).unwrap();
+                    g.matmul_int8(&dw, &q, &mut dy).unwrap();
+                    let got = g.download(&dy).unwrap();
+                    assert!(
+                        same(&got[..n * rows], &want),
+                        "{} {rows}×{cols}, n={n}, {}: the GPU's int8 product differs from the \
+                         CPU's (first at {:?})",
+                        ty.name(),
+                        layout.name(),
+                        (0..n * rows).find(|&i| got[i].to_bits() != want[i].to_bits())
+                    );
+                    // The last token alone: the decode kernel.
+                    g.quantize_q8(&one, 1, cols, &mut q).unwrap();
+                    let mut y1 = g.zeros::<f32>(rows).unwrap();
+                    g.matmul_int8(&dw, &q, &mut y1).unwrap();
+                    let y1 = g.download(&y1).unwrap();
+                    assert!(
+                        same(&y1[..rows], &want[(n - 1) * rows..]),
+                        "{} {rows}×{cols}, {}: token {} of {n} alone differs",
+                        ty.name(),
+                        layout.name(),
+                        n - 1
+                    );
+                    checked += 1;
+                }
+                g.set_int8_layout(Int8Layout::default());
             }
         }
     }
-    assert_eq!(checked, 9 * 3 * 5, "every int8 format, width and batch");
+    assert_eq!(
+        checked,
+        9 * 3 * 5 * 2,
+        "every int8 format, width, batch and layout"
+    );
 }
 
 #[test]

@@ -132,7 +132,13 @@ fn the_products_convert_no_code_a_weight_to_float() {
         // The int8 products: each dp4a's sum becomes a float by its bits (fw_dp4a_float), and the
         // formats without K-quant scales convert nothing (there were 12 to 136 before).
         for f in ["q4_0", "q4_1", "q8_0"] {
-            for layout in ["fw_matmul_i8", "fw_matmul_i8b", "fw_matmul_experts_i8"] {
+            for layout in [
+                "fw_matmul_i8",
+                "fw_matmul_i8b",
+                "fw_matmul_i8l",
+                "fw_matmul_i8lb",
+                "fw_matmul_experts_i8",
+            ] {
                 let name = format!("{layout}_{f}");
                 assert_eq!(count(&name, arch), 0, "{name} on {arch}");
             }
