@@ -28,16 +28,13 @@
 #                                the head's LoRA = eager, bit for bit; a publish re-captures
 #                                nothing), then the 1B shape's decode through a LoRA and an OFT
 #                                adapter, graphs against eager, and what a publish costs
-#   scripts/gpu_proof.sh next    (one command, at most ~9 minutes, for a session with little
-#                                device time) what was written since the last lent GPU: the
-#                                kernels and the forward tests (the int8 products against the
-#                                CPU's bit for bit, the int8 forward, tokens drawn on the GPU
-#                                against the host's sampler), the 1B shape's speed with f32 and
-#                                int8 products and with tokens drawn on the host, memcheck and
-#                                racecheck of the kernels, the adapter kernels' times in decode
-#                                through LoRA, the device HTTP test (GPU draws = host draws), the
-#                                forward through the chunks attention kernel and decode at 2048
-#                                positions by each attention kernel
+#   scripts/gpu_proof.sh next    (one command, at most ~9 minutes) what was written since the
+#                                last lent GPU and what to measure next: the kernels and forward
+#                                tests (the forward through the tile4 decode layout too), the 1B
+#                                shape's speed in the decode layouts block, tile4 and tile2 (the
+#                                default before and after), memcheck of the kernels, the device
+#                                HTTP test, ncu's times of the default's decode step, the forward
+#                                through the rows attention kernel
 #   scripts/gpu_proof.sh context (at most ~9.5 minutes) the chunks attention kernel (split-K
 #                                decode attention): its kernels test and the forward through it,
 #                                then the 1B shape's decode after 2048-, 8000- and 8-token prompts
@@ -264,35 +261,20 @@ layouts)
   STEP_S=100 layouts "block row" "warp tile4x8" "warp tile2x16"
   ;;
 next)
-  # Each step bounded, and the command by DEADLINE (the steps up to the HTTP test took ~3
-  # minutes in all when last measured, the benches and racecheck most of it); the most wanted
-  # first.
+  # Each step bounded, and the command by DEADLINE; the most wanted first. The decode tiles
+  # (DecodeProduct::Tile4, Tile2: 4 or 2 rows a block, each value of x read once for them; by
+  # the SASS a third fewer instructions a row than the block layout) against the block layout,
+  # then where the default's decode step goes.
   STEP_S=50 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=100 step forward "$B/cuda-forward" --test-threads 1
-  m=/tmp/llama-1b.gguf
-  [ -f "$m" ] || STEP_S=40 step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$m"
-  for p in exact int8; do
-    STEP_S=60 step "bench-llama-1b-$p" "$B/flywheel" bench --device cuda --precision "$p" \
-      --model "$m" --prompt-tokens 512 --decode-tokens 64 --batch 1,8,64 --runs 3 --kv-cache-dtype f16
-    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-$p.log" | sed 's/^/    /' >>"$SUMMARY"
-  done
-  # The same with every token's logits back on the host and the argmax there (as before the
-  # GPU drew tokens): what drawing on the GPU saves a decode step.
-  FLYWHEEL_CUDA_SAMPLING=0 STEP_S=50 step bench-llama-1b-host-draws "$B/flywheel" bench \
-    --device cuda --model "$m" --prompt-tokens 512 --decode-tokens 64 --batch 1,8,64 --runs 3 \
-    --kv-cache-dtype f16
-  grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-host-draws.log" | sed 's/^/    /' >>"$SUMMARY"
-  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=50 step memcheck-kernels compute-sanitizer --tool memcheck \
+  FLYWHEEL_CUDA_DECODE=tile4 STEP_S=60 step forward-tile4 "$B/cuda-forward" --test-threads 1 \
+    every_family graph_replays
+  STEP_S=60 layouts "block tile4x8" "tile4 tile4x8" "tile2 tile4x8" "block tile4x8"
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
-  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step racecheck compute-sanitizer --tool racecheck \
-    --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
-  # The server on --device cuda: tokens drawn on the GPU against the host's, through the API.
   FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=40 step http-server-device "$B/server-device"
-  # The chunks attention kernel (its kernels test ran above): the forward through it (graphs =
-  # eager, every family against the CPU), then decode at 2048 positions by each kernel.
-  FLYWHEEL_CUDA_ATTENTION=chunks STEP_S=100 step forward-chunks "$B/cuda-forward" --test-threads 1
-  STEP_S=70 attention_kernels 2048 1,8
-  STEP_S=80 profile_adapter lora
+  STEP_S=90 profile
+  FLYWHEEL_CUDA_ATTENTION=rows STEP_S=60 step forward-rows "$B/cuda-forward" --test-threads 1
   ;;
 context)
   # Decode after long prompts by each attention kernel: the rows kernel (a block a (token,

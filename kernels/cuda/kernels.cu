@@ -113,6 +113,16 @@ __device__ __forceinline__ void fw_embed_body(const uint8_t* __restrict__ table,
     fw_matmul_tile_body<TY, 4, 8>(w, rows, cols, row_bytes, x, n, y);                            \
   }                                                                                              \
   extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)                           \
+      fw_matmul_t4x1_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,           \
+                            const float* x, int n, float* y) {                                   \
+    fw_matmul_tile_body<TY, 4, 1>(w, rows, cols, row_bytes, x, n, y);                            \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)                           \
+      fw_matmul_t2x1_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,           \
+                            const float* x, int n, float* y) {                                   \
+    fw_matmul_tile_body<TY, 2, 1>(w, rows, cols, row_bytes, x, n, y);                            \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)                           \
       fw_matmul_t2x16_##NAME(const uint8_t* w, int rows, int cols, long long row_bytes,          \
                              const float* x, int n, float* y) {                                  \
     fw_matmul_tile_body<TY, 2, 16>(w, rows, cols, row_bytes, x, n, y);                           \

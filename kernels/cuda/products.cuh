@@ -229,7 +229,8 @@ __device__ __forceinline__ void fw_matmul_warp_body(const uint8_t* __restrict__ 
 // adds it to every row's sum: a weight is decoded once per NT tokens and a value of x read once
 // per R rows, with no barrier per token. (The row layout stages x for each token of each row
 // between two barriers; prefill and batch 8-64 fell back on the H200 when that came in, which
-// points at it, though no profile isolated it.) Same bits as fw_matmul_body.
+// points at it, though no profile isolated it.) Same bits as fw_matmul_body. With NT = 1 it is
+// a decode layout (`DecodeProduct::Tile4`, `Tile2`).
 template <int TY, int R, int NT>
 __device__ __forceinline__ void fw_matmul_tile_body(const uint8_t* __restrict__ w, int rows, int cols,
                                                     long long row_bytes, const float* __restrict__ x,
@@ -257,7 +258,27 @@ __device__ __forceinline__ void fw_matmul_tile_body(const uint8_t* __restrict__ 
       off[r] = fw_stage<CAP>(row + (size_t)(c0 / GU) * GB, cu / GU * GB, stage[r]);
     }
     __syncthreads();
-    if ((int)threadIdx.x < cu) {
+    if (NT == 1 && (int)threadIdx.x < cu) {
+      // One token (the decode tiles): its unit of x in registers first, then each row's unit
+      // decoded and added in turn (a row's values live only while they are added: the tile's
+      // order below held R units' values at once, 167 registers for Q4_K at R = 4).
+      float xr[32];
+      const float4* x4 = (const float4*)(x + (size_t)t0 * cols + 32 * (size_t)(c0 + threadIdx.x));
+#pragma unroll
+      for (int k = 0; k < 8; k++) {
+        const float4 xv = __ldg(x4 + k);
+        xr[4 * k] = xv.x, xr[4 * k + 1] = xv.y, xr[4 * k + 2] = xv.z, xr[4 * k + 3] = xv.w;
+      }
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        float v[32];
+        fw_unit_fast<TY>((const uint8_t*)stage[r] + off[r], threadIdx.x, v);
+        float a = acc[r][0];
+#pragma unroll
+        for (int j = 0; j < 32; j++) a = fmaf(v[j], xr[j], a);
+        acc[r][0] = a;
+      }
+    } else if ((int)threadIdx.x < cu) {
       float v[R][32];
 #pragma unroll
       for (int r = 0; r < R; r++) fw_unit_fast<TY>((const uint8_t*)stage[r] + off[r], threadIdx.x, v[r]);

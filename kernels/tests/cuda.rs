@@ -80,9 +80,18 @@ fn dequantize(ty: QuantType, w: &[u8], rows: usize, cols: usize) -> Vec<f32> {
 #[test]
 fn matmul_and_embedding_match_the_cpu_for_every_format() {
     let Some(mut g) = gpu() else { return };
+    // Each decode layout beside the default batch one and each batch layout beside the default
+    // decode one (a decode layout runs one token, a batch layout more: every kernel is launched).
+    let d = Products::default();
     let layouts: Vec<Products> = DecodeProduct::ALL
+        .map(|decode| Products { decode, ..d })
         .into_iter()
-        .flat_map(|decode| BatchProduct::ALL.map(|batch| Products { decode, batch }))
+        .chain(
+            BatchProduct::ALL
+                .into_iter()
+                .filter(|&b| b != d.batch)
+                .map(|batch| Products { batch, ..d }),
+        )
         .collect();
     // Under racecheck (`scripts/gpu_proof.sh check`) the whole test ran past 3 minutes and the
     // sanitizer ended it with no report (2026-11-27, an H200): FLYWHEEL_CUDA_TEST_QUICK keeps the

@@ -52,6 +52,8 @@ const PER_FORMAT: &[&str] = &[
     "fw_matmul1",
     "fw_matmulw",
     "fw_matmul_t4x8",
+    "fw_matmul_t4x1",
+    "fw_matmul_t2x1",
     "fw_matmul_t2x16",
     "fw_matmul_experts",
     "fw_embed",

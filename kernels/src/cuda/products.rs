@@ -18,6 +18,13 @@ pub enum DecodeProduct {
     /// A warp a row, 4 rows a block, lane l slots l and l + 32 (`fw_matmulw`): no block barrier,
     /// and x read through the cache rather than staged by every row's block.
     Warp,
+    /// The batch tile for one token: a block of 2 warps for 4 rows (`fw_matmul_t4x1`), thread i
+    /// slot i of each: the 4 rows' bytes staged together (4 times the loads in flight a block),
+    /// each value of x read once (through the cache) for the 4 rows, no barrier but the
+    /// stage's. Not yet timed.
+    Tile4,
+    /// The same for 2 rows (`fw_matmul_t2x1`).
+    Tile2,
 }
 
 /// The product for batches of tokens (prefill, and decode at batch 2 or more).
@@ -55,12 +62,19 @@ pub(super) struct Plan {
 }
 
 impl DecodeProduct {
-    pub const ALL: [DecodeProduct; 2] = [DecodeProduct::Block, DecodeProduct::Warp];
+    pub const ALL: [DecodeProduct; 4] = [
+        DecodeProduct::Block,
+        DecodeProduct::Warp,
+        DecodeProduct::Tile4,
+        DecodeProduct::Tile2,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             DecodeProduct::Block => "block",
             DecodeProduct::Warp => "warp",
+            DecodeProduct::Tile4 => "tile4",
+            DecodeProduct::Tile2 => "tile2",
         }
     }
 }
@@ -134,6 +148,8 @@ impl Products {
             match self.decode {
                 DecodeProduct::Block => ("fw_matmul1", 1, 1, 64),
                 DecodeProduct::Warp => ("fw_matmulw", 4, 1, 128),
+                DecodeProduct::Tile4 => ("fw_matmul_t4x1", 4, 1, 64),
+                DecodeProduct::Tile2 => ("fw_matmul_t2x1", 2, 1, 64),
             }
         } else {
             match self.batch {
@@ -172,7 +188,7 @@ mod tests {
         assert_eq!(p.describe(), "products: decode warp, batch tile2x16");
         let e = Products::from_values(Some("warps"), None).unwrap_err().0;
         assert!(
-            e.contains("FLYWHEEL_CUDA_DECODE=warps") && e.contains("block, warp"),
+            e.contains("FLYWHEEL_CUDA_DECODE=warps") && e.contains("block, warp, tile4, tile2"),
             "{e}"
         );
         let e = Products::from_values(None, Some("tile")).unwrap_err().0;
@@ -191,6 +207,8 @@ mod tests {
                         "fw_matmulw" => (4, 1),
                         "fw_matmul" => (1, 16),
                         "fw_matmul_t4x8" => (4, 8),
+                        "fw_matmul_t4x1" => (4, 1),
+                        "fw_matmul_t2x1" => (2, 1),
                         "fw_matmul_t2x16" => (2, 16),
                         k => panic!("{k}"),
                     };
