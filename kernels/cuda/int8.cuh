@@ -92,60 +92,75 @@ FW_HD uint32_t fw_iq4_bytes(uint32_t w) {
   return o;
 }
 
-// Values 16q + 4i .. + 4 of block b (32 values) of a row as the int8 products read them: their
-// integer codes as signed bytes (byte k = value 16q + 4i + k).
+// Where values 16q .. 16q + 16 of block b (32 values) of a row keep their codes: the word of
+// values 16q + 4i .. + 4 is at *a + 4i (and, for the formats with a second source of bits,
+// fw_i8_two, at *b2 + 4i), to be made codes by fw_i8_mix.
+FW_HD constexpr bool fw_i8_two(int ty) { return ty == FW_Q5K || ty == FW_Q6K || ty == FW_Q3K; }
 template <int TY>
-FW_HD uint32_t fw_i8_word(const uint8_t* row, int b, int q, int i) {
-  uint32_t w;
+FW_HD void fw_i8_bases(const uint8_t* row, int b, int q, const uint8_t** a, const uint8_t** b2) {
+  const int j = b % 8;
+  *b2 = row;
   if (TY == FW_Q4_0 || TY == FW_IQ4NL) {
-    // d, then 16 bytes: value k < 16 the low nibble of byte k, value 16 + k its high nibble.
-    fw_words<1>(row + (size_t)b * 18 + 2 + 4 * i, &w);
-    const uint32_t nib = (w >> (4 * q)) & 0x0F0F0F0Fu;
-    return TY == FW_Q4_0 ? fw_sub_bytes(nib, 8) : fw_iq4_bytes(nib);
+    *a = row + (size_t)b * 18 + 2;  // d, then 16 bytes: value k the low nibble of byte k, 16 + k its high
   } else if (TY == FW_Q4_1) {
-    fw_words<1>(row + (size_t)b * 20 + 4 + 4 * i, &w);
-    return (w >> (4 * q)) & 0x0F0F0F0Fu;
+    *a = row + (size_t)b * 20 + 4;
   } else if (TY == FW_Q8_0) {
-    fw_words<1>(row + (size_t)b * 34 + 2 + 16 * q + 4 * i, &w);
-    return w;
+    *a = row + (size_t)b * 34 + 2 + 16 * q;
   } else if (TY == FW_Q4K || TY == FW_Q5K) {
     // d, dmin, 12 scale bytes, (Q5_K: 32 bytes of fifth bits,) 128 nibble bytes: block j the low
     // (j even) or high nibbles of bytes 32·(j/2) ...
     const bool q5 = TY == FW_Q5K;
-    const int j = b % 8;
     const uint8_t* blk = row + (size_t)(b / 8) * (q5 ? 176 : 144);
-    fw_words<1>(blk + (q5 ? 48 : 16) + 32 * (j / 2) + 16 * q + 4 * i, &w);
-    uint32_t c = (w >> (4 * (j % 2))) & 0x0F0F0F0Fu;
-    if (q5) {
-      uint32_t h;
-      fw_words<1>(blk + 16 + 16 * q + 4 * i, &h);
-      c |= ((h >> j) & 0x01010101u) << 4;
-    }
-    return c;
+    *a = blk + (q5 ? 48 : 16) + 32 * (j / 2) + 16 * q;
+    *b2 = blk + 16 + 16 * q;
   } else if (TY == FW_Q6K) {
     // 128 low-bit bytes, 64 high-bit bytes, 16 i8 scales, d: block j in half h = j/4, group g:
-    // low or high nibbles of ql[64h + 32·(g%2) ..], bits 2g of qh[32h ..], minus 32.
-    const int j = b % 8, h = j / 4, g = j % 4;
+    // low or high nibbles of ql[64h + 32·(g%2) ..], bits 2g of qh[32h ..].
     const uint8_t* blk = row + (size_t)(b / 8) * 210;
-    uint32_t hi;
-    fw_words<1>(blk + 64 * h + 32 * (g % 2) + 16 * q + 4 * i, &w);
-    fw_words<1>(blk + 128 + 32 * h + 16 * q + 4 * i, &hi);
-    const uint32_t l4 = (w >> (4 * (g / 2))) & 0x0F0F0F0Fu;
-    return fw_sub_bytes(l4 | (((hi >> (2 * g)) & 0x03030303u) << 4), 32);
+    *a = blk + 64 * (j / 4) + 32 * (j % 4 % 2) + 16 * q;
+    *b2 = blk + 128 + 32 * (j / 4) + 16 * q;
   } else if (TY == FW_Q3K) {
-    // 32 bytes of high bits, 64 of low bit pairs, 12 of 6-bit scales, d: value k of block j is
-    // ((qs[32·(j/4) + k] >> 2·(j%4)) & 3) + 4·bit j of hmask[k] − 4.
-    const int j = b % 8;
+    // 32 bytes of high bits, 64 of low bit pairs, 12 of 6-bit scales, d.
     const uint8_t* blk = row + (size_t)(b / 8) * 110;
-    uint32_t hm;
-    fw_words<1>(blk + 32 + 32 * (j / 4) + 16 * q + 4 * i, &w);
-    fw_words<1>(blk + 16 * q + 4 * i, &hm);
-    const uint32_t l2 = (w >> (2 * (j % 4))) & 0x03030303u;
-    return fw_sub_bytes(l2 | (((hm >> j) & 0x01010101u) << 2), 4);
+    *a = blk + 32 + 32 * (j / 4) + 16 * q;
+    *b2 = blk + 16 * q;
   } else {  // FW_IQ4XS: d, high scale bits (u16), 4 bytes of low scale nibbles, 128 nibble bytes
-    fw_words<1>(row + (size_t)(b / 8) * 136 + 8 + 16 * (b % 8) + 4 * i, &w);
-    return fw_iq4_bytes((w >> (4 * q)) & 0x0F0F0F0Fu);
+    *a = row + (size_t)(b / 8) * 136 + 8 + 16 * j;
   }
+}
+// The codes of 4 values as signed bytes from their word w (and w2 from the second source).
+template <int TY>
+FW_HD uint32_t fw_i8_mix(uint32_t w, uint32_t w2, int b, int q) {
+  const int j = b % 8;
+  if (TY == FW_Q4_0 || TY == FW_IQ4NL || TY == FW_IQ4XS) {
+    const uint32_t nib = (w >> (4 * q)) & 0x0F0F0F0Fu;
+    return TY == FW_Q4_0 ? fw_sub_bytes(nib, 8) : fw_iq4_bytes(nib);
+  } else if (TY == FW_Q4_1) {
+    return (w >> (4 * q)) & 0x0F0F0F0Fu;
+  } else if (TY == FW_Q8_0) {
+    return w;
+  } else if (TY == FW_Q4K || TY == FW_Q5K) {
+    const uint32_t c = (w >> (4 * (j % 2))) & 0x0F0F0F0Fu;
+    return TY == FW_Q5K ? c | (((w2 >> j) & 0x01010101u) << 4) : c;
+  } else if (TY == FW_Q6K) {  // minus 32
+    const int g = j % 4;
+    const uint32_t l4 = (w >> (4 * (g / 2))) & 0x0F0F0F0Fu;
+    return fw_sub_bytes(l4 | (((w2 >> (2 * g)) & 0x03030303u) << 4), 32);
+  } else {  // FW_Q3K: ((qs >> 2·(j%4)) & 3) + 4·bit j of hmask − 4
+    const uint32_t l2 = (w >> (2 * (j % 4))) & 0x03030303u;
+    return fw_sub_bytes(l2 | (((w2 >> j) & 0x01010101u) << 2), 4);
+  }
+}
+// Values 16q + 4i .. + 4 of block b as the int8 products read them: their integer codes as
+// signed bytes (byte k = value 16q + 4i + k).
+template <int TY>
+FW_HD uint32_t fw_i8_word(const uint8_t* row, int b, int q, int i) {
+  const uint8_t *a, *b2;
+  fw_i8_bases<TY>(row, b, q, &a, &b2);
+  uint32_t w, w2 = 0;
+  fw_words<1>(a + 4 * i, &w);
+  if (fw_i8_two(TY)) fw_words<1>(b2 + 4 * i, &w2);
+  return fw_i8_mix<TY>(w, w2, b, q);
 }
 // The scale of values 16q .. 16q + 16 of block b (fw_i8_word's codes times it are the values).
 template <int TY>
@@ -180,13 +195,19 @@ FW_HD float fw_i8_scale(const uint8_t* row, int b, int q) {
     return fw_mul(fw_f16((uint16_t)fw_u16_at(blk)), (float)((lo | (hi << 4)) - 32));
   }
 }
-// Values 16q .. 16q + 16 of block b: c[i] = fw_i8_word(.., i); returns their scale.
+// Values 16q .. 16q + 16 of block b: c[i] = fw_i8_word(.., i), their words read 4 at a time;
+// returns their scale.
 template <int TY>
 FW_HD float fw_i8_codes(const uint8_t* row, int b, int q, uint32_t* c) {
+  const uint8_t *a, *b2;
+  fw_i8_bases<TY>(row, b, q, &a, &b2);
+  uint32_t w[4], w2[4] = {0, 0, 0, 0};
+  fw_words<4>(a, w);
+  if (fw_i8_two(TY)) fw_words<4>(b2, w2);
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-  for (int i = 0; i < 4; i++) c[i] = fw_i8_word<TY>(row, b, q, i);
+  for (int i = 0; i < 4; i++) c[i] = fw_i8_mix<TY>(w[i], w2[i], b, q);
   return fw_i8_scale<TY>(row, b, q);
 }
 FW_HD constexpr bool fw_i8_has_min(int ty) { return ty == FW_Q4_1 || ty == FW_Q4K || ty == FW_Q5K; }

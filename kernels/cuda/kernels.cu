@@ -157,7 +157,7 @@ FW_PER_TYPE(iq4_xs, FW_IQ4XS)
 // The int8 products in the lanes layout (`cuda::Int8Layout`; decode's by default): a thread a lane
 // (`fw_i8_lane`), 16 threads a (row, token), FW_I8L_ROWS rows a block; each row's bytes staged in
 // shared memory FW_I8_CHUNK blocks at a time by its 16 threads (`fw_stage`: every load in flight
-// at once, where the quads layout (`fw_matmul_i8_body`) reads its row a word at a time from
+// at once, where the quads layout (`fw_matmul_i8_body`) reads its row 16 bytes a step from
 // global memory, four threads a row, and an H200 ran the 1B shape's int8 decode at 0.38x the f32
 // decode's speed), x read through the cache. Grid (ceil(rows / FW_I8L_ROWS), ceil(n / NT)). Each
 // lane's steps and the 16 lanes' sum are fw_i8_thread's and fw_i8_tree's: the quads layout's

@@ -23,15 +23,16 @@ pub const INT8_VAR: &str = "FLYWHEEL_CUDA_INT8";
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Int8Layout {
     /// Lanes up to `I8_TOKENS` tokens (decode), quads beyond (prefill, large batches): on an
-    /// H200, the 1B shape's decode at batch 1 ran at 308 tok/s in lanes and 172 in quads, batch
-    /// 8 at 684 and 562, batch 64 at 1374 and 2230, a 512-token prefill at 1659 and 3793.
+    /// H200, the 1B shape's decode at batch 1 ran at 308 tok/s in lanes and 172–202 in quads,
+    /// batch 8 at 684 and 562–588, batch 64 at 1374 and 2230–2368, a 512-token prefill at 1659
+    /// and 3793–4097 (docs/gpu.md).
     #[default]
     Auto,
     /// A thread a lane of the CPU's 16, 16 threads a row, each row's bytes staged in shared
     /// memory 64 blocks at a time (`fw_matmul_i8l`): more rows in flight where a product has few
     /// tokens, but each lane decodes its block's scale again.
     Lanes,
-    /// Four threads a row, four lanes each, the row read from global memory a word at a time
+    /// Four threads a row, four lanes each, the row read from global memory 16 bytes a step
     /// (`fw_matmul_i8`).
     Quads,
 }
