@@ -33,8 +33,9 @@
 #                                tests (the forward through the tile4 decode layout too), the 1B
 #                                shape's speed in the decode layouts block, tile4 and tile2 (the
 #                                default before and after), memcheck of the kernels, the device
-#                                HTTP test, ncu's times of the default's decode step, the forward
-#                                through the rows attention kernel
+#                                HTTP test, attention split by GQA group against the chunks
+#                                kernel (forward, decode at 2048 and 8000 positions), ncu's times
+#                                of the default's decode step, the forward through the rows kernel
 #   scripts/gpu_proof.sh context (at most ~9.5 minutes) the chunks attention kernel (split-K
 #                                decode attention): its kernels test and the forward through it,
 #                                then the 1B shape's decode after 2048-, 8000- and 8-token prompts
@@ -137,11 +138,15 @@ layouts() {
 M1B=/tmp/llama-1b.gguf
 attention_kernels() {
   [ -f "$M1B" ] || step model-llama-1b "$B/flywheel" random-model --shape llama-1b --out "$M1B"
-  for a in rows chunks; do
-    FLYWHEEL_CUDA_ATTENTION=$a step "bench-llama-1b-ctx$1-$a" "$B/flywheel" bench --device cuda \
-      --model "$M1B" --prompt-tokens 512 --decode-tokens 32 --decode-context "$1" --batch "$2" \
-      --runs 2 --kv-cache-dtype f16
-    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-ctx$1-$a.log" | sed 's/^/    /' >>"$SUMMARY"
+  local ctx=$1 batches=$2
+  shift 2
+  local kernels=("$@")
+  [ ${#kernels[@]} -gt 0 ] || kernels=(rows chunks)
+  for a in "${kernels[@]}"; do
+    FLYWHEEL_CUDA_ATTENTION=$a step "bench-llama-1b-ctx$ctx-$a" "$B/flywheel" bench --device cuda \
+      --model "$M1B" --prompt-tokens 512 --decode-tokens 32 --decode-context "$ctx" \
+      --batch "$batches" --runs 2 --kv-cache-dtype f16
+    grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-ctx$ctx-$a.log" | sed 's/^/    /' >>"$SUMMARY"
   done
 }
 
@@ -273,6 +278,12 @@ next)
   FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=40 step http-server-device "$B/server-device"
+  # Attention split by GQA group against the chunks kernel's split (the kernels test checked
+  # their bits above), at 2048 and 8000 positions.
+  FLYWHEEL_CUDA_ATTENTION=groups STEP_S=60 step forward-groups "$B/cuda-forward" --test-threads 1 \
+    every_family graph_replays
+  STEP_S=50 attention_kernels 2048 1,8 chunks groups
+  STEP_S=50 attention_kernels 8000 1 chunks groups
   STEP_S=90 profile
   FLYWHEEL_CUDA_ATTENTION=rows STEP_S=60 step forward-rows "$B/cuda-forward" --test-threads 1
   ;;

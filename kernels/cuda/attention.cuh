@@ -250,6 +250,147 @@ __device__ __forceinline__ void fw_attention_chunks_body(
   if (lane == 0) counters[th] = 0;
 }
 
+// GQA groups (`FLYWHEEL_CUDA_ATTENTION=groups`: its split launches, `ChunkLaunch::Groups`): the
+// query heads of one KV head, up to GP at a time, share one warp's pass over a chunk: each key's
+// and value's elements loaded once for them, where a warp a head loads them once a head (4 times
+// on a 1B model's 32 heads over 8). Each head's steps are fw_att_chunk's, the same operations on
+// the same operands in the same order, so its partial has the same bits, and so has its result:
+// the kernels test checks groups = fold = split. Heads past the group's (gn ≤ GP) run on zeros
+// and are not written.
+template <int PL, int GP, typename E>
+__device__ __forceinline__ void fw_att_chunk_group(const float (*qs)[FW_ATT_MAX_DIM],
+                                                   const uint32_t* bt, const E* kc, const E* vc,
+                                                   int c0, int c1, int kv_col, int head_dim,
+                                                   int block_size, int kv_dim, float softcap,
+                                                   float* m_out, float* l_out, float (*acc)[PL]) {
+  const int lane = threadIdx.x % FW_WARP;
+  float m[GP], l[GP];
+#pragma unroll
+  for (int g = 0; g < GP; g++) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PL; j++) acc[g][j] = 0.0f;
+  }
+  for (int p0 = c0; p0 < c1; p0 += FW_ATT_TILE) {
+    const int p = p0 + lane;
+    const bool in = p < c1;
+    // fw_att_score for each head, the key's elements loaded once.
+    float dot[GP];
+#pragma unroll
+    for (int g = 0; g < GP; g++) dot[g] = 0.0f;
+    if (in) {
+      const size_t k0 = fw_k_index(bt, p, kv_col, block_size, kv_dim);
+#pragma unroll 4
+      for (int d = 0; d < head_dim; d++) {
+        const float kd = fw_load(kc + k0 + (size_t)d * block_size);
+#pragma unroll
+        for (int g = 0; g < GP; g++) dot[g] = fmaf(qs[g][d], kd, dot[g]);
+      }
+    }
+    float pr[GP];
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      const float sc = in ? (softcap > 0.0f ? softcap * FW_TANHF(dot[g] / softcap) : dot[g]) : -INFINITY;
+      const float m_new = fmaxf(m[g], fw_warp_max(sc));
+      pr[g] = in ? FW_EXPF(sc - m_new) : 0.0f;
+      const float keep = fw_att_keep(m[g], m_new);
+      l[g] = fmaf(l[g], keep, fw_warp_sum(pr[g]));
+#pragma unroll
+      for (int j = 0; j < PL; j++) acc[g][j] = fw_mul(acc[g][j], keep);
+      m[g] = m_new;
+    }
+    const int pl = in ? p : c1 - 1;
+    const int my_slot = (int)bt[pl / block_size] * block_size + pl % block_size;
+    const int last = min(FW_ATT_TILE, c1 - p0);
+#pragma unroll 4
+    for (int i = 0; i < last; i++) {
+      float w[GP];
+#pragma unroll
+      for (int g = 0; g < GP; g++) w[g] = __shfl_sync(0xffffffffu, pr[g], i);
+      const E* vr = vc + (size_t)__shfl_sync(0xffffffffu, my_slot, i) * kv_dim + kv_col;
+#pragma unroll
+      for (int j = 0; j < PL; j++) {
+        const int d = lane + FW_WARP * j;
+        if (d < head_dim) {
+          const float vd = fw_load(vr + d);
+#pragma unroll
+          for (int g = 0; g < GP; g++) acc[g][j] = fmaf(w[g], vd, acc[g][j]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GP; g++) {
+    m_out[g] = m[g];
+    l_out[g] = l[g];
+  }
+}
+
+// Split launches by groups: grid (n, n_kv_heads · ceil(G / GP), FW_ATT_SPLITS / FW_ATT_CW), G =
+// n_heads / n_kv_heads; block (t, y, z) takes query heads h0 .. h0 + gn of KV head y / ceil(G /
+// GP), warp w chunk z · FW_ATT_CW + w of each. The partials go where the split launch puts them
+// (per (token, head)); the group's counter is its first head's, and the warp that finishes last
+// merges each of the group's heads in order (fw_att_finish, as the split launch does).
+template <int PL, int GP, typename E>
+__device__ __forceinline__ void fw_attention_groups_body(
+    const float* __restrict__ q, float* __restrict__ out, FwTokens toks, const E* __restrict__ kc,
+    const E* __restrict__ vc, int n_heads, int n_kv_heads, int head_dim, int block_size,
+    float scale, int window, float softcap, float* part, unsigned* counters) {
+  __shared__ float qs[GP][FW_ATT_MAX_DIM];
+  const int t = blockIdx.x;
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
+  const int G = n_heads / n_kv_heads, subs = (G + GP - 1) / GP;
+  const int kvh = (int)blockIdx.y / subs, sub = (int)blockIdx.y % subs;
+  const int h0 = kvh * G + sub * GP, gn = min(GP, G - sub * GP);
+  const int kv_col = kvh * head_dim;
+  const int kv_dim = n_kv_heads * head_dim;
+  const uint32_t* bt = toks.block_tables + toks.table_at[t];
+  const int pos = toks.pos[t];
+  const int lo = fw_first_key(pos, window);
+  int len, count;
+  fw_att_chunks(pos - lo + 1, &len, &count);
+  if ((int)blockIdx.z * FW_ATT_CW >= count) return;  // the whole block: no chunk here
+  const size_t th0 = (size_t)t * n_heads + h0, stride = (size_t)head_dim + 2;
+  for (int i = threadIdx.x; i < GP * head_dim; i += blockDim.x) {
+    const int g = i / head_dim, d = i % head_dim;
+    qs[g][d] = g < gn ? q[(th0 + g) * head_dim + d] * scale : 0.0f;
+  }
+  __syncthreads();
+  const int s = (int)blockIdx.z * FW_ATT_CW + warp;
+  if (s >= count) return;  // the whole warp
+  const int c0 = lo + s * len, c1 = min(c0 + len, pos + 1);
+  float m[GP], l[GP], acc[GP][PL];
+  fw_att_chunk_group<PL, GP>(qs, bt, kc, vc, c0, c1, kv_col, head_dim, block_size, kv_dim, softcap,
+                             m, l, acc);
+  if (count == 1) {
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= gn) break;
+#pragma unroll
+      for (int j = 0; j < PL; j++) {
+        const int d = lane + FW_WARP * j;
+        if (d < head_dim) out[(th0 + g) * head_dim + d] = acc[g][j] / l[g];
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int g = 0; g < GP; g++)
+    if (g < gn) fw_att_put<PL>(part + ((th0 + g) * FW_ATT_SPLITS + s) * stride, m[g], l[g], acc[g], head_dim);
+  // Each lane's writes visible to the whole device before the count says they are there.
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&counters[th0], 1u) == (unsigned)(count - 1);
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  __threadfence();
+  for (int g = 0; g < gn; g++)
+    fw_att_finish<PL, true>(part + (th0 + g) * FW_ATT_SPLITS * stride, stride, count, head_dim,
+                            out + (th0 + g) * head_dim);
+  if (lane == 0) counters[th0] = 0;
+}
+
 // fw_attention_chunks_<kv>_<DIM> for heads of up to DIM values. BLOCKS: the blocks an SM the
 // registers are held to (the most at which sm_90's ptxas spilled nothing: 6, 5 and 4; sm_80 needs
 // fewer registers).
@@ -269,4 +410,24 @@ FW_ATT_CHUNKS(f32, float, 256, 8, 4)
 FW_ATT_CHUNKS(f16, uint16_t, 64, 2, 6)
 FW_ATT_CHUNKS(f16, uint16_t, 128, 4, 5)
 FW_ATT_CHUNKS(f16, uint16_t, 256, 8, 4)
+
+// fw_attention_groups_<kv>_<DIM>: GP heads a warp (4 up to 128 values a head, 2 for 256:
+// `att_group_heads` in cuda/attention.rs). Held to 5 blocks an SM: with no minimum ptxas spilled
+// a few bytes of some (3 to 6 spilled none).
+#define FW_ATT_GROUPS(NAME, E, DIM, PL, GP)                                                       \
+  extern "C" __global__ void __launch_bounds__(FW_ATT_CW * FW_WARP, 5)                           \
+      fw_attention_groups_##NAME##_##DIM(const float* q, float* out, FwTokens toks, const E* kc,  \
+                                        const E* vc, int n_heads, int n_kv_heads, int head_dim,   \
+                                        int block_size, float scale, int window, float softcap,   \
+                                        float* part, unsigned* counters) {                        \
+    fw_attention_groups_body<PL, GP, E>(q, out, toks, kc, vc, n_heads, n_kv_heads, head_dim,      \
+                                        block_size, scale, window, softcap, part, counters);      \
+  }
+
+FW_ATT_GROUPS(f32, float, 64, 2, 4)
+FW_ATT_GROUPS(f32, float, 128, 4, 4)
+FW_ATT_GROUPS(f32, float, 256, 8, 2)
+FW_ATT_GROUPS(f16, uint16_t, 64, 2, 4)
+FW_ATT_GROUPS(f16, uint16_t, 128, 4, 4)
+FW_ATT_GROUPS(f16, uint16_t, 256, 8, 2)
 #endif

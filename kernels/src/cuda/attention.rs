@@ -6,6 +6,9 @@
 //!   large ones fold (a block of 4 warps a query, taking its chunks in turn, the partials in
 //!   shared memory); both give the same bits (the kernels test checks it), so a query's result
 //!   does not depend on its batch or on the launch;
+//! - `groups`: the chunks kernel whose small batches split by GQA group (`ChunkLaunch::Groups`:
+//!   a warp takes a chunk of up to 4 query heads of one KV head, each key and value loaded once
+//!   for them; each head's arithmetic unchanged, so the same bits). Not yet timed;
 //! - `rows` (the first, proven on an H200 before): one block of 4 warps a (token, head), each
 //!   warp taking every fourth tile of 32 positions, the warps merged at the end
 //!   (`fw_attention_<kv>`).
@@ -41,15 +44,21 @@ pub enum AttentionKernel {
     Rows,
     #[default]
     Chunks,
+    Groups,
 }
 
 impl AttentionKernel {
-    pub const ALL: [AttentionKernel; 2] = [AttentionKernel::Rows, AttentionKernel::Chunks];
+    pub const ALL: [AttentionKernel; 3] = [
+        AttentionKernel::Rows,
+        AttentionKernel::Chunks,
+        AttentionKernel::Groups,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             AttentionKernel::Rows => "rows",
             AttentionKernel::Chunks => "chunks",
+            AttentionKernel::Groups => "groups",
         }
     }
 
@@ -72,6 +81,21 @@ pub enum ChunkLaunch {
     Fold,
     /// A warp a chunk (grid.z = `ATT_SPLITS` / 4), the last of a query's merging.
     Split,
+    /// Split by GQA group: a warp a chunk of up to `att_group_heads` query heads sharing a KV
+    /// head (`fw_attention_groups`), the last of a group's merging each of its heads.
+    Groups,
+    /// `Groups` up to `SPLIT_PAIRS` (token, head) pairs, fold beyond.
+    AutoGroups,
+}
+
+/// Query heads a warp of the groups launch takes at once, for heads of up to `dim` values (64,
+/// 128, 256): `FW_ATT_GROUPS`'s GP (registers: GP · dim / 32 sums a lane).
+pub fn att_group_heads(dim: usize) -> usize {
+    if dim <= 128 {
+        4
+    } else {
+        2
+    }
 }
 
 /// The split launch's partials (`SPLIT_PAIRS` × `ATT_SPLITS` × (head_dim + 2) floats) and its
@@ -149,17 +173,14 @@ impl Gpu {
             AttentionKernel::Rows => {
                 self.attention_rows(q, out, tokens, kc, vc, heads, scale, opts.into())
             }
-            AttentionKernel::Chunks => self.attention_chunks(
-                q,
-                out,
-                tokens,
-                kc,
-                vc,
-                heads,
-                scale,
-                opts,
-                ChunkLaunch::Auto,
-            ),
+            AttentionKernel::Chunks | AttentionKernel::Groups => {
+                let how = if self.attention_kernel == AttentionKernel::Groups {
+                    ChunkLaunch::AutoGroups
+                } else {
+                    ChunkLaunch::Auto
+                };
+                self.attention_chunks(q, out, tokens, kc, vc, heads, scale, opts, how)
+            }
         }
     }
 
@@ -258,34 +279,36 @@ impl Gpu {
             return Ok(());
         }
         let pairs = n * n_heads;
-        let split = match how {
-            ChunkLaunch::Auto => pairs <= SPLIT_PAIRS,
-            ChunkLaunch::Fold => false,
-            ChunkLaunch::Split => {
-                check(pairs <= SPLIT_PAIRS, || {
-                    format!("a split attention launch of {pairs} (token, head) pairs (at most {SPLIT_PAIRS})")
-                })?;
-                true
-            }
+        let fits = || {
+            check(pairs <= SPLIT_PAIRS, || {
+                format!("a split attention launch of {pairs} (token, head) pairs (at most {SPLIT_PAIRS})")
+            })
+        };
+        // 0: fold, 1: split, 2: split by groups.
+        let launch = match how {
+            ChunkLaunch::Auto => (pairs <= SPLIT_PAIRS) as usize,
+            ChunkLaunch::AutoGroups => 2 * (pairs <= SPLIT_PAIRS) as usize,
+            ChunkLaunch::Fold => 0,
+            ChunkLaunch::Split => fits().map(|_| 1)?,
+            ChunkLaunch::Groups => fits().map(|_| 2)?,
         };
         check(n <= i32::MAX as usize, || format!("{n} tokens"))?;
         // Compiled for heads of up to 64, 128 and 256 values (registers for what the head has).
         let dim = [64, 128, 256].into_iter().find(|&d| head_dim <= d).unwrap();
-        let f = self.function(&format!("fw_attention_chunks_{}_{dim}", E::NAME))?;
+        let kernel = if launch == 2 { "groups" } else { "chunks" };
+        let f = self.function(&format!("fw_attention_{kernel}_{}_{dim}", E::NAME))?;
         // A fold keeps a query's partials in shared memory (at most 33 KB).
         let fold_bytes = ATT_SPLITS * (head_dim + 2) * 4;
+        let splits = (ATT_SPLITS / ATT_CHUNK_WARPS) as u32;
+        let group = (n_heads / n_kv_heads).div_ceil(att_group_heads(dim));
         let cfg = LaunchConfig {
-            grid_dim: (
-                n as u32,
-                n_heads as u32,
-                if split {
-                    (ATT_SPLITS / ATT_CHUNK_WARPS) as u32
-                } else {
-                    1
-                },
-            ),
+            grid_dim: match launch {
+                0 => (n as u32, n_heads as u32, 1),
+                1 => (n as u32, n_heads as u32, splits),
+                _ => (n as u32, (n_kv_heads * group) as u32, splits),
+            },
             block_dim: (ATT_CHUNK_WARPS as u32 * 32, 1, 1),
-            shared_mem_bytes: if split { 0 } else { fold_bytes as u32 },
+            shared_mem_bytes: if launch == 0 { fold_bytes as u32 } else { 0 },
         };
         // The scratch is the device's to write: its handle is shared, its contents are not
         // Rust's (launches on the one stream run in order).
@@ -293,10 +316,12 @@ impl Gpu {
             self.ptr(&self.att_scratch.part),
             self.ptr(&self.att_scratch.counters),
         );
-        let sp = split as i32;
+        let sp = (launch == 1) as i32;
         let opts = AttnOpts { window, softcap };
         let extra: [&dyn Arg; 3] = [&pp, &cp, &sp];
-        self.launch_attention(f, cfg, (q, out, tokens, kc, vc), heads, scale, opts, &extra)
+        // The groups kernel takes no `split` (it is one).
+        let extra = &extra[..if launch == 2 { 2 } else { 3 }];
+        self.launch_attention(f, cfg, (q, out, tokens, kc, vc), heads, scale, opts, extra)
     }
 }
 
@@ -336,7 +361,7 @@ mod tests {
         );
         let e = AttentionKernel::from_value(Some("flash")).unwrap_err().0;
         assert!(
-            e.contains("FLYWHEEL_CUDA_ATTENTION=flash") && e.contains("rows, chunks"),
+            e.contains("FLYWHEEL_CUDA_ATTENTION=flash") && e.contains("rows, chunks, groups"),
             "{e}"
         );
     }

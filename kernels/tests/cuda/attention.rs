@@ -162,6 +162,7 @@ fn attention_case<E: GpuKv>(
 #[test]
 fn chunked_attention_folds_and_splits_to_the_same_bits() {
     let Some(mut g) = gpu() else { return };
+    // GQA groups of 4 heads (one unit of the groups launch), 6 (4 + 2) and 2 (a unit at 256).
     for (bs, n_heads, n_kv, hd) in [(16, 8, 2, 64), (7, 6, 1, 80), (32, 2, 1, 256)] {
         for (window, softcap) in [
             (None, None),
@@ -281,12 +282,24 @@ fn chunks_case<E: GpuKv>(
         bits(&run(g, Some(ChunkLaunch::Auto))) == bits(&fold),
         "auto ≠ fold ({what})"
     );
+    // Split by GQA group (a warp up to 4 heads of a KV head at up to 128 values a head, 2 at
+    // 256): each head's arithmetic is the split's, so its bits.
+    for round in 0..2 {
+        let groups = run(g, Some(ChunkLaunch::Groups));
+        assert!(
+            bits(&groups) == bits(&fold),
+            "groups ≠ fold ({what}, launch {round})"
+        );
+    }
     let before = g.attention_kernel();
-    g.set_attention_kernel(AttentionKernel::Chunks);
-    assert!(
-        bits(&run(g, None)) == bits(&fold),
-        "attention ≠ fold ({what})"
-    );
+    for kernel in [AttentionKernel::Chunks, AttentionKernel::Groups] {
+        g.set_attention_kernel(kernel);
+        assert!(
+            bits(&run(g, None)) == bits(&fold),
+            "attention by {} ≠ fold ({what})",
+            kernel.name()
+        );
+    }
     g.set_attention_kernel(AttentionKernel::Rows);
     let rows = run(g, None);
     close(&rows, &want, |_| 2e-5).unwrap_or_else(|e| panic!("rows ({what}): {e}"));
@@ -308,6 +321,19 @@ fn chunks_case<E: GpuKv>(
             scale,
             opts,
             ChunkLaunch::Split
+        )
+        .is_err());
+    assert!(g
+        .attention_chunks(
+            &dq_many,
+            &mut out_many,
+            &many,
+            &dk,
+            &dv,
+            (n_heads, n_kv, hd),
+            scale,
+            opts,
+            ChunkLaunch::Groups
         )
         .is_err());
 }
