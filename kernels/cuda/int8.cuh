@@ -297,6 +297,11 @@ FW_HD void fw_i8_lane(const uint8_t* chunk, int b0, int nb, int L, const int8_t*
                       const float* xd, const int* xs, int xb, int nt, float* a, float* m) {
   const int h = L & 1, i = (L >> 1) & 3, q = L >> 3;
   const int pend = min((nb + 1) / 2, (b0 + FW_I8_CHUNK) / 2);
+  // Unrolled: a thread's loads of several pairs go out together (a decode product has few
+  // blocks an SM, and each step waits on its loads).
+#ifdef __CUDA_ARCH__
+#pragma unroll 4
+#endif
   for (int p = b0 / 2; p < pend; p++) {
     const int b = 2 * p + h;
     uint32_t c = 0;
