@@ -32,10 +32,11 @@
 #                                last lent GPU and what to measure next: the kernels and forward
 #                                tests (the forward through the tile4 decode layout too), the 1B
 #                                shape's speed in the decode layouts block, tile4 and tile2 (the
-#                                default before and after), memcheck of the kernels, the device
-#                                HTTP test, attention split by GQA group against the chunks
-#                                kernel (forward, decode at 2048 and 8000 positions), ncu's times
-#                                of the default's decode step, the forward through the rows kernel
+#                                default before and after) and with int8 products, memcheck of
+#                                the kernels, the device HTTP test, attention split by GQA group
+#                                against the chunks kernel (forward, decode at 2048 and 8000
+#                                positions), ncu's times of the default's decode step, the
+#                                forward through the rows kernel
 #   scripts/gpu_proof.sh context (at most ~9.5 minutes) the chunks attention kernel (split-K
 #                                decode attention): its kernels test and the forward through it,
 #                                then the 1B shape's decode after 2048-, 8000- and 8-token prompts
@@ -275,6 +276,10 @@ next)
   FLYWHEEL_CUDA_DECODE=tile4 STEP_S=60 step forward-tile4 "$B/cuda-forward" --test-threads 1 \
     every_family graph_replays
   STEP_S=60 layouts "block tile4x8" "tile4 tile4x8" "tile2 tile4x8" "block tile4x8"
+  # Int8 (lanes at up to 8 tokens, its pairs now unrolled; quads beyond).
+  STEP_S=60 step bench-llama-1b-int8 "$B/flywheel" bench --device cuda --precision int8 \
+    --model "$M1B" --prompt-tokens 512 --decode-tokens 64 --batch 1,8,64 --runs 3 --kv-cache-dtype f16
+  grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-int8.log" | sed 's/^/    /' >>"$SUMMARY"
   FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=40 step http-server-device "$B/server-device"
