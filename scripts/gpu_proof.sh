@@ -36,7 +36,8 @@
 #                                the kernels, the device HTTP test, attention split by GQA group
 #                                against the chunks kernel (forward, decode at 2048 and 8000
 #                                positions), ncu's times of the default's decode step, the
-#                                forward through the rows kernel
+#                                forward through the rows kernel, decode through LoRA with A·x a
+#                                warp a value and a block a value
 #   scripts/gpu_proof.sh context (at most ~9.5 minutes) the chunks attention kernel (split-K
 #                                decode attention): its kernels test and the forward through it,
 #                                then the 1B shape's decode after 2048-, 8000- and 8-token prompts
@@ -291,6 +292,14 @@ next)
   STEP_S=50 attention_kernels 8000 1 chunks groups
   STEP_S=90 profile
   FLYWHEEL_CUDA_ATTENTION=rows STEP_S=60 step forward-rows "$B/cuda-forward" --test-threads 1
+  # Decode through LoRA with A·x a warp a value (the default) and a block a value (the kernels
+  # test checked their bits above).
+  for l in warp block; do
+    FLYWHEEL_CUDA_LORA=$l STEP_S=60 step "bench-llama-1b-lora-$l" "$B/flywheel" bench --device cuda \
+      --model "$M1B" --adapter lora --prompt-tokens 128 --decode-tokens 32 --batch 1,8 --runs 3 \
+      --kv-cache-dtype f16
+    grep -E "^(model|test|pp|tg|publish)" "$OUT/bench-llama-1b-lora-$l.log" | sed 's/^/    /' >>"$SUMMARY"
+  done
   ;;
 context)
   # Decode after long prompts by each attention kernel: the rows kernel (a block a (token,

@@ -68,6 +68,40 @@ extern "C" __global__ void __launch_bounds__(FW_MMW_WARPS * FW_WARP)
   if (lane == 0) h[(size_t)t * hs + j] = s;
 }
 
+// The same values by a block of 2 warps a value (`FLYWHEEL_CUDA_LORA=block`): thread i takes
+// slot i (units i, i + 64, …, as fw_matmul_body), its units of A (f32 rows, 16-byte aligned)
+// and x read straight from global memory, the warps' sums added as fw_matmul_warp_row adds its
+// two: the same bits, with twice the warps and half the chain a thread. (On an H200 the warp
+// layout took 12.5 µs a launch in batch-1 decode: an r = 16 module is 16 warps on the card.)
+// Grid (r_max, n), FW_MM_WARPS warps.
+extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)
+    fw_lora_a_block(const float* __restrict__ x, const int* __restrict__ row_slot,
+                    const FwAdapterEntry* __restrict__ dir, int modules, int m, int d, int hs,
+                    float* __restrict__ h) {
+  __shared__ float sums[FW_MM_WARPS];
+  const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
+  const int t = blockIdx.y, j = blockIdx.x;
+  const FwAdapterEntry* e = fw_entry(row_slot, dir, modules, m, t);
+  if (e == nullptr || e->lora_a == nullptr || j >= e->r || j >= hs) return;  // the whole block
+  const float* a = (const float*)(e->lora_a + (size_t)j * d * 4);
+  const float* xt = x + (size_t)t * d;
+  float acc = 0.0f;
+  for (int u = threadIdx.x; u < d / 32; u += FW_MM_UNITS) {
+    const float4* a4 = (const float4*)(a + 32 * (size_t)u);
+    float v[32];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      const float4 w = __ldg(a4 + k);
+      v[4 * k] = w.x, v[4 * k + 1] = w.y, v[4 * k + 2] = w.z, v[4 * k + 3] = w.w;
+    }
+    acc = fw_dot_unit(v, xt + 32 * (size_t)u, acc);
+  }
+  const float s = fw_warp_sum(acc);
+  if (lane == 0) sums[warp] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) h[(size_t)t * hs + j] = fw_add(sums[0], sums[1]);
+}
+
 // LoRA's second product and its scaled add: y[t][c] += s · Σ_i h[t][i] · Bᵀ[i][c] (i < r, from 0
 // in order: fw_block_matmul's sum; then fw_axpy's two roundings) for the rows whose version has
 // LoRA on module m. One thread per value of n rows of d (the module's outputs).

@@ -14,6 +14,40 @@ use cudarc::driver::{
 /// Warps of `fw_lora_a_rows`'s blocks (`FW_MMW_WARPS`): a value of A·x each.
 const LORA_A_WARPS: usize = 4;
 
+pub const LORA_VAR: &str = "FLYWHEEL_CUDA_LORA";
+
+/// How LoRA's first product (A·x, row by row in decode graphs) is launched
+/// (`FLYWHEEL_CUDA_LORA`): the same bits either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LoraLayout {
+    /// A warp a value, 4 a block (`fw_lora_a_rows`; proven on an H200, 12.5 µs a launch there
+    /// in batch-1 decode).
+    #[default]
+    Warp,
+    /// A block of 2 warps a value, thread i slot i (`fw_lora_a_block`). Not yet timed.
+    Block,
+}
+
+impl LoraLayout {
+    pub const ALL: [LoraLayout; 2] = [LoraLayout::Warp, LoraLayout::Block];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LoraLayout::Warp => "warp",
+            LoraLayout::Block => "block",
+        }
+    }
+
+    /// The layout `FLYWHEEL_CUDA_LORA` names, the default where unset.
+    pub fn from_env() -> Result<LoraLayout> {
+        let v = std::env::var(LORA_VAR).ok();
+        Ok(
+            super::products::choose(LORA_VAR, v.as_deref(), &Self::ALL, Self::name)?
+                .unwrap_or_default(),
+        )
+    }
+}
+
 /// One module of one adapter version as the kernels read it (`FwAdapterEntry`): device addresses
 /// of OFT's rotations or of LoRA's A (bytes of f32) and Bᵀ, 0 where absent.
 #[repr(C)]
@@ -272,12 +306,20 @@ impl Gpu {
         }
         let (xp, hp, yp) = (self.ptr(x), self.ptr_mut(h), self.ptr_mut(y));
         let (ni, ii, oi, hs) = (n as i32, inp as i32, out as i32, r_max as i32);
+        let (name, grid_x, threads) = match self.lora_layout {
+            LoraLayout::Warp => (
+                "fw_lora_a_rows",
+                r_max.div_ceil(LORA_A_WARPS),
+                LORA_A_WARPS * 32,
+            ),
+            LoraLayout::Block => ("fw_lora_a_block", r_max, 64), // FW_MM_WARPS warps a value
+        };
         let cfg = LaunchConfig {
-            grid_dim: (r_max.div_ceil(LORA_A_WARPS) as u32, n as u32, 1),
-            block_dim: ((LORA_A_WARPS * 32) as u32, 1, 1),
+            grid_dim: (grid_x as u32, n as u32, 1),
+            block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let fa = self.function("fw_lora_a_rows")?;
+        let fa = self.function(name)?;
         self.launch(fa, cfg, &[&xp, &rs, &dir, &modules, &mi, &ii, &hs, &hp])?;
         let fb = self.function("fw_lora_b_rows")?;
         self.launch(

@@ -15,7 +15,7 @@ mod moe;
 mod paged;
 mod products;
 
-pub use adapters::{AdapterEntry, AdapterRows};
+pub use adapters::{AdapterEntry, AdapterRows, LoraLayout, LORA_VAR};
 pub use attention::{
     att_chunks, AttentionKernel, ChunkLaunch, ATTENTION_VAR, ATT_SPLITS, SPLIT_PAIRS,
 };
@@ -95,6 +95,7 @@ const OTHERS: &[&str] = &[
     "fw_moe_combine",
     "fw_oft_rows",
     "fw_lora_a_rows",
+    "fw_lora_a_block",
     "fw_lora_b_rows",
     "fw_moe_route",
     "fw_quantize_q8",
@@ -224,6 +225,8 @@ pub struct Gpu {
     att_scratch: Box<attention::AttnScratch>,
     /// The layout of the dense int8 products.
     int8_layout: Int8Layout,
+    /// The layout of LoRA's first product row by row.
+    lora_layout: LoraLayout,
     name: String,
     capability: (i32, i32),
     memory: usize,
@@ -248,6 +251,7 @@ impl Gpu {
         let products = Products::from_env()?;
         let attention_kernel = AttentionKernel::from_env()?;
         let int8_layout = Int8Layout::from_env()?;
+        let lora_layout = LoraLayout::from_env()?;
         let ctx = CudaContext::new(ordinal)?;
         let capability = ctx.compute_capability()?;
         check(capability.0 >= 8, || {
@@ -285,6 +289,7 @@ impl Gpu {
             attention_kernel,
             att_scratch,
             int8_layout,
+            lora_layout,
         })
     }
 
@@ -311,6 +316,11 @@ impl Gpu {
     /// Launch later int8 products in another layout (the same bits).
     pub fn set_int8_layout(&mut self, layout: Int8Layout) {
         self.int8_layout = layout;
+    }
+
+    /// Launch LoRA's later row-by-row first products in another layout (the same bits).
+    pub fn set_lora_layout(&mut self, layout: LoraLayout) {
+        self.lora_layout = layout;
     }
 
     /// The layouts the products launch in (`FLYWHEEL_CUDA_DECODE`, `FLYWHEEL_CUDA_BATCH`).

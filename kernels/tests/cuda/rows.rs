@@ -3,7 +3,7 @@
 
 use super::gpu;
 use crate::common::Rng;
-use flywheel_kernels::cuda::{AdapterEntry, Gpu};
+use flywheel_kernels::cuda::{AdapterEntry, Gpu, LoraLayout};
 use flywheel_kernels::QuantType;
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -36,16 +36,16 @@ fn lora_eager(g: &Gpu, a: &[f32], bt: &[f32], r: usize, s: f32, x: &[f32], y: &m
 
 #[test]
 fn adapters_row_by_row_equal_the_group_ops_bit_for_bit() {
-    let Some(g) = gpu() else { return };
+    let Some(mut g) = gpu() else { return };
     let mut rng = Rng(21);
-    // Module 0: 64 → 96; module 1: 96 → 48 (a head-like module).
-    let dims = vec![(64usize, 96usize), (96, 48)];
+    // Module 0: 64 → 96; module 1: 2144 → 48 (67 units of 32: past one 64-unit slot pass).
+    let dims = vec![(64usize, 96usize), (2144, 48)];
     let mut rows = g.adapter_rows(3, dims.clone(), 8).unwrap();
     // Slot 0: OFT (blocks of 16) on module 0, LoRA r=4 on module 1; slot 1: LoRA r=8 on
     // module 0 only; slot 2: nothing.
     let oft = rng.vec(64 * 16, 0.3);
     let (a0, bt0) = (rng.vec(8 * 64, 0.2), rng.vec(8 * 96, 0.2));
-    let (a1, bt1) = (rng.vec(4 * 96, 0.2), rng.vec(4 * 48, 0.2));
+    let (a1, bt1) = (rng.vec(4 * 2144, 0.2), rng.vec(4 * 48, 0.2));
     let d_oft = g.upload(&oft).unwrap();
     let (da0, dbt0) = (g.upload(&f32_bytes(&a0)).unwrap(), g.upload(&bt0).unwrap());
     let (da1, dbt1) = (g.upload(&f32_bytes(&a1)).unwrap(), g.upload(&bt1).unwrap());
@@ -75,8 +75,12 @@ fn adapters_row_by_row_equal_the_group_ops_bit_for_bit() {
     assert_eq!(&got[..64], &g.download(&rot).unwrap()[..], "OFT row");
     assert_eq!(&got[64..], &x[64..], "rows without OFT are copies");
 
-    // LoRA on module 0 (slot 1's rows 2 and 4) and module 1 (slot 0's row 0).
-    for (m, want_rows) in [(0usize, vec![(2usize, 8usize)]), (1, vec![(0, 4)])] {
+    // LoRA on module 0 (slot 1's rows 2 and 4) and module 1 (slot 0's row 0), A·x in each layout.
+    for (layout, (m, want_rows)) in LoraLayout::ALL
+        .into_iter()
+        .flat_map(|l| [(0usize, vec![(2usize, 8usize)]), (1, vec![(0, 4)])].map(|c| (l, c)))
+    {
+        g.set_lora_layout(layout);
         let (inp, out_d) = dims[m];
         let x = rng.vec(n * inp, 1.0);
         let y0 = rng.vec(n * out_d, 1.0);
@@ -100,8 +104,9 @@ fn adapters_row_by_row_equal_the_group_ops_bit_for_bit() {
         assert!(want_rows
             .iter()
             .all(|&(t, _)| want[t * out_d..][..out_d] != y0[t * out_d..][..out_d]));
-        assert_eq!(got, want, "LoRA on module {m}");
+        assert_eq!(got, want, "LoRA on module {m}, {}", layout.name());
     }
+    g.set_lora_layout(LoraLayout::default());
 
     // Checked before launch: shapes, slots, ranks.
     assert!(g.oft_entry(&rows, 0, &d_oft.slice(..100), 16).is_err());
