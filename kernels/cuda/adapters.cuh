@@ -87,13 +87,8 @@ extern "C" __global__ void __launch_bounds__(FW_MM_WARPS * FW_WARP)
   const float* xt = x + (size_t)t * d;
   float acc = 0.0f;
   for (int u = threadIdx.x; u < d / 32; u += FW_MM_UNITS) {
-    const float4* a4 = (const float4*)(a + 32 * (size_t)u);
     float v[32];
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-      const float4 w = __ldg(a4 + k);
-      v[4 * k] = w.x, v[4 * k + 1] = w.y, v[4 * k + 2] = w.z, v[4 * k + 3] = w.w;
-    }
+    fw_ldg_unit(a + 32 * (size_t)u, v);
     acc = fw_dot_unit(v, xt + 32 * (size_t)u, acc);
   }
   const float s = fw_warp_sum(acc);

@@ -87,6 +87,23 @@ FW_HD void fw_att_merge(float* M, float* L, float m, float l, float* ca, float* 
 // ≤ 256), each lane holding PL of a row's values: registers for what the head has, not for 256
 // (the V loop's loads in flight took 8 a position, and sm_90 spilled).
 
+// Token t's query in the cache: its block table, the positions it sees (lo ..= pos) and their
+// chunks (`fw_att_chunks`), chunk s being positions c0(s) .. c1(s) - 1.
+struct FwAttSpan {
+  const uint32_t* bt;
+  int pos, lo, len, count;
+  __device__ int c0(int s) const { return lo + s * len; }
+  __device__ int c1(int s) const { return min(c0(s) + len, pos + 1); }
+};
+__device__ __forceinline__ FwAttSpan fw_att_span(const FwTokens& toks, int t, int window) {
+  FwAttSpan a;
+  a.bt = toks.block_tables + toks.table_at[t];
+  a.pos = toks.pos[t];
+  a.lo = fw_first_key(a.pos, window);
+  fw_att_chunks(a.pos - a.lo + 1, &a.len, &a.count);
+  return a;
+}
+
 // The warp's partial over positions c0 .. c1 - 1 of the query (all seen by it): tiles of 32, lane
 // i scoring position p0 + i; an online softmax (m, l) and acc[j] = Σ p·V[lane + 32 j] under m.
 template <int PL, typename E>
@@ -202,11 +219,9 @@ __device__ __forceinline__ void fw_attention_chunks_body(
   const int lane = threadIdx.x % FW_WARP, warp = threadIdx.x / FW_WARP;
   const int kv_col = (h / (n_heads / n_kv_heads)) * head_dim;
   const int kv_dim = n_kv_heads * head_dim;
-  const uint32_t* bt = toks.block_tables + toks.table_at[t];
-  const int pos = toks.pos[t];
-  const int lo = fw_first_key(pos, window);
-  int len, count;
-  fw_att_chunks(pos - lo + 1, &len, &count);
+  const FwAttSpan sp = fw_att_span(toks, t, window);
+  const uint32_t* bt = sp.bt;
+  const int count = sp.count;
   if (split && (int)blockIdx.z * FW_ATT_CW >= count) return;  // the whole block: no chunk here
   const float* qh = q + ((size_t)t * n_heads + h) * head_dim;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qh[d] * scale;
@@ -215,7 +230,7 @@ __device__ __forceinline__ void fw_attention_chunks_body(
   float* oh = out + th * head_dim;
   if (!split) {
     for (int s = warp; s < count; s += FW_ATT_CW) {
-      const int c0 = lo + s * len, c1 = min(c0 + len, pos + 1);
+      const int c0 = sp.c0(s), c1 = sp.c1(s);
       float m, l, acc[PL];
       fw_att_chunk<PL>(qs, bt, kc, vc, c0, c1, kv_col, head_dim, block_size, kv_dim, softcap, &m, &l, acc);
       fw_att_put<PL>(fold_part + s * stride, m, l, acc, head_dim);
@@ -226,7 +241,7 @@ __device__ __forceinline__ void fw_attention_chunks_body(
   }
   const int s = (int)blockIdx.z * FW_ATT_CW + warp;
   if (s >= count) return;  // the whole warp
-  const int c0 = lo + s * len, c1 = min(c0 + len, pos + 1);
+  const int c0 = sp.c0(s), c1 = sp.c1(s);
   float m, l, acc[PL];
   fw_att_chunk<PL>(qs, bt, kc, vc, c0, c1, kv_col, head_dim, block_size, kv_dim, softcap, &m, &l, acc);
   if (count == 1) {
@@ -345,11 +360,9 @@ __device__ __forceinline__ void fw_attention_groups_body(
   const int h0 = kvh * G + sub * GP, gn = min(GP, G - sub * GP);
   const int kv_col = kvh * head_dim;
   const int kv_dim = n_kv_heads * head_dim;
-  const uint32_t* bt = toks.block_tables + toks.table_at[t];
-  const int pos = toks.pos[t];
-  const int lo = fw_first_key(pos, window);
-  int len, count;
-  fw_att_chunks(pos - lo + 1, &len, &count);
+  const FwAttSpan sp = fw_att_span(toks, t, window);
+  const uint32_t* bt = sp.bt;
+  const int count = sp.count;
   if ((int)blockIdx.z * FW_ATT_CW >= count) return;  // the whole block: no chunk here
   const size_t th0 = (size_t)t * n_heads + h0, stride = (size_t)head_dim + 2;
   for (int i = threadIdx.x; i < GP * head_dim; i += blockDim.x) {
@@ -359,7 +372,7 @@ __device__ __forceinline__ void fw_attention_groups_body(
   __syncthreads();
   const int s = (int)blockIdx.z * FW_ATT_CW + warp;
   if (s >= count) return;  // the whole warp
-  const int c0 = lo + s * len, c1 = min(c0 + len, pos + 1);
+  const int c0 = sp.c0(s), c1 = sp.c1(s);
   float m[GP], l[GP], acc[GP][PL];
   fw_att_chunk_group<PL, GP>(qs, bt, kc, vc, c0, c1, kv_col, head_dim, block_size, kv_dim, softcap,
                              m, l, acc);

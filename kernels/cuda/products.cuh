@@ -157,6 +157,17 @@ __device__ __forceinline__ void fw_matmul_body(const uint8_t* __restrict__ w, in
 }
 
 
+// 32 floats at p (16-byte aligned: a unit of x, or of an f32 row) into v, through the read-only
+// cache, 16 bytes a load.
+__device__ __forceinline__ void fw_ldg_unit(const float* __restrict__ p, float* v) {
+  const float4* p4 = (const float4*)p;
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    const float4 w = __ldg(p4 + k);
+    v[4 * k] = w.x, v[4 * k + 1] = w.y, v[4 * k + 2] = w.z, v[4 * k + 3] = w.w;
+  }
+}
+
 // a + Σ v[j]·x[j] over j = 0 .. 32 in order, each step an fmaf: one unit's share of a slot's sum.
 // x (a unit of one token's activations, 128-byte aligned) is read from global memory through the
 // read-only cache, 16 bytes at a time.
@@ -263,12 +274,7 @@ __device__ __forceinline__ void fw_matmul_tile_body(const uint8_t* __restrict__ 
       // decoded and added in turn (a row's values live only while they are added: the tile's
       // order below held R units' values at once, 167 registers for Q4_K at R = 4).
       float xr[32];
-      const float4* x4 = (const float4*)(x + (size_t)t0 * cols + 32 * (size_t)(c0 + threadIdx.x));
-#pragma unroll
-      for (int k = 0; k < 8; k++) {
-        const float4 xv = __ldg(x4 + k);
-        xr[4 * k] = xv.x, xr[4 * k + 1] = xv.y, xr[4 * k + 2] = xv.z, xr[4 * k + 3] = xv.w;
-      }
+      fw_ldg_unit(x + (size_t)t0 * cols + 32 * (size_t)(c0 + threadIdx.x), xr);
 #pragma unroll
       for (int r = 0; r < R; r++) {
         float v[32];

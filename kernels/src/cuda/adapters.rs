@@ -40,11 +40,7 @@ impl LoraLayout {
 
     /// The layout `FLYWHEEL_CUDA_LORA` names, the default where unset.
     pub fn from_env() -> Result<LoraLayout> {
-        let v = std::env::var(LORA_VAR).ok();
-        Ok(
-            super::products::choose(LORA_VAR, v.as_deref(), &Self::ALL, Self::name)?
-                .unwrap_or_default(),
-        )
+        super::products::choose_env(LORA_VAR, &Self::ALL, Self::name)
     }
 }
 

@@ -173,12 +173,12 @@ impl Gpu {
             AttentionKernel::Rows => {
                 self.attention_rows(q, out, tokens, kc, vc, heads, scale, opts.into())
             }
-            AttentionKernel::Chunks | AttentionKernel::Groups => {
-                let how = if self.attention_kernel == AttentionKernel::Groups {
-                    ChunkLaunch::AutoGroups
-                } else {
-                    ChunkLaunch::Auto
-                };
+            AttentionKernel::Chunks => {
+                let how = ChunkLaunch::Auto;
+                self.attention_chunks(q, out, tokens, kc, vc, heads, scale, opts, how)
+            }
+            AttentionKernel::Groups => {
+                let how = ChunkLaunch::AutoGroups;
                 self.attention_chunks(q, out, tokens, kc, vc, heads, scale, opts, how)
             }
         }
@@ -279,23 +279,27 @@ impl Gpu {
             return Ok(());
         }
         let pairs = n * n_heads;
-        let fits = || {
-            check(pairs <= SPLIT_PAIRS, || {
-                format!("a split attention launch of {pairs} (token, head) pairs (at most {SPLIT_PAIRS})")
-            })
-        };
-        // 0: fold, 1: split, 2: split by groups.
+        // The launch itself: Fold, Split or Groups.
+        let fits = pairs <= SPLIT_PAIRS;
         let launch = match how {
-            ChunkLaunch::Auto => (pairs <= SPLIT_PAIRS) as usize,
-            ChunkLaunch::AutoGroups => 2 * (pairs <= SPLIT_PAIRS) as usize,
-            ChunkLaunch::Fold => 0,
-            ChunkLaunch::Split => fits().map(|_| 1)?,
-            ChunkLaunch::Groups => fits().map(|_| 2)?,
+            ChunkLaunch::Auto if fits => ChunkLaunch::Split,
+            ChunkLaunch::AutoGroups if fits => ChunkLaunch::Groups,
+            ChunkLaunch::Auto | ChunkLaunch::AutoGroups | ChunkLaunch::Fold => ChunkLaunch::Fold,
+            ChunkLaunch::Split | ChunkLaunch::Groups => {
+                check(fits, || {
+                    format!("a split attention launch of {pairs} (token, head) pairs (at most {SPLIT_PAIRS})")
+                })?;
+                how
+            }
         };
         check(n <= i32::MAX as usize, || format!("{n} tokens"))?;
         // Compiled for heads of up to 64, 128 and 256 values (registers for what the head has).
         let dim = [64, 128, 256].into_iter().find(|&d| head_dim <= d).unwrap();
-        let kernel = if launch == 2 { "groups" } else { "chunks" };
+        let kernel = if launch == ChunkLaunch::Groups {
+            "groups"
+        } else {
+            "chunks"
+        };
         let f = self.function(&format!("fw_attention_{kernel}_{}_{dim}", E::NAME))?;
         // A fold keeps a query's partials in shared memory (at most 33 KB).
         let fold_bytes = ATT_SPLITS * (head_dim + 2) * 4;
@@ -303,12 +307,16 @@ impl Gpu {
         let group = (n_heads / n_kv_heads).div_ceil(att_group_heads(dim));
         let cfg = LaunchConfig {
             grid_dim: match launch {
-                0 => (n as u32, n_heads as u32, 1),
-                1 => (n as u32, n_heads as u32, splits),
-                _ => (n as u32, (n_kv_heads * group) as u32, splits),
+                ChunkLaunch::Fold => (n as u32, n_heads as u32, 1),
+                ChunkLaunch::Groups => (n as u32, (n_kv_heads * group) as u32, splits),
+                _ => (n as u32, n_heads as u32, splits),
             },
             block_dim: (ATT_CHUNK_WARPS as u32 * 32, 1, 1),
-            shared_mem_bytes: if launch == 0 { fold_bytes as u32 } else { 0 },
+            shared_mem_bytes: if launch == ChunkLaunch::Fold {
+                fold_bytes as u32
+            } else {
+                0
+            },
         };
         // The scratch is the device's to write: its handle is shared, its contents are not
         // Rust's (launches on the one stream run in order).
@@ -316,11 +324,11 @@ impl Gpu {
             self.ptr(&self.att_scratch.part),
             self.ptr(&self.att_scratch.counters),
         );
-        let sp = (launch == 1) as i32;
+        let sp = (launch == ChunkLaunch::Split) as i32;
         let opts = AttnOpts { window, softcap };
         let extra: [&dyn Arg; 3] = [&pp, &cp, &sp];
         // The groups kernel takes no `split` (it is one).
-        let extra = &extra[..if launch == 2 { 2 } else { 3 }];
+        let extra = &extra[..if launch == ChunkLaunch::Groups { 2 } else { 3 }];
         self.launch_attention(f, cfg, (q, out, tokens, kc, vc), heads, scale, opts, extra)
     }
 }

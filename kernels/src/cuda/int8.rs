@@ -50,11 +50,7 @@ impl Int8Layout {
 
     /// The layout `FLYWHEEL_CUDA_INT8` names, the default where unset.
     pub fn from_env() -> Result<Int8Layout> {
-        let v = std::env::var(INT8_VAR).ok();
-        Ok(
-            super::products::choose(INT8_VAR, v.as_deref(), &Self::ALL, Self::name)?
-                .unwrap_or_default(),
-        )
+        super::products::choose_env(INT8_VAR, &Self::ALL, Self::name)
     }
 
     /// The kernels' prefix for a product of n tokens, the tokens a thread takes and the rows a

@@ -115,6 +115,17 @@ pub(super) fn choose<T: Copy>(
         })
 }
 
+/// The value of the environment variable `var` among `all` by name, the default where it is
+/// unset or empty (`choose`).
+pub(super) fn choose_env<T: Copy + Default>(
+    var: &str,
+    all: &[T],
+    name: fn(T) -> &'static str,
+) -> Result<T> {
+    let v = std::env::var(var).ok();
+    Ok(choose(var, v.as_deref(), all, name)?.unwrap_or_default())
+}
+
 impl Products {
     /// The layouts `FLYWHEEL_CUDA_DECODE` and `FLYWHEEL_CUDA_BATCH` name, the defaults where unset.
     pub fn from_env() -> Result<Products> {
