@@ -49,6 +49,8 @@
 // The token of a nucleus whose cut falls past the candidates: the host draws it (`Gpu::draw`).
 #define FW_DRAW_HOST 0xFFFFFFFFu
 #define FW_DRAWN_WORDS (4 + 2 * FW_DRAW_TOP)
+// A scored row's spec: row, 1/T's bits, token (`fw_score`).
+#define FW_SCORE_SPEC_WORDS 3
 
 #ifdef __CUDA_ARCH__
 #define FW_EXP(x) exp(x)
@@ -226,6 +228,43 @@ __device__ void fw_draw_best(K* key, int* at, B before) {
     }
 }
 
+// Steps 1 and 2 of a row: r scaled by `inv` (1/T) and left as its log-probs, by `fw_draw` and
+// `fw_score` alike (so a scored token's log-prob is a drawn one's, bit for bit). `part`:
+// FW_DRAW_THREADS doubles and `lse_s` a float of shared memory.
+__device__ __forceinline__ void fw_draw_normalize(float* r, int vocab, float inv, double* part,
+                                                  float* lse_s) {
+  const int t = threadIdx.x, nt = FW_DRAW_THREADS;
+  float mx = -INFINITY;
+  for (int i = t; i < vocab; i += nt) {
+    const float v = fw_mul(r[i], inv);
+    r[i] = v;
+    mx = fmaxf(mx, v);
+  }
+  mx = fw_block_max(mx);
+  part[t] = fw_draw_lse_part(r, vocab, t, nt, mx);
+  __syncthreads();
+  if (t == 0) *lse_s = fw_draw_lse(mx, fw_draw_sum(part, nt));
+  __syncthreads();
+  const float lse = *lse_s;
+  for (int i = t; i < vocab; i += nt) r[i] = fw_sub(r[i], lse);
+  __syncthreads();
+}
+
+// Grid (scored rows), FW_DRAW_THREADS threads: the log-prob of a given token (the training
+// forward's, `Gpu::score`). x: the step's logits, `vocab` a row; spec FW_SCORE_SPEC_WORDS words a
+// scored row (row, 1/T's bits, token); out[b]: the log-prob's bits. The row is left as its
+// log-probs.
+extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
+    fw_score(float* __restrict__ x, int vocab, const uint32_t* __restrict__ spec,
+             uint32_t* __restrict__ out) {
+  __shared__ double part[FW_DRAW_THREADS];
+  __shared__ float lse_s;
+  const uint32_t* s = spec + (size_t)blockIdx.x * FW_SCORE_SPEC_WORDS;
+  float* r = x + (size_t)s[0] * vocab;
+  fw_draw_normalize(r, vocab, __uint_as_float(s[1]), part, &lse_s);
+  if (threadIdx.x == 0) out[blockIdx.x] = __float_as_uint(r[s[2]]);
+}
+
 // Grid (drawn rows), FW_DRAW_THREADS threads (a block an SM is enough: one a row; with the
 // default minimum, ptxas gave sm_80 32 registers and spills). x: the step's logits, `vocab` a
 // row; spec and out: FW_DRAW_SPEC_WORDS and FW_DRAWN_WORDS words a drawn row. The row's logits
@@ -256,20 +295,7 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
   const int nc = greedy ? 0 : min(min(nucleus ? FW_DRAW_CAND : (int)s[6], FW_DRAW_CAND), vocab);
   const int t = threadIdx.x, nt = FW_DRAW_THREADS;
 
-  float mx = -INFINITY;
-  for (int i = t; i < vocab; i += nt) {
-    const float v = fw_mul(r[i], inv);
-    r[i] = v;
-    mx = fmaxf(mx, v);
-  }
-  mx = fw_block_max(mx);
-  part[t] = fw_draw_lse_part(r, vocab, t, nt, mx);
-  __syncthreads();
-  if (t == 0) lse_s = fw_draw_lse(mx, fw_draw_sum(part, nt));
-  __syncthreads();
-  const float lse = lse_s;
-  for (int i = t; i < vocab; i += nt) r[i] = fw_sub(r[i], lse);
-  __syncthreads();
+  fw_draw_normalize(r, vocab, inv, part, &lse_s);
 
   // The argmax: the greedy token, and the draw's token where rounding leaves none.
   float bv = -INFINITY;

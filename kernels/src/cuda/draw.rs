@@ -22,6 +22,8 @@ const SPEC_WORDS: usize = 9;
 /// `FW_DRAW_HOST`: a nucleus whose cut reaches past the candidates, for the host to draw.
 const HOST: u32 = u32::MAX;
 const DRAWN_WORDS: usize = 4 + 2 * DRAW_TOP;
+/// `FW_SCORE_SPEC_WORDS`.
+const SCORE_SPEC_WORDS: usize = 3;
 
 /// How one row of logits is drawn.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -60,15 +62,33 @@ pub struct DrawBuffers {
     rows: usize,
 }
 
+/// A row whose log-prob of a given token is wanted (`Gpu::score`): the training forward's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScoreSpec {
+    /// The row of the step's logits.
+    pub row: u32,
+    pub token: u32,
+    /// Log-softmax(logits / T); None: at T = 1 (greedy's log-probs, as the sampler reports them).
+    pub temperature: Option<f32>,
+}
+
+/// 1/T as the sampler scales (`policy::scale_and_normalize`): 1 when greedy or T = 1, where it
+/// does not scale (and x·1 = x).
+fn inverse(temperature: Option<f32>) -> f32 {
+    match temperature {
+        Some(t) if t != 1.0 => 1.0 / t,
+        _ => 1.0,
+    }
+}
+
 impl DrawSpec {
     /// The spec's words (`fw_draw`'s layout): row, 1/T, u's low and high words, greedy, k,
     /// top-k, top-p, min-p. 1/T is 1 when greedy or T = 1, where the sampler does not scale.
     fn words(&self) -> [u32; SPEC_WORDS] {
-        let (inv, u) = match self.sample {
-            Some((t, u)) if t != 1.0 => (1.0 / t, u),
-            Some((_, u)) => (1.0, u),
-            None => (1.0f32, 0.0f64),
-        };
+        let (inv, u) = (
+            inverse(self.sample.map(|s| s.0)),
+            self.sample.map_or(0.0, |s| s.1),
+        );
         let ub = u.to_bits();
         [
             self.row,
@@ -189,6 +209,64 @@ impl Gpu {
             let (token, kept) = crate::reference::truncated_draw(&lp, 0, c.top_p, c.min_p, u);
             (d.token, d.logprob, d.kept) = (token, lp[token as usize], kept);
         }
+        Ok(())
+    }
+
+    /// The log-prob of each spec's token in its row of `x` (`n` rows of `vocab` logits) at its
+    /// temperature, by the draw's arithmetic (`fw_draw_normalize`: a drawn token's log-prob bit
+    /// for bit), after everything queued before; each scored row is left as its log-probs. `out`
+    /// gets one log-prob per spec, in order.
+    pub fn score(
+        &self,
+        x: &mut CudaSlice<f32>,
+        n: usize,
+        vocab: usize,
+        specs: &[ScoreSpec],
+        bufs: &mut DrawBuffers,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        out.clear();
+        check(specs.len() <= bufs.rows, || {
+            format!("{} rows to score, room for {}", specs.len(), bufs.rows)
+        })?;
+        check(vocab > 0 && vocab <= i32::MAX as usize, || {
+            format!("score: a vocabulary of {vocab}")
+        })?;
+        len_at_least(x, n * vocab, "score")?;
+        let mut words = Vec::with_capacity(specs.len() * SCORE_SPEC_WORDS);
+        for s in specs {
+            check((s.row as usize) < n && (s.token as usize) < vocab, || {
+                format!("score: row {} of {n}, token {} of {vocab}", s.row, s.token)
+            })?;
+            if let Some(t) = s.temperature {
+                check(t > 0.0 && t.is_finite(), || {
+                    format!("score: temperature {t}")
+                })?;
+            }
+            words.extend([s.row, inverse(s.temperature).to_bits(), s.token]);
+        }
+        // A row scored twice would be normalized twice in place.
+        let mut seen: Vec<u32> = specs.iter().map(|s| s.row).collect();
+        seen.sort_unstable();
+        check(seen.windows(2).all(|w| w[0] != w[1]), || {
+            "score: a row named twice".to_string()
+        })?;
+        if specs.is_empty() {
+            return Ok(());
+        }
+        self.write(&words, &mut bufs.spec)?;
+        let f = self.function("fw_score")?;
+        let (xp, v) = (self.ptr_mut(x), vocab as i32);
+        let (sp, op) = (self.ptr(&bufs.spec), self.ptr_mut(&mut bufs.out));
+        let cfg = LaunchConfig {
+            grid_dim: (specs.len() as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(f, cfg, &[&xp, &v, &sp, &op])?;
+        let got = &mut bufs.host[..specs.len()];
+        self.read_into(&bufs.out.slice(..got.len()), got)?;
+        out.extend(got.iter().map(|&w| f32::from_bits(w)));
         Ok(())
     }
 }

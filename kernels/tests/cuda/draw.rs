@@ -5,7 +5,7 @@
 
 use super::gpu;
 use crate::common::Rng;
-use flywheel_kernels::cuda::{DrawSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP};
+use flywheel_kernels::cuda::{DrawSpec, ScoreSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP};
 use flywheel_kernels::reference;
 
 #[test]
@@ -153,5 +153,93 @@ fn draws_the_kernel_cannot_take_are_refused() {
             g.draw(&mut dx, 2, 50, &bad, &mut bufs, &mut out).is_err(),
             "{bad:?}"
         );
+    }
+}
+
+/// A scored token's log-prob (`Gpu::score`, the training forward's) is the log-prob the draw
+/// reports for the same row, token and temperature, bit for bit (the same steps: the sampler's
+/// log-probs are the trainer's), and the reference's within an ulp of f32; rows not scored are
+/// left as they were, and specs the kernel cannot take are refused.
+#[test]
+fn scored_log_probs_are_the_drawn_ones() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(43);
+    for vocab in [7usize, 1000, 49152, 128256] {
+        let n = 6;
+        let x = rng.vec(n * vocab, 6.0);
+        // Rows 0..5 drawn greedily or at a temperature (T 1 as greedy's log-probs), then scored
+        // at the drawn token from a fresh copy; row 5 neither.
+        let temps = [None, Some(0.7f32), Some(1.0), Some(1.3), None];
+        let specs: Vec<DrawSpec> = temps
+            .iter()
+            .enumerate()
+            .map(|(row, &t)| DrawSpec {
+                row: row as u32,
+                sample: t.map(|t| (t, (rng.next() >> 11) as f64 / (1u64 << 53) as f64)),
+                top: 0,
+                truncate: Truncate::NONE,
+            })
+            .collect();
+        let mut bufs = g.draw_buffers(8).unwrap();
+        let (mut drawn, mut scored) = (Vec::new(), Vec::new());
+        let mut dx = g.upload(&x).unwrap();
+        g.draw(&mut dx, n, vocab, &specs, &mut bufs, &mut drawn)
+            .unwrap();
+        // Scored in another order (and rows), token by token from the draws.
+        let scores: Vec<ScoreSpec> = (0..temps.len())
+            .rev()
+            .map(|r| ScoreSpec {
+                row: r as u32,
+                token: drawn[r].token,
+                temperature: temps[r],
+            })
+            .collect();
+        let mut sx = g.upload(&x).unwrap();
+        g.score(&mut sx, n, vocab, &scores, &mut bufs, &mut scored)
+            .unwrap();
+        let after = g.download(&sx).unwrap();
+        for (s, &lp) in scores.iter().zip(&scored) {
+            let r = s.row as usize;
+            assert_eq!(
+                lp.to_bits(),
+                drawn[r].logprob.to_bits(),
+                "vocab {vocab} row {r}: scored {lp}, drawn {}",
+                drawn[r].logprob
+            );
+            let mut want = x[r * vocab..(r + 1) * vocab].to_vec();
+            if let Some(t) = s.temperature.filter(|&t| t != 1.0) {
+                let inv = 1.0 / t;
+                want.iter_mut().for_each(|v| *v *= inv);
+            }
+            reference::log_softmax(&mut want);
+            let b = want[s.token as usize];
+            assert!(
+                (lp - b).abs() <= 4e-7 * b.abs().max(1.0),
+                "vocab {vocab} row {r}"
+            );
+        }
+        assert_eq!(after[5 * vocab..], x[5 * vocab..], "the row not scored");
+        let spec = |row, token, temperature| ScoreSpec {
+            row,
+            token,
+            temperature,
+        };
+        for bad in [
+            vec![spec(n as u32, 0, None)],            // past the rows
+            vec![spec(0, vocab as u32, None)],        // past the vocabulary
+            vec![spec(0, 0, None), spec(0, 1, None)], // a row twice
+            vec![spec(0, 0, Some(0.0))],              // no temperature
+        ] {
+            assert!(
+                g.score(&mut sx, n, vocab, &bad, &mut bufs, &mut scored)
+                    .is_err(),
+                "{bad:?}"
+            );
+        }
+        let mut room = g.draw_buffers(2).unwrap();
+        let three: Vec<ScoreSpec> = (0..3).map(|r| spec(r, 0, None)).collect();
+        assert!(g
+            .score(&mut sx, n, vocab, &three, &mut room, &mut scored)
+            .is_err());
     }
 }

@@ -112,6 +112,8 @@ pub struct GpuDecoder {
     /// Room for the tokens drawn on the GPU (`draw.rs`); None: every row's logits come back.
     draw: Option<DrawBuffers>,
     drawn: Vec<Drawn>,
+    /// Room for the training forward's scored rows (`score.rs`), made on its first call.
+    score: Option<DrawBuffers>,
 }
 
 /// What `GpuDecoder::new` sizes its buffers for.
@@ -254,6 +256,7 @@ impl GpuDecoder {
                 false => None,
             },
             drawn: Vec::new(),
+            score: None,
             gpu,
         })
     }
@@ -351,15 +354,7 @@ impl GpuDecoder {
             });
             logit_rows.push(row as u32);
         }
-        let (rope, rope_local) = model.rope_tables(&positions);
-        let g = &self.gpu;
-        g.write(&tokens, &mut self.acts.tokens)?;
-        g.write(&rope, &mut self.acts.rope)?;
-        if !rope_local.is_empty() {
-            g.write(&rope_local, &mut self.acts.rope_local)?;
-        }
-        let n_blocks = self.scratch_block as usize + 1;
-        g.set_tokens(&mut self.meta, &attn, self.block_size, n_blocks)?;
+        self.load_step(model, &tokens, &positions, &attn)?;
 
         let vocab = c.vocab_size;
         if let Some(b) = bucket {
@@ -404,6 +399,26 @@ impl GpuDecoder {
             let out = &mut bufs.logits[at..at + chunk.len() * vocab];
             self.rows_out(model, i * HEAD_ROWS, chunk.len(), draws, out, drawn)?;
         }
+        Ok(())
+    }
+
+    /// A step's tokens, RoPE tables (from their positions) and attention rows on the device.
+    fn load_step(
+        &mut self,
+        model: &Decoder,
+        tokens: &[u32],
+        positions: &[u32],
+        attn: &[AttnSeq],
+    ) -> Result<(), ModelError> {
+        let (rope, rope_local) = model.rope_tables(positions);
+        let g = &self.gpu;
+        g.write(tokens, &mut self.acts.tokens)?;
+        g.write(&rope, &mut self.acts.rope)?;
+        if !rope_local.is_empty() {
+            g.write(&rope_local, &mut self.acts.rope_local)?;
+        }
+        let n_blocks = self.scratch_block as usize + 1;
+        g.set_tokens(&mut self.meta, attn, self.block_size, n_blocks)?;
         Ok(())
     }
 
@@ -576,6 +591,7 @@ mod acts;
 mod adapters;
 mod draw;
 mod ops;
+mod score;
 use acts::{Acts, MoeBufs};
 use adapters::{head_lora, module_dims, AdapterSig, GpuAdapter, Projector, Rowwise, ADAPTER_SLOTS};
 use ops::{attend, cudarc_mode, residual_then_norm, Experts};

@@ -57,12 +57,50 @@ impl TrainSeq<'_> {
     }
 }
 
-/// A training batch's block tables in one pool of `blocks` KV blocks, and each sequence's first
-/// position.
-struct Tables {
-    tables: Vec<Vec<u32>>,
-    first_pos: Vec<usize>,
-    blocks: usize,
+/// A training batch's block tables in one pool of `blocks` KV blocks (ids `0..blocks`), and each
+/// sequence's first position.
+pub(super) struct Tables {
+    pub tables: Vec<Vec<u32>>,
+    pub first_pos: Vec<usize>,
+    pub blocks: usize,
+}
+
+/// Block tables (one pool of blocks of `bs` tokens) and first positions of a training batch,
+/// checked.
+pub(super) fn train_tables(seqs: &[TrainSeq], bs: usize) -> Result<Tables, ModelError> {
+    let mut tables: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
+    let mut first_pos = Vec::with_capacity(seqs.len());
+    let mut next = 0u32;
+    for (i, s) in seqs.iter().enumerate() {
+        if s.prompt_len == 0 || s.prompt_len > s.tokens.len() {
+            return Err(ModelError::Batch(
+                "a training sequence needs a prompt of at least one token".into(),
+            ));
+        }
+        let mut table = Vec::new();
+        let mut pos = 0;
+        if let Some(j) = s.prefix {
+            let ok = j < i && seqs[j].prefix.is_none() && seqs[j].tokens.len().is_multiple_of(bs);
+            if !ok || seqs[j].prompt_len != seqs[j].tokens.len() {
+                return Err(ModelError::Batch(format!(
+                    "sequence {i}: its prefix must be an earlier unscored sequence of whole \
+                     {bs}-token blocks"
+                )));
+            }
+            table.extend_from_slice(&tables[j]);
+            pos = seqs[j].tokens.len();
+        }
+        let nb = s.tokens.len().div_ceil(bs) as u32;
+        table.extend(next..next + nb);
+        next += nb;
+        tables.push(table);
+        first_pos.push(pos);
+    }
+    Ok(Tables {
+        tables,
+        first_pos,
+        blocks: next as usize,
+    })
 }
 
 /// What the forward keeps for the backward.
@@ -97,45 +135,6 @@ impl Decoder {
         layer_act_bytes(&self.config, tokens)
     }
 
-    /// Block tables (one KV block pool) and first positions of a training batch, checked.
-    fn train_tables(&self, seqs: &[TrainSeq]) -> Result<Tables, ModelError> {
-        let bs = TRAIN_BLOCK;
-        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
-        let mut first_pos = Vec::with_capacity(seqs.len());
-        let mut next = 0u32;
-        for (i, s) in seqs.iter().enumerate() {
-            if s.prompt_len == 0 || s.prompt_len > s.tokens.len() {
-                return Err(ModelError::Batch(
-                    "a training sequence needs a prompt of at least one token".into(),
-                ));
-            }
-            let mut table = Vec::new();
-            let mut pos = 0;
-            if let Some(j) = s.prefix {
-                let ok =
-                    j < i && seqs[j].prefix.is_none() && seqs[j].tokens.len().is_multiple_of(bs);
-                if !ok || seqs[j].prompt_len != seqs[j].tokens.len() {
-                    return Err(ModelError::Batch(format!(
-                        "sequence {i}: its prefix must be an earlier unscored sequence of whole \
-                         {bs}-token blocks"
-                    )));
-                }
-                table.extend_from_slice(&tables[j]);
-                pos = seqs[j].tokens.len();
-            }
-            let nb = s.tokens.len().div_ceil(bs) as u32;
-            table.extend(next..next + nb);
-            next += nb;
-            tables.push(table);
-            first_pos.push(pos);
-        }
-        Ok(Tables {
-            tables,
-            first_pos,
-            blocks: next as usize,
-        })
-    }
-
     /// The forward of a training batch: its cache, and the final hidden state in `bufs.x`.
     fn train_pass(
         &self,
@@ -146,7 +145,7 @@ impl Decoder {
         store: Option<&mut ActStore>,
     ) -> Result<(KvCache, Tables), ModelError> {
         let c = &self.config;
-        let tb = self.train_tables(seqs)?;
+        let tb = train_tables(seqs, TRAIN_BLOCK)?;
         let (tables, first_pos) = (&tb.tables, &tb.first_pos);
         let mut cache = KvCache::with_dtype(
             c.num_layers,
@@ -378,7 +377,7 @@ pub(super) fn logit_grad(
 
 /// The scored rows of a packed batch: (sequence, row whose logits predict the token, token), in
 /// order (each completion token is predicted by the row before it).
-fn scored_rows(seqs: &[TrainSeq]) -> Vec<(usize, usize, u32)> {
+pub(super) fn scored_rows(seqs: &[TrainSeq]) -> Vec<(usize, usize, u32)> {
     let mut scored = Vec::new();
     let mut start = 0;
     for (i, s) in seqs.iter().enumerate() {
