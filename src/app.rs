@@ -201,6 +201,23 @@ fn model_name(cfg: &Config) -> String {
     })
 }
 
+/// A training step's log-probs from the engine's device (`EngineHandle::logprobs`).
+struct EngineScorer(crate::engine::EngineHandle);
+
+impl crate::train::offline::Scorer for EngineScorer {
+    fn logprobs(
+        &self,
+        seqs: &[crate::model::decoder::TrainSeq],
+        adapter: Option<&crate::adapter::AdapterWeights>,
+        temperature: f32,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let adapter = adapter.map(|a| Arc::new(a.clone()));
+        self.0
+            .logprobs(seqs, adapter, temperature)
+            .map_err(|e| anyhow::anyhow!("the serving device's training forward: {e}"))
+    }
+}
+
 /// How the start-up log names a `--chat-template` value (a template's text is not printed).
 fn chat_template_name(value: &str) -> &str {
     if value.contains("{{") || value.contains("{%") {
@@ -234,10 +251,10 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     }
     let tokenizer = Arc::new(tokenizer);
     let c = &model.config;
-    // The trainer's forwards run on the CPU: serving stays there under auto, so that the served
-    // log-probs are the trainer's to the bit.
+    // The trainer runs on the CPU (with --device cuda its steps' log-probs come from the GPU's
+    // forward, `EngineScorer`): serving stays there under auto until that is proven on a GPU.
     let cpu_reason = (!cfg.learn.is_empty())
-        .then_some("adapters learn here and the trainer runs on the CPU (train = serve, bitwise)");
+        .then_some("adapters learn here and the trainer's backward runs on the CPU");
     let device = crate::engine::device::select(cfg.device, cpu_reason)?;
     // The CPU's cache keeps the sliding-window layers' K/V in a pool of their own.
     let windows = c
@@ -297,17 +314,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     }
     let model = Arc::new(model);
     let cpu = Arc::new(cpu);
-    let compute = Compute {
-        model: model.clone(),
-        tokenizer: tokenizer.clone(),
-        cpu: cpu.clone(),
-        registry: registry.clone(),
-        evaluator: Default::default(),
-    };
-    let online = Online::new(cfg.online.clone(), compute, metrics.clone());
-    if !cfg.learn.is_empty() {
-        online.start_with(&cfg.learn)?;
-    }
+    let on_gpu = device.name() != "cpu";
     let (engine, _join) = Engine::start_on(
         model.clone(),
         tokenizer.clone(),
@@ -316,6 +323,27 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         metrics.clone(),
         device,
     )?;
+    let compute = Compute {
+        model: model.clone(),
+        tokenizer: tokenizer.clone(),
+        cpu: cpu.clone(),
+        registry: registry.clone(),
+        evaluator: Default::default(),
+        scorer: Default::default(),
+    };
+    if on_gpu {
+        // The training steps' log-probs from the kernels that serve (the backward stays the
+        // CPU's, from its own forward).
+        let _ = compute.scorer.set(Arc::new(EngineScorer(engine.clone())));
+        tracing::info!(
+            "training: the steps' log-probs from the GPU's forward between serving steps (the \
+             served ones, bit for bit); their backward on the CPU"
+        );
+    }
+    let online = Online::new(cfg.online.clone(), compute, metrics.clone());
+    if !cfg.learn.is_empty() {
+        online.start_with(&cfg.learn)?;
+    }
     Ok(Ready {
         engine,
         tokenizer,

@@ -693,7 +693,7 @@ fn train_equals_serve(spec: &TinySpec) {
                 prefix: Some(1),
             },
         ];
-        assert!(g.blocks_for(&packed).unwrap() <= free.len());
+        assert!(flywheel::model::decoder::blocks_of(&packed, BS) <= free.len());
         let lp = g.logprobs(&model, &packed, &free, adapter, t).unwrap();
         assert!(lp[1].is_empty(), "{what}: the prefix scores nothing");
         same(&lp[2], &served[i], &format!("sequence {i} packed"));

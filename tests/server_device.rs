@@ -180,3 +180,56 @@ fn tokens_drawn_on_the_gpu_are_those_the_host_draws() {
         }
     }
 }
+
+/// On a GPU: an adapter learning while the server serves on the GPU trains from the log-probs
+/// the GPU served, bit for bit (the trainer's steps' log-probs from the GPU's forward between
+/// serving steps; its backward on the CPU): a step's `logprob_diff_max` over its own samples is
+/// 0, as on the CPU. Without a usable GPU there is nothing to run, and it says so.
+#[test]
+fn an_adapter_learning_on_the_gpu_trains_from_the_served_log_probs() {
+    use common::online::{call, learning_config, sample, start_learning_with, wait_status, USER};
+    let (dir, path) = write_tiny(&TinySpec::small());
+    if let Err(err) = serve_on_cuda(&path) {
+        eprintln!(
+            "skipped: no usable GPU here ({})",
+            err.lines().last().unwrap_or("")
+        );
+        return;
+    }
+    let data = dir.path().join("data");
+    let s = start_learning_with(
+        &path,
+        &data,
+        &learning_config(),
+        &["l"],
+        &["--device", "cuda"],
+    );
+    let log = s.stderr();
+    assert!(
+        log.contains("device: cuda") && log.contains("the steps' log-probs from the GPU's forward"),
+        "{log}"
+    );
+    for step in 1..=2u64 {
+        let id = sample(&s, "l", 4, 6, USER)["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let items: Vec<serde_json::Value> = (0..4)
+            .map(|i| json!({"id": id, "choice": i, "reward": (i % 2) as f64}))
+            .collect();
+        let r = call(
+            &s,
+            "POST",
+            "/v1/feedback",
+            Some(&serde_json::Value::Array(items)),
+            USER,
+        );
+        assert_eq!(r.status, 202, "{}", r.body_text());
+        let st = wait_status(&s, "l", 120, |st| st["steps"] == step);
+        assert_eq!(st["state"], "running", "{st}");
+        assert_eq!(
+            st["last"]["logprob_diff_max"], 0.0,
+            "step {step}: the trainer's log-probs and the GPU's served ones differ: {st}"
+        );
+    }
+}

@@ -69,6 +69,7 @@ fn sft_steps_raise_the_log_prob_of_their_data() {
         let (next, stats) = step(
             &model,
             &Cpu::detect(),
+            None,
             &w,
             &mut opt,
             &loss,
@@ -110,6 +111,7 @@ fn grpo_step(
     let (next, _) = flywheel::train::offline::step(
         model,
         &cpu,
+        None,
         w,
         opt,
         &loss,
@@ -129,7 +131,7 @@ fn grpo_step(
 #[test]
 fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
     use flywheel::train::loss::LossConfig;
-    use flywheel::train::offline::{grouped, parse_jsonl, step};
+    use flywheel::train::offline::{grouped, parse_jsonl, step, Scorer};
     use flywheel::train::optim::{AdamW, AdamWConfig};
     let (_dir, path) = write_tiny(&TinySpec::small());
     let model = Decoder::open(&path).unwrap();
@@ -165,7 +167,7 @@ fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
         let w = AdapterWeights::new(id.layout.clone(), params).unwrap();
         let mut loss = LossConfig::named("grpo".parse().unwrap(), 40, 6);
         loss.kl_coef = kl;
-        let run = |max_tokens: usize| {
+        let run_with = |max_tokens: usize, scorer: Option<&dyn Scorer>| {
             let mut opt = AdamW::new(
                 AdamWConfig {
                     lr: 1e-2,
@@ -176,6 +178,7 @@ fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
             step(
                 &model,
                 &cpu,
+                scorer,
                 &w,
                 &mut opt,
                 &loss,
@@ -187,8 +190,37 @@ fn a_step_over_its_token_bound_runs_in_micro_batches_with_the_same_update() {
             )
             .unwrap()
         };
+        let run = |max_tokens: usize| run_with(max_tokens, None);
         let (one, s1) = run(usize::MAX);
         let (many, sm) = run(32);
+        // The loss's log-probs from a scorer (the serving device's, `EngineHandle::logprobs`):
+        // the policy's and the reference's, every pass; where they are the trainer's own, the
+        // same step to the bit.
+        for max_tokens in [usize::MAX, 32] {
+            let own = TheTrainers {
+                model: &model,
+                shift: 0.0,
+                calls: Default::default(),
+            };
+            let (w1, st) = run_with(max_tokens, Some(&own));
+            let (w0, s0) = run_with(max_tokens, None);
+            assert_eq!(w1.params, w0.params, "{name}");
+            assert_eq!((st.loss, st.kl), (s0.loss, s0.kl), "{name}");
+            let (policy, reference) = *own.calls.lock().unwrap();
+            let passes = if max_tokens == 32 {
+                s0.micro_batches
+            } else {
+                1
+            };
+            assert_eq!(policy, passes, "{name}: the policy's log-probs a pass");
+            assert_eq!(reference, if kl > 0.0 { passes } else { 0 }, "{name}");
+            if kl > 0.0 {
+                // The policy's log-probs moved: the KL to the reference moves with them.
+                let moved = TheTrainers { shift: 0.05, ..own };
+                let (_, sx) = run_with(max_tokens, Some(&moved));
+                assert!(sx.kl != s0.kl, "{name}: kl {} and {}", sx.kl, s0.kl);
+            }
+        }
         assert_eq!(s1.micro_batches, 1);
         assert!(
             sm.micro_batches >= 6,
@@ -319,4 +351,38 @@ fn text_and_messages_lines_tokenize_into_prompt_and_completion() {
     assert_eq!(tok.decode(&s[1].prompt), "abc");
     assert_eq!(tok.decode(&s[1].completion), " def");
     assert_eq!(s[1].group, "g");
+}
+
+/// A scorer with the trainer's own log-probs (`Decoder::logprobs`), the policy's moved by `shift`:
+/// it counts the policy's calls and the reference's.
+struct TheTrainers<'a> {
+    model: &'a Decoder,
+    shift: f32,
+    calls: std::sync::Mutex<(usize, usize)>,
+}
+
+impl flywheel::train::offline::Scorer for TheTrainers<'_> {
+    fn logprobs(
+        &self,
+        seqs: &[TrainSeq],
+        adapter: Option<&AdapterWeights>,
+        temperature: f32,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let mut c = self.calls.lock().unwrap();
+        let shift = match adapter {
+            Some(_) => {
+                c.0 += 1;
+                self.shift
+            }
+            None => {
+                c.1 += 1;
+                0.0
+            }
+        };
+        let mut l = self
+            .model
+            .logprobs(&Cpu::detect(), seqs, adapter, temperature)?;
+        l.iter_mut().flatten().for_each(|v| *v += shift);
+        Ok(l)
+    }
 }

@@ -444,10 +444,11 @@ impl AdapterLayout {
 }
 
 /// One immutable set of adapter values, in the form the forward pass reads.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct AdapterWeights {
     /// Unique in this process: what a backend's copy of these values is keyed by (a GPU keeps
-    /// the versions it serves; an address could be reused by a later version).
+    /// the versions it serves; an address could be reused by a later version). A clone keeps it:
+    /// the same values.
     uid: u64,
     pub layout: Arc<AdapterLayout>,
     /// The trainable f32 parameters (PEFT shapes, flat; see `AdapterLayout`).

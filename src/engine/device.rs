@@ -7,7 +7,8 @@ use super::sampler::{DeviceDraw, Sampled};
 use super::scheduler::{Chunk, Scheduler};
 use super::sequence::SeqId;
 use super::EngineConfig;
-use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, ModelError};
+use crate::adapter::AdapterWeights;
+use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, ModelError, TrainSeq};
 use crate::model::kv_cache::KvCache;
 use flywheel_kernels::Cpu;
 use std::collections::HashMap;
@@ -197,6 +198,36 @@ pub(super) fn forward(
                 .map(|(r, d)| d.sampled(r.token, r.logprob, r.kept, &r.top))
                 .collect())
         }
+    }
+}
+
+/// A training forward's bounds on `backend`: None on the CPU (a batch at once, in a cache of its
+/// own); on a GPU (the most tokens a step holds, the tokens of a KV block): parts of it in blocks
+/// of the engine's cache.
+pub(super) fn score_bounds(backend: &Backend) -> Option<(usize, usize)> {
+    match backend {
+        Backend::Cpu(_) => None,
+        #[cfg(feature = "cuda")]
+        Backend::Gpu(g) => Some(g.step_bounds()),
+    }
+}
+
+/// The log-probs of `seqs`' completion tokens on `backend` (`Decoder::logprobs` or
+/// `GpuDecoder::logprobs`, in `blocks` of the engine's cache there).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn score(
+    backend: &mut Backend,
+    model: &Decoder,
+    cpu: &Cpu,
+    seqs: &[TrainSeq],
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] blocks: &[u32],
+    adapter: Option<&AdapterWeights>,
+    temperature: f32,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    match backend {
+        Backend::Cpu(_) => model.logprobs(cpu, seqs, adapter, temperature),
+        #[cfg(feature = "cuda")]
+        Backend::Gpu(g) => g.logprobs(model, seqs, blocks, adapter, temperature),
     }
 }
 

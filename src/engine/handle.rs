@@ -189,6 +189,7 @@ impl ClientId {
 
 pub(super) enum Command {
     Submit(Box<Submission>),
+    Score(Box<super::scoring::ScoreJob>),
 }
 
 pub(super) struct Submission {
@@ -295,6 +296,38 @@ impl EngineHandle {
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, SubmitError> {
         let a = self.admit(ClientId::of_key(""))?;
         self.submit_admitted(req, &a)
+    }
+
+    /// The log-probs (of logits / `temperature`) of every completion token of `seqs` through
+    /// `adapter`, computed by the engine between its serving steps on the device it serves on
+    /// (`engine::scoring`): a trainer's forward from the kernels that served the completions.
+    /// Blocks until they are ready; an error says why not (a sequence longer than a step holds,
+    /// the engine stopped).
+    pub fn logprobs(
+        &self,
+        seqs: &[crate::model::decoder::TrainSeq],
+        adapter: Option<Arc<crate::adapter::AdapterWeights>>,
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let job = super::scoring::ScoreJob {
+            seqs: seqs
+                .iter()
+                .map(|s| super::scoring::ScoreSeq {
+                    tokens: s.tokens.to_vec(),
+                    prompt_len: s.prompt_len,
+                    prefix: s.prefix,
+                })
+                .collect(),
+            adapter,
+            temperature,
+            tx,
+        };
+        let stopped = || "the engine has stopped".to_string();
+        self.tx
+            .send(Command::Score(Box::new(job)))
+            .map_err(|_| stopped())?;
+        rx.recv().map_err(|_| stopped())?
     }
 
     pub fn is_alive(&self) -> bool {

@@ -13,6 +13,7 @@ mod prompt_rows;
 pub mod repetition;
 pub mod sampler;
 pub mod scheduler;
+mod scoring;
 pub mod sequence;
 
 use crate::metrics::Metrics;
@@ -66,6 +67,8 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     inbox: mpsc::Receiver<Command>,
     last_prefix: (u64, u64),
+    /// Training forwards to run between serving steps (`scoring.rs`).
+    scoring: std::collections::VecDeque<scoring::Scoring>,
 }
 
 impl Engine {
@@ -143,6 +146,7 @@ impl Engine {
                     metrics,
                     inbox,
                     last_prefix: (0, 0),
+                    scoring: Default::default(),
                 };
                 let _ = ready_tx.send(Ok(()));
                 engine.run();
@@ -160,7 +164,7 @@ impl Engine {
 
     fn run(&mut self) {
         loop {
-            if self.sched.is_idle() {
+            if self.sched.is_idle() && self.scoring.is_empty() {
                 self.update_gauges();
                 match self.inbox.recv() {
                     Ok(cmd) => self.handle(cmd),
@@ -173,9 +177,14 @@ impl Engine {
             self.reap_cancelled();
             // A step is the pool's foreground: background (training) kernels wait for it.
             let cpu = self.cpu.clone();
-            let worked = cpu.pool.gate.foreground(|| self.step());
+            // (Not while only a training forward waits: a foreground step waits for the
+            // background's slice, and the trainer waiting for it holds one.)
+            let worked = !self.sched.is_idle() && cpu.pool.gate.foreground(|| self.step());
+            // Then a part of a training forward, if one waits.
+            let worked = self.score_turn() || worked;
             self.update_gauges();
-            if !worked && !self.sched.is_idle() {
+            let idle = self.sched.is_idle() && self.scoring.is_empty();
+            if !worked && !idle {
                 // Nothing could be scheduled (all waiting for blocks held by nobody should not
                 // happen; be gentle rather than spin).
                 std::thread::sleep(Duration::from_millis(1));
@@ -186,6 +195,7 @@ impl Engine {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(sub) => self.add_request(*sub),
+            Command::Score(job) => self.add_scoring(*job),
         }
     }
 

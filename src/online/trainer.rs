@@ -58,6 +58,9 @@ pub struct Compute {
     pub registry: Arc<Registry>,
     /// Runs evaluation sets' requests (set by the server once it serves).
     pub evaluator: crate::online::eval::RunnerCell,
+    /// Where the engine serves on a GPU, the training steps' log-probs from there (set before
+    /// the trainer starts).
+    pub scorer: super::learner::ScorerCell,
 }
 
 type Reply<T> = tokio::sync::oneshot::Sender<Result<T, CommandError>>;
@@ -211,6 +214,7 @@ impl TrainerHandle {
                 metrics: metrics.clone(),
                 adapters,
                 evaluator: compute.evaluator,
+                scorer: compute.scorer,
             },
             learners: BTreeMap::new(),
             runs: BTreeMap::new(),

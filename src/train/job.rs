@@ -141,6 +141,7 @@ pub fn run(
         let (nw, stats) = step(
             model,
             cpu,
+            None,
             &w,
             &mut opt,
             &cfg,

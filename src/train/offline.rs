@@ -8,7 +8,7 @@ use super::optim::AdamW;
 pub use super::pack::micro_batches;
 use super::pack::Packed;
 use crate::adapter::AdapterWeights;
-use crate::model::decoder::Decoder;
+use crate::model::decoder::{Decoder, TrainSeq};
 use crate::model::tokenizer::{ChatMessage, Tokenizer};
 use flywheel_kernels::Cpu;
 use serde_json::Value;
@@ -117,17 +117,33 @@ pub struct StepStats {
     pub teacher_kl: Option<f64>,
 }
 
+/// Where a step's log-probs come from when not from the trainer's own forward: the device that
+/// served the completions (`EngineHandle::logprobs` where the engine serves on a GPU: the
+/// kernels that computed the served log-probs, so that train = serve there bit for bit). The
+/// gradient stays the trainer's (its backward from its own forward).
+pub trait Scorer: Send + Sync {
+    /// `Decoder::logprobs`'s contract.
+    fn logprobs(
+        &self,
+        seqs: &[TrainSeq],
+        adapter: Option<&AdapterWeights>,
+        temperature: f32,
+    ) -> anyhow::Result<Vec<Vec<f32>>>;
+}
+
 /// One optimizer step on `groups`: returns the new adapter version's weights and the statistics.
 /// `activation_budget`: bytes of activations the training forward keeps (`Llama::train_forward`).
 /// `max_tokens`: the most tokens one forward/backward pass holds; a step over more runs in
 /// micro-batches of whole samples (a sample longer than that alone) whose gradients add up to
 /// the whole step's: first every micro-batch's log-probs (no activations kept), then the loss over
 /// all of them, then per micro-batch the training forward and backward. The same loss and
-/// gradient as one pass, at the cost of one more forward.
+/// gradient as one pass, at the cost of one more forward. `scorer`: the log-probs of the loss (of
+/// the policy and the reference) from there instead of the trainer's forward.
 #[allow(clippy::too_many_arguments)]
 pub fn step(
     model: &Decoder,
     cpu: &Cpu,
+    scorer: Option<&dyn Scorer>,
     weights: &AdapterWeights,
     opt: &mut AdamW,
     loss: &LossConfig,
@@ -156,15 +172,25 @@ pub fn step(
         .iter()
         .map(|r| Packed::new(&pairs[r.clone()], true))
         .collect();
+    let logprobs = |seqs: &[TrainSeq], adapter| -> anyhow::Result<Vec<Vec<f32>>> {
+        match scorer {
+            Some(s) => s.logprobs(seqs, adapter, temperature),
+            None => Ok(model.logprobs(cpu, seqs, adapter, temperature)?),
+        }
+    };
     let (logps, mut one_pass) = if let [packed] = packs.as_slice() {
         let seqs = packed.seqs();
-        let (l, st) = model.train_forward(cpu, &seqs, weights, temperature, activation_budget)?;
+        let (mut l, st) =
+            model.train_forward(cpu, &seqs, weights, temperature, activation_budget)?;
+        if let Some(s) = scorer {
+            l = s.logprobs(&seqs, Some(weights), temperature)?;
+        }
         let per_sample = packed.of_sample.iter().map(|&q| l[q].clone()).collect();
         (per_sample, Some(st))
     } else {
         let mut per_sample = Vec::with_capacity(samples.len());
         for packed in &packs {
-            let l = model.logprobs(cpu, &packed.seqs(), Some(weights), temperature)?;
+            let l = logprobs(&packed.seqs(), Some(weights))?;
             per_sample.extend(packed.of_sample.iter().map(|&q| l[q].clone()));
         }
         (per_sample, None)
@@ -172,7 +198,7 @@ pub fn step(
     let refs = if loss.kl_coef != 0.0 {
         let mut r = Vec::with_capacity(samples.len());
         for packed in &packs {
-            let l = model.logprobs(cpu, &packed.seqs(), None, temperature)?;
+            let l = logprobs(&packed.seqs(), None)?;
             r.extend(packed.of_sample.iter().map(|&q| l[q].clone()));
         }
         Some(r)

@@ -21,7 +21,10 @@ pub use forward::{adapter_groups, AdapterGroup, Projection};
 #[cfg(feature = "cuda")]
 pub use gpu::{GpuDecoder, GpuShape};
 pub use pack::{BatchSeq, Logits};
-pub use train::{TrainSeq, TrainState, ACTIVATION_BUDGET, HEAD_CHUNK, TRAIN_BLOCK};
+pub use train::{
+    blocks_of, part_seqs, score_parts, TrainSeq, TrainState, ACTIVATION_BUDGET, HEAD_CHUNK,
+    TRAIN_BLOCK,
+};
 
 use super::gguf::{Gguf, GgufError, TensorInfo, WeightMemory};
 use flywheel_kernels::cpu::ops::rope_table;

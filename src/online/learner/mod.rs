@@ -50,7 +50,13 @@ pub struct Env {
     pub adapters: Option<Arc<AdapterStore>>,
     /// Runs evaluation sets (`online::eval`), once the server serves.
     pub evaluator: crate::online::eval::RunnerCell,
+    /// The log-probs of a step's loss from the device that serves (`Compute::scorer`).
+    pub scorer: ScorerCell,
 }
+
+/// Set where the engine serves on a GPU: the trainer's log-probs from there
+/// (`train::offline::Scorer`).
+pub type ScorerCell = Arc<std::sync::OnceLock<Arc<dyn crate::train::offline::Scorer>>>;
 
 /// A learning adapter in the trainer thread: a `Learner` where this process trains, a
 /// `Follower` in a serving replica.

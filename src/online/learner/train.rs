@@ -326,6 +326,7 @@ impl Learner {
         let (next, stats) = step(
             &env.model,
             &env.cpu,
+            env.scorer.get().map(|s| s.as_ref()),
             weights,
             &mut opt,
             &plan.loss,

@@ -8,7 +8,9 @@
 //! eagerly: the same bits). A mixture of experts routes a prefill on the host (`moe::route`) and
 //! a decode step on the device: the GPU tests check its forward within f32 rounding, not bits.
 
-use super::super::train::{inv_temperature, scored_rows, train_tables, Tables};
+use super::super::train::{
+    inv_temperature, part_seqs, score_parts, scored_rows, train_tables, Tables,
+};
 use super::adapters::head_lora;
 use super::{GpuDecoder, HEAD_ROWS};
 use crate::adapter::AdapterWeights;
@@ -18,17 +20,38 @@ use crate::model::decoder::{Decoder, ModelError, TrainSeq};
 use flywheel_kernels::cuda::ScoreSpec;
 
 impl GpuDecoder {
-    /// KV blocks of this decoder's cache `logprobs` needs for `seqs` (a shared prefix once).
-    pub fn blocks_for(&self, seqs: &[TrainSeq]) -> Result<usize, ModelError> {
-        Ok(train_tables(seqs, self.block_size)?.blocks)
+    /// The most tokens one step runs, and the tokens of a KV block (`score_parts`' bounds).
+    pub fn step_bounds(&self) -> (usize, usize) {
+        (self.max_tokens, self.block_size)
+    }
+
+    /// `Decoder::logprobs` on the GPU: `logprobs_part` over the parts of at most a step's tokens
+    /// and `blocks.len()` blocks (`score_parts`), each sequence's log-probs in its place.
+    pub fn logprobs(
+        &mut self,
+        model: &Decoder,
+        seqs: &[TrainSeq],
+        blocks: &[u32],
+        adapter: Option<&AdapterWeights>,
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let mut out = vec![Vec::new(); seqs.len()];
+        for part in score_parts(seqs, self.block_size, self.max_tokens, blocks.len())? {
+            let got =
+                self.logprobs_part(model, &part_seqs(seqs, &part), blocks, adapter, temperature)?;
+            for (i, lp) in part.into_iter().zip(got) {
+                out[i] = lp;
+            }
+        }
+        Ok(out)
     }
 
     /// `Decoder::logprobs` on the GPU, in one eager step: the sequences' tokens through every
-    /// layer into the KV blocks `blocks` (of this decoder's cache, at least `blocks_for(seqs)`,
-    /// held by the caller for the call and free after it), then the LM head over the scored rows,
+    /// layer into the KV blocks `blocks` (of this decoder's cache, enough for the batch, held by
+    /// the caller for the call and free after it), then the LM head over the scored rows,
     /// `HEAD_ROWS` at a time, each token's log-prob by the draw's arithmetic. The batch's tokens
-    /// must fit one step (the buffers' `max_tokens`).
-    pub fn logprobs(
+    /// must fit one step (`step_bounds`).
+    pub fn logprobs_part(
         &mut self,
         model: &Decoder,
         seqs: &[TrainSeq],

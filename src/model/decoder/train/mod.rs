@@ -390,3 +390,5 @@ pub(super) fn scored_rows(seqs: &[TrainSeq]) -> Vec<(usize, usize, u32)> {
 }
 
 mod backward;
+mod parts;
+pub use parts::{blocks_of, part_seqs, score_parts};
