@@ -254,6 +254,7 @@ check)
   FLYWHEEL_CUDA_TEST_QUICK=1 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
     "$B/kernels-cuda" --test-threads 1
   export FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda
+  step engine-scoring env FLYWHEEL_REQUIRE_GPU=1 "$B/engine-scoring"
   for t in server-device server server-sampling-rules server-structured server-scoring; do
     step "http-$t" "$B/$t"
   done
@@ -283,7 +284,10 @@ next)
   grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-int8.log" | sed 's/^/    /' >>"$SUMMARY"
   FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
-  FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=40 step http-server-device "$B/server-device"
+  # (server-device: a learning adapter on the GPU trains from the served log-probs, bit for bit.)
+  FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=60 step http-server-device "$B/server-device"
+  # The engine's training forward between serving steps on the GPU (served = scored, bit for bit).
+  FLYWHEEL_REQUIRE_GPU=1 STEP_S=30 step engine-scoring "$B/engine-scoring"
   # Attention split by GQA group against the chunks kernel's split (the kernels test checked
   # their bits above), at 2048 and 8000 positions.
   FLYWHEEL_CUDA_ATTENTION=groups STEP_S=60 step forward-groups "$B/cuda-forward" --test-threads 1 \
