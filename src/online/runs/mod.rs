@@ -10,7 +10,7 @@ pub mod kept;
 use super::checkpoint::write_checkpoint;
 use crate::adapter::AdapterWeights;
 use crate::model::decoder::{Decoder, ModelError, TrainSeq, ACTIVATION_BUDGET};
-use crate::train::offline::micro_batches;
+use crate::train::offline::{micro_batches, Scorer};
 use crate::train::optim::{AdamW, AdamWConfig, Schedule};
 use crate::train::token_loss::{sequence_loss, TokenInputs, TokenLoss};
 use flywheel_kernels::Cpu;
@@ -123,11 +123,13 @@ impl RunState {
     }
 
     /// Carry out `work` (the model at temperature 1, the run's adapter on), keeping each change
-    /// of the state with `keep` before it is made.
+    /// of the state with `keep` before it is made. `scorer`: the log-probs of a forward from
+    /// there (the serving GPU's) rather than the trainer's forward.
     pub fn work(
         &mut self,
         model: &Decoder,
         cpu: &Cpu,
+        scorer: Option<&dyn Scorer>,
         work: RunWork,
         keep: &Kept,
     ) -> Result<RunOutput, RunError> {
@@ -136,7 +138,10 @@ impl RunState {
                 data,
                 loss,
                 forward_only,
-            } => self.forward_backward(model, cpu, &data, loss, forward_only, keep),
+            } => {
+                let fw = Forwards { model, cpu, scorer };
+                self.forward_backward(fw, &data, loss, forward_only, keep)
+            }
             RunWork::OptimStep(p) => self.optim_step(p, keep),
             RunWork::Save { data_dir, rel } => {
                 let at = (self.opt.step, 0);
@@ -174,8 +179,7 @@ impl RunState {
 
     fn forward_backward(
         &mut self,
-        model: &Decoder,
-        cpu: &Cpu,
+        Forwards { model, cpu, scorer }: Forwards,
         data: &[RunDatum],
         loss: TokenLoss,
         forward_only: bool,
@@ -197,13 +201,20 @@ impl RunState {
                 .iter()
                 .map(|d| TrainSeq::whole(&d.tokens, 1))
                 .collect();
-            let (lps, state) = if forward_only {
+            let (mut lps, state) = if forward_only && scorer.is_none() {
                 (model.logprobs(cpu, &seqs, Some(&self.weights), 1.0)?, None)
+            } else if forward_only {
+                (Vec::new(), None)
             } else {
                 let (l, st) =
                     model.train_forward(cpu, &seqs, &self.weights, 1.0, ACTIVATION_BUDGET)?;
                 (l, Some(st))
             };
+            if let Some(s) = scorer {
+                lps = s
+                    .logprobs(&seqs, Some(&self.weights), 1.0)
+                    .map_err(|e| RunError::Device(e.to_string()))?;
+            }
             let mut grad_logp = Vec::with_capacity(seqs.len());
             for (lp, d) in lps.iter().zip(&data[range]) {
                 let (l, g, sum) = sequence_loss(loss, lp, &d.inputs);
@@ -267,6 +278,15 @@ impl RunState {
 }
 
 /// Why a call on a run failed (nothing of it was applied).
+/// What a run's forwards run on: the trainer's model and CPU, and where a forward's log-probs
+/// come from instead (the serving GPU's, `Scorer`).
+#[derive(Clone, Copy)]
+struct Forwards<'a> {
+    model: &'a Decoder,
+    cpu: &'a Cpu,
+    scorer: Option<&'a dyn Scorer>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     #[error(transparent)]
@@ -286,6 +306,9 @@ pub enum RunError {
          then optim_step"
     )]
     Lost(usize, u64),
+    /// The serving device's forward failed (`Scorer`).
+    #[error("the serving device's forward: {0}")]
+    Device(String),
 }
 
 impl RunError {

@@ -247,7 +247,13 @@ impl Trainer {
                             env: &self.env,
                             id: &id,
                         };
-                        let out = run.work(&self.env.model, &self.env.cpu, work, &keep);
+                        let out = run.work(
+                            &self.env.model,
+                            &self.env.cpu,
+                            self.env.scorer.get().map(|s| s.as_ref()),
+                            work,
+                            &keep,
+                        );
                         out.map_err(CommandError::Run)
                     }
                 };
