@@ -331,7 +331,13 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         evaluator: Default::default(),
         scorer: Default::default(),
     };
-    if on_gpu {
+    if on_gpu && model.config.final_softcap.is_some() {
+        // Gemma 2: the GPU's logits come back uncapped and the host caps and samples them.
+        tracing::info!(
+            "training: the steps' log-probs on the CPU (this model's logits are soft-capped on \
+             the host: within f32 rounding of the GPU's served ones)"
+        );
+    } else if on_gpu {
         // The training steps' log-probs from the kernels that serve (the backward stays the
         // CPU's, from its own forward).
         let _ = compute.scorer.set(Arc::new(EngineScorer(engine.clone())));
