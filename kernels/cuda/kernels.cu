@@ -71,6 +71,7 @@ __device__ float fw_block_max(float v) {
 #include "moe.cuh"
 #include "int8.cuh"
 #include "draw.cuh"
+#include "backward.cuh"
 
 // Rows of a table (the token embedding) dequantized: out (n, cols) = table[tokens[i]].
 // Grid (n), FW_ROW_THREADS threads, one unit per thread per step: the CPU's values exactly.

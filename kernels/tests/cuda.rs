@@ -8,6 +8,8 @@
 
 #[path = "cuda/attention.rs"]
 mod attention;
+#[path = "cuda/backward.rs"]
+mod backward;
 mod common;
 #[path = "cuda/draw.rs"]
 mod draw;

@@ -8,6 +8,7 @@
 
 mod adapters;
 mod attention;
+mod backward;
 mod draw;
 mod int8;
 mod launch;
@@ -88,6 +89,7 @@ const OTHERS: &[&str] = &[
     "fw_argmax",
     "fw_draw",
     "fw_score",
+    "fw_linear_backward",
     "fw_scale",
     "fw_axpy",
     "fw_add_bias",
