@@ -89,7 +89,7 @@ fn served_then_scored(device: Device, block_size: usize, what: &str) {
     let (version, _) = registry
         .publish("a", AdapterWeights::new(layout, params).unwrap())
         .unwrap();
-    // A step of 32 tokens: two of the sequences below take two parts on a GPU.
+    // Serving steps of 32 tokens (a GPU's buffers hold at least 256 a step).
     let cfg = EngineConfig {
         max_num_seqs: 8,
         max_num_batched_tokens: 32,
@@ -106,7 +106,7 @@ fn served_then_scored(device: Device, block_size: usize, what: &str) {
     let mut rng = Rng(5);
     let prompts: Vec<Vec<u32>> = (0..3)
         .map(|i| {
-            (0..5 + 3 * i)
+            (0..[5, 8, 20][i])
                 .map(|_| (rng.next() % vocab) as u32)
                 .collect()
         })
@@ -137,10 +137,29 @@ fn served_then_scored(device: Device, block_size: usize, what: &str) {
         .logprobs(&[seq(1)], Some(adapter.clone()), 1.0)
         .unwrap();
     assert_eq!(bits(&got[0]), bits(&served[1].1), "{what}: the adapter");
-    // Two sequences (two parts on a GPU), the sequence served at T 0.8 among them.
+    // Two sequences, the sequence served at T 0.8 among them.
     let got = engine.logprobs(&[seq(2), seq(0)], None, 0.8).unwrap();
     assert_eq!(bits(&got[0]), bits(&served[2].1), "{what}: T 0.8");
+    // More than a GPU's step holds (9 × 34 tokens: two parts there).
+    let many = engine.logprobs(&[seq(2); 9], None, 0.8).unwrap();
+    assert!(
+        many.iter().all(|m| bits(m) == bits(&served[2].1)),
+        "{what}: in parts"
+    );
     assert_eq!(got[1].len(), served[0].1.len());
+    // Its first 16 tokens a shared prefix (whole blocks of the CPU trainer's 16; a cache of
+    // blocks of 32 computes it with the sequence instead): the same bits.
+    let shared = [
+        TrainSeq::whole(&whole[2][..16], 16),
+        TrainSeq {
+            tokens: &whole[2][16..],
+            prompt_len: prompts[2].len() - 16,
+            prefix: Some(0),
+        },
+    ];
+    let got_shared = engine.logprobs(&shared, None, 0.8).unwrap();
+    assert!(got_shared[0].is_empty());
+    assert_eq!(bits(&got_shared[1]), bits(&served[2].1), "{what}: a prefix");
     let on_cpu = model
         .logprobs(
             &Cpu::new(Isa::detect(), ThreadPool::new(1, Duration::from_micros(50))),
@@ -180,7 +199,11 @@ fn the_engine_scores_completions_as_it_served_them() {
     }
     #[cfg(feature = "cuda")]
     match flywheel::kernels::cuda::Gpu::open(0) {
-        Ok(g) => served_then_scored(Device::Cuda(g), 16, "cuda"),
+        Ok(g) => {
+            served_then_scored(Device::Cuda(g), 16, "cuda, blocks of 16");
+            let g = flywheel::kernels::cuda::Gpu::open(0).unwrap();
+            served_then_scored(Device::Cuda(g), 32, "cuda, blocks of 32");
+        }
         Err(e) if std::env::var("FLYWHEEL_REQUIRE_GPU").as_deref() == Ok("1") => {
             panic!("FLYWHEEL_REQUIRE_GPU=1 and no GPU: {e}")
         }

@@ -8,7 +8,9 @@
 
 use super::{device, Engine};
 use crate::adapter::AdapterWeights;
-use crate::model::decoder::{blocks_of, part_seqs, score_parts, TrainSeq};
+use crate::model::decoder::{
+    blocks_of, inline_prefixes, part_seqs, prefixes_to_inline, score_parts, TrainSeq,
+};
 use std::collections::VecDeque;
 use std::sync::{mpsc, Arc};
 
@@ -50,7 +52,21 @@ pub(super) struct Scoring {
 
 impl Engine {
     /// Queue a scoring job, or refuse it now (a sequence no step holds).
-    pub(super) fn add_scoring(&mut self, job: ScoreJob) {
+    pub(super) fn add_scoring(&mut self, mut job: ScoreJob) {
+        if let Some((_, block_size)) = device::score_bounds(&self.backend) {
+            // Prefixes of partial blocks of this cache with the sequences continuing them.
+            let seqs = job.train_seqs();
+            let inlined = prefixes_to_inline(&seqs, block_size);
+            let seqs: Vec<ScoreSeq> = inline_prefixes(&seqs, &inlined)
+                .into_iter()
+                .map(|s| ScoreSeq {
+                    tokens: s.tokens.to_vec(),
+                    prompt_len: s.prompt_len,
+                    prefix: s.prefix,
+                })
+                .collect();
+            job.seqs = seqs;
+        }
         let seqs = job.train_seqs();
         let parts = match device::score_bounds(&self.backend) {
             None => Ok(vec![(0..seqs.len()).collect()]),

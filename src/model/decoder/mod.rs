@@ -22,8 +22,8 @@ pub use forward::{adapter_groups, AdapterGroup, Projection};
 pub use gpu::{GpuDecoder, GpuShape};
 pub use pack::{BatchSeq, Logits};
 pub use train::{
-    blocks_of, part_seqs, score_parts, TrainSeq, TrainState, ACTIVATION_BUDGET, HEAD_CHUNK,
-    TRAIN_BLOCK,
+    blocks_of, inline_prefixes, part_seqs, prefixes_to_inline, score_parts, TrainSeq, TrainState,
+    ACTIVATION_BUDGET, HEAD_CHUNK, TRAIN_BLOCK,
 };
 
 use super::gguf::{Gguf, GgufError, TensorInfo, WeightMemory};

@@ -9,7 +9,8 @@
 //! a decode step on the device: the GPU tests check its forward within f32 rounding, not bits.
 
 use super::super::train::{
-    inv_temperature, part_seqs, score_parts, scored_rows, train_tables, Tables,
+    inline_prefixes, inv_temperature, part_seqs, prefixes_to_inline, score_parts, scored_rows,
+    train_tables, Tables,
 };
 use super::adapters::head_lora;
 use super::{GpuDecoder, HEAD_ROWS};
@@ -26,7 +27,9 @@ impl GpuDecoder {
     }
 
     /// `Decoder::logprobs` on the GPU: `logprobs_part` over the parts of at most a step's tokens
-    /// and `blocks.len()` blocks (`score_parts`), each sequence's log-probs in its place.
+    /// and `blocks.len()` blocks (`score_parts`), each sequence's log-probs in its place; a shared
+    /// prefix that is not whole blocks of this cache's is computed with each sequence continuing
+    /// it (`inline_prefixes`).
     pub fn logprobs(
         &mut self,
         model: &Decoder,
@@ -36,6 +39,8 @@ impl GpuDecoder {
         temperature: f32,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let mut out = vec![Vec::new(); seqs.len()];
+        let inlined = prefixes_to_inline(seqs, self.block_size);
+        let seqs = &inline_prefixes(seqs, &inlined);
         for part in score_parts(seqs, self.block_size, self.max_tokens, blocks.len())? {
             let got =
                 self.logprobs_part(model, &part_seqs(seqs, &part), blocks, adapter, temperature)?;

@@ -391,4 +391,4 @@ pub(super) fn scored_rows(seqs: &[TrainSeq]) -> Vec<(usize, usize, u32)> {
 
 mod backward;
 mod parts;
-pub use parts::{blocks_of, part_seqs, score_parts};
+pub use parts::{blocks_of, inline_prefixes, part_seqs, prefixes_to_inline, score_parts};

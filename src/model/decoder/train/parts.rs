@@ -76,6 +76,37 @@ pub fn blocks_of<'s, 'a: 's>(
         .sum()
 }
 
+/// For each sequence continuing a shared prefix that is not a whole number of `block_size`
+/// blocks (a batch packed for the CPU trainer's blocks of 16, scored in a cache of blocks of 32
+/// or 64): its tokens with the prefix's in front, for `inline_prefixes`; else None.
+pub fn prefixes_to_inline(seqs: &[TrainSeq], block_size: usize) -> Vec<Option<Vec<u32>>> {
+    seqs.iter()
+        .map(|s| {
+            let p = seqs.get(s.prefix?)?;
+            (!p.tokens.len().is_multiple_of(block_size)).then(|| [p.tokens, s.tokens].concat())
+        })
+        .collect()
+}
+
+/// `seqs` with the sequences `inlined` names standing alone (their prompts starting with their
+/// prefix's tokens, at the same positions: the same log-probs, the prefix computed again).
+pub fn inline_prefixes<'a>(
+    seqs: &[TrainSeq<'a>],
+    inlined: &'a [Option<Vec<u32>>],
+) -> Vec<TrainSeq<'a>> {
+    seqs.iter()
+        .zip(inlined)
+        .map(|(s, t)| match t {
+            Some(t) => TrainSeq {
+                prompt_len: s.prompt_len + (t.len() - s.tokens.len()),
+                tokens: t,
+                prefix: None,
+            },
+            None => *s,
+        })
+        .collect()
+}
+
 /// The sequences `part` names, their prefixes renumbered within it.
 pub fn part_seqs<'a>(seqs: &[TrainSeq<'a>], part: &[usize]) -> Vec<TrainSeq<'a>> {
     part.iter()
@@ -158,5 +189,34 @@ mod tests {
         )
         .is_err());
         assert!(score_parts(&[], 4, 1, 1).unwrap().is_empty());
+    }
+
+    #[test]
+    fn prefixes_of_partial_blocks_are_inlined_into_their_sequences() {
+        let t: Vec<u32> = (0..40).collect();
+        let seqs = [
+            seq(&t[..16], 16, None),
+            seq(&t[16..22], 2, Some(0)),
+            seq(&t[..32], 32, None),
+            seq(&t[20..25], 1, Some(2)),
+            seq(&t[..7], 3, None),
+        ];
+        // Blocks of 16: both prefixes whole; of 32: the first is not.
+        assert!(prefixes_to_inline(&seqs, 16).iter().all(Option::is_none));
+        let inl = prefixes_to_inline(&seqs, 32);
+        assert_eq!(
+            inl[1].as_deref(),
+            Some(&[&t[..16], &t[16..22]].concat()[..])
+        );
+        assert!(inl.iter().enumerate().all(|(i, x)| x.is_some() == (i == 1)));
+        let out = inline_prefixes(&seqs, &inl);
+        assert_eq!((out[1].prompt_len, out[1].prefix), (18, None));
+        assert_eq!(
+            out[1].tokens.len() - out[1].prompt_len,
+            4,
+            "the same tokens scored"
+        );
+        assert_eq!(out[3].prefix, Some(2));
+        assert_eq!(out[4].tokens, seqs[4].tokens);
     }
 }
