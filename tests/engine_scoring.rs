@@ -181,6 +181,12 @@ fn served_then_scored(device: Device, block_size: usize, what: &str) {
         err.contains("prompt of at least one token"),
         "{what}: {err}"
     );
+    let past = [vocab as u32, 1, 2];
+    let err = engine
+        .logprobs(&[TrainSeq::whole(&past, 1)], None, 1.0)
+        .unwrap_err();
+    assert!(err.contains("vocabulary"), "{what}: {err}");
+    assert!(engine.logprobs(&[], None, 1.0).unwrap().is_empty());
     let (tokens, _) = collect(long);
     assert_eq!(tokens.len(), 40, "{what}: the long request ran to its end");
     drop(engine);

@@ -12,6 +12,7 @@ use crate::model::decoder::{
     blocks_of, inline_prefixes, part_seqs, prefixes_to_inline, score_parts, TrainSeq,
 };
 use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
 use std::sync::{mpsc, Arc};
 
 /// One sequence of a scoring job: `TrainSeq`'s fields, owned.
@@ -53,6 +54,18 @@ pub(super) struct Scoring {
 impl Engine {
     /// Queue a scoring job, or refuse it now (a sequence no step holds).
     pub(super) fn add_scoring(&mut self, mut job: ScoreJob) {
+        let vocab = self.model.config.vocab_size;
+        if let Some(t) = job
+            .seqs
+            .iter()
+            .flat_map(|s| &s.tokens)
+            .find(|&&t| t as usize >= vocab)
+        {
+            let _ = job.tx.send(Err(format!(
+                "token {t} is not in the model's vocabulary of {vocab}"
+            )));
+            return;
+        }
         if let Some((_, block_size)) = device::score_bounds(&self.backend) {
             // Prefixes of partial blocks of this cache with the sequences continuing them.
             let seqs = job.train_seqs();
@@ -78,6 +91,9 @@ impl Engine {
         let n = seqs.len();
         drop(seqs);
         match parts {
+            Ok(parts) if parts.is_empty() => {
+                let _ = job.tx.send(Ok(Vec::new()));
+            }
             Ok(parts) => self.scoring.push_back(Scoring {
                 out: vec![Vec::new(); n],
                 parts: parts.into(),
@@ -115,15 +131,20 @@ impl Engine {
         }
         let adapter = w.job.adapter.as_deref();
         let t = w.job.temperature;
-        let got = device::score(
-            &mut self.backend,
-            &self.model,
-            &self.cpu,
-            &seqs,
-            table.ids(),
-            adapter,
-            t,
-        );
+        // A forward that panics fails its own job, no other.
+        let got = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            device::score(
+                &mut self.backend,
+                &self.model,
+                &self.cpu,
+                &seqs,
+                table.ids(),
+                adapter,
+                t,
+            )
+            .map_err(|e| e.to_string())
+        }))
+        .unwrap_or_else(|p| Err(format!("the forward panicked: {}", super::panic_text(&p))));
         drop(table);
         drop((seqs, all));
         let part = w.parts.pop_front().expect("the part");
@@ -139,7 +160,7 @@ impl Engine {
             }
             Err(e) => {
                 let w = self.scoring.pop_front().expect("the job");
-                let _ = w.job.tx.send(Err(e.to_string()));
+                let _ = w.job.tx.send(Err(e));
             }
         }
         true

@@ -277,7 +277,6 @@ impl RunState {
     }
 }
 
-/// Why a call on a run failed (nothing of it was applied).
 /// What a run's forwards run on: the trainer's model and CPU, and where a forward's log-probs
 /// come from instead (the serving GPU's, `Scorer`).
 #[derive(Clone, Copy)]
@@ -287,6 +286,7 @@ struct Forwards<'a> {
     scorer: Option<&'a dyn Scorer>,
 }
 
+/// Why a call on a run failed (nothing of it was applied).
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     #[error(transparent)]
