@@ -48,3 +48,70 @@ extern "C" __global__ void __launch_bounds__(FW_LB_THREADS)
   }
   if (t < n) dx[(size_t)t * cols + 32 * u + lane] = acc;
 }
+
+// RMSNorm's backward, its weight frozen: dx = w·dy/r − x·Σ_c(w·dy·x)/(d·r³), r = √(mean(x²) + ε).
+// Grid (rows), FW_ROW_THREADS threads; the two sums by `fw_block_sum` (an order fixed by the
+// block's shape: a row's gradient never depends on its batch). f32, within rounding of the CPU's.
+extern "C" __global__ void fw_rmsnorm_backward(const float* __restrict__ x,
+                                               const float* __restrict__ w, float eps,
+                                               const float* __restrict__ dy, int d,
+                                               float* __restrict__ dx) {
+  const size_t at = (size_t)blockIdx.x * d;
+  const float *xr = x + at, *gr = dy + at;
+  float ss = 0.0f, ux = 0.0f;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    ss = fmaf(xr[c], xr[c], ss);
+    ux = fmaf(w[c] * gr[c], xr[c], ux);
+  }
+  ss = fw_block_sum(ss);
+  ux = fw_block_sum(ux);
+  const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+  const float k = ux * inv * inv * inv / (float)d;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) dx[at + c] = w[c] * gr[c] * inv - xr[c] * k;
+}
+
+// SwiGLU's backward (a = silu(g)·u): du = da·silu(g), dg = da·u·σ(g)·(1 + g·(1 − σ(g))).
+extern "C" __global__ void fw_swiglu_backward(const float* __restrict__ gate,
+                                              const float* __restrict__ up,
+                                              const float* __restrict__ da, long long n,
+                                              float* __restrict__ dgate, float* __restrict__ dup) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = gate[i], s = 1.0f / (1.0f + expf(-g));
+  dup[i] = da[i] * g * s;
+  dgate[i] = da[i] * up[i] * s * (1.0f + g * (1.0f - s));
+}
+
+// GeGLU's backward (a = gelu_tanh(g)·u): du = da·gelu(g), dg = da·u·gelu'(g).
+extern "C" __global__ void fw_geglu_backward(const float* __restrict__ gate,
+                                             const float* __restrict__ up,
+                                             const float* __restrict__ da, long long n,
+                                             float* __restrict__ dgate, float* __restrict__ dup) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float c = 0.7978845608028654f, g = gate[i];
+  const float t = tanhf(c * (g + 0.044715f * g * g * g));
+  const float dgelu = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * g * g);
+  dup[i] = da[i] * 0.5f * g * (1.0f + t);
+  dgate[i] = da[i] * up[i] * dgelu;
+}
+
+// RoPE's backward in place on n rows of n_heads heads: each pair turned by −θ (the transpose of
+// `fw_rope`'s turn). One thread per (token, head, pair); `neox` pairs (i, i + half).
+extern "C" __global__ void fw_rope_backward(float* __restrict__ x, const float* __restrict__ table,
+                                            int n, int n_heads, int head_dim, int rope_dim,
+                                            int neox) {
+  const int half = rope_dim / 2;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)n * n_heads * half) return;
+  const int pair = (int)(i % half);
+  const int h = (int)((i / half) % n_heads);
+  const int t = (int)(i / ((long long)half * n_heads));
+  float* xh = x + ((size_t)t * n_heads + h) * head_dim;
+  const float* tr = table + (size_t)t * rope_dim;
+  const float c = tr[2 * pair], s = tr[2 * pair + 1];
+  const int p = neox ? pair : 2 * pair, q = neox ? pair + half : 2 * pair + 1;
+  const float a = xh[p], b = xh[q];
+  xh[p] = a * c + b * s;
+  xh[q] = b * c - a * s;
+}

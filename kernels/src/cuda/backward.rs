@@ -1,10 +1,11 @@
-//! The trainer's backward on the GPU (`cuda/backward.cuh`), its first kernel: the input gradient
-//! of a frozen product, in a fixed order of sums (a token's gradient the same bits alone or in
-//! any batch). The rest of the backward (attention, norms, RoPE, the adapters' own gradients)
-//! still runs on the CPU.
+//! The trainer's backward on the GPU (`cuda/backward.cuh`), its first kernels: the input gradient
+//! of a frozen product (in a fixed order of sums: a token's gradient the same bits alone or in
+//! any batch), and those of RMSNorm, SwiGLU, GeGLU and RoPE. Not yet used by the trainer, whose
+//! backward (with attention's and the adapters' own gradients) still runs on the CPU.
 
-use super::launch::len_at_least;
+use super::launch::{grid1, len_at_least, ROW_THREADS};
 use super::{check, type_code, DeviceMatrix, Gpu, Result};
+use crate::reference::RopeLayout;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// `FW_LB_THREADS`, `FW_LB_TOKENS`.
@@ -44,5 +45,111 @@ impl Gpu {
         let (ty, r, rb) = (type_code(w.ty), rows as i32, w.row_bytes as i64);
         let (n, c) = (n as i32, cols as i32);
         self.launch(f, cfg, &[&wp, &ty, &r, &rb, &dyp, &n, &c, &dxp])
+    }
+
+    /// RMSNorm's input gradient (its weight frozen) for `rows` rows of `weight.len()` values.
+    pub fn rmsnorm_backward(
+        &self,
+        x: &impl DevicePtr<f32>,
+        weight: &impl DevicePtr<f32>,
+        eps: f32,
+        dy: &impl DevicePtr<f32>,
+        rows: usize,
+        dx: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let d = weight.len();
+        check(d > 0 && d <= i32::MAX as usize, || {
+            format!("rmsnorm_backward: width {d}")
+        })?;
+        len_at_least(x, rows * d, "rmsnorm_backward x")?;
+        len_at_least(dy, rows * d, "rmsnorm_backward dy")?;
+        len_at_least(dx, rows * d, "rmsnorm_backward dx")?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_rmsnorm_backward")?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (xp, wp, gp, dp) = (
+            self.ptr(x),
+            self.ptr(weight),
+            self.ptr(dy),
+            self.ptr_mut(dx),
+        );
+        let di = d as i32;
+        self.launch(f, cfg, &[&xp, &wp, &eps, &gp, &di, &dp])
+    }
+
+    /// The gated MLP's backward (`gelu`: GeGLU, else SwiGLU) over n values: dgate and dup from
+    /// the activation's gradient `da`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn glu_backward(
+        &self,
+        gelu: bool,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
+        da: &impl DevicePtr<f32>,
+        n: usize,
+        dgate: &mut impl DevicePtrMut<f32>,
+        dup: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        for (len, what) in [
+            (gate.len(), "gate"),
+            (up.len(), "up"),
+            (da.len(), "da"),
+            (dgate.len(), "dgate"),
+            (dup.len(), "dup"),
+        ] {
+            check(len >= n, || {
+                format!("glu_backward: {what} holds {len} of {n}")
+            })?;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let name = if gelu {
+            "fw_geglu_backward"
+        } else {
+            "fw_swiglu_backward"
+        };
+        let f = self.function(name)?;
+        let (gp, up, ap) = (self.ptr(gate), self.ptr(up), self.ptr(da));
+        let (dgp, dup, nn) = (self.ptr_mut(dgate), self.ptr_mut(dup), n as i64);
+        self.launch(f, grid1(n, ROW_THREADS), &[&gp, &up, &ap, &nn, &dgp, &dup])
+    }
+
+    /// RoPE's backward in place (`rope`'s arguments): each pair turned back.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_backward(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        table: &impl DevicePtr<f32>,
+        n: usize,
+        n_heads: usize,
+        head_dim: usize,
+        rope_dim: usize,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        check(rope_dim <= head_dim && rope_dim.is_multiple_of(2), || {
+            format!("rope_backward: rope_dim {rope_dim} with head_dim {head_dim}")
+        })?;
+        len_at_least(x, n * n_heads * head_dim, "rope_backward x")?;
+        len_at_least(table, n * rope_dim, "rope_backward table")?;
+        let work = n * n_heads * (rope_dim / 2);
+        if work == 0 {
+            return Ok(());
+        }
+        let f = self.function("fw_rope_backward")?;
+        let (xp, tp) = (self.ptr_mut(x), self.ptr(table));
+        let (ni, nh, hd, rd) = (n as i32, n_heads as i32, head_dim as i32, rope_dim as i32);
+        let neox = (layout == RopeLayout::Neox) as i32;
+        self.launch(
+            f,
+            grid1(work, ROW_THREADS),
+            &[&xp, &tp, &ni, &nh, &hd, &rd, &neox],
+        )
     }
 }

@@ -58,3 +58,97 @@ fn linear_backward_is_dy_times_w_for_every_format() {
         }
     }
 }
+
+/// RMSNorm's, SwiGLU's, GeGLU's and RoPE's backward on the GPU against the reference's f64
+/// arithmetic (`reference::*_backward`), within f32 rounding of each term; RoPE's backward
+/// undoes its forward (both layouts, a partial rotary dimension).
+#[test]
+fn row_and_elementwise_backwards_match_the_reference() {
+    use flywheel_kernels::reference::{self, RopeLayout};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(53);
+    for d in [64usize, 576, 2880] {
+        let rows = 5;
+        let (x, w, dy) = (
+            rng.vec(rows * d, 2.0),
+            rng.vec(d, 1.0),
+            rng.vec(rows * d, 1.0),
+        );
+        let mut want = vec![0f32; rows * d];
+        reference::rmsnorm_backward(&x, &w, 1e-5, &dy, &mut want);
+        // Each value's two terms' size, in f64.
+        let mut mag = vec![0f32; rows * d];
+        for r in 0..rows {
+            let xr = &x[r * d..(r + 1) * d];
+            let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;
+            let inv = 1.0 / (ms + 1e-5).sqrt();
+            let ux: f64 = (0..d)
+                .map(|c| (w[c] as f64 * dy[r * d + c] as f64 * xr[c] as f64).abs())
+                .sum();
+            for c in 0..d {
+                mag[r * d + c] = ((w[c] as f64 * dy[r * d + c] as f64 * inv).abs()
+                    + (xr[c] as f64 * ux * inv.powi(3) / d as f64).abs())
+                    as f32;
+            }
+        }
+        let (dxx, dw, ddy) = (
+            g.upload(&x).unwrap(),
+            g.upload(&w).unwrap(),
+            g.upload(&dy).unwrap(),
+        );
+        let mut out = g.zeros::<f32>(rows * d).unwrap();
+        g.rmsnorm_backward(&dxx, &dw, 1e-5, &ddy, rows, &mut out)
+            .unwrap();
+        close(&g.download(&out).unwrap(), &want, |i| 2e-5 * mag[i] + 1e-7)
+            .unwrap_or_else(|e| panic!("rmsnorm_backward, width {d}: {e}"));
+    }
+    let n = 3000;
+    let (gate, up, da) = (rng.vec(n, 6.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+    let (dg, du, dd) = (
+        g.upload(&gate).unwrap(),
+        g.upload(&up).unwrap(),
+        g.upload(&da).unwrap(),
+    );
+    for gelu in [false, true] {
+        let (mut wg, mut wu) = (vec![0f32; n], vec![0f32; n]);
+        if gelu {
+            reference::geglu_backward(&gate, &up, &da, &mut wg, &mut wu);
+        } else {
+            reference::swiglu_backward(&gate, &up, &da, &mut wg, &mut wu);
+        }
+        let (mut og, mut ou) = (g.zeros::<f32>(n).unwrap(), g.zeros::<f32>(n).unwrap());
+        g.glu_backward(gelu, &dg, &du, &dd, n, &mut og, &mut ou)
+            .unwrap();
+        let tol = |want: &[f32]| {
+            let want = want.to_vec();
+            move |i: usize| 1e-5 * want[i].abs() + 1e-6
+        };
+        close(&g.download(&og).unwrap(), &wg, tol(&wg))
+            .unwrap_or_else(|e| panic!("gelu {gelu}: dgate {e}"));
+        close(&g.download(&ou).unwrap(), &wu, tol(&wu))
+            .unwrap_or_else(|e| panic!("gelu {gelu}: dup {e}"));
+    }
+    let (t, heads, hd, rd) = (4usize, 3usize, 64usize, 32usize);
+    let table: Vec<f32> = (0..t * rd / 2)
+        .flat_map(|i| {
+            let a = 0.37 * i as f32;
+            [a.cos(), a.sin()]
+        })
+        .collect();
+    let dt = g.upload(&table).unwrap();
+    for layout in [RopeLayout::Adjacent, RopeLayout::Neox] {
+        let x = rng.vec(t * heads * hd, 1.0);
+        let mut want = x.clone();
+        reference::rope_backward(&mut want, &table, heads, hd, rd, layout);
+        let mut dxv = g.upload(&x).unwrap();
+        g.rope_backward(&mut dxv, &dt, t, heads, hd, rd, layout)
+            .unwrap();
+        let got = g.download(&dxv).unwrap();
+        close(&got, &want, |i| 1e-6 * (want[i].abs() + 1.0))
+            .unwrap_or_else(|e| panic!("rope_backward {layout:?}: {e}"));
+        // Turned forward again: the input back.
+        g.rope(&mut dxv, &dt, t, heads, hd, rd, layout).unwrap();
+        close(&g.download(&dxv).unwrap(), &x, |_| 1e-5)
+            .unwrap_or_else(|e| panic!("rope after its backward {layout:?}: {e}"));
+    }
+}
