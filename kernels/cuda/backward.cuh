@@ -115,3 +115,147 @@ extern "C" __global__ void fw_rope_backward(float* __restrict__ x, const float* 
   xh[p] = a * c + b * s;
   xh[q] = b * c - a * s;
 }
+
+// Attention's backward for one sequence, contiguous rows: q, dout, dq (t, n_heads·hd); k, v, dk,
+// dv (off + t, n_kv·hd), query i at position off + i seeing keys lo(i) ..= off + i (lo the
+// window's first, else 0); scores scale·q·k, soft-capped c·tanh(s/c) where cap > 0 (whose slope
+// 1 − tanh² scales dS). Two kernels, every sum in a fixed order: `_q` (a warp a query and head:
+// its softmax's log-sum-exp and D = dout·o, kept in `stats`, then dq = Σ_j dS_j·k_j in key
+// order) and `_kv` (a warp a key and KV head: dk = Σ dS·q and dv = Σ P·dout over its group's
+// heads, then the queries that see it, in order). A lane holds components lane, lane + 32, …
+// (hd a multiple of 32, at most 256). The reference is `reference::attention_backward_windowed`.
+#define FW_AB_MAXK 8
+
+__device__ __forceinline__ float fw_ab_score(const float* qv, const float* __restrict__ kj, int nk,
+                                             float scale, float cap, float* slope) {
+  const int lane = threadIdx.x % 32;
+  float s = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < FW_AB_MAXK; kk++)
+    if (kk < nk) s = fmaf(qv[kk], kj[lane + 32 * kk], s);
+  s = fw_warp_sum(s) * scale;
+  *slope = 1.0f;
+  if (cap > 0.0f) {
+    const float th = tanhf(s / cap);
+    *slope = 1.0f - th * th;
+    s = cap * th;
+  }
+  return s;
+}
+
+__device__ __forceinline__ float fw_ab_dot(const float* a, const float* __restrict__ b, int nk) {
+  const int lane = threadIdx.x % 32;
+  float s = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < FW_AB_MAXK; kk++)
+    if (kk < nk) s = fmaf(a[kk], b[lane + 32 * kk], s);
+  return fw_warp_sum(s);
+}
+
+// Grid (t, n_heads), 32 threads.
+extern "C" __global__ void fw_attention_backward_q(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ dout, int t, int off, int n_heads, int n_kv, int hd, float scale,
+    int window, float cap, float* __restrict__ dq, float* __restrict__ stats) {
+  const int i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+  const int g = h / (n_heads / n_kv), nk = hd / 32;
+  const size_t qd = (size_t)n_heads * hd, kvd = (size_t)n_kv * hd;
+  const float* qi = q + i * qd + (size_t)h * hd;
+  const float* di = dout + i * qd + (size_t)h * hd;
+  float qv[FW_AB_MAXK], dv[FW_AB_MAXK], o[FW_AB_MAXK], dqa[FW_AB_MAXK];
+#pragma unroll
+  for (int kk = 0; kk < FW_AB_MAXK; kk++) {
+    qv[kk] = kk < nk ? qi[lane + 32 * kk] : 0.0f;
+    dv[kk] = kk < nk ? di[lane + 32 * kk] : 0.0f;
+    o[kk] = 0.0f;
+    dqa[kk] = 0.0f;
+  }
+  const int last = off + i, lo = window > 0 ? max(0, last + 1 - window) : 0;
+  float m = -INFINITY, z = 0.0f, slope;
+  for (int j = lo; j <= last; j++) {
+    const float s = fw_ab_score(qv, k + j * kvd + (size_t)g * hd, nk, scale, cap, &slope);
+    const float mn = fmaxf(m, s), a = expf(m - mn), e = expf(s - mn);
+    z = z * a + e;
+    const float* vj = v + j * kvd + (size_t)g * hd;
+#pragma unroll
+    for (int kk = 0; kk < FW_AB_MAXK; kk++)
+      if (kk < nk) o[kk] = fmaf(e, vj[lane + 32 * kk], o[kk] * a);
+    m = mn;
+  }
+  const float lse = m + logf(z);
+#pragma unroll
+  for (int kk = 0; kk < FW_AB_MAXK; kk++) o[kk] = o[kk] / z;
+  float dd = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < FW_AB_MAXK; kk++) dd = fmaf(dv[kk], o[kk], dd);
+  dd = fw_warp_sum(dd);
+  for (int j = lo; j <= last; j++) {
+    const float* kj = k + j * kvd + (size_t)g * hd;
+    const float s = fw_ab_score(qv, kj, nk, scale, cap, &slope);
+    const float p = expf(s - lse);
+    const float dp = fw_ab_dot(dv, v + j * kvd + (size_t)g * hd, nk);
+    const float ds = p * (dp - dd) * slope * scale;
+#pragma unroll
+    for (int kk = 0; kk < FW_AB_MAXK; kk++)
+      if (kk < nk) dqa[kk] = fmaf(ds, kj[lane + 32 * kk], dqa[kk]);
+  }
+  float* dqi = dq + i * qd + (size_t)h * hd;
+#pragma unroll
+  for (int kk = 0; kk < FW_AB_MAXK; kk++)
+    if (kk < nk) dqi[lane + 32 * kk] = dqa[kk];
+  if (lane == 0) {
+    stats[((size_t)i * n_heads + h) * 2] = lse;
+    stats[((size_t)i * n_heads + h) * 2 + 1] = dd;
+  }
+}
+
+// Grid (off + t, n_kv), 32 threads; after `fw_attention_backward_q` (its stats).
+extern "C" __global__ void fw_attention_backward_kv(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    const float* __restrict__ dout, const float* __restrict__ stats, int t, int off, int n_heads,
+    int n_kv, int hd, float scale, int window, float cap, float* __restrict__ dk,
+    float* __restrict__ dvo) {
+  const int j = blockIdx.x, g = blockIdx.y, lane = threadIdx.x;
+  const int group = n_heads / n_kv, nk = hd / 32;
+  const size_t qd = (size_t)n_heads * hd, kvd = (size_t)n_kv * hd;
+  const float* kj = k + j * kvd + (size_t)g * hd;
+  const float* vj = v + j * kvd + (size_t)g * hd;
+  float dka[FW_AB_MAXK], dva[FW_AB_MAXK], qv[FW_AB_MAXK], dv[FW_AB_MAXK];
+#pragma unroll
+  for (int kk = 0; kk < FW_AB_MAXK; kk++) {
+    dka[kk] = 0.0f;
+    dva[kk] = 0.0f;
+  }
+  // The queries that see key j: from the one at its position on, to the window's last.
+  const int i0 = max(0, j - off);
+  const int i1 = window > 0 ? min(t - 1, j - off + window - 1) : t - 1;
+  for (int hh = 0; hh < group; hh++) {
+    const int h = g * group + hh;
+    for (int i = i0; i <= i1; i++) {
+      const float* qi = q + i * qd + (size_t)h * hd;
+      const float* di = dout + i * qd + (size_t)h * hd;
+#pragma unroll
+      for (int kk = 0; kk < FW_AB_MAXK; kk++) {
+        qv[kk] = kk < nk ? qi[lane + 32 * kk] : 0.0f;
+        dv[kk] = kk < nk ? di[lane + 32 * kk] : 0.0f;
+      }
+      float slope;
+      const float s = fw_ab_score(qv, kj, nk, scale, cap, &slope);
+      const float* st = stats + ((size_t)i * n_heads + h) * 2;
+      const float p = expf(s - st[0]);
+      const float dp = fw_ab_dot(dv, vj, nk);
+      const float ds = p * (dp - st[1]) * slope * scale;
+#pragma unroll
+      for (int kk = 0; kk < FW_AB_MAXK; kk++) {
+        dka[kk] = fmaf(ds, qv[kk], dka[kk]);
+        dva[kk] = fmaf(p, dv[kk], dva[kk]);
+      }
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < FW_AB_MAXK; kk++)
+    if (kk < nk) {
+      dk[j * kvd + (size_t)g * hd + lane + 32 * kk] = dka[kk];
+      dvo[j * kvd + (size_t)g * hd + lane + 32 * kk] = dva[kk];
+    }
+}

@@ -5,7 +5,7 @@
 
 use super::launch::{grid1, len_at_least, ROW_THREADS};
 use super::{check, type_code, DeviceMatrix, Gpu, Result};
-use crate::reference::RopeLayout;
+use crate::reference::{AttnOpts, RopeLayout};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// `FW_LB_THREADS`, `FW_LB_TOKENS`.
@@ -151,5 +151,95 @@ impl Gpu {
             grid1(work, ROW_THREADS),
             &[&xp, &tp, &ni, &nh, &hd, &rd, &neox],
         )
+    }
+
+    /// Attention's backward for one sequence of `t` queries after `off` earlier positions
+    /// (`reference::attention_backward_windowed`'s contract: q, dout, dq (t, heads·hd); k, v, dk,
+    /// dv (off + t, kv_heads·hd), contiguous; dk and dv written, not added to).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &self,
+        (q, k, v, dout): (
+            &impl DevicePtr<f32>,
+            &impl DevicePtr<f32>,
+            &impl DevicePtr<f32>,
+            &impl DevicePtr<f32>,
+        ),
+        t: usize,
+        off: usize,
+        (heads, kv_heads, hd): (usize, usize, usize),
+        scale: f32,
+        opts: AttnOpts,
+        (dq, dk, dv): (
+            &mut impl DevicePtrMut<f32>,
+            &mut impl DevicePtrMut<f32>,
+            &mut impl DevicePtrMut<f32>,
+        ),
+    ) -> Result<()> {
+        check(
+            hd.is_multiple_of(32) && hd <= 256 && kv_heads > 0 && heads.is_multiple_of(kv_heads),
+            || format!("attention_backward: {heads} heads, {kv_heads} KV heads of {hd}"),
+        )?;
+        check(opts.window != Some(0), || {
+            "attention_backward: a window of 0".into()
+        })?;
+        let (qd, kvd, keys) = (heads * hd, kv_heads * hd, off + t);
+        len_at_least(q, t * qd, "attention_backward q")?;
+        len_at_least(dout, t * qd, "attention_backward dout")?;
+        len_at_least(dq, t * qd, "attention_backward dq")?;
+        for (len, what) in [
+            (k.len(), "k"),
+            (v.len(), "v"),
+            (dk.len(), "dk"),
+            (dv.len(), "dv"),
+        ] {
+            check(len >= keys * kvd, || {
+                format!("attention_backward: {what} holds {len} of {}", keys * kvd)
+            })?;
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let mut stats = self.zeros::<f32>(t * heads * 2)?;
+        let warp = |x: usize, y: usize| LaunchConfig {
+            grid_dim: (x as u32, y as u32, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (ti, oi, hi, ki, di) = (
+            t as i32,
+            off as i32,
+            heads as i32,
+            kv_heads as i32,
+            hd as i32,
+        );
+        // A window of at least every key is none (and keeps the kernels' index sums in range).
+        check(keys <= i32::MAX as usize / 2, || {
+            format!("attention_backward: {keys} positions")
+        })?;
+        let window = opts.window.map_or(0, |w| w.min(keys) as i32);
+        let cap = opts.softcap.unwrap_or(0.0);
+        let (qp, kp, vp, gp) = (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(dout));
+        let f = self.function("fw_attention_backward_q")?;
+        let (dqp, sp) = (self.ptr_mut(dq), self.ptr_mut(&mut stats));
+        self.launch(
+            f,
+            warp(t, heads),
+            &[
+                &qp, &kp, &vp, &gp, &ti, &oi, &hi, &ki, &di, &scale, &window, &cap, &dqp, &sp,
+            ],
+        )?;
+        let f = self.function("fw_attention_backward_kv")?;
+        let (dkp, dvp) = (self.ptr_mut(dk), self.ptr_mut(dv));
+        let sp = self.ptr(&stats);
+        self.launch(
+            f,
+            warp(keys, kv_heads),
+            &[
+                &qp, &kp, &vp, &gp, &sp, &ti, &oi, &hi, &ki, &di, &scale, &window, &cap, &dkp, &dvp,
+            ],
+        )?;
+        // `stats` lives until the launches that read it are done.
+        self.synchronize()
     }
 }

@@ -94,6 +94,8 @@ const OTHERS: &[&str] = &[
     "fw_swiglu_backward",
     "fw_geglu_backward",
     "fw_rope_backward",
+    "fw_attention_backward_q",
+    "fw_attention_backward_kv",
     "fw_scale",
     "fw_axpy",
     "fw_add_bias",
