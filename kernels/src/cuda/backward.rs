@@ -133,24 +133,8 @@ impl Gpu {
         rope_dim: usize,
         layout: RopeLayout,
     ) -> Result<()> {
-        check(rope_dim <= head_dim && rope_dim.is_multiple_of(2), || {
-            format!("rope_backward: rope_dim {rope_dim} with head_dim {head_dim}")
-        })?;
-        len_at_least(x, n * n_heads * head_dim, "rope_backward x")?;
-        len_at_least(table, n * rope_dim, "rope_backward table")?;
-        let work = n * n_heads * (rope_dim / 2);
-        if work == 0 {
-            return Ok(());
-        }
-        let f = self.function("fw_rope_backward")?;
-        let (xp, tp) = (self.ptr_mut(x), self.ptr(table));
-        let (ni, nh, hd, rd) = (n as i32, n_heads as i32, head_dim as i32, rope_dim as i32);
-        let neox = (layout == RopeLayout::Neox) as i32;
-        self.launch(
-            f,
-            grid1(work, ROW_THREADS),
-            &[&xp, &tp, &ni, &nh, &hd, &rd, &neox],
-        )
+        let shape = (n, n_heads, head_dim, rope_dim);
+        self.rope_kernel("fw_rope_backward", x, table, shape, layout)
     }
 
     /// Attention's backward for one sequence of `t` queries after `off` earlier positions

@@ -162,27 +162,9 @@ impl Gpu {
             )?;
             words.extend(s.words());
         }
-        // Two specs of one row would draw from log-probs already computed in place.
-        let mut seen: Vec<u32> = specs.iter().map(|s| s.row).collect();
-        seen.sort_unstable();
-        check(seen.windows(2).all(|w| w[0] != w[1]), || {
-            "draw: a row named twice".to_string()
-        })?;
-        if specs.is_empty() {
-            return Ok(());
-        }
-        self.write(&words, &mut bufs.spec)?;
-        let f = self.function("fw_draw")?;
-        let (xp, v) = (self.ptr_mut(x), vocab as i32);
-        let (sp, op) = (self.ptr(&bufs.spec), self.ptr_mut(&mut bufs.out));
-        let cfg = LaunchConfig {
-            grid_dim: (specs.len() as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(f, cfg, &[&xp, &v, &sp, &op])?;
-        let got = &mut bufs.host[..specs.len() * DRAWN_WORDS];
-        self.read_into(&bufs.out.slice(..got.len()), got)?;
+        let rows: Vec<u32> = specs.iter().map(|s| s.row).collect();
+        self.launch_rows("draw", x, vocab, &rows, &words, bufs, DRAWN_WORDS)?;
+        let got = &bufs.host[..specs.len() * DRAWN_WORDS];
         out.extend(got.chunks(DRAWN_WORDS).zip(specs).map(|(w, s)| {
             Drawn {
                 token: w[0],
@@ -245,28 +227,45 @@ impl Gpu {
             }
             words.extend([s.row, inverse(s.temperature).to_bits(), s.token]);
         }
-        // A row scored twice would be normalized twice in place.
-        let mut seen: Vec<u32> = specs.iter().map(|s| s.row).collect();
+        let rows: Vec<u32> = specs.iter().map(|s| s.row).collect();
+        self.launch_rows("score", x, vocab, &rows, &words, bufs, 1)?;
+        out.extend(bufs.host[..specs.len()].iter().map(|&w| f32::from_bits(w)));
+        Ok(())
+    }
+
+    /// `fw_<what>` over `rows` of `x` (a block each), its specs `words` written first, then
+    /// `out_words` words a row read back into `bufs.host`. No row may be named twice: each is
+    /// turned into its log-probs in place, and a second spec would read those.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_rows(
+        &self,
+        what: &str,
+        x: &mut CudaSlice<f32>,
+        vocab: usize,
+        rows: &[u32],
+        words: &[u32],
+        bufs: &mut DrawBuffers,
+        out_words: usize,
+    ) -> Result<()> {
+        let mut seen = rows.to_vec();
         seen.sort_unstable();
         check(seen.windows(2).all(|w| w[0] != w[1]), || {
-            "score: a row named twice".to_string()
+            format!("{what}: a row named twice")
         })?;
-        if specs.is_empty() {
+        if rows.is_empty() {
             return Ok(());
         }
-        self.write(&words, &mut bufs.spec)?;
-        let f = self.function("fw_score")?;
+        self.write(words, &mut bufs.spec)?;
+        let f = self.function(&format!("fw_{what}"))?;
         let (xp, v) = (self.ptr_mut(x), vocab as i32);
         let (sp, op) = (self.ptr(&bufs.spec), self.ptr_mut(&mut bufs.out));
         let cfg = LaunchConfig {
-            grid_dim: (specs.len() as u32, 1, 1),
+            grid_dim: (rows.len() as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         self.launch(f, cfg, &[&xp, &v, &sp, &op])?;
-        let got = &mut bufs.host[..specs.len()];
-        self.read_into(&bufs.out.slice(..got.len()), got)?;
-        out.extend(got.iter().map(|&w| f32::from_bits(w)));
-        Ok(())
+        let got = &mut bufs.host[..rows.len() * out_words];
+        self.read_into(&bufs.out.slice(..got.len()), got)
     }
 }

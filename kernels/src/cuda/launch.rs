@@ -232,8 +232,22 @@ impl Gpu {
         rope_dim: usize,
         layout: RopeLayout,
     ) -> Result<()> {
+        let shape = (n, n_heads, head_dim, rope_dim);
+        self.rope_kernel("fw_rope", x, table, shape, layout)
+    }
+
+    /// `kernel` (`fw_rope`, or its backward) in place on n rows of n_heads heads of head_dim,
+    /// RoPE over their first rope_dim values: one thread a (token, head, pair).
+    pub(super) fn rope_kernel(
+        &self,
+        kernel: &str,
+        x: &mut impl DevicePtrMut<f32>,
+        table: &impl DevicePtr<f32>,
+        (n, n_heads, head_dim, rope_dim): (usize, usize, usize, usize),
+        layout: RopeLayout,
+    ) -> Result<()> {
         check(rope_dim <= head_dim && rope_dim.is_multiple_of(2), || {
-            format!("rope_dim {rope_dim} with head_dim {head_dim}")
+            format!("{kernel}: rope_dim {rope_dim} with head_dim {head_dim}")
         })?;
         len_at_least(x, n * n_heads * head_dim, "rope x")?;
         len_at_least(table, n * rope_dim, "rope table")?;
@@ -241,7 +255,7 @@ impl Gpu {
         if work == 0 {
             return Ok(());
         }
-        let f = self.function("fw_rope")?;
+        let f = self.function(kernel)?;
         let (xp, tp) = (self.ptr_mut(x), self.ptr(table));
         let (ni, nh, hd, rd) = (n as i32, n_heads as i32, head_dim as i32, rope_dim as i32);
         let neox = (layout == RopeLayout::Neox) as i32;

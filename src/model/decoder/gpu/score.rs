@@ -10,13 +10,13 @@
 
 use super::super::train::{
     inline_prefixes, inv_temperature, part_seqs, prefixes_to_inline, score_parts, scored_rows,
-    train_tables, Tables,
+    train_batch, train_tables, Tables,
 };
 use super::adapters::head_lora;
 use super::{GpuDecoder, HEAD_ROWS};
 use crate::adapter::AdapterWeights;
 use crate::model::decoder::forward::adapter_groups;
-use crate::model::decoder::pack::{BatchSeq, Logits, Packed};
+use crate::model::decoder::pack::Packed;
 use crate::model::decoder::{Decoder, ModelError, TrainSeq};
 use flywheel_kernels::cuda::ScoreSpec;
 
@@ -88,19 +88,7 @@ impl GpuDecoder {
             .iter()
             .map(|t| t.iter().map(|&b| blocks[b as usize]).collect())
             .collect();
-        let batch: Vec<BatchSeq> = seqs
-            .iter()
-            .zip(&tables)
-            .zip(&first_pos)
-            .map(|((s, t), &p)| BatchSeq {
-                tokens: s.tokens,
-                first_pos: p,
-                block_table: t,
-                window_table: &[],
-                logits: Logits::None,
-                adapter,
-            })
-            .collect();
+        let batch = train_batch(seqs, &tables, &first_pos, adapter);
         let Packed {
             tokens,
             positions,

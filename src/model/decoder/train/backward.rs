@@ -40,19 +40,7 @@ impl Decoder {
         cpu.rmsnorm_backward(&st.final_x, &self.output_norm, c.eps, &dnormed_all, &mut dx);
         drop(dnormed_all);
 
-        let batch: Vec<BatchSeq> = seqs
-            .iter()
-            .zip(&st.tables)
-            .zip(&st.first_pos)
-            .map(|((s, tb), &p)| BatchSeq {
-                tokens: s.tokens,
-                first_pos: p,
-                block_table: tb,
-                window_table: &[],
-                logits: Logits::None,
-                adapter: Some(adapter),
-            })
-            .collect();
+        let batch = train_batch(seqs, &st.tables, &st.first_pos, Some(adapter));
         let groups = adapter_groups(&batch);
         let mut positions = Vec::with_capacity(t);
         let mut attn = Vec::with_capacity(seqs.len());

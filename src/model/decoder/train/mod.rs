@@ -65,6 +65,28 @@ pub(super) struct Tables {
     pub blocks: usize,
 }
 
+/// A training batch as the forward takes it: each sequence at its first position through its
+/// block table, no logits, every one through `adapter`.
+pub(super) fn train_batch<'a>(
+    seqs: &[TrainSeq<'a>],
+    tables: &'a [Vec<u32>],
+    first_pos: &[usize],
+    adapter: Option<&'a AdapterWeights>,
+) -> Vec<BatchSeq<'a>> {
+    seqs.iter()
+        .zip(tables)
+        .zip(first_pos)
+        .map(|((s, t), &p)| BatchSeq {
+            tokens: s.tokens,
+            first_pos: p,
+            block_table: t,
+            window_table: &[],
+            logits: Logits::None,
+            adapter,
+        })
+        .collect()
+}
+
 /// Block tables (one pool of blocks of `bs` tokens) and first positions of a training batch,
 /// checked.
 pub(super) fn train_tables(seqs: &[TrainSeq], bs: usize) -> Result<Tables, ModelError> {
@@ -154,19 +176,7 @@ impl Decoder {
             tb.blocks,
             self.kv_dtype,
         );
-        let batch: Vec<BatchSeq> = seqs
-            .iter()
-            .zip(tables)
-            .zip(first_pos)
-            .map(|((s, t), &p)| BatchSeq {
-                tokens: s.tokens,
-                first_pos: p,
-                block_table: t,
-                window_table: &[],
-                logits: Logits::None,
-                adapter,
-            })
-            .collect();
+        let batch = train_batch(seqs, tables, first_pos, adapter);
         match store {
             Some(st) => self.forward_store(cpu, &mut cache, &batch, bufs, st)?,
             None => self.forward_into(cpu, &mut cache, &batch, bufs)?,
