@@ -254,6 +254,7 @@ check)
   FLYWHEEL_CUDA_TEST_QUICK=1 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
     "$B/kernels-cuda" --test-threads 1
   export FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda
+  step train env FLYWHEEL_REQUIRE_GPU=1 "$B/cuda-train" --test-threads 1
   step engine-scoring env FLYWHEEL_REQUIRE_GPU=1 "$B/engine-scoring"
   for t in server-device server server-sampling-rules server-structured server-scoring; do
     step "http-$t" "$B/$t"
@@ -286,7 +287,8 @@ next)
     --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   # (server-device: a learning adapter on the GPU trains from the served log-probs, bit for bit.)
   FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=60 step http-server-device "$B/server-device"
-  # The engine's training forward between serving steps on the GPU (served = scored, bit for bit).
+  # The training forward on the GPU (served = scored, bit for bit), alone and through the engine.
+  FLYWHEEL_REQUIRE_GPU=1 STEP_S=40 step train "$B/cuda-train" --test-threads 1
   FLYWHEEL_REQUIRE_GPU=1 STEP_S=30 step engine-scoring "$B/engine-scoring"
   # Attention split by GQA group against the chunks kernel's split (the kernels test checked
   # their bits above), at 2048 and 8000 positions.

@@ -1,10 +1,10 @@
 //! Training forwards the engine runs between its serving steps (`EngineHandle::logprobs`): a
 //! trainer's log-probs from the very kernels that served the completions — on a GPU,
-//! `GpuDecoder::logprobs`, so that train = serve there bit for bit as it is on the CPU. A job runs
-//! one part (`score_parts`: at most a step's tokens) a turn of the loop, after the turn's serving
-//! step, in KV blocks taken from the block manager for that part and given back after it: serving
-//! never waits for more than one step's worth of it. On the CPU a job runs whole in one turn
-//! (`Decoder::logprobs`, the trainer's own forward).
+//! `GpuDecoder::logprobs`, so that train = serve there bit for bit where the GPU drew the token.
+//! A job runs one part (`score_parts`: at most a step's tokens) a turn of the loop, after the
+//! turn's serving step, in KV blocks taken from the block manager for that part and given back
+//! after it: at most one part between two serving steps (not timed: no GPU has run it yet). On
+//! the CPU a job runs whole in one turn (`Decoder::logprobs`, the trainer's own forward).
 
 use super::{device, Engine};
 use crate::adapter::AdapterWeights;

@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 pub mod adapters;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod naive;
 pub mod online;
 pub mod pg;
