@@ -343,7 +343,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
         let _ = compute.scorer.set(Arc::new(EngineScorer(engine.clone())));
         tracing::info!(
             "training: the steps' log-probs from the GPU's forward between serving steps (the \
-             served ones, bit for bit where the GPU drew the token); their backward on the CPU"
+             served ones, bit for bit); their backward on the CPU"
         );
     }
     let online = Online::new(cfg.online.clone(), compute, metrics.clone());

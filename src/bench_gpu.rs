@@ -8,8 +8,10 @@
 use crate::adapter::AdapterWeights;
 use crate::bench::{median, BenchOptions};
 use crate::generate::BLOCK_SIZE;
-use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
-use flywheel_kernels::cuda::{DrawSpec, Drawn, Gpu, Truncate};
+use crate::model::decoder::{
+    BatchSeq, Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits, RowOut, RowsBack,
+};
+use flywheel_kernels::cuda::{DrawSpec, Gpu, Truncate};
 use std::time::Instant;
 
 /// One engine (graphs on or off) and the cache blocks each decode sequence owns.
@@ -19,7 +21,7 @@ struct Bench {
     ctx: usize,
     max_tokens: usize,
     bufs: ForwardBuffers,
-    drawn: Vec<Drawn>,
+    drawn: RowsBack,
 }
 
 impl Bench {
@@ -44,7 +46,7 @@ impl Bench {
             ctx,
             max_tokens: shape.max_tokens,
             bufs: ForwardBuffers::default(),
-            drawn: Vec::new(),
+            drawn: RowsBack::default(),
         })
     }
 
@@ -114,9 +116,9 @@ impl Bench {
                 .collect();
             if g.gpu.draws() {
                 // As the engine serves greedy rows: the tokens drawn on the GPU.
-                let specs: Vec<Option<DrawSpec>> = (0..batch.len() as u32)
+                let specs: Vec<RowOut> = (0..batch.len() as u32)
                     .map(|row| {
-                        Some(DrawSpec {
+                        RowOut::Drawn(DrawSpec {
                             row,
                             sample: None,
                             top: 0,
@@ -126,7 +128,7 @@ impl Bench {
                     .collect();
                 g.gpu
                     .forward_drawing(model, &batch, &specs, &mut g.bufs, &mut g.drawn)?;
-                return Ok(g.drawn.iter().map(|d| d.token).collect());
+                return Ok(g.drawn.drawn.iter().map(|d| d.token).collect());
             }
             g.gpu.forward_into(model, &batch, &mut g.bufs)?;
             anyhow::Ok(

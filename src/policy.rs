@@ -23,3 +23,15 @@ pub fn scale_and_normalize(cpu: &Cpu, logits: &mut [f32], temperature: f32) {
     }
     cpu.log_softmax(logits);
 }
+
+/// `scale_and_normalize` with the log-sum-exp `lse` of logits / T that a device's log-softmax
+/// subtracted (the GPU's draw: `Gpu::normalize`), each log-prob logit·(1/T) − lse rounded as the
+/// device rounds it (`reference::log_softmax_with`), so that a row the host samples gets the
+/// device's log-probs bit for bit (and a trainer scoring on that device the same ones).
+pub fn normalize_with(logits: &mut [f32], temperature: f32, lse: f32) {
+    let inv = match !is_greedy(temperature) && temperature != 1.0 {
+        true => 1.0 / temperature,
+        false => 1.0,
+    };
+    flywheel_kernels::reference::log_softmax_with(logits, inv, lse);
+}

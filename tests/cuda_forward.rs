@@ -15,7 +15,9 @@ use flywheel::kernels::cpu::Precision;
 use flywheel::kernels::cuda::{DrawSpec, Gpu, Truncate};
 use flywheel::kernels::reference;
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
-use flywheel::model::decoder::{Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits};
+use flywheel::model::decoder::{
+    Decoder, ForwardBuffers, GpuDecoder, GpuShape, Logits, RowOut, RowsBack,
+};
 use flywheel::model::kv_cache::{KvCache, KvDtype};
 use std::time::Duration;
 
@@ -362,8 +364,9 @@ fn moe_graphs_equal_eager_launches(spec: &TinySpec, int8: bool) {
 
 /// Tokens drawn on the GPU (`forward_drawing`) are the host sampler's for the same logits: greedy
 /// and at temperatures, with alternatives, mixed in one step with rows whose logits come back
-/// (prompt scoring's rows, a row left to the host), in prefill (eager) and decode (graphs) steps;
-/// the logits that come back are `forward_into`'s bit for bit.
+/// (prompt scoring's rows, a row left to the host with its log-sum-exp at T 0.7 or 1), in prefill
+/// (eager) and decode (graphs) steps; the logits that come back are `forward_into`'s bit for bit,
+/// and a normalized row's log-sum-exp is its log-softmax's.
 #[test]
 fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
     if gpu().is_none() {
@@ -400,15 +403,17 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
         // min-p 0.05), the host's, T 1 with 20 alternatives, greedy with 3, T 1.2 in a nucleus
         // (top-p 0.9, min-p 0.05, no top-k: on the device where its cut is among the 128 best,
         // else drawn from the row's log-probs by the host).
-        let specs: Vec<Option<DrawSpec>> = (0..rows)
+        let specs: Vec<RowOut> = (0..rows)
             .map(|r| {
                 let last = if n == 0 { r.checked_sub(3) } else { Some(r) };
                 // The kinds turn with the step, so that each row of a step takes each in turn.
-                let kind = (last? + n) % 6;
+                let Some(kind) = last.map(|l| (l + n) % 6) else {
+                    return RowOut::Logits;
+                };
                 let sample = match kind {
                     0 | 4 => None,
                     1 => Some((0.8, uniform(&mut rng))),
-                    2 => return None,
+                    2 => return RowOut::Normalized((r % 2 == 0).then_some(0.7)),
                     3 => Some((1.0, uniform(&mut rng))),
                     _ => Some((1.2, uniform(&mut rng))),
                 };
@@ -426,7 +431,7 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
                     },
                     _ => Truncate::NONE,
                 };
-                Some(DrawSpec {
+                RowOut::Drawn(DrawSpec {
                     row: r as u32,
                     sample,
                     top,
@@ -435,23 +440,43 @@ fn tokens_drawn_on_the_gpu_are_the_host_samplers() {
             })
             .collect();
         let mut got = ForwardBuffers::default();
-        let mut drawn = Vec::new();
+        let mut back = RowsBack::default();
         drawing
-            .forward_drawing(&model, &b, &specs, &mut got, &mut drawn)
+            .forward_drawing(&model, &b, &specs, &mut got, &mut back)
             .unwrap();
-        assert_eq!(drawn.len(), specs.iter().flatten().count(), "step {n}");
-        let mut drawn = drawn.into_iter();
+        let count = |f: fn(&RowOut) -> bool| specs.iter().filter(|s| f(s)).count();
+        assert_eq!(back.drawn.len(), count(|s| matches!(s, RowOut::Drawn(_))));
+        assert_eq!(
+            back.lse.len(),
+            count(|s| matches!(s, RowOut::Normalized(_)))
+        );
+        let (mut drawn, mut lse) = (back.drawn.into_iter(), back.lse.into_iter());
         let mut next = Vec::new();
         for (r, spec) in specs.iter().enumerate() {
             let row = &want.logits[r * vocab..(r + 1) * vocab];
-            let Some(s) = spec else {
-                assert_eq!(
-                    &got.logits[r * vocab..(r + 1) * vocab],
-                    row,
-                    "step {n} row {r}"
-                );
-                next.push(reference::argmax(row));
-                continue;
+            let s = match spec {
+                RowOut::Drawn(s) => s,
+                _ => {
+                    assert_eq!(
+                        &got.logits[r * vocab..(r + 1) * vocab],
+                        row,
+                        "step {n} row {r}"
+                    );
+                    if let RowOut::Normalized(t) = *spec {
+                        // The log-sum-exp of the row at T, in f64 here.
+                        let inv = 1.0 / t.unwrap_or(1.0) as f64;
+                        let max = row.iter().fold(f64::MIN, |m, &v| m.max(v as f64 * inv));
+                        let sum: f64 = row.iter().map(|&v| (v as f64 * inv - max).exp()).sum();
+                        let want_lse = max + sum.ln();
+                        let got_lse = lse.next().unwrap() as f64;
+                        assert!(
+                            (got_lse - want_lse).abs() <= 1e-5 * want_lse.abs().max(1.0),
+                            "step {n} row {r}: {got_lse} vs {want_lse}"
+                        );
+                    }
+                    next.push(reference::argmax(row));
+                    continue;
+                }
             };
             let d = drawn.next().unwrap();
             let mut lp = row.to_vec();

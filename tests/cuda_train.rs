@@ -10,7 +10,9 @@ use common::{write_tiny, Rng, TinySpec};
 use flywheel::adapter::{LoraConfig, Method, OftConfig};
 use flywheel::kernels::cuda::{DrawSpec, Truncate};
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
-use flywheel::model::decoder::{Decoder, ForwardBuffers, GpuDecoder, Logits, TrainSeq};
+use flywheel::model::decoder::{
+    Decoder, ForwardBuffers, GpuDecoder, Logits, RowOut, RowsBack, TrainSeq,
+};
 use std::time::Duration;
 
 /// The training forward on the GPU (`GpuDecoder::logprobs`) gives each completion the log-probs
@@ -83,9 +85,9 @@ fn train_equals_serve(spec: &TinySpec) {
         let new = if n == 0 { 6 } else { 1 };
         let steps: Vec<(usize, usize, Logits)> = (0..k).map(|i| (i, new, Logits::Last)).collect();
         let b = batch(&seqs, &steps);
-        let specs: Vec<Option<DrawSpec>> = (0..k)
+        let specs: Vec<RowOut> = (0..k)
             .map(|i| {
-                Some(DrawSpec {
+                RowOut::Drawn(DrawSpec {
                     row: i as u32,
                     sample: temps[i].map(|t| (t, uniform(&mut rng))),
                     top: 0,
@@ -93,10 +95,10 @@ fn train_equals_serve(spec: &TinySpec) {
                 })
             })
             .collect();
-        let (mut bufs, mut drawn) = (ForwardBuffers::default(), Vec::new());
-        g.forward_drawing(&model, &b, &specs, &mut bufs, &mut drawn)
+        let (mut bufs, mut back) = (ForwardBuffers::default(), RowsBack::default());
+        g.forward_drawing(&model, &b, &specs, &mut bufs, &mut back)
             .unwrap();
-        for (i, d) in drawn.iter().enumerate() {
+        for (i, d) in back.drawn.iter().enumerate() {
             seqs[i].tokens.push(d.token);
             served[i].push(d.logprob);
         }

@@ -1,6 +1,7 @@
 //! The engine's training forward (`EngineHandle::logprobs`, run between serving steps on the
 //! device the engine serves on): the log-probs of completions it served, as served, bit for bit
-//! (greedy, at temperatures, through an adapter, several sequences a job) while other requests
+//! (greedy, at temperatures, through an adapter, several sequences a job, the choices of an
+//! `n` > 1 request, a request with a penalty) while other requests
 //! go on; a job the forward refuses is answered with the reason. On the CPU always; built with
 //! `cuda` on a machine with a GPU, on the GPU too (there in parts of at most a step's tokens, in
 //! blocks of the engine's own cache).
@@ -44,21 +45,31 @@ fn request(prompt: &[u32], temperature: f32, seed: u64, max_tokens: usize) -> Ge
 }
 
 /// The tokens and log-probs a stream served, to its end.
-fn collect(mut s: RequestStream) -> (Vec<u32>, Vec<f32>) {
-    let (mut tokens, mut lps) = (Vec::new(), Vec::new());
-    loop {
+fn collect(s: RequestStream) -> (Vec<u32>, Vec<f32>) {
+    collect_choices(s, 1).remove(0)
+}
+
+/// Each of a stream's `n` choices' tokens and log-probs, to the end of every one.
+fn collect_choices(mut s: RequestStream, n: usize) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let mut out = vec![(Vec::new(), Vec::new()); n];
+    let mut left = n;
+    while left > 0 {
         match s.rx.blocking_recv() {
             Some(EngineEvent::Token {
-                token_id, logprob, ..
+                choice,
+                token_id,
+                logprob,
+                ..
             }) => {
-                tokens.push(token_id);
-                lps.push(logprob);
+                out[choice].0.push(token_id);
+                out[choice].1.push(logprob);
             }
-            Some(EngineEvent::Finished { .. }) => return (tokens, lps),
+            Some(EngineEvent::Finished { .. }) => left -= 1,
             Some(EngineEvent::PromptLogprobs(_)) => {}
             other => panic!("unexpected {other:?}"),
         }
     }
+    out
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -173,6 +184,24 @@ fn served_then_scored(device: Device, block_size: usize, what: &str) {
         .zip(&got[0])
         .all(|(a, b)| (a - b).abs() <= 2e-3);
     assert!(near, "{what}: the CPU's {:?}, {:?}", on_cpu[0], got[0]);
+    // Rows the host samples (beside a GPU with the log-sum-exp the GPU's log-softmax took
+    // there): each choice's first token of an n = 3 request (the prompt's row forks), every token
+    // of a request with a presence penalty. Their log-probs are the model's, as served.
+    let mut forked = request(&prompts[1], 0.9, 31, 10);
+    forked.n = 3;
+    let mut penalized = request(&prompts[0], 0.7, 32, 10);
+    penalized.sampling.presence_penalty = 0.5;
+    for (r, n, kind) in [(forked, 3, "forked"), (penalized, 1, "penalized")] {
+        let (prompt, t) = (r.prompt.clone(), r.sampling.temperature);
+        let choices = collect_choices(engine.submit(r).unwrap(), n);
+        for (c, (tokens, lps)) in choices.iter().enumerate() {
+            let w = [prompt.clone(), tokens.clone()].concat();
+            let got = engine
+                .logprobs(&[TrainSeq::whole(&w, prompt.len())], None, t)
+                .unwrap();
+            assert_eq!(bits(&got[0]), bits(lps), "{what}: {kind}, choice {c}");
+        }
+    }
     // A job the forward refuses, with its reason.
     let err = engine
         .logprobs(&[TrainSeq::whole(&whole[0], 0)], None, 1.0)

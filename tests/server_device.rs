@@ -183,11 +183,11 @@ fn tokens_drawn_on_the_gpu_are_those_the_host_draws() {
 
 /// On a GPU: an adapter learning while the server serves on the GPU trains from the log-probs
 /// the GPU served (the trainer's steps' log-probs from the GPU's forward between serving steps;
-/// its backward on the CPU): a step's `logprob_diff_max` over its own samples is within f32
-/// rounding. Not 0 as on the CPU: each choice's first token of an `n` > 1 request is drawn on
-/// the host (the prompt's row forks there), its served log-prob the CPU's log-softmax of the
-/// GPU's logits; every later token is drawn on the GPU, bit for bit (`engine_scoring` checks
-/// whole single choices so). Without a usable GPU there is nothing to run, and it says so.
+/// its backward on the CPU): a step's `logprob_diff_max` over its own samples is 0, as on the
+/// CPU — the tokens drawn on the GPU and those the host draws beside it (each choice's first of an
+/// `n` > 1 request: the prompt's row forks there) alike, the host's with the log-sum-exp the GPU's
+/// log-softmax took (`Gpu::normalize`). Without a usable GPU there is nothing to run, and it says
+/// so.
 #[test]
 fn an_adapter_learning_on_the_gpu_trains_from_the_served_log_probs() {
     use common::online::{call, learning_config, sample, start_learning_with, wait_status, USER};
@@ -231,8 +231,8 @@ fn an_adapter_learning_on_the_gpu_trains_from_the_served_log_probs() {
         let st = wait_status(&s, "l", 120, |st| st["steps"] == step);
         assert_eq!(st["state"], "running", "{st}");
         let d = st["last"]["logprob_diff_max"].as_f64().unwrap();
-        assert!(
-            d <= 1e-5,
+        assert_eq!(
+            d, 0.0,
             "step {step}: the trainer's log-probs and the GPU's served ones differ: {st}"
         );
     }

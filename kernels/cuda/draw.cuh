@@ -51,6 +51,8 @@
 #define FW_DRAWN_WORDS (4 + 2 * FW_DRAW_TOP)
 // A scored row's spec: row, 1/T's bits, token (`fw_score`).
 #define FW_SCORE_SPEC_WORDS 3
+// A normalized row's spec: row, 1/T's bits (`fw_normalize`).
+#define FW_NORMALIZE_SPEC_WORDS 2
 
 #ifdef __CUDA_ARCH__
 #define FW_EXP(x) exp(x)
@@ -263,6 +265,21 @@ extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
   float* r = x + (size_t)s[0] * vocab;
   fw_draw_normalize(r, vocab, __uint_as_float(s[1]), part, &lse_s);
   if (threadIdx.x == 0) out[blockIdx.x] = __float_as_uint(r[s[2]]);
+}
+
+// Grid (rows), FW_DRAW_THREADS threads: the log-sum-exp a row's log-softmax at a temperature
+// subtracts (`Gpu::normalize`), for the host to sample a row the draw does not cover with the
+// draw's log-probs: log-prob i = fw_sub(fw_mul(logit i, 1/T), lse), each rounded once on the host
+// too. x: the step's logits, `vocab` a row; spec FW_NORMALIZE_SPEC_WORDS words a row (row, 1/T's
+// bits); out[b]: lse's bits. The row is left as its log-probs.
+extern "C" __global__ void __launch_bounds__(FW_DRAW_THREADS, 1)
+    fw_normalize(float* __restrict__ x, int vocab, const uint32_t* __restrict__ spec,
+                 uint32_t* __restrict__ out) {
+  __shared__ double part[FW_DRAW_THREADS];
+  __shared__ float lse_s;
+  const uint32_t* s = spec + (size_t)blockIdx.x * FW_NORMALIZE_SPEC_WORDS;
+  fw_draw_normalize(x + (size_t)s[0] * vocab, vocab, __uint_as_float(s[1]), part, &lse_s);
+  if (threadIdx.x == 0) out[blockIdx.x] = __float_as_uint(lse_s);
 }
 
 // Grid (drawn rows), FW_DRAW_THREADS threads (a block an SM is enough: one a row; with the

@@ -347,6 +347,14 @@ pub fn log_softmax(x: &mut [f32]) {
     }
 }
 
+/// In-place log-probs of one row from the log-sum-exp `lse` of x·inv computed elsewhere (the GPU
+/// draw's, `Gpu::normalize`): each x·inv − lse, the product and the difference each rounded once,
+/// as the device rounds them (`fw_mul`, `fw_sub`; Rust fuses neither into a multiply-add), so
+/// that the row's log-probs are the device's bit for bit.
+pub fn log_softmax_with(x: &mut [f32], inv: f32, lse: f32) {
+    x.iter_mut().for_each(|v| *v = *v * inv - lse);
+}
+
 /// `dz[v] = −scale·exp(lp[v])`; returns the entropy −Σ exp(lp)·lp (f64 sums; log-probs below
 /// −87.3 count as probability 0, as in the SIMD kernels).
 pub fn softmax_backward_row(lp: &[f32], scale: f32, dz: &mut [f32]) -> f64 {

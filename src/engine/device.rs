@@ -119,15 +119,37 @@ pub(super) enum Backend {
     Gpu(Box<crate::model::decoder::GpuDecoder>),
 }
 
-/// For each row of logits the step of `chunks` makes, the draw `backend` makes of its next token
-/// (a choice's row whose draw the device's rule covers, `SeqOutput::device_draw`, which takes
-/// the draw's uniform from the choice's stream), or None; empty where `backend` draws nothing.
-pub(super) fn device_draws(
+/// What the device does with a row of logits the step makes (`device_rows`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum DeviceRow {
+    /// Its logits come back, for the host (prompt scoring; scoring only).
+    Logits,
+    /// Its logits come back with the log-sum-exp of logits / T (T the choice's temperature) that
+    /// the device's log-softmax subtracts: the host samples it (penalties, a grammar, sibling
+    /// choices to fork off it) with the device's log-probs (`sampler::sample_row`).
+    Normalized(f32),
+    /// The device draws its token.
+    Drawn(DeviceDraw),
+}
+
+/// What the device gave back besides the logits: the drawn rows' tokens and the normalized rows'
+/// log-sum-exps, each in the order of their rows.
+#[derive(Default)]
+pub(super) struct DeviceRows {
+    pub drawn: Vec<Sampled>,
+    pub lse: Vec<f32>,
+}
+
+/// For each row of logits the step of `chunks` makes, what `backend` does with it: a choice's
+/// row whose draw the device's rule covers is drawn there (`SeqOutput::device_draw`, which takes
+/// the draw's uniform from the choice's stream), a choice's other rows normalized there; empty
+/// where `backend` draws nothing (the CPU; a GPU whose logits the host caps).
+pub(super) fn device_rows(
     backend: &Backend,
     chunks: &[Chunk],
     sched: &Scheduler,
     outputs: &mut HashMap<SeqId, SeqOutput>,
-) -> Vec<Option<DeviceDraw>> {
+) -> Vec<DeviceRow> {
     let draws_tokens = match backend {
         Backend::Cpu(_) => false,
         #[cfg(feature = "cuda")]
@@ -136,7 +158,7 @@ pub(super) fn device_draws(
     if !draws_tokens {
         return Vec::new();
     }
-    let mut draws = Vec::new();
+    let mut rows = Vec::new();
     for c in chunks {
         let s = sched.get(c.seq).expect("scheduled sequence exists");
         // The rows `Engine::step` asks logits for: none for embeddings, every row for prompt
@@ -145,58 +167,82 @@ pub(super) fn device_draws(
             continue;
         }
         if super::scores_prompt(s, c) {
-            draws.extend(std::iter::repeat_n(None, c.len));
+            rows.extend(std::iter::repeat_n(DeviceRow::Logits, c.len));
         } else if c.wants_logits {
-            draws.push(outputs.get_mut(&c.seq).and_then(|o| o.device_draw()));
+            rows.push(match outputs.get_mut(&c.seq) {
+                Some(o) => match o.device_draw() {
+                    Some(d) => DeviceRow::Drawn(d),
+                    None if o.req.req.max_tokens > 0 => {
+                        DeviceRow::Normalized(o.req.req.sampling.temperature)
+                    }
+                    None => DeviceRow::Logits,
+                },
+                None => DeviceRow::Logits,
+            });
         }
     }
-    if draws.iter().all(Option::is_none) {
-        draws.clear();
+    if rows.iter().all(|r| *r == DeviceRow::Logits) {
+        rows.clear();
     }
-    draws
+    rows
 }
 
 /// The step's forward on `backend`: the logits (and hidden rows) in `bufs`, but for the rows
-/// `draws` names (one per row of logits, or none), which the device drew: their tokens, in order.
+/// `rows` has drawn (one entry per row of logits, or none), whose tokens come back in order, and
+/// the log-sum-exps of the rows it has normalized.
 pub(super) fn forward(
     backend: &mut Backend,
     model: &Decoder,
     cpu: &Cpu,
     batch: &[BatchSeq],
     bufs: &mut ForwardBuffers,
-    draws: &[Option<DeviceDraw>],
-) -> Result<Vec<Sampled>, ModelError> {
+    rows: &[DeviceRow],
+) -> Result<DeviceRows, ModelError> {
     match backend {
         Backend::Cpu(cache) => {
-            debug_assert!(draws.is_empty(), "the CPU draws no tokens in its forward");
+            debug_assert!(rows.is_empty(), "the CPU draws no tokens in its forward");
             model.forward_into(cpu, cache, batch, bufs)?;
-            Ok(Vec::new())
+            Ok(DeviceRows::default())
         }
         #[cfg(feature = "cuda")]
         Backend::Gpu(g) => {
+            use crate::model::decoder::{RowOut, RowsBack};
             use flywheel_kernels::cuda::DrawSpec;
             // A vocabulary smaller than the alternatives asked for gives all it has, as the
             // host's sampler does.
             let vocab = model.config.vocab_size;
-            let specs: Vec<Option<DrawSpec>> = draws
+            let outs: Vec<RowOut> = rows
                 .iter()
                 .enumerate()
-                .map(|(row, d)| {
-                    d.map(|d| DrawSpec {
+                .map(|(row, r)| match *r {
+                    DeviceRow::Logits => RowOut::Logits,
+                    // The sampler scales by 1/T only where T is neither greedy's nor 1.
+                    DeviceRow::Normalized(t) => {
+                        RowOut::Normalized((!crate::policy::is_greedy(t) && t != 1.0).then_some(t))
+                    }
+                    DeviceRow::Drawn(d) => RowOut::Drawn(DrawSpec {
                         row: row as u32,
                         sample: d.sample,
                         top: d.top.min(vocab),
                         truncate: d.truncate,
-                    })
+                    }),
                 })
                 .collect();
-            let mut drawn = Vec::new();
-            g.forward_drawing(model, batch, &specs, bufs, &mut drawn)?;
-            Ok(drawn
+            let mut back = RowsBack::default();
+            g.forward_drawing(model, batch, &outs, bufs, &mut back)?;
+            let drawn = back
+                .drawn
                 .iter()
-                .zip(draws.iter().flatten())
+                .zip(rows.iter().filter_map(|r| match r {
+                    DeviceRow::Drawn(d) => Some(d),
+                    _ => None,
+                }))
                 .map(|(r, d)| d.sampled(r.token, r.logprob, r.kept, &r.top))
-                .collect())
+                .collect();
+            Ok(DeviceRows {
+                drawn,
+                lse: back.lse,
+            })
         }
     }
 }

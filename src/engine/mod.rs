@@ -21,6 +21,7 @@ use crate::model::decoder::{BatchSeq, Decoder, ForwardBuffers, Logits};
 use crate::model::tokenizer::Tokenizer;
 use block_manager::BlockManager;
 use constraint::{Constraint, GrammarError};
+use device::DeviceRow;
 use flywheel_kernels::Cpu;
 pub use handle::{
     Admission, ClientId, EngineEvent, EngineHandle, FinishReason, Follow, GenerateRequest,
@@ -321,10 +322,10 @@ impl Engine {
         if plan.chunks.is_empty() {
             return false;
         }
-        // Rows whose tokens the device draws (only their tokens come back), decided before the
-        // grammar thread takes the constraints.
+        // Rows whose tokens the device draws (only their tokens come back) or normalizes,
+        // decided before the grammar thread takes the constraints.
         let draws =
-            device::device_draws(&self.backend, &plan.chunks, &self.sched, &mut self.outputs);
+            device::device_rows(&self.backend, &plan.chunks, &self.sched, &mut self.outputs);
         let batch: Vec<BatchSeq> = plan
             .chunks
             .iter()
@@ -405,8 +406,8 @@ impl Engine {
                 o.next_mask = Some(m);
             }
         }
-        let mut drawn = match result {
-            Ok(Ok(drawn)) => drawn.into_iter(),
+        let (mut drawn, mut lse) = match result {
+            Ok(Ok(back)) => (back.drawn.into_iter(), back.lse.into_iter()),
             Ok(Err(e)) => {
                 let ids: Vec<SeqId> = plan.chunks.iter().map(|c| c.seq).collect();
                 self.fail(&ids, &format!("forward pass failed: {e}"));
@@ -444,9 +445,15 @@ impl Engine {
                 row += all as usize;
                 continue;
             }
+            let l = &mut logits[row * vocab..(row + 1) * vocab];
             let next = match draws.get(row) {
-                Some(Some(_)) => Next::Drawn(drawn.next().expect("one drawn token a draw")),
-                _ => Next::Logits(&mut logits[row * vocab..(row + 1) * vocab]),
+                Some(DeviceRow::Drawn(_)) => {
+                    Next::Drawn(drawn.next().expect("one drawn token a draw"))
+                }
+                Some(DeviceRow::Normalized(_)) => {
+                    Next::Logits(l, Some(lse.next().expect("one log-sum-exp a row")))
+                }
+                _ => Next::Logits(l, None),
             };
             row += 1;
             let r = std::panic::catch_unwind(AssertUnwindSafe(|| self.on_logits(c.seq, next)));
@@ -487,9 +494,9 @@ impl Engine {
         let ctx = self.model.config.context_length;
         let bs = self.sched.blocks().block_size();
         // A device draws no row with forks to make (`SeqOutput::device_draw`).
-        let fork_from: &[f32] = match &next {
-            Next::Logits(l) => l,
-            Next::Drawn(_) => &[],
+        let (fork_from, lse): (&[f32], _) = match &next {
+            Next::Logits(l, lse) => (l, *lse),
+            Next::Drawn(_) => (&[], None),
         };
         for choice in (1..=forks).filter(|_| !fork_from.is_empty()) {
             let mut row = fork_from.to_vec();
@@ -497,7 +504,7 @@ impl Engine {
             child.scheduled_at = Some(Instant::now());
             child.num_cached_tokens = num_cached;
             // A forked choice draws its first token: nothing generated yet.
-            let s = match child.sample(&self.cpu, &mut row, &[]) {
+            let s = match child.sample(&self.cpu, &mut row, lse, &[]) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = req.tx.send(EngineEvent::GrammarFailed(e));
@@ -528,7 +535,9 @@ impl Engine {
         let out = self.outputs.get_mut(&id).expect("present");
         let seq = self.sched.get(id).expect("running");
         let sampled = match next {
-            Next::Logits(logits) => out.sample(&self.cpu, logits, &seq.tokens[seq.prompt_len..]),
+            Next::Logits(logits, lse) => {
+                out.sample(&self.cpu, logits, lse, &seq.tokens[seq.prompt_len..])
+            }
             Next::Drawn(s) => Ok(s),
         };
         let s = match sampled {
@@ -577,9 +586,10 @@ impl Engine {
     }
 }
 
-/// A row's next token: its logits for the host's sampler, or the token the device drew.
+/// A row's next token: its logits for the host's sampler (with the device's log-sum-exp of
+/// them where it normalized the row), or the token the device drew.
 enum Next<'a> {
-    Logits(&'a mut [f32]),
+    Logits(&'a mut [f32], Option<f32>),
     Drawn(sampler::Sampled),
 }
 

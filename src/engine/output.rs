@@ -141,21 +141,24 @@ impl SeqOutput {
     }
 
     /// Draw the next token after `generated` (this choice's tokens so far: what `min_tokens`
-    /// counts and bad words are matched against); under a grammar, only from what it allows (and
-    /// the grammar follows the token). Err: the grammar failed.
+    /// counts and bad words are matched against) from `logits`, with the device's log-sum-exp of
+    /// them where it gave one (`sampler::sample_row`); under a grammar, only from what it allows
+    /// (and the grammar follows the token). Err: the grammar failed.
     pub fn sample(
         &mut self,
         cpu: &Cpu,
         logits: &mut [f32],
+        lse: Option<f32>,
         generated: &[u32],
     ) -> Result<Sampled, GrammarError> {
         self.prepare_mask();
         let mask = self.next_mask.take().transpose()?;
         let p = &self.req.req.sampling;
         let banned = p.banned(generated, &self.req.end_tokens);
-        let s = sampler::sample_seen(
+        let s = sampler::sample_row(
             cpu,
             logits,
+            lse,
             p,
             &self.counts,
             &self.prompt_seen,

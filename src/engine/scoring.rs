@@ -1,6 +1,7 @@
 //! Training forwards the engine runs between its serving steps (`EngineHandle::logprobs`): a
 //! trainer's log-probs from the very kernels that served the completions — on a GPU,
-//! `GpuDecoder::logprobs`, so that train = serve there bit for bit where the GPU drew the token.
+//! `GpuDecoder::logprobs`, so that train = serve there bit for bit (the tokens the host draws
+//! beside the GPU with the GPU's log-softmax too: `Gpu::normalize`).
 //! A job runs one part (`score_parts`: at most a step's tokens) a turn of the loop, after the
 //! turn's serving step, in KV blocks taken from the block manager for that part and given back
 //! after it: at most one part between two serving steps (not timed: no GPU has run it yet). On

@@ -22,8 +22,9 @@ const SPEC_WORDS: usize = 9;
 /// `FW_DRAW_HOST`: a nucleus whose cut reaches past the candidates, for the host to draw.
 const HOST: u32 = u32::MAX;
 const DRAWN_WORDS: usize = 4 + 2 * DRAW_TOP;
-/// `FW_SCORE_SPEC_WORDS`.
+/// `FW_SCORE_SPEC_WORDS`, `FW_NORMALIZE_SPEC_WORDS`.
 const SCORE_SPEC_WORDS: usize = 3;
+const NORMALIZE_SPEC_WORDS: usize = 2;
 
 /// How one row of logits is drawn.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -70,6 +71,27 @@ pub struct ScoreSpec {
     pub token: u32,
     /// Log-softmax(logits / T); None: at T = 1 (greedy's log-probs, as the sampler reports them).
     pub temperature: Option<f32>,
+}
+
+/// A row whose log-sum-exp at a temperature is wanted (`Gpu::normalize`): a row the host samples
+/// with the draw's log-probs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormSpec {
+    /// The row of the step's logits.
+    pub row: u32,
+    /// Log-softmax(logits / T); None: at T = 1 (greedy's log-probs, as the sampler reports them).
+    pub temperature: Option<f32>,
+}
+
+/// A scored or normalized row's first words: the row (of `n`), 1/T's bits.
+fn row_words(what: &str, row: u32, temperature: Option<f32>, n: usize) -> Result<[u32; 2]> {
+    check((row as usize) < n, || format!("{what}: row {row} of {n}"))?;
+    if let Some(t) = temperature {
+        check(t > 0.0 && t.is_finite(), || {
+            format!("{what}: temperature {t}")
+        })?;
+    }
+    Ok([row, inverse(temperature).to_bits()])
 }
 
 /// 1/T as the sampler scales (`policy::scale_and_normalize`): 1 when greedy or T = 1, where it
@@ -129,18 +151,8 @@ impl Gpu {
         out: &mut Vec<Drawn>,
     ) -> Result<()> {
         out.clear();
-        check(specs.len() <= bufs.rows, || {
-            format!("{} rows to draw, room for {}", specs.len(), bufs.rows)
-        })?;
-        check(vocab > 0 && vocab <= i32::MAX as usize, || {
-            format!("draw: a vocabulary of {vocab}")
-        })?;
-        len_at_least(x, n * vocab, "draw")?;
         let mut words = Vec::with_capacity(specs.len() * SPEC_WORDS);
         for s in specs {
-            check((s.row as usize) < n, || {
-                format!("draw: row {} of {n}", s.row)
-            })?;
             check(s.top <= DRAW_TOP.min(vocab), || {
                 format!(
                     "draw: {} alternatives of {vocab}, at most {DRAW_TOP}",
@@ -163,7 +175,7 @@ impl Gpu {
             words.extend(s.words());
         }
         let rows: Vec<u32> = specs.iter().map(|s| s.row).collect();
-        self.launch_rows("draw", x, vocab, &rows, &words, bufs, DRAWN_WORDS)?;
+        self.launch_specs("draw", x, n, vocab, &rows, &words, bufs, DRAWN_WORDS)?;
         let got = &bufs.host[..specs.len() * DRAWN_WORDS];
         out.extend(got.chunks(DRAWN_WORDS).zip(specs).map(|(w, s)| {
             Drawn {
@@ -207,46 +219,88 @@ impl Gpu {
         bufs: &mut DrawBuffers,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        out.clear();
-        check(specs.len() <= bufs.rows, || {
-            format!("{} rows to score, room for {}", specs.len(), bufs.rows)
-        })?;
-        check(vocab > 0 && vocab <= i32::MAX as usize, || {
-            format!("score: a vocabulary of {vocab}")
-        })?;
-        len_at_least(x, n * vocab, "score")?;
         let mut words = Vec::with_capacity(specs.len() * SCORE_SPEC_WORDS);
         for s in specs {
-            check((s.row as usize) < n && (s.token as usize) < vocab, || {
-                format!("score: row {} of {n}, token {} of {vocab}", s.row, s.token)
+            check((s.token as usize) < vocab, || {
+                format!("score: token {} of {vocab}", s.token)
             })?;
-            if let Some(t) = s.temperature {
-                check(t > 0.0 && t.is_finite(), || {
-                    format!("score: temperature {t}")
-                })?;
-            }
-            words.extend([s.row, inverse(s.temperature).to_bits(), s.token]);
+            words.extend(row_words("score", s.row, s.temperature, n)?);
+            words.push(s.token);
         }
-        let rows: Vec<u32> = specs.iter().map(|s| s.row).collect();
-        self.launch_rows("score", x, vocab, &rows, &words, bufs, 1)?;
-        out.extend(bufs.host[..specs.len()].iter().map(|&w| f32::from_bits(w)));
-        Ok(())
+        self.launch_rows("score", x, n, vocab, &words, SCORE_SPEC_WORDS, bufs, out)
     }
 
-    /// `fw_<what>` over `rows` of `x` (a block each), its specs `words` written first, then
-    /// `out_words` words a row read back into `bufs.host`. No row may be named twice: each is
-    /// turned into its log-probs in place, and a second spec would read those.
+    /// The log-sum-exp each spec's row of `x` (`n` rows of `vocab` logits) has at its temperature
+    /// by the draw's arithmetic (`fw_normalize`), after everything queued before; each row is left
+    /// as its log-probs. `out` gets one per spec, in order: with it the host computes a row's
+    /// log-probs as the draw does (`policy::normalize_with`), bit for bit, from the row's logits
+    /// read before.
+    pub fn normalize(
+        &self,
+        x: &mut CudaSlice<f32>,
+        n: usize,
+        vocab: usize,
+        specs: &[NormSpec],
+        bufs: &mut DrawBuffers,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let mut words = Vec::with_capacity(specs.len() * NORMALIZE_SPEC_WORDS);
+        for s in specs {
+            words.extend(row_words("normalize", s.row, s.temperature, n)?);
+        }
+        let w = NORMALIZE_SPEC_WORDS;
+        self.launch_rows("normalize", x, n, vocab, &words, w, bufs, out)
+    }
+
+    /// `fw_<what>` over the rows of `x` (`n` rows of `vocab`) its specs `words` name (`spec_words`
+    /// a row, the row first; a block each), the specs written first, then one word a row read
+    /// back into `out` as an f32. No row may be named twice: each is turned into its log-probs in
+    /// place, and a second spec would read those.
     #[allow(clippy::too_many_arguments)]
     fn launch_rows(
         &self,
         what: &str,
         x: &mut CudaSlice<f32>,
+        n: usize,
+        vocab: usize,
+        words: &[u32],
+        spec_words: usize,
+        bufs: &mut DrawBuffers,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        out.clear();
+        let rows: Vec<u32> = words.iter().step_by(spec_words).copied().collect();
+        self.launch_specs(what, x, n, vocab, &rows, words, bufs, 1)?;
+        out.extend(bufs.host[..rows.len()].iter().map(|&w| f32::from_bits(w)));
+        Ok(())
+    }
+
+    /// `fw_<what>` over `rows` of `x` (`n` rows of `vocab`; a block each), its specs `words`
+    /// written first, then `out_words` words a row read back into `bufs.host`. No row may be
+    /// named twice: each is turned into its log-probs in place, and a second spec would read
+    /// those.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_specs(
+        &self,
+        what: &str,
+        x: &mut CudaSlice<f32>,
+        n: usize,
         vocab: usize,
         rows: &[u32],
         words: &[u32],
         bufs: &mut DrawBuffers,
         out_words: usize,
     ) -> Result<()> {
+        check(rows.len() <= bufs.rows, || {
+            format!("{what}: {} rows, room for {}", rows.len(), bufs.rows)
+        })?;
+        check(vocab > 0 && vocab <= i32::MAX as usize, || {
+            format!("{what}: a vocabulary of {vocab}")
+        })?;
+        len_at_least(x, n * vocab, what)?;
+        check(rows.iter().all(|&r| (r as usize) < n), || {
+            format!("{what}: a row past the step's {n}")
+        })?;
         let mut seen = rows.to_vec();
         seen.sort_unstable();
         check(seen.windows(2).all(|w| w[0] != w[1]), || {

@@ -20,7 +20,9 @@ pub use adapters::{AdapterEntry, AdapterRows, LoraLayout, LORA_VAR};
 pub use attention::{
     att_chunks, AttentionKernel, ChunkLaunch, ATTENTION_VAR, ATT_SPLITS, SPLIT_PAIRS,
 };
-pub use draw::{DrawBuffers, DrawSpec, Drawn, ScoreSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP};
+pub use draw::{
+    DrawBuffers, DrawSpec, Drawn, NormSpec, ScoreSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP,
+};
 pub use int8::{Int8Layout, Q8Acts, INT8_VAR};
 pub use launch::ATT_MAX_HEAD_DIM;
 pub use moe::{ExpertTable, MOE_MAX_USED};
@@ -89,6 +91,7 @@ const OTHERS: &[&str] = &[
     "fw_argmax",
     "fw_draw",
     "fw_score",
+    "fw_normalize",
     "fw_linear_backward",
     "fw_rmsnorm_backward",
     "fw_swiglu_backward",

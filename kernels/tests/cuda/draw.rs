@@ -5,7 +5,7 @@
 
 use super::gpu;
 use crate::common::Rng;
-use flywheel_kernels::cuda::{DrawSpec, ScoreSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP};
+use flywheel_kernels::cuda::{DrawSpec, NormSpec, ScoreSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP};
 use flywheel_kernels::reference;
 
 #[test]
@@ -240,6 +240,102 @@ fn scored_log_probs_are_the_drawn_ones() {
         let three: Vec<ScoreSpec> = (0..3).map(|r| spec(r, 0, None)).collect();
         assert!(g
             .score(&mut sx, n, vocab, &three, &mut room, &mut scored)
+            .is_err());
+    }
+}
+
+/// A normalized row's log-sum-exp (`Gpu::normalize`) gives the host the draw's log-probs bit for
+/// bit (`reference::log_softmax_with`): every value of the row the device left as its log-probs,
+/// the drawn token's and its alternatives', greedy and at three temperatures, rows in another
+/// order than drawn, a masked token; the rows not named untouched; refusals.
+#[test]
+fn normalized_rows_give_the_drawn_log_probs() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(44);
+    for vocab in [7usize, 1000, 49152, 128256] {
+        let n = 6;
+        let mut x = rng.vec(n * vocab, 6.0);
+        x[vocab + 2] = f32::NEG_INFINITY;
+        let temps = [None, Some(0.7f32), Some(1.0), Some(1.3), None];
+        let top = DRAW_TOP.min(vocab);
+        let specs: Vec<DrawSpec> = temps
+            .iter()
+            .enumerate()
+            .map(|(row, &t)| DrawSpec {
+                row: row as u32,
+                sample: t.map(|t| (t, (rng.next() >> 11) as f64 / (1u64 << 53) as f64)),
+                top,
+                truncate: Truncate::NONE,
+            })
+            .collect();
+        let mut bufs = g.draw_buffers(8).unwrap();
+        let (mut drawn, mut lse) = (Vec::new(), Vec::new());
+        let mut dx = g.upload(&x).unwrap();
+        g.draw(&mut dx, n, vocab, &specs, &mut bufs, &mut drawn)
+            .unwrap();
+        let norms: Vec<NormSpec> = (0..temps.len())
+            .rev()
+            .map(|r| NormSpec {
+                row: r as u32,
+                temperature: temps[r],
+            })
+            .collect();
+        let mut nx = g.upload(&x).unwrap();
+        g.normalize(&mut nx, n, vocab, &norms, &mut bufs, &mut lse)
+            .unwrap();
+        assert_eq!(lse.len(), norms.len());
+        let after = g.download(&nx).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (s, &l) in norms.iter().zip(&lse) {
+            let r = s.row as usize;
+            let inv = match s.temperature {
+                Some(t) if t != 1.0 => 1.0 / t,
+                _ => 1.0,
+            };
+            let mut host = x[r * vocab..(r + 1) * vocab].to_vec();
+            reference::log_softmax_with(&mut host, inv, l);
+            assert_eq!(
+                bits(&host),
+                bits(&after[r * vocab..(r + 1) * vocab]),
+                "vocab {vocab} row {r}: the device's log-probs"
+            );
+            let d = &drawn[r];
+            assert_eq!(host[d.token as usize].to_bits(), d.logprob.to_bits());
+            for &(i, v) in &d.top {
+                assert_eq!(
+                    host[i as usize].to_bits(),
+                    v.to_bits(),
+                    "vocab {vocab} row {r}"
+                );
+            }
+            // And a log-softmax: the f64 reference's within rounding.
+            let mut want = x[r * vocab..(r + 1) * vocab].to_vec();
+            want.iter_mut().for_each(|v| *v *= inv);
+            reference::log_softmax(&mut want);
+            let near = |a: f32, b: f32| a == b || (a - b).abs() <= 4e-7 * b.abs().max(1.0);
+            assert!(
+                host.iter().zip(&want).all(|(&a, &b)| near(a, b)),
+                "vocab {vocab} row {r}"
+            );
+        }
+        assert_eq!(after[5 * vocab..], x[5 * vocab..], "the row not named");
+        let spec = |row, temperature| NormSpec { row, temperature };
+        for bad in [
+            vec![spec(n as u32, None)],              // past the rows
+            vec![spec(0, None), spec(0, Some(0.5))], // a row twice
+            vec![spec(0, Some(0.0))],                // no temperature
+            vec![spec(0, Some(f32::NAN))],
+        ] {
+            assert!(
+                g.normalize(&mut nx, n, vocab, &bad, &mut bufs, &mut lse)
+                    .is_err(),
+                "{bad:?}"
+            );
+        }
+        let mut room = g.draw_buffers(2).unwrap();
+        let three: Vec<NormSpec> = (0..3).map(|r| spec(r, None)).collect();
+        assert!(g
+            .normalize(&mut nx, n, vocab, &three, &mut room, &mut lse)
             .is_err());
     }
 }

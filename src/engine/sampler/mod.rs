@@ -4,7 +4,7 @@
 //! exactly. Penalties and truncation change only which token is drawn.
 
 use super::constraint::TokenMask;
-use crate::policy::{is_greedy, scale_and_normalize};
+use crate::policy::{is_greedy, normalize_with, scale_and_normalize};
 use crate::util::Rng;
 use flywheel_kernels::reference::{self, Truncate};
 use flywheel_kernels::Cpu;
@@ -230,6 +230,34 @@ pub fn sample_seen(
     banned: &[u32],
     rng: &mut Rng,
 ) -> Sampled {
+    sample_row(
+        cpu,
+        logits,
+        None,
+        p,
+        counts,
+        prompt_seen,
+        allowed,
+        banned,
+        rng,
+    )
+}
+
+/// `sample_seen`, the row's log-probs (those reported, and drawn from where nothing edits them)
+/// computed with `lse`, the log-sum-exp of logits / T a device's log-softmax subtracted
+/// (`policy::normalize_with`: the device's log-probs, bit for bit), where one is given.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_row(
+    cpu: &Cpu,
+    logits: &mut [f32],
+    lse: Option<f32>,
+    p: &SamplingParams,
+    counts: &HashMap<u32, u32>,
+    prompt_seen: &[u32],
+    allowed: Option<&TokenMask>,
+    banned: &[u32],
+    rng: &mut Rng,
+) -> Sampled {
     // The distribution drawn from differs from the reported one only when penalties or biases
     // apply (the reported log-probs are the model's: what a trainer recomputes).
     let penalties = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
@@ -306,7 +334,10 @@ pub fn sample_seen(
         scale_and_normalize(cpu, &mut l, p.temperature);
         l
     });
-    scale_and_normalize(cpu, logits, p.temperature);
+    match lse {
+        Some(lse) => normalize_with(logits, p.temperature, lse),
+        None => scale_and_normalize(cpu, logits, p.temperature),
+    }
     let lp: &[f32] = logits;
     let draw_from = penalized.as_deref().unwrap_or(lp);
     let (token, sampling_logprob) = if is_greedy(p.temperature) {

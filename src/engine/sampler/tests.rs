@@ -542,3 +542,61 @@ fn device_draws_take_the_samplers_uniform_and_its_cuts() {
     };
     assert_eq!(p.device_draw(&mut Rng::new(1)).unwrap().sample, None);
 }
+
+/// A row sampled with a device's log-sum-exp (`sample_row`, beside a GPU) reports and draws from
+/// logit·(1/T) − lse, each step rounded once (the device's log-probs), greedy, at T 1 and at T 0.8,
+/// with or without a penalty (which edits the drawn-from distribution, not the reported one);
+/// the token the host's own log-softmax draws at the same uniform.
+#[test]
+fn a_devices_log_sum_exp_gives_the_rows_log_probs() {
+    let mut rng = crate::util::Rng::new(3);
+    let logits: Vec<f32> = (0..300).map(|_| (rng.next_f64() * 12.0 - 6.0) as f32).collect();
+    for (t, penalty) in [(0.0f32, 0.0f32), (1.0, 0.0), (0.8, 0.0), (0.8, 1.5)] {
+        let p = SamplingParams {
+            temperature: t,
+            presence_penalty: penalty,
+            top_logprobs: 5,
+            ..Default::default()
+        };
+        let inv = if t == 0.0 || t == 1.0 { 1.0 } else { 1.0 / t };
+        let scaled: Vec<f64> = logits.iter().map(|&v| (v * inv) as f64).collect();
+        let max = scaled.iter().cloned().fold(f64::MIN, f64::max);
+        // A log-sum-exp off the host's by a little, as another device's sums may be.
+        let lse = (max + scaled.iter().map(|v| (v - max).exp()).sum::<f64>().ln()) as f32 + 1e-6;
+        let counts = HashMap::from([(7u32, 2u32)]);
+        let (mut l, mut host) = (logits.clone(), logits.clone());
+        let s = sample_row(
+            &cpu(),
+            &mut l,
+            Some(lse),
+            &p,
+            &counts,
+            &[],
+            None,
+            &[],
+            &mut Rng::new(9),
+        );
+        let h = sample_row(
+            &cpu(),
+            &mut host,
+            None,
+            &p,
+            &counts,
+            &[],
+            None,
+            &[],
+            &mut Rng::new(9),
+        );
+        let want: Vec<u32> = logits.iter().map(|&v| (v * inv - lse).to_bits()).collect();
+        let got: Vec<u32> = l.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, want, "T {t}: the row's log-probs");
+        assert_eq!(s.logprob.to_bits(), want[s.token as usize], "T {t}");
+        assert!(s.top.iter().all(|a| a.logprob.to_bits() == want[a.token_id as usize]));
+        assert_eq!(s.token, h.token, "T {t}, penalty {penalty}");
+        assert!((s.logprob - h.logprob).abs() < 1e-5, "T {t}");
+        assert_ne!(s.logprob.to_bits(), h.logprob.to_bits(), "T {t}: lse is used");
+        if penalty == 0.0 && t > 0.0 {
+            assert_eq!(s.sampling_logprob.to_bits(), s.logprob.to_bits(), "T {t}");
+        }
+    }
+}

@@ -19,7 +19,7 @@ mod train;
 pub use buffers::{AdapterScratch, ForwardBuffers};
 pub use forward::{adapter_groups, AdapterGroup, Projection};
 #[cfg(feature = "cuda")]
-pub use gpu::{GpuDecoder, GpuShape};
+pub use gpu::{GpuDecoder, GpuShape, RowOut, RowsBack};
 pub use pack::{BatchSeq, Logits};
 pub use train::{
     blocks_of, inline_prefixes, part_seqs, prefixes_to_inline, score_parts, TrainSeq, TrainState,

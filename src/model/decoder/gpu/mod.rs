@@ -26,8 +26,8 @@ use super::{Activation, Decoder, ForwardBuffers, Mlp, ModelError, MoeConfig, Wei
 use crate::adapter::{AdapterWeights, Method, Target, NUM_TARGETS};
 use crate::model::kv_cache::KvDtype;
 use flywheel_kernels::cuda::{
-    AdapterEntry, AdapterRows, CudaGraph, CudaSlice, DeviceMatrix, DrawBuffers, DrawSpec, Drawn,
-    ExpertTable, Gpu, GpuError, GpuKv, Tokens, ATT_MAX_HEAD_DIM, MOE_MAX_USED,
+    AdapterEntry, AdapterRows, CudaGraph, CudaSlice, DeviceMatrix, DrawBuffers, Drawn, ExpertTable,
+    Gpu, GpuError, GpuKv, Tokens, ATT_MAX_HEAD_DIM, MOE_MAX_USED,
 };
 use flywheel_kernels::plan::{graph_bucket, GRAPH_MAX_BATCH};
 use flywheel_kernels::reference::AttnSeq;
@@ -112,6 +112,8 @@ pub struct GpuDecoder {
     /// Room for the tokens drawn on the GPU (`draw.rs`); None: every row's logits come back.
     draw: Option<DrawBuffers>,
     drawn: Vec<Drawn>,
+    /// The normalized rows' log-sum-exps of a pass (`draw.rs`).
+    lse: Vec<f32>,
     /// Room for the training forward's scored rows (`score.rs`), made on its first call.
     score: Option<DrawBuffers>,
 }
@@ -256,6 +258,7 @@ impl GpuDecoder {
                 false => None,
             },
             drawn: Vec::new(),
+            lse: Vec::new(),
             score: None,
             gpu,
         })
@@ -283,21 +286,22 @@ impl GpuDecoder {
         batch: &[BatchSeq],
         bufs: &mut ForwardBuffers,
     ) -> Result<(), ModelError> {
-        self.forward_drawing(model, batch, &[], bufs, &mut Vec::new())
+        self.forward_drawing(model, batch, &[], bufs, &mut RowsBack::default())
     }
 
-    /// `forward_into`, with the rows `draws` names (one entry per logit row of the step, its
-    /// `row` that index; or none at all) drawn on the GPU (`draws()` must hold): their results
-    /// in `drawn`, in order, and their rows of `bufs.logits` left as they were.
+    /// `forward_into`, each logit row of the step coming back as `rows` says (one entry per
+    /// logit row, or none at all: every row's logits; `draws()` must hold for any other): the
+    /// drawn rows' results and the normalized rows' log-sum-exps in `back`, in order, and the
+    /// drawn rows of `bufs.logits` left as they were.
     pub fn forward_drawing(
         &mut self,
         model: &Decoder,
         batch: &[BatchSeq],
-        draws: &[Option<DrawSpec>],
+        rows: &[RowOut],
         bufs: &mut ForwardBuffers,
-        drawn: &mut Vec<Drawn>,
+        back: &mut RowsBack,
     ) -> Result<(), ModelError> {
-        drawn.clear();
+        back.clear();
         let c = &model.config;
         self.step += 1;
         let Packed {
@@ -309,10 +313,10 @@ impl GpuDecoder {
             logit_rows,
             hidden_rows,
         } = model.pack(batch, self.block_size)?;
-        if !draws.is_empty() && draws.len() != logit_rows.len() {
+        if !rows.is_empty() && rows.len() != logit_rows.len() {
             return Err(ModelError::Batch(format!(
-                "{} draws for {} rows of logits",
-                draws.len(),
+                "{} row outputs for {} rows of logits",
+                rows.len(),
                 logit_rows.len()
             )));
         }
@@ -368,7 +372,7 @@ impl GpuDecoder {
             self.graphs[&key].launch().map_err(GpuError::from)?;
             bufs.logits.resize(t * vocab, 0.0);
             // The final soft-cap (Gemma 2) on the host, where sampling reads the logits.
-            return self.rows_out(model, 0, t, draws, &mut bufs.logits, drawn);
+            return self.rows_out(model, 0, t, rows, &mut bufs.logits, back);
         }
         self.body(model, n, &groups, None, decode)?;
         // Hidden rows (embeddings), then logits, HEAD_ROWS rows per pass.
@@ -397,7 +401,7 @@ impl GpuDecoder {
             )?;
             let at = i * HEAD_ROWS * vocab;
             let out = &mut bufs.logits[at..at + chunk.len() * vocab];
-            self.rows_out(model, i * HEAD_ROWS, chunk.len(), draws, out, drawn)?;
+            self.rows_out(model, i * HEAD_ROWS, chunk.len(), rows, out, back)?;
         }
         Ok(())
     }
@@ -590,6 +594,7 @@ impl GpuDecoder {
 mod acts;
 mod adapters;
 mod draw;
+pub use draw::{RowOut, RowsBack};
 mod ops;
 mod score;
 use acts::{Acts, MoeBufs};
