@@ -550,7 +550,9 @@ fn device_draws_take_the_samplers_uniform_and_its_cuts() {
 #[test]
 fn a_devices_log_sum_exp_gives_the_rows_log_probs() {
     let mut rng = crate::util::Rng::new(3);
-    let logits: Vec<f32> = (0..300).map(|_| (rng.next_f64() * 12.0 - 6.0) as f32).collect();
+    let logits: Vec<f32> = (0..300)
+        .map(|_| (rng.next_f64() * 12.0 - 6.0) as f32)
+        .collect();
     for (t, penalty) in [(0.0f32, 0.0f32), (1.0, 0.0), (0.8, 0.0), (0.8, 1.5)] {
         let p = SamplingParams {
             temperature: t,
@@ -591,10 +593,17 @@ fn a_devices_log_sum_exp_gives_the_rows_log_probs() {
         let got: Vec<u32> = l.iter().map(|v| v.to_bits()).collect();
         assert_eq!(got, want, "T {t}: the row's log-probs");
         assert_eq!(s.logprob.to_bits(), want[s.token as usize], "T {t}");
-        assert!(s.top.iter().all(|a| a.logprob.to_bits() == want[a.token_id as usize]));
+        assert!(s
+            .top
+            .iter()
+            .all(|a| a.logprob.to_bits() == want[a.token_id as usize]));
         assert_eq!(s.token, h.token, "T {t}, penalty {penalty}");
         assert!((s.logprob - h.logprob).abs() < 1e-5, "T {t}");
-        assert_ne!(s.logprob.to_bits(), h.logprob.to_bits(), "T {t}: lse is used");
+        assert_ne!(
+            s.logprob.to_bits(),
+            h.logprob.to_bits(),
+            "T {t}: lse is used"
+        );
         if penalty == 0.0 && t > 0.0 {
             assert_eq!(s.sampling_logprob.to_bits(), s.logprob.to_bits(), "T {t}");
         }

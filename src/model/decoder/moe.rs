@@ -214,11 +214,9 @@ impl Decoder {
     }
 }
 
-/// Softmax of a row in place (f32, in order).
 /// Route `t` tokens by their router logits in `a.probs` (T × experts; turned into the softmax):
 /// each token's `used` largest experts (the lower index first on a tie), their weights
-/// renormalised where the model says, and the rows grouped by expert (`rows`, `row_of`,
-/// `counts`). The CPU and the GPU forward share it.
+/// renormalised where the model says, and the rows grouped by expert (`group`).
 pub(super) fn route(c: &MoeConfig, t: usize, a: &mut MoeActs) {
     let (ne, k) = (c.experts, c.used);
     debug_assert_eq!(a.probs.len(), t * ne);
@@ -246,7 +244,15 @@ pub(super) fn route(c: &MoeConfig, t: usize, a: &mut MoeActs) {
             chosen.iter_mut().for_each(|ch| ch.weight /= sum);
         }
     }
-    // Group the rows by expert (tokens in order within an expert).
+    group(c, t, a);
+}
+
+/// Group the rows of `t` tokens' choices (`a.choices`, `used` a token) by expert, tokens in order
+/// within an expert (`rows`, `row_of`, `counts`). The CPU and the GPU forward share it (the GPU's
+/// choices come from its own router, `fw_moe_route`).
+pub(super) fn group(c: &MoeConfig, t: usize, a: &mut MoeActs) {
+    let (ne, k) = (c.experts, c.used);
+    debug_assert_eq!(a.choices.len(), t * k);
     a.counts.clear();
     a.counts.resize(ne, 0);
     for ch in &a.choices {
@@ -280,6 +286,7 @@ pub(super) fn route(c: &MoeConfig, t: usize, a: &mut MoeActs) {
     }
 }
 
+/// Softmax of a row in place (f32, in order).
 fn softmax(p: &mut [f32]) {
     let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;

@@ -15,12 +15,13 @@
 //! a slot's tensors from the adapter directory (`AdapterRows`); weights never change, so a publish
 //! (a new version: a slot's entries written) never invalidates or re-captures a graph. Prefill and
 //! other eager steps apply adapters group by group. A mixture of experts routes on the device in
-//! decode steps (graph or eager: the same launches), each (token, choice) row its expert's
-//! product; other steps read the routing back and group it on the host (`moe::route`, the CPU
+//! every step (`fw_moe_route`: a token's experts and weights the same bits in any step); in
+//! decode steps (graph or eager: the same launches) each (token, choice) row is its expert's
+//! product, other steps read the choices back and group them on the host (`moe::group`, the CPU
 //! forward's own), each expert's rows then one product on the GPU.
 
 use super::forward::{adapter_groups, AdapterGroup};
-use super::moe::{ranges, route, MoeActs};
+use super::moe::{group, ranges, Choice, MoeActs};
 use super::pack::{BatchSeq, Logits, Packed};
 use super::{Activation, Decoder, ForwardBuffers, Mlp, ModelError, MoeConfig, Weight};
 use crate::adapter::{AdapterWeights, Method, Target, NUM_TARGETS};

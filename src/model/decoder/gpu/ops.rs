@@ -16,11 +16,14 @@ pub(super) struct Experts<'a> {
 }
 
 impl Experts<'_> {
-    /// y (n, h) = the mixture of experts of m (n, h). With the expert tables (decode steps): routed
-    /// on the device and each (token, choice) row's expert product row by row, nothing read back
-    /// (graphs hold it). Else: the router's logits read back and routed on the host
-    /// (`moe::route`, the CPU's), the rows gathered by expert, each expert's rows one product per
-    /// projection. Then each token's outputs weighted in the order of its choices. `q8` (int8
+    /// y (n, h) = the mixture of experts of m (n, h), routed on the device (`fw_moe_route`) in
+    /// every step, so that a token's experts and weights are the same bits whichever step
+    /// computes it (a prefill, a decode graph, the trainer's forward). With the expert tables
+    /// (decode steps): each (token, choice) row's expert product row by row, nothing read back
+    /// (graphs hold it). Else: the choices read back and grouped by expert on the host
+    /// (`moe::group`, the CPU's), the rows gathered by expert, each expert's rows one product per
+    /// projection (each row the bits of the row-by-row product). Then each token's outputs
+    /// weighted in the order of its choices. `q8` (int8
     /// decoders): the router's and experts' products in int8 where the CPU's are (their formats
     /// and widths), each row the bits of its expert's int8 product.
     #[allow(clippy::too_many_arguments)]
@@ -54,19 +57,20 @@ impl Experts<'_> {
         } else {
             g.matmul(self.router, m, n, &mut b.logits)?;
         }
+        // Each token's choices: `b.tok` holds their experts, `b.weight` their weights (t·k + s),
+        // `b.row_of` the outputs in the order of the choices (t·k + s).
+        g.moe_route(
+            &b.logits,
+            n,
+            ne,
+            k,
+            mc.norm_topk,
+            &mut b.tok,
+            &mut b.weight,
+            &mut b.row_of,
+        )?;
         if let Some([gt, ut, dt]) = self.tables {
-            // On the device: each (token, choice) row its expert's product (`b.tok` holds the
-            // experts here), the outputs in the order of the choices (row_of = t·k + s).
-            g.moe_route(
-                &b.logits,
-                n,
-                ne,
-                k,
-                mc.norm_topk,
-                &mut b.tok,
-                &mut b.weight,
-                &mut b.row_of,
-            )?;
+            // On the device: each (token, choice) row its expert's product.
             for (t, out, on) in [(gt, &mut b.gate, gate8), (ut, &mut b.up, up8)] {
                 match q8.as_deref() {
                     Some(q) if on => g.matmul_experts_int8(t, &b.tok, n * k, q, k, out)?,
@@ -84,15 +88,23 @@ impl Experts<'_> {
             g.moe_combine(&b.out, &b.row_of, &b.weight, n, k, h, y)?;
             return Ok(());
         }
-        host.probs.resize(n * ne, 0.0);
-        g.read_into(&b.logits.slice(..n * ne), &mut host.probs)?;
-        route(mc, n, host);
+        // The choices read back and grouped by expert here; the weights stay as routed.
+        let (mut experts, mut weights) = (vec![0u32; n * k], vec![0f32; n * k]);
+        g.read_into(&b.tok.slice(..n * k), &mut experts)?;
+        g.read_into(&b.weight.slice(..n * k), &mut weights)?;
+        host.choices.clear();
+        host.choices.extend(
+            experts
+                .iter()
+                .zip(&weights)
+                .map(|(&expert, &weight)| Choice { expert, weight }),
+        );
+        check_experts(&host.choices, ne)?;
+        group(mc, n, host);
         let tok: Vec<u32> = host.rows.iter().map(|&(t, _)| t).collect();
         let row_of: Vec<u32> = host.row_of.iter().map(|&r| r as u32).collect();
-        let weight: Vec<f32> = host.choices.iter().map(|ch| ch.weight).collect();
         g.write(&tok, &mut b.tok)?;
         g.write(&row_of, &mut b.row_of)?;
-        g.write(&weight, &mut b.weight)?;
         g.gather_rows(m, &b.tok, n * k, h, &mut b.xs)?;
         if gate8 || up8 {
             g.quantize_q8(&b.xs, n * k, h, q8.as_deref_mut().expect("int8"))?;
@@ -127,6 +139,17 @@ impl Experts<'_> {
         }
         g.moe_combine(&b.out, &b.row_of, &b.weight, n, k, h, y)?;
         Ok(())
+    }
+}
+
+/// Every choice's expert one of the layer's `ne` (the router kernel's output, read back).
+fn check_experts(choices: &[Choice], ne: usize) -> Result<(), ModelError> {
+    match choices.iter().find(|c| c.expert as usize >= ne) {
+        Some(c) => Err(ModelError::Gpu(format!(
+            "the router chose expert {} of {ne}",
+            c.expert
+        ))),
+        None => Ok(()),
     }
 }
 
