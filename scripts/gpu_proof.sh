@@ -270,26 +270,28 @@ layouts)
   STEP_S=100 layouts "block row" "warp tile4x8" "warp tile2x16"
   ;;
 next)
-  # Each step bounded, and the command by DEADLINE; the most wanted first. The decode tiles
-  # (DecodeProduct::Tile4, Tile2: 4 or 2 rows a block, each value of x read once for them; by
-  # the SASS a third fewer instructions a row than the block layout) against the block layout,
-  # then where the default's decode step goes.
+  # Each step bounded, and the command by DEADLINE; the most wanted first (a session's device
+  # time may allow this one call): what was written without a GPU checked (the kernels, every
+  # family's forward, train = serve alone, through the engine and over HTTP), then the speed of
+  # the decode tiles (DecodeProduct::Tile4, Tile2: 4 or 2 rows a block, each value of x read once
+  # for them) against the block layout, then the rest.
   STEP_S=50 step kernels "$B/kernels-cuda" --test-threads 1
   STEP_S=100 step forward "$B/cuda-forward" --test-threads 1
+  # The training forward on the GPU (served = scored, bit for bit), alone and through the engine
+  # (the host's draws beside the GPU, forks and penalties, included).
+  FLYWHEEL_REQUIRE_GPU=1 STEP_S=40 step train "$B/cuda-train" --test-threads 1
+  FLYWHEEL_REQUIRE_GPU=1 STEP_S=30 step engine-scoring "$B/engine-scoring"
+  # (server-device: a learning adapter on the GPU trains from the served log-probs, bit for bit.)
+  FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=60 step http-server-device "$B/server-device"
+  STEP_S=60 layouts "block tile4x8" "tile4 tile4x8" "tile2 tile4x8"
   FLYWHEEL_CUDA_DECODE=tile4 STEP_S=60 step forward-tile4 "$B/cuda-forward" --test-threads 1 \
     every_family graph_replays
-  STEP_S=60 layouts "block tile4x8" "tile4 tile4x8" "tile2 tile4x8" "block tile4x8"
+  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
+    --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
   # Int8 (lanes at up to 8 tokens, its pairs now unrolled; quads beyond).
   STEP_S=60 step bench-llama-1b-int8 "$B/flywheel" bench --device cuda --precision int8 \
     --model "$M1B" --prompt-tokens 512 --decode-tokens 64 --batch 1,8,64 --runs 3 --kv-cache-dtype f16
   grep -E "^(model|test|pp|tg)" "$OUT/bench-llama-1b-int8.log" | sed 's/^/    /' >>"$SUMMARY"
-  FLYWHEEL_CUDA_TEST_QUICK=1 STEP_S=60 step memcheck-kernels compute-sanitizer --tool memcheck \
-    --error-exitcode 1 "$B/kernels-cuda" --test-threads 1
-  # (server-device: a learning adapter on the GPU trains from the served log-probs, bit for bit.)
-  FLYWHEEL_BIN="$PWD/$B/flywheel" FLYWHEEL_DEVICE=cuda STEP_S=60 step http-server-device "$B/server-device"
-  # The training forward on the GPU (served = scored, bit for bit), alone and through the engine.
-  FLYWHEEL_REQUIRE_GPU=1 STEP_S=40 step train "$B/cuda-train" --test-threads 1
-  FLYWHEEL_REQUIRE_GPU=1 STEP_S=30 step engine-scoring "$B/engine-scoring"
   # Attention split by GQA group against the chunks kernel's split (the kernels test checked
   # their bits above), at 2048 and 8000 positions.
   FLYWHEEL_CUDA_ATTENTION=groups STEP_S=60 step forward-groups "$B/cuda-forward" --test-threads 1 \
