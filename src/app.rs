@@ -264,7 +264,40 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
             layers: (0..c.num_layers).filter(|&l| c.window(l).is_some()).count(),
             window,
         });
-    let fit = cfg.fit_context(c.num_layers, c.kv_dim(), c.context_length, windows)?;
+    let sized = match cfg.gpu_memory_utilization {
+        Some(u) => {
+            use crate::engine::device::{gpu_kv_cache, DeviceChoice, StepShape};
+            let shape = StepShape {
+                max_tokens: cfg.max_num_batched_tokens,
+                max_seqs: cfg.max_num_seqs,
+                block_size: cfg.block_size,
+                int8: cfg.precision == crate::config::PrecisionChoice::Int8,
+            };
+            let kv = gpu_kv_cache(&device, &model, u, shape).map_err(|e| anyhow::anyhow!(e))?;
+            if kv.is_none() {
+                anyhow::ensure!(
+                    cfg.device != DeviceChoice::Cpu,
+                    "--gpu-memory-utilization sizes a GPU's KV cache; with --device cpu the KV \
+                     cache is engine.kv_cache_mb"
+                );
+                tracing::warn!(
+                    "--gpu-memory-utilization {u}: the engine runs on the CPU, whose KV cache is \
+                     engine.kv_cache_mb ({} MiB)",
+                    cfg.kv_cache_bytes >> 20
+                );
+            }
+            kv
+        }
+        None => None,
+    };
+    let fit = match sized {
+        Some(kv_cache_bytes) => crate::config::Config {
+            kv_cache_bytes,
+            ..cfg.clone()
+        }
+        .fit_context(c.num_layers, c.kv_dim(), c.context_length, windows)?,
+        None => cfg.fit_context(c.num_layers, c.kv_dim(), c.context_length, windows)?,
+    };
     if let Some(note) = &fit.note {
         tracing::warn!("{note}");
     }

@@ -237,3 +237,55 @@ fn an_adapter_learning_on_the_gpu_trains_from_the_served_log_probs() {
         );
     }
 }
+
+/// `--gpu-memory-utilization` sizes a GPU's KV cache from what its memory holds (the log says
+/// how, and the model's whole context is served); beside `--device cpu` it is refused at start
+/// with the reason, and where auto lands on the CPU the log says it does not apply there.
+#[test]
+fn the_gpu_memory_utilization_sizes_a_gpus_kv_cache() {
+    let (_dir, path) = write_tiny(&TinySpec::small());
+    let out = Command::new(server_binary())
+        .args(["serve", "--model", path.to_str().unwrap(), "--port", "0"])
+        .args(["--device", "cpu", "--gpu-memory-utilization", "0.5"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("with --device cpu the KV cache is engine.kv_cache_mb"),
+        "{err}"
+    );
+    // Under auto: the GPU where one is usable (a KV cache far larger than the tiny model's
+    // context needs), else the CPU with its own cache.
+    let s = Server::start(
+        &path,
+        "",
+        &["--device", "auto", "--gpu-memory-utilization", "0.3"],
+    );
+    let log = s.stderr();
+    let models = s.get("/v1/models");
+    assert_eq!(models.status, 200);
+    let len = models.json()["data"][0]["max_model_len"].as_u64().unwrap();
+    assert_eq!(
+        len as usize,
+        TinySpec::small().ctx,
+        "the model's whole context"
+    );
+    if log.contains("device: cuda, ") {
+        assert!(
+            log.contains("KV cache: ")
+                && log.contains("MiB of the GPU (--gpu-memory-utilization 0.3"),
+            "{log}"
+        );
+    } else {
+        assert!(
+            log.contains("--gpu-memory-utilization 0.3: the engine runs on the CPU"),
+            "{log}"
+        );
+    }
+    let r = s.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body_text());
+}

@@ -76,6 +76,7 @@ pub struct RawEngine {
     pub max_num_seqs: Option<usize>,
     pub max_num_batched_tokens: Option<usize>,
     pub kv_cache_mb: Option<usize>,
+    pub gpu_memory_utilization: Option<f64>,
     pub kv_cache_dtype: Option<String>,
     pub block_size: Option<usize>,
     pub enable_prefix_caching: Option<bool>,
@@ -147,6 +148,11 @@ pub struct CliOverrides {
     /// from another origin is a 403. Overrides server.allowed_origins.
     #[arg(long, value_delimiter = ',')]
     pub allowed_origins: Option<Vec<String>>,
+    /// On a GPU: the share of its memory this server may take (vLLM's flag), the KV cache sized
+    /// to what the weights and a step's buffers leave of it, in place of engine.kv_cache_mb
+    /// (which stays the CPU's). Overrides engine.gpu_memory_utilization.
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
     /// What the KV cache stores: f16 (the default, half the memory) or f32. Overrides
     /// engine.kv_cache_dtype.
     #[arg(long)]
@@ -225,6 +231,9 @@ pub struct Config {
     /// Where the forwards run (engine.device: cpu, cuda or auto).
     pub device: crate::engine::device::DeviceChoice,
     pub kv_cache_bytes: usize,
+    /// On a GPU: the share of its memory the server may take, the KV cache sized to what the
+    /// rest leaves (`engine::device::gpu_kv_bytes`) in place of `kv_cache_bytes` (the CPU's).
+    pub gpu_memory_utilization: Option<f64>,
     pub block_size: usize,
     pub enable_prefix_caching: bool,
     pub online: crate::online::config::OnlineConfig,
@@ -367,6 +376,15 @@ impl RawConfig {
             max_num_seqs: e.max_num_seqs.unwrap_or(64),
             max_num_batched_tokens: e.max_num_batched_tokens.unwrap_or(256),
             kv_cache_bytes: e.kv_cache_mb.unwrap_or(1024) << 20,
+            gpu_memory_utilization: match cli.gpu_memory_utilization.or(e.gpu_memory_utilization) {
+                Some(u) if !(u > 0.0 && u <= 1.0) => {
+                    return Err(invalid(
+                        "engine.gpu_memory_utilization",
+                        format!("{u}: a share of the GPU's memory, in (0, 1]"),
+                    ))
+                }
+                u => u,
+            },
             kv_dtype: match cli.kv_cache_dtype.clone().or(e.kv_cache_dtype) {
                 None => KvDtype::F16,
                 Some(d) => d.parse().map_err(|e| invalid("engine.kv_cache_dtype", e))?,

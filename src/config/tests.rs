@@ -251,3 +251,45 @@ fn the_learn_example_with_its_evaluation_set_validates() {
         )
     );
 }
+
+/// `--gpu-memory-utilization` / engine.gpu_memory_utilization: a share in (0, 1], the flag over
+/// the file; engine.kv_cache_mb beside it stays the CPU's.
+#[test]
+fn the_gpu_memory_utilization_is_a_share_and_not_beside_kv_cache_mb() {
+    let flag = |u: f64| CliOverrides {
+        gpu_memory_utilization: Some(u),
+        ..Default::default()
+    };
+    let raw = || RawConfig::from_toml("[engine]\ngpu_memory_utilization = 0.5\n").unwrap();
+    assert_eq!(
+        raw()
+            .validate(&CliOverrides::default())
+            .unwrap()
+            .gpu_memory_utilization,
+        Some(0.5)
+    );
+    assert_eq!(
+        raw().validate(&flag(0.9)).unwrap().gpu_memory_utilization,
+        Some(0.9)
+    );
+    assert_eq!(
+        RawConfig::default()
+            .validate(&CliOverrides::default())
+            .unwrap()
+            .gpu_memory_utilization,
+        None
+    );
+    for bad in [0.0, -0.5, 1.5, f64::NAN] {
+        let e = raw().validate(&flag(bad)).unwrap_err().to_string();
+        assert!(
+            e.contains("engine.gpu_memory_utilization") && e.contains("(0, 1]"),
+            "{e}"
+        );
+    }
+    let both = RawConfig::from_toml("[engine]\nkv_cache_mb = 2048\n").unwrap();
+    let c = both.validate(&flag(0.9)).unwrap();
+    assert_eq!(
+        (c.gpu_memory_utilization, c.kv_cache_bytes),
+        (Some(0.9), 2048 << 20)
+    );
+}

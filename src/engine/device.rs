@@ -112,6 +112,98 @@ pub fn select(choice: DeviceChoice, cpu_reason: Option<&str>) -> Result<Device, 
     }
 }
 
+/// Room left for what the estimate of a GPU's use leaves out (decode graphs, adapters' slots,
+/// the attention's scratch, the allocator's rounding).
+pub const GPU_MEMORY_MARGIN: usize = 1 << 30;
+
+/// What `--gpu-memory-utilization u` leaves the KV cache on a GPU of `total` bytes with `free`
+/// of them free now: u of the total, less what is in use (total − free: other processes, this
+/// process's CUDA context), the model's `weights`, a step's buffers `step` and
+/// `GPU_MEMORY_MARGIN`. Err: how much is needed before any KV cache, and of what.
+pub fn gpu_kv_bytes(
+    u: f64,
+    free: usize,
+    total: usize,
+    weights: usize,
+    step: usize,
+) -> Result<usize, String> {
+    let budget = (u * total as f64) as usize;
+    let used = total.saturating_sub(free);
+    let need = used + weights + step + GPU_MEMORY_MARGIN;
+    let gib = |b: usize| format!("{:.2}", b as f64 / (1u64 << 30) as f64);
+    budget.checked_sub(need).filter(|&kv| kv > 0).ok_or_else(|| {
+        format!(
+            "--gpu-memory-utilization {u} gives {} GiB of the GPU's {}; {} GiB are taken before \
+             any KV cache ({} in use already, the weights {}, a step's buffers {}, a margin of {}): \
+             raise it, free the GPU, or set engine.kv_cache_mb",
+            gib(budget),
+            gib(total),
+            gib(need),
+            gib(used),
+            gib(weights),
+            gib(step),
+            gib(GPU_MEMORY_MARGIN)
+        )
+    })
+}
+
+/// What a GPU's decoder is sized by besides the model (the fields of `GpuShape` that size its
+/// step's buffers).
+#[derive(Clone, Copy, Debug)]
+pub struct StepShape {
+    pub max_tokens: usize,
+    pub max_seqs: usize,
+    pub block_size: usize,
+    pub int8: bool,
+}
+
+/// The KV cache's bytes under `--gpu-memory-utilization u` where `device` is a GPU
+/// (`gpu_kv_bytes`: its memory now, the model's weights as stored, the step buffers a decoder of
+/// `shape` allocates for the model's whole context), the start-up log saying how; None on the
+/// CPU.
+pub fn gpu_kv_cache(
+    device: &Device,
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] model: &Decoder,
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] u: f64,
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] shape: StepShape,
+) -> Result<Option<usize>, String> {
+    match device {
+        Device::Cpu => Ok(None),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => {
+            let (free, total) = gpu.memory().map_err(|e| e.to_string())?;
+            let weights = model.gguf.bytes().len() - model.gguf.data_offset as usize;
+            let c = &model.config;
+            let step = crate::model::decoder::GpuDecoder::step_bytes(
+                c,
+                &crate::model::decoder::GpuShape {
+                    num_kv_blocks: 0,
+                    block_size: shape.block_size,
+                    max_tokens: shape.max_tokens,
+                    max_seqs: shape.max_seqs,
+                    max_model_len: c.context_length,
+                    graphs: true,
+                    int8: shape.int8,
+                    draws: true,
+                },
+            );
+            let kv = gpu_kv_bytes(u, free, total, weights, step)?;
+            let mib = |b: usize| b >> 20;
+            tracing::info!(
+                "KV cache: {} MiB of the GPU (--gpu-memory-utilization {u} of {} MiB; {} MiB in \
+                 use before, the weights {} MiB, a step's buffers {} MiB, a margin of {} MiB)",
+                mib(kv),
+                mib(total),
+                mib(total - free),
+                mib(weights),
+                mib(step),
+                mib(GPU_MEMORY_MARGIN)
+            );
+            Ok(Some(kv))
+        }
+    }
+}
+
 /// Where the forwards run and the KV cache lives.
 pub(super) enum Backend {
     Cpu(KvCache),
@@ -365,6 +457,36 @@ pub(super) fn backend(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The KV cache under `--gpu-memory-utilization`: u of the total less what is in use, the
+    /// weights, a step's buffers and the margin; an error naming each where nothing is left.
+    #[test]
+    fn the_gpu_memory_utilization_leaves_the_kv_cache_the_rest() {
+        let gib = 1usize << 30;
+        // 80 GiB, 1 GiB in use, 16 GiB of weights, 2 GiB of step buffers: 0.9 gives 72 GiB, 20
+        // of them taken, 52 left (rounded down to the byte).
+        let kv = gpu_kv_bytes(0.9, 79 * gib, 80 * gib, 16 * gib, 2 * gib).unwrap();
+        let budget = (0.9 * (80 * gib) as f64) as usize;
+        assert_eq!(kv, budget - (gib + 16 * gib + 2 * gib + GPU_MEMORY_MARGIN));
+        // Another process holding 39 GiB more leaves 39 GiB less; 0.2 (16 GiB) leaves nothing.
+        let less = gpu_kv_bytes(0.9, 40 * gib, 80 * gib, 16 * gib, 2 * gib).unwrap();
+        assert_eq!(kv - less, 39 * gib);
+        let e = gpu_kv_bytes(0.2, 79 * gib, 80 * gib, 16 * gib, 2 * gib).unwrap_err();
+        assert!(
+            e.contains("0.2") && e.contains("16.00 GiB of the GPU's 80.00") && e.contains("20.00"),
+            "{e}"
+        );
+        // Exactly what is taken: no cache at all is an error too.
+        let taken = gib + 16 * gib + 2 * gib + GPU_MEMORY_MARGIN;
+        assert!(gpu_kv_bytes(
+            taken as f64 / (80 * gib) as f64,
+            79 * gib,
+            80 * gib,
+            16 * gib,
+            2 * gib
+        )
+        .is_err_and(|e| e.contains("free the GPU")));
+    }
 
     #[test]
     fn choices_parse_and_the_cpu_is_always_there() {

@@ -452,6 +452,12 @@ impl Gpu {
     }
 
     /// Wait for everything queued so far.
+    /// The device's free and total memory in bytes (`cuMemGetInfo`): what other processes and
+    /// this one's allocations leave.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }

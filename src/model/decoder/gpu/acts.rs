@@ -50,6 +50,27 @@ pub(super) struct MoeBufs {
 }
 
 impl Acts {
+    /// The bytes `new` allocates for `t` tokens (4 a value; the int8 inputs' codes counted as
+    /// values too, an over-count), for sizing the KV cache from what the GPU has left.
+    pub(super) fn bytes(c: &DecoderConfig, t: usize, int8: bool) -> usize {
+        let (h, qd, kvd, f) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        let widest = h.max(qd).max(f);
+        let (ne, k, ef) = c
+            .moe
+            .map_or((0, 0, 0), |m| (m.experts, m.used, m.expert_ffn));
+        let values = t * (2 + 2 * c.rope_dim + 3 * h + 2 * qd + 2 * kvd + 3 * f + widest)
+            + t * LORA_MAX_R
+            + (t * widest).max(c.vocab_size)
+            + t * ne
+            + t * k * (3 + 2 * h + 3 * ef)
+            + HEAD_ROWS * (2 * h + c.vocab_size)
+            + match int8 {
+                true => t * k.max(1) * (widest.max(ef) + 1),
+                false => 0,
+            };
+        values * 4
+    }
+
     /// Buffers for up to `t` tokens of a model of shape `c` (with room to quantize inputs for
     /// int8 products where `int8`).
     pub(super) fn new(

@@ -265,6 +265,14 @@ impl GpuDecoder {
         })
     }
 
+    /// The bytes a decoder of `shape` takes on the GPU besides the weights and the KV cache: a
+    /// step's buffers (`Acts`) and its block tables, for sizing the cache to the GPU's memory.
+    pub fn step_bytes(c: &super::DecoderConfig, shape: &GpuShape) -> usize {
+        let t = shape.max_tokens.max(GRAPH_MAX_BATCH);
+        let per_seq = shape.max_model_len.div_ceil(shape.block_size.max(1));
+        Acts::bytes(c, t, shape.int8) + 4 * (3 * t + shape.max_seqs.max(1) * per_seq)
+    }
+
     /// The GPU and the products' arithmetic, for the start-up log.
     pub fn describe(&self) -> String {
         let int8 = if self.acts.q8.is_some() {
