@@ -293,6 +293,7 @@ pub fn serving(cfg: &Config, metrics: Arc<Metrics>) -> anyhow::Result<Ready> {
     let fit = match sized {
         Some(kv_cache_bytes) => crate::config::Config {
             kv_cache_bytes,
+            kv_cache_from: "--gpu-memory-utilization",
             ..cfg.clone()
         }
         .fit_context(c.num_layers, c.kv_dim(), c.context_length, windows)?,

@@ -54,12 +54,13 @@ impl Config {
             let need = len.div_ceil(self.block_size);
             if n < need {
                 return Err(invalid(
-                    "engine.kv_cache_mb",
+                    self.kv_cache_from,
                     format!(
-                        "{} MiB holds {n} blocks of {} tokens; one sequence of max_model_len {len} needs {need} ({} MiB): raise engine.kv_cache_mb or lower --max-model-len",
+                        "{} MiB holds {n} blocks of {} tokens; one sequence of max_model_len {len} needs {need} ({} MiB): raise {} or lower --max-model-len",
                         self.kv_cache_bytes >> 20,
                         self.block_size,
-                        mib(need)
+                        mib(need),
+                        self.kv_cache_from
                     ),
                 ));
             }
@@ -74,7 +75,7 @@ impl Config {
         }
         if n == 0 {
             return Err(invalid(
-                "engine.kv_cache_mb",
+                self.kv_cache_from,
                 format!(
                     "{} MiB holds no block of {} tokens ({} MiB each)",
                     self.kv_cache_bytes >> 20,
@@ -88,10 +89,11 @@ impl Config {
             len,
             Some(format!(
                 "the model's context of {model_context} tokens needs {} MiB of KV cache; \
-                 engine.kv_cache_mb = {} holds {len} tokens, so max_model_len is {len} (raise \
-                 engine.kv_cache_mb, or set --max-model-len to choose)",
+                 {} MiB ({}) hold {len} tokens, so max_model_len is {len} (raise {2}, or set \
+                 --max-model-len to choose)",
                 mib(need),
-                self.kv_cache_bytes >> 20
+                self.kv_cache_bytes >> 20,
+                self.kv_cache_from
             )),
         ))
     }

@@ -231,6 +231,9 @@ pub struct Config {
     /// Where the forwards run (engine.device: cpu, cuda or auto).
     pub device: crate::engine::device::DeviceChoice,
     pub kv_cache_bytes: usize,
+    /// What set `kv_cache_bytes`, for messages: engine.kv_cache_mb, or --gpu-memory-utilization
+    /// where `serve` sized a GPU's cache.
+    pub kv_cache_from: &'static str,
     /// On a GPU: the share of its memory the server may take, the KV cache sized to what the
     /// rest leaves (`engine::device::gpu_kv_bytes`) in place of `kv_cache_bytes` (the CPU's).
     pub gpu_memory_utilization: Option<f64>,
@@ -376,6 +379,7 @@ impl RawConfig {
             max_num_seqs: e.max_num_seqs.unwrap_or(64),
             max_num_batched_tokens: e.max_num_batched_tokens.unwrap_or(256),
             kv_cache_bytes: e.kv_cache_mb.unwrap_or(1024) << 20,
+            kv_cache_from: "engine.kv_cache_mb",
             gpu_memory_utilization: match cli.gpu_memory_utilization.or(e.gpu_memory_utilization) {
                 Some(u) if !(u > 0.0 && u <= 1.0) => {
                     return Err(invalid(

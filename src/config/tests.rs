@@ -255,7 +255,7 @@ fn the_learn_example_with_its_evaluation_set_validates() {
 /// `--gpu-memory-utilization` / engine.gpu_memory_utilization: a share in (0, 1], the flag over
 /// the file; engine.kv_cache_mb beside it stays the CPU's.
 #[test]
-fn the_gpu_memory_utilization_is_a_share_and_not_beside_kv_cache_mb() {
+fn the_gpu_memory_utilization_is_a_share_and_the_flag_wins() {
     let flag = |u: f64| CliOverrides {
         gpu_memory_utilization: Some(u),
         ..Default::default()
