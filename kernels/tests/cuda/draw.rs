@@ -5,7 +5,9 @@
 
 use super::gpu;
 use crate::common::Rng;
-use flywheel_kernels::cuda::{DrawSpec, NormSpec, ScoreSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP};
+use flywheel_kernels::cuda::{
+    DrawBuffers, DrawSpec, Drawn, Gpu, NormSpec, ScoreSpec, Truncate, DRAW_CANDIDATES, DRAW_TOP,
+};
 use flywheel_kernels::reference;
 
 #[test]
@@ -156,6 +158,38 @@ fn draws_the_kernel_cannot_take_are_refused() {
     }
 }
 
+/// Greedy, and at temperatures 0.7, 1 and 1.3 (T 1 as greedy's log-probs).
+const TEMPS: [Option<f32>; 5] = [None, Some(0.7), Some(1.0), Some(1.3), None];
+
+/// Rows 0..temps.len() of `x` (`n` rows of `vocab`) drawn from the whole distribution at `temps`
+/// (a uniform each from `rng`), `top` alternatives each.
+#[allow(clippy::too_many_arguments)]
+fn draw_rows(
+    g: &Gpu,
+    x: &[f32],
+    n: usize,
+    vocab: usize,
+    temps: &[Option<f32>],
+    top: usize,
+    bufs: &mut DrawBuffers,
+    rng: &mut Rng,
+) -> Vec<Drawn> {
+    let specs: Vec<DrawSpec> = temps
+        .iter()
+        .enumerate()
+        .map(|(row, &t)| DrawSpec {
+            row: row as u32,
+            sample: t.map(|t| (t, (rng.next() >> 11) as f64 / (1u64 << 53) as f64)),
+            top,
+            truncate: Truncate::NONE,
+        })
+        .collect();
+    let mut drawn = Vec::new();
+    let mut dx = g.upload(x).unwrap();
+    g.draw(&mut dx, n, vocab, &specs, bufs, &mut drawn).unwrap();
+    drawn
+}
+
 /// A scored token's log-prob (`Gpu::score`, the training forward's) is the log-prob the draw
 /// reports for the same row, token and temperature, bit for bit (the same steps: the sampler's
 /// log-probs are the trainer's), and the reference's within an ulp of f32; rows not scored are
@@ -169,22 +203,10 @@ fn scored_log_probs_are_the_drawn_ones() {
         let x = rng.vec(n * vocab, 6.0);
         // Rows 0..5 drawn greedily or at a temperature (T 1 as greedy's log-probs), then scored
         // at the drawn token from a fresh copy; row 5 neither.
-        let temps = [None, Some(0.7f32), Some(1.0), Some(1.3), None];
-        let specs: Vec<DrawSpec> = temps
-            .iter()
-            .enumerate()
-            .map(|(row, &t)| DrawSpec {
-                row: row as u32,
-                sample: t.map(|t| (t, (rng.next() >> 11) as f64 / (1u64 << 53) as f64)),
-                top: 0,
-                truncate: Truncate::NONE,
-            })
-            .collect();
         let mut bufs = g.draw_buffers(8).unwrap();
-        let (mut drawn, mut scored) = (Vec::new(), Vec::new());
-        let mut dx = g.upload(&x).unwrap();
-        g.draw(&mut dx, n, vocab, &specs, &mut bufs, &mut drawn)
-            .unwrap();
+        let drawn = draw_rows(&g, &x, n, vocab, &TEMPS, 0, &mut bufs, &mut rng);
+        let temps = TEMPS;
+        let mut scored = Vec::new();
         // Scored in another order (and rows), token by token from the draws.
         let scores: Vec<ScoreSpec> = (0..temps.len())
             .rev()
@@ -256,23 +278,10 @@ fn normalized_rows_give_the_drawn_log_probs() {
         let n = 6;
         let mut x = rng.vec(n * vocab, 6.0);
         x[vocab + 2] = f32::NEG_INFINITY;
-        let temps = [None, Some(0.7f32), Some(1.0), Some(1.3), None];
-        let top = DRAW_TOP.min(vocab);
-        let specs: Vec<DrawSpec> = temps
-            .iter()
-            .enumerate()
-            .map(|(row, &t)| DrawSpec {
-                row: row as u32,
-                sample: t.map(|t| (t, (rng.next() >> 11) as f64 / (1u64 << 53) as f64)),
-                top,
-                truncate: Truncate::NONE,
-            })
-            .collect();
+        let (temps, top) = (TEMPS, DRAW_TOP.min(vocab));
         let mut bufs = g.draw_buffers(8).unwrap();
-        let (mut drawn, mut lse) = (Vec::new(), Vec::new());
-        let mut dx = g.upload(&x).unwrap();
-        g.draw(&mut dx, n, vocab, &specs, &mut bufs, &mut drawn)
-            .unwrap();
+        let drawn = draw_rows(&g, &x, n, vocab, &temps, top, &mut bufs, &mut rng);
+        let mut lse = Vec::new();
         let norms: Vec<NormSpec> = (0..temps.len())
             .rev()
             .map(|r| NormSpec {

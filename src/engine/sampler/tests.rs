@@ -566,29 +566,21 @@ fn a_devices_log_sum_exp_gives_the_rows_log_probs() {
         // A log-sum-exp off the host's by a little, as another device's sums may be.
         let lse = (max + scaled.iter().map(|v| (v - max).exp()).sum::<f64>().ln()) as f32 + 1e-6;
         let counts = HashMap::from([(7u32, 2u32)]);
+        let sampled = |l: &mut [f32], lse| {
+            sample_row(
+                &cpu(),
+                l,
+                lse,
+                &p,
+                &counts,
+                &[],
+                None,
+                &[],
+                &mut Rng::new(9),
+            )
+        };
         let (mut l, mut host) = (logits.clone(), logits.clone());
-        let s = sample_row(
-            &cpu(),
-            &mut l,
-            Some(lse),
-            &p,
-            &counts,
-            &[],
-            None,
-            &[],
-            &mut Rng::new(9),
-        );
-        let h = sample_row(
-            &cpu(),
-            &mut host,
-            None,
-            &p,
-            &counts,
-            &[],
-            None,
-            &[],
-            &mut Rng::new(9),
-        );
+        let (s, h) = (sampled(&mut l, Some(lse)), sampled(&mut host, None));
         let want: Vec<u32> = logits.iter().map(|&v| (v * inv - lse).to_bits()).collect();
         let got: Vec<u32> = l.iter().map(|v| v.to_bits()).collect();
         assert_eq!(got, want, "T {t}: the row's log-probs");
