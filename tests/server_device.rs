@@ -256,10 +256,11 @@ fn the_gpu_memory_utilization_sizes_a_gpus_kv_cache() {
         "{err}"
     );
     // Under auto: the GPU where one is usable (a KV cache far larger than the tiny model's
-    // context needs), else the CPU with its own cache.
+    // context needs: tens of GB, millions of its blocks of 64 tokens), else the CPU with its own
+    // cache.
     let s = Server::start(
         &path,
-        "",
+        "[engine]\nblock_size = 64\n",
         &["--device", "auto", "--gpu-memory-utilization", "0.3"],
     );
     let log = s.stderr();
