@@ -15,13 +15,14 @@
 //! a slot's tensors from the adapter directory (`AdapterRows`); weights never change, so a publish
 //! (a new version: a slot's entries written) never invalidates or re-captures a graph. Prefill and
 //! other eager steps apply adapters group by group. A mixture of experts routes on the device in
-//! every step (`fw_moe_route`: a token's experts and weights the same bits in any step); in
+//! every step (`fw_moe_route`: a token's experts and weights the same bits in any step; a model
+//! with more than `MOE_MAX_USED` experts a token routes on the host in every step instead); in
 //! decode steps (graph or eager: the same launches) each (token, choice) row is its expert's
 //! product, other steps read the choices back and group them on the host (`moe::group`, the CPU
 //! forward's own), each expert's rows then one product on the GPU.
 
 use super::forward::{adapter_groups, AdapterGroup};
-use super::moe::{group, ranges, Choice, MoeActs};
+use super::moe::{group, ranges, route, Choice, MoeActs};
 use super::pack::{BatchSeq, Logits, Packed};
 use super::{Activation, Decoder, ForwardBuffers, Mlp, ModelError, MoeConfig, Weight};
 use crate::adapter::{AdapterWeights, Method, Target, NUM_TARGETS};

@@ -58,17 +58,22 @@ impl Experts<'_> {
             g.matmul(self.router, m, n, &mut b.logits)?;
         }
         // Each token's choices: `b.tok` holds their experts, `b.weight` their weights (t·k + s),
-        // `b.row_of` the outputs in the order of the choices (t·k + s).
-        g.moe_route(
-            &b.logits,
-            n,
-            ne,
-            k,
-            mc.norm_topk,
-            &mut b.tok,
-            &mut b.weight,
-            &mut b.row_of,
-        )?;
+        // `b.row_of` the outputs in the order of the choices (t·k + s). More experts a token than
+        // the router kernel keeps: routed on the host in every step instead (`moe::route`, the
+        // CPU's; no expert tables, no graphs), so every step still routes alike.
+        let on_device = k <= MOE_MAX_USED;
+        if on_device {
+            g.moe_route(
+                &b.logits,
+                n,
+                ne,
+                k,
+                mc.norm_topk,
+                &mut b.tok,
+                &mut b.weight,
+                &mut b.row_of,
+            )?;
+        }
         if let Some([gt, ut, dt]) = self.tables {
             // On the device: each (token, choice) row its expert's product.
             for (t, out, on) in [(gt, &mut b.gate, gate8), (ut, &mut b.up, up8)] {
@@ -88,19 +93,27 @@ impl Experts<'_> {
             g.moe_combine(&b.out, &b.row_of, &b.weight, n, k, h, y)?;
             return Ok(());
         }
-        // The choices read back and grouped by expert here; the weights stay as routed.
-        let (mut experts, mut weights) = (vec![0u32; n * k], vec![0f32; n * k]);
-        g.read_into(&b.tok.slice(..n * k), &mut experts)?;
-        g.read_into(&b.weight.slice(..n * k), &mut weights)?;
-        host.choices.clear();
-        host.choices.extend(
-            experts
-                .iter()
-                .zip(&weights)
-                .map(|(&expert, &weight)| Choice { expert, weight }),
-        );
-        check_experts(&host.choices, ne)?;
-        group(mc, n, host);
+        if on_device {
+            // The choices read back and grouped by expert here; the weights stay as routed.
+            let (mut experts, mut weights) = (vec![0u32; n * k], vec![0f32; n * k]);
+            g.read_into(&b.tok.slice(..n * k), &mut experts)?;
+            g.read_into(&b.weight.slice(..n * k), &mut weights)?;
+            host.choices.clear();
+            host.choices.extend(
+                experts
+                    .iter()
+                    .zip(&weights)
+                    .map(|(&expert, &weight)| Choice { expert, weight }),
+            );
+            check_experts(&host.choices, ne)?;
+            group(mc, n, host);
+        } else {
+            host.probs.resize(n * ne, 0.0);
+            g.read_into(&b.logits.slice(..n * ne), &mut host.probs)?;
+            route(mc, n, host);
+            let weight: Vec<f32> = host.choices.iter().map(|ch| ch.weight).collect();
+            g.write(&weight, &mut b.weight)?;
+        }
         let tok: Vec<u32> = host.rows.iter().map(|&(t, _)| t).collect();
         let row_of: Vec<u32> = host.row_of.iter().map(|&r| r as u32).collect();
         g.write(&tok, &mut b.tok)?;
