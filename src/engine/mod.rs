@@ -5,6 +5,7 @@
 pub mod block_manager;
 pub mod constraint;
 pub mod device;
+mod forks;
 pub mod grammar_bounds;
 pub mod grammar_error;
 mod handle;
@@ -491,46 +492,9 @@ impl Engine {
         }
         let forks = std::mem::take(&mut out.pending_forks);
         let (req, num_cached) = (out.req.clone(), out.num_cached_tokens);
-        let ctx = self.model.config.context_length;
-        let bs = self.sched.blocks().block_size();
         // A device draws no row with forks to make (`SeqOutput::device_draw`).
-        let (fork_from, lse): (&[f32], _) = match &next {
-            Next::Logits(l, lse) => (l, *lse),
-            Next::Drawn(_) => (&[], None),
-        };
-        for choice in (1..=forks).filter(|_| !fork_from.is_empty()) {
-            let mut row = fork_from.to_vec();
-            let mut child = SeqOutput::new(req.clone(), choice);
-            child.scheduled_at = Some(Instant::now());
-            child.num_cached_tokens = num_cached;
-            // A forked choice draws its first token: nothing generated yet.
-            let s = match child.sample(&self.cpu, &mut row, lse, &[]) {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = req.tx.send(EngineEvent::GrammarFailed(e));
-                    continue;
-                }
-            };
-            let child_id = self.new_seq_id();
-            let parent = self.sched.get(id).expect("running");
-            let mut tokens = parent.tokens[..parent.prompt_len].to_vec();
-            tokens.push(s.token);
-            // Share the parent's full prompt blocks; the rest of the prompt is recomputed.
-            // (With a window pool, fewer where the window's blocks were given back.)
-            let table = parent.table.share_prefix(parent.prompt_len / bs);
-            let full = table.num_blocks();
-            let mut seq = Sequence::new(child_id, tokens, table, parent.adapter.clone());
-            (seq.client, seq.request) = (parent.client, parent.request);
-            seq.follow = parent.follow.clone();
-            seq.mixed_kv = parent.mixed_kv;
-            let version = (seq.adapter.as_ref().map_or(0, |a| a.version), !seq.mixed_kv);
-            seq.prompt_len = parent.prompt_len;
-            seq.num_computed = full * bs;
-            let at_end = seq.tokens.len() >= ctx;
-            if !child.emit(&self.tokenizer, &s, 1, version, at_end, &self.metrics) {
-                self.sched.add_first(seq);
-                self.outputs.insert(child_id, child);
-            }
+        if let Next::Logits(row, lse) = &next {
+            self.fork_choices(id, &req, num_cached, forks, row, *lse);
         }
         let out = self.outputs.get_mut(&id).expect("present");
         let seq = self.sched.get(id).expect("running");
@@ -553,7 +517,10 @@ impl Engine {
         };
         let seq = self.sched.get_mut(id).expect("running");
         seq.tokens.push(s.token);
-        let (num_generated, at_end) = (seq.num_generated(), seq.tokens.len() >= ctx);
+        let (num_generated, at_end) = (
+            seq.num_generated(),
+            seq.tokens.len() >= self.model.config.context_length,
+        );
         let version = (seq.adapter.as_ref().map_or(0, |a| a.version), !seq.mixed_kv);
         if out.emit(
             &self.tokenizer,

@@ -405,4 +405,6 @@ fn sample_truncated(lp: &[f32], p: &SamplingParams, rng: &mut Rng) -> (u32, f64)
 }
 
 #[cfg(test)]
+mod device_tests;
+#[cfg(test)]
 mod tests;
