@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::gpu::{adapter, batch, gpu, max_diff, shape, Seq, BLOCKS, BS};
+use common::gpu::{adapter, batch, gpu, max_diff, methods, shape, Seq, BLOCKS, BS};
 use common::{write_tiny, Rng, TinySpec};
 use flywheel::adapter::{LoraConfig, Method, OftConfig};
 use flywheel::kernels::cpu::Precision;
@@ -282,15 +282,7 @@ fn graph_replays_equal_eager_launches(int8: bool) {
     let (_dir, path) = write_tiny(&TinySpec::llama3());
     let model = Decoder::open(&path).unwrap();
     let (mut graphs, mut eager) = graphs_and_eager(&model, int8);
-    let lora = Method::Lora(LoraConfig {
-        r: 4,
-        alpha: 8.0,
-        use_rslora: false,
-    });
-    let oft = Method::Oft(OftConfig {
-        block_size: 16,
-        ..OftConfig::default()
-    });
+    let (lora, oft) = methods();
     let versions = [
         adapter(&model, lora.clone(), 1, false),
         adapter(&model, lora.clone(), 2, false),

@@ -5,9 +5,8 @@
 
 mod common;
 
-use common::gpu::{adapter, batch, gpu, max_diff, shape, Seq, BLOCKS, BS};
+use common::gpu::{adapter, batch, gpu, max_diff, methods, shape, Seq, BLOCKS, BS};
 use common::{write_tiny, Rng, TinySpec};
-use flywheel::adapter::{LoraConfig, Method, OftConfig};
 use flywheel::kernels::cuda::{DrawSpec, Truncate};
 use flywheel::kernels::{Cpu, Isa, ThreadPool};
 use flywheel::model::decoder::{
@@ -51,15 +50,7 @@ fn train_equals_serve(spec: &TinySpec) {
         );
         return;
     }
-    let lora = Method::Lora(LoraConfig {
-        r: 4,
-        alpha: 8.0,
-        use_rslora: false,
-    });
-    let oft = Method::Oft(OftConfig {
-        block_size: 16,
-        ..OftConfig::default()
-    });
+    let (lora, oft) = methods();
     // Sequence 0 plain and greedy, 1 through OFT at T 0.7, 2 through LoRA (the head's too) at
     // T 1, 3 plain at T 1.3: prompts of 6 tokens, blocks 8 each (0..32).
     let adapters = [

@@ -2,7 +2,9 @@
 //! shape, sequences with their blocks, a step's batch, adapters of every projection.
 
 use super::Rng;
-use flywheel::adapter::{AdapterConfig, AdapterLayout, AdapterWeights, Method, Target};
+use flywheel::adapter::{
+    AdapterConfig, AdapterLayout, AdapterWeights, LoraConfig, Method, OftConfig, Target,
+};
 use flywheel::kernels::cuda::Gpu;
 use flywheel::model::decoder::{BatchSeq, Decoder, GpuShape, Logits};
 use std::sync::Arc;
@@ -70,6 +72,20 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// The GPU tests' two adapter methods: LoRA of rank 4 (alpha 8) and OFT of blocks of 16.
+pub fn methods() -> (Method, Method) {
+    let lora = Method::Lora(LoraConfig {
+        r: 4,
+        alpha: 8.0,
+        use_rslora: false,
+    });
+    let oft = Method::Oft(OftConfig {
+        block_size: 16,
+        ..OftConfig::default()
+    });
+    (lora, oft)
 }
 
 /// An adapter of every layer's projections, and of the LM head too with `head` (LoRA only).

@@ -4,8 +4,9 @@ use super::BlockId;
 
 /// Blocks with no reference, front reused first: a list threaded through two arrays (vLLM's
 /// free block queue), so that a prefix hit takes a freed block out of the middle at once — a
-/// deque's search for it cost a pass over every free block, about a millisecond a block with a
-/// GPU's million-block cache.
+/// deque's search for it cost a pass over every free block, a block at a time (a GPU's cache
+/// sized by --gpu-memory-utilization holds hundreds of thousands: ~240k blocks of 16 for a 1B
+/// Llama's 32 KB a token at 0.9 of an H200's 141 GB).
 pub(super) struct FreeList {
     prev: Vec<BlockId>,
     next: Vec<BlockId>,
